@@ -1,0 +1,277 @@
+"""Typed configuration: nested dataclasses, one YAML file, dotted CLI overrides.
+
+Precedence (lowest to highest): dataclass defaults < YAML file (``--config``) < ``--section.key value`` overrides.
+Unknown sections or keys and values of the wrong type are a :class:`ConfigError` whose message is one line naming
+the key, the value and what would be valid (the launcher prints it and exits 2, with no traceback).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration; ``str(e)`` is a single line meant for the user."""
+
+
+@dataclass
+class ModelConfig:
+    """Llama-family decoder shape (names follow Hugging Face ``LlamaConfig`` where one exists)."""
+    name: str = "tiny"
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    intermediate_size: int = 688
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 4  # GQA: num_heads % num_kv_heads == 0; == num_heads is plain MHA
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02  # N(0, init_std) for every linear and embedding weight, as HF Llama's _init_weights
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass
+class ParallelConfig:
+    """Layout of the world: world_size = tp * pp * dp, tp fastest-varying (TP peers share a node)."""
+    tp: int = 1
+    pp: int = 1
+    dp: int = -1  # -1: world_size // (tp * pp)
+    dp_mode: str = "ddp"  # ddp | fsdp | zero
+    zero_stage: int = 0  # 1..3 with dp_mode=zero
+    reshard_after_forward: bool = True  # fsdp only
+    schedule: str = "1f1b"  # 1f1b | gpipe
+    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200  # train until this optimizer step (also after a resume)
+    global_batch_size: int = 16  # sequences per optimizer step, all dp ranks together
+    micro_batch_size: int = 4  # sequences per forward/backward on one rank
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # global L2 norm; 0 disables
+    seed: int = 1234
+    dtype: str = "fp32"  # fp32 | bf16 (autocast; weights, grads and optimizer state stay fp32)
+    activation_checkpointing: bool = False
+    out_dir: str = "runs/tiny"
+
+
+@dataclass
+class DataConfig:
+    paths: list[str] = field(default_factory=list)  # empty: the bundled corpus
+    weights: list[float] = field(default_factory=list)
+    tokenizer: str = ""  # '' = the bundled tokenizer; else a local folder or HF name
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""  # '' = no checkpoints
+    every: int = 0
+    keep: int = 3
+    resume: str = "auto"  # auto | none | PATH
+
+
+@dataclass
+class LogConfig:
+    every: int = 1  # log a metrics.jsonl line every N steps
+    progress: bool = True  # the progress line with ETA on rank 0
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+CHOICES = {
+    "parallel.dp_mode": ("ddp", "fsdp", "zero"),
+    "parallel.schedule": ("1f1b", "gpipe"),
+    "parallel.backend": ("auto", "gloo", "nccl"),
+    "train.dtype": ("fp32", "bf16"),
+}
+
+
+def _coerce(key: str, value, typ):
+    """Convert a YAML or CLI value to the field type ``typ``, or raise ConfigError naming key and value."""
+    origin = typing.get_origin(typ)
+    if origin is list:
+        (item_t,) = typing.get_args(typ)
+        if isinstance(value, str):  # CLI form: [a,b] or a,b
+            text = value.strip()
+            if text.startswith("[") and text.endswith("]"):
+                text = text[1:-1]
+            value = [v.strip() for v in text.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r} is not a list; write it as [a,b]")
+        return [_coerce(f"{key}[{i}]", v, item_t) for i, v in enumerate(value)]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key}={value!r} is not a boolean; use true or false")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} is not an integer")
+        try:
+            as_float = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r} is not an integer") from None
+        if not math.isfinite(as_float) or as_float != int(as_float):
+            raise ConfigError(f"{key}={value!r} is not an integer")
+        return int(as_float)
+    if typ is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r} is not a number") from None
+    if typ is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}={value!r} is not a string")
+        return "" if value is None else str(value)
+    raise TypeError(f"unsupported config field type {typ} for {key}")  # a bug in this file, not user input
+
+
+def _field_types(cls) -> dict:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _set(cfg: Config, dotted: str, value) -> None:
+    """Set ``section.key`` on cfg from a raw value, checking that the key exists."""
+    sections = _field_types(Config)
+    section, _, key = dotted.partition(".")
+    if section not in sections or not key:
+        raise ConfigError(f"unknown config key '{dotted}'; sections are: {', '.join(sections)} (write section.key)")
+    sub = getattr(cfg, section)
+    fields = _field_types(type(sub))
+    if key not in fields:
+        raise ConfigError(f"unknown config key '{dotted}'; valid keys in '{section}': {', '.join(fields)}")
+    setattr(sub, key, _coerce(dotted, value, fields[key]))
+
+
+def _apply_mapping(cfg: Config, data, source: str) -> None:
+    if data is None:
+        return
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(data).__name__}")
+    for section, body in data.items():
+        if not isinstance(body, dict):
+            raise ConfigError(f"{source}: section '{section}' must be a mapping of keys, got {body!r}")
+        for key, value in body.items():
+            _set(cfg, f"{section}.{key}", value)
+
+
+def load_yaml(path: str | Path, cfg: Config | None = None) -> Config:
+    """Apply a YAML file on top of ``cfg`` (or the defaults)."""
+    cfg = cfg or Config()
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config file '{path}' is not valid YAML{where}") from None
+    _apply_mapping(cfg, data, str(path))
+    return cfg
+
+
+def parse_args(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
+    """Split argv into the --config path and (key, value) overrides. Accepts ``--k v`` and ``--k=v``; drops the
+    ``--local_rank=N`` argument that the deepspeed launcher appends (LOCAL_RANK is read from the environment)."""
+    config_path, overrides, i = None, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument '{arg}'; use --config FILE and --section.key value")
+        name, eq, value = arg[2:].partition("=")
+        if name in ("local_rank", "local-rank"):
+            i += 1 if eq else 2
+            continue
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"argument '{arg}' has no value")
+            value, i = argv[i + 1], i + 1
+        i += 1
+        if name == "config":
+            config_path = value
+        else:
+            overrides.append((name, value))
+    return config_path, overrides
+
+
+def load(argv: list[str]) -> Config:
+    """Build the Config from ``--config FILE`` and ``--section.key value`` arguments, then validate it."""
+    config_path, overrides = parse_args(argv)
+    cfg = load_yaml(config_path) if config_path else Config()
+    for key, value in overrides:
+        # YAML parses CLI values so that 1e-3, true and [a,b] mean what they mean in the file.
+        try:
+            parsed = yaml.safe_load(value) if value != "" else ""
+        except yaml.YAMLError:
+            parsed = value
+        _set(cfg, key, parsed)
+    validate(cfg)
+    return cfg
+
+
+def _positive(cfg: Config, keys: list[str]) -> None:
+    for dotted in keys:
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if value <= 0:
+            raise ConfigError(f"{dotted}={value} must be > 0")
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no world size; the layout is checked by ParallelContext (engine/parallel/context.py)."""
+    for dotted, choices in CHOICES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if value not in choices:
+            raise ConfigError(f"{dotted}={value!r} is not one of {', '.join(choices)}")
+    _positive(cfg, ["model.vocab_size", "model.hidden_size", "model.intermediate_size", "model.num_layers",
+                    "model.num_heads", "model.num_kv_heads", "model.rope_theta", "parallel.tp", "parallel.pp",
+                    "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
+                    "log.every"])
+    m = cfg.model
+    if m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
+    if m.head_dim % 2:
+        raise ConfigError(f"head dim hidden_size/num_heads={m.head_dim} must be even for RoPE")
+    if cfg.train.seq_len > m.max_seq_len:
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if cfg.parallel.dp == 0 or cfg.parallel.dp < -1:
+        raise ConfigError(f"parallel.dp={cfg.parallel.dp} must be a positive integer or -1 (infer from world size)")
+    if cfg.data.weights and len(cfg.data.weights) != len(cfg.data.paths):
+        raise ConfigError(f"data.weights has {len(cfg.data.weights)} entries but data.paths has "
+                          f"{len(cfg.data.paths)}; give one weight per path or none")
+    if cfg.train.lr < 0 or cfg.train.min_lr < 0 or cfg.train.min_lr > cfg.train.lr:
+        raise ConfigError(f"need 0 <= train.min_lr ({cfg.train.min_lr}) <= train.lr ({cfg.train.lr})")

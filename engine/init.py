@@ -1,0 +1,70 @@
+"""Layout-independent initialisation: the same weights at every tp, pp and dp.
+
+Each parameter's full (unsharded) tensor is drawn from its own generator, seeded from the run seed and the
+parameter's global name, and each rank keeps only its slice. A parameter's values therefore depend on neither
+the tensor-parallel size, nor which pipeline stage holds it, nor the order in which modules were built.
+Distributions follow HF ``LlamaPreTrainedModel._init_weights``: N(0, std) for linears and embeddings, ones for norms.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def _full_value(name: str, shape: torch.Size, seed: int, std: float) -> torch.Tensor:
+    """The unsharded initial value of parameter ``name`` (fp32, on CPU: identical bits on every machine)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    gen = torch.Generator().manual_seed(_param_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+def _local_slice(full: torch.Tensor, module: nn.Module, attr: str) -> torch.Tensor:
+    """Cut this tp rank's shard from the full tensor using the module's ``tp_dims`` record."""
+    dim = getattr(module, "tp_dims", {}).get(attr)
+    if dim is None:
+        return full
+    return full.chunk(module.tp_size, dim=dim)[module.tp_rank]
+
+
+def full_shape(module: nn.Module, attr: str, local: torch.Size) -> torch.Size:
+    """Global shape of a (possibly tp-sharded) parameter."""
+    dim = getattr(module, "tp_dims", {}).get(attr)
+    if dim is None:
+        return local
+    shape = list(local)
+    shape[dim] *= module.tp_size
+    return torch.Size(shape)
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, seed: int, std: float, aliases: dict[str, str] | None = None) -> None:
+    """Fill every parameter of ``model`` (already on its device) with its layout-independent initial value.
+    ``aliases`` maps a name to the name whose value it takes (a tied LM head on a stage without the embedding)."""
+    aliases = aliases or {}
+    done: set[int] = set()
+    for mod_name, module in model.named_modules():
+        for attr, param in module.named_parameters(recurse=False):
+            if id(param) in done:  # tied weights: first name wins (model.embed_tokens before lm_head)
+                continue
+            done.add(id(param))
+            name = f"{mod_name}.{attr}" if mod_name else attr
+            name = aliases.get(name, name)
+            full = _full_value(name, full_shape(module, attr, param.shape), seed, std)
+            param.copy_(_local_slice(full, module, attr))
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int, std: float) -> nn.Module:
+    """Allocate a meta-device model on ``device`` and initialise it. Tied weights are re-tied after allocation."""
+    tied = getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings
+    model.to_empty(device=device)
+    if tied and model.lm_head is not None and model.model.embed_tokens is not None:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    init_parameters(model, seed, std, {"lm_head.weight": "model.embed_tokens.weight"} if tied else None)
+    return model

@@ -1,0 +1,180 @@
+"""ParallelContext: the rank grid (pp, dp, tp), its process groups, and the device, built in one place.
+
+Rank layout (Megatron / DeepSpeed order, tp fastest-varying so TP peers share a node):
+    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+The object is passed explicitly to whatever needs a group; there are no process-group globals. It also answers
+DeepSpeed's ``mpu`` questions (``get_data_parallel_group`` and friends) so it can be given as ``mpu=ctx``.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from engine.config import Config, ConfigError
+
+
+def pick_device_and_backend(requested: str = "auto", local_rank: int = 0) -> tuple[torch.device, str]:
+    """The single place that chooses device and backend: nccl on CUDA, gloo on CPU."""
+    if requested not in ("auto", "gloo", "nccl"):
+        raise ConfigError(f"parallel.backend={requested!r} is not one of auto, gloo, nccl")
+    cuda = torch.cuda.is_available()
+    if requested == "nccl" and not cuda:
+        raise ConfigError("parallel.backend=nccl needs CUDA, but torch.cuda.is_available() is False; use auto or gloo")
+    if cuda and requested != "gloo":
+        return torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Validated sizes of the three axes."""
+    tp: int
+    pp: int
+    dp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+def resolve_layout(cfg: Config, world_size: int) -> Layout:
+    """Check the (tp, pp, dp) layout against the world size and the model; every factor is named in the error."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    tp, pp = p.tp, p.pp
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"parallel.tp={tp} and parallel.pp={pp} must be >= 1")
+    dp = p.dp if p.dp != -1 else world_size // (tp * pp)
+    if dp < 1 or tp * pp * dp != world_size:
+        raise ConfigError(f"invalid layout: tp({tp}) * pp({pp}) * dp({p.dp if p.dp != -1 else 'auto'}) "
+                          f"!= world size({world_size}); choose tp and pp whose product divides {world_size}")
+    if m.num_heads % tp or m.num_kv_heads % tp:
+        raise ConfigError(f"parallel.tp={tp} must divide model.num_heads={m.num_heads} and "
+                          f"model.num_kv_heads={m.num_kv_heads}")
+    if m.vocab_size % tp:
+        raise ConfigError(f"parallel.tp={tp} must divide model.vocab_size={m.vocab_size}")
+    if m.intermediate_size % tp:
+        raise ConfigError(f"parallel.tp={tp} must divide model.intermediate_size={m.intermediate_size}")
+    if m.num_layers < pp:
+        raise ConfigError(f"parallel.pp={pp} exceeds model.num_layers={m.num_layers}; each stage needs a layer")
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_step:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                          f"train.micro_batch_size({t.micro_batch_size}) * dp({dp}) = {per_step}")
+    micro_batches = t.global_batch_size // per_step
+    if pp > 1 and p.schedule == "1f1b" and micro_batches < pp:
+        raise ConfigError(f"1f1b needs micro-batches ({micro_batches} = global_batch_size {t.global_batch_size} / "
+                          f"(micro_batch_size {t.micro_batch_size} * dp {dp})) >= parallel.pp={pp}")
+    return Layout(tp=tp, pp=pp, dp=dp)
+
+
+def env_rank_info() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) as set by torchrun or the deepspeed launcher; (0, 1, 0) under plain python."""
+    def read(name: str, default: int) -> int:
+        raw = os.environ.get(name)
+        if raw is None or raw == "":
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+    world = read("WORLD_SIZE", 1)
+    rank, local = read("RANK", 0), read("LOCAL_RANK", 0)
+    if not 0 <= rank < world:
+        raise ConfigError(f"environment RANK={rank} is outside 0..WORLD_SIZE-1 (WORLD_SIZE={world})")
+    return rank, world, local
+
+
+class ParallelContext:
+    """Groups and coordinates of this rank in the (pp, dp, tp) grid."""
+
+    def __init__(self, layout: Layout, mesh: DeviceMesh, device: torch.device, backend: str):
+        self.layout, self.mesh, self.device, self.backend = layout, mesh, device, backend
+        self.tp, self.pp, self.dp = layout.tp, layout.pp, layout.dp
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.tp_group = mesh.get_group("tp")
+        self.pp_group = mesh.get_group("pp")
+        self.dp_group = mesh.get_group("dp")
+        self.tp_rank = mesh.get_local_rank("tp")
+        self.pp_rank = mesh.get_local_rank("pp")
+        self.dp_rank = mesh.get_local_rank("dp")
+        grid = mesh.mesh  # (pp, dp, tp) tensor of global ranks
+        # Model-parallel group (tp x pp, one per dp index), as Megatron's mpu defines it. Every rank must create
+        # every group in the same order, so loop over all dp indices.
+        self.mp_group = None
+        for d in range(self.dp):
+            ranks = grid[:, d, :].flatten().tolist()
+            group = dist.new_group(ranks) if self.world_size > 1 else dist.group.WORLD
+            if self.rank in ranks:
+                self.mp_group = group
+        self.stage_ranks = grid[:, self.dp_rank, self.tp_rank].tolist()  # global rank of each pp stage
+
+    @classmethod
+    def from_config(cls, cfg: Config, timeout_s: float = 600.0) -> "ParallelContext":
+        """Initialise torch.distributed from the launcher's environment (or a single process) and build the mesh."""
+        rank, world, local_rank = env_rank_info()
+        layout = resolve_layout(cfg, world)
+        device, backend = pick_device_and_backend(cfg.parallel.backend, local_rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            timeout = datetime.timedelta(seconds=timeout_s)
+            if world == 1 and "MASTER_ADDR" not in os.environ:
+                # A plain `python launch/pretrain.py`: no rendezvous needed, an in-memory store will do.
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            else:
+                dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        mesh = init_device_mesh(device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+        return cls(layout, mesh, device, backend)
+
+    # ---- pipeline neighbours -------------------------------------------------------------------------------
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def prev_stage_rank(self) -> int | None:
+        return None if self.is_first_stage else self.stage_ranks[self.pp_rank - 1]
+
+    @property
+    def next_stage_rank(self) -> int | None:
+        return None if self.is_last_stage else self.stage_ranks[self.pp_rank + 1]
+
+    def __repr__(self) -> str:
+        return (f"ParallelContext(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp}, "
+                f"pp={self.pp_rank}/{self.pp}, dp={self.dp_rank}/{self.dp}, device={self.device}, "
+                f"backend={self.backend})")
+
+    # ---- DeepSpeed / Megatron mpu interface ------------------------------------------------------------------
+    def get_data_parallel_group(self): return self.dp_group
+    def get_data_parallel_rank(self) -> int: return self.dp_rank
+    def get_data_parallel_world_size(self) -> int: return self.dp
+    def get_tensor_model_parallel_group(self): return self.tp_group
+    def get_tensor_model_parallel_rank(self) -> int: return self.tp_rank
+    def get_tensor_model_parallel_world_size(self) -> int: return self.tp
+    def get_pipeline_model_parallel_group(self): return self.pp_group
+    def get_pipeline_model_parallel_rank(self) -> int: return self.pp_rank
+    def get_pipeline_model_parallel_world_size(self) -> int: return self.pp
+    get_pipe_parallel_group = get_pipeline_model_parallel_group
+    get_pipe_parallel_rank = get_pipeline_model_parallel_rank
+    get_pipe_parallel_world_size = get_pipeline_model_parallel_world_size
+    def get_model_parallel_group(self): return self.mp_group
+    def get_model_parallel_rank(self) -> int: return self.pp_rank * self.tp + self.tp_rank
+    def get_model_parallel_world_size(self) -> int: return self.tp * self.pp
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return self.mesh.mesh[self.pp_rank, :, self.tp_rank].tolist()
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.mesh.mesh[self.pp_rank, self.dp_rank, 0].item()
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,183 @@
+"""Megatron-style tensor-parallel layers (Shoeybi et al. 2019, "Megatron-LM", Sec. 3) and the plan that applies them.
+
+A column-parallel linear splits the output features (weight rows) across the tp group; a row-parallel linear
+splits the input features (weight columns) and all-reduces its output. Attention heads and the SwiGLU hidden dim
+are split this way, so a block needs one all-reduce forward and one backward per sub-layer. The embedding and the
+LM head split the vocabulary; the loss is computed on vocab-sharded logits without gathering them.
+
+Every parallel module records which dim of each parameter is sharded in ``tp_dims`` (name -> dim) together with
+``tp_rank``/``tp_size``: engine.init uses it to cut each local shard from the same full tensor at every tp.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from engine.parallel.comm import copy_to_parallel, gather_from_parallel, reduce_from_parallel, scatter_to_parallel
+
+
+def _rank_size(group) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what}={n} is not divisible by the tensor-parallel size {d}")
+    return n // d
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T with A split by rows: weight (out/tp, in). Input copied (f), output sharded (b, s, out/tp)."""
+
+    def __init__(self, in_features: int, out_features: int, group, gather_output: bool = False):
+        super().__init__()
+        self.group, self.gather_output = group, gather_output
+        self.tp_rank, self.tp_size = _rank_size(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(_divide(out_features, self.tp_size, "out_features"), in_features))
+        self.tp_dims = {"weight": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_parallel(x, self.group), self.weight)  # (b, s, out/tp)
+        return gather_from_parallel(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}/{self.tp_size}"
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T with A split by columns: weight (out, in/tp). Input sharded (b, s, in/tp), output all-reduced (g)."""
+
+    def __init__(self, in_features: int, out_features: int, group, input_is_parallel: bool = True):
+        super().__init__()
+        self.group, self.input_is_parallel = group, input_is_parallel
+        self.tp_rank, self.tp_size = _rank_size(group)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, _divide(in_features, self.tp_size, "in_features")))
+        self.tp_dims = {"weight": 1}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_parallel(x, self.group)
+        return reduce_from_parallel(F.linear(x, self.weight), self.group)  # partial sums (b, s, out) -> summed
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}/{self.tp_size}, out={self.out_features}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with rows [rank*V/tp, (rank+1)*V/tp) on each rank; other ids give zeros, then all-reduce (g)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group):
+        super().__init__()
+        self.group = group
+        self.tp_rank, self.tp_size = _rank_size(group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        local = _divide(num_embeddings, self.tp_size, "vocab_size")
+        self.vocab_start, self.vocab_end = self.tp_rank * local, (self.tp_rank + 1) * local
+        self.weight = nn.Parameter(torch.empty(local, embedding_dim))
+        self.tp_dims = {"weight": 0}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)  # (b, s)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # (b, s, h) partial
+        return reduce_from_parallel(out, self.group)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}/{self.tp_size}, {self.embedding_dim}"
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy on vocab-sharded logits (Megatron-LM's vocab_parallel_cross_entropy).
+
+    loss = log(sum_v exp(z_v - m)) - (z_target - m) with m the global max; three all-reduces of (b*s,) values
+    (max, target logit, sum of exps) replace a gather of the (b*s, V) logits. Gradient: softmax - onehot(target).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, group):
+        rank, size = _rank_size(group)
+        logits = logits.float()  # (n, V/tp)
+        local_v = logits.shape[-1]
+        vmax = logits.max(dim=-1).values  # (n,)
+        dist.all_reduce(vmax, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - vmax.unsqueeze(-1)
+        start = rank * local_v
+        outside = (target < start) | (target >= start + local_v)  # (n,)
+        local_target = (target - start).masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        dist.all_reduce(target_logit, group=group)
+        exp = shifted.exp_()  # reuse the buffer: (n, V/tp)
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+        loss = sum_exp.log() - target_logit  # (n,)
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_target] -= (~outside).to(grad.dtype)
+        return grad * grad_loss.unsqueeze(-1), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
+    """Mean next-token loss over all tokens. logits (b, s, V/tp) in any dtype (computed in fp32), target (b, s)."""
+    flat_logits, flat_target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+    if group is None or dist.get_world_size(group) == 1:
+        return F.cross_entropy(flat_logits.float(), flat_target)
+    return _VocabParallelCrossEntropy.apply(flat_logits, flat_target, group).mean()
+
+
+# The plan table: which sub-module of a DecoderLayer becomes which parallel layer.
+LAYER_PLAN = {
+    "self_attn.q_proj": "column",
+    "self_attn.k_proj": "column",
+    "self_attn.v_proj": "column",
+    "self_attn.o_proj": "row",
+    "mlp.gate_proj": "column",
+    "mlp.up_proj": "column",
+    "mlp.down_proj": "row",
+}
+
+
+def _parallel_linear(old: nn.Linear, style: str, group) -> nn.Module:
+    with torch.device(old.weight.device):
+        if style == "column":
+            return ColumnParallelLinear(old.in_features, old.out_features, group)
+        return RowParallelLinear(old.in_features, old.out_features, group)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_group) -> nn.Module:
+    """Swap the Llama model's linears and embedding for their tensor-parallel versions, in place.
+
+    Call on the meta-device model before materialising (engine.init.materialize). Tied embeddings stay tied: the
+    embedding and the LM head are sharded the same way (vocab rows). A tp group of size 1 leaves the model as is.
+    """
+    if dist.get_world_size(tp_group) == 1:
+        return model
+    for layer in model.model.layers.values():
+        for path, style in LAYER_PLAN.items():
+            parent_name, attr = path.split(".")
+            parent = getattr(layer, parent_name)
+            setattr(parent, attr, _parallel_linear(getattr(parent, attr), style, tp_group))
+    decoder = model.model
+    if decoder.embed_tokens is not None:
+        old = decoder.embed_tokens
+        with torch.device(old.weight.device):
+            decoder.embed_tokens = VocabParallelEmbedding(old.num_embeddings, old.embedding_dim, tp_group)
+    if model.lm_head is not None:
+        old = model.lm_head
+        with torch.device(old.weight.device):
+            model.lm_head = ColumnParallelLinear(old.in_features, old.out_features, tp_group, gather_output=False)
+        if model.cfg.tie_embeddings and decoder.embed_tokens is not None:
+            model.lm_head.weight = decoder.embed_tokens.weight
+    return model

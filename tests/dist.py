@@ -1,0 +1,46 @@
+"""Spawn gloo ranks for multi-rank tests by forking the already-imported pytest process.
+
+Forking skips re-importing torch in every rank (an 8-rank test starts in about a second instead of ~10 s with
+torchrun). Each rank gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* in its environment, exactly as torchrun sets them, and
+an initialised gloo process group, so code under test runs the same path as under a launcher.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn, args: tuple, result_dir: str, timeout_s: float) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)  # world_size ranks share 2 cores
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        result = fn(*args)
+        torch.save(result, Path(result_dir) / f"{rank}.pt")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0) -> list:
+    """Run ``fn(*args)`` on ``world_size`` forked gloo ranks; returns each rank's return value, by rank.
+    ``fn`` must be a module-level function; an exception in any rank fails the caller with that rank's traceback."""
+    with tempfile.TemporaryDirectory() as result_dir:
+        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, result_dir, timeout_s),
+                           nprocs=world_size, join=True, start_method="fork")
+        return [torch.load(Path(result_dir) / f"{r}.pt", weights_only=False) for r in range(world_size)]
