@@ -60,7 +60,7 @@ class TrainConfig:
     micro_batch_size: int = 4  # sequences per forward/backward on one rank
     seq_len: int = 128
     lr: float = 3e-3
-    min_lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio at the last step
     warmup_steps: int = 20
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -273,5 +273,9 @@ def validate(cfg: Config) -> None:
     if cfg.data.weights and len(cfg.data.weights) != len(cfg.data.paths):
         raise ConfigError(f"data.weights has {len(cfg.data.weights)} entries but data.paths has "
                           f"{len(cfg.data.paths)}; give one weight per path or none")
-    if cfg.train.lr < 0 or cfg.train.min_lr < 0 or cfg.train.min_lr > cfg.train.lr:
-        raise ConfigError(f"need 0 <= train.min_lr ({cfg.train.min_lr}) <= train.lr ({cfg.train.lr})")
+    if cfg.train.lr < 0:
+        raise ConfigError(f"train.lr={cfg.train.lr} must be >= 0")
+    if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
+        raise ConfigError(f"train.min_lr_ratio={cfg.train.min_lr_ratio} must be in [0, 1]")
+    if cfg.train.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps={cfg.train.warmup_steps} must be >= 0")

@@ -49,6 +49,13 @@ def _layers_rank() -> dict:
     errs["column.out"] = rel_err(col(x.detach()), _chunk(y_ref.detach(), -1))
     errs["column.dx"] = rel_err(x.grad, x_ref.grad)
     errs["column.dw"] = rel_err(col.weight.grad, _chunk(w.grad, 0))
+    gathered = ColumnParallelLinear(16, 24, group, gather_output=True)
+    gathered.weight.data.copy_(_chunk(w, 0))
+    xg = x.detach().clone().requires_grad_()
+    out = gathered(xg)
+    out.backward(dy)
+    errs["column_gather.out"] = rel_err(out.detach(), y_ref.detach())
+    errs["column_gather.dx"] = rel_err(xg.grad, x_ref.grad)
 
     for parallel_input in (True, False):
         w2 = _seeded(24, 16, seed=4).requires_grad_()
@@ -89,6 +96,13 @@ def _layers_rank() -> dict:
     ref_loss.backward()
     errs["xent.loss"] = rel_err(loss.detach(), ref_loss.detach())
     errs["xent.dlogits"] = rel_err(local.grad, _chunk(full.grad, -1))
+
+    target[0, :2] = -100  # ignored positions (padding, prompt tokens) count neither in the loss nor the mean
+    local = _chunk(logits, -1).clone().requires_grad_()
+    vocab_parallel_cross_entropy(local, target, group).backward()
+    full = logits.clone().requires_grad_()
+    F.cross_entropy(full.view(-1, 32), target.view(-1)).backward()
+    errs["xent_ignore.dlogits"] = rel_err(local.grad, _chunk(full.grad, -1))
     return errs
 
 

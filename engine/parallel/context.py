@@ -48,10 +48,7 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
     tp, pp = p.tp, p.pp
     if tp < 1 or pp < 1:
         raise ConfigError(f"parallel.tp={tp} and parallel.pp={pp} must be >= 1")
-    dp = p.dp if p.dp != -1 else world_size // (tp * pp)
-    if dp < 1 or tp * pp * dp != world_size:
-        raise ConfigError(f"invalid layout: tp({tp}) * pp({pp}) * dp({p.dp if p.dp != -1 else 'auto'}) "
-                          f"!= world size({world_size}); choose tp and pp whose product divides {world_size}")
+    # Model-shape checks come first: they hold whatever the world size.
     if m.num_heads % tp or m.num_kv_heads % tp:
         raise ConfigError(f"parallel.tp={tp} must divide model.num_heads={m.num_heads} and "
                           f"model.num_kv_heads={m.num_kv_heads}")
@@ -61,6 +58,10 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
         raise ConfigError(f"parallel.tp={tp} must divide model.intermediate_size={m.intermediate_size}")
     if m.num_layers < pp:
         raise ConfigError(f"parallel.pp={pp} exceeds model.num_layers={m.num_layers}; each stage needs a layer")
+    dp = p.dp if p.dp != -1 else world_size // (tp * pp)
+    if dp < 1 or tp * pp * dp != world_size:
+        raise ConfigError(f"invalid layout: tp({tp}) * pp({pp}) * dp({p.dp if p.dp != -1 else 'auto'}) "
+                          f"!= world size({world_size}); choose tp and pp whose product divides {world_size}")
     per_step = t.micro_batch_size * dp
     if t.global_batch_size % per_step:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "

@@ -129,12 +129,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad * grad_loss.unsqueeze(-1), None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
-    """Mean next-token loss over all tokens. logits (b, s, V/tp) in any dtype (computed in fp32), target (b, s)."""
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """Mean next-token loss over the tokens whose target is not ``ignore_index`` (as F.cross_entropy).
+    logits (b, s, V/tp) in any dtype (computed in fp32), target (b, s)."""
     flat_logits, flat_target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
     if group is None or dist.get_world_size(group) == 1:
-        return F.cross_entropy(flat_logits.float(), flat_target)
-    return _VocabParallelCrossEntropy.apply(flat_logits, flat_target, group).mean()
+        return F.cross_entropy(flat_logits.float(), flat_target, ignore_index=ignore_index)
+    valid = flat_target != ignore_index  # (n,)
+    per_token = _VocabParallelCrossEntropy.apply(flat_logits, flat_target.masked_fill(~valid, 0), group)
+    return (per_token * valid).sum() / valid.sum()
 
 
 # The plan table: which sub-module of a DecoderLayer becomes which parallel layer.

@@ -1,0 +1,84 @@
+"""AdamW with decoupled weight decay (Loshchilov & Hutter 2019), warmup + cosine LR, global grad-norm clipping."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.config import TrainConfig
+
+
+def unique_params(model: nn.Module):
+    """(module, attr, param) for each distinct trainable parameter; a tied weight is yielded once."""
+    seen: set[int] = set()
+    for module in model.modules():
+        for attr, p in module.named_parameters(recurse=False):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                yield module, attr, p
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """Two groups, as nanoGPT/Megatron: matrices (and embeddings) decay, norm weights and biases do not."""
+    decay, no_decay = [], []
+    for _, _, p in unique_params(model):
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """LR for optimizer step ``step`` (0-based): linear warmup to cfg.lr over warmup_steps, then cosine decay to
+    lr * min_lr_ratio at cfg.steps (Loshchilov & Hutter 2017, without restarts). A pure function of the step, so a resumed
+    run needs no scheduler state."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def global_grad_norm(model: nn.Module, tp_rank: int, group) -> torch.Tensor:
+    """L2 norm of the whole model's gradient across tensor- and pipeline-parallel ranks.
+
+    Sharded parameters (those a module lists in ``tp_dims``) contribute their local shard on every tp rank;
+    replicated ones (norm weights) hold the same gradient on every tp rank and are counted once, on tp rank 0.
+    ``group`` spans all ranks holding different parts of the model (tp x pp); dp replicas are not summed.
+    """
+    sharded, replicated = [], []
+    for module, attr, p in unique_params(model):
+        if p.grad is None:
+            continue
+        is_sharded = attr in getattr(module, "tp_dims", {}) and module.tp_size > 1
+        (sharded if is_sharded else replicated).append(p.grad.detach().float().pow(2).sum())
+    device = next(model.parameters()).device
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    if sharded:
+        total = total + torch.stack(sharded).sum()
+    if replicated and tp_rank == 0:
+        total = total + torch.stack(replicated).sum()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    return total.sqrt()
+
+
+@torch.no_grad()
+def clip_gradients(model: nn.Module, max_norm: float, tp_rank: int, group) -> float:
+    """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_ does, but with
+    the norm of the whole distributed model. Returns the norm before clipping; max_norm <= 0 only measures."""
+    norm = global_grad_norm(model, tp_rank, group)
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for _, _, p in unique_params(model):
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.device))
+    return norm.item()

@@ -1,0 +1,91 @@
+"""Config loading: YAML + dotted overrides, types, unknown keys, and the layout checks of ParallelContext."""
+from __future__ import annotations
+
+import pytest
+
+from engine.config import Config, ConfigError, load, load_yaml, parse_args
+from engine.parallel.context import resolve_layout
+
+
+def test_defaults_yaml_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  num_layers: 6\ntrain:\n  lr: 1.0e-3\n")
+    cfg = load(["--config", str(path), "--train.lr", "2e-4", "--parallel.tp=2", "--data.paths", "[a, b]",
+                "--model.tie_embeddings", "true"])
+    assert cfg.model.num_layers == 6  # from the file
+    assert cfg.train.lr == 2e-4 and isinstance(cfg.train.lr, float)  # CLI beats the file
+    assert cfg.parallel.tp == 2
+    assert cfg.data.paths == ["a", "b"]
+    assert cfg.model.tie_embeddings is True
+    assert cfg.train.steps == Config().train.steps  # untouched default
+
+
+def test_deepspeed_local_rank_argument_is_accepted():
+    config_path, overrides = parse_args(["--local_rank=3", "--train.steps", "5", "--local_rank", "1"])
+    assert config_path is None and overrides == [("train.steps", "5")]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--train.stepz", "5"], "unknown config key 'train.stepz'"),
+    (["--modle.tp", "5"], "unknown config key 'modle.tp'"),
+    (["--train.steps", "five"], "train.steps='five' is not an integer"),
+    (["--train.steps", "2.5"], "train.steps=2.5 is not an integer"),
+    (["--parallel.dp_mode", "zero4"], "parallel.dp_mode='zero4' is not one of ddp, fsdp, zero"),
+    (["--model.num_heads", "6"], "model.hidden_size=256 is not divisible by model.num_heads=6"),
+    (["--train.seq_len", "4096"], "train.seq_len=4096 exceeds model.max_seq_len"),
+    (["--train.steps", "0"], "train.steps=0 must be > 0"),
+    (["--config", "/nonexistent/x.yaml"], "config file '/nonexistent/x.yaml' does not exist"),
+    (["--train.steps"], "argument '--train.steps' has no value"),
+    (["stray"], "unexpected argument 'stray'"),
+])
+def test_bad_values_name_key_and_value(argv, needle):
+    with pytest.raises(ConfigError) as e:
+        load(argv)
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_yaml_sections(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train: 5\n")
+    with pytest.raises(ConfigError, match="section 'train' must be a mapping"):
+        load_yaml(path)
+    path.write_text("model: {hidden_size: [1, 2\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_yaml(path)
+
+
+def _cfg(**parallel) -> Config:
+    cfg = Config()
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
+    return cfg
+
+
+def test_layout_resolves_dp():
+    layout = resolve_layout(_cfg(tp=2, pp=2), world_size=8)
+    assert (layout.tp, layout.pp, layout.dp) == (2, 2, 2)
+
+
+@pytest.mark.parametrize("parallel,world,needle", [
+    ({"tp": 3}, 3, "parallel.tp=3 must divide model.num_heads=8 and model.num_kv_heads=4"),
+    ({"tp": 8}, 8, "parallel.tp=8 must divide model.num_heads=8 and model.num_kv_heads=4"),
+    ({"tp": 2, "pp": 2, "dp": 3}, 8, "tp(2) * pp(2) * dp(3) != world size(8)"),
+    ({"tp": 2}, 3, "tp(2) * pp(1) * dp(auto) != world size(3)"),
+    ({"pp": 5}, 5, "parallel.pp=5 exceeds model.num_layers=4"),
+    ({"pp": 2, "dp": 2}, 4, "1f1b needs micro-batches (1 = global_batch_size 16 / (micro_batch_size 8 * dp 2)) >= parallel.pp=2"),
+])
+def test_layout_errors_name_every_factor(parallel, world, needle):
+    cfg = _cfg(**parallel)
+    if parallel.get("pp") == 2 and parallel.get("dp") == 2:
+        cfg.train.micro_batch_size = 8
+    with pytest.raises(ConfigError) as e:
+        resolve_layout(cfg, world)
+    assert needle in str(e.value)
+
+
+def test_global_batch_must_split_into_micro_batches():
+    cfg = Config()
+    cfg.train.global_batch_size, cfg.train.micro_batch_size = 10, 4
+    with pytest.raises(ConfigError, match=r"global_batch_size=10 is not divisible by .*micro_batch_size\(4\) \* dp\(1\)"):
+        resolve_layout(cfg, 1)
