@@ -26,7 +26,8 @@ def free_port() -> int:
 def _worker(rank: int, world_size: int, port: int, fn, args: tuple, result_dir: str, timeout_s: float) -> None:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    torch.set_num_threads(1)  # world_size ranks share 2 cores
+    # The ranks share the machine's cores; oversubscribing them makes gloo tests crawl.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:

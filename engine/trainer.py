@@ -1,0 +1,120 @@
+"""The training loop: build the parallel model, split each global batch into micro-batches, step the optimizer.
+
+Order of construction (DESIGN.md "How data flows"): meta-device model -> tensor parallel -> materialise and
+initialise on the device (identical weights at every layout) -> optimizer. One optimizer step consumes one
+global batch of ``global_batch_size`` sequences: each dp rank takes ``global_batch_size / dp`` of them and runs
+them as ``micro_batches`` forward/backward passes of ``micro_batch_size`` (gradient accumulation, as Megatron).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine import data as data_lib
+from engine import model as model_lib
+from engine.config import Config, ConfigError
+from engine.init import materialize
+from engine.metrics import MetricsLogger
+from engine.optim import build_optimizer, clip_gradients, lr_at, set_lr
+from engine.parallel.context import ParallelContext
+from engine.parallel.data import allreduce_gradients
+from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+
+
+def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
+    """The local part of the model on ctx.device, initialised identically at every layout."""
+    model = model_lib.build(cfg.model, device="meta")
+    apply_tensor_parallel(model, ctx.tp_group)
+    materialize(model, ctx.device, cfg.train.seed, cfg.model.init_std)
+    model.model.activation_checkpointing = cfg.train.activation_checkpointing
+    return model
+
+
+def check_supported(cfg: Config, ctx: ParallelContext) -> None:
+    """Refuse, with the combination named, what this build of the engine cannot run yet."""
+    if ctx.pp > 1:
+        raise ConfigError(f"parallel.pp={ctx.pp} is not supported by this build yet; use parallel.pp=1")
+    if cfg.parallel.dp_mode != "ddp":
+        raise ConfigError(f"parallel.dp_mode={cfg.parallel.dp_mode} is not supported by this build yet; use ddp")
+
+
+class Trainer:
+    """Holds the model, optimizer and data of one rank and runs optimizer steps."""
+
+    def __init__(self, cfg: Config, ctx: ParallelContext):
+        check_supported(cfg, ctx)
+        self.cfg, self.ctx = cfg, ctx
+        t = cfg.train
+        self.micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.dp)
+        torch.manual_seed(t.seed)
+        self.model = build_model(cfg, ctx)
+        self.optimizer = build_optimizer(self.model, t)
+        self.tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer)
+        if len(self.tokenizer) > cfg.model.vocab_size:
+            raise ConfigError(f"the tokenizer has {len(self.tokenizer)} tokens but model.vocab_size="
+                              f"{cfg.model.vocab_size}; raise model.vocab_size to at least {len(self.tokenizer)}")
+        tokens = data_lib.load_train_tokens(cfg.data.paths, self.tokenizer)
+        self.dataset = data_lib.PackedDataset(tokens, t.seq_len)
+        self.sampler = data_lib.GlobalBatchSampler(len(self.dataset), t.global_batch_size, t.seed,
+                                                   dp_rank=ctx.dp_rank, dp_size=ctx.dp)
+        self.step = 0
+        self.metrics = MetricsLogger(t.out_dir, enabled=ctx.rank == 0, progress=cfg.log.progress,
+                                     total_steps=t.steps)
+
+    def autocast(self):
+        if self.cfg.train.dtype == "bf16":
+            return torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def forward_backward(self, local_batch: torch.Tensor) -> torch.Tensor:
+        """Accumulate the gradient of this rank's share of the global batch. local_batch: (B/dp, s+1) token ids.
+        Returns this rank's mean loss (detached). Each micro-batch's mean loss is divided by the number of
+        micro-batches, so the accumulated gradient is that of the mean over all of this rank's tokens."""
+        total = torch.zeros((), device=self.ctx.device)
+        for micro in local_batch.split(self.cfg.train.micro_batch_size):
+            micro = micro.to(self.ctx.device, non_blocking=True)
+            inputs, labels = micro[:, :-1], micro[:, 1:]  # (mbs, s) each
+            with self.autocast():
+                logits = self.model(inputs)  # (mbs, s, V/tp)
+            loss = vocab_parallel_cross_entropy(logits, labels, self.ctx.tp_group) / self.micro_batches
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    def train_step(self, local_batch: torch.Tensor) -> dict:
+        """One optimizer step on one global batch; returns the step's metrics (loss is the global-batch mean)."""
+        ctx, t = self.ctx, self.cfg.train
+        start = time.perf_counter()
+        loss = self.forward_backward(local_batch)
+        allreduce_gradients(self.model, ctx.dp_group)  # once per global batch, after the last micro-batch
+        grad_norm = clip_gradients(self.model, t.grad_clip, ctx.tp_rank, ctx.mp_group)
+        lr = lr_at(self.step, t)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if ctx.dp > 1:
+            dist.all_reduce(loss, group=ctx.dp_group)
+            loss = loss / ctx.dp
+        self.step += 1
+        step_time = time.perf_counter() - start
+        return {"step": self.step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm,
+                "tokens_per_s": t.global_batch_size * t.seq_len / step_time, "step_time": step_time}
+
+    def next_local_batch(self) -> torch.Tensor:
+        """This dp rank's (B/dp, s+1) slice of the next global batch."""
+        return data_lib.collate(self.dataset, self.sampler.next_batch())
+
+    def fit(self) -> list[dict]:
+        """Train until cfg.train.steps; returns the metrics of every step (all ranks)."""
+        history = []
+        self.model.train()
+        while self.step < self.cfg.train.steps:
+            record = self.train_step(self.next_local_batch())
+            history.append(record)
+            if self.step % self.cfg.log.every == 0 or self.step == self.cfg.train.steps:
+                self.metrics.log(record)
+        return history

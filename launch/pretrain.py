@@ -1,0 +1,48 @@
+"""Pretraining entry point for ``python``, ``torchrun`` and the ``deepspeed`` launcher.
+
+    python launch/pretrain.py --config configs/tiny.yaml [--section.key value ...]
+    torchrun --nproc-per-node 4 launch/pretrain.py --config configs/tiny.yaml --parallel.tp 2
+    deepspeed --hostfile hostfile launch/pretrain.py --config configs/tiny.yaml
+
+A bad configuration or input exits with status 2 and one line on stderr, never a traceback.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from engine.config import ConfigError, load  # noqa: E402
+from engine.data import DataError  # noqa: E402
+
+
+def main(argv: list[str]) -> int:
+    from engine.parallel.context import ParallelContext, destroy
+    from engine.trainer import Trainer
+
+    cfg = load(argv)
+    ctx = ParallelContext.from_config(cfg)
+    try:
+        trainer = Trainer(cfg, ctx)
+        if ctx.rank == 0:
+            print(f"layout tp={ctx.tp} pp={ctx.pp} dp={ctx.dp} on {ctx.world_size} x {ctx.device} ({ctx.backend}); "
+                  f"{trainer.micro_batches} micro-batches of {cfg.train.micro_batch_size} per step", flush=True)
+        trainer.fit()
+    finally:
+        destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        code = main(sys.argv[1:])
+    except (ConfigError, DataError) as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: the deepspeed launcher's workers can abort in C++ destructors at exit.
+    os._exit(code)

@@ -1,0 +1,40 @@
+"""launch/pretrain.py as a user runs it: a short run works; bad input exits non-zero with one line, no traceback."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pretrain(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "launch/pretrain.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_short_run_writes_metrics(tmp_path):
+    out = pretrain("--config", "configs/tiny.yaml", "--train.steps", "3", "--train.out_dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert "ETA" in out.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--parallel.tp", "3"], "parallel.tp=3 must divide model.num_heads=8"),
+    (["--parallel.tp", "2"], "tp(2) * pp(1) * dp(auto) != world size(1)"),
+    (["--train.stepz", "3"], "unknown config key 'train.stepz'"),
+    (["--config", "configs/missing.yaml"], "config file 'configs/missing.yaml' does not exist"),
+    (["--data.paths", "[/nonexistent/corpus.txt]"], "/nonexistent/corpus.txt"),
+])
+def test_bad_config_is_one_clear_line(tmp_path, args, needle):
+    out = pretrain("--config", "configs/tiny.yaml", "--train.out_dir", str(tmp_path), *args)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    assert needle in lines[0]
+    assert "Traceback" not in out.stderr + out.stdout
