@@ -50,6 +50,7 @@ class ParallelConfig:
     zero_stage: int = 0  # 1..3 with dp_mode=zero
     reshard_after_forward: bool = True  # fsdp only
     schedule: str = "1f1b"  # 1f1b | gpipe
+    pp_layers: list[int] = field(default_factory=list)  # layers per stage; empty = as even as possible
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
 
 

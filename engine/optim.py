@@ -47,16 +47,18 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def global_grad_norm(model: nn.Module, tp_rank: int, group) -> torch.Tensor:
+def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = ()) -> torch.Tensor:
     """L2 norm of the whole model's gradient across tensor- and pipeline-parallel ranks.
 
     Sharded parameters (those a module lists in ``tp_dims``) contribute their local shard on every tp rank;
     replicated ones (norm weights) hold the same gradient on every tp rank and are counted once, on tp rank 0.
     ``group`` spans all ranks holding different parts of the model (tp x pp); dp replicas are not summed.
+    ``exclude``: parameters counted elsewhere (the last stage's copy of a tied embedding).
     """
     sharded, replicated = [], []
+    skip = {id(p) for p in exclude}
     for module, attr, p in unique_params(model):
-        if p.grad is None:
+        if p.grad is None or id(p) in skip:
             continue
         is_sharded = attr in getattr(module, "tp_dims", {}) and module.tp_size > 1
         (sharded if is_sharded else replicated).append(p.grad.detach().float().pow(2).sum())
@@ -72,10 +74,10 @@ def global_grad_norm(model: nn.Module, tp_rank: int, group) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_gradients(model: nn.Module, max_norm: float, tp_rank: int, group) -> float:
+def clip_gradients(model: nn.Module, max_norm: float, tp_rank: int, group, exclude: tuple = ()) -> float:
     """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_ does, but with
     the norm of the whole distributed model. Returns the norm before clipping; max_norm <= 0 only measures."""
-    norm = global_grad_norm(model, tp_rank, group)
+    norm = global_grad_norm(model, tp_rank, group, exclude)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for _, _, p in unique_params(model):

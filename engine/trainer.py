@@ -1,7 +1,7 @@
 """The training loop: build the parallel model, split each global batch into micro-batches, step the optimizer.
 
-Order of construction (DESIGN.md "How data flows"): meta-device model -> tensor parallel -> materialise and
-initialise on the device (identical weights at every layout) -> optimizer. One optimizer step consumes one
+Order of construction (DESIGN.md "How data flows"): meta-device model -> keep this pipeline stage's layers ->
+tensor parallel -> materialise and initialise on the device (identical weights at every layout) -> optimizer. One optimizer step consumes one
 global batch of ``global_batch_size`` sequences: each dp rank takes ``global_batch_size / dp`` of them and runs
 them as ``micro_batches`` forward/backward passes of ``micro_batch_size`` (gradient accumulation, as Megatron).
 """
@@ -22,12 +22,14 @@ from engine.metrics import MetricsLogger
 from engine.optim import build_optimizer, clip_gradients, lr_at, set_lr
 from engine.parallel.context import ParallelContext
 from engine.parallel.data import allreduce_gradients
+from engine.parallel.pipeline import PipelineExecutor, split_stage
 from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 
 
 def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
     """The local part of the model on ctx.device, initialised identically at every layout."""
     model = model_lib.build(cfg.model, device="meta")
+    split_stage(model, ctx.pp, ctx.pp_rank, cfg.parallel.pp_layers or None)
     apply_tensor_parallel(model, ctx.tp_group)
     materialize(model, ctx.device, cfg.train.seed, cfg.model.init_std)
     model.model.activation_checkpointing = cfg.train.activation_checkpointing
@@ -36,8 +38,6 @@ def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
 
 def check_supported(cfg: Config, ctx: ParallelContext) -> None:
     """Refuse, with the combination named, what this build of the engine cannot run yet."""
-    if ctx.pp > 1:
-        raise ConfigError(f"parallel.pp={ctx.pp} is not supported by this build yet; use parallel.pp=1")
     if cfg.parallel.dp_mode != "ddp":
         raise ConfigError(f"parallel.dp_mode={cfg.parallel.dp_mode} is not supported by this build yet; use ddp")
 
@@ -61,6 +61,9 @@ class Trainer:
         self.dataset = data_lib.PackedDataset(tokens, t.seq_len)
         self.sampler = data_lib.GlobalBatchSampler(len(self.dataset), t.global_batch_size, t.seed,
                                                    dp_rank=ctx.dp_rank, dp_size=ctx.dp)
+        self.executor = PipelineExecutor(ctx, cfg.parallel.schedule, self.micro_batches,
+                                         act_shape=(t.micro_batch_size, t.seq_len, cfg.model.hidden_size),
+                                         act_dtype=next(self.model.parameters()).dtype)
         self.step = 0
         self.metrics = MetricsLogger(t.out_dir, enabled=ctx.rank == 0, progress=cfg.log.progress,
                                      total_steps=t.steps)
@@ -71,19 +74,43 @@ class Trainer:
         return contextlib.nullcontext()
 
     def forward_backward(self, local_batch: torch.Tensor) -> torch.Tensor:
-        """Accumulate the gradient of this rank's share of the global batch. local_batch: (B/dp, s+1) token ids.
-        Returns this rank's mean loss (detached). Each micro-batch's mean loss is divided by the number of
-        micro-batches, so the accumulated gradient is that of the mean over all of this rank's tokens."""
-        total = torch.zeros((), device=self.ctx.device)
-        for micro in local_batch.split(self.cfg.train.micro_batch_size):
-            micro = micro.to(self.ctx.device, non_blocking=True)
-            inputs, labels = micro[:, :-1], micro[:, 1:]  # (mbs, s) each
+        """Accumulate the gradient of this rank's share of the global batch through the pipeline schedule.
+        local_batch: (B/dp, s+1) token ids. Each micro-batch's mean loss is divided by the number of micro-batches,
+        so the gradient is that of the mean over this rank's tokens. Returns that mean loss (detached) on every
+        stage (the last stage computes it; the pp all-reduce shares it)."""
+        ctx = self.ctx
+        micro = [m.to(ctx.device, non_blocking=True) for m in local_batch.split(self.cfg.train.micro_batch_size)]
+        inputs, labels = [m[:, :-1] for m in micro], [m[:, 1:] for m in micro]  # (mbs, s) each
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
             with self.autocast():
-                logits = self.model(inputs)  # (mbs, s, V/tp)
-            loss = vocab_parallel_cross_entropy(logits, labels, self.ctx.tp_group) / self.micro_batches
-            loss.backward()
-            total += loss.detach()
-        return total
+                return self.model(x)  # (mbs, s, V/tp) on the last stage, (mbs, s, h) elsewhere
+
+        def loss_fn(logits: torch.Tensor, mb: int) -> torch.Tensor:
+            return vocab_parallel_cross_entropy(logits, labels[mb], ctx.tp_group) / self.micro_batches
+
+        loss = self.executor.run(forward, loss_fn, inputs)
+        self.sync_tied_embedding()
+        if ctx.pp > 1:
+            dist.all_reduce(loss, group=ctx.pp_group)  # only the last stage's term is non-zero
+        return loss
+
+    def tied_copy(self) -> tuple:
+        """The last stage's copy of a tied embedding when embedding and LM head live on different stages."""
+        if self.cfg.model.tie_embeddings and self.ctx.pp > 1 and self.ctx.is_last_stage:
+            return (self.model.lm_head.weight,)
+        return ()
+
+    def sync_tied_embedding(self) -> None:
+        """Sum the gradients of the two copies of a tied embedding (first and last stage), so both copies take
+        the same optimizer step and stay equal."""
+        ctx = self.ctx
+        if not (self.cfg.model.tie_embeddings and ctx.pp > 1) or not (ctx.is_first_stage or ctx.is_last_stage):
+            return
+        weight = self.model.model.embed_tokens.weight if ctx.is_first_stage else self.model.lm_head.weight
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        dist.all_reduce(weight.grad, group=ctx.embed_group)
 
     def train_step(self, local_batch: torch.Tensor) -> dict:
         """One optimizer step on one global batch; returns the step's metrics (loss is the global-batch mean)."""
@@ -91,7 +118,7 @@ class Trainer:
         start = time.perf_counter()
         loss = self.forward_backward(local_batch)
         allreduce_gradients(self.model, ctx.dp_group)  # once per global batch, after the last micro-batch
-        grad_norm = clip_gradients(self.model, t.grad_clip, ctx.tp_rank, ctx.mp_group)
+        grad_norm = clip_gradients(self.model, t.grad_clip, ctx.tp_rank, ctx.mp_group, self.tied_copy())
         lr = lr_at(self.step, t)
         set_lr(self.optimizer, lr)
         self.optimizer.step()

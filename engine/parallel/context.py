@@ -58,6 +58,10 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
         raise ConfigError(f"parallel.tp={tp} must divide model.intermediate_size={m.intermediate_size}")
     if m.num_layers < pp:
         raise ConfigError(f"parallel.pp={pp} exceeds model.num_layers={m.num_layers}; each stage needs a layer")
+    counts = p.pp_layers
+    if counts and (len(counts) != pp or sum(counts) != m.num_layers or min(counts) < 1):
+        raise ConfigError(f"parallel.pp_layers={counts} must list {pp} positive layer counts (one per stage) "
+                          f"summing to model.num_layers={m.num_layers}")
     dp = p.dp if p.dp != -1 else world_size // (tp * pp)
     if dp < 1 or tp * pp * dp != world_size:
         raise ConfigError(f"invalid layout: tp({tp}) * pp({pp}) * dp({p.dp if p.dp != -1 else 'auto'}) "
@@ -113,6 +117,16 @@ class ParallelContext:
             if self.rank in ranks:
                 self.mp_group = group
         self.stage_ranks = grid[:, self.dp_rank, self.tp_rank].tolist()  # global rank of each pp stage
+        # Embedding group: first and last stage of each (dp, tp) pipeline, which hold the two copies of a tied
+        # embedding / LM head weight and all-reduce their gradients (Megatron's embedding group).
+        self.embed_group = None
+        if self.pp > 1:
+            for d in range(self.dp):
+                for t in range(self.tp):
+                    ranks = [grid[0, d, t].item(), grid[-1, d, t].item()]
+                    group = dist.new_group(ranks)
+                    if self.rank in ranks:
+                        self.embed_group = group
 
     @classmethod
     def from_config(cls, cfg: Config, timeout_s: float = 600.0) -> "ParallelContext":
@@ -122,6 +136,10 @@ class ParallelContext:
         device, backend = pick_device_and_backend(cfg.parallel.backend, local_rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        elif "OMP_NUM_THREADS" not in os.environ:
+            # The deepspeed launcher sets no thread count: share the cores among this node's ranks.
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")) or 1)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
         if not dist.is_initialized():
             timeout = datetime.timedelta(seconds=timeout_s)
             if world == 1 and "MASTER_ADDR" not in os.environ:

@@ -1,0 +1,150 @@
+"""Pipeline parallelism: split the model into stages and run a schedule of micro-batches over them.
+
+The schedule is data (engine/parallel/schedule.py: 1F1B of Narayanan et al. 2021, GPipe of Huang et al. 2019);
+``PipelineExecutor`` walks this stage's action list. Consecutive communication actions are posted together with
+``dist.batch_isend_irecv`` (Megatron's send_forward_recv_backward pairing); the executor waits only for receives,
+never for sends until the step ends, which is the semantics under which schedule.simulate proves the schedule
+deadlock-free. Once a stage's output has been sent, its storage is freed and only its autograd graph is kept
+(Megatron's deallocate_output_tensor / custom_backward).
+
+    python -m engine.parallel.pipeline --pp 4 --micro-batches 8     # print every stage's timeline
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from engine.parallel import schedule as sched
+from engine.parallel.schedule import Op
+
+COMM_OPS = (Op.RECV_FWD, Op.SEND_FWD, Op.RECV_BWD, Op.SEND_BWD)
+
+
+def stage_layer_ranges(num_layers: int, pp: int, counts: list[int] | None = None) -> list[range]:
+    """Global layer indices of each stage: even split (earlier stages take the remainder) or explicit counts."""
+    if counts:
+        if len(counts) != pp or sum(counts) != num_layers or min(counts) < 1:
+            raise ValueError(f"parallel.pp_layers={counts} must give {pp} positive counts summing to "
+                             f"model.num_layers={num_layers}")
+    else:
+        counts = [num_layers // pp + (1 if s < num_layers % pp else 0) for s in range(pp)]
+    starts = [sum(counts[:s]) for s in range(pp)]
+    return [range(start, start + n) for start, n in zip(starts, counts)]
+
+
+def split_stage(model: nn.Module, pp: int, stage: int, counts: list[int] | None = None) -> nn.Module:
+    """Keep only this stage's part of a (meta-device) Llama, in place: its layers under their global names
+    (``model.layers.7`` stays ``7``), the embedding on the first stage, the final norm and LM head on the last."""
+    if pp == 1:
+        return model
+    keep = stage_layer_ranges(len(model.model.layers), pp, counts)[stage]
+    for name in list(model.model.layers.keys()):
+        if int(name) not in keep:
+            del model.model.layers[name]
+    if stage != 0:
+        model.model.embed_tokens = None
+    if stage != pp - 1:
+        model.model.norm = None
+        model.lm_head = None
+    return model
+
+
+def _free_storage(t: torch.Tensor) -> None:
+    """Drop a sent output's data but keep its grad_fn, so backward can still start from it."""
+    t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
+
+
+def _backward_from(output: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """Backward through a stage whose output storage may have been freed: the engine call skips the shape check
+    that torch.autograd.backward would make against the freed output (Megatron's custom_backward)."""
+    if grad is None:  # the last stage: output is the scalar loss
+        output.backward()
+        return
+    Variable._execution_engine.run_backward((output,), (grad,), False, False, (), True, True)
+
+
+class PipelineExecutor:
+    """Runs one step's schedule on this stage. ``forward(x, mb)`` is the stage module; ``loss_fn(out, mb)``
+    turns the last stage's output into that micro-batch's (already averaged) loss."""
+
+    def __init__(self, ctx, schedule: str, micro_batches: int, act_shape: tuple[int, ...], act_dtype: torch.dtype):
+        self.ctx, self.micro_batches = ctx, micro_batches
+        self.actions = sched.build(schedule, ctx.pp, micro_batches, ctx.pp_rank)
+        self.act_shape, self.act_dtype = act_shape, act_dtype
+
+    def _post(self, actions: list, state: dict) -> list:
+        """Post a run of consecutive comm actions as one batch; returns (work, action, tensor) per op."""
+        ctx, ops, meta = self.ctx, [], []
+        for a in actions:
+            if a.op == Op.RECV_FWD:
+                t = torch.empty(self.act_shape, dtype=self.act_dtype, device=ctx.device)
+                ops.append(dist.P2POp(dist.irecv, t, ctx.prev_stage_rank, ctx.pp_group))
+            elif a.op == Op.SEND_FWD:
+                t = state["outputs"][a.mb]
+                ops.append(dist.P2POp(dist.isend, t.detach(), ctx.next_stage_rank, ctx.pp_group))
+            elif a.op == Op.RECV_BWD:
+                t = torch.empty(self.act_shape, dtype=self.act_dtype, device=ctx.device)
+                ops.append(dist.P2POp(dist.irecv, t, ctx.next_stage_rank, ctx.pp_group))
+            else:  # SEND_BWD
+                t = state["inputs"].pop(a.mb).grad
+                ops.append(dist.P2POp(dist.isend, t, ctx.prev_stage_rank, ctx.pp_group))
+            meta.append((a, t))
+        return list(zip(dist.batch_isend_irecv(ops), meta))
+
+    def _complete(self, posted: list, state: dict) -> None:
+        """Wait for the receives just posted; keep sends pending (freeing sent outputs once they complete)."""
+        for work, (a, t) in posted:
+            if a.op == Op.RECV_FWD:
+                work.wait()
+                state["inputs"][a.mb] = t.requires_grad_()
+            elif a.op == Op.RECV_BWD:
+                work.wait()
+                state["grads"][a.mb] = t
+            else:
+                state["pending"].append((work, a, t))
+        still = []
+        for work, a, t in state["pending"]:
+            if a.op == Op.SEND_FWD and work.is_completed():
+                if a.mb in state["outputs"]:  # not yet backwarded: keep only its graph
+                    _free_storage(state["outputs"][a.mb])
+            elif a.op == Op.SEND_FWD or not work.is_completed():
+                still.append((work, a, t))
+        state["pending"] = still
+
+    def run(self, forward, loss_fn, first_inputs: list[torch.Tensor] | None) -> torch.Tensor:
+        """Run every action of this stage for one step. first_inputs: the token micro-batches (first stage).
+        Returns the sum of the micro-batch losses on the last stage (a zero elsewhere), detached."""
+        ctx = self.ctx
+        state = {"inputs": {}, "outputs": {}, "grads": {}, "pending": []}
+        total = torch.zeros((), device=ctx.device)
+        i = 0
+        while i < len(self.actions):
+            a = self.actions[i]
+            if a.op in COMM_OPS:
+                j = i
+                while j < len(self.actions) and self.actions[j].op in COMM_OPS:
+                    j += 1
+                self._complete(self._post(self.actions[i:j], state), state)
+                i = j
+                continue
+            if a.op == Op.FWD:
+                x = first_inputs[a.mb] if ctx.is_first_stage else state["inputs"][a.mb]
+                out = forward(x)
+                if ctx.is_last_stage:
+                    out = loss_fn(out, a.mb)
+                    total += out.detach()
+                state["outputs"][a.mb] = out
+            else:  # BWD
+                _backward_from(state["outputs"].pop(a.mb), state["grads"].pop(a.mb, None))
+            i += 1
+        for work, _, _ in state["pending"]:
+            work.wait()
+        return total
+
+
+if __name__ == "__main__":
+    sched.main(sys.argv[1:])
