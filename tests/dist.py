@@ -7,6 +7,7 @@ an initialised gloo process group, so code under test runs the same path as unde
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import socket
 import tempfile
@@ -28,6 +29,9 @@ def _worker(rank: int, world_size: int, port: int, fn, args: tuple, result_dir: 
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     # The ranks share the machine's cores; oversubscribing them makes gloo tests crawl.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    # A rank stuck outside a collective (which the process-group timeout would catch) prints its stack and exits,
+    # so a hang fails the test instead of stalling the suite.
+    faulthandler.dump_traceback_later(timeout_s, exit=True)
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:

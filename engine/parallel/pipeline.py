@@ -12,6 +12,7 @@ deadlock-free. Once a stage's output has been sent, its storage is freed and onl
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -75,6 +76,9 @@ class PipelineExecutor:
         self.ctx, self.micro_batches = ctx, micro_batches
         self.actions = sched.build(schedule, ctx.pp, micro_batches, ctx.pp_rank)
         self.act_shape, self.act_dtype = act_shape, act_dtype
+        # Time the last run() spent blocked on receives. It leaves out the idle tail after this stage's last
+        # action, so the whole bubble is measured between barriers (launch/bench_pipeline.py).
+        self.wait_s = 0.0
 
     def _post(self, actions: list, state: dict) -> list:
         """Post a run of consecutive comm actions as one batch; returns (work, action, tensor) per op."""
@@ -98,11 +102,13 @@ class PipelineExecutor:
     def _complete(self, posted: list, state: dict) -> None:
         """Wait for the receives just posted; keep sends pending (freeing sent outputs once they complete)."""
         for work, (a, t) in posted:
-            if a.op == Op.RECV_FWD:
+            if a.op in (Op.RECV_FWD, Op.RECV_BWD):
+                start = time.perf_counter()
                 work.wait()
+                self.wait_s += time.perf_counter() - start
+            if a.op == Op.RECV_FWD:
                 state["inputs"][a.mb] = t.requires_grad_()
             elif a.op == Op.RECV_BWD:
-                work.wait()
                 state["grads"][a.mb] = t
             else:
                 state["pending"].append((work, a, t))
@@ -120,6 +126,7 @@ class PipelineExecutor:
         Returns the sum of the micro-batch losses on the last stage (a zero elsewhere), detached."""
         ctx = self.ctx
         state = {"inputs": {}, "outputs": {}, "grads": {}, "pending": []}
+        self.wait_s = 0.0
         total = torch.zeros((), device=ctx.device)
         i = 0
         while i < len(self.actions):
