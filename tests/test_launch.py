@@ -31,9 +31,9 @@ def reference(tmp_path_factory) -> list[float]:
     return read_losses(out_dir)
 
 
-def test_torchrun_tp2(tmp_path, reference):
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         *TRAIN, "--parallel.tp", "2", "--train.out_dir", str(tmp_path)])
+def test_torchrun_tp2_pp2(tmp_path, reference):
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
+         *TRAIN, "--parallel.tp", "2", "--parallel.pp", "2", "--train.out_dir", str(tmp_path)])
     assert read_losses(tmp_path) == pytest.approx(reference, rel=1e-5)
 
 
