@@ -71,6 +71,11 @@ def _column(cfg, group, rank, tp, gather):
     x = _full(2, B, S, HIDDEN)
     dy = _full(3, B, S, FFN)
     dy = dy if gather else _shard(dy, -1, rank, tp)
+    return _run_linear_pair(mine, ref, x, dy)
+
+
+def _run_linear_pair(mine, ref, x, dy) -> dict:
+    """Forward and backward both linears on the same input and upstream gradient (megatron returns (y, bias))."""
     out = {}
     for name, m, fwd in (("ours", mine, lambda m, x: m(x)), ("megatron", ref, lambda m, x: m(x)[0])):
         xl = _leaf(x)
@@ -89,13 +94,7 @@ def _row(cfg, group, rank, tp):
         _load(m, _shard(w, 1, rank, tp))
     x = _shard(_full(5, B, S, FFN), -1, rank, tp)
     dy = _full(6, B, S, HIDDEN)
-    out = {}
-    for name, m, fwd in (("ours", mine, lambda m, x: m(x)), ("megatron", ref, lambda m, x: m(x)[0])):
-        xl = _leaf(x)
-        y = fwd(m, xl)
-        y.backward(dy)
-        out[name] = {"output": y.detach(), "input_grad": xl.grad, "weight_grad": m.weight.grad}
-    return out
+    return _run_linear_pair(mine, ref, x, dy)
 
 
 def _embedding(cfg, group, rank, tp):
