@@ -48,7 +48,7 @@ class ParallelConfig:
     dp: int = -1  # -1: world_size // (tp * pp)
     dp_mode: str = "ddp"  # ddp | fsdp | zero
     zero_stage: int = 0  # 1..3 with dp_mode=zero
-    reshard_after_forward: bool = True  # fsdp only
+    reshard_after_forward: str = "auto"  # fsdp: true (ZeRO-3) | false (keep gathered to backward) | auto (pp == 1)
     schedule: str = "1f1b"  # 1f1b | gpipe
     pp_layers: list[int] = field(default_factory=list)  # layers per stage; empty = as even as possible
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
@@ -111,6 +111,7 @@ CHOICES = {
     "parallel.dp_mode": ("ddp", "fsdp", "zero"),
     "parallel.schedule": ("1f1b", "gpipe"),
     "parallel.backend": ("auto", "gloo", "nccl"),
+    "parallel.reshard_after_forward": ("auto", "true", "false"),
     "train.dtype": ("fp32", "bf16"),
 }
 
@@ -152,6 +153,8 @@ def _coerce(key: str, value, typ):
     if typ is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key}={value!r} is not a string")
+        if isinstance(value, bool):  # YAML reads `true` as a bool; string fields with true/false choices want text
+            return str(value).lower()
         return "" if value is None else str(value)
     raise TypeError(f"unsupported config field type {typ} for {key}")  # a bug in this file, not user input
 

@@ -47,13 +47,19 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = ()) -> torch.Tensor:
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP-sharded over dp), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = (), dp_group=None) -> torch.Tensor:
     """L2 norm of the whole model's gradient across tensor- and pipeline-parallel ranks.
 
     Sharded parameters (those a module lists in ``tp_dims``) contribute their local shard on every tp rank;
     replicated ones (norm weights) hold the same gradient on every tp rank and are counted once, on tp rank 0.
     ``group`` spans all ranks holding different parts of the model (tp x pp); dp replicas are not summed.
     ``exclude``: parameters counted elsewhere (the last stage's copy of a tied embedding).
+    ``dp_group``: set when gradients are sharded over dp (FSDP); each rank then holds a different part.
     """
     sharded, replicated = [], []
     skip = {id(p) for p in exclude}
@@ -61,26 +67,28 @@ def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = ())
         if p.grad is None or id(p) in skip:
             continue
         is_sharded = attr in getattr(module, "tp_dims", {}) and module.tp_size > 1
-        (sharded if is_sharded else replicated).append(p.grad.detach().float().pow(2).sum())
+        (sharded if is_sharded else replicated).append(_local(p.grad).detach().float().pow(2).sum())
     device = next(model.parameters()).device
     total = torch.zeros((), device=device, dtype=torch.float32)
     if sharded:
         total = total + torch.stack(sharded).sum()
     if replicated and tp_rank == 0:
         total = total + torch.stack(replicated).sum()
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(total, group=group)
+    for g in (group, dp_group):
+        if g is not None and dist.get_world_size(g) > 1:
+            dist.all_reduce(total, group=g)
     return total.sqrt()
 
 
 @torch.no_grad()
-def clip_gradients(model: nn.Module, max_norm: float, tp_rank: int, group, exclude: tuple = ()) -> float:
+def clip_gradients(model: nn.Module, max_norm: float, tp_rank: int, group, exclude: tuple = (),
+                   dp_group=None) -> float:
     """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_ does, but with
     the norm of the whole distributed model. Returns the norm before clipping; max_norm <= 0 only measures."""
-    norm = global_grad_norm(model, tp_rank, group, exclude)
+    norm = global_grad_norm(model, tp_rank, group, exclude, dp_group)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for _, _, p in unique_params(model):
             if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.device))
+                _local(p.grad).mul_(coef.to(p.grad.device))
     return norm.item()

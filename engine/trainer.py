@@ -21,7 +21,7 @@ from engine.init import materialize
 from engine.metrics import MetricsLogger
 from engine.optim import build_optimizer, clip_gradients, lr_at, set_lr
 from engine.parallel.context import ParallelContext
-from engine.parallel.data import allreduce_gradients
+from engine.parallel.data import allreduce_gradients, apply_fsdp
 from engine.parallel.pipeline import PipelineExecutor, split_stage
 from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 
@@ -33,13 +33,18 @@ def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
     apply_tensor_parallel(model, ctx.tp_group)
     materialize(model, ctx.device, cfg.train.seed, cfg.model.init_std)
     model.model.activation_checkpointing = cfg.train.activation_checkpointing
+    if cfg.parallel.dp_mode == "fsdp":
+        # Under pp > 1 each weight would be gathered once per micro-batch forward and again per backward;
+        # keeping it gathered from forward to backward is the better default there (DESIGN.md).
+        reshard = {"true": True, "false": False, "auto": ctx.pp == 1}[cfg.parallel.reshard_after_forward]
+        apply_fsdp(model, ctx.mesh["dp"], reshard, cfg.train.dtype == "bf16")
     return model
 
 
 def check_supported(cfg: Config, ctx: ParallelContext) -> None:
     """Refuse, with the combination named, what this build of the engine cannot run yet."""
-    if cfg.parallel.dp_mode != "ddp":
-        raise ConfigError(f"parallel.dp_mode={cfg.parallel.dp_mode} is not supported by this build yet; use ddp")
+    if cfg.parallel.dp_mode == "zero":
+        raise ConfigError("parallel.dp_mode=zero is not supported by this build yet; use ddp or fsdp")
 
 
 class Trainer:
@@ -89,11 +94,17 @@ class Trainer:
         def loss_fn(logits: torch.Tensor, mb: int) -> torch.Tensor:
             return vocab_parallel_cross_entropy(logits, labels[mb], ctx.tp_group) / self.micro_batches
 
-        loss = self.executor.run(forward, loss_fn, inputs)
+        loss = self.executor.run(forward, loss_fn, inputs, before_backward=self.before_backward)
         self.sync_tied_embedding()
         if ctx.pp > 1:
             dist.all_reduce(loss, group=ctx.pp_group)  # only the last stage's term is non-zero
         return loss
+
+    def before_backward(self, mb: int, is_last: bool) -> None:
+        """FSDP reduce-scatters gradients only in the last backward of the step (they accumulate unsharded
+        before it), as DDP's no_sync does; ddp mode all-reduces after the schedule instead."""
+        if self.cfg.parallel.dp_mode == "fsdp":
+            self.model.set_requires_gradient_sync(is_last)
 
     def tied_copy(self) -> tuple:
         """The last stage's copy of a tied embedding when embedding and LM head live on different stages."""
@@ -110,15 +121,19 @@ class Trainer:
         weight = self.model.model.embed_tokens.weight if ctx.is_first_stage else self.model.lm_head.weight
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
-        dist.all_reduce(weight.grad, group=ctx.embed_group)
+        grad = weight.grad.to_local() if hasattr(weight.grad, "to_local") else weight.grad  # FSDP: own dp shard
+        dist.all_reduce(grad, group=ctx.embed_group)
 
     def train_step(self, local_batch: torch.Tensor) -> dict:
         """One optimizer step on one global batch; returns the step's metrics (loss is the global-batch mean)."""
         ctx, t = self.ctx, self.cfg.train
         start = time.perf_counter()
         loss = self.forward_backward(local_batch)
-        allreduce_gradients(self.model, ctx.dp_group)  # once per global batch, after the last micro-batch
-        grad_norm = clip_gradients(self.model, t.grad_clip, ctx.tp_rank, ctx.mp_group, self.tied_copy())
+        fsdp = self.cfg.parallel.dp_mode == "fsdp"
+        if not fsdp:
+            allreduce_gradients(self.model, ctx.dp_group)  # once per global batch, after the last micro-batch
+        grad_norm = clip_gradients(self.model, t.grad_clip, ctx.tp_rank, ctx.mp_group, self.tied_copy(),
+                                   dp_group=ctx.dp_group if fsdp else None)
         lr = lr_at(self.step, t)
         set_lr(self.optimizer, lr)
         self.optimizer.step()

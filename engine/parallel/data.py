@@ -1,8 +1,12 @@
-"""Data-parallel gradient synchronisation over the dp group.
+"""Data parallelism over the dp axis of the mesh: gradient all-reduce (ddp) or FSDP2 sharding (fsdp).
 
-``allreduce_gradients`` averages every gradient across dp replicas once per global batch (after the last
-micro-batch), through one flat buffer per dtype so that a step issues few collectives. gloo has no AVG op, so it
-is a SUM followed by a division.
+- ``ddp``: ``allreduce_gradients`` averages every gradient across dp replicas once per global batch (after the
+  last micro-batch), through one flat buffer per dtype so that a step issues few collectives. gloo has no AVG op,
+  so it is a SUM followed by a division.
+- ``fsdp``: torch FSDP2 ``fully_shard`` on each decoder layer, then the root (as torchtitan's apply_fsdp), over
+  the dp sub-mesh (Rajbhandari et al. 2020, "ZeRO"; Zhao et al. 2023, "PyTorch FSDP"). Parameters, gradients and
+  optimizer state are sharded over dp; ``reshard_after_forward=True`` frees the gathered weights after each
+  forward (ZeRO-3), ``False`` keeps them to the backward (ZeRO-2-like: one all-gather per step instead of two).
 """
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from engine.optim import unique_params
 
@@ -30,3 +35,16 @@ def allreduce_gradients(model: nn.Module, dp_group) -> None:
         flat.div_(size)
         for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(synced)
+
+
+def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool, bf16: bool) -> nn.Module:
+    """Shard the (materialised, identically initialised) stage over ``dp_mesh``, one FSDP unit per decoder layer.
+    With ``bf16`` the gathered weights are bf16 and gradients are reduced in fp32 (MixedPrecisionPolicy)."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    for layer in model.model.layers.values():
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    # The root unit holds the embedding, final norm and LM head; it is needed again right after forward (the
+    # backward starts there), so it is never resharded after forward.
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    return model

@@ -75,6 +75,7 @@ class PipelineExecutor:
     def __init__(self, ctx, schedule: str, micro_batches: int, act_shape: tuple[int, ...], act_dtype: torch.dtype):
         self.ctx, self.micro_batches = ctx, micro_batches
         self.actions = sched.build(schedule, ctx.pp, micro_batches, ctx.pp_rank)
+        self.last_backward_mb = [a.mb for a in self.actions if a.op == Op.BWD][-1]
         self.act_shape, self.act_dtype = act_shape, act_dtype
         # Time the last run() spent blocked on receives. It leaves out the idle tail after this stage's last
         # action, so the whole bubble is measured between barriers (launch/bench_pipeline.py).
@@ -121,9 +122,11 @@ class PipelineExecutor:
                 still.append((work, a, t))
         state["pending"] = still
 
-    def run(self, forward, loss_fn, first_inputs: list[torch.Tensor] | None) -> torch.Tensor:
+    def run(self, forward, loss_fn, first_inputs: list[torch.Tensor] | None, before_backward=None) -> torch.Tensor:
         """Run every action of this stage for one step. first_inputs: the token micro-batches (first stage).
-        Returns the sum of the micro-batch losses on the last stage (a zero elsewhere), detached."""
+        ``before_backward(mb, is_last)`` is called before each backward (data parallelism syncs gradients only
+        in the last one). Returns the sum of the micro-batch losses on the last stage (a zero elsewhere),
+        detached."""
         ctx = self.ctx
         state = {"inputs": {}, "outputs": {}, "grads": {}, "pending": []}
         self.wait_s = 0.0
@@ -146,6 +149,8 @@ class PipelineExecutor:
                     total += out.detach()
                 state["outputs"][a.mb] = out
             else:  # BWD
+                if before_backward is not None:
+                    before_backward(a.mb, is_last=a.mb == self.last_backward_mb)
                 _backward_from(state["outputs"].pop(a.mb), state["grads"].pop(a.mb, None))
             i += 1
         for work, _, _ in state["pending"]:
