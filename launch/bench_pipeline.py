@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 import weakref
 from pathlib import Path
@@ -33,12 +31,12 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B  # noqa: E402
 
 from engine.config import load  # noqa: E402
 from engine.parallel.context import ParallelContext  # noqa: E402
 from engine.parallel.pipeline import PipelineExecutor  # noqa: E402
+from engine.parallel.spawn import run_ranks  # noqa: E402
 from engine.parallel.schedule import build, max_in_flight  # noqa: E402
 from engine.parallel.tensor import vocab_parallel_cross_entropy  # noqa: E402
 from engine.trainer import build_model  # noqa: E402
@@ -203,29 +201,18 @@ def compare_torch(args, cfg, ctx, model) -> dict:
     return {**times, "loss_diff": loss_diff}
 
 
-def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
+def rank_main(args: argparse.Namespace) -> dict:
     """One forked rank: the measurements of tables a, b (at --memory-pp) and c for this pp."""
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "OMP_NUM_THREADS": "1"})
-    torch.set_num_threads(1)
+    world = dist.get_world_size()
     cfg, ctx, model = setup(args, world)
-    result = {"bubble": {m: measure_bubble(args, cfg, ctx, model, m) for m in args.micro_batches if m >= world},
-              "memory": measure_memory(args, cfg, ctx, model) if world == args.memory_pp else None,
-              "torch": compare_torch(args, cfg, ctx, model)}
-    torch.save(result, Path(out_dir) / f"{rank}.pt")
-    dist.destroy_process_group()
+    return {"bubble": {m: measure_bubble(args, cfg, ctx, model, m) for m in args.micro_batches if m >= world},
+            "memory": measure_memory(args, cfg, ctx, model) if world == args.memory_pp else None,
+            "torch": compare_torch(args, cfg, ctx, model)}
 
 
 def spawn(world: int, args: argparse.Namespace) -> list[dict]:
-    """Fork `world` ranks (as tests/dist.py does) and return each rank's results, by stage."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(rank_main, args=(world, port, args, out_dir), nprocs=world, join=True,
-                           start_method="fork")
-        return [torch.load(Path(out_dir) / f"{r}.pt", weights_only=False) for r in range(world)]
+    """Fork `world` ranks with one torch thread each and return each rank's results, by stage."""
+    return run_ranks(rank_main, world, args, timeout_s=600, threads=1)
 
 
 def print_tables(results: dict[int, list[dict]], args: argparse.Namespace) -> None:
