@@ -78,6 +78,7 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)  # empty: the bundled corpus
     weights: list[float] = field(default_factory=list)
     tokenizer: str = ""  # '' = the bundled tokenizer; else a local folder or HF name
+    valid_fraction: float = 0.01  # share of each dataset's samples held out for validation (its tail)
 
 
 @dataclass
@@ -277,6 +278,8 @@ def validate(cfg: Config) -> None:
     if cfg.data.weights and len(cfg.data.weights) != len(cfg.data.paths):
         raise ConfigError(f"data.weights has {len(cfg.data.weights)} entries but data.paths has "
                           f"{len(cfg.data.paths)}; give one weight per path or none")
+    if not 0.0 <= cfg.data.valid_fraction < 1.0:
+        raise ConfigError(f"data.valid_fraction={cfg.data.valid_fraction} must be in [0, 1)")
     if cfg.train.lr < 0:
         raise ConfigError(f"train.lr={cfg.train.lr} must be >= 0")
     if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:

@@ -1,10 +1,13 @@
-"""Training data: tokenizer loading, file tokenization, fixed-length packing and the global batch order.
+"""Training data: tokenizers, raw files, packing and the global batch order (blending, indexed datasets and the
+validation split are in engine/blend.py).
 
-The token stream is the concatenation of every document's ids, each followed by EOS. Sample ``i`` of a
-:class:`PackedDataset` is the window ``tokens[i*s : i*s + s + 1]`` (inputs ``[:-1]``, labels ``[1:]``).
-:class:`GlobalBatchSampler` fixes one global order of sample ids that depends only on the seed, so any data-parallel
-layout sees the same global batches, and a resume (even with another dp size) continues with the next samples.
-``transformers`` and ``datasets`` are imported lazily: importing this module stays cheap.
+A dataset is a token stream: every document's ids, each followed by EOS. Packed sample ``i`` is the window
+``tokens[i*s : i*s + s + 1]`` (inputs ``[:-1]``, labels ``[1:]``). :class:`TrainData` holds several datasets (indexed
+PREFIX.bin/.idx from ``launch/preprocess.py`` or raw files tokenized on the fly), blends them by weight, and holds
+each one's tail out for validation. :class:`GlobalBatchSampler` fixes one global order of sample ids that depends
+only on the seed, so any data-parallel layout sees the same global batches, and a resume (even with another dp
+size) continues with the next samples. ``transformers`` and ``datasets`` are imported lazily; megatron-core is not
+needed here (its format is read with numpy).
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ def load_tokenizer(name_or_path: str = "") -> PreTrainedTokenizerBase:
 
 
 @contextlib.contextmanager
-def _quiet_datasets() -> Iterator[str]:
+def quiet_datasets() -> Iterator[str]:
     """Yield a throw-away datasets cache folder with progress bars off (so nothing lands in ~/.cache)."""
     import datasets
 
@@ -68,9 +71,10 @@ def _quiet_datasets() -> Iterator[str]:
             datasets.enable_progress_bars()
 
 
-def _read_documents(path: pathlib.Path, text_key: str, cache_dir: str) -> list[str]:
-    """The non-empty documents of one file: a whole .txt file is one document; .json/.jsonl/.parquet give one
-    document per record (field ``text_key``)."""
+def open_documents(path: pathlib.Path, text_key: str, cache_dir: str):
+    """Open one local file with ``datasets.load_dataset`` -> (datasets.Dataset, text column). A whole .txt file is
+    one document; .json/.jsonl/.parquet give one document per record (field ``text_key``). A missing, empty or
+    unreadable file, or a missing/non-string field -> DataError naming the file (shared with launch/preprocess.py)."""
     import datasets
 
     builder = BUILDERS.get(path.suffix.lower())
@@ -87,18 +91,28 @@ def _read_documents(path: pathlib.Path, text_key: str, cache_dir: str) -> list[s
         reason = str(e).strip().splitlines()[0] if str(e).strip() else f"{type(e).__name__}, is it empty?"
         raise DataError(f"{path}: could not read it as {builder} ({reason})") from e
     column = "text" if builder == "text" else text_key
+    check_text_column(ds, column, str(path))
+    return ds, column
+
+
+def check_text_column(ds, column: str, name: str) -> None:
+    """DataError naming ``name`` unless ``ds`` (a datasets.Dataset) has a string (or all-null) field ``column``."""
     if column not in ds.column_names:
-        raise DataError(f"{path}: no field {column!r}; its fields are {ds.column_names} (set text_key)")
-    docs = ds[column]
-    if any(d is not None and not isinstance(d, str) for d in docs):
-        raise DataError(f"{path}: field {column!r} must hold strings")
-    docs = [d for d in docs if d]
+        raise DataError(f"{name}: no field {column!r}; its fields are {ds.column_names} (set text_key)")
+    if getattr(ds.features[column], "dtype", None) not in ("string", "large_string", "null"):
+        raise DataError(f"{name}: field {column!r} must hold strings, it holds {ds.features[column]}")
+
+
+def _read_documents(path: pathlib.Path, text_key: str, cache_dir: str) -> list[str]:
+    """The non-empty documents of one file (see open_documents); none -> DataError naming the file."""
+    ds, column = open_documents(path, text_key, cache_dir)
+    docs = [d for d in ds[column] if d]
     if not docs:
         raise DataError(f"{path}: no text (the file or its {column!r} field is empty)")
     return docs
 
 
-def _documents_to_ids(docs: list[str], tokenizer: PreTrainedTokenizerBase) -> np.ndarray:
+def documents_to_ids(docs: list[str], tokenizer: PreTrainedTokenizerBase) -> np.ndarray:
     """Tokenize documents (no special tokens) and join them as doc0 EOS doc1 EOS ... -> (n_tokens,) int32."""
     eos = tokenizer.eos_token_id
     if eos is None:
@@ -118,10 +132,10 @@ def tokenize_files(paths: list[str], tokenizer: PreTrainedTokenizerBase, text_ke
     if not paths:
         raise DataError("no data files given; pass .txt, .json, .jsonl or .parquet files")
     parts = []
-    with _quiet_datasets() as cache_dir:
+    with quiet_datasets() as cache_dir:
         for p in paths:
             docs = _read_documents(pathlib.Path(p).expanduser(), text_key, cache_dir)
-            parts.append(_documents_to_ids(docs, tokenizer))
+            parts.append(documents_to_ids(docs, tokenizer))
     return np.concatenate(parts)
 
 
@@ -132,7 +146,7 @@ def load_train_tokens(paths: list[str], tokenizer: PreTrainedTokenizerBase) -> n
         return tokenize_files(list(paths), tokenizer)
     key = (str(tokenizer.name_or_path), len(tokenizer))
     if key not in _BUNDLED_TOKENS:
-        tokens = _documents_to_ids([BUNDLED_CORPUS.read_text(encoding="utf-8")], tokenizer)
+        tokens = documents_to_ids([BUNDLED_CORPUS.read_text(encoding="utf-8")], tokenizer)
         tokens.flags.writeable = False
         _BUNDLED_TOKENS[key] = tokens
     return _BUNDLED_TOKENS[key]

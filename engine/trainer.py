@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine import blend
 from engine import data as data_lib
 from engine import model as model_lib
 from engine.config import Config, ConfigError
@@ -62,9 +63,10 @@ class Trainer:
         if len(self.tokenizer) > cfg.model.vocab_size:
             raise ConfigError(f"the tokenizer has {len(self.tokenizer)} tokens but model.vocab_size="
                               f"{cfg.model.vocab_size}; raise model.vocab_size to at least {len(self.tokenizer)}")
-        tokens = data_lib.load_train_tokens(cfg.data.paths, self.tokenizer)
-        self.dataset = data_lib.PackedDataset(tokens, t.seq_len)
-        self.sampler = data_lib.GlobalBatchSampler(len(self.dataset), t.global_batch_size, t.seed,
+        self.data = blend.TrainData(blend.spec_from_config(cfg), self.tokenizer)
+        if ctx.rank == 0:
+            print(self.data.describe(), flush=True)
+        self.sampler = data_lib.GlobalBatchSampler(self.data.num_train_samples, t.global_batch_size, t.seed,
                                                    dp_rank=ctx.dp_rank, dp_size=ctx.dp)
         self.executor = PipelineExecutor(ctx, cfg.parallel.schedule, self.micro_batches,
                                          act_shape=(t.micro_batch_size, t.seq_len, cfg.model.hidden_size),
@@ -148,7 +150,7 @@ class Trainer:
 
     def next_local_batch(self) -> torch.Tensor:
         """This dp rank's (B/dp, s+1) slice of the next global batch."""
-        return data_lib.collate(self.dataset, self.sampler.next_batch())
+        return blend.batch_from(self.data, self.sampler.next_batch())
 
     def fit(self) -> list[dict]:
         """Train until cfg.train.steps; returns the metrics of every step (all ranks)."""

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import data
+from engine import blend, data
 from engine.data import DataError, GlobalBatchSampler, PackedDataset
 
 ROUND_TRIP = "First Citizen:\nBefore we proceed,  hear me.\t\n\n caf\u00e9 \u00fcber \u65e5\u672c \U0001F600 <|endoftext|> \r\n  "
@@ -155,3 +155,209 @@ def test_too_short_and_bad_batch_errors():
         GlobalBatchSampler(100, 10, seed=0, dp_size=4)
     with pytest.raises(DataError, match="consumed_samples"):
         GlobalBatchSampler(100, 8, seed=0).load_state_dict({"consumed": 3})
+
+
+# ---- indexed datasets, TrainData: blending, the validation split, resume ----------------------------------------
+
+@pytest.fixture(scope="module")
+def megatron_indexed():
+    """megatron-core's indexed_dataset module: the reference writer/reader of the format (slow import, once)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets import indexed_dataset
+    return indexed_dataset
+
+
+def write_indexed(mi, prefix, docs: list[np.ndarray], dtype=np.uint16) -> str:
+    """Write docs (one sequence each) with megatron-core's IndexedDatasetBuilder; returns the prefix."""
+    builder = mi.IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
+    for doc in docs:
+        builder.add_document(np.asarray(doc), [len(doc)])
+    builder.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+def spec(paths, weights=(), seq_len=4, seed=0, vocab_size=1 << 20, valid_fraction=0.0) -> blend.DataSpec:
+    return blend.DataSpec(list(paths), list(weights), seq_len, seed, vocab_size, valid_fraction)
+
+
+def stream_dataset(mi, tmp_path, name: str, n_samples: int, seq_len: int = 4, start: int = 0) -> str:
+    """An int32 indexed dataset whose tokens are start, start+1, ... (n_samples * seq_len + 1 of them)."""
+    tokens = np.arange(start, start + n_samples * seq_len + 1)
+    return write_indexed(mi, tmp_path / name, np.array_split(tokens, 7), dtype=np.int32)
+
+
+@pytest.mark.parametrize("dtype, high", [(np.uint16, 65000), (np.int32, 200_000)])
+def test_read_indexed_matches_megatron(megatron_indexed, tmp_path, dtype, high):
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, high, size=int(n)) for n in rng.integers(1, 300, size=40)]
+    prefix = write_indexed(megatron_indexed, tmp_path / "d", docs, dtype)
+    ref = megatron_indexed.IndexedDataset(prefix)
+    got = blend.read_indexed(prefix)
+    assert got.dtype == dtype and ref.index.dtype == dtype
+    np.testing.assert_array_equal(got, np.concatenate([ref[i] for i in range(len(ref))]))
+    np.testing.assert_array_equal(got, np.concatenate(docs))
+
+
+def test_indexed_dataset_errors_name_the_file(megatron_indexed, tmp_path):
+    prefix = stream_dataset(megatron_indexed, tmp_path, "d", 10)
+    (tmp_path / "d.bin").rename(tmp_path / "keep.bin")
+    with pytest.raises(DataError, match=r"d\.bin: no such file \(d\.idx is there\)"):
+        blend.TrainData(spec([prefix]), None)
+    (tmp_path / "keep.bin").rename(tmp_path / "d.bin")
+    (tmp_path / "d.idx").rename(tmp_path / "keep.idx")
+    with pytest.raises(DataError, match=r"d\.idx: no such file \(d\.bin is there\)"):
+        blend.TrainData(spec([prefix + ".bin"]), None)  # a trailing .bin is accepted as the prefix
+    (tmp_path / "keep.idx").rename(tmp_path / "d.idx")
+    with open(tmp_path / "d.bin", "r+b") as f:
+        f.truncate(20)
+    with pytest.raises(DataError, match=r"d\.bin: 20 bytes, but d\.idx describes 41 tokens of int32"):
+        blend.read_indexed(prefix)
+    (tmp_path / "bad.idx").write_bytes(b"not an index at all, not at all")
+    (tmp_path / "bad.bin").write_bytes(b"")
+    with pytest.raises(DataError, match=r"bad\.idx: not a Megatron indexed-dataset index"):
+        blend.read_indexed(str(tmp_path / "bad"))
+    empty = write_indexed(megatron_indexed, tmp_path / "empty", [])
+    with pytest.raises(DataError, match=r"empty: no tokens"):
+        blend.TrainData(spec([empty]), None)
+    with pytest.raises(DataError, match=r"'.*nothing': found neither .*nothing\.bin/\.idx"):
+        blend.TrainData(spec([str(tmp_path / "nothing")]), None)
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused(megatron_indexed, tmp_path):
+    prefix = write_indexed(megatron_indexed, tmp_path / "big", [np.array([1, 2, 70_000, 3, 4, 5])], np.int32)
+    with pytest.raises(DataError, match=rf"dataset {prefix}: .*max id 70000.* vocab_size is 4096"):
+        blend.TrainData(spec([prefix], seq_len=2, vocab_size=4096), None)
+
+
+def test_empty_and_too_short_raw_files(tok, tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DataError, match=r"empty\.jsonl: no text"):
+        blend.TrainData(spec([str(tmp_path / "empty.jsonl")], vocab_size=4096), tok)
+    (tmp_path / "short.txt").write_text("one two")
+    with pytest.raises(DataError, match=r"dataset .*short\.txt: \d tokens; one sample of seq_len=64 needs 65"):
+        blend.TrainData(spec([str(tmp_path / "short.txt")], seq_len=64, vocab_size=4096), tok)
+
+
+def test_long_documents_continue_in_the_next_samples(tok, tmp_path):
+    docs = ["word " * 100, "short one", "another long document " * 30]  # the long ones are many samples long
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    stream = expected_ids(tok, docs)
+    assert len(tok(docs[0], add_special_tokens=False)["input_ids"]) > 3 * 16
+    td = blend.TrainData(spec([str(path)], seq_len=16, vocab_size=4096), tok)
+    assert td.num_train_samples == (len(stream) - 1) // 16 and td.num_valid_samples == 0
+    by_index = {td.locate(g)[1]: td.train_sample(g) for g in range(td.num_train_samples)}
+    assert sorted(by_index) == list(range(td.num_train_samples))  # every packed sample exactly once per epoch
+    for i, sample in by_index.items():
+        assert sample.tolist() == stream[16 * i:16 * i + 17]  # sample i+1 continues where sample i stops
+
+
+def test_blend_weights_are_honoured(megatron_indexed, tmp_path):
+    paths = [stream_dataset(megatron_indexed, tmp_path, f"d{i}", n, start=i * 100_000)
+             for i, n in enumerate([3000, 9000, 500])]
+    td = blend.TrainData(spec(paths, weights=[5, 3, 2], seed=3), None)  # normalised to 0.5 / 0.3 / 0.2
+    assert td.num_train_samples == 12_500 and td.weights.tolist() == pytest.approx([0.5, 0.3, 0.2])
+    sampler = GlobalBatchSampler(td.num_train_samples, 16, seed=3)
+    ids = sum((sampler.next_batch() for _ in range(625)), [])  # 10k samples in the sampler's shuffled order
+    counts = np.bincount([td.locate(g)[0] for g in ids], minlength=3)
+    assert np.abs(counts / 10_000 - [0.5, 0.3, 0.2]).max() < 0.01
+    # Every prefix of the blend order tracks the weights within ~1 sample, no worse than Megatron's greedy helper.
+    from megatron.core.datasets import helpers
+
+    w = np.array([0.5, 0.3, 0.2])
+    ref_index, ref_sample = np.zeros(12_500, np.int16), np.zeros(12_500, np.int64)
+    helpers.build_blending_indices(ref_index, ref_sample, w, 3, 12_500, False)
+    ours = np.array([td.locate(g)[0] for g in range(12_500)])
+    steps = np.arange(1, 12_501)[:, None]
+    err = np.abs(np.cumsum(ours[:, None] == np.arange(3), 0) - w * steps).max()
+    ref_err = np.abs(np.cumsum(ref_index[:, None] == np.arange(3), 0) - w * steps).max()
+    assert err <= 1 and err <= ref_err + 0.5  # here 0.5 vs 0.6 samples
+    # Dataset 2 (500 samples, 2500 slots) repeats: each of its samples 5 times; dataset 1 gives a 3750-subset.
+    per_sample = np.bincount([td.locate(g)[1] for g in range(12_500) if td.locate(g)[0] == 2])
+    assert per_sample.tolist() == [5] * 500
+    subset = [td.locate(g)[1] for g in range(12_500) if td.locate(g)[0] == 1]
+    assert len(subset) == len(set(subset)) == 3750 and max(subset) > 8000  # seeded subset, not the head
+    sample = td.train_sample(ids[0])
+    d, i = td.locate(ids[0])
+    assert sample.tolist() == list(range(d * 100_000 + 4 * i, d * 100_000 + 4 * i + 5))
+
+
+def test_default_weights_are_proportional_to_size(megatron_indexed, tmp_path):
+    paths = [stream_dataset(megatron_indexed, tmp_path, f"d{i}", n) for i, n in enumerate([300, 100])]
+    td = blend.TrainData(spec(paths, valid_fraction=0.01), None)
+    # 3 + 1 valid samples held out; keeping them token-disjoint from training costs one more sample each.
+    assert ([len(t) for t in td.train], td.num_valid_samples) == ([296, 98], 4)
+    assert td.weights.tolist() == pytest.approx([296 / 394, 98 / 394])
+    located = sorted(td.locate(g) for g in range(td.num_train_samples))
+    assert located == [(0, i) for i in range(296)] + [(1, i) for i in range(98)]  # each sample once per epoch
+    with pytest.raises(DataError, match="data.weights"):
+        blend.TrainData(spec(paths, weights=[1.0]), None)
+    with pytest.raises(DataError, match="data.weights"):
+        blend.TrainData(spec(paths, weights=[0.0, 0.0]), None)
+    with pytest.raises(DataError, match="valid_fraction"):
+        blend.TrainData(spec(paths, valid_fraction=1.0), None)
+
+
+def test_validation_samples_never_train(megatron_indexed, tmp_path):
+    paths = [stream_dataset(megatron_indexed, tmp_path, f"d{i}", n, start=10_000 * i) for i, n in enumerate([200, 50])]
+    td = blend.TrainData(spec(paths, weights=[0.2, 0.8], valid_fraction=0.05), None)
+    assert [len(v) for v in td.valid] == [10, 3] and td.num_valid_samples == 13  # round(2.5) = 3: half up
+    train_tokens = {t for g in range(td.num_train_samples) for t in td.train_sample(g).tolist()}
+    batches = list(td.valid_batches(5))
+    assert [b.shape for b in batches] == [(5, 5)] * 3  # ceil(13 / 5) batches, the last filled up from the start
+    valid_tokens = {t for b in batches for t in b.flatten().tolist()}
+    assert not train_tokens & valid_tokens  # not even the boundary token is shared
+    assert len({tuple(r) for b in batches for r in b.tolist()}) == 13  # every held-out sample is evaluated
+    again = list(td.valid_batches(5, max_batches=2))
+    assert len(again) == 2 and all(torch.equal(a, b) for a, b in zip(again, batches))
+    none = blend.TrainData(spec(paths), None)
+    assert none.num_valid_samples == 0 and list(none.valid_batches(4)) == []
+    tiny = blend.TrainData(spec([stream_dataset(megatron_indexed, tmp_path, "t", 2)], valid_fraction=0.5), None)
+    assert (tiny.num_train_samples, tiny.num_valid_samples) == (2, 0)  # 9 tokens < 2 * seq_len + 2: nothing held out
+
+
+def test_bundled_default_describes_itself(tok):
+    from engine.config import Config
+
+    cfg = Config()
+    cfg.train.seq_len, cfg.train.seed, cfg.model.vocab_size = 128, 1234, 4096
+    assert blend.spec_from_config(cfg) == blend.DataSpec([], [], seq_len=128, seed=1234, vocab_size=4096)
+    td = blend.TrainData(blend.spec_from_config(cfg), tok)
+    assert td.num_valid_samples >= 1 and td.num_train_samples > 400
+    line = td.describe()
+    assert "\n" not in line and "bundled corpus" in line and f"{td.num_train_samples} train" in line
+    train = {tuple(td.train_sample(g).tolist()) for g in range(td.num_train_samples)}
+    assert not train & {tuple(r) for b in td.valid_batches(8) for r in b.tolist()}
+    assert blend.batch_from(td, [3, 0, 3]).shape == (3, 129) and blend.batch_from(td, []).shape == (0, 129)
+    with pytest.raises(DataError, match=r"token ids span .* vocab_size is 100"):
+        blend.TrainData(blend.DataSpec([], [], seq_len=128, seed=1234, vocab_size=100), tok)
+
+
+def test_dp_layouts_and_resume_consume_the_same_global_samples(megatron_indexed, tmp_path):
+    paths = [stream_dataset(megatron_indexed, tmp_path, f"d{i}", n, start=10_000 * i) for i, n in enumerate([70, 30])]
+    td = blend.TrainData(spec(paths, weights=[0.7, 0.3], seed=5), None)
+    gbs, steps = 8, 30  # 240 samples: crosses two epochs of 100
+    single = GlobalBatchSampler(td.num_train_samples, gbs, seed=5)
+    reference = [single.next_batch() for _ in range(steps)]
+    ranks = [GlobalBatchSampler(td.num_train_samples, gbs, seed=5, dp_rank=r, dp_size=4) for r in range(4)]
+    for step in range(steps):
+        parts = [s.next_batch() for s in ranks]
+        assert sum(parts, []) == reference[step]
+        assert torch.equal(torch.cat([blend.batch_from(td, p) for p in parts]), blend.batch_from(td, reference[step]))
+    seen = []  # a dp=4 run stopped after 11 steps, resumed at dp=2, then at dp=1
+    first = [GlobalBatchSampler(td.num_train_samples, gbs, seed=5, dp_rank=r, dp_size=4) for r in range(4)]
+    for _ in range(11):
+        seen += sum((s.next_batch() for s in first), [])
+    second = [GlobalBatchSampler(td.num_train_samples, gbs, seed=5, dp_rank=r, dp_size=2) for r in range(2)]
+    for s in second:
+        s.load_state_dict(first[0].state_dict())
+    for _ in range(9):
+        seen += sum((s.next_batch() for s in second), [])
+    third = GlobalBatchSampler(td.num_train_samples, gbs, seed=5)
+    third.load_state_dict(second[1].state_dict())
+    for _ in range(10):
+        seen += third.next_batch()
+    assert seen == sum(reference, [])  # none skipped, none repeated
