@@ -70,6 +70,8 @@ class TrainConfig:
     seed: int = 1234
     dtype: str = "fp32"  # fp32 | bf16 (autocast; weights, grads and optimizer state stay fp32)
     activation_checkpointing: bool = False
+    eval_every: int = 0  # validation loss every N steps (0: never); logged as eval_loss in metrics.jsonl
+    eval_batches: int = 4  # global batches of the held-out split per evaluation
     out_dir: str = "runs/tiny"
 
 
@@ -263,7 +265,9 @@ def validate(cfg: Config) -> None:
     _positive(cfg, ["model.vocab_size", "model.hidden_size", "model.intermediate_size", "model.num_layers",
                     "model.num_heads", "model.num_kv_heads", "model.rope_theta", "parallel.tp", "parallel.pp",
                     "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
-                    "log.every"])
+                    "log.every", "train.eval_batches"])
+    if cfg.train.eval_every < 0:
+        raise ConfigError(f"train.eval_every={cfg.train.eval_every} must be >= 0 (0 turns evaluation off)")
     m = cfg.model
     if m.hidden_size % m.num_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine import blend
 from engine import data as data_lib
 from engine import model as model_lib
 from engine.config import Config, ConfigError
+from engine.feed import BatchFeed
 from engine.init import materialize
 from engine.metrics import MetricsLogger
 from engine.optim import build_optimizer, clip_gradients, lr_at, set_lr
@@ -63,14 +63,13 @@ class Trainer:
         if len(self.tokenizer) > cfg.model.vocab_size:
             raise ConfigError(f"the tokenizer has {len(self.tokenizer)} tokens but model.vocab_size="
                               f"{cfg.model.vocab_size}; raise model.vocab_size to at least {len(self.tokenizer)}")
-        self.data = blend.TrainData(blend.spec_from_config(cfg), self.tokenizer)
+        self.feed = BatchFeed(cfg, ctx, self.tokenizer)
         if ctx.rank == 0:
-            print(self.data.describe(), flush=True)
-        self.sampler = data_lib.GlobalBatchSampler(self.data.num_train_samples, t.global_batch_size, t.seed,
-                                                   dp_rank=ctx.dp_rank, dp_size=ctx.dp)
-        self.executor = PipelineExecutor(ctx, cfg.parallel.schedule, self.micro_batches,
-                                         act_shape=(t.micro_batch_size, t.seq_len, cfg.model.hidden_size),
-                                         act_dtype=next(self.model.parameters()).dtype)
+            print(self.feed.describe(), flush=True)
+        shape, dtype = (t.micro_batch_size, t.seq_len, cfg.model.hidden_size), next(self.model.parameters()).dtype
+        self.executor = PipelineExecutor(ctx, cfg.parallel.schedule, self.micro_batches, shape, dtype)
+        self.eval_executor = PipelineExecutor(ctx, cfg.parallel.schedule, self.micro_batches, shape, dtype,
+                                              forward_only=True)
         self.step = 0
         self.metrics = MetricsLogger(t.out_dir, enabled=ctx.rank == 0, progress=cfg.log.progress,
                                      total_steps=t.steps)
@@ -80,13 +79,13 @@ class Trainer:
             return torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def forward_backward(self, local_batch: torch.Tensor) -> torch.Tensor:
-        """Accumulate the gradient of this rank's share of the global batch through the pipeline schedule.
-        local_batch: (B/dp, s+1) token ids. Each micro-batch's mean loss is divided by the number of micro-batches,
-        so the gradient is that of the mean over this rank's tokens. Returns that mean loss (detached) on every
-        stage (the last stage computes it; the pp all-reduce shares it)."""
+    def run_schedule(self, executor: PipelineExecutor, local_batch: torch.Tensor | None, **kwargs) -> torch.Tensor:
+        """Run ``executor`` on this rank's share of a global batch (None on middle stages). local_batch:
+        (B/dp, s+1) token ids. Each micro-batch's mean loss is divided by the number of micro-batches, so the sum
+        is the mean over this rank's tokens; returned (detached) on every stage via a pp all-reduce."""
         ctx = self.ctx
-        micro = [m.to(ctx.device, non_blocking=True) for m in local_batch.split(self.cfg.train.micro_batch_size)]
+        micro = [] if local_batch is None else \
+            [m.to(ctx.device, non_blocking=True) for m in local_batch.split(self.cfg.train.micro_batch_size)]
         inputs, labels = [m[:, :-1] for m in micro], [m[:, 1:] for m in micro]  # (mbs, s) each
 
         def forward(x: torch.Tensor) -> torch.Tensor:
@@ -96,11 +95,31 @@ class Trainer:
         def loss_fn(logits: torch.Tensor, mb: int) -> torch.Tensor:
             return vocab_parallel_cross_entropy(logits, labels[mb], ctx.tp_group) / self.micro_batches
 
-        loss = self.executor.run(forward, loss_fn, inputs, before_backward=self.before_backward)
-        self.sync_tied_embedding()
+        loss = executor.run(forward, loss_fn, inputs, **kwargs)
         if ctx.pp > 1:
             dist.all_reduce(loss, group=ctx.pp_group)  # only the last stage's term is non-zero
         return loss
+
+    def forward_backward(self, local_batch: torch.Tensor | None) -> torch.Tensor:
+        """Accumulate the gradient of this rank's share of the global batch; returns its mean loss."""
+        loss = self.run_schedule(self.executor, local_batch, before_backward=self.before_backward)
+        self.sync_tied_embedding()
+        return loss
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean loss over train.eval_batches global batches of the held-out split (None if it is empty)."""
+        self.model.eval()
+        batches = self.feed.valid_batches(self.cfg.train.eval_batches)
+        losses = [self.run_schedule(self.eval_executor, batch) for batch in batches]
+        self.model.train()
+        if not losses:
+            return None
+        loss = torch.stack(losses).mean()
+        if self.ctx.dp > 1:
+            dist.all_reduce(loss, group=self.ctx.dp_group)
+            loss = loss / self.ctx.dp
+        return loss.item()
 
     def before_backward(self, mb: int, is_last: bool) -> None:
         """FSDP reduce-scatters gradients only in the last backward of the step (they accumulate unsharded
@@ -148,9 +167,9 @@ class Trainer:
         return {"step": self.step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm,
                 "tokens_per_s": t.global_batch_size * t.seq_len / step_time, "step_time": step_time}
 
-    def next_local_batch(self) -> torch.Tensor:
-        """This dp rank's (B/dp, s+1) slice of the next global batch."""
-        return blend.batch_from(self.data, self.sampler.next_batch())
+    def next_local_batch(self) -> torch.Tensor | None:
+        """This dp rank's (B/dp, s+1) slice of the next global batch (None on a middle pipeline stage)."""
+        return self.feed.next_train()
 
     def fit(self) -> list[dict]:
         """Train until cfg.train.steps; returns the metrics of every step (all ranks)."""
@@ -158,6 +177,11 @@ class Trainer:
         self.model.train()
         while self.step < self.cfg.train.steps:
             record = self.train_step(self.next_local_batch())
+            every = self.cfg.train.eval_every
+            if every and (self.step % every == 0 or self.step == self.cfg.train.steps):
+                eval_loss = self.evaluate()
+                if eval_loss is not None:
+                    record["eval_loss"] = eval_loss
             history.append(record)
             if self.step % self.cfg.log.every == 0 or self.step == self.cfg.train.steps:
                 self.metrics.log(record)

@@ -28,7 +28,7 @@ def one_step_grads(argv: list[str]) -> dict:
     trainer = Trainer(cfg, ParallelContext.from_config(cfg))
     loss = trainer.forward_backward(trainer.next_local_batch())
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters(remove_duplicate=False)}
-    return {"loss": loss.item(), "grads": grads}
+    return {"loss": loss.item(), "grads": grads, "reads_data": trainer.feed.reads}
 
 
 @pytest.fixture(scope="module")
@@ -51,23 +51,30 @@ def test_pipeline_matches_single_stage(tmp_path, reference, schedule, pp, micro_
     want = reference(micro_batches, tie)
     argv = [*SMALL, "--train.global_batch_size", str(micro_batches), "--model.tie_embeddings", str(tie),
             "--parallel.pp", str(pp), "--parallel.schedule", schedule, "--train.out_dir", str(tmp_path)]
-    seen = set()
-    for stage, got in enumerate(run_ranks(one_step_grads, pp, argv)):
+    seen, results = set(), run_ranks(one_step_grads, pp, argv)
+    for stage, got in enumerate(results):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), f"stage {stage} loss"
         for name, grad in got["grads"].items():
             err = rel_err(grad, want["grads"][name])
             assert err <= 1e-5, f"stage {stage}: gradient of {name} differs by rel {err:.2e}"
             seen.add(name)
     assert seen == set(want["grads"]), f"parameters on no stage: {set(want['grads']) - seen}"
+    # Only the first stage (tokens) and the last (labels) open the data.
+    assert [r["reads_data"] for r in results] == [True] + [False] * (pp - 2) + [True]
 
 
 def test_3d_tp2_pp2_dp2_follows_single_process_curve(tmp_path):
     argv = ["--config", "configs/tiny.yaml", "--train.steps", "10", "--log.progress", "false",
-            "--train.out_dir", str(tmp_path)]
-    single = losses(run_ranks(train, 1, argv)[0])
+            "--train.out_dir", str(tmp_path), "--train.eval_every", "5"]
+
+    def curve(history: list[dict]) -> list[float]:  # training losses, then the two held-out losses
+        return losses(history) + [r["eval_loss"] for r in history if "eval_loss" in r]
+
+    single = curve(run_ranks(train, 1, argv)[0])
+    assert len(single) == 12
     three_d = run_ranks(train, 8, [*argv, "--parallel.tp", "2", "--parallel.pp", "2"], timeout_s=300)
     for rank, history in enumerate(three_d):
-        assert_curves_match(losses(history), single)
+        assert_curves_match(curve(history), single)
 
 
 def test_uneven_explicit_stage_split(tmp_path):

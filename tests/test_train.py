@@ -37,12 +37,14 @@ def test_tiny_loss_falls_over_200_steps(tmp_path):
 
 
 def _short_run(tmp_path, world: int, *extra: str) -> list[float]:
-    """Losses of 20 steps, then the global grad norms (clipping is active: the norm starts near 3.5 > 1.0), so
+    """Losses of 20 steps, the global grad norms and the two validation losses (clipping is active: the norm starts near 3.5 > 1.0), so
     a grad norm that counted tp-replicated parameters tp times would show."""
     argv = ["--config", "configs/tiny.yaml", "--train.steps", "20", "--train.out_dir", str(tmp_path),
-            "--log.progress", "false", *extra]
+            "--log.progress", "false", "--train.eval_every", "10", *extra]
     history = run_ranks(train, world, argv)[0]
-    return losses(history) + [r["grad_norm"] for r in history]
+    evals = [r["eval_loss"] for r in history if "eval_loss" in r]
+    assert len(evals) == 2  # held-out loss at steps 10 and 20
+    return losses(history) + [r["grad_norm"] for r in history] + evals
 
 
 def assert_curves_match(got: list[float], want: list[float], rel: float = 1e-5) -> None:

@@ -72,10 +72,15 @@ class PipelineExecutor:
     """Runs one step's schedule on this stage. ``forward(x, mb)`` is the stage module; ``loss_fn(out, mb)``
     turns the last stage's output into that micro-batch's (already averaged) loss."""
 
-    def __init__(self, ctx, schedule: str, micro_batches: int, act_shape: tuple[int, ...], act_dtype: torch.dtype):
+    def __init__(self, ctx, schedule: str, micro_batches: int, act_shape: tuple[int, ...], act_dtype: torch.dtype,
+                 forward_only: bool = False):
         self.ctx, self.micro_batches = ctx, micro_batches
-        self.actions = sched.build(schedule, ctx.pp, micro_batches, ctx.pp_rank)
-        self.last_backward_mb = [a.mb for a in self.actions if a.op == Op.BWD][-1]
+        if forward_only:  # evaluation: run() must then be called under torch.no_grad()
+            self.actions = sched.forward_only(ctx.pp, micro_batches, ctx.pp_rank)
+        else:
+            self.actions = sched.build(schedule, ctx.pp, micro_batches, ctx.pp_rank)
+        backwards = [a.mb for a in self.actions if a.op == Op.BWD]
+        self.last_backward_mb = backwards[-1] if backwards else None
         self.act_shape, self.act_dtype = act_shape, act_dtype
         # Time the last run() spent blocked on receives. It leaves out the idle tail after this stage's last
         # action, so the whole bubble is measured between barriers (launch/bench_pipeline.py).

@@ -93,6 +93,11 @@ def gpipe(pp: int, micro_batches: int, stage: int) -> list[Action]:
     return actions
 
 
+def forward_only(pp: int, micro_batches: int, stage: int) -> list[Action]:
+    """Evaluation: every micro-batch forwarded (received from stage-1, sent to stage+1), nothing backwarded."""
+    return [a for mb in range(micro_batches) for a in _forward(pp, stage, mb)]
+
+
 SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
 
 
