@@ -66,6 +66,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
+    adam_eps: float = 1e-8
     grad_clip: float = 1.0  # global L2 norm; 0 disables
     seed: int = 1234
     dtype: str = "fp32"  # fp32 | bf16 (autocast; weights, grads and optimizer state stay fp32)
@@ -288,5 +289,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.lr={cfg.train.lr} must be >= 0")
     if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
         raise ConfigError(f"train.min_lr_ratio={cfg.train.min_lr_ratio} must be in [0, 1]")
+    if cfg.train.adam_eps <= 0:
+        raise ConfigError(f"train.adam_eps={cfg.train.adam_eps} must be > 0")
     if cfg.train.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps={cfg.train.warmup_steps} must be >= 0")

@@ -2,10 +2,12 @@
 the loss curve over 10 steps (rel <= 1e-5 at every step) and every parameter after them (fp32, relative L2 error
 ||a - b|| / ||b|| <= 1e-5), also composed with tp and pp.
 
-Parameters are compared in L2, not element by element: a gradient element that is zero up to rounding (~1e-12)
-gets an Adam update of up to lr * |g| / (|g| + eps), whose sign follows the rounding, so a different but equally
-valid reduction order (FSDP's reduce-scatter pre-divides by sqrt(dp)) moves single elements by ~1e-6 after 10
-steps while the tensor as a whole agrees to ~1e-7."""
+Why parameters are compared in L2 and with Adam eps = 1e-6: a gradient element that is a sum of nearly cancelling
+terms carries rounding noise that is large relative to itself, and Adam, which normalises each element, turns it
+into an update of order lr * |g| / (|g| + eps) with a noisy sign. Any other but equally valid summation order
+(more dp ranks, FSDP's reduce-scatter pre-dividing by sqrt(dp)) then moves such elements by ~1e-5 after 10 steps
+with eps = 1e-8 (measured: embedding rel L2 2e-5 at dp=4), while the losses agree to 1e-7. A larger eps bounds that
+amplification (noise / eps) without changing what is tested."""
 from __future__ import annotations
 
 import pytest
@@ -20,7 +22,7 @@ from tests.test_train import assert_curves_match, losses
 SMALL = ["--config", "configs/tiny.yaml", "--model.num_layers", "4", "--model.hidden_size", "64",
          "--model.intermediate_size", "128", "--model.num_heads", "4", "--model.num_kv_heads", "2",
          "--train.seq_len", "32", "--train.micro_batch_size", "1", "--train.global_batch_size", "8",
-         "--train.steps", "10", "--train.warmup_steps", "2", "--log.progress", "false"]
+         "--train.steps", "10", "--train.warmup_steps", "2", "--train.adam_eps", "1e-6", "--log.progress", "false"]
 MODES = {"ddp": ["--parallel.dp_mode", "ddp"],
          "fsdp-reshard": ["--parallel.dp_mode", "fsdp", "--parallel.reshard_after_forward", "true"],
          "fsdp-keep": ["--parallel.dp_mode", "fsdp", "--parallel.reshard_after_forward", "false"]}
