@@ -94,13 +94,15 @@ class PipelineExecutor:
                 t = torch.empty(self.act_shape, dtype=self.act_dtype, device=ctx.device)
                 ops.append(dist.P2POp(dist.irecv, t, ctx.prev_stage_rank, ctx.pp_group))
             elif a.op == Op.SEND_FWD:
+                # The wire dtype is fixed (act_dtype): under FSDP bf16 compute the output is bf16; .to() is a
+                # no-op when the dtypes already agree.
                 t = state["outputs"][a.mb]
-                ops.append(dist.P2POp(dist.isend, t.detach(), ctx.next_stage_rank, ctx.pp_group))
+                ops.append(dist.P2POp(dist.isend, t.detach().to(self.act_dtype), ctx.next_stage_rank, ctx.pp_group))
             elif a.op == Op.RECV_BWD:
                 t = torch.empty(self.act_shape, dtype=self.act_dtype, device=ctx.device)
                 ops.append(dist.P2POp(dist.irecv, t, ctx.next_stage_rank, ctx.pp_group))
             else:  # SEND_BWD
-                t = state["inputs"].pop(a.mb).grad
+                t = state["inputs"].pop(a.mb).grad.to(self.act_dtype)
                 ops.append(dist.P2POp(dist.isend, t, ctx.prev_stage_rank, ctx.pp_group))
             meta.append((a, t))
         return list(zip(dist.batch_isend_irecv(ops), meta))
