@@ -32,8 +32,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """LR for optimizer step ``step`` (0-based): linear warmup to cfg.lr over warmup_steps, then cosine decay to
-    lr * min_lr_ratio at cfg.steps (Loshchilov & Hutter 2017, without restarts). A pure function of the step, so a resumed
-    run needs no scheduler state."""
+    lr * min_lr_ratio at cfg.steps (Loshchilov & Hutter 2017, without restarts). A pure function of the step, so
+    a resumed run needs no scheduler state."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     span = max(1, cfg.steps - cfg.warmup_steps)
