@@ -25,6 +25,7 @@ from engine.parallel.context import ParallelContext
 from engine.parallel.data import allreduce_gradients, apply_fsdp
 from engine.parallel.pipeline import PipelineExecutor, split_stage
 from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+from engine.parallel.zero import ZeroEngine, check_zero_supported
 
 
 def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
@@ -43,9 +44,12 @@ def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
 
 
 def check_supported(cfg: Config, ctx: ParallelContext) -> None:
-    """Refuse, with the combination named, what this build of the engine cannot run yet."""
+    """Refuse, with the combination named, what this build of the engine cannot run."""
     if cfg.parallel.dp_mode == "zero":
-        raise ConfigError("parallel.dp_mode=zero is not supported by this build yet; use ddp or fsdp")
+        check_zero_supported(cfg, ctx)
+    elif cfg.parallel.zero_stage:
+        raise ConfigError(f"parallel.zero_stage={cfg.parallel.zero_stage} needs parallel.dp_mode=zero, not "
+                          f"{cfg.parallel.dp_mode}; fsdp shards like ZeRO-3 (reshard_after_forward=true)")
 
 
 class Trainer:
@@ -58,7 +62,13 @@ class Trainer:
         self.micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.dp)
         torch.manual_seed(t.seed)
         self.model = build_model(cfg, ctx)
-        self.optimizer = build_optimizer(self.model, t)
+        self.zero = None
+        if cfg.parallel.dp_mode == "zero":
+            # DeepSpeed owns the optimizer step: never call self.optimizer.step() directly (train_step).
+            self.zero = ZeroEngine(self.model, cfg, ctx)
+            self.model, self.optimizer = self.zero.module, self.zero.optimizer
+        else:
+            self.optimizer = build_optimizer(self.model, t)
         self.tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer)
         if len(self.tokenizer) > cfg.model.vocab_size:
             raise ConfigError(f"the tokenizer has {len(self.tokenizer)} tokens but model.vocab_size="
@@ -66,8 +76,10 @@ class Trainer:
         self.feed = BatchFeed(cfg, ctx, self.tokenizer)
         if ctx.rank == 0:
             print(self.feed.describe(), flush=True)
+        # Under ZeRO with bf16 the weights themselves are bf16 (DeepSpeed keeps the fp32 master copy).
         shape, dtype = (t.micro_batch_size, t.seq_len, cfg.model.hidden_size), next(self.model.parameters()).dtype
-        self.executor = PipelineExecutor(ctx, cfg.parallel.schedule, self.micro_batches, shape, dtype)
+        self.executor = PipelineExecutor(ctx, cfg.parallel.schedule, self.micro_batches, shape, dtype,
+                                         free_outputs=self.zero is None)
         self.eval_executor = PipelineExecutor(ctx, cfg.parallel.schedule, self.micro_batches, shape, dtype,
                                               forward_only=True)
         self.step = 0
@@ -89,6 +101,8 @@ class Trainer:
         inputs, labels = [m[:, :-1] for m in micro], [m[:, 1:] for m in micro]  # (mbs, s) each
 
         def forward(x: torch.Tensor) -> torch.Tensor:
+            if self.zero is not None:  # DeepSpeed's forward registers the hooks its backward needs
+                return self.zero(x)
             with self.autocast():
                 return self.model(x)  # (mbs, s, V/tp) on the last stage, (mbs, s, h) elsewhere
 
@@ -102,7 +116,9 @@ class Trainer:
 
     def forward_backward(self, local_batch: torch.Tensor | None) -> torch.Tensor:
         """Accumulate the gradient of this rank's share of the global batch; returns its mean loss."""
-        loss = self.run_schedule(self.executor, local_batch, before_backward=self.before_backward)
+        backward = self.zero.backward if self.zero is not None else None
+        loss = self.run_schedule(self.executor, local_batch, before_backward=self.before_backward,
+                                 backward=backward)
         self.sync_tied_embedding()
         return loss
 
@@ -126,6 +142,8 @@ class Trainer:
         before it), as DDP's no_sync does; ddp mode all-reduces after the schedule instead."""
         if self.cfg.parallel.dp_mode == "fsdp":
             self.model.set_requires_gradient_sync(is_last)
+        elif self.zero is not None:
+            self.zero.set_sync(is_last)
 
     def tied_copy(self) -> tuple:
         """The last stage's copy of a tied embedding when embedding and LM head live on different stages."""
@@ -140,6 +158,9 @@ class Trainer:
         if not (self.cfg.model.tie_embeddings and ctx.pp > 1) or not (ctx.is_first_stage or ctx.is_last_stage):
             return
         weight = self.model.model.embed_tokens.weight if ctx.is_first_stage else self.model.lm_head.weight
+        if self.zero is not None:  # ZeRO-1 still holds the whole gradient in its own attribute
+            self.zero.all_reduce_grad(weight, ctx.embed_group)
+            return
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         grad = weight.grad.to_local() if hasattr(weight.grad, "to_local") else weight.grad  # FSDP: own dp shard
@@ -150,15 +171,11 @@ class Trainer:
         ctx, t = self.ctx, self.cfg.train
         start = time.perf_counter()
         loss = self.forward_backward(local_batch)
-        fsdp = self.cfg.parallel.dp_mode == "fsdp"
-        if not fsdp:
-            allreduce_gradients(self.model, ctx.dp_group)  # once per global batch, after the last micro-batch
-        grad_norm = clip_gradients(self.model, t.grad_clip, ctx.tp_rank, ctx.mp_group, self.tied_copy(),
-                                   dp_group=ctx.dp_group if fsdp else None)
         lr = lr_at(self.step, t)
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.zero is not None:
+            grad_norm = self.zero.step(lr)  # DeepSpeed reduces over dp, clips to train.grad_clip and updates
+        else:
+            grad_norm = self.optimizer_step(lr)
         if ctx.dp > 1:
             dist.all_reduce(loss, group=ctx.dp_group)
             loss = loss / ctx.dp
@@ -166,6 +183,18 @@ class Trainer:
         step_time = time.perf_counter() - start
         return {"step": self.step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm,
                 "tokens_per_s": t.global_batch_size * t.seq_len / step_time, "step_time": step_time}
+
+    def optimizer_step(self, lr: float) -> float:
+        """ddp and fsdp: sync gradients over dp, clip by the global norm, AdamW step. Returns the norm."""
+        ctx, fsdp = self.ctx, self.cfg.parallel.dp_mode == "fsdp"
+        if not fsdp:
+            allreduce_gradients(self.model, ctx.dp_group)  # once per global batch, after the last micro-batch
+        grad_norm = clip_gradients(self.model, self.cfg.train.grad_clip, ctx.tp_rank, ctx.mp_group,
+                                   self.tied_copy(), dp_group=ctx.dp_group if fsdp else None)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
 
     def next_local_batch(self) -> torch.Tensor | None:
         """This dp rank's (B/dp, s+1) slice of the next global batch (None on a middle pipeline stage)."""

@@ -70,8 +70,11 @@ class PipelineExecutor:
     turns the last stage's output into that micro-batch's (already averaged) loss."""
 
     def __init__(self, ctx, schedule: str, micro_batches: int, act_shape: tuple[int, ...], act_dtype: torch.dtype,
-                 forward_only: bool = False):
+                 forward_only: bool = False, free_outputs: bool = True):
         self.ctx, self.micro_batches = ctx, micro_batches
+        # Free a sent output's storage (Megatron's deallocate_output_tensor). A backward that must read the
+        # output (ZeroEngine.backward forms (out * grad).sum()) needs it kept: free_outputs=False.
+        self.free_outputs = free_outputs
         if forward_only:  # evaluation: run() must then be called under torch.no_grad()
             self.actions = sched.forward_only(ctx.pp, micro_batches, ctx.pp_rank)
         else:
@@ -120,16 +123,18 @@ class PipelineExecutor:
         still = []
         for work, a, t in state["pending"]:
             if a.op == Op.SEND_FWD and work.is_completed():
-                if a.mb in state["outputs"]:  # not yet backwarded: keep only its graph
+                if self.free_outputs and a.mb in state["outputs"]:  # not yet backwarded: keep only its graph
                     _free_storage(state["outputs"][a.mb])
             elif a.op == Op.SEND_FWD or not work.is_completed():
                 still.append((work, a, t))
         state["pending"] = still
 
-    def run(self, forward, loss_fn, first_inputs: list[torch.Tensor] | None, before_backward=None) -> torch.Tensor:
+    def run(self, forward, loss_fn, first_inputs: list[torch.Tensor] | None, before_backward=None,
+            backward=None) -> torch.Tensor:
         """Run every action of this stage for one step. first_inputs: the token micro-batches (first stage).
         ``before_backward(mb, is_last)`` is called before each backward (data parallelism syncs gradients only
-        in the last one). Returns the sum of the micro-batch losses on the last stage (a zero elsewhere),
+        in the last one). ``backward(output, grad)`` replaces the plain autograd backward of a micro-batch
+        (grad is None on the last stage, where output is the loss): DeepSpeed's engine.backward under ZeRO. Returns the sum of the micro-batch losses on the last stage (a zero elsewhere),
         detached."""
         ctx = self.ctx
         state = {"inputs": {}, "outputs": {}, "grads": {}, "pending": []}
@@ -155,7 +160,7 @@ class PipelineExecutor:
             else:  # BWD
                 if before_backward is not None:
                     before_backward(a.mb, is_last=a.mb == self.last_backward_mb)
-                _backward_from(state["outputs"].pop(a.mb), state["grads"].pop(a.mb, None))
+                (backward or _backward_from)(state["outputs"].pop(a.mb), state["grads"].pop(a.mb, None))
             i += 1
         for work, _, _ in state["pending"]:
             work.wait()
