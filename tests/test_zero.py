@@ -127,9 +127,10 @@ def test_zero_dp2_matches_single_process(ref, stage):
     assert results[0]["lr"] == lr_at(STEPS - 1, load(SMALL).train)
 
 
-def test_zero3_dp4_matches_single_process(ref):
-    # 4 ranks x 1 micro-batch: every parameter split 4 ways.
-    check_against(ref, zero_run(4, 3))
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_dp4_matches_single_process(ref, stage):
+    # 4 ranks x 1 micro-batch: every partition split 4 ways.
+    check_against(ref, zero_run(4, stage))
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -143,6 +144,11 @@ def test_zero2_pp2_dp2_matches_single_process(ref):
     # 1F1B over 2 stages, 2 micro-batches per dp rank: the first stage back-propagates through engine.backward of
     # (output * grad).sum(), with the sent output's storage already freed; ZeRO-2 reduce-scatters every backward.
     check_against(ref, zero_run(4, 2, "--parallel.pp", "2"))
+
+
+def test_zero1_tp2_pp2_dp2_matches_single_process(ref):
+    # 3D: DeepSpeed reduces over dp only; its grad norm spans tp x pp through mpu=ctx.
+    check_against(ref, zero_run(8, 1, "--parallel.tp", "2", "--parallel.pp", "2"))
 
 
 @pytest.fixture(scope="module")
