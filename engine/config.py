@@ -52,6 +52,10 @@ class ParallelConfig:
     schedule: str = "1f1b"  # 1f1b | gpipe
     pp_layers: list[int] = field(default_factory=list)  # layers per stage; empty = as even as possible
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
+    # Seconds any collective (and the start-up rendezvous) may wait for a peer before this rank fails, so a
+    # dead or stuck rank ends the job instead of hanging it. 600 is NCCL's own default (gloo's is 1800): long
+    # enough for a slow first step or checkpoint write, short enough not to burn an allocation.
+    timeout_s: float = 600.0
 
 
 @dataclass
@@ -68,6 +72,9 @@ class TrainConfig:
     beta2: float = 0.95
     adam_eps: float = 1e-8
     grad_clip: float = 1.0  # global L2 norm; 0 disables
+    # A step whose global loss is NaN or inf is skipped (no update; counted as skipped_steps in metrics); this
+    # many in a row abort the run (0: never abort).
+    max_bad_steps: int = 5
     seed: int = 1234
     dtype: str = "fp32"  # fp32 | bf16 (autocast; weights, grads and optimizer state stay fp32)
     activation_checkpointing: bool = False
@@ -86,16 +93,20 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
+    """Sharded checkpoints (engine/checkpoint.py): <dir>/step_NNNNNN/ and <dir>/latest."""
     dir: str = ""  # '' = no checkpoints
-    every: int = 0
-    keep: int = 3
-    resume: str = "auto"  # auto | none | PATH
+    every: int = 0  # save every N steps (0: only at the last step and on SIGTERM/SIGINT)
+    keep: int = 3  # newest complete checkpoints kept; 0 keeps all
+    resume: str = "auto"  # auto (latest good one in dir, if any) | none | PATH (a step_* dir or a dir with latest)
+    async_save: bool = False  # write and commit in a background thread while training continues
 
 
 @dataclass
 class LogConfig:
     every: int = 1  # log a metrics.jsonl line every N steps
     progress: bool = True  # the progress line with ETA on rank 0
+    breakdown: bool = True  # seconds per phase in each record (on CUDA a synchronize around each phase)
+    peak_tflops: float = 0.0  # device peak for MFU; 0: engine/flops.py's table by CUDA device name (none on CPU)
 
 
 @dataclass
@@ -265,6 +276,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{dotted}={value!r} is not one of {', '.join(choices)}")
     _positive(cfg, ["model.vocab_size", "model.hidden_size", "model.intermediate_size", "model.num_layers",
                     "model.num_heads", "model.num_kv_heads", "model.rope_theta", "parallel.tp", "parallel.pp",
+                    "parallel.timeout_s",
                     "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
                     "log.every", "train.eval_batches"])
     if cfg.train.eval_every < 0:
@@ -291,5 +303,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.min_lr_ratio={cfg.train.min_lr_ratio} must be in [0, 1]")
     if cfg.train.adam_eps <= 0:
         raise ConfigError(f"train.adam_eps={cfg.train.adam_eps} must be > 0")
+    if cfg.train.max_bad_steps < 0:
+        raise ConfigError(f"train.max_bad_steps={cfg.train.max_bad_steps} must be >= 0 (0: never abort)")
     if cfg.train.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps={cfg.train.warmup_steps} must be >= 0")
+    c = cfg.checkpoint
+    if c.every < 0 or c.keep < 0:
+        raise ConfigError(f"checkpoint.every={c.every} and checkpoint.keep={c.keep} must be >= 0 (0: only at the "
+                          f"end / keep all)")
+    if not c.resume:
+        raise ConfigError("checkpoint.resume is empty; use auto, none or a checkpoint PATH")

@@ -8,6 +8,7 @@ them as ``micro_batches`` forward/backward passes of ``micro_batch_size`` (gradi
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 
 from engine import data as data_lib
 from engine import model as model_lib
+from engine.checkpoint import Checkpointer
 from engine.config import Config, ConfigError
 from engine.feed import BatchFeed
 from engine.init import materialize
@@ -23,9 +25,14 @@ from engine.metrics import MetricsLogger
 from engine.optim import build_optimizer, clip_gradients, lr_at, set_lr
 from engine.parallel.context import ParallelContext
 from engine.parallel.data import allreduce_gradients, apply_fsdp
-from engine.parallel.pipeline import PipelineExecutor, split_stage
+from engine.parallel.pipeline import PipelineExecutor, backward_from, split_stage
 from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 from engine.parallel.zero import ZeroEngine, check_zero_supported
+from engine.stepstats import StepStats
+
+
+class TrainingAborted(RuntimeError):
+    """Training cannot usefully go on (train.max_bad_steps non-finite losses in a row)."""
 
 
 def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
@@ -83,8 +90,13 @@ class Trainer:
         self.eval_executor = PipelineExecutor(ctx, cfg.parallel.schedule, self.micro_batches, shape, dtype,
                                               forward_only=True)
         self.step = 0
+        self.stats = StepStats(cfg, ctx)  # throughput, MFU, memory, time per phase (metrics.jsonl)
+        self.bad_steps = self.skipped_steps = 0  # consecutive and total steps skipped for a NaN/inf loss
         self.metrics = MetricsLogger(t.out_dir, enabled=ctx.rank == 0, progress=cfg.log.progress,
                                      total_steps=t.steps)
+        # checkpoint.resume (auto | none | PATH): weights, Adam state, step, data position (engine/checkpoint.py)
+        self.checkpointer = Checkpointer(cfg, ctx)
+        self.checkpointer.resume(self)
 
     def autocast(self):
         if self.cfg.train.dtype == "bf16":
@@ -109,14 +121,15 @@ class Trainer:
         def loss_fn(logits: torch.Tensor, mb: int) -> torch.Tensor:
             return vocab_parallel_cross_entropy(logits, labels[mb], ctx.tp_group) / self.micro_batches
 
-        loss = executor.run(forward, loss_fn, inputs, **kwargs)
+        timer = self.stats.timer  # the loss counts as forward time
+        loss = executor.run(timer.wrap("forward", forward), timer.wrap("forward", loss_fn), inputs, **kwargs)
         if ctx.pp > 1:
             dist.all_reduce(loss, group=ctx.pp_group)  # only the last stage's term is non-zero
         return loss
 
     def forward_backward(self, local_batch: torch.Tensor | None) -> torch.Tensor:
         """Accumulate the gradient of this rank's share of the global batch; returns its mean loss."""
-        backward = self.zero.backward if self.zero is not None else None
+        backward = self.stats.timer.wrap("backward", self.zero.backward if self.zero is not None else backward_from)
         loss = self.run_schedule(self.executor, local_batch, before_backward=self.before_backward,
                                  backward=backward)
         self.sync_tied_embedding()
@@ -129,6 +142,7 @@ class Trainer:
         batches = self.feed.valid_batches(self.cfg.train.eval_batches)
         losses = [self.run_schedule(self.eval_executor, batch) for batch in batches]
         self.model.train()
+        self.stats.timer.pop()  # evaluation is not part of the next step's breakdown
         if not losses:
             return None
         loss = torch.stack(losses).mean()
@@ -171,29 +185,64 @@ class Trainer:
         ctx, t = self.ctx, self.cfg.train
         start = time.perf_counter()
         loss = self.forward_backward(local_batch)
-        lr = lr_at(self.step, t)
-        if self.zero is not None:
-            grad_norm = self.zero.step(lr)  # DeepSpeed reduces over dp, clips to train.grad_clip and updates
-        else:
-            grad_norm = self.optimizer_step(lr)
         if ctx.dp > 1:
             dist.all_reduce(loss, group=ctx.dp_group)
             loss = loss / ctx.dp
-        self.step += 1
+        # The loss is now the global-batch mean on every rank (pp and dp all-reduced; tp peers compute it
+        # identically), so every rank takes the same decision.
+        loss_value = loss.item()
+        lr = lr_at(self.step, t)
+        self.stats.before_update(self)
+        if math.isfinite(loss_value):
+            self.bad_steps = 0
+            grad_norm = self.optimizer_step(lr)
+        else:
+            grad_norm = self.skip_update()
+        self.step += 1  # a skipped step still consumed its batch and its place in the LR schedule (Megatron)
         step_time = time.perf_counter() - start
-        return {"step": self.step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm,
-                "tokens_per_s": t.global_batch_size * t.seq_len / step_time, "step_time": step_time}
+        record = {"step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+                  "tokens_per_s": t.global_batch_size * t.seq_len / step_time, "step_time": step_time}
+        if self.skipped_steps:
+            record["skipped_steps"] = self.skipped_steps
+        return self.stats.finish(record, self.executor.wait_s)
+
+    def skip_update(self) -> float:
+        """Drop this step's gradients without updating (a NaN/inf loss); abort after train.max_bad_steps in a
+        row. DeepSpeed is still stepped, at lr 0: its step() is what clears its gradient partitions, and it
+        skips the update itself when the gradient norm is not finite (as it is after a NaN loss)."""
+        self.bad_steps += 1
+        self.skipped_steps += 1
+        limit = self.cfg.train.max_bad_steps
+        if self.ctx.rank == 0:
+            print(f"step {self.step + 1}: loss is not finite; update skipped ({self.bad_steps} in a row"
+                  f"{f', abort at {limit}' if limit else ''})", flush=True)
+        if limit and self.bad_steps >= limit:
+            raise TrainingAborted(f"{self.bad_steps} steps in a row (up to step {self.step + 1}) had a NaN or inf "
+                                  f"loss (train.max_bad_steps={limit}); lower train.lr, raise train.warmup_steps "
+                                  f"or resume from an earlier checkpoint")
+        if self.zero is not None:
+            self.zero.step(0.0)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        return float("nan")
 
     def optimizer_step(self, lr: float) -> float:
-        """ddp and fsdp: sync gradients over dp, clip by the global norm, AdamW step. Returns the norm."""
+        """Sync gradients over dp, clip by the global norm, update; returns the norm before clipping. ddp and fsdp:
+        our all-reduce (ddp; FSDP reduce-scattered in backward), clip_gradients and AdamW; zero: DeepSpeed's step."""
+        timer = self.stats.timer
+        if self.zero is not None:
+            with timer.phase("optimizer"):
+                return self.zero.step(lr)  # DeepSpeed reduces over dp, clips to train.grad_clip and updates
         ctx, fsdp = self.ctx, self.cfg.parallel.dp_mode == "fsdp"
         if not fsdp:
-            allreduce_gradients(self.model, ctx.dp_group)  # once per global batch, after the last micro-batch
-        grad_norm = clip_gradients(self.model, self.cfg.train.grad_clip, ctx.tp_rank, ctx.mp_group,
-                                   self.tied_copy(), dp_group=ctx.dp_group if fsdp else None)
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            with timer.phase("dp_comm"):  # once per global batch, after the last micro-batch
+                allreduce_gradients(self.model, ctx.dp_group)
+        with timer.phase("optimizer"):
+            grad_norm = clip_gradients(self.model, self.cfg.train.grad_clip, ctx.tp_rank, ctx.mp_group,
+                                       self.tied_copy(), dp_group=ctx.dp_group if fsdp else None)
+            set_lr(self.optimizer, lr)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
     def next_local_batch(self) -> torch.Tensor | None:
@@ -204,8 +253,11 @@ class Trainer:
         """Train until cfg.train.steps; returns the metrics of every step (all ranks)."""
         history = []
         self.model.train()
+        self.checkpointer.start()  # SIGTERM/SIGINT from here on: save after the current step and return
         while self.step < self.cfg.train.steps:
-            record = self.train_step(self.next_local_batch())
+            with self.stats.timer.phase("data"):
+                batch = self.next_local_batch()
+            record = self.train_step(batch)
             every = self.cfg.train.eval_every
             if every and (self.step % every == 0 or self.step == self.cfg.train.steps):
                 eval_loss = self.evaluate()
@@ -214,4 +266,7 @@ class Trainer:
             history.append(record)
             if self.step % self.cfg.log.every == 0 or self.step == self.cfg.train.steps:
                 self.metrics.log(record)
+            if self.checkpointer.after_step(self):  # saves every checkpoint.every steps, at the last, on a signal
+                break
+        self.checkpointer.finish()  # an async save commits before fit returns
         return history

@@ -23,7 +23,6 @@ import os
 import statistics
 import sys
 import time
-import weakref
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +33,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B  # noqa: E402
 
 from engine.config import load  # noqa: E402
+from engine.memory import SavedActivations  # noqa: E402
 from engine.parallel.context import ParallelContext  # noqa: E402
 from engine.parallel.pipeline import PipelineExecutor  # noqa: E402
 from engine.parallel.spawn import run_ranks  # noqa: E402
@@ -114,42 +114,6 @@ def measure_bubble(args, cfg, ctx, model, m: int) -> dict:
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 
-class SavedActivations:
-    """Bytes of distinct storages saved for backward and alive at once (parameters excluded), with the peak."""
-
-    class Held:
-        def __init__(self, tensor: torch.Tensor):
-            self.tensor = tensor
-
-    def __init__(self, model):
-        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.refs: dict[int, int] = {}
-        self.live = self.peak = 0
-
-    def pack(self, t: torch.Tensor):
-        storage = t.untyped_storage()
-        key, nbytes = storage.data_ptr(), storage.nbytes()
-        if key in self.params or nbytes == 0:
-            return t
-        if not self.refs.get(key):
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-        self.refs[key] = self.refs.get(key, 0) + 1
-        held = self.Held(t)
-        weakref.finalize(held, self.release, key, nbytes)  # runs when autograd frees this saved tensor
-        return held
-
-    def release(self, key: int, nbytes: int) -> None:
-        self.refs[key] -= 1
-        if not self.refs[key]:
-            del self.refs[key]
-            self.live -= nbytes
-
-    @staticmethod
-    def unpack(saved):
-        return saved.tensor if isinstance(saved, SavedActivations.Held) else saved
-
-
 def measure_memory(args, cfg, ctx, model) -> dict:
     """Peak saved-activation bytes of one step of each schedule on this stage, and its micro-batches in flight."""
     act_shape = (cfg.train.micro_batch_size, cfg.train.seq_len, cfg.model.hidden_size)
@@ -157,7 +121,7 @@ def measure_memory(args, cfg, ctx, model) -> dict:
     for name in ("gpipe", "1f1b"):
         executor = PipelineExecutor(ctx, name, args.memory_m, act_shape, torch.float32)
         tracker = SavedActivations(model)
-        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+        with tracker.hooks():
             run_ours(executor, model, cfg, ctx, args.memory_m, 0)
         out[name] = (tracker.peak, max_in_flight(build(name, ctx.pp, args.memory_m, ctx.pp_rank)))
     return out

@@ -14,6 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from engine.ckpt_format import CheckpointError  # noqa: E402
 from engine.config import ConfigError, load  # noqa: E402
 from engine.data import DataError  # noqa: E402
 
@@ -38,10 +39,18 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     try:
         code = main(sys.argv[1:])
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, CheckpointError) as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
         code = 2
+    except Exception as e:  # noqa: BLE001
+        from engine.trainer import TrainingAborted  # torch is imported by now; not before a config error
+
+        if not isinstance(e, TrainingAborted):
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: training aborted: {e}", file=sys.stderr, flush=True)
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: the deepspeed launcher's workers can abort in C++ destructors at exit.

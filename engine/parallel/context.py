@@ -30,6 +30,15 @@ def pick_device_and_backend(requested: str = "auto", local_rank: int = 0) -> tup
     return torch.device("cpu"), "gloo"
 
 
+def group_options(backend: str, timeout: datetime.timedelta):
+    """Backend options carrying ``timeout`` for the groups DeviceMesh creates. torch's ``new_group`` defaults to
+    the backend's global timeout (gloo: 30 min), not the world group's, so without this a dead peer would hang a
+    tp/dp/pp collective for half an hour whatever ``init_process_group`` was given."""
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return options
+
+
 @dataclass(frozen=True)
 class Layout:
     """Validated sizes of the three axes."""
@@ -97,7 +106,8 @@ def env_rank_info() -> tuple[int, int, int]:
 class ParallelContext:
     """Groups and coordinates of this rank in the (pp, dp, tp) grid."""
 
-    def __init__(self, layout: Layout, mesh: DeviceMesh, device: torch.device, backend: str):
+    def __init__(self, layout: Layout, mesh: DeviceMesh, device: torch.device, backend: str,
+                 timeout: datetime.timedelta | None = None):
         self.layout, self.mesh, self.device, self.backend = layout, mesh, device, backend
         self.tp, self.pp, self.dp = layout.tp, layout.pp, layout.dp
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -113,7 +123,7 @@ class ParallelContext:
         self.mp_group = None
         for d in range(self.dp):
             ranks = grid[:, d, :].flatten().tolist()
-            group = dist.new_group(ranks) if self.world_size > 1 else dist.group.WORLD
+            group = dist.new_group(ranks, timeout=timeout) if self.world_size > 1 else dist.group.WORLD
             if self.rank in ranks:
                 self.mp_group = group
         self.stage_ranks = grid[:, self.dp_rank, self.tp_rank].tolist()  # global rank of each pp stage
@@ -124,13 +134,14 @@ class ParallelContext:
             for d in range(self.dp):
                 for t in range(self.tp):
                     ranks = [grid[0, d, t].item(), grid[-1, d, t].item()]
-                    group = dist.new_group(ranks)
+                    group = dist.new_group(ranks, timeout=timeout)
                     if self.rank in ranks:
                         self.embed_group = group
 
     @classmethod
-    def from_config(cls, cfg: Config, timeout_s: float = 600.0) -> "ParallelContext":
-        """Initialise torch.distributed from the launcher's environment (or a single process) and build the mesh."""
+    def from_config(cls, cfg: Config) -> "ParallelContext":
+        """Initialise torch.distributed from the launcher's environment (or a single process) and build the mesh.
+        Every group gets cfg.parallel.timeout_s, so a dead peer fails the survivors' next collective in bounded time."""
         rank, world, local_rank = env_rank_info()
         layout = resolve_layout(cfg, world)
         device, backend = pick_device_and_backend(cfg.parallel.backend, local_rank)
@@ -140,15 +151,17 @@ class ParallelContext:
             # The deepspeed launcher sets no thread count: share the cores among this node's ranks.
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")) or 1)
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+        timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
         if not dist.is_initialized():
-            timeout = datetime.timedelta(seconds=timeout_s)
             if world == 1 and "MASTER_ADDR" not in os.environ:
                 # A plain `python launch/pretrain.py`: no rendezvous needed, an in-memory store will do.
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
             else:
                 dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
-        mesh = init_device_mesh(device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
-        return cls(layout, mesh, device, backend)
+        names = ("pp", "dp", "tp")
+        mesh = init_device_mesh(device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=names,
+                                backend_override={n: (backend, group_options(backend, timeout)) for n in names})
+        return cls(layout, mesh, device, backend, timeout)
 
     # ---- pipeline neighbours -------------------------------------------------------------------------------
     @property

@@ -56,7 +56,7 @@ def _free_storage(t: torch.Tensor) -> None:
     t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
 
 
-def _backward_from(output: torch.Tensor, grad: torch.Tensor | None) -> None:
+def backward_from(output: torch.Tensor, grad: torch.Tensor | None) -> None:
     """Backward through a stage whose output storage may have been freed: the engine call skips the shape check
     that torch.autograd.backward would make against the freed output (Megatron's custom_backward)."""
     if grad is None:  # the last stage: output is the scalar loss
@@ -160,7 +160,7 @@ class PipelineExecutor:
             else:  # BWD
                 if before_backward is not None:
                     before_backward(a.mb, is_last=a.mb == self.last_backward_mb)
-                (backward or _backward_from)(state["outputs"].pop(a.mb), state["grads"].pop(a.mb, None))
+                (backward or backward_from)(state["outputs"].pop(a.mb), state["grads"].pop(a.mb, None))
             i += 1
         for work, _, _ in state["pending"]:
             work.wait()

@@ -1,0 +1,59 @@
+"""DeepSpeed hostfiles: one host per line, ``HOSTNAME slots=N`` (N processes on that host), ``#`` comments.
+
+The format is DeepSpeed's (``deepspeed.launcher.runner._parse_hostfile``), read more strictly so that a typo is
+caught before a job starts: DeepSpeed accepts ``node1 slots=8x`` as 8 slots and ``node1 slots=0``; here every
+non-blank line must be exactly ``HOSTNAME slots=N`` with N >= 1, optionally followed by a ``# comment``, and a
+host may appear once. Errors name the file, the line number and the line, and say what is valid.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# A host as ssh and pdsh take it: a name or address, optionally user@; IPv6 addresses keep their colons.
+_LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.:@\[\]-]+)\s+slots=(?P<slots>\d+)$")
+VALID = "each line must be 'HOSTNAME slots=N' with N >= 1 (blank lines and '#' comments are allowed)"
+
+
+class HostfileError(ValueError):
+    """A hostfile that cannot be used; ``str(e)`` is one line naming the file, the line and what is valid."""
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    slots: int  # processes (GPUs) to start on this host
+    line: int  # 1-based line number in the hostfile, for messages
+
+
+def parse_hostfile_text(text: str, source: str = "hostfile") -> list[Host]:
+    """Hosts in file order. ``source`` names the file in errors."""
+    hosts: list[Host] = []
+    seen: dict[str, int] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        match = _LINE.match(line)
+        if match is None:
+            raise HostfileError(f"{source} line {number}: {raw.strip()!r} is not valid; {VALID}")
+        name, slots = match["host"], int(match["slots"])
+        if slots < 1:
+            raise HostfileError(f"{source} line {number}: {raw.strip()!r} has slots={slots}; {VALID}")
+        if name in seen:
+            raise HostfileError(f"{source} line {number}: host {name!r} is already listed on line {seen[name]}; "
+                                f"list each host once with all its slots")
+        seen[name] = number
+        hosts.append(Host(name, slots, number))
+    if not hosts:
+        raise HostfileError(f"{source} lists no hosts; {VALID}")
+    return hosts
+
+
+def parse_hostfile(path: str | Path) -> list[Host]:
+    """Read and check a hostfile; a missing file is a HostfileError too."""
+    path = Path(path)
+    if not path.is_file():
+        raise HostfileError(f"hostfile '{path}' does not exist")
+    return parse_hostfile_text(path.read_text(), str(path))
