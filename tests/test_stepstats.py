@@ -1,0 +1,43 @@
+"""Each step's record carries throughput, TFLOP/s and MFU, memory and the time per phase (engine/stepstats.py)."""
+from __future__ import annotations
+
+import pytest
+
+from engine.config import load
+from engine.flops import flops_per_token
+from engine.memory import trainer_bytes_held
+from engine.parallel.context import ParallelContext
+from engine.trainer import Trainer
+from tests.dist import run_ranks
+
+SMALL = ["--config", "configs/tiny.yaml", "--model.num_layers", "2", "--model.hidden_size", "64",
+         "--model.intermediate_size", "128", "--model.num_heads", "4", "--model.num_kv_heads", "2",
+         "--train.seq_len", "32", "--train.steps", "2", "--log.progress", "false", "--log.peak_tflops", "0.5"]
+
+
+def two_steps(argv: list[str]) -> dict:
+    cfg = load(argv)
+    trainer = Trainer(cfg, ParallelContext.from_config(cfg))
+    history = trainer.fit()
+    trainer.forward_backward(trainer.next_local_batch())  # grads held again, as right before an update
+    return {"history": history, "held": sum(trainer_bytes_held(trainer).values())}
+
+
+@pytest.mark.parametrize("extra", [[], ["--parallel.pp", "2"]], ids=["pp1", "pp2"])
+def test_records_carry_throughput_mfu_memory_and_phases(tmp_path, extra):
+    argv = [*SMALL, *extra, "--train.out_dir", str(tmp_path)]
+    world = 2 if extra else 1
+    result = run_ranks(two_steps, world, argv)[-1]  # the last stage
+    cfg = load(argv)
+    for r in result["history"]:
+        assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / world)
+        tflops = r["tokens_per_s_per_device"] * flops_per_token(cfg.model, cfg.train.seq_len) / 1e12
+        assert r["tflops"] == pytest.approx(tflops) and r["mfu"] == pytest.approx(tflops / 0.5)
+        assert r["mem_source"] == "tensors_held" and r["peak_mem_bytes"] > 0
+        phases = r["time"]
+        assert {"data", "forward", "backward", "optimizer", "pp_wait"} <= set(phases)
+        assert phases["forward"] > 0 and phases["backward"] > 0
+        # Phases are disjoint parts of the step (data is read before the step's clock starts).
+        assert sum(v for k, v in phases.items() if k != "data") <= r["step_time"] * 1.01
+    # The model state counted at the update is what the rank holds with gradients present.
+    assert result["history"][-1]["peak_mem_bytes"] == result["held"]
