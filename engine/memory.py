@@ -98,12 +98,14 @@ def zero_bytes_held(zero) -> dict[str, int]:
     out = {"params": _storage_bytes([getattr(p, "ds_tensor", p) for p in params], seen)}
     ds = zero.optimizer
     grads = [p.grad for p in params] + [getattr(p, "grad_accum", None) for p in params]
-    for attr in ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer"):
+    for attr in ("averaged_gradients", "all_grad_tensors", "grads_in_partition", "grad_partitions_flat_buffer"):
         grads += list(_tensors(getattr(ds, attr, None)))
     out["grads"] = _storage_bytes(grads, seen)
     base = ds.optimizer
     state = [t for st in base.state.values() for t in _tensors(st) if t.dim() > 0]
-    out["optimizer"] = _storage_bytes(state + [p for g in base.param_groups for p in g["params"]], seen)
+    masters = [t for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+               for t in _tensors(getattr(ds, attr, None))]  # ZeRO-1/2 and ZeRO-3 names of the fp32 master copy
+    out["optimizer"] = _storage_bytes(state + [p for g in base.param_groups for p in g["params"]] + masters, seen)
     out["other"] = _storage_bytes([t for v in vars(ds).values() for t in _tensors(v)], seen)
     return out
 

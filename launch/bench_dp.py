@@ -33,6 +33,7 @@ import torch  # noqa: E402
 
 from engine.config import load  # noqa: E402
 from engine.memory import trainer_bytes_held  # noqa: E402
+from engine.model import build, count_params  # noqa: E402
 from engine.parallel.context import ParallelContext  # noqa: E402
 from engine.parallel.spawn import run_ranks  # noqa: E402
 from engine.planner import model_state_bytes  # noqa: E402
@@ -53,13 +54,7 @@ def memory_rank(argv: list[str]) -> dict:
     trainer.train_step(trainer.next_local_batch())
     trainer.forward_backward(trainer.next_local_batch())
     gc.collect()
-    return {"bytes": trainer_bytes_held(trainer), "params": cfg_params(trainer)}
-
-
-def cfg_params(trainer) -> int:
-    from engine.model import build
-
-    return sum(p.numel() for p in build(trainer.cfg.model, device="meta").parameters())
+    return {"bytes": trainer_bytes_held(trainer), "params": count_params(build(cfg.model))}  # Ψ, the whole model
 
 
 def timing_rank(argv: list[str], modes: list[str], steps: int, warmup: int) -> dict:

@@ -21,7 +21,7 @@ from engine.data import DataError  # noqa: E402
 
 def main(argv: list[str]) -> int:
     from engine.parallel.context import ParallelContext, destroy
-    from engine.trainer import Trainer
+    from engine.trainer import Trainer, TrainingAborted
 
     cfg = load(argv)
     ctx = ParallelContext.from_config(cfg)
@@ -31,6 +31,10 @@ def main(argv: list[str]) -> int:
             print(f"layout tp={ctx.tp} pp={ctx.pp} dp={ctx.dp} on {ctx.world_size} x {ctx.device} ({ctx.backend}); "
                   f"{trainer.micro_batches} micro-batches of {cfg.train.micro_batch_size} per step", flush=True)
         trainer.fit()
+    except TrainingAborted as e:  # every rank takes the same decision (the loss is all-reduced)
+        if ctx.rank == 0:
+            print(f"error: training aborted: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         destroy()
     return 0
@@ -43,14 +47,6 @@ if __name__ == "__main__":
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
         code = 2
-    except Exception as e:  # noqa: BLE001
-        from engine.trainer import TrainingAborted  # torch is imported by now; not before a config error
-
-        if not isinstance(e, TrainingAborted):
-            raise
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: training aborted: {e}", file=sys.stderr, flush=True)
-        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: the deepspeed launcher's workers can abort in C++ destructors at exit.

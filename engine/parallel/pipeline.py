@@ -134,8 +134,8 @@ class PipelineExecutor:
         """Run every action of this stage for one step. first_inputs: the token micro-batches (first stage).
         ``before_backward(mb, is_last)`` is called before each backward (data parallelism syncs gradients only
         in the last one). ``backward(output, grad)`` replaces the plain autograd backward of a micro-batch
-        (grad is None on the last stage, where output is the loss): DeepSpeed's engine.backward under ZeRO. Returns the sum of the micro-batch losses on the last stage (a zero elsewhere),
-        detached."""
+        (grad is None on the last stage, where output is the loss): DeepSpeed's engine.backward under ZeRO.
+        Returns the sum of the micro-batch losses on the last stage (a zero elsewhere), detached."""
         ctx = self.ctx
         state = {"inputs": {}, "outputs": {}, "grads": {}, "pending": []}
         self.wait_s = 0.0
