@@ -26,7 +26,6 @@ from engine import flops
 from engine.config import Config, ConfigError
 from engine.parallel.context import Layout, resolve_layout
 from engine.parallel.tensor import LAYER_PLAN
-from engine.parallel.zero import check_zero_supported
 from engine.planner import StageMemory, plan_memory, reshards_after_forward, stage_params, with_layout
 
 
@@ -174,9 +173,7 @@ def layouts(cfg: Config, world_size: int):
                                         reshard_after_forward=reshard, pp_layers=pp_layers, micro_batch_size=mbs,
                                         activation_checkpointing=ac)
                         try:
-                            layout = resolve_layout(c, world_size)
-                            if mode == "zero":
-                                check_zero_supported(c, layout)
+                            layout = resolve_layout(c, world_size)  # refuses unsupported combinations too
                         except ConfigError:
                             continue
                         yield c, layout

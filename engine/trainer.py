@@ -27,7 +27,7 @@ from engine.parallel.context import ParallelContext
 from engine.parallel.data import allreduce_gradients, apply_fsdp
 from engine.parallel.pipeline import PipelineExecutor, backward_from, split_stage
 from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
-from engine.parallel.zero import ZeroEngine, check_zero_supported
+from engine.parallel.zero import ZeroEngine
 from engine.stepstats import StepStats
 
 
@@ -50,20 +50,10 @@ def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
     return model
 
 
-def check_supported(cfg: Config, ctx: ParallelContext) -> None:
-    """Refuse, with the combination named, what this build of the engine cannot run."""
-    if cfg.parallel.dp_mode == "zero":
-        check_zero_supported(cfg, ctx)
-    elif cfg.parallel.zero_stage:
-        raise ConfigError(f"parallel.zero_stage={cfg.parallel.zero_stage} needs parallel.dp_mode=zero, not "
-                          f"{cfg.parallel.dp_mode}; fsdp shards like ZeRO-3 (reshard_after_forward=true)")
-
-
 class Trainer:
     """Holds the model, optimizer and data of one rank and runs optimizer steps."""
 
     def __init__(self, cfg: Config, ctx: ParallelContext):
-        check_supported(cfg, ctx)
         self.cfg, self.ctx = cfg, ctx
         t = cfg.train
         self.micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.dp)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from engine.config import Config, ConfigError
+from engine.parallel.support import check_supported
 
 
 def pick_device_and_backend(requested: str = "auto", local_rank: int = 0) -> tuple[torch.device, str]:
@@ -83,7 +84,9 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
     if pp > 1 and p.schedule == "1f1b" and micro_batches < pp:
         raise ConfigError(f"1f1b needs micro-batches ({micro_batches} = global_batch_size {t.global_batch_size} / "
                           f"(micro_batch_size {t.micro_batch_size} * dp {dp})) >= parallel.pp={pp}")
-    return Layout(tp=tp, pp=pp, dp=dp)
+    layout = Layout(tp=tp, pp=pp, dp=dp)
+    check_supported(cfg, layout)  # dp mode x layout x dtype refusals (engine/parallel/support.py)
+    return layout
 
 
 def env_rank_info() -> tuple[int, int, int]:

@@ -1,0 +1,57 @@
+"""Run the parity matrix and print the table of results.
+
+    python -m tests.parity --list                   # the combinations, the CI subset and the refusals; runs nothing
+    python -m tests.parity                          # the CI covering subset (what `pytest` runs)
+    python -m tests.parity --full --write-readme    # every supported combination; refreshes the README table
+
+Exit status 0 when every combination matches one process, 1 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tests.parity import matrix, report
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.parity", description=__doc__.splitlines()[0])
+    ap.add_argument("--full", action="store_true", help="every supported combination, not the CI subset")
+    ap.add_argument("--list", action="store_true", help="print the combinations and exit")
+    ap.add_argument("--write-readme", action="store_true", help="replace the README's 'What is proven' table")
+    ap.add_argument("--match", default="", help="only combinations whose name contains this text")
+    args = ap.parse_args(argv)
+    if args.write_readme and (not args.full or args.match):
+        ap.error("--write-readme needs --full without --match: the README table counts every combination")
+    combos = matrix.full_matrix() if args.full else matrix.covering_subset()
+    combos = [c for c in combos if args.match in c.name]
+    if args.list:
+        for c in combos:
+            print(c.name)
+        print(f"{len(combos)} combinations to run; {len(matrix.refused())} refused, e.g.:")
+        for c in matrix.refused()[:: max(1, len(matrix.refused()) // 8)]:
+            print(f"  {c.name}: {matrix.refusal(c)[1]}")
+        return 0
+    from tests.parity.runner import run_combos  # imports torch.distributed and the engine
+
+    torch.set_num_threads(1)  # the parent forks the ranks (tests/conftest.py says why)
+    start = time.time()
+    with tempfile.TemporaryDirectory() as root:
+        results = run_combos(combos, root)
+    passed, failed = report.print_results(results)
+    print(f"{time.time() - start:.0f} s")
+    if args.write_readme:
+        command = "python -m tests.parity" + (" --full" if args.full else "") + " --write-readme"
+        report.write_readme(ROOT / "README.md", report.readme_section(results, command))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

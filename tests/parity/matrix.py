@@ -1,0 +1,187 @@
+"""The parity matrix: every layout the engine is asked to support within 8 ranks, as data (no processes, no torch).
+
+One ``Combo`` is a point of the product of these factors (``FACTORS``):
+
+    tp, pp, dp in {1, 2, 4} with tp * pp * dp <= 8
+    dp_mode: ddp | fsdp-reshard | fsdp-keep | zero1 | zero2 | zero3
+    schedule: 1f1b | gpipe (only with pp > 1; "-" at pp = 1, where there is no schedule)
+    dtype: fp32 | bf16;  tied / untied embeddings;  activation checkpointing off / on
+    clip: off (train.grad_clip 0) | on (a threshold below the gradient norm, so every step is clipped)
+
+``refusal(combo)`` states, independently of the engine's own checks, which combinations the engine must refuse and
+with which words; the tests check that the engine gives exactly that error, so an accidental refusal or an
+accidental acceptance both fail. ``full_matrix()`` is every combination with clipping off (clipping off is what
+makes a gradient that is off by a constant factor visible: clipping followed by Adam hides it);
+``covering_subset()`` is the CI subset: every pair of factor values that occurs in some supported combination,
+clipping on included, appears in at least one chosen combination (greedy pairwise covering, cheapest first).
+
+    python -m tests.parity --list          # the matrix and the CI subset, without running anything
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass, replace
+
+SIZES = (1, 2, 4)
+DP_MODES = ("ddp", "fsdp-reshard", "fsdp-keep", "zero1", "zero2", "zero3")
+FACTORS = ("tp", "pp", "dp", "dp_mode", "schedule", "dtype", "tied", "ac", "clip")
+MAX_WORLD = 8
+
+
+@dataclass(frozen=True, order=True)
+class Combo:
+    tp: int
+    pp: int
+    dp: int
+    dp_mode: str
+    schedule: str  # "-" when pp == 1
+    dtype: str
+    tied: bool
+    ac: bool
+    clip: bool
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def name(self) -> str:
+        return (f"tp{self.tp}-pp{self.pp}-dp{self.dp}-{self.dp_mode}"
+                + (f"-{self.schedule}" if self.pp > 1 else "") + f"-{self.dtype}"
+                + ("-tied" if self.tied else "") + ("-ac" if self.ac else "") + ("-clip" if self.clip else ""))
+
+    def argv(self) -> list[str]:
+        """The engine's command-line overrides for this combination (on top of runner.BASE)."""
+        mode, _, option = self.dp_mode.partition("-")
+        args = ["--parallel.tp", str(self.tp), "--parallel.pp", str(self.pp), "--parallel.dp", str(self.dp),
+                "--train.dtype", self.dtype, "--model.tie_embeddings", str(self.tied).lower(),
+                "--train.activation_checkpointing", str(self.ac).lower()]
+        if self.pp > 1:
+            args += ["--parallel.schedule", self.schedule]
+        if mode == "fsdp":
+            args += ["--parallel.dp_mode", "fsdp", "--parallel.reshard_after_forward",
+                     "true" if option == "reshard" else "false"]
+        elif mode.startswith("zero"):
+            args += ["--parallel.dp_mode", "zero", "--parallel.zero_stage", mode[-1]]
+        else:
+            args += ["--parallel.dp_mode", "ddp"]
+        return args
+
+    def values(self) -> dict:
+        """Factor -> value, leaving out a factor that does not matter for covering: the schedule at pp = 1, and the
+        dp mode at dp = 1 (the wrapper runs, but nothing is reduced or sharded), so that pairs with a dp mode are
+        covered where that mode really works across ranks."""
+        v = asdict(self)
+        if self.pp == 1:
+            del v["schedule"]
+        if self.dp == 1:
+            del v["dp_mode"]
+        return v
+
+
+def layouts() -> list[tuple[int, int, int]]:
+    return [(tp, pp, dp) for tp, pp, dp in itertools.product(SIZES, SIZES, SIZES) if tp * pp * dp <= MAX_WORLD]
+
+
+def all_combos(clip: tuple[bool, ...] = (False, True)) -> list[Combo]:
+    out = []
+    for (tp, pp, dp), mode, dtype, tied, ac, c in itertools.product(
+            layouts(), DP_MODES, ("fp32", "bf16"), (False, True), (False, True), clip):
+        for schedule in (("1f1b", "gpipe") if pp > 1 else ("-",)):
+            out.append(Combo(tp, pp, dp, mode, schedule, dtype, tied, ac, c))
+    return sorted(out)
+
+
+# Refusals, in the order the engine checks them. Each is (reason shown in the README, words the error must hold).
+TIED_ZERO_PP = ("ZeRO-2/3, or bf16 ZeRO-1, with tied embeddings across pipeline stages: the two copies' gradients "
+                "must be summed before DeepSpeed reduces them, which only fp32 ZeRO-1 allows",
+                "model.tie_embeddings=true is not supported")
+ZERO3_PP = ("ZeRO-3 with pp > 1: DeepSpeed compares module traces across all ranks and hangs under pipeline stages",
+            "zero_stage=3 and parallel.pp>1 is not supported")
+
+
+def refusal(c: Combo) -> tuple[str, str] | None:
+    """(reason, words of the error) if the engine must refuse ``c``, else None."""
+    if c.dp_mode.startswith("zero") and c.pp > 1:
+        if c.tied and (c.dp_mode != "zero1" or c.dtype != "fp32"):
+            return TIED_ZERO_PP
+        if c.dp_mode == "zero3":
+            return ZERO3_PP
+    return None
+
+
+def full_matrix() -> list[Combo]:
+    """Every supported combination, clipping off."""
+    return [c for c in all_combos(clip=(False,)) if refusal(c) is None]
+
+
+def refused() -> list[Combo]:
+    """Every refused combination (clipping does not change a refusal, so it is left off)."""
+    return [c for c in all_combos(clip=(False,)) if refusal(c) is not None]
+
+
+def cost(c: Combo) -> float:
+    """Rough CPU seconds of one parity run: ranks share 2 cores; bf16 matmuls are slow on CPUs; DeepSpeed's
+    set-up is slow."""
+    return c.world * (1.6 if c.dtype == "bf16" else 1.0) * (1.4 if c.dp_mode.startswith("zero") else 1.0) \
+        * (1.2 if c.ac else 1.0)
+
+
+def _pairs(c: Combo) -> set:
+    items = sorted(c.values().items())
+    return {(a, b) for a, b in itertools.combinations(items, 2)}
+
+
+def covering_subset() -> list[Combo]:
+    """Greedy pairwise covering of the supported combinations (clip off and on): repeatedly take the combination
+    that covers the most not-yet-covered pairs of factor values per unit of cost (ties: the smaller combo first,
+    so the choice is deterministic)."""
+    pool = [c for c in all_combos() if refusal(c) is None]
+    uncovered = set().union(*(_pairs(c) for c in pool))
+    chosen = []
+    while uncovered:
+        best = max(pool, key=lambda c: (len(_pairs(c) & uncovered) / cost(c), [-x for x in _key(c)]))
+        chosen.append(best)
+        uncovered -= _pairs(best)
+    return sorted(chosen)
+
+
+def _key(c: Combo) -> tuple:
+    return (c.world, c.tp, c.pp, c.dp, DP_MODES.index(c.dp_mode), c.schedule == "gpipe", c.dtype == "bf16",
+            c.tied, c.ac, c.clip)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Train ``save_at`` steps at ``source``, save, resume at ``target`` and train to the end; the whole curve is
+    compared with the uninterrupted single-process run."""
+    source: Combo
+    target: Combo
+
+    @property
+    def name(self) -> str:
+        return f"{self.source.name}->{self.target.name}"
+
+
+def _combo(tp=1, pp=1, dp=1, mode="ddp", schedule=None, dtype="fp32", tied=False, ac=False, clip=False) -> Combo:
+    return Combo(tp, pp, dp, mode, schedule or ("1f1b" if pp > 1 else "-"), dtype, tied, ac, clip)
+
+
+def resume_scenarios() -> list[Resume]:
+    """One source per dp_mode family (ddp, fsdp, zero 1/2/3), each resumed at another layout and mode; gpipe, pp4,
+    tp4, bf16 and tied embeddings appear on one side or the other; most run with clipping off."""
+    return [
+        Resume(_combo(dp=2, mode="ddp", pp=2, schedule="gpipe"), _combo(tp=4, mode="fsdp-reshard")),
+        Resume(_combo(pp=4, mode="ddp", tied=True, clip=True), _combo(tp=2, dp=2, mode="zero1", tied=True)),
+        Resume(_combo(tp=2, dp=2, mode="fsdp-keep", pp=2), _combo(pp=4, dp=2, mode="ddp", schedule="gpipe")),
+        Resume(_combo(dp=4, mode="zero1", pp=2), _combo(tp=2, dp=2, mode="zero3")),
+        Resume(_combo(tp=2, dp=2, mode="zero2", pp=2, clip=True), _combo(dp=2, mode="fsdp-reshard", pp=2)),
+        Resume(_combo(tp=4, dp=2, mode="zero3"), _combo(pp=4, mode="ddp")),
+        Resume(_combo(dp=2, mode="zero1", dtype="bf16"), _combo(tp=2, dp=2, mode="fsdp-keep", dtype="bf16")),
+        Resume(_combo(tp=2, mode="fsdp-reshard", dtype="bf16", dp=2), _combo(pp=2, dp=2, mode="zero2",
+                                                                            dtype="bf16")),
+    ]
+
+
+def with_clip(c: Combo, clip: bool) -> Combo:
+    return replace(c, clip=clip)

@@ -1,0 +1,85 @@
+"""Tables of parity results: one line per combination (printed), and per family (the README's "What is proven")."""
+from __future__ import annotations
+
+import datetime
+import re
+import subprocess
+from pathlib import Path
+
+from tests.parity import matrix
+from tests.parity.runner import FP32, BF16, Outcome
+
+BEGIN, END = "<!-- parity-table:begin -->", "<!-- parity-table:end -->"
+REASONS = {matrix.TIED_ZERO_PP[1]: "a", matrix.ZERO3_PP[1]: "b"}
+
+
+def line(c: matrix.Combo, o: Outcome) -> str:
+    e = o.errors
+    errs = f"{e['loss']:9.2e} {e['grad_norm']:9.2e} {e['params']:9.2e}" if e else " " * 29
+    return f"{c.name:<52} {errs} {o.seconds:6.1f}s  {'ok' if o.failure is None else 'FAIL ' + o.failure}"
+
+
+def print_results(results: dict) -> tuple[int, int]:
+    print(f"{'combination':<52} {'loss':>9} {'grad_norm':>9} {'params':>9}  (worst relative errors)")
+    for c in sorted(results):
+        print(line(c, results[c]))
+    failed = sum(o.failure is not None for o in results.values())
+    worst = {d: {k: max([o.errors[k] for c, o in results.items() if c.dtype == d and o.errors] or [0.0])
+                 for k in ("loss", "grad_norm", "params")} for d in ("fp32", "bf16")}
+    for d, tol in (("fp32", FP32), ("bf16", BF16)):
+        w = worst[d]
+        print(f"worst {d}: loss {w['loss']:.2e} (bound {tol.loss:.0e}), grad_norm {w['grad_norm']:.2e} "
+              f"(bound {tol.grad_norm:.0e}), params {w['params']:.2e} (bound {tol.params:.0e})")
+    print(f"parity: {len(results) - failed} passed, {failed} failed")
+    return len(results) - failed, failed
+
+
+def _cell(combos: list, results: dict | None) -> str:
+    parts = []
+    for dtype in ("fp32", "bf16"):
+        these = [c for c in combos if c.dtype == dtype]
+        refused = {matrix.refusal(c)[1] for c in these if matrix.refusal(c)}
+        ran = [c for c in these if not matrix.refusal(c)]
+        if refused and not ran:
+            parts.append(f"{dtype} refused ({', '.join(sorted(REASONS[r] for r in refused))})")
+        elif results is not None:
+            ok = sum(1 for c in ran if c in results and results[c].failure is None)
+            parts.append(f"{dtype} {'proven' if ok == len(ran) else 'FAILED'} {ok}/{len(ran)}")
+    return "; ".join(parts)
+
+
+def family_table(results: dict | None) -> str:
+    """dp mode x (pp = 1 / pp > 1) x (untied / tied): proven k/n per dtype, or refused with the reason."""
+    combos = matrix.all_combos(clip=(False,))
+    cols = [("pp = 1", lambda c: c.pp == 1 and not c.tied), ("pp = 1, tied", lambda c: c.pp == 1 and c.tied),
+            ("pp 2-4", lambda c: c.pp > 1 and not c.tied), ("pp 2-4, tied", lambda c: c.pp > 1 and c.tied)]
+    rows = ["| dp mode | " + " | ".join(name for name, _ in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for mode in matrix.DP_MODES:
+        cells = [_cell([c for c in combos if c.dp_mode == mode and pick(c)], results) for _, pick in cols]
+        rows.append(f"| {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def readme_section(results: dict, command: str) -> str:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "engine"], capture_output=True, text=True).stdout
+    passed = sum(o.failure is None for o in results.values())
+    return "\n".join([
+        BEGIN,
+        f"Measured {datetime.date.today().isoformat()} on commit {commit}{' (engine/ modified)' if dirty else ''} "
+        f"with `{command}`: {passed} of {len(results)} supported combinations match one process "
+        f"(tp, pp, dp in 1, 2, 4 up to 8 ranks; 1f1b and gpipe; activation checkpointing off and on; clipping "
+        f"off), {len(matrix.refused())} are refused with the error below. Each cell counts the combinations "
+        f"of its family (layouts, schedules, activation checkpointing).",
+        "",
+        family_table(results),
+        "",
+        f"(a) {matrix.TIED_ZERO_PP[0]}. (b) {matrix.ZERO3_PP[0]}.",
+        END])
+
+
+def write_readme(path: Path, section: str) -> None:
+    text = path.read_text()
+    if BEGIN not in text:
+        raise SystemExit(f"{path} has no {BEGIN} ... {END} block to replace")
+    path.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: section, text, flags=re.S))

@@ -1,0 +1,187 @@
+"""Run parity combinations through the real Trainer and compare them with one process on the same global batch.
+
+Each combination trains ``STEPS`` steps from the same seed and data (``BASE``: the tiny model shrunk so that 8 ranks
+fit on a laptop; 4 layers so pp = 4 has a layer per stage; 8 heads and 4 KV heads so tp = 4 divides both). The
+reference is the single-process trainer (tp = pp = dp = 1, ddp) with the same dtype, embeddings and clipping.
+Activation checkpointing is compared with the reference run without it: recomputation must not change anything.
+
+Combinations of one world size are run one after another inside one set of forked ranks (``run_many``), so a
+CI run pays the fork and the imports a few times, not once per combination.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ConfigError, load
+from engine.parallel.context import ParallelContext
+from engine.trainer import Trainer
+from tests.dist import run_ranks
+from tests.parity.matrix import Combo
+
+STEPS = 4
+CLIP = 0.5  # below the gradient norm of every step (0.9-3 here), so "clip on" clips every step
+BASE = ["--config", "configs/tiny.yaml", "--model.num_layers", "4", "--model.hidden_size", "64",
+        "--model.intermediate_size", "128", "--model.num_heads", "8", "--model.num_kv_heads", "4",
+        "--train.seq_len", "16", "--train.micro_batch_size", "1", "--train.global_batch_size", "8",
+        "--train.steps", str(STEPS), "--train.warmup_steps", "2", "--train.adam_eps", "1e-6",
+        "--log.progress", "false", "--log.breakdown", "false"]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Largest relative errors accepted against the single process. ``params``: relative L2 error of each final
+    parameter, ||got - want|| / ||want - initial||, i.e. measured against what the steps changed."""
+    loss: float
+    grad_norm: float
+    params: float
+
+
+# fp32: every layout reorders fp32 sums (tp splits matmuls, dp and FSDP reduce in another order), which moves the
+# loss by ~1e-7 and the grad norm by ~1e-6; 1e-5 is the bound the issue sets. Parameters: Adam normalises every
+# element by its own gradient scale, so an element whose gradient is a near-cancelling sum (embedding rows of
+# rare tokens) takes a sign-noisy update; eps = 1e-6 (BASE) bounds that. Measured worst over the whole matrix is
+# given in tests/parity/README section of the project README; see TOLERANCES_WHY.
+FP32 = Tolerance(loss=1e-5, grad_norm=1e-5, params=1e-2)
+BF16 = Tolerance(loss=1e-3, grad_norm=1e-2, params=1e-1)
+
+
+def tolerance(dtype: str) -> Tolerance:
+    return FP32 if dtype == "fp32" else BF16
+
+
+def combo_argv(c: Combo, out_dir: str, *extra: str) -> list[str]:
+    return [*BASE, *c.argv(), "--train.grad_clip", str(CLIP if c.clip else 0), "--train.out_dir", out_dir, *extra]
+
+
+def reference_of(c: Combo) -> Combo:
+    """The single-process combination ``c`` is compared with."""
+    return Combo(1, 1, 1, "ddp", "-", c.dtype, c.tied, False, c.clip)
+
+
+def held_parameters(trainer: Trainer) -> dict:
+    """Name -> (full-over-dp fp32 copy, tp dim or None, tp rank, tp size) of every parameter this rank holds.
+    FSDP's DTensors and ZeRO-3's partitions are gathered (collectives: every rank of the dp group calls this)."""
+    zero = trainer.zero
+    root = zero.module if zero is not None else trainer.model
+    if zero is not None:
+        values = zero.full_parameters()
+    else:
+        values = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+                  for n, p in root.named_parameters()}
+    modules = dict(root.named_modules())
+    out = {}
+    for name, value in values.items():
+        mod_name, _, attr = name.rpartition(".")
+        mod = modules[mod_name]
+        size = getattr(mod, "tp_size", 1)
+        dim = getattr(mod, "tp_dims", {}).get(attr) if size > 1 else None
+        out[name] = (value, dim, getattr(mod, "tp_rank", 0), size)
+    return out
+
+
+def train_one(argv: list[str], want_init: bool = False) -> dict:
+    """Build the config and context as launch/pretrain.py does, train, and report what the comparison needs."""
+    start = time.perf_counter()
+    try:
+        cfg = load(argv)
+        trainer = Trainer(cfg, ParallelContext.from_config(cfg))
+    except ConfigError as e:
+        return {"error": str(e)}
+    init = held_parameters(trainer) if want_init else None
+    history = trainer.fit()
+    return {"loss": [r["loss"] for r in history], "grad_norm": [r["grad_norm"] for r in history],
+            "params": held_parameters(trainer), "init": init, "seconds": time.perf_counter() - start}
+
+
+def run_many(argvs: list[list[str]], want_init: bool = False) -> list[dict]:
+    """Rank function: train each argv in turn (one Trainer each) in this set of ranks."""
+    warnings.filterwarnings("ignore")  # torch's deprecation notices, printed once per rank and run
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # DeepSpeed logs its memory at every initialize
+    return [train_one(argv, want_init) for argv in argvs]
+
+
+def run_group(world: int, argvs: list[list[str]], want_init: bool = False, per_run_s: float = 90.0) -> list[list]:
+    """Run ``argvs`` on ``world`` forked ranks; result[i][rank] is run i on that rank. The time limit scales with
+    the work (a loaded 2-core machine runs 8 ranks several times slower than an idle one)."""
+    by_rank = run_ranks(run_many, world, argvs, want_init, timeout_s=120 + per_run_s * len(argvs) * max(1, world / 2))
+    return [[by_rank[r][i] for r in range(world)] for i in range(len(argvs))]
+
+
+def rel(got: float, want: float) -> float:
+    if math.isnan(got) or math.isnan(want):
+        return math.inf
+    return abs(got - want) / max(abs(want), 1e-30)
+
+
+def compare(results: list[dict], ref: dict, offset: int = 0) -> dict:
+    """Worst relative errors of a run (all its ranks) against the reference: loss and grad norm at every step
+    (a run resumed after ``offset`` steps against the reference's later steps), and every final parameter (tp
+    shards cut from the reference's full tensor; a tied LM head under pp compared with the embedding). Also
+    checks that the run took every step and that the ranks together hold every parameter."""
+    want_loss, want_norm = ref["loss"][offset:], ref["grad_norm"][offset:]
+    loss = max(rel(g, w) for r in results for g, w in zip(r["loss"], want_loss))
+    grad = max(rel(g, w) for r in results for g, w in zip(r["grad_norm"], want_norm))
+    steps_ok = all(len(r["loss"]) == len(want_loss) for r in results)
+    want_params, init = ref["params"], ref["init"]
+    worst, seen = 0.0, set()
+    for r in results:
+        for name, (value, dim, tp_rank, tp_size) in r["params"].items():
+            key = "model.embed_tokens.weight" if name == "lm_head.weight" and name not in want_params else name
+            want, start = want_params[key][0], init[key][0]
+            if dim is not None:
+                want, start = want.chunk(tp_size, dim)[tp_rank], start.chunk(tp_size, dim)[tp_rank]
+            worst = max(worst, ((value - want).norm() / (want - start).norm()).item())
+            seen.add(key)
+    return {"loss": loss, "grad_norm": grad, "params": worst, "complete": steps_ok and seen == set(want_params)}
+
+
+def verdict(errors: dict, tol: Tolerance) -> str | None:
+    """None if within tolerance, else what is off."""
+    if not errors["complete"]:
+        return "missing steps or parameters"
+    bad = [f"{k} {errors[k]:.2e} > {getattr(tol, k):.0e}" for k in ("loss", "grad_norm", "params")
+           if not errors[k] <= getattr(tol, k)]
+    return "; ".join(bad) or None
+
+
+@dataclass
+class Outcome:
+    """What one combination gave: its worst errors against the reference, and None or what failed."""
+    errors: dict
+    failure: str | None
+    seconds: float
+
+
+def run_combos(combos: list[Combo], root, chunk: int = 8) -> dict:
+    """Run every combination and its single-process reference; returns {combo: Outcome}. Combinations of one
+    world size share a set of forked ranks, ``chunk`` at a time; a chunk whose ranks fail marks its combinations
+    failed with the error and the rest still run."""
+    refs = sorted({reference_of(c) for c in combos})
+    ref_runs = run_group(1, [combo_argv(r, f"{root}/ref-{r.name}") for r in refs], want_init=True)
+    ref_of = {r: run[0] for r, run in zip(refs, ref_runs)}
+    out = {}
+    by_world: dict[int, list[Combo]] = {}
+    for c in combos:
+        by_world.setdefault(c.world, []).append(c)
+    for world, group in sorted(by_world.items()):
+        for i in range(0, len(group), chunk):
+            part = group[i:i + chunk]
+            try:
+                runs = run_group(world, [combo_argv(c, f"{root}/{c.name}") for c in part])
+            except Exception as e:  # noqa: BLE001 - a crashed or hung chunk is a result to report
+                for c in part:
+                    out[c] = Outcome({}, f"ranks failed: {str(e).strip().splitlines()[-1][:300]}", 0.0)
+                continue
+            for c, run in zip(part, runs):
+                if "error" in run[0]:
+                    out[c] = Outcome({}, f"refused: {run[0]['error']}", 0.0)
+                    continue
+                errors = compare(run, ref_of[reference_of(c)])
+                out[c] = Outcome(errors, verdict(errors, tolerance(c.dtype)), max(r["seconds"] for r in run))
+    return out

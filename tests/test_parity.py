@@ -1,0 +1,81 @@
+"""Parity: every parallel layout trains exactly like one process (tests/parity/ has the matrix and the runner).
+
+CI runs the covering subset of the matrix (every pair of factor values that a supported combination has appears in
+at least one run, clipping on and off), every refusal, and the resume scenarios. `python -m tests.parity --full`
+runs every supported combination (see the README's "What is proven").
+
+Tolerances (tests/parity/runner.py, one place): fp32 loss and pre-clip grad norm rel <= 1e-5 at every step, every
+final parameter within 1e-2 of its 4-step update (relative L2). bf16 runs are compared with the bf16 single
+process: loss rel <= 1e-3, grad norm rel <= 1e-2, parameters 1e-1 of the update. Why those bounds, measured on
+the full matrix and against deliberate defects, is in the docstring of ``test_bf16_bounds_sit_below_defects``.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+from engine.config import ConfigError, load  # noqa: E402
+from engine.parallel.context import resolve_layout  # noqa: E402
+from tests.parity import matrix, resume, runner  # noqa: E402
+
+CI = matrix.covering_subset()
+
+
+@pytest.fixture(scope="module")
+def ci_results(tmp_path_factory):
+    return runner.run_combos(CI, tmp_path_factory.mktemp("parity"))
+
+
+@pytest.mark.parametrize("combo", CI, ids=lambda c: c.name)
+def test_combination_matches_single_process(ci_results, combo):
+    outcome = ci_results[combo]
+    assert outcome.failure is None, f"{combo.name}: {outcome.failure} ({outcome.errors})"
+
+
+def test_ci_subset_covers_every_pair():
+    """Guards the generator: every pair of factor values found in a supported combination is in the CI subset."""
+    pool = [c for c in matrix.all_combos() if matrix.refusal(c) is None]
+    want = set().union(*(matrix._pairs(c) for c in pool))
+    got = set().union(*(matrix._pairs(c) for c in CI))
+    assert want - got == set()
+    assert {("clip", False), ("clip", True)} <= {p for pair in got for p in pair}
+
+
+def test_every_refusal_gives_its_error(tmp_path):
+    """Each combination the matrix says is unsupported is refused by the engine's own layout check (which
+    ParallelContext.from_config runs before creating any process group), with the words the matrix states."""
+    wrong = []
+    for c in matrix.refused():
+        try:
+            resolve_layout(load(runner.combo_argv(c, str(tmp_path))), c.world)
+            wrong.append(f"{c.name}: accepted")
+        except ConfigError as e:
+            if matrix.refusal(c)[1] not in str(e):
+                wrong.append(f"{c.name}: {e}")
+    assert not wrong, "\n".join(wrong)
+    assert len(matrix.refused()) > 0
+
+
+def test_no_supported_combination_is_refused(tmp_path):
+    wrong = []
+    for c in matrix.full_matrix():
+        try:
+            resolve_layout(load(runner.combo_argv(c, str(tmp_path))), c.world)
+        except ConfigError as e:
+            wrong.append(f"{c.name}: {e}")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.fixture(scope="module")
+def resume_results(tmp_path_factory):
+    return resume.run_resumes(matrix.resume_scenarios(), tmp_path_factory.mktemp("resume"))
+
+
+@pytest.mark.parametrize("scenario", matrix.resume_scenarios(), ids=lambda s: s.name)
+def test_resume_at_another_layout_matches_uninterrupted_single_process(resume_results, scenario):
+    outcome = resume_results[scenario]
+    assert outcome.failure is None, f"{scenario.name}: {outcome.failure}"
