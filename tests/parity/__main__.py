@@ -42,14 +42,14 @@ def main(argv: list[str]) -> int:
     from tests.parity.runner import run_combos  # imports torch.distributed and the engine
 
     torch.set_num_threads(1)  # the parent forks the ranks (tests/conftest.py says why)
-    start = time.time()
+    start, commit = time.time(), report.current_commit()
     with tempfile.TemporaryDirectory() as root:
         results = run_combos(combos, root)
     passed, failed = report.print_results(results)
     print(f"{time.time() - start:.0f} s")
     if args.write_readme:
         command = "python -m tests.parity" + (" --full" if args.full else "") + " --write-readme"
-        report.write_readme(ROOT / "README.md", report.readme_section(results, command))
+        report.write_readme(ROOT / "README.md", report.readme_section(results, command, commit))
     return 1 if failed else 0
 
 

@@ -60,13 +60,18 @@ def family_table(results: dict | None) -> str:
     return "\n".join(rows)
 
 
-def readme_section(results: dict, command: str) -> str:
+def current_commit() -> str:
+    """The checked-out commit, marked when engine/ has uncommitted changes (taken when a run starts)."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "engine"], capture_output=True, text=True).stdout
+    return commit + (" (engine/ modified)" if dirty else "")
+
+
+def readme_section(results: dict, command: str, commit: str) -> str:
     passed = sum(o.failure is None for o in results.values())
     return "\n".join([
         BEGIN,
-        f"Measured {datetime.date.today().isoformat()} on commit {commit}{' (engine/ modified)' if dirty else ''} "
+        f"Measured {datetime.date.today().isoformat()} on commit {commit} "
         f"with `{command}`: {passed} of {len(results)} supported combinations match one process "
         f"(tp, pp, dp in 1, 2, 4 up to 8 ranks; 1f1b and gpipe; activation checkpointing off and on; clipping "
         f"off), {len(matrix.refused())} are refused with the error below. Each cell counts the combinations "

@@ -12,9 +12,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tests.parity.matrix import Resume
-from tests.parity.runner import Outcome, STEPS, combo_argv, compare, reference_of, run_group, tolerance, verdict
+from tests.parity.matrix import Combo
+from tests.parity.runner import Outcome, STEPS, combo_argv, compare, run_group, tolerance, verdict
 
 SAVE_AT = STEPS // 2
+
+
+def _plain(c: Combo) -> Combo:
+    """The uninterrupted single-process run: the plain trainer with the run's dtype, embeddings and clipping."""
+    return Combo(1, 1, 1, "ddp", "-", c.dtype, c.tied, False, c.clip)
 
 
 def _target(s: Resume):
@@ -43,7 +49,7 @@ def _run_all(items: list) -> dict:
 def run_resumes(scenarios: list[Resume], root) -> dict:
     """{scenario: Outcome} for the resumed part (steps SAVE_AT+1 .. STEPS) against the uninterrupted reference;
     a failure of the source run is reported as the scenario's failure."""
-    refs = sorted({reference_of(s.source) for s in scenarios})
+    refs = sorted({_plain(s.source) for s in scenarios})
     ref_of = {r: run[0] for r, run in zip(refs, run_group(1, [combo_argv(r, f"{root}/ref-{r.name}") for r in refs],
                                                            want_init=True))}
     ckpt = {s: f"{root}/ckpt-{i}" for i, s in enumerate(scenarios)}
@@ -55,8 +61,10 @@ def run_resumes(scenarios: list[Resume], root) -> dict:
                         for s in scenarios])
     out = {}
     for s in scenarios:
-        ref, tol = ref_of[reference_of(s.source)], tolerance(s.source.dtype)
-        failure = None
+        ref, failure = ref_of[_plain(s.source)], None
+        # The resumed run carries the source's numerics: DeepSpeed bf16 weights on either side set the bound.
+        tol = max(tolerance(s.source, _plain(s.source)), tolerance(_target(s), _plain(s.source)),
+                  key=lambda t: t.params)
         for what, run, offset in (("source", sources[s], 0), ("resumed", targets[s], SAVE_AT)):
             if isinstance(run, str) or "error" in run[0]:
                 failure = failure or f"{what}: {run if isinstance(run, str) else run[0]['error']}"
