@@ -63,9 +63,10 @@ def plot(runs: dict[str, list[dict]], output: Path):
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (name, records) in enumerate(runs.items()):
         color = colors[i % len(colors)]
+        width = max(1.0, 2.8 - 0.8 * i)  # earlier runs thicker: equal curves (one model at two layouts) both show
         for ax, (key, title, ylabel, log) in zip(axes, PANELS):
             steps, values = _series(records, key)
-            ax.plot(steps, values, color=color, label=f"{name} (train)" if key == "loss" else name)
+            ax.plot(steps, values, color=color, linewidth=width, label=f"{name} (train)" if key == "loss" else name)
             if key == "loss":
                 e_steps, e_values = _series(records, "eval_loss")
                 if e_steps:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist import free_port
 from tests.test_bad_steps import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +37,7 @@ def _pretrain(*args: str, env: dict | None = None) -> subprocess.CompletedProces
 def test_config_error_under_torchrun_is_printed_once_every_time(tries):
     """Before: only rank 0 printed, and torchrun killed it first when rank 1 exited first (2 tries in 3)."""
     for _ in range(tries):
-        out = subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-port", "0", "launch/pretrain.py",
+        out = subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()), "launch/pretrain.py",
                               "--config", "configs/tiny.yaml", "--parallel.foo", "1"], cwd=ROOT,
                              capture_output=True, text=True, timeout=300)
         assert out.returncode != 0
