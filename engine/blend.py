@@ -58,7 +58,7 @@ def read_indexed(prefix: str) -> np.ndarray:
     return np.memmap(bin_, dtype=dtype, mode="r")
 
 
-def _open_source(path: str, tokenizer: PreTrainedTokenizerBase) -> tuple[str, np.ndarray]:
+def _open_source(path: str, tokenizer: PreTrainedTokenizerBase, text_key: str) -> tuple[str, np.ndarray]:
     """One data.paths entry -> (kind, token stream). An indexed-dataset prefix (PREFIX.bin/.idx exist; a trailing
     .bin/.idx is dropped) is memory-mapped; a .txt/.json/.jsonl/.parquet file is tokenized now (tokenize_files)."""
     prefix = path[:-4] if path.endswith((".bin", ".idx")) else path
@@ -67,7 +67,7 @@ def _open_source(path: str, tokenizer: PreTrainedTokenizerBase) -> tuple[str, np
         tokens = read_indexed(prefix)
         return f"indexed {tokens.dtype.name}", tokens
     if pathlib.Path(path).suffix.lower() in BUILDERS:
-        return "raw", tokenize_files([path], tokenizer)
+        return "raw", tokenize_files([path], tokenizer, text_key)
     raise DataError(f"data path {path!r}: found neither {prefix}.bin/.idx (an indexed dataset from "
                     f"launch/preprocess.py) nor a raw {'/'.join(BUILDERS)} file")
 
@@ -131,13 +131,14 @@ class DataSpec:
     seed: int
     vocab_size: int
     valid_fraction: float = 0.01
+    text_key: str = "text"  # the text field of raw .json/.jsonl/.parquet files
 
 
 def spec_from_config(cfg) -> DataSpec:
-    """The DataSpec of an engine.config.Config: data.paths/weights/valid_fraction, train.seq_len/seed,
+    """The DataSpec of an engine.config.Config: data.paths/weights/valid_fraction/text_key, train.seq_len/seed,
     model.vocab_size."""
     return DataSpec(list(cfg.data.paths), list(cfg.data.weights), cfg.train.seq_len, cfg.train.seed,
-                    cfg.model.vocab_size, cfg.data.valid_fraction)
+                    cfg.model.vocab_size, cfg.data.valid_fraction, cfg.data.text_key)
 
 
 class TrainData:
@@ -165,7 +166,7 @@ class TrainData:
         self.names = list(spec.paths) or ["bundled corpus"]
         self.kinds, self.sizes, self.train, self.valid = [], [], [], []
         for name in self.names:
-            kind, tokens = _open_source(name, tokenizer) if spec.paths else ("raw", load_train_tokens([], tokenizer))
+            kind, tokens = _open_source(name, tokenizer, spec.text_key) if spec.paths else ("raw", load_train_tokens([], tokenizer))
             _check_vocab(name, tokens, spec.vocab_size)
             train, valid = _split(name, tokens, spec.seq_len, spec.valid_fraction)
             self.kinds.append(kind)

@@ -30,10 +30,12 @@ import time
 import uuid
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from engine.ckpt_contents import check_model, contents, load_into
 from engine.ckpt_format import INDEX, CheckpointError, fsync_write, merge_index, read_index, verify_shard, write_shard
+from engine.ckpt_lock import CheckpointLock, probe_writable
 from engine.signals import StopSignal
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -77,14 +79,37 @@ class Checkpointer:
         self.last_saved = None
         self.timings: dict[str, float] = {}  # seconds of the latest save/load (launch/bench_checkpoint.py)
         self.skipped: list[str] = []  # why resume: auto passed over each damaged checkpoint
+        self.stopped_unsaved = False  # a stop signal ended training with nothing saved (no checkpoint.dir)
+        self.lock: CheckpointLock | None = None
         # Metadata travels on a gloo group of its own: usable from the async thread and on CPU tensors under nccl.
         # (Every rank has the same config, so every rank creates it or none does.)
         used = self.root is not None or c.resume not in ("auto", "none")
         self.group = dist.new_group(backend="gloo") if ctx.world_size > 1 and used else None
-        token = [uuid.uuid4().hex[:8]]
+        status = [uuid.uuid4().hex[:8], None]  # the run's token, and rank 0's verdict on checkpoint.dir
+        if ctx.rank == 0:
+            status[1] = self._claim(status[0])
         if self.group is not None:
-            dist.broadcast_object_list(token, src=0, group=self.group)
-        self.token = token[0]
+            dist.broadcast_object_list(status, src=0, group=self.group)
+        self.token, error = status
+        if error is not None:
+            raise CheckpointError(error)
+
+    def _claim(self, token: str) -> str | None:
+        """rank 0, before the first step: checkpoint.dir is writable and ours (engine/ckpt_lock.py); an error
+        message (every rank raises it) or None."""
+        if self.root is None:
+            print("checkpoint.dir is empty: no checkpoint will be saved, not even on SIGTERM (set "
+                  "--checkpoint.dir DIR to keep the weights)", flush=True)
+            return None
+        try:
+            probe_writable(self.root, token)
+            self.lock = CheckpointLock(self.root, token)
+            message = self.lock.acquire()
+        except CheckpointError as e:
+            return str(e)
+        if message:
+            print(message, flush=True)
+        return None
 
     # ---- collectives on our group ------------------------------------------------------------------------------
     def _gather(self, obj) -> list:
@@ -107,6 +132,8 @@ class Checkpointer:
         start = time.perf_counter()
         tensors, meta, header = contents(trainer)
         final = self.root / step_name(trainer.step)
+        if not self._all_finite(tensors, trainer.step):
+            return None
         tmp = self.root / f"{final.name}.tmp-{self.token}"
         tmp.mkdir(parents=True, exist_ok=True)
         self.timings = {"snapshot_s": time.perf_counter() - start}
@@ -119,6 +146,19 @@ class Checkpointer:
             self._raise_pending_error()
         self.last_saved = trainer.step
         return final
+
+    def _all_finite(self, tensors: dict, step: int) -> bool:
+        """Collective: False (and one line on rank 0) when any rank holds a NaN/inf weight or Adam moment. Such
+        a checkpoint would pass its CRC and poison every resume; the previous one stays `latest` instead."""
+        bad = next((k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
+        found = [(rank, key) for rank, key in enumerate(self._gather(bad)) if key is not None]
+        if found and self.ctx.rank == 0:
+            latest = self.root / "latest"
+            kept = latest.read_text().strip() if latest.is_file() else "none"
+            (rank, key), more = found[0], (f" (and on {len(found) - 1} more ranks)" if len(found) > 1 else "")
+            print(f"checkpoint: not saving step {step}: rank {rank} holds NaN/inf values in {key.split('/tp')[0]}"
+                  f"{more}; the latest checkpoint stays {kept}", flush=True)
+        return not found
 
     def _write_and_commit(self, tmp: Path, final: Path, tensors: dict, meta: dict, header: dict) -> None:
         start = time.perf_counter()
@@ -185,13 +225,19 @@ class Checkpointer:
         if self.root is not None and due and self.last_saved != step:
             self.save(trainer)
         if stop and self.ctx.rank == 0:
-            print(f"stop signal: stopping after step {step}" + (f", checkpoint saved in {self.root}"
-                                                                 if self.root is not None else ""), flush=True)
+            print(f"stop signal: stopping after step {step}" + (
+                f", checkpoint saved in {self.root}" if self.root is not None else
+                "; nothing saved (checkpoint.dir is empty), exit status 1"), flush=True)
+        self.stopped_unsaved = stop and self.root is None
         return stop
 
     def finish(self) -> None:
-        self.wait()
-        self.stop.uninstall()
+        try:
+            self.wait()
+        finally:
+            self.stop.uninstall()
+            if self.lock is not None:
+                self.lock.release()
 
     # ---- resume ----------------------------------------------------------------------------------------------
     def _validate(self, path: Path) -> tuple[dict | None, str | None]:

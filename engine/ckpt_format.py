@@ -28,6 +28,9 @@ from safetensors.torch import save_file
 
 FORMAT, VERSION = "engine-checkpoint", 1
 INDEX = "index.json"
+# The process umask, read once at import (in the main thread: os.umask can only be read by setting it).
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 MODEL_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                     "tie_embeddings")
 
@@ -63,6 +66,9 @@ def file_crc32(path: Path, chunk: int = 1 << 24) -> int:
 def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
     """Save one rank's pieces (CPU tensors that share no storage) and fsync; returns {"bytes", "crc32"}."""
     save_file(tensors, str(path), metadata={"format": "pt"})
+    # safetensors creates its file mode 0600; give it the mode index.json gets, so that the users who can read
+    # the index (a group on a shared file system) can read the shards too.
+    os.chmod(path, 0o666 & ~_UMASK)
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
     return {"bytes": path.stat().st_size, "crc32": file_crc32(path)}
@@ -95,9 +101,15 @@ def read_index(path: Path) -> dict:
         raise CheckpointError(f"{index_path} is not valid JSON ({e})") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != VERSION:
         raise CheckpointError(f"{index_path} is not an {FORMAT} v{VERSION} index")
-    for key in ("step", "params", "files", "ranks", "config", "layout"):
+    for key, kind in (("step", int), ("params", dict), ("files", dict), ("ranks", list), ("config", dict),
+                      ("layout", dict)):
         if key not in index:
             raise CheckpointError(f"{index_path} has no '{key}' entry")
+        if not isinstance(index[key], kind) or isinstance(index[key], bool):  # hand-edited or foreign
+            raise CheckpointError(f"{index_path}: '{key}' is {index[key]!r}, not of the type the format "
+                                  f"gives it (a hand-edited or foreign index)")
+    if index["step"] < 0:
+        raise CheckpointError(f"{index_path}: 'step' is {index['step']}, not a step number >= 0")
     for file, info in index["files"].items():
         shard = path / file
         if not shard.is_file():

@@ -89,6 +89,7 @@ class DataConfig:
     weights: list[float] = field(default_factory=list)
     tokenizer: str = ""  # '' = the bundled tokenizer; else a local folder or HF name
     valid_fraction: float = 0.01  # share of each dataset's samples held out for validation (its tail)
+    text_key: str = "text"  # the field holding the text in raw .json/.jsonl/.parquet files
 
 
 @dataclass
@@ -107,6 +108,8 @@ class LogConfig:
     progress: bool = True  # the progress line with ETA on rank 0
     breakdown: bool = True  # seconds per phase in each record (on CUDA a synchronize around each phase)
     peak_tflops: float = 0.0  # device peak for MFU; 0: engine/flops.py's table by CUDA device name (none on CPU)
+    tensorboard: bool = False  # TensorBoard event files in <train.out_dir>/tensorboard (engine/tensorboard.py)
+    wandb_project: str = ""  # '' = off; else log to Weights & Biases (offline unless WANDB_MODE says otherwise)
 
 
 @dataclass
@@ -162,9 +165,12 @@ def _coerce(key: str, value, typ):
         return int(as_float)
     if typ is float:
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{key}={value!r} is not a number") from None
+        if not math.isfinite(number):  # nan/inf are never a meaningful setting, and poison what they touch
+            raise ConfigError(f"{key}={value!r} is not a finite number")
+        return number
     if typ is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key}={value!r} is not a string")
@@ -208,10 +214,14 @@ def load_yaml(path: str | Path, cfg: Config | None = None) -> Config:
     """Apply a YAML file on top of ``cfg`` (or the defaults)."""
     cfg = cfg or Config()
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file '{path}' is a directory; give a YAML file")
     if not path.is_file():
         raise ConfigError(f"config file '{path}' does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{path}' is not UTF-8 text (byte {e.start}); give a YAML file") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -301,6 +311,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.lr={cfg.train.lr} must be >= 0")
     if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
         raise ConfigError(f"train.min_lr_ratio={cfg.train.min_lr_ratio} must be in [0, 1]")
+    for beta in ("beta1", "beta2"):  # Adam's moment decay rates (Kingma & Ba 2015): 0 <= beta < 1
+        if not 0.0 <= getattr(cfg.train, beta) < 1.0:
+            raise ConfigError(f"train.{beta}={getattr(cfg.train, beta)} must be in [0, 1)")
+    if cfg.train.grad_clip < 0 or cfg.train.weight_decay < 0:
+        raise ConfigError(f"train.grad_clip={cfg.train.grad_clip} and train.weight_decay={cfg.train.weight_decay} "
+                          f"must be >= 0 (grad_clip 0: no clipping)")
+    if not cfg.data.text_key:
+        raise ConfigError("data.text_key is empty; name the field that holds the text (default: text)")
     if cfg.train.adam_eps <= 0:
         raise ConfigError(f"train.adam_eps={cfg.train.adam_eps} must be > 0")
     if cfg.train.max_bad_steps < 0:

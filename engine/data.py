@@ -98,7 +98,8 @@ def open_documents(path: pathlib.Path, text_key: str, cache_dir: str):
 def check_text_column(ds, column: str, name: str) -> None:
     """DataError naming ``name`` unless ``ds`` (a datasets.Dataset) has a string (or all-null) field ``column``."""
     if column not in ds.column_names:
-        raise DataError(f"{name}: no field {column!r}; its fields are {ds.column_names} (set text_key)")
+        raise DataError(f"{name}: no field {column!r}; its fields are {ds.column_names} (set data.text_key, or "
+                        f"--text-key in launch/preprocess.py, to the one holding the text)")
     if getattr(ds.features[column], "dtype", None) not in ("string", "large_string", "null"):
         raise DataError(f"{name}: field {column!r} must hold strings, it holds {ds.features[column]}")
 

@@ -54,6 +54,12 @@ def parse_hostfile_text(text: str, source: str = "hostfile") -> list[Host]:
 def parse_hostfile(path: str | Path) -> list[Host]:
     """Read and check a hostfile; a missing file is a HostfileError too."""
     path = Path(path)
+    if path.is_dir():
+        raise HostfileError(f"hostfile '{path}' is a directory; give a file with 'HOSTNAME slots=N' lines")
     if not path.is_file():
         raise HostfileError(f"hostfile '{path}' does not exist")
-    return parse_hostfile_text(path.read_text(), str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise HostfileError(f"hostfile '{path}' is not UTF-8 text (byte {e.start}); {VALID}") from None
+    return parse_hostfile_text(text, str(path))

@@ -15,12 +15,35 @@ def _fmt_duration(seconds: float) -> str:
 class MetricsLogger:
     """Writes metrics on the rank that owns them (rank 0 by convention); other ranks pass ``enabled=False``."""
 
-    def __init__(self, out_dir: str, enabled: bool, progress: bool, total_steps: int):
+    def __init__(self, out_dir: str, enabled: bool, progress: bool, total_steps: int, sinks: list | None = None):
         self.enabled, self.progress, self.total_steps = enabled, progress, total_steps
         self.path = Path(out_dir) / "metrics.jsonl"
         self.start_time, self.start_step = time.perf_counter(), None
+        self.sinks = sinks or []  # engine/tensorboard.py: TensorBoard, W&B
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def rewind(self, step: int) -> None:
+        """Start (or resume) at ``step``: records past it belong to a run that was rolled back (a crash after the
+        checkpoint it resumes from, or an earlier run); they move to metrics.rolled_back.jsonl so each step is in
+        metrics.jsonl once and nothing is lost."""
+        if not self.enabled or not self.path.is_file():
+            return
+        keep, dropped = [], []
+        for line in self.path.read_text().splitlines(keepends=True):
+            try:
+                past = json.loads(line)["step"] > step
+            except (ValueError, KeyError, TypeError):
+                past = True  # a line cut short by the crash
+            (dropped if past else keep).append(line if line.endswith("\n") else line + "\n")
+        if not dropped:
+            return
+        with self.path.with_name("metrics.rolled_back.jsonl").open("a") as f:
+            f.writelines(dropped)
+        tmp = self.path.with_name("metrics.jsonl.tmp")
+        tmp.write_text("".join(keep))
+        tmp.replace(self.path)
+        print(f"metrics: {len(dropped)} records past step {step} moved to metrics.rolled_back.jsonl", flush=True)
 
     def log(self, record: dict) -> None:
         """Append ``record`` (which must hold 'step') and print the progress line with an ETA."""
@@ -28,8 +51,15 @@ class MetricsLogger:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        for sink in self.sinks:
+            sink.log(record)
         if self.progress:
             self._print_progress(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
     def _print_progress(self, r: dict) -> None:
         step = r["step"]

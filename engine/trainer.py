@@ -29,6 +29,7 @@ from engine.parallel.pipeline import PipelineExecutor, backward_from, split_stag
 from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 from engine.parallel.zero import ZeroEngine
 from engine.stepstats import StepStats
+from engine.tensorboard import build_sinks
 
 
 class TrainingAborted(RuntimeError):
@@ -83,10 +84,11 @@ class Trainer:
         self.stats = StepStats(cfg, ctx)  # throughput, MFU, memory, time per phase (metrics.jsonl)
         self.bad_steps = self.skipped_steps = 0  # consecutive and total steps skipped for a NaN/inf loss
         self.metrics = MetricsLogger(t.out_dir, enabled=ctx.rank == 0, progress=cfg.log.progress,
-                                     total_steps=t.steps)
+                                     total_steps=t.steps, sinks=build_sinks(cfg, create=ctx.rank == 0))
         # checkpoint.resume (auto | none | PATH): weights, Adam state, step, data position (engine/checkpoint.py)
         self.checkpointer = Checkpointer(cfg, ctx)
         self.checkpointer.resume(self)
+        self.metrics.rewind(self.step)  # a resume rolls back the steps logged after its checkpoint
 
     def autocast(self):
         if self.cfg.train.dtype == "bf16":
@@ -183,11 +185,14 @@ class Trainer:
         loss_value = loss.item()
         lr = lr_at(self.step, t)
         self.stats.before_update(self)
-        if math.isfinite(loss_value):
-            self.bad_steps = 0
-            grad_norm = self.optimizer_step(lr)
+        if not math.isfinite(loss_value):
+            grad_norm = self.skip_update("loss")
         else:
-            grad_norm = self.skip_update()
+            grad_norm = self.optimizer_step(lr)  # not applied when the global gradient norm is not finite
+            if math.isfinite(grad_norm):
+                self.bad_steps = 0
+            else:  # a finite loss can still have NaN/inf gradients (an overflow in backward, a huge lr)
+                self.count_bad_step("gradient norm")
         self.step += 1  # a skipped step still consumed its batch and its place in the LR schedule (Megatron)
         step_time = time.perf_counter() - start
         record = {"step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
@@ -196,20 +201,25 @@ class Trainer:
             record["skipped_steps"] = self.skipped_steps
         return self.stats.finish(record, self.executor.wait_s)
 
-    def skip_update(self) -> float:
-        """Drop this step's gradients without updating (a NaN/inf loss); abort after train.max_bad_steps in a
-        row. DeepSpeed is still stepped, at lr 0: its step() is what clears its gradient partitions, and it
-        skips the update itself when the gradient norm is not finite (as it is after a NaN loss)."""
+    def count_bad_step(self, what: str) -> None:
+        """Count a skipped step (``what``: loss or gradient norm was NaN/inf); abort after train.max_bad_steps
+        in a row. Every rank decides alike: the loss and the norm are global values."""
         self.bad_steps += 1
         self.skipped_steps += 1
         limit = self.cfg.train.max_bad_steps
         if self.ctx.rank == 0:
-            print(f"step {self.step + 1}: loss is not finite; update skipped ({self.bad_steps} in a row"
+            print(f"step {self.step + 1}: {what} is not finite; update skipped ({self.bad_steps} in a row"
                   f"{f', abort at {limit}' if limit else ''})", flush=True)
         if limit and self.bad_steps >= limit:
             raise TrainingAborted(f"{self.bad_steps} steps in a row (up to step {self.step + 1}) had a NaN or inf "
-                                  f"loss (train.max_bad_steps={limit}); lower train.lr, raise train.warmup_steps "
-                                  f"or resume from an earlier checkpoint")
+                                  f"loss or gradient norm (train.max_bad_steps={limit}); lower train.lr, raise "
+                                  f"train.warmup_steps or resume from an earlier checkpoint")
+
+    def skip_update(self, what: str) -> float:
+        """Drop this step's gradients without updating (a NaN/inf loss). DeepSpeed is still stepped, at lr 0:
+        its step() is what clears its gradient partitions, and it skips the update itself when the gradient
+        norm is not finite (as it is after a NaN loss)."""
+        self.count_bad_step(what)
         if self.zero is not None:
             self.zero.step(0.0)
         else:
@@ -218,7 +228,9 @@ class Trainer:
 
     def optimizer_step(self, lr: float) -> float:
         """Sync gradients over dp, clip by the global norm, update; returns the norm before clipping. ddp and fsdp:
-        our all-reduce (ddp; FSDP reduce-scattered in backward), clip_gradients and AdamW; zero: DeepSpeed's step."""
+        our all-reduce (ddp; FSDP reduce-scattered in backward), clip_gradients and AdamW; zero: DeepSpeed's step.
+        A NaN/inf norm (the same on every rank: it is reduced over dp, tp and pp) drops the gradients unapplied;
+        DeepSpeed makes the same check itself (``is_invalid_grad_norm`` in its ZeRO step)."""
         timer = self.stats.timer
         if self.zero is not None:
             with timer.phase("optimizer"):
@@ -230,8 +242,9 @@ class Trainer:
         with timer.phase("optimizer"):
             grad_norm = clip_gradients(self.model, self.cfg.train.grad_clip, ctx.tp_rank, ctx.mp_group,
                                        self.tied_copy(), dp_group=ctx.dp_group if fsdp else None)
-            set_lr(self.optimizer, lr)
-            self.optimizer.step()
+            if math.isfinite(grad_norm):
+                set_lr(self.optimizer, lr)
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
@@ -259,4 +272,5 @@ class Trainer:
             if self.checkpointer.after_step(self):  # saves every checkpoint.every steps, at the last, on a signal
                 break
         self.checkpointer.finish()  # an async save commits before fit returns
+        self.metrics.close()
         return history

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from engine.ckpt_format import CheckpointError  # noqa: E402
 from engine.config import ConfigError, load  # noqa: E402
 from engine.data import DataError  # noqa: E402
+from engine.report import report_once  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -32,20 +33,19 @@ def main(argv: list[str]) -> int:
                   f"{trainer.micro_batches} micro-batches of {cfg.train.micro_batch_size} per step", flush=True)
         trainer.fit()
     except TrainingAborted as e:  # every rank takes the same decision (the loss is all-reduced)
-        if ctx.rank == 0:
-            print(f"error: training aborted: {e}", file=sys.stderr, flush=True)
+        report_once(f"error: training aborted: {e}")
         return 1
     finally:
         destroy()
-    return 0
+    # Stopped by SIGTERM/SIGINT with no checkpoint.dir: the work is lost, which must not look like success.
+    return 1 if trainer.checkpointer.stopped_unsaved else 0
 
 
 if __name__ == "__main__":
     try:
         code = main(sys.argv[1:])
     except (ConfigError, DataError, CheckpointError) as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        report_once(f"error: {e}")  # every rank may report: the first to fail prints, once per host
         code = 2
     sys.stdout.flush()
     sys.stderr.flush()

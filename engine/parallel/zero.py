@@ -41,6 +41,11 @@ _FALLBACK = {"zero_optimization": {"overlap_comm": False, "contiguous_gradients"
 def check_zero_supported(cfg: Config, ctx) -> None:
     """Refuse, naming the combination, what ZeroEngine cannot run correctly."""
     p = cfg.parallel
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as e:  # the quick start's plain `pip install -e .` leaves it out
+        raise ConfigError(f"parallel.dp_mode=zero needs DeepSpeed, which cannot be imported ({e}); install it with "
+                          f"pip install -e \".[deepspeed]\", or use parallel.dp_mode=ddp or fsdp") from None
     if p.zero_stage not in (1, 2, 3):
         raise ConfigError(f"parallel.dp_mode=zero needs parallel.zero_stage 1, 2 or 3, got {p.zero_stage}")
     if ctx.pp > 1 and cfg.model.tie_embeddings and (p.zero_stage != 1 or cfg.train.dtype != "fp32"):

@@ -1,0 +1,110 @@
+"""Plot the training curves of one or several runs from their metrics.jsonl, side by side.
+
+    python launch/plot.py runs/tiny runs/tp2 -o curves.png [--names tiny tp2]
+
+Panels against the optimizer step: loss (solid: train, dashed with markers: eval), learning rate, gradient norm
+(log scale), throughput (tokens/s, all ranks together) and peak memory per rank (MiB; engine/stepstats.py says
+what it counts on CPU and on CUDA). One colour per run, named in the legend by its directory (or --names).
+A step logged twice (an old run's records before the rolled-back ones were moved aside) counts once, the last.
+Needs matplotlib (in the dev extra). Bad input exits with status 2 and one line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PANELS = [  # (record key, title, y label, log scale)
+    ("loss", "Loss", "cross-entropy (nats/token)", False),
+    ("lr", "Learning rate", "lr", False),
+    ("grad_norm", "Gradient norm (before clipping)", "global L2 norm", True),
+    ("tokens_per_s", "Throughput", "tokens/s (all ranks)", False),
+    ("peak_mem_bytes", "Peak memory per rank", "MiB", False),
+]
+
+
+class PlotError(ValueError):
+    """Bad input to plot.py; ``str(e)`` is one line."""
+
+
+def read_run(run_dir: Path) -> list[dict]:
+    """The run's records sorted by step, one per step (the last one written wins)."""
+    path = run_dir / "metrics.jsonl" if run_dir.is_dir() else run_dir
+    if not path.is_file():
+        raise PlotError(f"{run_dir}: no metrics.jsonl (give a run's train.out_dir)")
+    by_step = {}
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        try:
+            record = json.loads(line)
+            by_step[int(record["step"])] = record
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a crash
+    if not by_step:
+        raise PlotError(f"{path}: no step records")
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    scale = 1 / 2**20 if key == "peak_mem_bytes" else 1.0
+    pairs = [(r["step"], r[key] * scale) for r in records if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def plot(runs: dict[str, list[dict]], output: Path):
+    """Draw every run on the five panels and save the PNG; returns the figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5), constrained_layout=True)
+    axes = axes.ravel()
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (name, records) in enumerate(runs.items()):
+        color = colors[i % len(colors)]
+        width = max(1.0, 2.8 - 0.8 * i)  # earlier runs thicker: equal curves (one model at two layouts) both show
+        for ax, (key, title, ylabel, log) in zip(axes, PANELS):
+            steps, values = _series(records, key)
+            ax.plot(steps, values, color=color, linewidth=width, label=f"{name} (train)" if key == "loss" else name)
+            if key == "loss":
+                e_steps, e_values = _series(records, "eval_loss")
+                if e_steps:
+                    ax.plot(e_steps, e_values, "--o", color=color, markersize=3, label=f"{name} (eval)")
+            ax.set(title=title, xlabel="step", ylabel=ylabel)
+            if log:
+                ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+    for ax in axes[:len(PANELS)]:
+        ax.legend(fontsize=8)
+    legend = axes[len(PANELS)]  # the sixth cell: which run is which, with its final numbers
+    legend.axis("off")
+    lines = [f"{name}: {len(r)} steps, final loss {r[-1].get('loss', float('nan')):.3f}" for name, r in runs.items()]
+    legend.text(0.0, 1.0, "Runs\n" + "\n".join(lines), va="top", family="monospace", fontsize=10)
+    fig.savefig(output, dpi=110)
+    return fig
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", help="run directories (train.out_dir) or metrics.jsonl files")
+    parser.add_argument("-o", "--output", default="curves.png", help="PNG to write (default curves.png)")
+    parser.add_argument("--names", nargs="*", help="legend names, one per run (default: the directory names)")
+    args = parser.parse_args(argv)
+    try:
+        names = args.names or [Path(r).resolve().name for r in args.runs]
+        if len(names) != len(args.runs):
+            raise PlotError(f"--names has {len(names)} names for {len(args.runs)} runs; give one per run")
+        if len(set(names)) != len(names):  # two runs called alike: tell them apart by their full paths
+            names = list(args.runs)
+        runs = {name: read_run(Path(run)) for name, run in zip(names, args.runs)}
+        plot(runs, Path(args.output))
+    except (PlotError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    print(f"wrote {args.output} ({', '.join(runs)})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,121 @@
+"""Bad input refused with one line (issue 17, cases 2, 5 and 6), in process: config values, files that are
+directories or binary, a hand-edited index.json, a missing DeepSpeed, a jsonl without the text field, an
+unwritable or locked checkpoint.dir."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from engine import blend, data
+from engine.checkpoint import Checkpointer
+from engine.ckpt_format import FORMAT, VERSION, CheckpointError, read_index, write_shard
+from engine.ckpt_lock import LOCK
+from engine.config import ConfigError, load
+from engine.hostfile import HostfileError, parse_hostfile
+from engine.parallel.zero import check_zero_supported
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--train.lr", "nan"], "train.lr='nan' is not a finite number"),
+    (["--train.lr", "inf"], "train.lr='inf' is not a finite number"),
+    (["--model.rope_theta", "nan"], "model.rope_theta='nan' is not a finite number"),
+    (["--train.grad_clip", "nan"], "train.grad_clip='nan' is not a finite number"),
+    (["--train.beta1", "2"], "train.beta1=2.0 must be in [0, 1)"),
+    (["--train.beta2", "1"], "train.beta2=1.0 must be in [0, 1)"),
+    (["--train.grad_clip", "-1"], "train.grad_clip=-1.0 and train.weight_decay=0.1 must be >= 0"),
+])
+def test_non_finite_and_out_of_range_numbers_are_refused(argv, needle):
+    with pytest.raises(ConfigError) as e:
+        load(argv)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_config_that_is_a_directory_or_binary(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory"):
+        load(["--config", str(tmp_path)])
+    binary = tmp_path / "c.yaml"
+    binary.write_bytes(b"train:\n  steps: \xff\xfe\x00\x81\n")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load(["--config", str(binary)])
+
+
+def test_hostfile_that_is_a_directory_or_binary(tmp_path):
+    with pytest.raises(HostfileError, match="is a directory"):
+        parse_hostfile(tmp_path)
+    binary = tmp_path / "hostfile"
+    binary.write_bytes(b"node1 slots=2\n\x89PNG\xff\n")
+    with pytest.raises(HostfileError, match="is not UTF-8 text"):
+        parse_hostfile(binary)
+
+
+def test_index_with_a_step_that_is_not_a_number(tmp_path):
+    index = {"format": FORMAT, "version": VERSION, "step": "abc", "params": {}, "files": {}, "ranks": [],
+             "config": {}, "layout": {}}
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="'step' is 'abc'"):
+        read_index(tmp_path)
+
+
+def test_zero_without_deepspeed_is_a_config_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` now raises ImportError
+    cfg = load(["--parallel.dp_mode", "zero", "--parallel.zero_stage", "1"])
+    with pytest.raises(ConfigError, match=r'pip install -e "\.\[deepspeed\]"'):
+        check_zero_supported(cfg, SimpleNamespace(pp=1))
+
+
+def test_missing_text_field_names_a_key_that_exists(tmp_path):
+    tok = data.load_tokenizer("")
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"body": f"document number {i} " * 20}) + "\n" for i in range(40)))
+    spec = blend.DataSpec([str(path)], [], 16, 1, len(tok))
+    with pytest.raises(data.DataError, match="set data.text_key"):
+        blend.TrainData(spec, tok)
+    cfg = load(["--data.paths", f"[{path}]", "--data.text_key", "body", "--train.seq_len", "16"])
+    assert blend.TrainData(blend.spec_from_config(cfg), tok).num_train_samples > 0
+
+
+def test_shards_get_the_mode_of_index_json(tmp_path):
+    import torch
+
+    write_shard(tmp_path / "rank_00000.safetensors", {"x": torch.zeros(3)})
+    (tmp_path / "index.json").write_text("{}")
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes["rank_00000.safetensors"] == modes["index.json"], modes
+
+
+def _checkpointer(directory) -> Checkpointer:
+    cfg = load(["--checkpoint.dir", str(directory)])
+    return Checkpointer(cfg, SimpleNamespace(rank=0, world_size=1))
+
+
+def test_checkpoint_dir_must_be_writable(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        _checkpointer(tmp_path / "file")
+    with pytest.raises(CheckpointError, match="cannot be written"):
+        _checkpointer(tmp_path / "file" / "ckpt")
+
+
+def test_second_job_is_refused_and_its_saves_are_safe(tmp_path):
+    """A live job's lock (here: this test's parent process) refuses a second one, which leaves the first one's
+    save in progress alone; a dead process's lock on this host is taken over."""
+    holder = {"host": socket.gethostname(), "pid": os.getppid(), "started": 0, "run": "other"}
+    (tmp_path / LOCK).write_text(json.dumps(holder))
+    (tmp_path / "step_000005.tmp-other").mkdir()
+    with pytest.raises(CheckpointError, match=f"is in use by pid {os.getppid()} on host"):
+        _checkpointer(tmp_path)
+    assert (tmp_path / "step_000005.tmp-other").is_dir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # reaped: its pid no longer runs
+    holder["pid"] = dead.pid
+    (tmp_path / LOCK).write_text(json.dumps(holder))
+    ckpt = _checkpointer(tmp_path)
+    assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
+    ckpt.finish()
+    assert not (tmp_path / LOCK).exists()
