@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 FORMAT, VERSION = "engine-checkpoint", 1
 INDEX = "index.json"
 MODEL_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                    "tie_embeddings")
+                    "tie_embeddings", "attention_bias")
 
 
 class CheckpointError(Exception):
