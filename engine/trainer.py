@@ -19,6 +19,7 @@ from engine import data as data_lib
 from engine import model as model_lib
 from engine.checkpoint import Checkpointer
 from engine.config import Config, ConfigError
+from engine.docmask import document_layout
 from engine.feed import BatchFeed
 from engine.init import materialize
 from engine.metrics import MetricsLogger
@@ -104,25 +105,31 @@ class Trainer:
         return contextlib.nullcontext()
 
     def run_schedule(self, executor: PipelineExecutor, local_batch: torch.Tensor | None, **kwargs) -> torch.Tensor:
-        """Run ``executor`` on this rank's share of a global batch (None on middle stages). local_batch:
+        """Run ``executor`` on this rank's share of a global batch (None on middle stages unless
+        data.document_mask). local_batch:
         (B/dp, s+1) token ids. Each micro-batch's mean loss is divided by the number of micro-batches, so the sum
         is the mean over this rank's tokens; returned (detached) on every stage via a pp all-reduce."""
         ctx = self.ctx
         micro = [] if local_batch is None else \
             [m.to(ctx.device, non_blocking=True) for m in local_batch.split(self.cfg.train.micro_batch_size)]
         inputs, labels = [m[:, :-1] for m in micro], [m[:, 1:] for m in micro]  # (mbs, s) each
+        extra = None
+        if self.cfg.data.document_mask:  # per micro-batch {position_ids, doc_ids}, (mbs, s) each
+            eos = self.tokenizer.eos_token_id
+            extra = [dict(zip(("position_ids", "doc_ids"), document_layout(x, eos))) for x in inputs]
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
+        def forward(x: torch.Tensor, **kwargs) -> torch.Tensor:
             if self.zero is not None:  # DeepSpeed's forward registers the hooks its backward needs
-                return self.zero(x)
+                return self.zero(x, **kwargs)
             with self.autocast():
-                return self.model(x)  # (mbs, s, V/tp) on the last stage, (mbs, s, h) elsewhere
+                return self.model(x, **kwargs)  # (mbs, s, V/tp) on the last stage, (mbs, s, h) elsewhere
 
         def loss_fn(logits: torch.Tensor, mb: int) -> torch.Tensor:
             return vocab_parallel_cross_entropy(logits, labels[mb], ctx.tp_group) / self.micro_batches
 
         timer = self.stats.timer  # the loss counts as forward time
-        loss = executor.run(timer.wrap("forward", forward), timer.wrap("forward", loss_fn), inputs, **kwargs)
+        loss = executor.run(timer.wrap("forward", forward), timer.wrap("forward", loss_fn), inputs,
+                            extra_inputs=extra, **kwargs)
         if ctx.pp > 1:
             dist.all_reduce(loss, group=ctx.pp_group)  # only the last stage's term is non-zero
         return loss
