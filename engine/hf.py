@@ -92,19 +92,19 @@ def export(ckpt: Path, out: Path, max_shard_bytes: int = 5 * 2**30, dtype: str =
     return {"step": index["step"], "files": files, "params": len(shapes)}
 
 
-def carry_files(src: Path, dst: Path) -> bool:
-    """Copy the tokenizer and generation config files of folder ``src`` into ``dst``; True if it had a
-    tokenizer (otherwise nothing is copied)."""
+def carry_files(src: Path, dst: Path, extra: tuple[str, ...] = ()) -> bool:
+    """Copy the tokenizer and generation config files (and ``extra``) of folder ``src`` into ``dst``; True if it
+    had a tokenizer (otherwise nothing is copied)."""
     if not src.is_dir() or not any((src / f).is_file() for f in TOKENIZER_FILES):
         return False
     dst.mkdir(parents=True, exist_ok=True)
-    for name in CARRIED_FILES:
+    for name in (*CARRIED_FILES, *extra):
         if (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
     return True
 
 
-def _hf_tensors(hf_dir: Path) -> dict[str, Path]:
+def hf_tensors(hf_dir: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it (single file or the sharded index)."""
     sharded, single = hf_dir / "model.safetensors.index.json", hf_dir / "model.safetensors"
     if sharded.is_file():
@@ -124,7 +124,7 @@ def import_hf(hf_dir: Path, root: Path, max_file_bytes: int = 2 * 2**30) -> Path
     if root.exists() and any(root.iterdir()):
         raise CheckpointError(f"{root} exists and is not empty; import into a new directory")
     m = model_config(json.loads(config_json.read_text()), hf_dir)
-    shapes, where = param_shapes(m), _hf_tensors(hf_dir)
+    shapes, where = param_shapes(m), hf_tensors(hf_dir)
     path = root / step_name(0)
     path.mkdir(parents=True, exist_ok=True)
     groups = _shards({n: torch.Size(s).numel() * 4 for n, s in shapes.items()}, max_file_bytes)
@@ -145,7 +145,9 @@ def import_hf(hf_dir: Path, root: Path, max_file_bytes: int = 2 * 2**30) -> Path
         file = f"import_{i:05d}.safetensors"
         metas.append({"rank": i, "file": file, "params": params, **write_shard(path / file, tensors)})
     cfg = Config(model=m)
-    if carry_files(hf_dir, root / "hf_files"):
+    # config.json too: AutoTokenizer reads its model_type to pick the tokenizer class, so the copy loads as
+    # the source folder does (and as --model.init_from of it does)
+    if carry_files(hf_dir, root / "hf_files", extra=("config.json",)):
         cfg.data.tokenizer = str((root / "hf_files").resolve())
     cfg.checkpoint.resume = str(root.resolve())
     header = {"step": 0, "consumed_samples": 0, "adam_step": None, "model_only": True, "config": cfg.to_dict(),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,10 +22,11 @@ from engine.checkpoint import Checkpointer
 from engine.config import Config, ConfigError
 from engine.docmask import document_layout
 from engine.feed import BatchFeed
+from engine.hf_init import adopt_shape, load_weights
 from engine.init import materialize
 from engine.metrics import MetricsLogger
 from engine.optim import build_optimizer, clip_gradients, lr_at, set_lr
-from engine.parallel.context import ParallelContext
+from engine.parallel.context import ParallelContext, resolve_layout
 from engine.parallel.data import allreduce_gradients, apply_fsdp
 from engine.parallel.pipeline import PipelineExecutor, backward_from, split_stage
 from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
@@ -64,6 +66,8 @@ class Trainer:
     """Holds the model, optimizer and data of one rank and runs optimizer steps."""
 
     def __init__(self, cfg: Config, ctx: ParallelContext):
+        adopt_shape(cfg)  # model.init_from: the HF folder's shape (launch/pretrain.py did it before ctx, too)
+        resolve_layout(cfg, ctx.world_size)  # the layout against that shape
         check_supported(cfg, ctx)
         self.cfg, self.ctx = cfg, ctx
         t = cfg.train
@@ -97,7 +101,8 @@ class Trainer:
                                      total_steps=t.steps)
         # checkpoint.resume (auto | none | PATH): weights, Adam state, step, data position (engine/checkpoint.py)
         self.checkpointer = Checkpointer(cfg, ctx)
-        self.checkpointer.resume(self)
+        if self.checkpointer.resume(self) is None and cfg.model.init_from:
+            load_weights(self, Path(cfg.model.init_from).expanduser())
 
     def autocast(self):
         if self.cfg.train.dtype == "bf16":

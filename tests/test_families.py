@@ -5,6 +5,7 @@ For each family a tiny random model built by transformers itself (from a config 
   original_max_position_embeddings (16), with random (non-zero) biases;
 - imported with launch/convert.py, the engine at tp 2 x pp 2 gives the tp-1 logits (rel <= 1e-5), and 5 training
   steps there equal 5 at tp 1 (rel <= 1e-5, the tolerance between layouts in tests/test_train.py);
+- --model.init_from SRC (no import step) at tp 2 x pp 2, and for Qwen2 also at fsdp dp 4, trains as the import;
 - the tp2 x pp2 checkpoint exported loads in transformers as the same architecture with the engine's logits,
   and the tokenizer files and generation_config.json come through the round trip unchanged.
 """
@@ -100,12 +101,17 @@ def run(imported: Path, out: Path, *extra: str) -> list[str]:
             "--log.progress", "false", "--train.out_dir", str(out), *extra]
 
 
-def layout_phase(argv: list[str], ckpt: Path) -> dict:
-    """Rank function: logits at the layout of argv, then 5 training steps saved to ``ckpt``."""
+def train(argv: list[str]) -> list[float]:
+    cfg = load(argv)
+    return [r["loss"] for r in Trainer(cfg, ParallelContext.from_config(cfg)).fit()]
+
+
+def layout_phase(argv: list[str], ckpt: Path, init_from: list[list[str]] = ()) -> dict:
+    """Rank function: logits at the layout of argv, then 5 training steps saved to ``ckpt``; then 5 steps of
+    each ``init_from`` argv (runs started straight from the HF folder)."""
     logits = layout_logits(argv, ids())
-    cfg = load([*argv, "--checkpoint.dir", str(ckpt)])
-    trainer = Trainer(cfg, ParallelContext.from_config(cfg))
-    return {"logits": logits, "loss": [r["loss"] for r in trainer.fit()]}
+    return {"logits": logits, "loss": train([*argv, "--checkpoint.dir", str(ckpt)]),
+            "init_from": [train(a) for a in init_from]}
 
 
 def reference_phase(argv: list[str], ckpt: Path) -> dict:
@@ -133,12 +139,18 @@ def test_import_tp2_pp2_train_export(family, tmp_path):
     assert cli.returncode == 0, cli.stderr[-2000:]
     with torch.no_grad():
         want = source(ids()).logits
-    tp2pp2 = run(imported, tmp_path / "out", "--parallel.tp", "2", "--parallel.pp", "2")
-    layout = run_ranks(layout_phase, 4, tp2pp2, ckpt)[3]
+    tp2pp2 = ["--parallel.tp", "2", "--parallel.pp", "2"]
+    # --model.init_from: the same run without the import step, at tp2 x pp2 and (Qwen2) at fsdp dp 4
+    direct = [[*run(imported, tmp_path / "out")[2:], "--model.init_from", str(src), *layout]
+              for layout in [tp2pp2, ["--parallel.dp_mode", "fsdp", "--train.micro_batch_size", "1"]]]
+    layout = run_ranks(layout_phase, 4, run(imported, tmp_path / "out", *tp2pp2), ckpt,
+                       direct if family == "qwen2" else direct[:1])[3]
     ref = run_ranks(reference_phase, 1, run(imported, tmp_path / "out1"), ckpt)[0]
     assert max_rel(ref["logits"], want) <= TOL, f"tp1 vs transformers: {max_rel(ref['logits'], want):.2e}"
     assert max_rel(layout["logits"], ref["logits"]) <= TOL
     assert len(ref["loss"]) == 5 and layout["loss"] == pytest.approx(ref["loss"], rel=TOL)
+    for losses in layout["init_from"]:
+        assert losses == pytest.approx(ref["loss"], rel=TOL)
 
     hf.export(ckpt, exported)
     back = transformers.AutoModelForCausalLM.from_pretrained(str(exported)).eval()
