@@ -172,3 +172,13 @@ def test_unsupported_architecture_is_one_line_exit_2(tmp_path):
     assert cli.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'src'}: architecture GPT2LMHeadModel is not supported; import handles "
         f"LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"]
+
+
+def test_sequence_longer_than_sliding_window_is_refused():
+    from engine.config import ConfigError
+
+    assert load(["--model.sliding_window", "128", "--train.seq_len", "128"]).model.sliding_window == 128
+    with pytest.raises(ConfigError, match=r"^train.seq_len=129 exceeds model.sliding_window=128; sliding-window "
+                                          r"attention is not implemented"):
+        load(["--model.sliding_window", "128", "--train.seq_len", "129"])
+    assert load(["--model.max_position_embeddings", "64", "--train.seq_len", "64"]).model.max_seq_len == 64
