@@ -8,6 +8,7 @@ order use their own seeded generators), so losses do not depend on it.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from safetensors import safe_open
 
 from engine.ckpt_format import INDEX, MODEL_SHAPE_KEYS, CheckpointError, Reader, piece_key, shard_name
 from engine.ckpt_state import slots, state_for
+from engine.config import ModelConfig
 
 
 def _rng_state(device: torch.device) -> tuple[dict, dict]:
@@ -107,7 +109,7 @@ def layout_of(trainer) -> dict:
 
 
 def check_model(path: Path, index: dict, model_cfg) -> None:
-    saved = index["config"].get("model", {})
+    saved = {**dataclasses.asdict(ModelConfig()), **index["config"].get("model", {})}  # older: default keys
     diff = [f"model.{k}={saved.get(k)!r} (this run: {getattr(model_cfg, k)!r})" for k in MODEL_SHAPE_KEYS
             if saved.get(k) != getattr(model_cfg, k)]
     if diff:

@@ -34,6 +34,19 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02  # N(0, init_std) for every linear and embedding weight, as HF Llama's _init_weights
+    # What the supported families differ in (engine/families.py maps them to and from HF config.json).
+    family: str = "llama"  # llama | qwen2 | mistral: the HF architecture that export writes
+    attention_bias: bool = False  # bias on q/k/v (Qwen2); o_proj never has one here
+    # RoPE frequency scaling, HF's rope_scaling/rope_parameters: none | linear | llama3 (Llama 3.1 and later)
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0  # linear and llama3: wavelengths stretched by this factor
+    rope_low_freq_factor: float = 1.0  # llama3 only
+    rope_high_freq_factor: float = 4.0  # llama3 only
+    rope_original_max_position_embeddings: int = 8192  # llama3 only: the context the model was pretrained at
+    # Mistral/Qwen2 sliding-window attention span (0: none). Only full attention is implemented, which equals
+    # the window while train.seq_len <= sliding_window; longer sequences are refused.
+    sliding_window: int = 0
+    init_from: str = ""  # a Hugging Face folder whose shape and weights start the run (engine/hf_init.py)
 
     @property
     def head_dim(self) -> int:
@@ -88,6 +101,8 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)  # empty: the bundled corpus
     weights: list[float] = field(default_factory=list)
     tokenizer: str = ""  # '' = the bundled tokenizer; else a local folder or HF name
+    # Packed sequences: attention stops at each EOS and RoPE positions restart after it (engine/docmask.py)
+    document_mask: bool = False
     valid_fraction: float = 0.01  # share of each dataset's samples held out for validation (its tail)
     text_key: str = "text"  # the field holding the text in raw .json/.jsonl/.parquet files
 
@@ -131,7 +146,11 @@ CHOICES = {
     "parallel.backend": ("auto", "gloo", "nccl"),
     "parallel.reshard_after_forward": ("auto", "true", "false"),
     "train.dtype": ("fp32", "bf16"),
+    "model.family": ("llama", "qwen2", "mistral"),
+    "model.rope_scaling": ("none", "linear", "llama3"),
 }
+# Other spellings of a key: HF's name for our max_seq_len (the longest position the model is meant for).
+ALIASES = {"model.max_position_embeddings": "model.max_seq_len"}
 
 
 def _coerce(key: str, value, typ):
@@ -188,6 +207,7 @@ def _field_types(cls) -> dict:
 def _set(cfg: Config, dotted: str, value) -> None:
     """Set ``section.key`` on cfg from a raw value, checking that the key exists."""
     sections = _field_types(Config)
+    dotted = ALIASES.get(dotted, dotted)
     section, _, key = dotted.partition(".")
     if section not in sections or not key:
         raise ConfigError(f"unknown config key '{dotted}'; sections are: {', '.join(sections)} (write section.key)")
@@ -300,6 +320,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"head dim hidden_size/num_heads={m.head_dim} must be even for RoPE")
     if cfg.train.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    _validate_families(cfg)
     if cfg.parallel.dp == 0 or cfg.parallel.dp < -1:
         raise ConfigError(f"parallel.dp={cfg.parallel.dp} must be a positive integer or -1 (infer from world size)")
     if cfg.data.weights and len(cfg.data.weights) != len(cfg.data.paths):
@@ -331,3 +352,19 @@ def validate(cfg: Config) -> None:
                           f"end / keep all)")
     if not c.resume:
         raise ConfigError("checkpoint.resume is empty; use auto, none or a checkpoint PATH")
+
+
+def _validate_families(cfg: Config) -> None:
+    """The family-specific model keys: RoPE scaling factors, and a sliding window the sequence must fit in."""
+    m = cfg.model
+    if m.rope_scaling != "none" and m.rope_factor < 1.0:
+        raise ConfigError(f"model.rope_factor={m.rope_factor} must be >= 1 with model.rope_scaling={m.rope_scaling}")
+    if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+        raise ConfigError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} and model.rope_high_freq_factor="
+                          f"{m.rope_high_freq_factor} must satisfy 0 < low < high for rope_scaling=llama3")
+    if m.sliding_window < 0:
+        raise ConfigError(f"model.sliding_window={m.sliding_window} must be >= 0 (0: no window)")
+    if m.sliding_window and cfg.train.seq_len > m.sliding_window:
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.sliding_window={m.sliding_window}; "
+                          f"sliding-window attention is not implemented, so use train.seq_len <= "
+                          f"{m.sliding_window}")

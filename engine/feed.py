@@ -1,6 +1,7 @@
 """Which ranks read data, and how the others get their batches.
 
-Only the pipeline's first stage (token ids) and last stage (labels) need a batch; middle stages read nothing.
+Only the pipeline's first stage (token ids) and last stage (labels) need a batch; middle stages read nothing,
+unless data.document_mask is on: then every stage derives the document layout from the tokens.
 Within those stages only tp rank 0 opens the data; it broadcasts each batch to its tp peers, which must see the
 same tokens. Every rank counts consumed samples, so the data position is known everywhere (checkpoints).
 """
@@ -24,7 +25,8 @@ class BatchFeed:
         self.cfg, self.ctx = cfg, ctx
         t = cfg.train
         self.local_shape = (t.global_batch_size // ctx.dp, t.seq_len + 1)
-        self.needs_batch = ctx.is_first_stage or ctx.is_last_stage
+        # Document masking: every stage needs the tokens, to find the documents its attention must keep apart.
+        self.needs_batch = ctx.is_first_stage or ctx.is_last_stage or cfg.data.document_mask
         self.reads = self.needs_batch and ctx.tp_rank == 0
         self.consumed_samples = 0
         self.data = self.sampler = None

@@ -1,18 +1,22 @@
-"""Hugging Face Llama folders <-> engine checkpoints, through safetensors both ways (launch/convert.py).
+"""Hugging Face Llama / Qwen2 / Mistral folders <-> engine checkpoints, through safetensors both ways
+(launch/convert.py).
 
-Our parameter names are those of ``transformers.LlamaForCausalLM`` (engine/model.py), so conversion is only
-about layout: export assembles each full tensor from a checkpoint saved at any (tp, pp, dp, dp_mode) with
-``ckpt_format.Reader.full`` and writes the standard folder: ``config.json`` (a ``LlamaConfig``), the weights as
-``model.safetensors`` or, above ``max_shard_bytes``, ``model-0000i-of-0000n.safetensors`` with
-``model.safetensors.index.json`` (transformers' sharded format: {"metadata": {"total_size"}, "weight_map"}), and
-the run's tokenizer (``save_pretrained``). Import reads such a folder into a *model-only* checkpoint: step 0, no
-optimizer state; ``--checkpoint.resume CKPT`` starts a run from it at any layout with a fresh AdamW and the data
-from the beginning. It also writes ``CKPT/config.yaml``, a full engine config for the imported shape.
+Our parameter names are those of ``transformers.LlamaForCausalLM`` (engine/model.py; Qwen2 and Mistral use the
+same), so conversion is only about layout: export assembles each full tensor from a checkpoint saved at any
+(tp, pp, dp, dp_mode) with ``ckpt_format.Reader.full`` and writes the standard folder: ``config.json`` (the
+config class of ``model.family``, engine/families.py), the weights as ``model.safetensors`` or, above
+``max_shard_bytes``, ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json`` (transformers'
+sharded format: {"metadata": {"total_size"}, "weight_map"}), and the run's tokenizer: the files of its tokenizer
+folder copied as they are (with ``generation_config.json``), or ``save_pretrained`` for a hub name. Import reads
+such a folder into a *model-only* checkpoint: step 0, no optimizer state, the tokenizer and generation config
+copied into ``CKPT/hf_files``; ``--checkpoint.resume CKPT`` starts a run from it at any layout with a fresh AdamW
+and the data from the beginning. It also writes ``CKPT/config.yaml``, a full engine config for the imported shape.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -25,57 +29,14 @@ from engine.checkpoint import resolve, step_name
 from engine.ckpt_format import (CheckpointError, Reader, fsync_write, merge_index, piece_key, read_index,
                                 verify_shard, write_shard)
 from engine.config import Config, ModelConfig
+from engine.families import hf_config, model_config  # noqa: F401 (hf.hf_config: the public name)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def hf_config(m: ModelConfig, dtype: str = "fp32", tokenizer=None):
-    """transformers.LlamaConfig of our model shape (no biases, SiLU, plain RoPE: what engine/model.py computes)."""
-    import transformers
-
-    special = {}
-    if tokenizer is not None:
-        special = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-                   if getattr(tokenizer, k, None) is not None}
-    return transformers.LlamaConfig(
-        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-        num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
-        max_position_embeddings=m.max_seq_len, rope_theta=m.rope_theta, rms_norm_eps=m.norm_eps,
-        tie_word_embeddings=m.tie_embeddings, attention_bias=False, mlp_bias=False, hidden_act="silu",
-        initializer_range=m.init_std, architectures=["LlamaForCausalLM"], torch_dtype=DTYPES[dtype], **special)
-
-
-def model_config(hf: dict, source: Path) -> ModelConfig:
-    """Our ModelConfig from a config.json dict; refuses, naming the key, what engine/model.py does not compute."""
-    def need(key):
-        if key not in hf:
-            raise CheckpointError(f"{source}: config.json has no '{key}'")
-        return hf[key]
-
-    if hf.get("model_type") != "llama":
-        raise CheckpointError(f"{source}: model_type={hf.get('model_type')!r}; only 'llama' folders can be imported")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers 5 | 4
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    for key, ok in (("rope_type", rope_type in ("default", None)), ("attention_bias", not hf.get("attention_bias")),
-                    ("mlp_bias", not hf.get("mlp_bias")), ("hidden_act", hf.get("hidden_act", "silu") == "silu")):
-        if not ok:
-            value = rope_type if key == "rope_type" else hf.get(key)
-            raise CheckpointError(f"{source}: {key}={value!r} is not supported by engine/model.py (plain RoPE, "
-                                  f"no biases, SiLU)")
-    heads = need("num_attention_heads")
-    m = ModelConfig(name=str(hf.get("_name_or_path") or source.name), vocab_size=need("vocab_size"),
-                    hidden_size=need("hidden_size"), intermediate_size=need("intermediate_size"),
-                    num_layers=need("num_hidden_layers"), num_heads=heads,
-                    num_kv_heads=hf.get("num_key_value_heads") or heads,
-                    max_seq_len=hf.get("max_position_embeddings", 2048),
-                    rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-                    norm_eps=float(hf.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(hf.get("tie_word_embeddings")),
-                    init_std=float(hf.get("initializer_range", 0.02)))
-    if hf.get("head_dim") not in (None, m.head_dim):
-        raise CheckpointError(f"{source}: head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads="
-                              f"{m.head_dim}, which engine/model.py assumes")
-    return m
+# Copied verbatim from an imported folder to the checkpoint and from there to an export (chat template, special
+# tokens, sampling defaults), so a round trip gives back what the user brought.
+CARRIED_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt", "vocab.json",
+                 "chat_template.jinja", "generation_config.json")
 
 
 def param_shapes(m: ModelConfig) -> dict[str, list[int]]:
@@ -123,13 +84,27 @@ def export(ckpt: Path, out: Path, max_shard_bytes: int = 5 * 2**30, dtype: str =
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     from engine.data import load_tokenizer
 
-    tokenizer = load_tokenizer(cfg.get("data", {}).get("tokenizer", ""))
+    source = cfg.get("data", {}).get("tokenizer", "")
+    tokenizer = load_tokenizer(source)
     hf_config(m, dtype, tokenizer).save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
+    if not (source and carry_files(Path(source).expanduser(), out)):
+        tokenizer.save_pretrained(str(out))  # a hub name or the bundled tokenizer: transformers writes its files
     return {"step": index["step"], "files": files, "params": len(shapes)}
 
 
-def _hf_tensors(hf_dir: Path) -> dict[str, Path]:
+def carry_files(src: Path, dst: Path, extra: tuple[str, ...] = ()) -> bool:
+    """Copy the tokenizer and generation config files (and ``extra``) of folder ``src`` into ``dst``; True if it
+    had a tokenizer (otherwise nothing is copied)."""
+    if not src.is_dir() or not any((src / f).is_file() for f in TOKENIZER_FILES):
+        return False
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in (*CARRIED_FILES, *extra):
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+    return True
+
+
+def hf_tensors(hf_dir: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it (single file or the sharded index)."""
     sharded, single = hf_dir / "model.safetensors.index.json", hf_dir / "model.safetensors"
     if sharded.is_file():
@@ -149,7 +124,7 @@ def import_hf(hf_dir: Path, root: Path, max_file_bytes: int = 2 * 2**30) -> Path
     if root.exists() and any(root.iterdir()):
         raise CheckpointError(f"{root} exists and is not empty; import into a new directory")
     m = model_config(json.loads(config_json.read_text()), hf_dir)
-    shapes, where = param_shapes(m), _hf_tensors(hf_dir)
+    shapes, where = param_shapes(m), hf_tensors(hf_dir)
     path = root / step_name(0)
     path.mkdir(parents=True, exist_ok=True)
     groups = _shards({n: torch.Size(s).numel() * 4 for n, s in shapes.items()}, max_file_bytes)
@@ -170,8 +145,10 @@ def import_hf(hf_dir: Path, root: Path, max_file_bytes: int = 2 * 2**30) -> Path
         file = f"import_{i:05d}.safetensors"
         metas.append({"rank": i, "file": file, "params": params, **write_shard(path / file, tensors)})
     cfg = Config(model=m)
-    if any((hf_dir / f).is_file() for f in TOKENIZER_FILES):
-        cfg.data.tokenizer = str(hf_dir.resolve())
+    # config.json too: AutoTokenizer reads its model_type to pick the tokenizer class, so the copy loads as
+    # the source folder does (and as --model.init_from of it does)
+    if carry_files(hf_dir, root / "hf_files", extra=("config.json",)):
+        cfg.data.tokenizer = str((root / "hf_files").resolve())
     cfg.checkpoint.resume = str(root.resolve())
     header = {"step": 0, "consumed_samples": 0, "adam_step": None, "model_only": True, "config": cfg.to_dict(),
               "layout": {"imported_from": str(hf_dir.resolve())}}

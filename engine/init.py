@@ -3,7 +3,8 @@
 Each parameter's full (unsharded) tensor is drawn from its own generator, seeded from the run seed and the
 parameter's global name, and each rank keeps only its slice. A parameter's values therefore depend on neither
 the tensor-parallel size, nor which pipeline stage holds it, nor the order in which modules were built.
-Distributions follow HF ``LlamaPreTrainedModel._init_weights``: N(0, std) for linears and embeddings, ones for norms.
+Distributions follow HF ``LlamaPreTrainedModel._init_weights``: N(0, std) for linears and embeddings, ones for
+norms, zeros for biases.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ def _full_value(name: str, shape: torch.Size, seed: int, std: float) -> torch.Te
     """The unsharded initial value of parameter ``name`` (fp32, on CPU: identical bits on every machine)."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
+    if name.endswith(".bias"):  # HF _init_weights zeroes linear biases
+        return torch.zeros(shape)
     gen = torch.Generator().manual_seed(_param_seed(seed, name))
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 

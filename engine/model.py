@@ -13,6 +13,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from engine.config import ModelConfig
+from engine.docmask import block_causal_mask
+from engine.rope import rope_cos_sin
 
 
 class RMSNorm(nn.Module):
@@ -28,15 +30,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE tables (Su et al. 2021) in the 'rotate half' layout of HF Llama: (s, hd) cos and sin."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
-    pos = torch.arange(seq_len, device=device, dtype=torch.float32)
-    freqs = torch.outer(pos, inv_freq)  # (s, hd/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (s, hd)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -56,19 +49,23 @@ class Attention(nn.Module):
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         self.head_dim = hd
-        self.q_proj = nn.Linear(h, cfg.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * hd, bias=False)
+        bias = cfg.attention_bias  # Qwen2: q/k/v biases, none on o_proj
+        self.q_proj = nn.Linear(h, cfg.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * hd, h, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """mask: None (causal) or a (b, 1, s, s) bool block-causal mask (True: attend) of packed documents."""
         b, s, _ = x.shape
         # Head counts come from the (possibly tensor-parallel) projections: local heads = heads / tp.
         q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, nh/tp, s, hd)
         k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, nkv/tp, s, hd)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, nkv/tp, s, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=q.shape[1] != k.shape[1])
         o = o.transpose(1, 2).reshape(b, s, -1)  # (b, s, nh*hd/tp)
         return self.o_proj(o)  # (b, s, h)
 
@@ -96,8 +93,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -112,16 +110,22 @@ class LlamaModel(nn.Module):
         self.norm: nn.Module | None = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.activation_checkpointing = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: token ids (b, s) on the first stage, else hidden states (b, s, h). Returns (b, s, h)."""
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x: token ids (b, s) on the first stage, else hidden states (b, s, h). position_ids (b, s): RoPE
+        positions (default 0..s-1); doc_ids (b, s): document index of each token, attention stays within a
+        document (default: one document). Returns (b, s, h)."""
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
-        cos, sin = rope_cos_sin(h.shape[1], self.cfg.head_dim, self.cfg.rope_theta, h.device, h.dtype)
+        if position_ids is None:
+            position_ids = torch.arange(h.shape[1], device=h.device)
+        cos, sin = rope_cos_sin(self.cfg, position_ids, h.dtype)
+        mask = None if doc_ids is None else block_causal_mask(doc_ids)
         for layer in self.layers.values():
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # Recompute the block in backward instead of keeping its activations (Chen et al. 2016).
-                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+                h = checkpoint(layer, h, cos, sin, mask, use_reentrant=False)
             else:
-                h = layer(h, cos, sin)
+                h = layer(h, cos, sin, mask)
         return self.norm(h) if self.norm is not None else h
 
 
@@ -136,9 +140,10 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Returns logits (b, s, vocab/tp) on the last stage, hidden states (b, s, h) elsewhere."""
-        h = self.model(x)
+        h = self.model(x, position_ids, doc_ids)
         return self.lm_head(h) if self.lm_head is not None else h
 
 

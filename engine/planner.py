@@ -57,9 +57,12 @@ def model_state_parts(params: int, dp: int, zero_stage: int, precision: str = "m
 
 def layer_params(m: ModelConfig, tp: int) -> tuple[int, int]:
     """(tp-sharded, replicated) parameter counts of one decoder layer on one tp rank: q, k, v, o and gate, up,
-    down are split by tp (LAYER_PLAN in engine/parallel/tensor.py); the two RMSNorm weights are replicated."""
+    down are split by tp (LAYER_PLAN in engine/parallel/tensor.py), with the q/k/v biases where the model has them
+    (model.attention_bias); the two RMSNorm weights are replicated."""
     h, hd = m.hidden_size, m.head_dim
     sharded = 2 * h * m.num_heads * hd + 2 * h * m.num_kv_heads * hd + 3 * h * m.intermediate_size
+    if m.attention_bias:
+        sharded += (m.num_heads + 2 * m.num_kv_heads) * hd
     return sharded // tp, 2 * h
 
 
@@ -209,12 +212,13 @@ def _zero_buffers(cfg: Config, params: dict) -> tuple[float, float]:
 
 
 def _param_tensors(cfg: Config, layout: Layout, stage: int) -> int:
-    """Number of parameter tensors on the stage (9 per layer; embedding, final norm, LM head)."""
+    """Number of parameter tensors on the stage (9 per layer, 12 with q/k/v biases; embedding, final norm, LM
+    head)."""
     if cfg.parallel.dp_mode == "zero":
         return 0  # DeepSpeed keeps one step counter per flat group
     p = stage_params(cfg, layout.tp, layout.pp, stage)
     root = (stage == 0) + 2 * (stage == layout.pp - 1) - (cfg.model.tie_embeddings and layout.pp == 1)
-    return 9 * p["num_layers"] + root
+    return (12 if cfg.model.attention_bias else 9) * p["num_layers"] + root
 
 
 def plan_memory(cfg: Config, world_size: int, foreach: bool = True) -> list[StageMemory]:

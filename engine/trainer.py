@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,11 +20,13 @@ from engine import data as data_lib
 from engine import model as model_lib
 from engine.checkpoint import Checkpointer
 from engine.config import Config, ConfigError
+from engine.docmask import document_layout
 from engine.feed import BatchFeed
+from engine.hf_init import adopt_shape, load_weights
 from engine.init import materialize
 from engine.metrics import MetricsLogger
 from engine.optim import build_optimizer, clip_gradients, lr_at, set_lr
-from engine.parallel.context import ParallelContext
+from engine.parallel.context import ParallelContext, resolve_layout
 from engine.parallel.data import allreduce_gradients, apply_fsdp
 from engine.parallel.pipeline import PipelineExecutor, backward_from, split_stage
 from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
@@ -55,6 +58,8 @@ class Trainer:
     """Holds the model, optimizer and data of one rank and runs optimizer steps."""
 
     def __init__(self, cfg: Config, ctx: ParallelContext):
+        adopt_shape(cfg)  # model.init_from: the HF folder's shape (launch/pretrain.py did it before ctx, too)
+        resolve_layout(cfg, ctx.world_size)  # the layout (and the supported combinations) against that shape
         self.cfg, self.ctx = cfg, ctx
         t = cfg.train
         self.micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.dp)
@@ -87,7 +92,8 @@ class Trainer:
                                      total_steps=t.steps, sinks=build_sinks(cfg, create=ctx.rank == 0))
         # checkpoint.resume (auto | none | PATH): weights, Adam state, step, data position (engine/checkpoint.py)
         self.checkpointer = Checkpointer(cfg, ctx)
-        self.checkpointer.resume(self)
+        if self.checkpointer.resume(self) is None and cfg.model.init_from:
+            load_weights(self, Path(cfg.model.init_from).expanduser())
         self.metrics.rewind(self.step)  # a resume rolls back the steps logged after its checkpoint
 
     def autocast(self):
@@ -96,25 +102,31 @@ class Trainer:
         return contextlib.nullcontext()
 
     def run_schedule(self, executor: PipelineExecutor, local_batch: torch.Tensor | None, **kwargs) -> torch.Tensor:
-        """Run ``executor`` on this rank's share of a global batch (None on middle stages). local_batch:
+        """Run ``executor`` on this rank's share of a global batch (None on middle stages unless
+        data.document_mask). local_batch:
         (B/dp, s+1) token ids. Each micro-batch's mean loss is divided by the number of micro-batches, so the sum
         is the mean over this rank's tokens; returned (detached) on every stage via a pp all-reduce."""
         ctx = self.ctx
         micro = [] if local_batch is None else \
             [m.to(ctx.device, non_blocking=True) for m in local_batch.split(self.cfg.train.micro_batch_size)]
         inputs, labels = [m[:, :-1] for m in micro], [m[:, 1:] for m in micro]  # (mbs, s) each
+        extra = None
+        if self.cfg.data.document_mask:  # per micro-batch {position_ids, doc_ids}, (mbs, s) each
+            eos = self.tokenizer.eos_token_id
+            extra = [dict(zip(("position_ids", "doc_ids"), document_layout(x, eos))) for x in inputs]
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
+        def forward(x: torch.Tensor, **kwargs) -> torch.Tensor:
             if self.zero is not None:  # DeepSpeed's forward registers the hooks its backward needs
-                return self.zero(x)
+                return self.zero(x, **kwargs)
             with self.autocast():
-                return self.model(x)  # (mbs, s, V/tp) on the last stage, (mbs, s, h) elsewhere
+                return self.model(x, **kwargs)  # (mbs, s, V/tp) on the last stage, (mbs, s, h) elsewhere
 
         def loss_fn(logits: torch.Tensor, mb: int) -> torch.Tensor:
             return vocab_parallel_cross_entropy(logits, labels[mb], ctx.tp_group) / self.micro_batches
 
         timer = self.stats.timer  # the loss counts as forward time
-        loss = executor.run(timer.wrap("forward", forward), timer.wrap("forward", loss_fn), inputs, **kwargs)
+        loss = executor.run(timer.wrap("forward", forward), timer.wrap("forward", loss_fn), inputs,
+                            extra_inputs=extra, **kwargs)
         if ctx.pp > 1:
             dist.all_reduce(loss, group=ctx.pp_group)  # only the last stage's term is non-zero
         return loss

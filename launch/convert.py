@@ -1,4 +1,4 @@
-"""Convert between engine checkpoints and Hugging Face Llama folders (engine/hf.py).
+"""Convert between engine checkpoints and Hugging Face Llama, Qwen2 and Mistral folders (engine/hf.py).
 
     python launch/convert.py export CKPT OUT_DIR [--max-shard-size 5GB] [--dtype fp32|bf16|fp16]
     python launch/convert.py import HF_DIR CKPT

@@ -24,7 +24,10 @@ def main(argv: list[str]) -> int:
     from engine.parallel.context import ParallelContext, destroy
     from engine.trainer import Trainer, TrainingAborted
 
+    from engine.hf_init import adopt_shape
+
     cfg = load(argv)
+    adopt_shape(cfg)  # --model.init_from HF_DIR: the folder's model shape, before the layout is checked
     ctx = ParallelContext.from_config(cfg)
     try:
         trainer = Trainer(cfg, ctx)

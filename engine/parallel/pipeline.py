@@ -130,8 +130,10 @@ class PipelineExecutor:
         state["pending"] = still
 
     def run(self, forward, loss_fn, first_inputs: list[torch.Tensor] | None, before_backward=None,
-            backward=None) -> torch.Tensor:
+            backward=None, extra_inputs: list[dict] | None = None) -> torch.Tensor:
         """Run every action of this stage for one step. first_inputs: the token micro-batches (first stage).
+        ``extra_inputs[mb]``: keyword arguments of every stage's forward for micro-batch mb (document masking's
+        position and document ids), or None.
         ``before_backward(mb, is_last)`` is called before each backward (data parallelism syncs gradients only
         in the last one). ``backward(output, grad)`` replaces the plain autograd backward of a micro-batch
         (grad is None on the last stage, where output is the loss): DeepSpeed's engine.backward under ZeRO.
@@ -152,7 +154,7 @@ class PipelineExecutor:
                 continue
             if a.op == Op.FWD:
                 x = first_inputs[a.mb] if ctx.is_first_stage else state["inputs"][a.mb]
-                out = forward(x)
+                out = forward(x, **(extra_inputs[a.mb] if extra_inputs else {}))
                 if ctx.is_last_stage:
                     out = loss_fn(out, a.mb)
                     total += out.detach()

@@ -29,18 +29,21 @@ def _divide(n: int, d: int, what: str) -> int:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x A^T with A split by rows: weight (out/tp, in). Input copied (f), output sharded (b, s, out/tp)."""
+    """y = x A^T + b with A split by rows: weight (out/tp, in), bias (out/tp,) split with it (Qwen2's q/k/v).
+    Input copied (f), output sharded (b, s, out/tp)."""
 
-    def __init__(self, in_features: int, out_features: int, group, gather_output: bool = False):
+    def __init__(self, in_features: int, out_features: int, group, gather_output: bool = False, bias: bool = False):
         super().__init__()
         self.group, self.gather_output = group, gather_output
         self.tp_rank, self.tp_size = _rank_size(group)
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(_divide(out_features, self.tp_size, "out_features"), in_features))
-        self.tp_dims = {"weight": 0}
+        local = _divide(out_features, self.tp_size, "out_features")
+        self.weight = nn.Parameter(torch.empty(local, in_features))
+        self.bias = nn.Parameter(torch.empty(local)) if bias else None
+        self.tp_dims = {"weight": 0, "bias": 0}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_parallel(x, self.group), self.weight)  # (b, s, out/tp)
+        y = F.linear(copy_to_parallel(x, self.group), self.weight, self.bias)  # (b, s, out/tp)
         return gather_from_parallel(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -156,7 +159,9 @@ LAYER_PLAN = {
 def _parallel_linear(old: nn.Linear, style: str, group) -> nn.Module:
     with torch.device(old.weight.device):
         if style == "column":
-            return ColumnParallelLinear(old.in_features, old.out_features, group)
+            return ColumnParallelLinear(old.in_features, old.out_features, group, bias=old.bias is not None)
+        if old.bias is not None:  # would need adding once after the all-reduce; no supported family has one
+            raise ValueError("a row-parallel linear with a bias (o_proj/down_proj) is not supported")
         return RowParallelLinear(old.in_features, old.out_features, group)
 
 

@@ -1,0 +1,57 @@
+"""The shipped configs of real checkpoints (configs/*.yaml) have the published shapes.
+
+Each gives the parameter count of its model card, counted three ways that must agree: our model built on the
+meta device, transformers' own class for the family built on the meta device from the config we would export
+(engine/families.py), and the planner's per-rank counts summed over stages at tp 1. And launch/plan.py plans
+each one on 8 H100s.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from engine import families
+from engine import model as model_lib
+from engine.config import load
+from engine.planner import stage_params
+
+ROOT = Path(__file__).resolve().parents[1]
+PUBLISHED = {  # total parameters of the published checkpoints (tied embeddings counted once)
+    "llama-3.2-1b": 1_235_814_400,
+    "llama-3.1-8b": 8_030_261_248,
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-7b": 7_615_616_512,
+    "mistral-7b-v0.3": 7_248_023_552,
+    "smollm2-135m": 134_515_008,
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_parameter_count(name):
+    cfg = load(["--config", f"configs/{name}.yaml"])
+    ours = model_lib.count_params(model_lib.build(cfg.model, device="meta"))
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(families.hf_config(cfg.model))
+    counted = sum(p.numel() for p in theirs.parameters())  # parameters() yields a tied weight once
+    planned = sum(sum(stage_params(cfg, 1, 2, s)[k] for k in ("layers", "root")) for s in range(2))
+    planned -= cfg.model.vocab_size * cfg.model.hidden_size if cfg.model.tie_embeddings else 0  # 2 copies at pp 2
+    assert ours == counted == planned == PUBLISHED[name]
+
+
+def _plan_main():
+    spec = importlib.util.spec_from_file_location("plan_cli", ROOT / "launch" / "plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_plan_real_config(name, capsys):
+    assert _plan_main()(["--config", f"configs/{name}.yaml", "--world-size", "8", "--device-memory", "80",
+                         "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{name}: seq_len") and "valid layouts fit" in out
