@@ -14,9 +14,12 @@ from pathlib import Path
 
 import yaml
 
+from engine.config_checks import validate
+from engine.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A bad configuration; ``str(e)`` is a single line meant for the user."""
+__all__ = ["Config", "ConfigError", "load", "load_yaml", "parse_args", "validate"]
+
+
 
 
 @dataclass
@@ -140,15 +143,6 @@ class Config:
         return dataclasses.asdict(self)
 
 
-CHOICES = {
-    "parallel.dp_mode": ("ddp", "fsdp", "zero"),
-    "parallel.schedule": ("1f1b", "gpipe"),
-    "parallel.backend": ("auto", "gloo", "nccl"),
-    "parallel.reshard_after_forward": ("auto", "true", "false"),
-    "train.dtype": ("fp32", "bf16"),
-    "model.family": ("llama", "qwen2", "mistral"),
-    "model.rope_scaling": ("none", "linear", "llama3"),
-}
 # Other spellings of a key: HF's name for our max_seq_len (the longest position the model is meant for).
 ALIASES = {"model.max_position_embeddings": "model.max_seq_len"}
 
@@ -287,84 +281,3 @@ def load(argv: list[str]) -> Config:
         _set(cfg, key, parsed)
     validate(cfg)
     return cfg
-
-
-def _positive(cfg: Config, keys: list[str]) -> None:
-    for dotted in keys:
-        section, key = dotted.split(".")
-        value = getattr(getattr(cfg, section), key)
-        if value <= 0:
-            raise ConfigError(f"{dotted}={value} must be > 0")
-
-
-def validate(cfg: Config) -> None:
-    """Checks that need no world size; the layout is checked by ParallelContext (engine/parallel/context.py)."""
-    for dotted, choices in CHOICES.items():
-        section, key = dotted.split(".")
-        value = getattr(getattr(cfg, section), key)
-        if value not in choices:
-            raise ConfigError(f"{dotted}={value!r} is not one of {', '.join(choices)}")
-    _positive(cfg, ["model.vocab_size", "model.hidden_size", "model.intermediate_size", "model.num_layers",
-                    "model.num_heads", "model.num_kv_heads", "model.rope_theta", "parallel.tp", "parallel.pp",
-                    "parallel.timeout_s",
-                    "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
-                    "log.every", "train.eval_batches"])
-    if cfg.train.eval_every < 0:
-        raise ConfigError(f"train.eval_every={cfg.train.eval_every} must be >= 0 (0 turns evaluation off)")
-    m = cfg.model
-    if m.hidden_size % m.num_heads:
-        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
-    if m.num_heads % m.num_kv_heads:
-        raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
-    if m.head_dim % 2:
-        raise ConfigError(f"head dim hidden_size/num_heads={m.head_dim} must be even for RoPE")
-    if cfg.train.seq_len > m.max_seq_len:
-        raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    _validate_families(cfg)
-    if cfg.parallel.dp == 0 or cfg.parallel.dp < -1:
-        raise ConfigError(f"parallel.dp={cfg.parallel.dp} must be a positive integer or -1 (infer from world size)")
-    if cfg.data.weights and len(cfg.data.weights) != len(cfg.data.paths):
-        raise ConfigError(f"data.weights has {len(cfg.data.weights)} entries but data.paths has "
-                          f"{len(cfg.data.paths)}; give one weight per path or none")
-    if not 0.0 <= cfg.data.valid_fraction < 1.0:
-        raise ConfigError(f"data.valid_fraction={cfg.data.valid_fraction} must be in [0, 1)")
-    if cfg.train.lr < 0:
-        raise ConfigError(f"train.lr={cfg.train.lr} must be >= 0")
-    if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
-        raise ConfigError(f"train.min_lr_ratio={cfg.train.min_lr_ratio} must be in [0, 1]")
-    for beta in ("beta1", "beta2"):  # Adam's moment decay rates (Kingma & Ba 2015): 0 <= beta < 1
-        if not 0.0 <= getattr(cfg.train, beta) < 1.0:
-            raise ConfigError(f"train.{beta}={getattr(cfg.train, beta)} must be in [0, 1)")
-    if cfg.train.grad_clip < 0 or cfg.train.weight_decay < 0:
-        raise ConfigError(f"train.grad_clip={cfg.train.grad_clip} and train.weight_decay={cfg.train.weight_decay} "
-                          f"must be >= 0 (grad_clip 0: no clipping)")
-    if not cfg.data.text_key:
-        raise ConfigError("data.text_key is empty; name the field that holds the text (default: text)")
-    if cfg.train.adam_eps <= 0:
-        raise ConfigError(f"train.adam_eps={cfg.train.adam_eps} must be > 0")
-    if cfg.train.max_bad_steps < 0:
-        raise ConfigError(f"train.max_bad_steps={cfg.train.max_bad_steps} must be >= 0 (0: never abort)")
-    if cfg.train.warmup_steps < 0:
-        raise ConfigError(f"train.warmup_steps={cfg.train.warmup_steps} must be >= 0")
-    c = cfg.checkpoint
-    if c.every < 0 or c.keep < 0:
-        raise ConfigError(f"checkpoint.every={c.every} and checkpoint.keep={c.keep} must be >= 0 (0: only at the "
-                          f"end / keep all)")
-    if not c.resume:
-        raise ConfigError("checkpoint.resume is empty; use auto, none or a checkpoint PATH")
-
-
-def _validate_families(cfg: Config) -> None:
-    """The family-specific model keys: RoPE scaling factors, and a sliding window the sequence must fit in."""
-    m = cfg.model
-    if m.rope_scaling != "none" and m.rope_factor < 1.0:
-        raise ConfigError(f"model.rope_factor={m.rope_factor} must be >= 1 with model.rope_scaling={m.rope_scaling}")
-    if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
-        raise ConfigError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} and model.rope_high_freq_factor="
-                          f"{m.rope_high_freq_factor} must satisfy 0 < low < high for rope_scaling=llama3")
-    if m.sliding_window < 0:
-        raise ConfigError(f"model.sliding_window={m.sliding_window} must be >= 0 (0: no window)")
-    if m.sliding_window and cfg.train.seq_len > m.sliding_window:
-        raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.sliding_window={m.sliding_window}; "
-                          f"sliding-window attention is not implemented, so use train.seq_len <= "
-                          f"{m.sliding_window}")
