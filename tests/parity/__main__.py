@@ -39,12 +39,14 @@ def main(argv: list[str]) -> int:
         for c in matrix.refused()[:: max(1, len(matrix.refused()) // 8)]:
             print(f"  {c.name}: {matrix.refusal(c)[1]}")
         return 0
+    from tests.dist import warm_imports
     from tests.parity.runner import run_combos  # imports torch.distributed and the engine
 
     torch.set_num_threads(1)  # the parent forks the ranks (tests/conftest.py says why)
+    warm_imports()
     start, commit = time.time(), report.current_commit()
     with tempfile.TemporaryDirectory() as root:
-        results = run_combos(combos, root)
+        results = run_combos(combos, root, on_result=lambda c, o: print("result:", report.line(c, o), flush=True))
     passed, failed = report.print_results(results)
     print(f"{time.time() - start:.0f} s")
     if args.write_readme:

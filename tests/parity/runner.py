@@ -174,10 +174,10 @@ class Outcome:
     seconds: float
 
 
-def run_combos(combos: list[Combo], root, chunk: int = 8) -> dict:
+def run_combos(combos: list[Combo], root, chunk: int = 8, on_result=None) -> dict:
     """Run every combination and its single-process reference; returns {combo: Outcome}. Combinations of one
     world size share a set of forked ranks, ``chunk`` at a time; a chunk whose ranks fail marks its combinations
-    failed with the error and the rest still run."""
+    failed with the error and the rest still run. ``on_result(combo, outcome)`` is called as each one is known."""
     refs = sorted({reference_of(c) for c in combos})
     ref_runs = run_group(1, [combo_argv(r, f"{root}/ref-{r.name}") for r in refs], want_init=True)
     ref_of = {r: run[0] for r, run in zip(refs, ref_runs)}
@@ -193,11 +193,18 @@ def run_combos(combos: list[Combo], root, chunk: int = 8) -> dict:
             except Exception as e:  # noqa: BLE001 - a crashed or hung chunk is a result to report
                 for c in part:
                     out[c] = Outcome({}, f"ranks failed: {str(e).strip().splitlines()[-1][:300]}", 0.0)
+                    if on_result is not None:
+                        on_result(c, out[c])
                 continue
             for c, run in zip(part, runs):
-                if "error" in run[0]:
-                    out[c] = Outcome({}, f"refused: {run[0]['error']}", 0.0)
-                    continue
-                errors = compare(run, ref_of[reference_of(c)])
-                out[c] = Outcome(errors, verdict(errors, tolerance(c)), max(r["seconds"] for r in run))
+                out[c] = _outcome(c, run, ref_of)
+                if on_result is not None:
+                    on_result(c, out[c])
     return out
+
+
+def _outcome(c: Combo, run: list[dict], ref_of: dict) -> Outcome:
+    if "error" in run[0]:
+        return Outcome({}, f"refused: {run[0]['error']}", 0.0)
+    errors = compare(run, ref_of[reference_of(c)])
+    return Outcome(errors, verdict(errors, tolerance(c)), max(r["seconds"] for r in run))
