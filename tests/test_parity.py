@@ -26,8 +26,11 @@ CI = matrix.covering_subset()
 
 
 @pytest.fixture(scope="module")
-def ci_results(tmp_path_factory):
-    return runner.run_combos(CI, tmp_path_factory.mktemp("parity"))
+def ci_results(request, tmp_path_factory):
+    """Runs the combinations of the selected tests only (all of CI unless -k narrows it), in one batch."""
+    wanted = [item.callspec.params["combo"] for item in request.session.items
+              if hasattr(item, "callspec") and "combo" in item.callspec.params]
+    return runner.run_combos(wanted or CI, tmp_path_factory.mktemp("parity"))
 
 
 @pytest.mark.parametrize("combo", CI, ids=lambda c: c.name)
@@ -71,8 +74,10 @@ def test_no_supported_combination_is_refused(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def resume_results(tmp_path_factory):
-    return resume.run_resumes(matrix.resume_scenarios(), tmp_path_factory.mktemp("resume"))
+def resume_results(request, tmp_path_factory):
+    wanted = [item.callspec.params["scenario"] for item in request.session.items
+              if hasattr(item, "callspec") and "scenario" in item.callspec.params]
+    return resume.run_resumes(wanted or matrix.resume_scenarios(), tmp_path_factory.mktemp("resume"))
 
 
 @pytest.mark.parametrize("scenario", matrix.resume_scenarios(), ids=lambda s: s.name)

@@ -1,5 +1,6 @@
-"""End-to-end training through the Trainer: the tiny model learns, and tensor/data parallel runs follow the
-single-process loss curve (fp32, rel <= 1e-5 at every step)."""
+"""End-to-end training through the Trainer: the tiny model learns over 200 steps, and at tp 2 the training and
+validation losses and grad norms follow the single-process run (fp32, rel <= 1e-5). Every other layout is
+compared with one process by the parity matrix (tests/test_parity.py)."""
 from __future__ import annotations
 
 import json
@@ -60,16 +61,6 @@ def tp1_curve(tmp_path_factory):
 
 def test_tp2_follows_tp1_loss_curve(tmp_path, tp1_curve):
     assert_curves_match(_short_run(tmp_path, 2, "--parallel.tp", "2"), tp1_curve)
-
-
-def test_dp2_follows_tp1_loss_curve(tmp_path, tp1_curve):
-    # Same global batch (16 sequences) as two ranks x 2 micro-batches of 4: the same samples, the same steps.
-    assert_curves_match(_short_run(tmp_path, 2, "--parallel.dp", "2"), tp1_curve)
-
-
-def test_activation_checkpointing_keeps_the_curve(tmp_path, tp1_curve):
-    # Recomputation repeats the same fp32 ops, so the curve is the same.
-    assert_curves_match(_short_run(tmp_path, 1, "--train.activation_checkpointing", "true"), tp1_curve)
 
 
 def test_bf16_autocast_is_close_to_fp32(tmp_path):
