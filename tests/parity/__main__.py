@@ -3,6 +3,10 @@
     python -m tests.parity --list                   # the combinations, the CI subset and the refusals; runs nothing
     python -m tests.parity                          # the CI covering subset (what `pytest` runs)
     python -m tests.parity --full --write-readme    # every supported combination; refreshes the README table
+    python -m tests.parity --full --rerun-failed --write-readme   # only what failed or is missing in the last run
+
+Results go to runs/parity/{full,ci}.jsonl as they are known (one JSON line per combination), so a long run can be
+looked at while it goes and resumed with --rerun-failed.
 
 Exit status 0 when every combination matches one process, 1 otherwise.
 """
@@ -27,6 +31,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--list", action="store_true", help="print the combinations and exit")
     ap.add_argument("--write-readme", action="store_true", help="replace the README's 'What is proven' table")
     ap.add_argument("--match", default="", help="only combinations whose name contains this text")
+    ap.add_argument("--rerun-failed", action="store_true",
+                    help="keep the passed results of the last run's file; run the failed and missing ones")
     args = ap.parse_args(argv)
     if args.write_readme and (not args.full or args.match):
         ap.error("--write-readme needs --full without --match: the README table counts every combination")
@@ -45,13 +51,24 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)  # the parent forks the ranks (tests/conftest.py says why)
     warm_imports()
     start, commit = time.time(), report.current_commit()
+    path = ROOT / "runs" / "parity" / ("full.jsonl" if args.full else "ci.jsonl")
+    kept = report.load_results(path) if args.rerun_failed else {}
+    wanted = set(combos)
+    kept = {c: o for c, o in kept.items() if c in wanted and o.failure is None}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report.save_results(path, kept)
+
+    def on_result(c, o):
+        print("result:", report.line(c, o), flush=True)
+        report.append_result(path, c, o, commit)
+
     with tempfile.TemporaryDirectory() as root:
-        results = run_combos(combos, root, on_result=lambda c, o: print("result:", report.line(c, o), flush=True))
+        results = {**kept, **run_combos([c for c in combos if c not in kept], root, on_result=on_result)}
     passed, failed = report.print_results(results)
     print(f"{time.time() - start:.0f} s")
     if args.write_readme:
         command = "python -m tests.parity" + (" --full" if args.full else "") + " --write-readme"
-        report.write_readme(ROOT / "README.md", report.readme_section(results, command, commit))
+        report.write_readme(ROOT / "README.md", report.readme_section(results, command, report.commits(path)))
     return 1 if failed else 0
 
 

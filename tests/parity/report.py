@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import datetime
+import json
 import re
 import subprocess
+from dataclasses import asdict
 from pathlib import Path
 
 from tests.parity import matrix
@@ -11,6 +13,36 @@ from tests.parity.runner import FP32, BF16, Outcome
 
 BEGIN, END = "<!-- parity-table:begin -->", "<!-- parity-table:end -->"
 REASONS = {matrix.TIED_ZERO_PP[1]: "a", matrix.ZERO3_PP[1]: "b"}
+
+
+def append_result(path: Path, c: matrix.Combo, o: Outcome, commit: str) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps({"combo": asdict(c), "errors": o.errors, "failure": o.failure, "seconds": o.seconds,
+                            "commit": commit}) + "\n")
+
+
+def save_results(path: Path, results: dict) -> None:
+    """Rewrite ``path`` with the lines of the combinations in ``results`` (their commits kept)."""
+    lines = [t for t in (path.read_text().splitlines() if path.is_file() else [])
+             if matrix.Combo(**json.loads(t)["combo"]) in results]
+    path.write_text("".join(t + "\n" for t in lines))
+
+
+def commits(path: Path) -> str:
+    """The commits a results file was measured on, in order of first appearance."""
+    seen = [json.loads(t)["commit"] for t in path.read_text().splitlines()]
+    return " and ".join(dict.fromkeys(seen))
+
+
+def load_results(path: Path) -> dict:
+    """{combo: Outcome} from a results file; the last line of a combination wins."""
+    if not path.is_file():
+        return {}
+    out = {}
+    for text in path.read_text().splitlines():
+        r = json.loads(text)
+        out[matrix.Combo(**r["combo"])] = Outcome(r["errors"], r["failure"], r["seconds"])
+    return out
 
 
 def line(c: matrix.Combo, o: Outcome) -> str:

@@ -82,10 +82,15 @@ def combo_argv(c: Combo, out_dir: str, *extra: str) -> list[str]:
 
 def held_parameters(trainer: Trainer) -> dict:
     """Name -> (full-over-dp fp32 copy, tp dim or None, tp rank, tp size) of every parameter this rank holds.
-    FSDP's DTensors and ZeRO-3's partitions are gathered (collectives: every rank of the dp group calls this)."""
+    FSDP's DTensors and ZeRO's partitions are gathered (collectives: every rank of the dp group calls this)."""
     zero = trainer.zero
     root = zero.module if zero is not None else trainer.model
-    if zero is not None:
+    if zero is not None and trainer.cfg.train.dtype == "bf16":
+        # The fp32 master weights DeepSpeed's optimizer holds: its bf16 module weights are their rounding, which
+        # quantises the comparison (one bf16 ulp of a weight is ~1 % of a 4-step update).
+        from deepspeed.utils import safe_get_full_fp32_param
+        values = {n: safe_get_full_fp32_param(p).detach().float().clone() for n, p in root.named_parameters()}
+    elif zero is not None:
         values = zero.full_parameters()
     else:
         values = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
@@ -178,6 +183,8 @@ def run_combos(combos: list[Combo], root, chunk: int = 8, on_result=None) -> dic
     """Run every combination and its single-process reference; returns {combo: Outcome}. Combinations of one
     world size share a set of forked ranks, ``chunk`` at a time; a chunk whose ranks fail marks its combinations
     failed with the error and the rest still run. ``on_result(combo, outcome)`` is called as each one is known."""
+    if not combos:
+        return {}
     refs = sorted({reference_of(c) for c in combos})
     ref_runs = run_group(1, [combo_argv(r, f"{root}/ref-{r.name}") for r in refs], want_init=True)
     ref_of = {r: run[0] for r, run in zip(refs, ref_runs)}
