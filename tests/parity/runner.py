@@ -2,8 +2,8 @@
 
 Each combination trains ``STEPS`` steps from the same seed and data (``BASE``: the tiny model shrunk so that 8 ranks
 fit on a laptop; 4 layers so pp = 4 has a layer per stage; 8 heads and 4 KV heads so tp = 4 divides both). The
-reference is the single-process trainer (tp = pp = dp = 1, ddp) with the same dtype, embeddings and clipping.
-Activation checkpointing is compared with the reference run without it: recomputation must not change anything.
+reference is the single-process trainer (tp = pp = dp = 1, ddp) with the same dtype, embeddings and clipping (for
+ZeRO bf16 on several ranks: ZeRO bf16 on one, ``reference_of``). Activation checkpointing is compared with the reference run without it: recomputation must not change anything.
 
 Combinations of one world size are run one after another inside one set of forked ranks (``run_many``), so a
 CI run pays the fork and the imports a few times, not once per combination.
@@ -25,7 +25,7 @@ from tests.dist import run_ranks
 from tests.parity.matrix import Combo
 
 STEPS = 4
-CLIP = 0.5  # below the gradient norm of every step (0.9-3 here), so "clip on" clips every step
+CLIP = 0.5  # below the gradient norm of every step (1.8-4.5 here), so "clip on" clips every step
 BASE = ["--config", "configs/tiny.yaml", "--model.num_layers", "4", "--model.hidden_size", "64",
         "--model.intermediate_size", "128", "--model.num_heads", "8", "--model.num_kv_heads", "4",
         "--train.seq_len", "16", "--train.micro_batch_size", "1", "--train.global_batch_size", "8",
