@@ -5,16 +5,23 @@ at least one run, clipping on and off), every refusal, and the resume scenarios.
 runs every supported combination (see the README's "What is proven").
 
 Tolerances (tests/parity/runner.py, one place): fp32 loss and pre-clip grad norm rel <= 1e-5 at every step, every
-final parameter within 1e-2 of its 4-step update (relative L2). bf16 runs are compared with the bf16 single
-process: loss rel <= 1e-3, grad norm rel <= 1e-2, parameters 1e-1 of the update. Why those bounds, measured on
-the full matrix and against deliberate defects, is in the docstring of ``test_bf16_bounds_sit_below_defects``.
+final parameter within 1e-3 of its 4-step update (relative L2). bf16 runs are compared with the bf16 single
+process: loss rel <= 1e-3, grad norm rel <= 3e-2, parameters 2e-1 of the update. Why those bf16 bounds (errors of
+correct runs against what known defects produce, each defect patched into the engine on a scratch branch):
+
+    run (bf16, 4 steps, clipping off)          loss      grad norm   params
+    correct: ddp dp 2 / dp 4 / tp2 x dp2       1.3e-05   1.4e-03     1.3e-02   (worst of the three: 4.1e-05,
+                                                                               3.6e-03, 6.1e-02 at tp2 x dp2)
+    correct: fsdp dp 2, fsdp pp2 x dp2         7.7e-05   1.3e-02     4.5e-02
+    defect: dp gradient all-reduce removed     1.1e-02   1.6e+00     1.1e+00   (dp 2; dp 4: 1.5e-02, 3.1, 1.3)
+    defect: gradients not divided by dp (x2)   8.0e-04   1.0e+00     1.6e-01   (dp 4: 1.2e-03, 3.1, 2.8e-01)
+
+The grad norm separates every defect from correct runs by more than 30x; the loss alone would not (Adam is almost
+invariant to a constant gradient factor), which is why the grad norm is compared at every step.
 """
 from __future__ import annotations
 
-import math
-
 import pytest
-import torch
 
 pytest.importorskip("deepspeed")
 
