@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.config import Config, ConfigError
+from engine.internals import private
 from engine.optim import build_optimizer, unique_params
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -197,10 +198,11 @@ class ZeroEngine:
         if self.stage != 1:
             raise RuntimeError(f"all_reduce_grad needs ZeRO-1 (gradients still whole), not ZeRO-{self.stage}")
         opt = self.engine.optimizer
-        grad = opt.get_param_gradient_attribute(param)
+        grad = private(opt, "deepspeed", "get_param_gradient_attribute")(param)
         if grad is None:  # not reached through the model this step: contribute zeros
-            attr = "grad_accum" if opt.use_grad_accum_attribute else "grad"
-            dtype = opt.gradient_accumulation_dtype if opt.use_grad_accum_attribute else param.dtype
+            accum = private(opt, "deepspeed", "use_grad_accum_attribute")
+            attr = "grad_accum" if accum else "grad"
+            dtype = private(opt, "deepspeed", "gradient_accumulation_dtype") if accum else param.dtype
             grad = torch.zeros_like(param, dtype=dtype)
             setattr(param, attr, grad)
         dist.all_reduce(grad, group=group)
