@@ -30,6 +30,8 @@ def test_short_run_writes_metrics(tmp_path):
     (["--train.stepz", "3"], "unknown config key 'train.stepz'"),
     (["--config", "configs/missing.yaml"], "config file 'configs/missing.yaml' does not exist"),
     (["--data.paths", "[/nonexistent/corpus.txt]"], "/nonexistent/corpus.txt"),
+    (["--parallel.dp_mode", "zero", "--parallel.zero_stage", "1", "--parallel.ds_config", "/nonexistent/ds.json"],
+     "parallel.ds_config '/nonexistent/ds.json' is not a file"),
 ])
 def test_bad_config_is_one_clear_line(tmp_path, args, needle):
     out = pretrain("--config", "configs/tiny.yaml", "--train.out_dir", str(tmp_path), *args)

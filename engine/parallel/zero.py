@@ -2,8 +2,9 @@
 
 ``ZeroEngine`` hands our stage module (already tensor-parallel) and the AdamW of engine/optim.py to
 ``deepspeed.initialize(..., mpu=ctx)``; ``ds_config`` derives DeepSpeed's config from ours on top of the tunable
-``configs/ds_zero{stage}.json``. The step contract is ours, not DeepSpeed's per-micro-batch one: the trainer runs
-all m micro-batch forward/backward passes, then calls ``step(lr)`` once. DeepSpeed is put in caller-owned
+settings (built-in defaults per stage, merged with the user's ``parallel.ds_config`` file: ds_json.py). The step
+contract is ours, not DeepSpeed's per-micro-batch one: the trainer runs all m micro-batch forward/backward passes,
+then calls ``step(lr)`` once. DeepSpeed is put in caller-owned
 accumulation mode (``managed_gradient_accumulation: false``): ``engine.backward`` only accumulates (ZeRO-2/3
 still reduce-scatter each micro-batch into the rank's partition, as they always do), and ``engine.step()`` is the
 accumulation boundary that finishes the reduction, clips, and applies the update. Our micro-batch losses are
@@ -23,8 +24,6 @@ torch.nn.utils.clip_grad_norm_ and engine.optim.clip_gradients do.
 from __future__ import annotations
 
 import copy
-import json
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,10 +32,7 @@ from torch import nn
 from engine.config import Config, ConfigError
 from engine.internals import private
 from engine.optim import build_optimizer, unique_params
-
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-_FALLBACK = {"zero_optimization": {"overlap_comm": False, "contiguous_gradients": True},
-             "steps_per_print": 10**9, "wall_clock_breakdown": False}
+from engine.parallel.ds_json import load_base_config
 
 
 def check_zero_supported(cfg: Config, ctx) -> None:
@@ -64,29 +60,12 @@ def check_zero_supported(cfg: Config, ctx) -> None:
                           "use zero_stage 1 or 2, or dp_mode=fsdp")
 
 
-def load_base_config(stage: int, path: str | Path | None = None) -> dict:
-    """The user-tunable part: configs/ds_zero{stage}.json (buckets, overlap, ZeRO-3 thresholds...)."""
-    path = Path(path) if path else CONFIG_DIR / f"ds_zero{stage}.json"
-    if not path.is_file():
-        return copy.deepcopy(_FALLBACK)
-    try:
-        base = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"DeepSpeed config '{path}' is not valid JSON (line {e.lineno}: {e.msg})") from None
-    for key in ("optimizer", "scheduler"):
-        if key in base:
-            raise ConfigError(f"DeepSpeed config '{path}' sets '{key}'; remove it: the engine's AdamW and LR "
-                              f"schedule (train.lr, train.warmup_steps, ...) are used")
-    if base.get("fp16", {}).get("enabled"):
-        raise ConfigError(f"DeepSpeed config '{path}' enables fp16; use train.dtype=bf16 instead")
-    return base
-
-
 def ds_config(cfg: Config, ctx, base: dict | None = None) -> dict:
-    """DeepSpeed's config: ``base`` (default: configs/ds_zero{stage}.json) with every key that our config decides
-    overridden, so batch sizes, stage, precision and clipping are never written twice."""
+    """DeepSpeed's config: ``base`` (default: the built-in defaults for the stage with parallel.ds_config merged
+    over them, engine/parallel/ds_json.py) with every key that our config decides filled in, so batch sizes,
+    stage, precision and clipping are never written twice."""
     t, stage = cfg.train, cfg.parallel.zero_stage
-    c = copy.deepcopy(base) if base is not None else load_base_config(stage)
+    c = copy.deepcopy(base) if base is not None else load_base_config(stage, cfg.parallel.ds_config or None)
     micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.dp)
     c["train_micro_batch_size_per_gpu"] = t.micro_batch_size
     c["gradient_accumulation_steps"] = micro_batches
