@@ -24,6 +24,7 @@ torch.nn.utils.clip_grad_norm_ and engine.optim.clip_gradients do.
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 import torch.distributed as dist
@@ -100,6 +101,9 @@ def _ensure_deepspeed_comm(backend: str) -> None:
     import deepspeed
     import deepspeed.comm as ds_comm
 
+    # deepspeed.initialize asserts that LOCAL_RANK is set, which only launchers do: a plain `python
+    # launch/pretrain.py` (one process) has none. 0 is also what env_rank_info read in its absence.
+    os.environ.setdefault("LOCAL_RANK", "0")
     if not ds_comm.is_initialized():
         # Wraps the process group the context already made (gloo on CPU, nccl on CUDA); never starts a new one.
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
