@@ -21,6 +21,7 @@ optimizer and the data from the beginning.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -82,9 +83,11 @@ class Checkpointer:
         self.stopped_unsaved = False  # a stop signal ended training with nothing saved (no checkpoint.dir)
         self.lock: CheckpointLock | None = None
         # Metadata travels on a gloo group of its own: usable from the async thread and on CPU tensors under nccl.
-        # (Every rank has the same config, so every rank creates it or none does.)
+        # (Every rank has the same config, so every rank creates it or none does.) With parallel.timeout_s, not gloo's
+        # 30-minute default, a rank that dies or hangs during a save fails the others' exchange in bounded time.
         used = self.root is not None or c.resume not in ("auto", "none")
-        self.group = dist.new_group(backend="gloo") if ctx.world_size > 1 and used else None
+        timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if ctx.world_size > 1 and used else None
         status = [uuid.uuid4().hex[:8], None]  # the run's token, and rank 0's verdict on checkpoint.dir
         if ctx.rank == 0:
             status[1] = self._claim(status[0])

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.init import full_shape
+from engine.internals import private
 
 TIED_COPY, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
@@ -116,7 +117,7 @@ class _ZeroState:
 
     def __init__(self, zero):
         self.opt = zero.engine.optimizer  # DeepSpeed's ZeRO optimizer wrapping our AdamW
-        self.inner = self.opt.optimizer
+        self.inner = private(self.opt, "deepspeed", "optimizer")
 
     def writes(self, start: int, end: int) -> tuple[int, int]:
         return start, end
@@ -146,10 +147,11 @@ class Zero12State(_ZeroState):
 
     def __init__(self, zero):
         super().__init__(zero)  # DeepSpeedZeroOptimizer, or BF16_Optimizer (bf16 + ZeRO-1)
-        self.flats = getattr(self.opt, "single_partition_of_fp32_groups", None) or self.opt.fp32_groups_flat_partition
+        # DeepSpeedZeroOptimizer's name for the fp32 master partitions, then BF16_Optimizer's
+        self.flats = private(self.opt, "deepspeed", "single_partition_of_fp32_groups", "fp32_groups_flat_partition")
 
     def held(self, p: nn.Parameter, numel: int) -> tuple[int, int]:
-        mapping = getattr(p, "_hp_mapping", None)
+        mapping = private(p, "deepspeed", "_hp_mapping")  # None: this rank holds none of p
         if mapping is None:
             return 0, 0
         address = mapping.lp_fragment_address
@@ -159,7 +161,7 @@ class Zero12State(_ZeroState):
         """This rank's fp32 fragment of the parameter (state 'param') or of one of its Adam moments. The moments
         are cut from the flat state by the fragment's address rather than read from ``optim_fragment``: DeepSpeed
         links that after the first group's step only, so it stays empty for the second param group."""
-        mapping = slot.param._hp_mapping
+        mapping = private(slot.param, "deepspeed", "_hp_mapping")
         if state == "param":
             return mapping.get_hp_fragment()
         address = mapping.get_hp_fragment_address()
@@ -167,7 +169,7 @@ class Zero12State(_ZeroState):
         return self.inner.state[flat][state].narrow(0, address.start, address.numel)
 
     def state_names(self, slot: Slot) -> list[str]:
-        return self._moments(self.flats[slot.param._hp_mapping.param_group_index])
+        return self._moments(self.flats[private(slot.param, "deepspeed", "_hp_mapping").param_group_index])
 
     def get(self, slot: Slot, state: str) -> torch.Tensor:
         return self._fragment(slot, state).detach()
@@ -177,7 +179,7 @@ class Zero12State(_ZeroState):
         self._fragment(slot, state).copy_(value)
 
     def finish(self) -> None:
-        self.opt.update_lp_params()  # master fragments -> every rank's working weights (an all-gather over dp)
+        private(self.opt, "deepspeed", "update_lp_params")()  # master fragments -> every rank's working weights (an all-gather over dp)
 
 
 class Zero3State(_ZeroState):
@@ -185,14 +187,14 @@ class Zero3State(_ZeroState):
 
     def __init__(self, zero):
         super().__init__(zero)  # DeepSpeedZeroOptimizer_Stage3
-        self.flats = self.opt.fp32_partitioned_groups_flat  # one flat fp32 partition per sub-group
+        self.flats = private(self.opt, "deepspeed", "fp32_partitioned_groups_flat")  # one fp32 flat per sub-group
 
     def _group_of_flat(self, i: int) -> dict:
-        return self.inner.param_groups[self.opt.sub_group_to_group_id[i]]
+        return self.inner.param_groups[private(self.opt, "deepspeed", "sub_group_to_group_id")[i]]
 
     def held(self, p: nn.Parameter, numel: int) -> tuple[int, int]:
-        size = p.ds_tensor.ds_numel  # partition size, padded so that dp * size >= numel
-        rank = dist.get_rank(group=getattr(p, "ds_process_group", self.opt.dp_process_group))
+        size = private(p, "deepspeed", "ds_tensor").ds_numel  # partition size, padded so that dp * size >= numel
+        rank = dist.get_rank(group=private(p, "deepspeed", "ds_process_group"))
         return min(rank * size, numel), min((rank + 1) * size, numel)
 
     def state_names(self, slot: Slot) -> list[str]:
@@ -210,7 +212,7 @@ class Zero3State(_ZeroState):
         from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
 
         p = slot.param
-        padded = torch.zeros(p.ds_tensor.ds_numel, dtype=torch.float32, device=value.device)  # (ps,)
+        padded = torch.zeros(private(p, "deepspeed", "ds_tensor").ds_numel, dtype=torch.float32, device=value.device)  # (ps,)
         padded[:value.numel()] = value
         if state == "param":
             safe_set_local_fp32_param(p, padded)
@@ -221,9 +223,9 @@ class Zero3State(_ZeroState):
         """What ZeRO-3's step does after updating the masters: copy them into the working partitions, and
         re-gather the parameters it keeps whole (``stage3_param_persistence_threshold``)."""
         with torch.no_grad():
-            for lp, hp in zip(self.opt.fp16_partitioned_groups_flat, self.flats):
+            for lp, hp in zip(private(self.opt, "deepspeed", "fp16_partitioned_groups_flat"), self.flats):
                 lp.data.copy_(hp.data)
-        persistent = self.opt.persistent_parameters
+        persistent = private(self.opt, "deepspeed", "persistent_parameters")
         if persistent:
             persistent[0].all_gather(persistent)
 

@@ -64,6 +64,9 @@ class ParallelConfig:
     dp: int = -1  # -1: world_size // (tp * pp)
     dp_mode: str = "ddp"  # ddp | fsdp | zero
     zero_stage: int = 0  # 1..3 with dp_mode=zero
+    # dp_mode=zero: a DeepSpeed JSON file merged over the built-in defaults (buckets, overlap, ZeRO-3 thresholds;
+    # engine/parallel/ds_json.py); '' = the defaults alone
+    ds_config: str = ""
     reshard_after_forward: str = "auto"  # fsdp: true (ZeRO-3) | false (keep gathered to backward) | auto (pp == 1)
     schedule: str = "1f1b"  # 1f1b | gpipe
     pp_layers: list[int] = field(default_factory=list)  # layers per stage; empty = as even as possible

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.errors import ConfigError
+from engine.parallel.ds_json import read_user_config
 
 if TYPE_CHECKING:
     from engine.config import Config
@@ -84,6 +85,11 @@ def validate(cfg: Config) -> None:
                           f"end / keep all)")
     if not c.resume:
         raise ConfigError("checkpoint.resume is empty; use auto, none or a checkpoint PATH")
+    if cfg.parallel.ds_config:
+        if cfg.parallel.dp_mode != "zero":
+            raise ConfigError(f"parallel.ds_config={cfg.parallel.ds_config!r} is read only with parallel.dp_mode=zero "
+                              f"(got {cfg.parallel.dp_mode}); remove it or set dp_mode=zero")
+        read_user_config(cfg.parallel.ds_config)  # a missing or bad file fails now, before any rank starts
 
 
 def _validate_families(cfg: Config) -> None:

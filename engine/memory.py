@@ -17,7 +17,10 @@ import weakref
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from engine.internals import private
 
 
 def _storages(t: torch.Tensor) -> list:
@@ -45,20 +48,21 @@ def _storage_bytes(tensors, seen: set[int]) -> int:
 def fsdp_params(model: nn.Module) -> list:
     """FSDP2's per-parameter records (torch.distributed.fsdp internals: ``FSDPParam``), empty without FSDP.
     They hold what the module tree does not show: gradients accumulated unsharded while gradient sync is off, and
-    the all-gathered (unsharded) weights. Private API of torch 2.13; if it moves, this returns [] and the
-    comparison with the plan in tests/test_planner.py fails loudly instead of silently."""
+    the all-gathered (unsharded) weights. Private API of torch 2.13: if it moves, engine.internals.private fails
+    naming the attribute and the tested torch, rather than this returning [] and the accounting going wrong."""
     out = []
     for module in model.modules():
-        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
-        for group in getattr(state, "_fsdp_param_groups", None) or []:
-            out.extend(group.fsdp_params)
+        if isinstance(module, FSDPModule):
+            state = private(module, "torch", "_get_fsdp_state")()
+            for group in private(state, "torch", "_fsdp_param_groups"):
+                out.extend(private(group, "torch", "fsdp_params"))
     return out
 
 
 def gathered_weight_bytes(records: list) -> int:
     """Bytes of FSDP2's all-gathered weights allocated right now, given ``fsdp_params(model)`` (a freed one has a
     storage of size 0)."""
-    return _storage_bytes([t for fp in records for t in getattr(fp, "all_gather_outputs", [])], set())
+    return _storage_bytes([t for fp in records for t in private(fp, "torch", "all_gather_outputs")], set())
 
 
 def tensor_bytes_held(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
@@ -67,7 +71,8 @@ def tensor_bytes_held(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     seen: set[int] = set()
     params = list(model.parameters())
     out = {"params": _storage_bytes(params, seen)}
-    unsharded = [g for fp in fsdp_params(model) for g in (getattr(fp, "unsharded_accumulated_grad", None),
+    # _unsharded_param appears at FSDP2's first all-gather, so its absence before that is no version change.
+    unsharded = [g for fp in fsdp_params(model) for g in (private(fp, "torch", "unsharded_accumulated_grad"),
                  getattr(getattr(fp, "_unsharded_param", None), "grad", None))]
     out["grads"] = _storage_bytes([p.grad for p in params] + unsharded, seen)
     state = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()

@@ -14,7 +14,7 @@ What is counted, per engine path: tp: the plan table of engine/parallel/tensor.p
 row-parallel linear, one backward per column-parallel linear, none fused); ddp: one gradient all-reduce after
 the last micro-batch, not overlapped; fsdp: an all-gather per micro-batch forward (and another in backward with
 reshard_after_forward) that overlaps compute, and the gradient reduce-scatter of the last micro-batch; zero k
-(DeepSpeed, overlap_comm off in configs/ds_zero*.json): stage 1 all-reduces gradients once, stage 2
+(DeepSpeed, overlap_comm off in engine/parallel/ds_json.py): stage 1 all-reduces gradients once, stage 2
 reduce-scatters every micro-batch, stage 3 also all-gathers weights forward and backward, and stages 1-2
 all-gather the updated weights. Not modelled: the optimizer update, data loading, kernel launch overheads.
 """

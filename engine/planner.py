@@ -27,6 +27,7 @@ from engine import activations as acts
 from engine.config import Config, ModelConfig
 from engine.parallel import schedule as sched
 from engine.parallel.context import Layout, resolve_layout
+from engine.parallel.ds_json import load_base_config
 from engine.parallel.pipeline import stage_layer_ranges
 
 # bytes per parameter: (weights, gradients, optimizer state)
@@ -153,7 +154,7 @@ def _step_buffers(cfg: Config, layout: Layout, params: dict, foreach: bool) -> f
     flat gradient buffer for the dp all-reduce (engine.parallel.data.allreduce_gradients)."""
     p, m = cfg.parallel, cfg.model
     if p.dp_mode == "zero":
-        return 0.0  # DeepSpeed's own buffers (reduce/all-gather buckets) are set in configs/ds_zero*.json
+        return 0.0  # DeepSpeed's own buffers (reduce/all-gather buckets): _zero_buffers
     shard = layout.dp if p.dp_mode == "fsdp" else 1
     local = params["layers"] + params["root"]
     largest = max(m.hidden_size * max(m.intermediate_size, m.num_heads * m.head_dim) // layout.tp,
@@ -195,13 +196,11 @@ def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True)
 
 
 def _zero_buffers(cfg: Config, params: dict) -> tuple[float, float]:
-    """DeepSpeed's (gathered weights, gradient bucket) bytes from configs/ds_zero{stage}.json: a reduce bucket of
-    reduce_bucket_size gradients (fp32 here) in stages 2 and 3; under stage 3 the module being run plus the
-    prefetch bucket of weights. Not measured on CPU: DeepSpeed's allocations happen inside its own engine."""
-    from engine.parallel.zero import load_base_config
-
+    """DeepSpeed's (gathered weights, gradient bucket) bytes from its settings (engine/parallel/ds_json.py, with
+    parallel.ds_config merged): a reduce bucket of reduce_bucket_size gradients (fp32 here) in stages 2 and 3;
+    under stage 3 the module being run plus the prefetch bucket of weights. Not measured on CPU: DeepSpeed's allocations happen inside its own engine."""
     stage, local = cfg.parallel.zero_stage, params["layers"] + params["root"]
-    zero = load_base_config(stage).get("zero_optimization", {})
+    zero = load_base_config(stage, cfg.parallel.ds_config or None).get("zero_optimization", {})
     bucket = 4.0 * min(local, int(zero.get("reduce_bucket_size", 5e8))) if stage >= 2 else 0.0
     gathered = 0.0
     if stage == 3:

@@ -22,11 +22,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 
-from engine.checkpoint import CheckpointError
+from engine.checkpoint import Checkpointer, CheckpointError
 from engine.config import ConfigError, load
 from engine.parallel.context import ParallelContext
 from engine.trainer import Trainer
@@ -239,3 +240,27 @@ def test_pretrain_sigterm_saves_and_exits_0_and_a_bad_path_exits_2(tmp_path):
 def test_checkpoint_config_is_checked(arg, value, words):
     with pytest.raises(ConfigError, match=words):
         load([*SMALL, f"--checkpoint.{arg}", value])
+
+
+def stalled_exchange(argv: list[str]) -> str | None:
+    """Rank function: rank 1 stays alive but never joins the checkpointer's metadata exchange (a rank stuck during
+    a save). Rank 0's exchange must fail by the group's own timeout (parallel.timeout_s), not gloo's 30-minute
+    default; meanwhile rank 1 waits on the world group, whose timeout is the spawner's, so a rank 0 that stalls
+    fails the test through rank 1's barrier or the spawner instead of passing. Returns rank 0's error."""
+    cfg = load(argv)
+    ckpt = Checkpointer(cfg, SimpleNamespace(rank=dist.get_rank(), world_size=dist.get_world_size()))
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            ckpt._gather("rank 0's piece list")
+        except RuntimeError as e:
+            error = str(e)
+    dist.barrier()
+    return error
+
+
+def test_checkpoint_group_times_out_after_parallel_timeout_s(tmp_path):
+    # 3 s: long enough for rank 0 to claim the directory before rank 1 gives up on the start-up broadcast.
+    argv = [*SMALL, "--checkpoint.dir", str(tmp_path / "c"), "--parallel.timeout_s", "3"]
+    error = run_ranks(stalled_exchange, 2, argv, timeout_s=60)[0]
+    assert error is not None and "timed out" in error.lower(), error

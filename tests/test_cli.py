@@ -30,6 +30,8 @@ def test_short_run_writes_metrics(tmp_path):
     (["--train.stepz", "3"], "unknown config key 'train.stepz'"),
     (["--config", "configs/missing.yaml"], "config file 'configs/missing.yaml' does not exist"),
     (["--data.paths", "[/nonexistent/corpus.txt]"], "/nonexistent/corpus.txt"),
+    (["--parallel.dp_mode", "zero", "--parallel.zero_stage", "1", "--parallel.ds_config", "/nonexistent/ds.json"],
+     "parallel.ds_config '/nonexistent/ds.json' is not a file"),
 ])
 def test_bad_config_is_one_clear_line(tmp_path, args, needle):
     out = pretrain("--config", "configs/tiny.yaml", "--train.out_dir", str(tmp_path), *args)
@@ -38,3 +40,15 @@ def test_bad_config_is_one_clear_line(tmp_path, args, needle):
     assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
     assert needle in lines[0]
     assert "Traceback" not in out.stderr + out.stdout
+
+
+@pytest.mark.slow  # ~30 s on a loaded 2-core machine: DeepSpeed's import and its first step
+def test_plain_python_runs_dp_mode_zero(tmp_path):
+    pytest.importorskip("deepspeed")
+    # No launcher, so no LOCAL_RANK, which deepspeed.initialize asserts on.
+    out = pretrain("--config", "configs/tiny.yaml", "--model.num_layers", "2", "--model.hidden_size", "64",
+                   "--model.intermediate_size", "128", "--model.num_heads", "4", "--model.num_kv_heads", "2",
+                   "--train.seq_len", "32", "--train.steps", "2", "--parallel.dp_mode", "zero",
+                   "--parallel.zero_stage", "1", "--train.out_dir", str(tmp_path), "--log.progress", "false")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2

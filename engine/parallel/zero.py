@@ -2,8 +2,9 @@
 
 ``ZeroEngine`` hands our stage module (already tensor-parallel) and the AdamW of engine/optim.py to
 ``deepspeed.initialize(..., mpu=ctx)``; ``ds_config`` derives DeepSpeed's config from ours on top of the tunable
-``configs/ds_zero{stage}.json``. The step contract is ours, not DeepSpeed's per-micro-batch one: the trainer runs
-all m micro-batch forward/backward passes, then calls ``step(lr)`` once. DeepSpeed is put in caller-owned
+settings (built-in defaults per stage, merged with the user's ``parallel.ds_config`` file: ds_json.py). The step
+contract is ours, not DeepSpeed's per-micro-batch one: the trainer runs all m micro-batch forward/backward passes,
+then calls ``step(lr)`` once. DeepSpeed is put in caller-owned
 accumulation mode (``managed_gradient_accumulation: false``): ``engine.backward`` only accumulates (ZeRO-2/3
 still reduce-scatter each micro-batch into the rank's partition, as they always do), and ``engine.step()`` is the
 accumulation boundary that finishes the reduction, clips, and applies the update. Our micro-batch losses are
@@ -23,19 +24,16 @@ torch.nn.utils.clip_grad_norm_ and engine.optim.clip_gradients do.
 from __future__ import annotations
 
 import copy
-import json
-from pathlib import Path
+import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from engine.config import Config, ConfigError
+from engine.internals import private
 from engine.optim import build_optimizer, unique_params
-
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-_FALLBACK = {"zero_optimization": {"overlap_comm": False, "contiguous_gradients": True},
-             "steps_per_print": 10**9, "wall_clock_breakdown": False}
+from engine.parallel.ds_json import load_base_config
 
 
 def check_zero_supported(cfg: Config, ctx) -> None:
@@ -63,29 +61,12 @@ def check_zero_supported(cfg: Config, ctx) -> None:
                           "use zero_stage 1 or 2, or dp_mode=fsdp")
 
 
-def load_base_config(stage: int, path: str | Path | None = None) -> dict:
-    """The user-tunable part: configs/ds_zero{stage}.json (buckets, overlap, ZeRO-3 thresholds...)."""
-    path = Path(path) if path else CONFIG_DIR / f"ds_zero{stage}.json"
-    if not path.is_file():
-        return copy.deepcopy(_FALLBACK)
-    try:
-        base = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"DeepSpeed config '{path}' is not valid JSON (line {e.lineno}: {e.msg})") from None
-    for key in ("optimizer", "scheduler"):
-        if key in base:
-            raise ConfigError(f"DeepSpeed config '{path}' sets '{key}'; remove it: the engine's AdamW and LR "
-                              f"schedule (train.lr, train.warmup_steps, ...) are used")
-    if base.get("fp16", {}).get("enabled"):
-        raise ConfigError(f"DeepSpeed config '{path}' enables fp16; use train.dtype=bf16 instead")
-    return base
-
-
 def ds_config(cfg: Config, ctx, base: dict | None = None) -> dict:
-    """DeepSpeed's config: ``base`` (default: configs/ds_zero{stage}.json) with every key that our config decides
-    overridden, so batch sizes, stage, precision and clipping are never written twice."""
+    """DeepSpeed's config: ``base`` (default: the built-in defaults for the stage with parallel.ds_config merged
+    over them, engine/parallel/ds_json.py) with every key that our config decides filled in, so batch sizes,
+    stage, precision and clipping are never written twice."""
     t, stage = cfg.train, cfg.parallel.zero_stage
-    c = copy.deepcopy(base) if base is not None else load_base_config(stage)
+    c = copy.deepcopy(base) if base is not None else load_base_config(stage, cfg.parallel.ds_config or None)
     micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.dp)
     c["train_micro_batch_size_per_gpu"] = t.micro_batch_size
     c["gradient_accumulation_steps"] = micro_batches
@@ -120,6 +101,9 @@ def _ensure_deepspeed_comm(backend: str) -> None:
     import deepspeed
     import deepspeed.comm as ds_comm
 
+    # deepspeed.initialize asserts that LOCAL_RANK is set, which only launchers do: a plain `python
+    # launch/pretrain.py` (one process) has none. 0 is also what env_rank_info read in its absence.
+    os.environ.setdefault("LOCAL_RANK", "0")
     if not ds_comm.is_initialized():
         # Wraps the process group the context already made (gloo on CPU, nccl on CUDA); never starts a new one.
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
@@ -197,10 +181,11 @@ class ZeroEngine:
         if self.stage != 1:
             raise RuntimeError(f"all_reduce_grad needs ZeRO-1 (gradients still whole), not ZeRO-{self.stage}")
         opt = self.engine.optimizer
-        grad = opt.get_param_gradient_attribute(param)
+        grad = private(opt, "deepspeed", "get_param_gradient_attribute")(param)
         if grad is None:  # not reached through the model this step: contribute zeros
-            attr = "grad_accum" if opt.use_grad_accum_attribute else "grad"
-            dtype = opt.gradient_accumulation_dtype if opt.use_grad_accum_attribute else param.dtype
+            accum = private(opt, "deepspeed", "use_grad_accum_attribute")
+            attr = "grad_accum" if accum else "grad"
+            dtype = private(opt, "deepspeed", "gradient_accumulation_dtype") if accum else param.dtype
             grad = torch.zeros_like(param, dtype=dtype)
             setattr(param, attr, grad)
         dist.all_reduce(grad, group=group)
