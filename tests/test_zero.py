@@ -53,10 +53,11 @@ def reference(argv: list[str]) -> dict:
 
 
 def zero_train(argv: list[str], extra: dict) -> dict:
-    """Rank function: the trainer with dp_mode zero (``extra`` merged into the DeepSpeed config); losses, grad
-    norms, and this rank's full (dp-gathered, tp-local) parameters with their tp layout."""
-    base = zero_lib.load_base_config
-    zero_lib.load_base_config = lambda stage, path=None: _merge(base(stage, path), extra)  # this forked rank only
+    """Rank function: the trainer with dp_mode zero (``extra`` merged into the DeepSpeed config after ds_config
+    derived it, so it can set keys ds_config decides, such as managed_gradient_accumulation); losses, grad norms,
+    and this rank's full (dp-gathered, tp-local) parameters with their tp layout."""
+    derive = zero_lib.ds_config
+    zero_lib.ds_config = lambda cfg, ctx, base=None: _merge(derive(cfg, ctx, base), extra)  # this forked rank only
     cfg = load(argv)
     trainer = Trainer(cfg, ParallelContext.from_config(cfg))
     history = trainer.fit()
@@ -69,7 +70,8 @@ def zero_train(argv: list[str], extra: dict) -> dict:
         layout[name] = (mod.tp_dims.get(attr), mod.tp_rank, mod.tp_size) if hasattr(mod, "tp_dims") else None
     return {"loss": [r["loss"] for r in history], "grad_norm": [r["grad_norm"] for r in history],
             "params": zero.full_parameters(), "layout": layout,
-            "lr": zero.engine.optimizer.param_groups[0]["lr"], "dtype": next(zero.parameters()).dtype}
+            "lr": zero.engine.optimizer.param_groups[0]["lr"], "dtype": next(zero.parameters()).dtype,
+            "managed": zero.managed}
 
 
 def assert_close(got: list[float], want: list[float], rel: float, what: str) -> None:
@@ -152,7 +154,9 @@ def test_zero3_with_activation_checkpointing(ref):
 
 def test_deepspeed_managed_accumulation_with_set_sync(ref):
     # DeepSpeed's own micro-step counting (older releases, or a json asking for it): set_sync marks the boundary.
-    check_against(ref, zero_run(2, 1, ds={"managed_gradient_accumulation": True}))
+    results = zero_run(2, 1, ds={"managed_gradient_accumulation": True})
+    assert all(r["managed"] for r in results), "DeepSpeed did not run in managed accumulation mode"
+    check_against(ref, results)
 
 
 def test_ds_config_is_derived_from_ours():
