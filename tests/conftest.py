@@ -1,5 +1,7 @@
 """Session set-up shared by every test."""
+import pytest
 import torch
+import torch.distributed as dist
 
 # The pytest process forks gloo ranks (tests/dist.py). GNU OpenMP, which CPU torch uses for intra-op parallelism,
 # is not fork-safe: once the parent has run a multi-threaded op, a child that runs one hangs. So the parent stays
@@ -10,3 +12,15 @@ torch.set_num_threads(1)
 from tests.dist import warm_imports  # noqa: E402
 
 warm_imports()
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_in_the_parent():
+    """A test that initialises torch.distributed in the pytest process (instead of a forked rank) breaks every
+    later test: forked ranks inherit the initialised default group and fail with 'initialize the default process
+    group twice'. Fail the culprit by name instead, and clean up so the rest of the suite still runs."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("this test left a torch.distributed process group in the pytest process; run the Trainer in "
+                    "a forked rank (tests/dist.run_ranks)")

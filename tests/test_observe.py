@@ -13,6 +13,7 @@ from engine.config import load
 from engine.metrics import MetricsLogger
 from engine.parallel.context import ParallelContext
 from engine.trainer import Trainer
+from tests.dist import run_ranks
 from tests.test_bad_steps import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,11 +23,15 @@ def _records(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _fit(argv: list[str]) -> Trainer:
+def _train(argv: list[str]) -> None:
     cfg = load(argv)
-    trainer = Trainer(cfg, ParallelContext.from_config(cfg))
-    trainer.fit()
-    return trainer
+    Trainer(cfg, ParallelContext.from_config(cfg)).fit()
+
+
+def _fit(argv: list[str]) -> None:
+    """Train in one forked rank (tests/dist.py): a process group or multi-threaded torch ops left in the pytest
+    process would break every later test's forked ranks."""
+    run_ranks(_train, 1, argv)
 
 
 def test_tensorboard_events_equal_metrics_jsonl(tmp_path):
