@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
     passed, failed = report.print_results(results)
     print(f"{time.time() - start:.0f} s")
     if args.write_readme:
-        command = "python -m tests.parity" + (" --full" if args.full else "") + " --write-readme"
+        command = "python -m tests.parity --full" + (" --rerun-failed" if args.rerun_failed else "") + " --write-readme"
         report.write_readme(ROOT / "README.md", report.readme_section(results, command, report.commits(path)))
     return 1 if failed else 0
 
