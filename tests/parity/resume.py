@@ -62,9 +62,7 @@ def run_resumes(scenarios: list[Resume], root) -> dict:
     out = {}
     for s in scenarios:
         ref, failure = ref_of[_plain(s.source)], None
-        # The resumed run carries the source's numerics: DeepSpeed bf16 weights on either side set the bound.
-        tol = max(tolerance(s.source, _plain(s.source)), tolerance(_target(s), _plain(s.source)),
-                  key=lambda t: t.params)
+        tol = tolerance(s.source)
         for what, run, offset in (("source", sources[s], 0), ("resumed", targets[s], SAVE_AT)):
             if isinstance(run, str) or "error" in run[0]:
                 failure = failure or f"{what}: {run if isinstance(run, str) else run[0]['error']}"

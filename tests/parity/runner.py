@@ -52,10 +52,10 @@ FP32 = Tolerance(loss=1e-5, grad_norm=1e-5, params=1e-3)
 # layout rounds its partial matmuls differently. Measured worst and the defects these bounds must catch: see
 # tests/test_parity.py.
 BF16 = Tolerance(loss=1e-3, grad_norm=3e-2, params=2e-1)
-# DeepSpeed's bf16 runs the whole forward in bf16 weights (its residual stream and norms too) while the trainer's
-# reference is autocast over fp32 weights: a different recipe, so ZeRO bf16 at dp > 1 is compared with ZeRO bf16 at
-# one process (BF16), and only ZeRO bf16 at one process with the autocast reference, under these bounds.
-BF16_DEEPSPEED = Tolerance(loss=1e-3, grad_norm=5e-2, params=1.0)
+# DeepSpeed's bf16 is another recipe than autocast (bf16 weights, residual stream and norms in bf16; fp32 masters):
+# ZeRO bf16 on several ranks is compared with ZeRO bf16 on one (reference_of), and ZeRO bf16 on one rank with the
+# autocast reference, under the same bounds (measured worst of those 12: loss 1.3e-4, grad norm 1.3e-2, fp32
+# master weights 6.0e-2 of the update).
 
 
 def _deepspeed_bf16(c: Combo) -> bool:
@@ -69,11 +69,8 @@ def reference_of(c: Combo) -> Combo:
     return Combo(1, 1, 1, mode, "-", c.dtype, c.tied, False, c.clip)
 
 
-def tolerance(c: Combo, ref: Combo | None = None) -> Tolerance:
-    ref = ref or reference_of(c)
-    if c.dtype == "fp32":
-        return FP32
-    return BF16_DEEPSPEED if _deepspeed_bf16(c) != _deepspeed_bf16(ref) else BF16
+def tolerance(c: Combo) -> Tolerance:
+    return FP32 if c.dtype == "fp32" else BF16
 
 
 def combo_argv(c: Combo, out_dir: str, *extra: str) -> list[str]:
