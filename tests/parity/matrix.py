@@ -20,7 +20,7 @@ clipping on included, appears in at least one chosen combination (greedy pairwis
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 SIZES = (1, 2, 4)
 DP_MODES = ("ddp", "fsdp-reshard", "fsdp-keep", "zero1", "zero2", "zero3")
@@ -182,6 +182,3 @@ def resume_scenarios() -> list[Resume]:
                                                                             dtype="bf16")),
     ]
 
-
-def with_clip(c: Combo, clip: bool) -> Combo:
-    return replace(c, clip=clip)
