@@ -39,11 +39,6 @@ from engine.parallel.ds_json import load_base_config
 def check_zero_supported(cfg: Config, ctx) -> None:
     """Refuse, naming the combination, what ZeroEngine cannot run correctly."""
     p = cfg.parallel
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError as e:  # the quick start's plain `pip install -e .` leaves it out
-        raise ConfigError(f"parallel.dp_mode=zero needs DeepSpeed, which cannot be imported ({e}); install it with "
-                          f"pip install -e \".[deepspeed]\", or use parallel.dp_mode=ddp or fsdp") from None
     if p.zero_stage not in (1, 2, 3):
         raise ConfigError(f"parallel.dp_mode=zero needs parallel.zero_stage 1, 2 or 3, got {p.zero_stage}")
     if ctx.pp > 1 and cfg.model.tie_embeddings and (p.zero_stage != 1 or cfg.train.dtype != "fp32"):
@@ -97,6 +92,17 @@ def mark_parallel_params(model: nn.Module, tp_rank: int) -> None:
             p.partition_dim, p.partition_stride = module.tp_dims[attr], 1
 
 
+def _import_deepspeed():
+    """DeepSpeed, or one line saying how to install it. Checked here, where ZeRO first needs it, not in the layout
+    check: planning a ZeRO layout (launch/plan.py) must not need DeepSpeed installed."""
+    try:
+        import deepspeed
+    except ImportError as e:  # the quick start's plain `pip install -e .` leaves it out
+        raise ConfigError(f"parallel.dp_mode=zero needs DeepSpeed, which cannot be imported ({e}); install it with "
+                          f"pip install -e \".[deepspeed]\", or use parallel.dp_mode=ddp or fsdp") from None
+    return deepspeed
+
+
 def _ensure_deepspeed_comm(backend: str) -> None:
     import deepspeed
     import deepspeed.comm as ds_comm
@@ -114,8 +120,7 @@ class ZeroEngine:
     hooks its backward relies on), ``backward`` per micro-batch, ``step(lr)`` once per global batch."""
 
     def __init__(self, model: nn.Module, cfg: Config, ctx, config: dict | None = None):
-        import deepspeed
-
+        deepspeed = _import_deepspeed()
         check_zero_supported(cfg, ctx)
         self.cfg, self.ctx = cfg, ctx
         _ensure_deepspeed_comm(ctx.backend)
