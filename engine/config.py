@@ -37,7 +37,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02  # N(0, init_std) for every linear and embedding weight, as HF Llama's _init_weights
-    # What the supported families differ in (engine/families.py maps them to and from HF config.json).
+    # What the supported families differ in (engine/model/families.py maps them to and from HF config.json).
     family: str = "llama"  # llama | qwen2 | mistral: the HF architecture that export writes
     attention_bias: bool = False  # bias on q/k/v (Qwen2); o_proj never has one here
     # RoPE frequency scaling, HF's rope_scaling/rope_parameters: none | linear | llama3 (Llama 3.1 and later)
@@ -49,7 +49,7 @@ class ModelConfig:
     # Mistral/Qwen2 sliding-window attention span (0: none). Only full attention is implemented, which equals
     # the window while train.seq_len <= sliding_window; longer sequences are refused.
     sliding_window: int = 0
-    init_from: str = ""  # a Hugging Face folder whose shape and weights start the run (engine/hf_init.py)
+    init_from: str = ""  # a Hugging Face folder whose shape and weights start the run (engine/model/hf_init.py)
 
     @property
     def head_dim(self) -> int:
@@ -65,7 +65,7 @@ class ParallelConfig:
     dp_mode: str = "ddp"  # ddp | fsdp | zero
     zero_stage: int = 0  # 1..3 with dp_mode=zero
     # dp_mode=zero: a DeepSpeed JSON file merged over the built-in defaults (buckets, overlap, ZeRO-3 thresholds;
-    # engine/parallel/ds_json.py); '' = the defaults alone
+    # engine/parallel/dp/ds_json.py); '' = the defaults alone
     ds_config: str = ""
     reshard_after_forward: str = "auto"  # fsdp: true (ZeRO-3) | false (keep gathered to backward) | auto (pp == 1)
     schedule: str = "1f1b"  # 1f1b | gpipe
@@ -107,7 +107,7 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)  # empty: the bundled corpus
     weights: list[float] = field(default_factory=list)
     tokenizer: str = ""  # '' = the bundled tokenizer; else a local folder or HF name
-    # Packed sequences: attention stops at each EOS and RoPE positions restart after it (engine/docmask.py)
+    # Packed sequences: attention stops at each EOS and RoPE positions restart after it (engine/model/docmask.py)
     document_mask: bool = False
     valid_fraction: float = 0.01  # share of each dataset's samples held out for validation (its tail)
     text_key: str = "text"  # the field holding the text in raw .json/.jsonl/.parquet files
@@ -115,7 +115,7 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Sharded checkpoints (engine/checkpoint.py): <dir>/step_NNNNNN/ and <dir>/latest."""
+    """Sharded checkpoints (engine/checkpoint/checkpointer.py): <dir>/step_NNNNNN/ and <dir>/latest."""
     dir: str = ""  # '' = no checkpoints
     every: int = 0  # save every N steps (0: only at the last step and on SIGTERM/SIGINT)
     keep: int = 3  # newest complete checkpoints kept; 0 keeps all
@@ -128,8 +128,8 @@ class LogConfig:
     every: int = 1  # log a metrics.jsonl line every N steps
     progress: bool = True  # the progress line with ETA on rank 0
     breakdown: bool = True  # seconds per phase in each record (on CUDA a synchronize around each phase)
-    peak_tflops: float = 0.0  # device peak for MFU; 0: engine/flops.py's table by CUDA device name (none on CPU)
-    tensorboard: bool = False  # TensorBoard event files in <train.out_dir>/tensorboard (engine/tensorboard.py)
+    peak_tflops: float = 0.0  # device peak for MFU; 0: engine/planning/flops.py's table by CUDA device name (none on CPU)
+    tensorboard: bool = False  # TensorBoard event files in <train.out_dir>/tensorboard (engine/metrics/tensorboard.py)
     wandb_project: str = ""  # '' = off; else log to Weights & Biases (offline unless WANDB_MODE says otherwise)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.errors import ConfigError
-from engine.parallel.ds_json import read_user_config
+from engine.parallel.dp.ds_json import read_user_config
 
 if TYPE_CHECKING:
     from engine.config import Config

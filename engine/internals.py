@@ -1,9 +1,9 @@
 """The undocumented attributes of DeepSpeed and torch FSDP2 that the engine reads, behind one version check.
 
-Sharded checkpoints (engine/ckpt_state.py) locate DeepSpeed's fp32 master partitions and Adam moments through its
+Sharded checkpoints (engine/checkpoint/state.py) locate DeepSpeed's fp32 master partitions and Adam moments through its
 ZeRO optimizer's internals (``single_partition_of_fp32_groups``, ``param._hp_mapping``, ``ds_tensor``, ...);
 ZeroEngine.all_reduce_grad reads the gradient attribute DeepSpeed accumulates into; memory accounting
-(engine/memory.py) reads FSDP2's per-parameter records (``module._get_fsdp_state()._fsdp_param_groups``). None of
+(engine/metrics/memory.py) reads FSDP2's per-parameter records (``module._get_fsdp_state()._fsdp_param_groups``). None of
 these is public API. They were read from the releases in ``TESTED``; a release that renames one fails through
 ``private`` with one line naming the attribute, the installed version and the tested one (a ConfigError: the
 launcher prints it and exits 2) instead of an AttributeError deep inside a save or a step.

@@ -16,23 +16,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine import data as data_lib
-from engine import model as model_lib
-from engine.checkpoint import Checkpointer
+from engine.data import dataset as data_lib
+from engine.model import transformer as model_lib
+from engine.checkpoint.checkpointer import Checkpointer
 from engine.config import Config, ConfigError
-from engine.docmask import document_layout
-from engine.feed import BatchFeed
-from engine.hf_init import adopt_shape, load_weights
-from engine.init import materialize
-from engine.metrics import MetricsLogger
+from engine.model.docmask import document_layout
+from engine.data.feed import BatchFeed
+from engine.model.hf_init import adopt_shape, load_weights
+from engine.model.init import materialize
+from engine.metrics.logger import MetricsLogger
 from engine.optim import build_optimizer, clip_gradients, lr_at, set_lr
 from engine.parallel.context import ParallelContext, resolve_layout
-from engine.parallel.data import allreduce_gradients, apply_fsdp
+from engine.parallel.dp.fsdp import allreduce_gradients, apply_fsdp
 from engine.parallel.pipeline import PipelineExecutor, backward_from, split_stage
 from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
-from engine.parallel.zero import ZeroEngine
-from engine.stepstats import StepStats
-from engine.tensorboard import build_sinks
+from engine.parallel.dp.zero import ZeroEngine
+from engine.metrics.stepstats import StepStats
+from engine.metrics.tensorboard import build_sinks
 
 
 class TrainingAborted(RuntimeError):
@@ -90,7 +90,7 @@ class Trainer:
         self.bad_steps = self.skipped_steps = 0  # consecutive and total steps skipped for a NaN/inf loss
         self.metrics = MetricsLogger(t.out_dir, enabled=ctx.rank == 0, progress=cfg.log.progress,
                                      total_steps=t.steps, sinks=build_sinks(cfg, create=ctx.rank == 0))
-        # checkpoint.resume (auto | none | PATH): weights, Adam state, step, data position (engine/checkpoint.py)
+        # checkpoint.resume (auto | none | PATH): weights, Adam state, step, data position (engine/checkpoint/checkpointer.py)
         self.checkpointer = Checkpointer(cfg, ctx)
         if self.checkpointer.resume(self) is None and cfg.model.init_from:
             load_weights(self, Path(cfg.model.init_from).expanduser())

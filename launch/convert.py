@@ -1,4 +1,4 @@
-"""Convert between engine checkpoints and Hugging Face Llama, Qwen2 and Mistral folders (engine/hf.py).
+"""Convert between engine checkpoints and Hugging Face Llama, Qwen2 and Mistral folders (engine/model/hf.py).
 
     python launch/convert.py export CKPT OUT_DIR [--max-shard-size 5GB] [--dtype fp32|bf16|fp16]
     python launch/convert.py import HF_DIR CKPT
@@ -18,9 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from engine.ckpt_format import CheckpointError  # noqa: E402
+from engine.checkpoint.format import CheckpointError  # noqa: E402
 from engine.config import ConfigError  # noqa: E402
-from engine.data import DataError  # noqa: E402
+from engine.data.dataset import DataError  # noqa: E402
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -48,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from engine import hf
+    from engine.model import hf
 
     args = parser().parse_args(argv)  # argparse itself exits 2 with "error: ..." on bad arguments
     if args.command == "export":

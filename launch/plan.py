@@ -5,8 +5,8 @@
         [--gpus-per-node 8] [--intra-node-gbps 450] [--inter-node-gbps 50] [--set section.key=value ...]
 
 Layouts are (tp, pp, dp, dp mode, micro-batch size, activation checkpointing); the config fixes the model,
-sequence length, dtype and schedule. Memory: engine/planner.py (checked against measured memory on CPU in
-tests/test_planner.py); time: engine/plan_search.py. Layouts that fit in --device-memory come first, fastest
+sequence length, dtype and schedule. Memory: engine/planning/planner.py (checked against measured memory on CPU in
+tests/test_planner.py); time: engine/planning/search.py. Layouts that fit in --device-memory come first, fastest
 first. A bad argument exits with status 2 and one line `error: ...`.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from engine.config import ConfigError, load  # noqa: E402
-from engine.flops import peak_tflops  # noqa: E402
-from engine.plan_search import Hardware, search  # noqa: E402
+from engine.planning.flops import peak_tflops  # noqa: E402
+from engine.planning.search import Hardware, search  # noqa: E402
 
 COLUMNS = [("tp", "{}"), ("pp", "{}"), ("dp", "{}"), ("dp_mode", "{}"), ("micro_batch_size", "{}"),
            ("micro_batches", "{}"), ("activation_checkpointing", "{}"), ("peak_memory_gb", "{:.2f}"),

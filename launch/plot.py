@@ -3,7 +3,7 @@
     python launch/plot.py runs/tiny runs/tp2 -o curves.png [--names tiny tp2]
 
 Panels against the optimizer step: loss (solid: train, dashed with markers: eval), learning rate, gradient norm
-(log scale), throughput (tokens/s, all ranks together) and peak memory per rank (MiB; engine/stepstats.py says
+(log scale), throughput (tokens/s, all ranks together) and peak memory per rank (MiB; engine/metrics/stepstats.py says
 what it counts on CPU and on CUDA). One colour per run, named in the legend by its directory (or --names).
 A step logged twice (an old run's records before the rolled-back ones were moved aside) counts once, the last.
 Needs matplotlib (in the dev extra). Bad input exits with status 2 and one line.

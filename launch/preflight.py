@@ -5,8 +5,8 @@
 
 1. The hostfile parses (an error names the line) and the config loads and fits the world (the sum of slots).
 2. Every host answers over ssh, in parallel, with the same Python, torch, packages and engine checkout as this
-   one (engine/hostcheck.py), and has the config file at the same path with the same contents.
-3. An all-reduce and a p2p test per link (engine/parallel/linktest.py) across the job's whole world with the
+   one (engine/cluster/hostcheck.py), and has the config file at the same path with the same contents.
+3. An all-reduce and a p2p test per link (engine/cluster/linktest.py) across the job's whole world with the
    job's backend: one torchrun per host started over ssh, each command printed so it can be run by hand.
 Exit status: 0 all good; 1 a host failed, each failing host named; 2 bad input, one `error: ...` line.
 """
@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from engine.config import ConfigError, load  # noqa: E402
-from engine.hostcheck import DEFAULT_SSH, HostResult, check_hosts, describe  # noqa: E402
-from engine.hostfile import Host, HostfileError, parse_hostfile  # noqa: E402
+from engine.cluster.hostcheck import DEFAULT_SSH, HostResult, check_hosts, describe  # noqa: E402
+from engine.cluster.hostfile import Host, HostfileError, parse_hostfile  # noqa: E402
 
 
 class HostFailure(Exception):
@@ -115,14 +115,14 @@ def run_link_test_over_ssh(args: argparse.Namespace, hosts: list[Host]) -> None:
 
 def _local_rank(size_bytes: int, iters: int):
     import torch
-    from engine.parallel.linktest import measure
+    from engine.cluster.linktest import measure
     return measure("localhost", size_bytes, iters, torch.device("cpu"))
 
 
 def run_link_test_locally(args: argparse.Namespace) -> None:
     """--local N: the same measurement on N forked gloo ranks of this machine."""
-    from engine.parallel.linktest import format_report
-    from engine.parallel.spawn import run_ranks
+    from engine.cluster.linktest import format_report
+    from engine.cluster.spawn import run_ranks
     try:
         report = run_ranks(_local_rank, args.local, int(args.size_mb * 2**20), args.iters,
                            timeout_s=args.timeout_s)[0]
@@ -136,7 +136,7 @@ def worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
     from engine.parallel.context import env_rank_info, pick_device_and_backend
-    from engine.parallel.linktest import format_report, measure
+    from engine.cluster.linktest import format_report, measure
     _, _, local_rank = env_rank_info()
     device, backend = pick_device_and_backend(args.backend, local_rank)
     if device.type == "cuda":

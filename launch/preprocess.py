@@ -4,7 +4,7 @@
         [--workers N] [--text-key text] [--split train]
 
 Each input is a local .json/.jsonl/.parquet file (one document per record, field ``--text-key``), a .txt file (one
-document, as in engine/data.py) or a Hugging Face hub dataset name (its ``--split``), read with
+document, as in engine/data/dataset.py) or a Hugging Face hub dataset name (its ``--split``), read with
 ``datasets.load_dataset``. Every non-empty document becomes one sequence (and one document in the index): its
 token ids without special tokens, then EOS (Megatron's ``--append-eod``), in input order. ids are stored as uint16
 when the vocabulary has fewer than 65500 tokens, else int32 (Megatron's ``DType.optimal_dtype``). The files are
@@ -31,8 +31,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from
 
 import numpy as np  # noqa: E402
 
-from engine import data  # noqa: E402
-from engine.data import DataError  # noqa: E402
+from engine.data import dataset as data  # noqa: E402
+from engine.data.dataset import DataError  # noqa: E402
 
 _STATE: dict = {}  # set before the worker processes fork: "tokenizer" and "inputs" [(datasets.Dataset, column)]
 
@@ -44,7 +44,7 @@ def index_dtype(vocab_size: int) -> type:
 
 def open_input(spec: str, text_key: str, split: str, cache_dir: str):
     """One --input -> (datasets.Dataset, text column). Something that exists, has a data-file suffix or looks like
-    a path is a local file (engine.data.open_documents checks it); anything else is a hub dataset name."""
+    a path is a local file (engine.data.dataset.open_documents checks it); anything else is a hub dataset name."""
     import datasets
 
     path = pathlib.Path(spec).expanduser()

@@ -14,17 +14,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from engine.ckpt_format import CheckpointError  # noqa: E402
+from engine.checkpoint.format import CheckpointError  # noqa: E402
 from engine.config import ConfigError, load  # noqa: E402
-from engine.data import DataError  # noqa: E402
-from engine.report import report_once  # noqa: E402
+from engine.data.dataset import DataError  # noqa: E402
+from engine.cluster.report import report_once  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
     from engine.parallel.context import ParallelContext, destroy
     from engine.trainer import Trainer, TrainingAborted
 
-    from engine.hf_init import adopt_shape
+    from engine.model.hf_init import adopt_shape
 
     cfg = load(argv)
     adopt_shape(cfg)  # --model.init_from HF_DIR: the folder's model shape, before the layout is checked

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.parallel.spawn import free_port
+from engine.cluster.spawn import free_port
 
 SSHD = "/usr/sbin/sshd"
 

@@ -1,4 +1,4 @@
-"""Sharded checkpoints (engine/checkpoint.py): a resumed run is the uninterrupted run.
+"""Sharded checkpoints (engine/checkpoint/checkpointer.py): a resumed run is the uninterrupted run.
 
 - Same layout (ddp, fsdp, zero; with pp 2 and with tp 2): 20 steps straight vs. resume from the step-10
   checkpoint and 10 more: the same loss at every step (fp32, rel <= 1e-6; in practice bit-identical).
@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from engine.checkpoint import Checkpointer, CheckpointError
+from engine.checkpoint.checkpointer import Checkpointer, CheckpointError
 from engine.config import ConfigError, load
 from engine.parallel.context import ParallelContext
 from engine.trainer import Trainer

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine import blend, data
-from engine.data import DataError, GlobalBatchSampler, PackedDataset
+from engine.data import blend
+from engine.data import dataset as data
+from engine.data.dataset import DataError, GlobalBatchSampler, PackedDataset
 
 ROUND_TRIP = "First Citizen:\nBefore we proceed,  hear me.\t\n\n caf\u00e9 \u00fcber \u65e5\u672c \U0001F600 <|endoftext|> \r\n  "
 

@@ -1,4 +1,4 @@
-"""Document masking of packed sequences (engine/docmask.py, data.document_mask).
+"""Document masking of packed sequences (engine/model/docmask.py, data.document_mask).
 
 - A packed row of three documents gives the logits and the gradients of running each document on its own, in
   fp64 so that equal means equal: rel <= 1e-10 (measured 3e-16 logits, 3e-14 gradients; in fp32 the gradients
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import model as model_lib
+from engine.model import transformer as model_lib
 from engine.config import ModelConfig
-from engine.docmask import document_layout
-from engine.init import materialize
+from engine.model.docmask import document_layout
+from engine.model.init import materialize
 from tests.dist import run_ranks
 from tests.test_checkpoint import SMALL, run_phases
 

@@ -1,4 +1,4 @@
-"""DeepSpeed's tunable settings (engine/parallel/ds_json.py): the defaults ship in the package, not in the
+"""DeepSpeed's tunable settings (engine/parallel/dp/ds_json.py): the defaults ship in the package, not in the
 repository's configs/ (what a non-editable ``pip install .`` lacks); parallel.ds_config merges over them; a bad
 file is one ConfigError line at load time. No DeepSpeed needed: ds_config() only builds the dict."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import ConfigError, load
-from engine.parallel.zero import ds_config
+from engine.parallel.dp.zero import ds_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ZERO2 = ["--parallel.dp_mode", "zero", "--parallel.zero_stage", "2"]
@@ -26,7 +26,7 @@ class Ctx:
 def test_defaults_are_found_in_a_copy_of_the_package_without_the_repository(tmp_path):
     # Only engine/ is copied (as pip installs it); run from there so neither the checkout nor its configs/ is seen.
     shutil.copytree(ROOT / "engine", tmp_path / "engine", ignore=shutil.ignore_patterns("__pycache__"))
-    code = ("import json, engine; from engine.config import load; from engine.parallel.zero import ds_config\n"
+    code = ("import json, engine; from engine.config import load; from engine.parallel.dp.zero import ds_config\n"
             "class Ctx: dp = 1\n"
             "print(engine.__file__); print(json.dumps({s: ds_config(load(['--parallel.dp_mode', 'zero', "
             "'--parallel.zero_stage', str(s)]), Ctx())['zero_optimization'] for s in (1, 2, 3)}))")

@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from engine import families, hf
-from engine import model as model_lib
+from engine.model import families
+from engine.model import hf
+from engine.model import transformer as model_lib
 from engine.config import load
-from engine.data import load_tokenizer
+from engine.data.dataset import load_tokenizer
 from engine.parallel.comm import gather_from_parallel
 from engine.parallel.context import ParallelContext
 from engine.trainer import Trainer

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from engine import flops
-from engine import model as model_lib
+from engine.planning import flops
+from engine.model import transformer as model_lib
 from engine.config import load
 
 

@@ -10,9 +10,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from engine.config import ConfigError
-from engine.ckpt_state import Zero12State
+from engine.checkpoint.state import Zero12State
 from engine.internals import TESTED, UnsupportedVersion, installed_version, private
-from engine.memory import fsdp_params
+from engine.metrics.memory import fsdp_params
 
 
 def test_missing_attribute_names_it_and_both_versions():

@@ -5,9 +5,9 @@ import pytest
 import torch
 import transformers
 
-from engine import model as model_lib
+from engine.model import transformer as model_lib
 from engine.config import ModelConfig
-from engine.init import materialize
+from engine.model.init import materialize
 
 
 def hf_config(m: ModelConfig) -> transformers.LlamaConfig:

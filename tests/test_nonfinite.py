@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from engine.checkpoint import list_checkpoints
+from engine.checkpoint.checkpointer import list_checkpoints
 from engine.config import load
 from engine.parallel.context import ParallelContext
 from engine.trainer import Trainer

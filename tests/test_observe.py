@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import load
-from engine.metrics import MetricsLogger
+from engine.metrics.logger import MetricsLogger
 from engine.parallel.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks

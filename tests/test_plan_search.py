@@ -1,4 +1,4 @@
-"""The layout search and step-time model (engine/plan_search.py) and the planner's command line, launch/plan.py.
+"""The layout search and step-time model (engine/planning/search.py) and the planner's command line, launch/plan.py.
 Step times are checked against figures computed by hand from the documented model; memory is checked against
 measurement in tests/test_planner.py."""
 import importlib.util
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from engine.config import load
-from engine.plan_search import Hardware, layouts, search, step_time
-from engine.planner import with_layout
+from engine.planning.search import Hardware, layouts, search, step_time
+from engine.planning.planner import with_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 HW = Hardware(peak_tflops=100.0, efficiency=0.5, intra_node_gbps=100.0, latency_us=0.0)

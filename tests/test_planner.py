@@ -1,19 +1,19 @@
-"""engine.planner against the ZeRO paper and against measured memory.
+"""engine.planning.planner against the ZeRO paper and against measured memory.
 
 model_state_bytes reproduces the ZeRO paper's figures (Rajbhandari et al. 2020, Fig. 1: 7.5B parameters, 64
 data-parallel devices, K = 12); the parameters per stage match the engine's split model; the activation ledger
-(engine/activations.py) matches the bytes autograd saves; and stage_memory matches per-rank memory measured on
+(engine/planning/activations.py) matches the bytes autograd saves; and stage_memory matches per-rank memory measured on
 forked gloo ranks running the Trainer."""
 import pytest
 import torch
 
-from engine import activations as acts
-from engine import model as model_lib
+from engine.planning import activations as acts
+from engine.model import transformer as model_lib
 from engine.config import load
-from engine.memory import SavedActivations, measure_rank
+from engine.metrics.memory import SavedActivations, measure_rank
 from engine.parallel.pipeline import split_stage
 from engine.parallel.tensor import vocab_parallel_cross_entropy
-from engine.planner import model_state_bytes, stage_memory, stage_params, with_layout
+from engine.planning.planner import model_state_bytes, stage_memory, stage_params, with_layout
 from tests.dist import run_ranks
 
 
@@ -65,7 +65,7 @@ def test_micro_batch_ledger_matches_saved_tensors(dtype, dp_mode):
 
 
 # ---- planned against measured per-rank memory of whole training steps (forked gloo ranks) ------------------------
-# Measured by engine.memory.measure_step on the second step of a Trainer: parameters, gradients and optimizer state
+# Measured by engine.metrics.memory.measure_step on the second step of a Trainer: parameters, gradients and optimizer state
 # held (exact formulas: 1 %), the peak of bytes saved for backward (10 %, the issue's bound), and the step's peak
 # of all tensors (10 %). The 50m rows shrink configs/50m.yaml (h 512, ffn 1536, vocab 16384) to 2 layers and
 # 32 tokens so that a step takes seconds on a shared CPU. Seven layouts run in CI; the slow-marked four add dp

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from engine.hostfile import Host, HostfileError, parse_hostfile, parse_hostfile_text
-from engine.parallel.linktest import link_pairs
+from engine.cluster.hostfile import Host, HostfileError, parse_hostfile, parse_hostfile_text
+from engine.cluster.linktest import link_pairs
 from tests.dist import free_port
 from tests.sshd import local_sshd  # noqa: F401  (fixture)
 from tests.test_launch import ROOT

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import blend, data
+from engine.data import blend
+from engine.data import dataset as data
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch" / "preprocess.py"

@@ -2,7 +2,7 @@
 
 Each gives the parameter count of its model card, counted three ways that must agree: our model built on the
 meta device, transformers' own class for the family built on the meta device from the config we would export
-(engine/families.py), and the planner's per-rank counts summed over stages at tp 1. And launch/plan.py plans
+(engine/model/families.py), and the planner's per-rank counts summed over stages at tp 1. And launch/plan.py plans
 each one on 8 H100s.
 """
 from __future__ import annotations
@@ -14,10 +14,10 @@ import pytest
 import torch
 import transformers
 
-from engine import families
-from engine import model as model_lib
+from engine.model import families
+from engine.model import transformer as model_lib
 from engine.config import load
-from engine.planner import stage_params
+from engine.planning.planner import stage_params
 
 ROOT = Path(__file__).resolve().parents[1]
 PUBLISHED = {  # total parameters of the published checkpoints (tied embeddings counted once)

@@ -12,13 +12,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine import blend, data
-from engine.checkpoint import Checkpointer
-from engine.ckpt_format import FORMAT, VERSION, CheckpointError, read_index, write_shard
-from engine.ckpt_lock import LOCK
+from engine.data import blend
+from engine.data import dataset as data
+from engine.checkpoint.checkpointer import Checkpointer
+from engine.checkpoint.format import FORMAT, VERSION, CheckpointError, read_index, write_shard
+from engine.checkpoint.lock import LOCK
 from engine.config import ConfigError, load
-from engine.hostfile import HostfileError, parse_hostfile
-from engine.parallel.zero import _import_deepspeed
+from engine.cluster.hostfile import HostfileError, parse_hostfile
+from engine.parallel.dp.zero import _import_deepspeed
 
 
 @pytest.mark.parametrize("argv,needle", [

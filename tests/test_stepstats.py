@@ -1,11 +1,11 @@
-"""Each step's record carries throughput, TFLOP/s and MFU, memory and the time per phase (engine/stepstats.py)."""
+"""Each step's record carries throughput, TFLOP/s and MFU, memory and the time per phase (engine/metrics/stepstats.py)."""
 from __future__ import annotations
 
 import pytest
 
 from engine.config import load
-from engine.flops import flops_per_token
-from engine.memory import trainer_bytes_held
+from engine.planning.flops import flops_per_token
+from engine.metrics.memory import trainer_bytes_held
 from engine.parallel.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks

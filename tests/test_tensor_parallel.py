@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from engine import model as model_lib
+from engine.model import transformer as model_lib
 from engine.config import Config
-from engine.init import materialize
+from engine.model.init import materialize
 from engine.parallel.context import ParallelContext
 from engine.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                     apply_tensor_parallel, vocab_parallel_cross_entropy)

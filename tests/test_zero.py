@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO (engine/parallel/zero.py) beyond what the parity matrix covers (tests/test_parity.py runs ZeRO
+"""DeepSpeed ZeRO (engine/parallel/dp/zero.py) beyond what the parity matrix covers (tests/test_parity.py runs ZeRO
 1-3 at every layout against one process): ZeRO-3 with every parameter partitioned (the matrix uses DeepSpeed's
 default persistence threshold, under which this small model's tensors stay whole), also with tp 2, tied
 embeddings and activation checkpointing; DeepSpeed-managed accumulation; the derived DeepSpeed config; the
@@ -18,9 +18,9 @@ import torch  # noqa: E402
 
 from engine.config import ConfigError, load  # noqa: E402
 from engine.optim import lr_at  # noqa: E402
-from engine.parallel import zero as zero_lib  # noqa: E402
+from engine.parallel.dp import zero as zero_lib  # noqa: E402
 from engine.parallel.context import ParallelContext  # noqa: E402
-from engine.parallel.zero import check_zero_supported, ds_config  # noqa: E402
+from engine.parallel.dp.zero import check_zero_supported, ds_config  # noqa: E402
 from engine.trainer import Trainer  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 

@@ -83,7 +83,7 @@ class PipelineExecutor:
         self.last_backward_mb = backwards[-1] if backwards else None
         self.act_shape, self.act_dtype = act_shape, act_dtype
         # Time the last run() spent blocked on receives. It leaves out the idle tail after this stage's last
-        # action, so the whole bubble is measured between barriers (launch/bench_pipeline.py).
+        # action, so the whole bubble is measured between barriers (launch/bench/pipeline.py).
         self.wait_s = 0.0
 
     def _post(self, actions: list, state: dict) -> list:

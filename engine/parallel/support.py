@@ -7,7 +7,7 @@ tests/parity/matrix.py and shown in the README ("What is proven").
 from __future__ import annotations
 
 from engine.config import Config, ConfigError
-from engine.parallel.zero import check_zero_supported
+from engine.parallel.dp.zero import check_zero_supported
 
 
 def check_supported(cfg: Config, layout) -> None:

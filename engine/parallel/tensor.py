@@ -6,7 +6,7 @@ are split this way, so a block needs one all-reduce forward and one backward per
 LM head split the vocabulary; the loss is computed on vocab-sharded logits without gathering them.
 
 Every parallel module records which dim of each parameter is sharded in ``tp_dims`` (name -> dim) together with
-``tp_rank``/``tp_size``: engine.init uses it to cut each local shard from the same full tensor at every tp.
+``tp_rank``/``tp_size``: engine.model.init uses it to cut each local shard from the same full tensor at every tp.
 """
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def _parallel_linear(old: nn.Linear, style: str, group) -> nn.Module:
 def apply_tensor_parallel(model: nn.Module, tp_group) -> nn.Module:
     """Swap the Llama model's linears and embedding for their tensor-parallel versions, in place.
 
-    Call on the meta-device model before materialising (engine.init.materialize). Tied embeddings stay tied: the
+    Call on the meta-device model before materialising (engine.model.init.materialize). Tied embeddings stay tied: the
     embedding and the LM head are sharded the same way (vocab rows). A tp group of size 1 leaves the model as is.
     """
     if dist.get_world_size(tp_group) == 1:

@@ -1,0 +1,1 @@
+"""Sharded checkpoints: what a rank saves, the on-disk format, publishing, locking, signals."""

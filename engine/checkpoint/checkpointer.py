@@ -1,0 +1,299 @@
+"""Sharded checkpoints: every rank writes its own pieces, a checkpoint appears atomically, resumes at any layout.
+
+Layout (DESIGN.md "Checkpoints"): ``<checkpoint.dir>/step_NNNNNN/`` holds ``rank_NNNNN.safetensors`` (one per rank:
+the parameter and Adam-moment pieces it owns, and its RNG states) and ``index.json`` (engine/checkpoint/format.py).
+``<checkpoint.dir>/latest`` names the newest complete one.
+
+Save (collective): each rank copies its pieces to CPU (engine/checkpoint/contents.py), then writes ``step_N.tmp-<run token>/
+rank_R.safetensors``; the ranks exchange piece lists and shard sizes/CRCs (metadata only, over a gloo group of
+their own); rank 0 writes the index, renames the directory to ``step_N`` and only then replaces ``latest``
+(write + os.replace), and deletes all but the newest ``checkpoint.keep``. With ``checkpoint.async_save`` the
+writing and committing run in a background thread while training goes on (DESIGN.md: gloo collectives on their
+own group work from another thread); the next save or the end of fit waits for it.
+
+Resume (collective, end of Trainer.__init__): ``checkpoint.resume`` = ``auto`` tries ``latest`` and then older
+``step_*`` directories, newest first, skipping (with a message naming the file) any whose index is missing or
+unreadable, a shard missing or of the wrong size, a CRC that fails or a piece the index lists but the shard lacks;
+``none`` starts fresh; a PATH (a ``step_*`` directory or a checkpoint directory with ``latest``) must be valid.
+Each rank reads only the pieces overlapping what it holds at the new layout (ckpt_state.py), so tp, pp, dp and
+dp_mode may all change. A model-only checkpoint (``launch/convert.py import``) starts at step 0 with a fresh
+optimizer and the data from the beginning.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine.checkpoint.contents import check_model, contents, load_into
+from engine.checkpoint.format import INDEX, CheckpointError, fsync_write, merge_index, read_index, verify_shard, write_shard
+from engine.checkpoint.lock import CheckpointLock, probe_writable
+from engine.checkpoint.signals import StopSignal
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+__all__ = ["Checkpointer", "CheckpointError", "list_checkpoints", "resolve"]
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Committed ``step_*`` directories, newest first (temporary ``.tmp-*`` ones never match)."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def resolve(path: Path, what: str = "checkpoint path") -> list[Path]:
+    """A user-given PATH: a checkpoint (has index.json) or a checkpoint directory (follow ``latest``)."""
+    if not path.exists():
+        raise CheckpointError(f"{what} '{path}' does not exist; give a step_* directory or a checkpoint "
+                              f"directory with a 'latest' file")
+    if (path / INDEX).exists() or STEP_DIR.match(path.name):
+        return [path]
+    if (path / "latest").is_file():
+        return [path / (path / "latest").read_text().strip()]
+    raise CheckpointError(f"{what} '{path}' has neither {INDEX} nor a 'latest' file")
+
+
+class Checkpointer:
+    """One per Trainer: resume at start, save every ``checkpoint.every`` steps, at the last step and on a stop
+    signal. Every method that saves or loads is collective (all ranks call it)."""
+
+    def __init__(self, cfg, ctx):
+        self.cfg, self.ctx, c = cfg, ctx, cfg.checkpoint
+        self.root = Path(c.dir) if c.dir else None
+        self.stop = StopSignal()
+        self.pending: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.last_saved = None
+        self.timings: dict[str, float] = {}  # seconds of the latest save/load (launch/bench/checkpoint.py)
+        self.skipped: list[str] = []  # why resume: auto passed over each damaged checkpoint
+        self.stopped_unsaved = False  # a stop signal ended training with nothing saved (no checkpoint.dir)
+        self.lock: CheckpointLock | None = None
+        # Metadata travels on a gloo group of its own: usable from the async thread and on CPU tensors under nccl.
+        # (Every rank has the same config, so every rank creates it or none does.) With parallel.timeout_s, not gloo's
+        # 30-minute default, a rank that dies or hangs during a save fails the others' exchange in bounded time.
+        used = self.root is not None or c.resume not in ("auto", "none")
+        timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if ctx.world_size > 1 and used else None
+        status = [uuid.uuid4().hex[:8], None]  # the run's token, and rank 0's verdict on checkpoint.dir
+        if ctx.rank == 0:
+            status[1] = self._claim(status[0])
+        if self.group is not None:
+            dist.broadcast_object_list(status, src=0, group=self.group)
+        self.token, error = status
+        if error is not None:
+            raise CheckpointError(error)
+
+    def _claim(self, token: str) -> str | None:
+        """rank 0, before the first step: checkpoint.dir is writable and ours (engine/checkpoint/lock.py); an error
+        message (every rank raises it) or None."""
+        if self.root is None:
+            print("checkpoint.dir is empty: no checkpoint will be saved, not even on SIGTERM (set "
+                  "--checkpoint.dir DIR to keep the weights)", flush=True)
+            return None
+        try:
+            probe_writable(self.root, token)
+            self.lock = CheckpointLock(self.root, token)
+            message = self.lock.acquire()
+        except CheckpointError as e:
+            return str(e)
+        if message:
+            print(message, flush=True)
+        return None
+
+    # ---- collectives on our group ------------------------------------------------------------------------------
+    def _gather(self, obj) -> list:
+        if self.group is None:
+            return [obj]
+        out = [None] * self.ctx.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    # ---- save ----------------------------------------------------------------------------------------------------
+    def save(self, trainer) -> Path:
+        """Write step ``trainer.step``; returns its final path (committed on return unless async_save)."""
+        if self.root is None:
+            raise CheckpointError("checkpoint.dir is empty; set it to save checkpoints")
+        self.wait()
+        start = time.perf_counter()
+        tensors, meta, header = contents(trainer)
+        final = self.root / step_name(trainer.step)
+        if not self._all_finite(tensors, trainer.step):
+            return None
+        tmp = self.root / f"{final.name}.tmp-{self.token}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.timings = {"snapshot_s": time.perf_counter() - start}
+        if self.cfg.checkpoint.async_save:
+            self.pending = threading.Thread(target=self._write_and_commit, args=(tmp, final, tensors, meta, header),
+                                            name="checkpoint-writer", daemon=True)
+            self.pending.start()
+        else:
+            self._write_and_commit(tmp, final, tensors, meta, header)
+            self._raise_pending_error()
+        self.last_saved = trainer.step
+        return final
+
+    def _all_finite(self, tensors: dict, step: int) -> bool:
+        """Collective: False (and one line on rank 0) when any rank holds a NaN/inf weight or Adam moment. Such
+        a checkpoint would pass its CRC and poison every resume; the previous one stays `latest` instead."""
+        bad = next((k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
+        found = [(rank, key) for rank, key in enumerate(self._gather(bad)) if key is not None]
+        if found and self.ctx.rank == 0:
+            latest = self.root / "latest"
+            kept = latest.read_text().strip() if latest.is_file() else "none"
+            (rank, key), more = found[0], (f" (and on {len(found) - 1} more ranks)" if len(found) > 1 else "")
+            print(f"checkpoint: not saving step {step}: rank {rank} holds NaN/inf values in {key.split('/tp')[0]}"
+                  f"{more}; the latest checkpoint stays {kept}", flush=True)
+        return not found
+
+    def _write_and_commit(self, tmp: Path, final: Path, tensors: dict, meta: dict, header: dict) -> None:
+        start = time.perf_counter()
+        try:
+            meta.update(write_shard(tmp / meta["file"], tensors))
+        except Exception as e:  # the others must not wait forever for this rank's metadata
+            meta = {"error": f"rank {meta['rank']} could not write {tmp / meta['file']}: {e}"}
+        metas = self._gather(meta)
+        errors = [m["error"] for m in metas if "error" in m]
+        if not errors and self.ctx.rank == 0:
+            try:
+                steps = [m.pop("adam_step") for m in metas]
+                header["adam_step"] = max((s for s in steps if s is not None), default=None)
+                fsync_write(tmp / INDEX, json.dumps(merge_index(metas, header)))
+                self._publish(tmp, final)
+            except Exception as e:  # reported on every rank: none may wait for a commit that never comes
+                errors.append(f"rank 0 could not commit {final}: {e}")
+        # Also the barrier after which every rank sees the committed directory and `latest`.
+        errors = [e for e in self._gather(errors[0] if errors else None) if e is not None]
+        if errors:
+            self.error = CheckpointError(errors[0])
+        self.timings["write_commit_s"] = time.perf_counter() - start
+
+    def _publish(self, tmp: Path, final: Path) -> None:
+        """rank 0: rename into place (replacing a stale one of the same step), then `latest`, then retention."""
+        aside = None
+        if final.exists():
+            aside = final.with_name(f"{final.name}.old-{self.token}")
+            final.rename(aside)
+        tmp.rename(final)
+        latest_tmp = self.root / f"latest.tmp-{self.token}"
+        fsync_write(latest_tmp, final.name + "\n")
+        os.replace(latest_tmp, self.root / "latest")
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+        keep = self.cfg.checkpoint.keep
+        for old in list_checkpoints(self.root)[keep:] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+        for pattern in ("step_*.tmp-*", "step_*.old-*"):  # left by a crash (never ours: one save in flight)
+            for stale in self.root.glob(pattern):
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Block until an async save has committed; re-raise its error."""
+        if self.pending is not None:
+            self.pending.join()
+            self.pending = None
+        self._raise_pending_error()
+
+    def _raise_pending_error(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    # ---- the training loop's hooks ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self.stop.install()
+
+    def after_step(self, trainer) -> bool:
+        """Save when due (every N steps, the last step, a stop signal); True when training must stop now."""
+        stop = self.stop.agreed(self.ctx)
+        c, step = self.cfg.checkpoint, trainer.step
+        due = (c.every and step % c.every == 0) or step == self.cfg.train.steps or stop
+        if self.root is not None and due and self.last_saved != step:
+            self.save(trainer)
+        if stop and self.ctx.rank == 0:
+            print(f"stop signal: stopping after step {step}" + (
+                f", checkpoint saved in {self.root}" if self.root is not None else
+                "; nothing saved (checkpoint.dir is empty), exit status 1"), flush=True)
+        self.stopped_unsaved = stop and self.root is None
+        return stop
+
+    def finish(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.stop.uninstall()
+            if self.lock is not None:
+                self.lock.release()
+
+    # ---- resume ----------------------------------------------------------------------------------------------
+    def _validate(self, path: Path) -> tuple[dict | None, str | None]:
+        """Collective: every rank checks the index and shard sizes, and the CRCs of its share of the shards."""
+        index, error = None, None
+        try:
+            index = read_index(path)
+            for i, file in enumerate(sorted(index["files"])):
+                if i % self.ctx.world_size == self.ctx.rank:
+                    verify_shard(path, index, file)
+        except CheckpointError as e:
+            error = str(e)
+        errors = [e for e in self._gather(error) if e is not None]
+        return (None, errors[0]) if errors else (index, None)
+
+    def _candidates(self) -> list[Path]:
+        mode = self.cfg.checkpoint.resume
+        if mode == "none":
+            return []
+        if mode != "auto":
+            return resolve(Path(mode), "checkpoint.resume")
+        if self.root is None:
+            return []
+        found = list_checkpoints(self.root)
+        latest = self.root / "latest"
+        if latest.is_file():
+            named = self.root / latest.read_text().strip()
+            found = [named] + [p for p in found if p != named]
+        return found
+
+    def resume(self, trainer) -> Path | None:
+        """Load the checkpoint that checkpoint.resume selects; returns its path (None: a fresh start)."""
+        candidates = self._candidates()
+        explicit = self.cfg.checkpoint.resume not in ("auto", "none")
+        for path in candidates:
+            start = time.perf_counter()
+            index, error = self._validate(path)
+            if error is not None:
+                if explicit:
+                    raise CheckpointError(error)
+                self.skipped.append(error)
+                if self.ctx.rank == 0:
+                    print(f"checkpoint: skipping {path}: {error}", flush=True)
+                continue
+            check_model(path, index, self.cfg.model)
+            validated = time.perf_counter()
+            load_into(trainer, path, index)
+            self._barrier()
+            self.timings = {"validate_s": validated - start, "load_s": time.perf_counter() - start}
+            if self.ctx.rank == 0:
+                print(f"resumed from {path} (step {index['step']}, saved at {index['layout']})", flush=True)
+            return path
+        if candidates:
+            raise CheckpointError(f"no usable checkpoint among {[str(p) for p in candidates]}; fix or remove them, "
+                                  f"or set checkpoint.resume=none to start fresh")
+        return None

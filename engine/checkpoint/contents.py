@@ -1,0 +1,117 @@
+"""What a checkpoint holds of a trainer, and putting it back: the pieces of every parameter and Adam moment
+this rank writes (engine/checkpoint/state.py), its RNG states, and the run's step, data position, config and layout.
+
+``contents`` is one rank's part of a save; ``load_into`` overwrites a freshly built trainer, at any layout, with
+a checkpoint (engine/checkpoint/checkpointer.py chooses and validates it first). RNG streams belong to ranks, so they are
+restored only at the layout that wrote them; nothing in training draws from them (initialisation and the data
+order use their own seeded generators), so losses do not depend on it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from engine.checkpoint.format import INDEX, MODEL_SHAPE_KEYS, CheckpointError, Reader, piece_key, shard_name
+from engine.checkpoint.state import slots, state_for
+from engine.config import ModelConfig
+
+
+def _rng_state(device: torch.device) -> tuple[dict, dict]:
+    """RNG states of torch (CPU and this rank's CUDA device), Python and NumPy: tensors and JSON parts."""
+    tensors = {"rng/torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        tensors["rng/cuda"] = torch.cuda.get_rng_state(device)
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    tensors["rng/numpy"] = torch.from_numpy(keys.astype(np.int64))
+    version, state, gauss = random.getstate()
+    return tensors, {"python": [version, list(state), gauss], "numpy": [kind, int(pos), int(has_gauss), cached]}
+
+
+def _set_rng_state(path: Path, meta: dict, device: torch.device) -> None:
+    with safe_open(str(path), framework="pt") as f:
+        torch.set_rng_state(f.get_tensor("rng/torch"))
+        if device.type == "cuda" and "rng/cuda" in f.keys():
+            torch.cuda.set_rng_state(f.get_tensor("rng/cuda"), device)
+        keys = f.get_tensor("rng/numpy").numpy().astype(np.uint32)
+    kind, pos, has_gauss, cached = meta["numpy"]
+    np.random.set_state((kind, keys, pos, has_gauss, cached))
+    version, state, gauss = meta["python"]
+    random.setstate((version, tuple(state), gauss))
+
+
+def snapshot(trainer) -> tuple[dict, dict, int | None]:
+    """CPU copies of the pieces this rank writes, their index entries, and Adam's step count."""
+    access = state_for(trainer)
+    tensors, params = {}, {}
+    for slot in slots(trainer.model, access, trainer.ctx, trainer.cfg.model.tie_embeddings):
+        if slot.write is None:
+            continue
+        lo, hi = slot.write
+        entry = params.setdefault(slot.name, {"shape": slot.shape, "tp_dim": slot.tp_dim, "tp_size": slot.tp_size,
+                                              "states": {}})
+        for state in ["param", *access.state_names(slot)]:
+            piece = access.get(slot, state)[lo - slot.start:hi - slot.start]
+            tensors[piece_key(slot.name, state, slot.tp_rank, lo)] = piece.to("cpu", torch.float32, copy=True)
+            entry["states"].setdefault(state, []).append([slot.tp_rank, lo, hi])
+    return tensors, params, access.adam_step()
+
+
+def contents(trainer) -> tuple[dict, dict, dict]:
+    """This rank's save: (CPU tensors to write, its index entry, the run's header (used by rank 0))."""
+    ctx = trainer.ctx
+    tensors, params, adam_step = snapshot(trainer)
+    rng_tensors, rng = _rng_state(ctx.device)
+    tensors.update(rng_tensors)
+    meta = {"rank": ctx.rank, "file": shard_name(ctx.rank), "coords": [ctx.pp_rank, ctx.dp_rank, ctx.tp_rank],
+            "rng": rng, "params": params, "adam_step": adam_step}
+    header = {"step": trainer.step, "consumed_samples": trainer.feed.consumed_samples, "model_only": False,
+              "config": trainer.cfg.to_dict(), "layout": layout_of(trainer),
+              "scheduler": {"kind": "warmup_cosine (engine.optim.lr_at)", "step": trainer.step}}
+    return tensors, meta, header
+
+
+def load_into(trainer, path: Path, index: dict) -> None:
+    """Overwrite the trainer's weights, Adam state, step, data position and (same layout) RNG from ``path``."""
+    ctx, cfg = trainer.ctx, trainer.cfg
+    reader, access = Reader(path, index), state_for(trainer)
+    local = slots(trainer.model, access, ctx, cfg.model.tie_embeddings)
+    names = [] if index.get("model_only") else [s for s in reader.states(local[0].name) if s != "param"]
+    if names:
+        access.prepare(local, names, index["adam_step"])
+    for slot in local:
+        saved = reader.params.get(slot.name, {}).get("shape")
+        if saved != slot.shape:
+            raise CheckpointError(f"{path / INDEX}: {slot.name} has shape {saved}, this model needs {slot.shape}")
+        for state in ["param", *names]:
+            if slot.start < slot.end:
+                value = reader.read(slot.name, state, slot.tp_dim, slot.tp_size, slot.tp_rank, slot.start, slot.end)
+                access.set(slot, state, value.to(ctx.device))
+    access.finish()
+    reader.close()
+    trainer.step = index["step"]
+    trainer.feed.consumed_samples = index["consumed_samples"]
+    if trainer.feed.sampler is not None:
+        trainer.feed.sampler.load_state_dict({"consumed_samples": index["consumed_samples"]})
+    if index["layout"] == layout_of(trainer):  # RNG streams belong to ranks; another layout starts fresh ones
+        meta = index["ranks"][ctx.rank]
+        _set_rng_state(path / meta["file"], meta["rng"], ctx.device)
+
+
+def layout_of(trainer) -> dict:
+    c, p = trainer.ctx, trainer.cfg.parallel
+    return {"tp": c.tp, "pp": c.pp, "dp": c.dp, "dp_mode": p.dp_mode, "zero_stage": p.zero_stage,
+            "world_size": c.world_size}
+
+
+def check_model(path: Path, index: dict, model_cfg) -> None:
+    saved = {**dataclasses.asdict(ModelConfig()), **index["config"].get("model", {})}  # older: default keys
+    diff = [f"model.{k}={saved.get(k)!r} (this run: {getattr(model_cfg, k)!r})" for k in MODEL_SHAPE_KEYS
+            if saved.get(k) != getattr(model_cfg, k)]
+    if diff:
+        raise CheckpointError(f"{path / INDEX} was written for another model: {', '.join(diff)}; use its model "
+                              f"settings, another checkpoint.dir, or checkpoint.resume=none")

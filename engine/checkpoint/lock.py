@@ -1,0 +1,116 @@
+"""Start-up checks of ``checkpoint.dir``: it can be created and written, and no other live job uses it.
+
+Run by rank 0 before the first step, so a read-only mount or a path that is a file fails in seconds with one line
+instead of losing the training done before the first save. The lock is ``<dir>/LOCK``, created with ``O_EXCL``
+and holding JSON ``{"host", "pid", "started", "run"}``. A second job finds it and is refused, naming the holder.
+A lock left by a dead process on this host (a crash, ``kill -9``, a torchrun restart: new worker pids) is taken
+over with a message; a lock from another host cannot be checked from here and is refused with the file to delete.
+Because only the lock holder saves, the clean-up of ``step_*.tmp-*`` directories never meets another live job's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from engine.checkpoint.format import CheckpointError
+
+LOCK = "LOCK"
+
+
+def probe_writable(root: Path, token: str) -> None:
+    """Create ``root`` (and parents) and write, fsync and delete a probe file in it; CheckpointError if not."""
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"checkpoint.dir '{root}' is not a directory; give a directory to save checkpoints in")
+    probe = root / f".probe-{token}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("probe\n")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint.dir '{root}' cannot be written ({e.strerror or e}); give a writable "
+                              f"directory, or checkpoint.dir='' to save nothing") from None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+def _describe(holder: dict) -> str:
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
+    return f"pid {holder.get('pid')} on host {holder.get('host')} (run {holder.get('run')}, since {started})"
+
+
+class CheckpointLock:
+    """rank 0's exclusive claim on a checkpoint directory; ``release()`` at the end of training."""
+
+    def __init__(self, root: Path, run: str):
+        self.path = root / LOCK
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "run": run}
+        self.held = False
+
+    def acquire(self) -> str | None:
+        """Take the lock; returns a message when a stale lock was taken over. CheckpointError if held."""
+        message = None
+        for _ in range(3):  # a racing job may create or remove the lock between our attempts
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._read()
+                if holder is None:
+                    continue
+                if not self._stale(holder):
+                    raise CheckpointError(
+                        f"checkpoint.dir '{self.path.parent}' is in use by {_describe(holder)}; use another "
+                        f"checkpoint.dir, or delete {self.path} if that job is gone") from None
+                if holder.get("pid") != self.me["pid"]:
+                    message = f"checkpoint: taking over the lock of {_describe(holder)}, which is no longer running"
+                try:
+                    self.path.unlink()
+                except FileNotFoundError:
+                    pass
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.me) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self.held = True
+            return message
+        raise CheckpointError(f"could not take the lock {self.path} (other jobs keep changing it)")
+
+    def _read(self) -> dict | None:
+        """The holder's record; an unreadable record (a writer killed mid-write) counts as a dead one here."""
+        try:
+            holder = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {"host": self.me["host"], "pid": -1, "run": "unreadable lock"}
+        return holder if isinstance(holder, dict) else {"host": self.me["host"], "pid": -1, "run": "?"}
+
+    def _stale(self, holder: dict) -> bool:
+        """Dead on this host, or this very process (a second Trainer in one process, as the tests make)."""
+        if holder.get("host") != self.me["host"]:
+            return False
+        pid = holder.get("pid")
+        return not isinstance(pid, int) or pid <= 0 or pid == self.me["pid"] or not _alive(pid)
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            try:
+                if json.loads(self.path.read_text()).get("run") == self.me["run"]:
+                    self.path.unlink()
+            except (OSError, ValueError):
+                pass

@@ -1,0 +1,1 @@
+"""Hosts and processes: hostfiles, host checks, the link test, local rank spawning, error reporting."""

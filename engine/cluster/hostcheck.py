@@ -1,0 +1,110 @@
+"""Preflight host checks: ask every host over ssh, in parallel, what it would run the job with, and compare.
+
+Each host runs engine/cluster/hostreport.py, sent on stdin (``ssh HOST PYTHON - ROOT CONFIG``), with the Python at this
+process's path in the same checkout path: the deepspeed launcher (pdsh) and torchrun-over-ssh both assume that.
+The ssh command is a parameter so that tests (and sites with their own ssh wrappers) can replace it.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.cluster import hostreport
+from engine.config import ConfigError
+from engine.cluster.hostfile import Host
+
+# BatchMode: fail instead of asking for a password; ConnectTimeout: an unreachable host fails in seconds.
+DEFAULT_SSH = "ssh -o BatchMode=yes -o ConnectTimeout=5"
+
+
+@dataclass
+class HostResult:
+    host: Host
+    report: dict | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def query_host(ssh: list[str], host: str, root: str, config: str, timeout_s: float) -> tuple[dict | None, str]:
+    """(report, '') from ``host``, or (None, why it could not be had)."""
+    command = shlex.join([sys.executable, "-", root, *([config] if config else [])])
+    script = Path(hostreport.__file__).read_text()
+    try:
+        out = subprocess.run([*ssh, host, command], input=script, capture_output=True, text=True,
+                             timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None, f"no answer over ssh within {timeout_s:.0f} s"
+    except FileNotFoundError:
+        raise ConfigError(f"the ssh command {ssh[0]!r} was not found; give a working one with --ssh") from None
+    if out.returncode == 255:  # ssh's own failures (unreachable, refused, no key) exit 255
+        return None, f"ssh failed: {_last_line(out.stderr)}"
+    if out.returncode == 127:
+        return None, f"{sys.executable} not found there; every host needs the same Python at the same path"
+    if out.returncode != 0:
+        return None, f"the host report exited {out.returncode}: {_last_line(out.stderr)}"
+    try:
+        return json.loads(_last_line(out.stdout)), ""  # login banners may come first; the report is last
+    except json.JSONDecodeError:
+        return None, f"unreadable host report: {_last_line(out.stdout)!r}"
+
+
+def compare(local: dict, remote: dict, slots: int, config: str) -> list[str]:
+    """What differs on the remote host from here, or is missing there, one phrase each."""
+    problems = []
+    if remote["python"] != local["python"]:
+        problems.append(f"Python {remote['python']} != {local['python']} here")
+    for name in ("torch", "engine"):
+        theirs, ours = remote[name], local[name]
+        if "error" in theirs:
+            problems.append(theirs["error"])
+        elif theirs.get("version") != ours.get("version"):
+            problems.append(f"{name} {theirs.get('version')} != {ours.get('version')} here")
+    engine = remote["engine"]
+    if "error" not in engine and engine["digest"] != local["engine"]["digest"]:
+        problems.append(f"engine source differs from this checkout (digest {engine['digest']} != "
+                        f"{local['engine']['digest']}); sync the checkout")
+    for package, version in remote["packages"].items():
+        if version != local["packages"].get(package):
+            problems.append(f"{package} {version} != {local['packages'].get(package)} here")
+    devices = remote["torch"].get("cuda_devices", 0)
+    if devices and slots > devices:
+        problems.append(f"slots={slots} but only {devices} CUDA devices")
+    if config and remote.get("config") is None:
+        problems.append(f"config file {config} does not exist there")
+    elif config and remote["config"] != local["config"]:
+        problems.append(f"config file {config} differs from the local copy")
+    return problems
+
+
+def check_hosts(hosts: list[Host], ssh: list[str], root: str, config: str = "",
+                timeout_s: float = 60.0) -> list[HostResult]:
+    """Query every host at once; each result lists its problems (empty: the host is fit to run the job)."""
+    local = hostreport.report(root, config)
+
+    def one(host: Host) -> HostResult:
+        report, why = query_host(ssh, host.name, root, config, timeout_s)
+        if report is None:
+            return HostResult(host, None, [why])
+        return HostResult(host, report, compare(local, report, host.slots, config))
+
+    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+        return list(pool.map(one, hosts))
+
+
+def describe(r: HostResult) -> str:
+    """One line per host for the preflight output."""
+    if r.problems:
+        return f"FAIL {r.host.name}: " + "; ".join(r.problems)
+    rep = r.report
+    return (f"ok   {r.host.name} ({rep['host']}): python {rep['python']}, torch {rep['torch']['version']}, "
+            f"engine {rep['engine']['version']} [{rep['engine']['digest']}], "
+            f"{rep['torch']['cuda_devices']} CUDA devices, slots={r.host.slots}")

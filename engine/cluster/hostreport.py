@@ -1,0 +1,67 @@
+"""What one host would run a job with: Python, torch, the engine checkout and the config file, as one JSON line.
+
+Preflight (launch/preflight.py) sends this file's text to every host as ``ssh HOST PYTHON - ROOT CONFIG`` (the
+script on stdin) and compares the answers with the local one, so it must run on a host that has no engine at all:
+standard library only, torch imported inside a try. Also runnable here: ``python engine/cluster/hostreport.py ROOT CONFIG``.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import socket
+import sys
+from pathlib import Path
+
+# Packages whose versions must agree across hosts besides torch (read from metadata, without importing them).
+PACKAGES = ("transformers", "deepspeed", "safetensors", "datasets", "tokenizers")
+
+
+def _digest_tree(root: Path) -> str:
+    """sha256 over the engine package's .py files (relative path and bytes), so a host with a stale or edited
+    checkout differs even where the version string is the same."""
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _torch() -> dict:
+    try:
+        import torch
+    except Exception as e:  # a broken install raises more than ImportError
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"version": torch.__version__, "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+
+
+def _engine(root: Path) -> dict:
+    if not (root / "launch" / "pretrain.py").is_file() or not (root / "engine").is_dir():
+        return {"error": f"no engine checkout at {root} (launch/pretrain.py or engine/ is missing)"}
+    sys.path.insert(0, str(root))  # as launch/pretrain.py does: the checkout wins over an installed copy
+    try:
+        import engine.config  # noqa: F401  (imports pyyaml too, which every rank needs)
+    except Exception as e:
+        return {"error": f"cannot import the engine from {root}: {type(e).__name__}: {e}"}
+    return {"version": _version("engine"), "digest": _digest_tree(root / "engine")}
+
+
+def report(root: str, config: str = "") -> dict:
+    """The host's answers; ``config`` is an absolute path ('' = none to check)."""
+    out = {"host": socket.gethostname(), "python": sys.version.split()[0], "executable": sys.executable,
+           "torch": _torch(), "engine": _engine(Path(root)), "packages": {p: _version(p) for p in PACKAGES}}
+    if config:
+        path = Path(config)
+        out["config"] = hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.is_file() else None
+    return out
+
+
+if __name__ == "__main__":
+    # argv: [script or '-', ROOT, CONFIG?]
+    print(json.dumps(report(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "")), flush=True)

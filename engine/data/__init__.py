@@ -1,0 +1,1 @@
+"""Token data: tokenizer and datasets, blends, and the per-rank batch feed."""

@@ -1,0 +1,54 @@
+"""What each step's metrics.jsonl record says beyond the loss: throughput, FLOP/s and MFU, memory, time per phase.
+
+- ``tokens_per_s`` (global) and ``tokens_per_s_per_device`` (global / world size).
+- ``tflops``: achieved model TFLOP/s per device, ``tokens_per_s_per_device * flops_per_token`` with PaLM's
+  6N + 12 L H Q T per token (engine/planning/flops.py); ``mfu`` = tflops / the device's peak (``log.peak_tflops``, else
+  engine/planning/flops.py's table by CUDA device name; absent where no peak is known, a CPU for one).
+- ``peak_mem_bytes``: on CUDA the allocator's peak since the previous step (``torch.cuda.max_memory_allocated``);
+  on CPU, which has no allocator to ask, the bytes of tensors the rank holds for weights, gradients and optimizer
+  state at the update (engine/metrics/memory.py), activations not included. ``mem_source`` says which.
+- ``time``: seconds per phase of the step (engine/metrics/timers.py): data, forward, backward, pp_wait (blocked on
+  pipeline receives), dp_comm (ddp's gradient all-reduce), optimizer (clip + update; DeepSpeed's step() with its
+  reductions under zero). FSDP's and ZeRO-2/3's collectives run inside forward and backward.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.config import Config
+from engine.planning.flops import device_peak_tflops, flops_per_token
+from engine.metrics.memory import trainer_bytes_held
+from engine.metrics.timers import PhaseTimer
+
+
+class StepStats:
+    """Per-step measurements of one rank; ``finish`` adds them to the step's record."""
+
+    def __init__(self, cfg: Config, ctx):
+        self.cfg, self.ctx = cfg, ctx
+        self.timer = PhaseTimer(ctx.device, cfg.log.breakdown)
+        self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
+        self.peak_tflops = device_peak_tflops(ctx.device, cfg.train.dtype, cfg.log.peak_tflops)
+        self.cuda = ctx.device.type == "cuda"
+        self.state_bytes = 0
+
+    def before_update(self, trainer) -> None:
+        """Called between the last backward and the update, when gradients and optimizer state are both held."""
+        if not self.cuda:
+            self.state_bytes = sum(trainer_bytes_held(trainer).values())
+
+    def finish(self, record: dict, pp_wait_s: float) -> dict:
+        self.timer.add("pp_wait", pp_wait_s)
+        per_device = record["tokens_per_s"] / self.ctx.world_size
+        tflops = per_device * self.flops_per_token / 1e12
+        record.update(tokens_per_s_per_device=per_device, tflops=tflops)
+        if self.peak_tflops:
+            record["mfu"] = tflops / self.peak_tflops
+        if self.cuda:
+            record.update(peak_mem_bytes=torch.cuda.max_memory_allocated(self.ctx.device), mem_source="cuda_allocator")
+            torch.cuda.reset_peak_memory_stats(self.ctx.device)
+        else:
+            record.update(peak_mem_bytes=self.state_bytes, mem_source="tensors_held")
+        if self.timer.enabled:
+            record["time"] = {k: round(v, 6) for k, v in self.timer.pop().items()}
+        return record

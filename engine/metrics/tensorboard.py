@@ -1,0 +1,79 @@
+"""Optional copies of each metrics.jsonl record: TensorBoard event files and Weights & Biases.
+
+``log.tensorboard: true`` writes ``<train.out_dir>/tensorboard/events.out.tfevents.*`` with torch's SummaryWriter
+(needs the ``tensorboard`` package, in the dev extra); view with ``tensorboard --logdir <out_dir>``.
+``log.wandb_project: NAME`` logs the same scalars to W&B (needs ``wandb``); the mode is ``offline`` unless
+``WANDB_MODE`` says otherwise, so a run without network works and ``wandb sync`` uploads it later.
+Scalars, by the record's keys (engine/metrics/stepstats.py): loss, eval_loss, lr, grad_norm, tokens_per_s, tflops, mfu,
+peak_mem_bytes (as memory/peak_GiB), step_time and time/<phase> seconds. Only the rank that writes metrics.jsonl
+(rank 0) makes a sink.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from engine.config import ConfigError
+
+SCALARS = {"loss": "loss/train", "eval_loss": "loss/eval", "lr": "lr", "grad_norm": "grad_norm",
+           "tokens_per_s": "throughput/tokens_per_s", "tflops": "throughput/tflops_per_device",
+           "mfu": "throughput/mfu", "step_time": "time/step_s", "skipped_steps": "skipped_steps"}
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """The record's numbers under their TensorBoard tags (the step itself is the x axis, not a scalar)."""
+    out = {tag: float(record[key]) for key, tag in SCALARS.items() if isinstance(record.get(key), (int, float))}
+    if isinstance(record.get("peak_mem_bytes"), (int, float)):
+        out["memory/peak_GiB"] = record["peak_mem_bytes"] / 2**30
+    for phase, seconds in (record.get("time") or {}).items():
+        out[f"time/{phase}_s"] = float(seconds)
+    return out
+
+
+class TensorBoardSink:
+    def __init__(self, out_dir: str):
+        from torch.utils.tensorboard import SummaryWriter
+        self.writer = SummaryWriter(log_dir=os.path.join(out_dir, "tensorboard"))
+
+    def log(self, record: dict) -> None:
+        for tag, value in scalars(record).items():
+            self.writer.add_scalar(tag, value, record["step"])
+        self.writer.flush()  # a crash must not lose the curve written so far
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    def __init__(self, project: str, out_dir: str, config: dict):
+        import wandb
+
+        self.run = wandb.init(project=project, dir=out_dir, config=config,
+                              mode=os.environ.get("WANDB_MODE", "offline"))
+
+    def log(self, record: dict) -> None:
+        self.run.log(scalars(record), step=record["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _require(module: str, setting: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(f"{setting} needs the {module} package: pip install {module}"
+                          + (' (or pip install -e ".[dev]")' if module == "tensorboard" else ""))
+
+
+def build_sinks(cfg, create: bool) -> list:
+    """The sinks log.tensorboard and log.wandb_project ask for. Every rank checks that their packages exist (so
+    every rank refuses alike); only the metrics-writing rank (``create``) makes them."""
+    if cfg.log.tensorboard:
+        _require("tensorboard", "log.tensorboard=true")
+    if cfg.log.wandb_project:
+        _require("wandb", f"log.wandb_project={cfg.log.wandb_project!r}")
+    sinks = []
+    if create and cfg.log.tensorboard:
+        sinks.append(TensorBoardSink(cfg.train.out_dir))
+    if create and cfg.log.wandb_project:
+        sinks.append(WandbSink(cfg.log.wandb_project, cfg.train.out_dir, cfg.to_dict()))
+    return sinks

@@ -1,0 +1,127 @@
+"""The Hugging Face architectures the engine imports and exports, and what each differs in.
+
+All three are the decoder of engine/model/transformer.py (RMSNorm, RoPE, GQA, SwiGLU, HF parameter names); they differ only
+in config keys:
+
+| architecture         | q/k/v bias | sliding window                     |
+|----------------------|------------|------------------------------------|
+| `LlamaForCausalLM`   | no         | -                                  |
+| `Qwen2ForCausalLM`   | yes        | `use_sliding_window` (off in 2.5)  |
+| `MistralForCausalLM` | no         | `sliding_window` (null from v0.2)  |
+
+RoPE scaling (none, linear, llama3) is read and written for any of them, as transformers computes it for all.
+
+``model_config`` reads a config.json (transformers 4's ``rope_scaling``/``rope_theta`` or 5's
+``rope_parameters``) into our ModelConfig and refuses, naming the key, what engine/model/transformer.py does not compute;
+``hf_config`` is the inverse, for export.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.checkpoint.format import CheckpointError
+from engine.config import ModelConfig
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+FAMILIES = {arch: family for family, arch in ARCHITECTURES.items()}
+CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def family_of(hf: dict, source: Path) -> str:
+    """The family named by config.json's ``architectures`` (its ``model_type`` when that list is absent)."""
+    archs = hf.get("architectures") or []
+    if not archs and hf.get("model_type") in ARCHITECTURES:
+        return hf["model_type"]
+    if len(archs) != 1 or archs[0] not in FAMILIES:
+        raise CheckpointError(f"{source}: architecture {', '.join(map(str, archs)) or '(none)'} is not supported; "
+                              f"import handles {', '.join(FAMILIES)}")
+    return FAMILIES[archs[0]]
+
+
+def _rope(hf: dict, source: Path) -> dict:
+    """ModelConfig's RoPE fields from rope_parameters (transformers 5) or rope_scaling + rope_theta (4)."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    out = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if kind == "default":
+        return out
+    if kind not in ("linear", "llama3"):
+        raise CheckpointError(f"{source}: rope_type={kind!r} is not supported by engine/model/rope.py (default, "
+                              f"linear, llama3)")
+    out.update(rope_scaling=kind, rope_factor=float(rope["factor"]))
+    if kind == "llama3":
+        out.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
+                   rope_high_freq_factor=float(rope["high_freq_factor"]),
+                   rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+    return out
+
+
+def _window(hf: dict, family: str) -> int:
+    if family == "qwen2":
+        return int(hf.get("sliding_window") or 0) if hf.get("use_sliding_window") else 0
+    return int(hf.get("sliding_window") or 0) if family == "mistral" else 0
+
+
+def model_config(hf: dict, source: Path) -> ModelConfig:
+    """Our ModelConfig from a config.json dict; refuses, naming the key, what engine/model/transformer.py does not compute."""
+    def need(key):
+        if key not in hf:
+            raise CheckpointError(f"{source}: config.json has no '{key}'")
+        return hf[key]
+
+    family = family_of(hf, source)
+    # Llama's attention_bias also puts a bias on o_proj, which Qwen2 (the family with q/k/v biases) lacks.
+    for key, ok in (("attention_bias", family == "qwen2" or not hf.get("attention_bias")),
+                    ("mlp_bias", not hf.get("mlp_bias")), ("hidden_act", hf.get("hidden_act", "silu") == "silu")):
+        if not ok:
+            raise CheckpointError(f"{source}: {key}={hf.get(key)!r} is not supported by engine/model/transformer.py for "
+                                  f"{ARCHITECTURES[family]} (no o_proj or MLP biases, SiLU)")
+    heads = need("num_attention_heads")
+    m = ModelConfig(name=str(hf.get("_name_or_path") or source.name), vocab_size=need("vocab_size"),
+                    hidden_size=need("hidden_size"), intermediate_size=need("intermediate_size"),
+                    num_layers=need("num_hidden_layers"), num_heads=heads,
+                    num_kv_heads=hf.get("num_key_value_heads") or heads,
+                    max_seq_len=hf.get("max_position_embeddings", 2048),
+                    norm_eps=float(hf.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(hf.get("tie_word_embeddings")),
+                    init_std=float(hf.get("initializer_range", 0.02)), family=family,
+                    attention_bias=family == "qwen2", sliding_window=_window(hf, family), **_rope(hf, source))
+    if hf.get("head_dim") not in (None, m.head_dim):
+        raise CheckpointError(f"{source}: head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads="
+                              f"{m.head_dim}, which engine/model/transformer.py assumes")
+    return m
+
+
+def _rope_scaling(m: ModelConfig) -> dict | None:
+    if m.rope_scaling == "none":
+        return None
+    out = {"rope_type": m.rope_scaling, "factor": m.rope_factor}
+    if m.rope_scaling == "llama3":
+        out.update(low_freq_factor=m.rope_low_freq_factor, high_freq_factor=m.rope_high_freq_factor,
+                   original_max_position_embeddings=m.rope_original_max_position_embeddings)
+    return out
+
+
+def hf_config(m: ModelConfig, dtype: str = "fp32", tokenizer=None):
+    """The transformers config (LlamaConfig, Qwen2Config or MistralConfig, by model.family) of our model."""
+    import transformers
+
+    if m.attention_bias != (m.family == "qwen2"):
+        raise CheckpointError(f"model.attention_bias={m.attention_bias} cannot be written as "
+                              f"{ARCHITECTURES[m.family]}: only Qwen2 has q/k/v biases (and always has them)")
+    special = {}
+    if tokenizer is not None:
+        special = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                   if getattr(tokenizer, k, None) is not None}
+    extra = {"attention_bias": False, "mlp_bias": False} if m.family == "llama" else {}
+    if m.family == "qwen2":
+        extra = {"use_sliding_window": bool(m.sliding_window), "sliding_window": m.sliding_window or None}
+    elif m.family == "mistral":
+        extra = {"sliding_window": m.sliding_window or None}
+    cls = getattr(transformers, CONFIG_CLASSES[m.family])
+    return cls(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+               num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
+               head_dim=m.head_dim, max_position_embeddings=m.max_seq_len, rope_theta=m.rope_theta,
+               rope_scaling=_rope_scaling(m), rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings,
+               hidden_act="silu", initializer_range=m.init_std, architectures=[ARCHITECTURES[m.family]],
+               torch_dtype=DTYPE_NAMES[dtype], **extra, **special)

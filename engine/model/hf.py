@@ -1,0 +1,159 @@
+"""Hugging Face Llama / Qwen2 / Mistral folders <-> engine checkpoints, through safetensors both ways
+(launch/convert.py).
+
+Our parameter names are those of ``transformers.LlamaForCausalLM`` (engine/model/transformer.py; Qwen2 and Mistral use the
+same), so conversion is only about layout: export assembles each full tensor from a checkpoint saved at any
+(tp, pp, dp, dp_mode) with ``ckpt_format.Reader.full`` and writes the standard folder: ``config.json`` (the
+config class of ``model.family``, engine/model/families.py), the weights as ``model.safetensors`` or, above
+``max_shard_bytes``, ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json`` (transformers'
+sharded format: {"metadata": {"total_size"}, "weight_map"}), and the run's tokenizer: the files of its tokenizer
+folder copied as they are (with ``generation_config.json``), or ``save_pretrained`` for a hub name. Import reads
+such a folder into a *model-only* checkpoint: step 0, no optimizer state, the tokenizer and generation config
+copied into ``CKPT/hf_files``; ``--checkpoint.resume CKPT`` starts a run from it at any layout with a fresh AdamW
+and the data from the beginning. It also writes ``CKPT/config.yaml``, a full engine config for the imported shape.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from engine.model import transformer as model_lib
+from engine.checkpoint.checkpointer import resolve, step_name
+from engine.checkpoint.format import (CheckpointError, Reader, fsync_write, merge_index, piece_key, read_index,
+                                verify_shard, write_shard)
+from engine.config import Config, ModelConfig
+from engine.model.families import hf_config, model_config  # noqa: F401 (hf.hf_config: the public name)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# Copied verbatim from an imported folder to the checkpoint and from there to an export (chat template, special
+# tokens, sampling defaults), so a round trip gives back what the user brought.
+CARRIED_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt", "vocab.json",
+                 "chat_template.jinja", "generation_config.json")
+
+
+def param_shapes(m: ModelConfig) -> dict[str, list[int]]:
+    """HF names and shapes of every distinct parameter, in module order (a tied LM head is the embedding)."""
+    return {n: list(p.shape) for n, p in model_lib.build(m, device="meta").named_parameters()}
+
+
+def _shards(sizes: dict[str, int], limit: int) -> list[list[str]]:
+    """Greedy split in order, as transformers' save_pretrained does: a new shard when the next tensor would
+    push the current one past ``limit`` (a tensor larger than the limit gets a shard of its own)."""
+    shards, current, used = [], [], 0
+    for name, size in sizes.items():
+        if current and used + size > limit:
+            shards.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += size
+    return shards + [current] if current else shards
+
+
+def export(ckpt: Path, out: Path, max_shard_bytes: int = 5 * 2**30, dtype: str = "fp32") -> dict:
+    """Write the HF folder ``out`` from the checkpoint ``ckpt`` (a step_* dir, or a dir with ``latest``)."""
+    (path,) = resolve(ckpt)
+    index = read_index(path)
+    for file in index["files"]:
+        verify_shard(path, index, file)
+    cfg = index["config"]
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    m = ModelConfig(**{k: v for k, v in cfg["model"].items() if k in known})
+    shapes = param_shapes(m)
+    reader = Reader(path, index)
+    element = torch.tensor([], dtype=DTYPES[dtype]).element_size()
+    groups = _shards({n: torch.Size(s).numel() * element for n, s in shapes.items()}, max_shard_bytes)
+    out.mkdir(parents=True, exist_ok=True)
+    files = ["model.safetensors"] if len(groups) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    weight_map = {}
+    for file, names in zip(files, groups):
+        tensors = {n: reader.full(n).to(DTYPES[dtype]).contiguous() for n in names}
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in names})
+    if len(groups) > 1:
+        total = sum(torch.Size(s).numel() * element for s in shapes.values())
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    from engine.data.dataset import load_tokenizer
+
+    source = cfg.get("data", {}).get("tokenizer", "")
+    tokenizer = load_tokenizer(source)
+    hf_config(m, dtype, tokenizer).save_pretrained(str(out))
+    if not (source and carry_files(Path(source).expanduser(), out)):
+        tokenizer.save_pretrained(str(out))  # a hub name or the bundled tokenizer: transformers writes its files
+    return {"step": index["step"], "files": files, "params": len(shapes)}
+
+
+def carry_files(src: Path, dst: Path, extra: tuple[str, ...] = ()) -> bool:
+    """Copy the tokenizer and generation config files (and ``extra``) of folder ``src`` into ``dst``; True if it
+    had a tokenizer (otherwise nothing is copied)."""
+    if not src.is_dir() or not any((src / f).is_file() for f in TOKENIZER_FILES):
+        return False
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in (*CARRIED_FILES, *extra):
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+    return True
+
+
+def hf_tensors(hf_dir: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (single file or the sharded index)."""
+    sharded, single = hf_dir / "model.safetensors.index.json", hf_dir / "model.safetensors"
+    if sharded.is_file():
+        return {n: hf_dir / f for n, f in json.loads(sharded.read_text())["weight_map"].items()}
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return {n: single for n in f.keys()}
+    raise CheckpointError(f"{hf_dir} has no model.safetensors or model.safetensors.index.json (save the model "
+                          f"with save_pretrained(..., safe_serialization=True) first)")
+
+
+def import_hf(hf_dir: Path, root: Path, max_file_bytes: int = 2 * 2**30) -> Path:
+    """Write the model-only checkpoint ``root/step_000000`` (+ ``root/latest``, ``root/config.yaml``)."""
+    config_json = hf_dir / "config.json"
+    if not config_json.is_file():
+        raise CheckpointError(f"{hf_dir} is not a Hugging Face model folder: {config_json} is missing")
+    if root.exists() and any(root.iterdir()):
+        raise CheckpointError(f"{root} exists and is not empty; import into a new directory")
+    m = model_config(json.loads(config_json.read_text()), hf_dir)
+    shapes, where = param_shapes(m), hf_tensors(hf_dir)
+    path = root / step_name(0)
+    path.mkdir(parents=True, exist_ok=True)
+    groups = _shards({n: torch.Size(s).numel() * 4 for n, s in shapes.items()}, max_file_bytes)
+    metas = []
+    for i, names in enumerate(groups):  # files of at most ~max_file_bytes, so memory stays bounded
+        tensors, params = {}, {}
+        for name in names:
+            if name not in where:
+                raise CheckpointError(f"{hf_dir}: the weights have no tensor '{name}'")
+            with safe_open(str(where[name]), framework="pt") as f:
+                t = f.get_tensor(name)
+            if list(t.shape) != shapes[name]:
+                raise CheckpointError(f"{where[name]}: {name} has shape {list(t.shape)}, config.json implies "
+                                      f"{shapes[name]}")
+            tensors[piece_key(name, "param", 0, 0)] = t.float().reshape(-1).contiguous()
+            params[name] = {"shape": shapes[name], "tp_dim": None, "tp_size": 1,
+                            "states": {"param": [[0, 0, t.numel()]]}}
+        file = f"import_{i:05d}.safetensors"
+        metas.append({"rank": i, "file": file, "params": params, **write_shard(path / file, tensors)})
+    cfg = Config(model=m)
+    # config.json too: AutoTokenizer reads its model_type to pick the tokenizer class, so the copy loads as
+    # the source folder does (and as --model.init_from of it does)
+    if carry_files(hf_dir, root / "hf_files", extra=("config.json",)):
+        cfg.data.tokenizer = str((root / "hf_files").resolve())
+    cfg.checkpoint.resume = str(root.resolve())
+    header = {"step": 0, "consumed_samples": 0, "adam_step": None, "model_only": True, "config": cfg.to_dict(),
+              "layout": {"imported_from": str(hf_dir.resolve())}}
+    fsync_write(path / "index.json", json.dumps(merge_index(metas, header)))
+    fsync_write(root / "latest", path.name + "\n")
+    (root / "config.yaml").write_text("# written by launch/convert.py import: the imported model's shape\n" +
+                                      yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return path

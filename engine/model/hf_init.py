@@ -1,0 +1,74 @@
+"""``--model.init_from HF_DIR``: start a run from a Hugging Face folder without a separate import step.
+
+``adopt_shape`` replaces the model section with the folder's config.json (engine/model/families.py; the HF folder
+defines the model, so model keys given beside init_from are overridden, except ``name``) and points
+``data.tokenizer`` at the folder when it has a tokenizer and none was given. ``load_weights`` then fills the
+freshly built trainer, at any layout and dp mode, with the folder's tensors: each rank reads only its tp block of
+each parameter, through the same slots a checkpoint load uses (engine/checkpoint/state.py). A checkpoint to resume from
+(checkpoint.resume) wins over init_from, so a restarted job continues where it stopped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.checkpoint.format import CheckpointError
+from engine.checkpoint.state import slots, state_for
+from engine.config import Config, ConfigError, validate
+from engine.model.families import model_config
+from engine.model.hf import TOKENIZER_FILES, hf_tensors
+
+
+def adopt_shape(cfg: Config) -> None:
+    """Set cfg.model (and data.tokenizer if empty) from cfg.model.init_from; no-op without it. Idempotent."""
+    source = cfg.model.init_from
+    if not source:
+        return
+    folder = Path(source).expanduser()
+    config_json = folder / "config.json"
+    if not config_json.is_file():
+        raise ConfigError(f"model.init_from={source!r} is not a Hugging Face model folder: {config_json} is "
+                          f"missing")
+    try:
+        m = model_config(json.loads(config_json.read_text()), folder)
+    except CheckpointError as e:
+        raise ConfigError(f"model.init_from: {e}") from None
+    cfg.model = dataclasses.replace(m, name=cfg.model.name if cfg.model.name != "tiny" else m.name,
+                                    init_from=source)
+    if not cfg.data.tokenizer and any((folder / f).is_file() for f in TOKENIZER_FILES):
+        cfg.data.tokenizer = str(folder.resolve())
+    validate(cfg)  # train.seq_len against the folder's max_position_embeddings and sliding window
+
+
+def _block(f, name: str, dim: int | None, size: int, rank: int) -> torch.Tensor:
+    """This tp rank's block of tensor ``name`` (the whole tensor when it is not sharded), read alone."""
+    sl = f.get_slice(name)
+    if dim is None:
+        return sl[:]
+    n = sl.get_shape()[dim] // size
+    index = [slice(None)] * len(sl.get_shape())
+    index[dim] = slice(rank * n, (rank + 1) * n)
+    return sl[tuple(index)]
+
+
+@torch.no_grad()
+def load_weights(trainer, folder: Path) -> None:
+    """Overwrite every local parameter of ``trainer`` with the folder's weights (fp32 masters in every dp mode)."""
+    ctx = trainer.ctx
+    where, access = hf_tensors(folder), state_for(trainer)
+    for slot in slots(trainer.model, access, ctx, trainer.cfg.model.tie_embeddings):
+        if slot.name not in where:
+            raise CheckpointError(f"{folder}: the weights have no tensor '{slot.name}'")
+        with safe_open(str(where[slot.name]), framework="pt") as f:
+            shape = list(f.get_slice(slot.name).get_shape())
+            if shape != slot.shape:
+                raise CheckpointError(f"{where[slot.name]}: {slot.name} has shape {shape}, config.json implies "
+                                      f"{slot.shape}")
+            block = _block(f, slot.name, slot.tp_dim, slot.tp_size, slot.tp_rank)
+        if slot.start < slot.end:
+            access.set(slot, "param", block.reshape(-1)[slot.start:slot.end].to(ctx.device, torch.float32))
+    access.finish()

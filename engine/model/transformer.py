@@ -1,0 +1,164 @@
+"""A plain Llama-family decoder (Touvron et al. 2023): RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+No distributed code lives here: tensor parallelism swaps the linear/embedding modules (engine/parallel/tensor.py)
+and pipeline parallelism drops layers, so every module reads its local head count from its weights, ``layers`` is
+a ModuleDict keyed by the global layer index, and ``embed_tokens``/``norm``/``lm_head`` may be None on a stage.
+Parameter names are those of Hugging Face ``LlamaForCausalLM`` (``model.layers.3.self_attn.q_proj.weight``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from engine.config import ModelConfig
+from engine.model.docmask import block_causal_mask
+from engine.model.rope import rope_cos_sin
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * w (Zhang & Sennrich 2019), computed in fp32 as HF Llama does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (b, heads, s, hd) rotated by position: x*cos + rotate_half(x)*sin."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention through torch SDPA (flash / memory-efficient kernels where available)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.head_dim = hd
+        bias = cfg.attention_bias  # Qwen2: q/k/v biases, none on o_proj
+        self.q_proj = nn.Linear(h, cfg.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """mask: None (causal) or a (b, 1, s, s) bool block-causal mask (True: attend) of packed documents."""
+        b, s, _ = x.shape
+        # Head counts come from the (possibly tensor-parallel) projections: local heads = heads / tp.
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, nh/tp, s, hd)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, nkv/tp, s, hd)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, nkv/tp, s, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=q.shape[1] != k.shape[1])
+        o = o.transpose(1, 2).reshape(b, s, -1)  # (b, s, nh*hd/tp)
+        return self.o_proj(o)  # (b, s, h)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (b, s, ffn/tp) inside
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers (global indices as keys) and final norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_layers)})
+        self.norm: nn.Module | None = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.activation_checkpointing = False
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x: token ids (b, s) on the first stage, else hidden states (b, s, h). position_ids (b, s): RoPE
+        positions (default 0..s-1); doc_ids (b, s): document index of each token, attention stays within a
+        document (default: one document). Returns (b, s, h)."""
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        if position_ids is None:
+            position_ids = torch.arange(h.shape[1], device=h.device)
+        cos, sin = rope_cos_sin(self.cfg, position_ids, h.dtype)
+        mask = None if doc_ids is None else block_causal_mask(doc_ids)
+        for layer in self.layers.values():
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                # Recompute the block in backward instead of keeping its activations (Chen et al. 2016).
+                h = checkpoint(layer, h, cos, sin, mask, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, mask)
+        return self.norm(h) if self.norm is not None else h
+
+
+class Llama(nn.Module):
+    """Decoder plus LM head; same module tree and parameter names as HF ``LlamaForCausalLM``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head: nn.Module | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns logits (b, s, vocab/tp) on the last stage, hidden states (b, s, h) elsewhere."""
+        h = self.model(x, position_ids, doc_ids)
+        return self.lm_head(h) if self.lm_head is not None else h
+
+
+def build(cfg: ModelConfig, device: torch.device | str = "meta") -> Llama:
+    """Build the model without allocating storage (meta device by default); see engine.model.init.materialize."""
+    with torch.device(device):
+        return Llama(cfg)
+
+
+def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    """Number of distinct parameters (tied weights counted once)."""
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if id(p) in seen or (exclude_embeddings and "embed_tokens" in name):
+            continue
+        seen.add(id(p))
+        total += p.numel()
+    return total

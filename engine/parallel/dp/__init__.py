@@ -1,0 +1,1 @@
+"""Data parallelism: one strategy per dp mode (ddp, fsdp, zero) behind one interface."""

@@ -1,0 +1,216 @@
+"""DeepSpeed ZeRO stages 1-3 (Rajbhandari et al. 2020) as the data-parallel wrapper of one pipeline stage.
+
+``ZeroEngine`` hands our stage module (already tensor-parallel) and the AdamW of engine/optim.py to
+``deepspeed.initialize(..., mpu=ctx)``; ``ds_config`` derives DeepSpeed's config from ours on top of the tunable
+settings (built-in defaults per stage, merged with the user's ``parallel.ds_config`` file: ds_json.py). The step
+contract is ours, not DeepSpeed's per-micro-batch one: the trainer runs all m micro-batch forward/backward passes,
+then calls ``step(lr)`` once. DeepSpeed is put in caller-owned
+accumulation mode (``managed_gradient_accumulation: false``): ``engine.backward`` only accumulates (ZeRO-2/3
+still reduce-scatter each micro-batch into the rank's partition, as they always do), and ``engine.step()`` is the
+accumulation boundary that finishes the reduction, clips, and applies the update. Our micro-batch losses are
+already divided by m, so backward passes ``scale_wrt_gas=False`` (DeepSpeed would divide by m again).
+
+DeepSpeed computes the global grad norm itself (over dp, then its mpu's model-parallel group = tp x pp); it counts
+a parameter on every tp rank when it carries ``tensor_model_parallel`` and otherwise only on rank 0 of a group
+(tp rank for ZeRO-1/2, tp x pp rank for ZeRO-3). ``mark_parallel_params`` sets that flag so each parameter is
+counted exactly once in both formulas. Clipping then scales by min(1, clip / (norm + 1e-6)), as
+torch.nn.utils.clip_grad_norm_ and engine.optim.clip_gradients do.
+
+    zero = ZeroEngine(build_model(cfg, ctx), cfg, ctx)
+    for x, y in micro_batches:                       # or through the pipeline executor
+        zero.backward(loss_fn(zero(x), y) / m)       # last stage; non-last: zero.backward(out, grad_from_next)
+    grad_norm = zero.step(lr_at(step, cfg.train))
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.config import Config, ConfigError
+from engine.internals import private
+from engine.optim import build_optimizer, unique_params
+from engine.parallel.dp.ds_json import load_base_config
+
+
+def check_zero_supported(cfg: Config, ctx) -> None:
+    """Refuse, naming the combination, what ZeroEngine cannot run correctly."""
+    p = cfg.parallel
+    if p.zero_stage not in (1, 2, 3):
+        raise ConfigError(f"parallel.dp_mode=zero needs parallel.zero_stage 1, 2 or 3, got {p.zero_stage}")
+    if ctx.pp > 1 and cfg.model.tie_embeddings and (p.zero_stage != 1 or cfg.train.dtype != "fp32"):
+        raise ConfigError(f"parallel.dp_mode=zero with zero_stage={p.zero_stage}, train.dtype={cfg.train.dtype}, "
+                          "parallel.pp>1 and model.tie_embeddings=true is not supported: the first and last stage's "
+                          "embedding gradients must be summed before DeepSpeed reduces them, which only ZeRO-1 in "
+                          "fp32 allows (ZeRO-2/3 reduce-scatter during backward; bf16 ZeRO-1 moves them into its "
+                          "fp32 buffers); use zero_stage=1 with train.dtype=fp32, or dp_mode=ddp")
+    if ctx.pp > 1 and p.zero_stage == 3:
+        # Measured with DeepSpeed 0.19.8: ZeRO-3's parameter coordinator checks its module trace against rank 0 of
+        # the whole job (a world-group broadcast at the first forward), which stages holding different layers
+        # reach at different times: the job hangs.
+        raise ConfigError("parallel.dp_mode=zero with zero_stage=3 and parallel.pp>1 is not supported (DeepSpeed's "
+                          "ZeRO-3 compares module traces across all ranks and hangs under pipeline stages); "
+                          "use zero_stage 1 or 2, or dp_mode=fsdp")
+
+
+def ds_config(cfg: Config, ctx, base: dict | None = None) -> dict:
+    """DeepSpeed's config: ``base`` (default: the built-in defaults for the stage with parallel.ds_config merged
+    over them, engine/parallel/dp/ds_json.py) with every key that our config decides filled in, so batch sizes,
+    stage, precision and clipping are never written twice."""
+    t, stage = cfg.train, cfg.parallel.zero_stage
+    c = copy.deepcopy(base) if base is not None else load_base_config(stage, cfg.parallel.ds_config or None)
+    micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.dp)
+    c["train_micro_batch_size_per_gpu"] = t.micro_batch_size
+    c["gradient_accumulation_steps"] = micro_batches
+    c["train_batch_size"] = t.micro_batch_size * micro_batches * ctx.dp  # DeepSpeed checks this product
+    if c["train_batch_size"] != t.global_batch_size:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not micro_batch_size "
+                          f"({t.micro_batch_size}) * micro-batches * dp ({ctx.dp})")
+    c["managed_gradient_accumulation"] = False  # the trainer owns the boundary: m backwards, then one step()
+    c["gradient_clipping"] = float(t.grad_clip)
+    c["zero_allow_untested_optimizer"] = True  # torch.optim.AdamW as client optimizer (no FusedAdam build)
+    c.setdefault("zero_optimization", {})["stage"] = stage
+    c["bf16"] = {**c.get("bf16", {}), "enabled": t.dtype == "bf16"}
+    c["fp16"] = {"enabled": False}
+    if t.dtype == "bf16":
+        # Accumulate micro-batch gradients in fp32, as the ddp path does (bf16 weights, fp32 master + grads).
+        c.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
+    return c
+
+
+def mark_parallel_params(model: nn.Module, tp_rank: int) -> None:
+    """Tag parameters so DeepSpeed's grad norm counts each exactly once: tp-sharded ones on every rank
+    (``tensor_model_parallel``), replicated ones (norms) on tp rank 0 only. Without the tag DeepSpeed counts a
+    sharded weight only on tp rank 0 and, in ZeRO-3, a replicated one only on model-parallel rank 0 (stage 0)."""
+    for module, attr, p in unique_params(model):
+        sharded = attr in getattr(module, "tp_dims", {}) and module.tp_size > 1
+        p.tensor_model_parallel = sharded or tp_rank == 0
+        if sharded:
+            p.partition_dim, p.partition_stride = module.tp_dims[attr], 1
+
+
+def _import_deepspeed():
+    """DeepSpeed, or one line saying how to install it. Checked here, where ZeRO first needs it, not in the layout
+    check: planning a ZeRO layout (launch/plan.py) must not need DeepSpeed installed."""
+    try:
+        import deepspeed
+    except ImportError as e:  # the quick start's plain `pip install -e .` leaves it out
+        raise ConfigError(f"parallel.dp_mode=zero needs DeepSpeed, which cannot be imported ({e}); install it with "
+                          f"pip install -e \".[deepspeed]\", or use parallel.dp_mode=ddp or fsdp") from None
+    return deepspeed
+
+
+def _ensure_deepspeed_comm(backend: str) -> None:
+    import deepspeed
+    import deepspeed.comm as ds_comm
+
+    # deepspeed.initialize asserts that LOCAL_RANK is set, which only launchers do: a plain `python
+    # launch/pretrain.py` (one process) has none. 0 is also what env_rank_info read in its absence.
+    os.environ.setdefault("LOCAL_RANK", "0")
+    if not ds_comm.is_initialized():
+        # Wraps the process group the context already made (gloo on CPU, nccl on CUDA); never starts a new one.
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+
+class ZeroEngine:
+    """One pipeline stage under DeepSpeed ZeRO. Forward with ``zero(x)`` (DeepSpeed's forward registers the
+    hooks its backward relies on), ``backward`` per micro-batch, ``step(lr)`` once per global batch."""
+
+    def __init__(self, model: nn.Module, cfg: Config, ctx, config: dict | None = None):
+        deepspeed = _import_deepspeed()
+        check_zero_supported(cfg, ctx)
+        self.cfg, self.ctx = cfg, ctx
+        _ensure_deepspeed_comm(ctx.backend)
+        mark_parallel_params(model, ctx.tp_rank)
+        if cfg.model.tie_embeddings and ctx.pp > 1 and ctx.is_last_stage:
+            model.lm_head.weight.ds_pipe_replicated = True  # counted once in the norm, on the first stage
+        optimizer = build_optimizer(model, cfg.train)
+        self.config = config if config is not None else ds_config(cfg, ctx)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                                 config=self.config, mpu=ctx)
+        self.stage = cfg.parallel.zero_stage
+        # DeepSpeed releases without caller-owned accumulation (or a config asking for DeepSpeed's own) count
+        # micro-steps; set_sync() then marks the boundary by hand before each backward.
+        managed = getattr(self.engine, "managed_gradient_accumulation", None)
+        self.managed = managed is None or bool(managed())
+        if self.managed and cfg.model.tie_embeddings and ctx.pp > 1:
+            raise ConfigError("model.tie_embeddings with parallel.pp>1 under dp_mode=zero needs DeepSpeed's "
+                              "managed_gradient_accumulation=false (DeepSpeed >= 0.19.8 here)")
+
+    # ---- what the trainer's step needs ------------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+    def parameters(self):
+        return self.engine.module.parameters()
+
+    def named_parameters(self):
+        return self.engine.module.named_parameters()
+
+    def __call__(self, *args, **kwargs):
+        return self.engine(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "ZeroEngine":
+        self.engine.train(mode)
+        return self
+
+    def eval(self) -> "ZeroEngine":
+        return self.train(False)
+
+    def backward(self, loss_or_output: torch.Tensor, grad: torch.Tensor | None = None) -> None:
+        """Last stage: ``loss_or_output`` is the micro-batch loss, already divided by the number of micro-batches.
+        Other stages: the stage output and the gradient received from the next stage; d/d(out) of (out*grad).sum()
+        is grad, so this is the stage's backward; it reads the output, so the executor must keep sent outputs
+        (PipelineExecutor(free_outputs=False))."""
+        if grad is None:
+            self.engine.backward(loss_or_output, scale_wrt_gas=False)
+        else:
+            self.engine.backward((loss_or_output * grad).sum(), scale_wrt_gas=False)
+
+    def set_sync(self, is_last_micro_batch: bool) -> None:
+        """Call before each micro-batch's backward. In caller-owned accumulation mode (the default here) step() is
+        the boundary and this does nothing. In DeepSpeed's managed mode its micro-step counter assumes one
+        engine.step() per micro-batch, which our one step per global batch breaks, so the boundary is set by
+        hand: the last backward reduces (ZeRO-1) and the following step() applies the update."""
+        if self.managed:
+            self.engine.set_gradient_accumulation_boundary(is_last_micro_batch)
+
+    def all_reduce_grad(self, param: nn.Parameter, group) -> None:
+        """Sum ``param``'s accumulated gradient over ``group`` before ``step()``: the two copies of a tied
+        embedding on the first and last pipeline stage (the trainer's embed_group). ZeRO-1 only, where gradients
+        stay on the parameters until step() reduces them; ZeRO-2/3 have already reduce-scattered them."""
+        if self.stage != 1:
+            raise RuntimeError(f"all_reduce_grad needs ZeRO-1 (gradients still whole), not ZeRO-{self.stage}")
+        opt = self.engine.optimizer
+        grad = private(opt, "deepspeed", "get_param_gradient_attribute")(param)
+        if grad is None:  # not reached through the model this step: contribute zeros
+            accum = private(opt, "deepspeed", "use_grad_accum_attribute")
+            attr = "grad_accum" if accum else "grad"
+            dtype = private(opt, "deepspeed", "gradient_accumulation_dtype") if accum else param.dtype
+            grad = torch.zeros_like(param, dtype=dtype)
+            setattr(param, attr, grad)
+        dist.all_reduce(grad, group=group)
+
+    def step(self, lr: float) -> float:
+        """Set lr on every param group, reduce (ZeRO-1) or finish reducing (ZeRO-2/3) the accumulated gradients,
+        clip to train.grad_clip and update. Returns the global grad norm before clipping, as DeepSpeed computed it
+        (over dp and the tp x pp group)."""
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Name -> full (dp-gathered, tp-local) copy of every parameter; ZeRO-3 parameters are all-gathered
+        (a collective: every rank of the dp group must call it)."""
+        import deepspeed
+
+        params = dict(self.engine.module.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values()), enabled=self.stage == 3):
+            return {n: p.detach().clone().float() for n, p in params.items()}
+

@@ -1,0 +1,1 @@
+"""Memory and step-time planning before a run: FLOPs, activations, model state, layout search."""

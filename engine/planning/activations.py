@@ -1,0 +1,109 @@
+"""Activation memory of one micro-batch of THIS engine's Llama (engine/model/transformer.py), counted tensor by tensor.
+
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", Sec. 4.1) give
+s b h (34 + 5 a s / h) bytes per layer for GPT-3 in 16-bit with dropout and a stored s x s score matrix. This
+engine differs in every term, so the ledger below lists what autograd saves for backward in each op of
+DecoderLayer.forward, per token (b s tokens), for tp-sharded widths h/t, kvd/t = kv_heads*head_dim/t, f/t and
+a/t heads:
+  RMSNorm (x2)  x (pow and x*rsqrt save it), rsqrt (1 value), x_n (weight*x_n saves it), y = weight*x_n (the
+                next linears' input)                                       -> x, x_n, y: 3h values; rsqrt: 1
+  attention     SDPA (flash/memory-efficient; no s x s matrix) saves rotated q, rotated k, v, its output (which is
+                o_proj's input) and the log-sum-exp (a/t fp32 values); RoPE saves only cos/sin (shared)
+                                                                           -> 2h/t + 2 kvd/t (+ a/t fp32)
+  SwiGLU MLP    gate output (silu saves it), silu(gate), up (the product saves both), their product (down_proj's
+                input)                                                     -> 4 f/t
+Dtypes (measured on CPU with torch.autograd.graph.saved_tensors_hooks; tests/test_planner.py):
+  fp32      everything fp32:  24h + 8 + (8h + 8kvd + 4a + 16f)/t bytes per token
+  autocast  bf16 matmuls on fp32 weights (train.dtype bf16 with ddp): norms stay fp32 (x, x_n: 16h + 8), each
+            linear saves its own bf16 cast of y (q, k, v, gate, up: 5 x 2h), attention and MLP tensors are bf16:
+            26h + 8 + (4h + 4kvd + 4a + 8f)/t, plus the bf16 copy of every weight autocast makes for each forward
+            (2 bytes x the layer's matmul parameters, per micro-batch, since the cache dies with the autocast
+            region)
+  bf16      bf16 weights (fsdp's bf16 compute copy; DeepSpeed bf16): the norm computes on an fp32 copy of x
+            (4h + 4), x_n and y are bf16 (2h each): 16h + 8 + (4h + 4kvd + 4a + 8f)/t
+With activation checkpointing only each layer's input (the residual stream) is kept per micro-batch, and one
+layer's activations are rebuilt at a time during backward (``recompute_bytes``).
+"""
+from __future__ import annotations
+
+from engine.config import Config
+
+
+def mode(cfg: Config) -> str:
+    """Which ledger applies: fp32, autocast or bf16 (see the module docstring)."""
+    if cfg.train.dtype != "bf16":
+        return "fp32"
+    return "bf16" if cfg.parallel.dp_mode in ("fsdp", "zero") else "autocast"
+
+
+def residual_bytes(cfg: Config) -> int:
+    """Bytes per value of the residual stream (the stage input/output dtype)."""
+    return 2 if mode(cfg) == "bf16" else 4
+
+
+def layer_bytes_per_token(cfg: Config, tp: int) -> float:
+    """Saved bytes per token of one decoder layer (without autocast's weight copies)."""
+    m = cfg.model
+    h, kvd, a, f = m.hidden_size, m.num_kv_heads * m.head_dim, m.num_heads, m.intermediate_size
+    if mode(cfg) == "fp32":
+        return 24 * h + 8 + (8 * h + 8 * kvd + 4 * a + 16 * f) / tp
+    casts = 10 * h if mode(cfg) == "autocast" else 0
+    return 16 * h + 8 + casts + (4 * h + 4 * kvd + 4 * a + 8 * f) / tp
+
+
+def weight_copy_bytes(cfg: Config, tp: int, num_layers: int, last_stage: bool) -> float:
+    """autocast's bf16 copies of the stage's matmul weights, saved for backward once per micro-batch."""
+    if mode(cfg) != "autocast":
+        return 0.0
+    m = cfg.model
+    h, hd = m.hidden_size, m.head_dim
+    layer = 2 * h * m.num_heads * hd + 2 * h * m.num_kv_heads * hd + 3 * h * m.intermediate_size
+    head = m.vocab_size * h if last_stage else 0
+    return 2.0 * (num_layers * layer + head) / tp
+
+
+def head_bytes_per_token(cfg: Config, tp: int) -> float:
+    """Last stage: final norm, LM head input, and the loss's saved softmax (fp32 (b s, V/t)) and targets."""
+    h, v = cfg.model.hidden_size, cfg.model.vocab_size
+    norm = {"fp32": 12 * h + 4, "autocast": 10 * h + 4, "bf16": 8 * h + 4}[mode(cfg)]
+    # tp = 1: F.cross_entropy saves log_softmax's output and the (copied) int64 targets; tp > 1 the vocab-parallel
+    # loss saves its softmax, the local targets and two bool masks.
+    return norm + 4 * v / tp + (8 if tp == 1 else 10)
+
+
+def micro_batch_bytes(cfg: Config, tp: int, pp: int, stage: int, num_layers: int) -> float:
+    """Bytes one micro-batch keeps alive on ``stage`` from its forward to its backward."""
+    t = cfg.train
+    tokens, h = t.micro_batch_size * t.seq_len, cfg.model.hidden_size
+    res = residual_bytes(cfg)
+    last = stage == pp - 1
+    per_token = 0.0
+    if stage == 0:
+        per_token += 8 if tp == 1 else 9  # token ids saved by the embedding (+ the out-of-shard mask at tp > 1)
+    if t.activation_checkpointing:
+        per_token += num_layers * h * res  # each checkpointed layer keeps only its input
+    else:
+        per_token += num_layers * layer_bytes_per_token(cfg, tp)
+    if last:
+        per_token += head_bytes_per_token(cfg, tp)
+    if stage > 0 and mode(cfg) == "bf16":
+        per_token += h * res  # the received input: the first norm saves an fp32 copy, not the buffer itself
+    if not last and cfg.parallel.dp_mode == "zero":
+        per_token += h * res  # ZeroEngine's backward reads the sent output, so the executor keeps it
+    rope = 2 * t.seq_len * cfg.model.head_dim * res  # cos and sin tables, built once per forward
+    copies = 0.0 if t.activation_checkpointing else weight_copy_bytes(cfg, tp, num_layers, last)
+    return tokens * per_token + rope + copies
+
+
+def transient_bytes(cfg: Config, tp: int, last_stage: bool) -> float:
+    """Short-lived buffers at the backward's peak, the largest of: on the last stage the logits and their gradient
+    (fp32 (b s, V/t) each, beside the saved softmax); the gradients flowing back through one MLP (about four
+    (b s, f/t) tensors); with activation checkpointing, one layer of one micro-batch rebuilt for its backward."""
+    t, m = cfg.train, cfg.model
+    tokens = t.micro_batch_size * t.seq_len
+    out = tokens * 4 * m.intermediate_size / tp * residual_bytes(cfg)
+    if t.activation_checkpointing:
+        out += tokens * layer_bytes_per_token(cfg, tp) + weight_copy_bytes(cfg, tp, 1, False)
+    if last_stage:
+        out = max(out, tokens * 8.0 * m.vocab_size / tp)
+    return out

@@ -1,0 +1,235 @@
+"""Memory per rank of a layout. Model-state bytes follow Rajbhandari et al. 2020 ("ZeRO", Sec. 5, Fig. 1).
+
+With mixed precision and Adam, each parameter costs 2 bytes of 16-bit weight, 2 of 16-bit gradient and K = 12 of
+optimizer state (fp32 master weight, momentum, variance): 16 bytes in all. ZeRO stage 1 shards the optimizer state
+over the N data-parallel ranks, stage 2 also the gradients, stage 3 also the weights:
+    stage 0: (2 + 2 + K) P      stage 1: (2 + 2) P + K P / N
+    stage 2: 2 P + (2 + K) P / N    stage 3: (2 + 2 + K) P / N
+In fp32 training (as on CPU) weights and gradients take 4 bytes each and Adam's two moments 8, with no master copy.
+
+``stage_memory(cfg, world_size, stage)`` applies this to what THIS engine holds on one rank of a pipeline stage:
+- parameters: the stage's layers (engine.parallel.pipeline.stage_layer_ranges), the embedding on the first stage,
+  final norm and LM head on the last (a tied head is a second copy there when pp > 1); linears and the vocab
+  split by tp as engine/parallel/tensor.py's plan does, norms replicated.
+- state by dp mode: ddp = stage 0 and fsdp = stage 3 with fp32 weights, gradients and AdamW moments (bf16 is
+  autocast or FSDP's bf16 compute copy); under fsdp, gradients stay unsharded until the last micro-batch (no-sync
+  accumulation), and the gathered weights are extra: one block plus the root unit with reshard_after_forward, the
+  whole stage without. zero k = stage k with DeepSpeed's fp32 master copy (K = 12; bf16 weights in bf16 runs).
+- activations: engine/planning/activations.py per micro-batch, times the micro-batches in flight on the stage
+  (engine.parallel.schedule.max_in_flight: 1F1B keeps min(pp - stage, m), GPipe m).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from engine.planning import activations as acts
+from engine.config import Config, ModelConfig
+from engine.parallel import schedule as sched
+from engine.parallel.context import Layout, resolve_layout
+from engine.parallel.dp.ds_json import load_base_config
+from engine.parallel.pipeline import stage_layer_ranges
+
+# bytes per parameter: (weights, gradients, optimizer state)
+PRECISIONS = {"mixed": (2, 2, 12), "fp32": (4, 4, 8),
+              "fp32_master": (4, 4, 12),  # DeepSpeed ZeRO in fp32: a flat fp32 master partition besides the weights
+              "bf16_fp32_grads": (2, 4, 12)}  # DeepSpeed bf16 with grad_accum_dtype fp32 (engine/parallel/dp/zero.py)
+
+
+def model_state_bytes(params: int, dp: int, zero_stage: int, precision: str = "mixed") -> float:
+    """Bytes of weights + gradients + optimizer state held by one rank for ``params`` parameters over ``dp``
+    data-parallel ranks at ZeRO ``zero_stage`` (0 = plain data parallelism; FSDP with resharding is stage 3)."""
+    return sum(model_state_parts(params, dp, zero_stage, precision))
+
+
+def model_state_parts(params: int, dp: int, zero_stage: int, precision: str = "mixed") -> tuple[float, ...]:
+    """(weights, gradients, optimizer state) bytes of model_state_bytes, in that order."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage} is not one of 0, 1, 2, 3")
+    if dp < 1:
+        raise ValueError(f"dp={dp} must be >= 1")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+    w, g, k = PRECISIONS[precision]
+    # ZeRO's stage s shards the last s of (optimizer state, gradients, weights).
+    return (params * w / (dp if zero_stage >= 3 else 1), params * g / (dp if zero_stage >= 2 else 1),
+            params * k / (dp if zero_stage >= 1 else 1))
+
+
+def layer_params(m: ModelConfig, tp: int) -> tuple[int, int]:
+    """(tp-sharded, replicated) parameter counts of one decoder layer on one tp rank: q, k, v, o and gate, up,
+    down are split by tp (LAYER_PLAN in engine/parallel/tensor.py), with the q/k/v biases where the model has them
+    (model.attention_bias); the two RMSNorm weights are replicated."""
+    h, hd = m.hidden_size, m.head_dim
+    sharded = 2 * h * m.num_heads * hd + 2 * h * m.num_kv_heads * hd + 3 * h * m.intermediate_size
+    if m.attention_bias:
+        sharded += (m.num_heads + 2 * m.num_kv_heads) * hd
+    return sharded // tp, 2 * h
+
+
+def stage_params(cfg: Config, tp: int, pp: int, stage: int) -> dict[str, int]:
+    """Parameters held by one tp rank of pipeline ``stage`` (before dp sharding): {"layers", "root"}, where root is
+    the embedding / final norm / LM head that the stage holds (FSDP's root unit)."""
+    m = cfg.model
+    sharded, replicated = layer_params(m, tp)
+    n_layers = len(stage_layer_ranges(m.num_layers, pp, cfg.parallel.pp_layers or None)[stage])
+    vocab = m.vocab_size * m.hidden_size // tp  # embedding or LM head: vocab rows split by tp
+    root = 0
+    if stage == 0:
+        root += vocab
+    if stage == pp - 1:
+        root += m.hidden_size + (0 if m.tie_embeddings and pp == 1 else vocab)  # tied at pp=1: one tensor
+    return {"layers": n_layers * (sharded + replicated), "root": root, "num_layers": n_layers,
+            "layer": sharded + replicated}
+
+
+@dataclass
+class StageMemory:
+    """Bytes one rank of a pipeline stage holds. ``activations``: the most saved for backward at once (the
+    micro-batches in flight); ``buffers``: short-lived ones in the backward (logits and their gradient on the last
+    stage, a layer's gradients, a recomputed layer); ``step_buffers``: those of the step after the backward, when
+    activations are gone (ddp's flat all-reduce buffer, AdamW's temporaries). ``new_at_peak``: what the forward /
+    backward allocates at its peak (activations, gradients, buffers), from the schedule."""
+    stage: int
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    gathered: float
+    buffers: float
+    step_buffers: float
+    in_flight: int
+    new_at_peak: float
+
+    @property
+    def state(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def backward_peak(self) -> float:
+        return self.weights + self.optimizer + self.new_at_peak
+
+    @property
+    def total(self) -> float:
+        """The step's peak: the forward/backward's or the optimizer step's, whichever is larger."""
+        return max(self.backward_peak, self.state + self.step_buffers)
+
+
+def _in_flight(actions: list) -> tuple[int, int]:
+    """(most micro-batches in flight, most in flight once the first backward has allocated the gradients)."""
+    alive = most = most_after = 0
+    backward_seen = False
+    for a in actions:
+        if a.op is sched.Op.FWD:
+            alive += 1
+        elif a.op is sched.Op.BWD:
+            alive -= 1
+            backward_seen = True
+        most = max(most, alive)
+        if backward_seen:
+            most_after = max(most_after, alive)
+    return most, most_after
+
+
+def _state(cfg: Config, layout: Layout, params: int, micro_batches: int) -> tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes for ``params`` parameters on one rank under the config's dp mode."""
+    p, bf16 = cfg.parallel, cfg.train.dtype == "bf16"
+    if p.dp_mode == "zero":
+        return model_state_parts(params, layout.dp, p.zero_stage, "bf16_fp32_grads" if bf16 else "fp32_master")
+    stage = 3 if p.dp_mode == "fsdp" else 0
+    weights, grads, optimizer = model_state_parts(params, layout.dp, stage, "fp32")
+    if stage == 3 and micro_batches > 1:
+        grads = 4.0 * params  # accumulated unsharded (fp32 reduce dtype) until the last micro-batch's backward
+    return weights, grads, optimizer
+
+
+def reshards_after_forward(cfg: Config, layout: Layout) -> bool:
+    """FSDP's reshard_after_forward as engine.trainer.build_model resolves 'auto'."""
+    return {"true": True, "false": False, "auto": layout.pp == 1}[cfg.parallel.reshard_after_forward]
+
+
+def _step_buffers(cfg: Config, layout: Layout, params: dict, foreach: bool) -> float:
+    """Temporaries after the backward: torch AdamW's (foreach, its CUDA default: a sqrt buffer per parameter
+    group, ~4 bytes per local parameter; the per-tensor loop used on CPU: ~2 of the largest tensor) and ddp's
+    flat gradient buffer for the dp all-reduce (engine.parallel.dp.fsdp.allreduce_gradients)."""
+    p, m = cfg.parallel, cfg.model
+    if p.dp_mode == "zero":
+        return 0.0  # DeepSpeed's own buffers (reduce/all-gather buckets): _zero_buffers
+    shard = layout.dp if p.dp_mode == "fsdp" else 1
+    local = params["layers"] + params["root"]
+    largest = max(m.hidden_size * max(m.intermediate_size, m.num_heads * m.head_dim) // layout.tp,
+                  m.vocab_size * m.hidden_size // layout.tp if params["root"] > m.hidden_size else 0)
+    adam = 4.0 * local / shard if foreach else 8.0 * largest / shard
+    flat = 4.0 * local if p.dp_mode == "ddp" and layout.dp > 1 else 0.0
+    return max(adam, flat)
+
+
+def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True) -> StageMemory:
+    """Planned bytes held by one rank of pipeline ``stage`` at the peak of a training step (layout from
+    ``cfg.parallel`` and ``cfg.train``, checked by engine.parallel.context.resolve_layout). ``foreach``: AdamW's
+    multi-tensor path (torch's default on CUDA; False for CPU runs)."""
+    layout = resolve_layout(cfg, world_size)
+    t, p = cfg.train, cfg.parallel
+    micro_batches = t.global_batch_size // (t.micro_batch_size * layout.dp)
+    params = stage_params(cfg, layout.tp, layout.pp, stage)
+    weights, grads, optimizer = _state(cfg, layout, params["layers"] + params["root"], micro_batches)
+    optimizer += 4 * _param_tensors(cfg, layout, stage)  # AdamW's fp32 `step` counter per parameter tensor
+    most, most_after = _in_flight(sched.build(p.schedule, layout.pp, micro_batches, stage))
+    per_mb = acts.micro_batch_bytes(cfg, layout.tp, layout.pp, stage, params["num_layers"])
+    gathered = 0.0
+    if p.dp_mode == "fsdp" and layout.dp > 1:
+        bytes_ = 2 if t.dtype == "bf16" else 4
+        # The root unit (embedding, norm, head) is never resharded after forward; the blocks are, with
+        # reshard_after_forward: then one is gathered at the peak (the last one as the backward starts; later
+        # FSDP2 prefetches the next while freed activations make room). Without it every block stays gathered.
+        blocks = params["layer"] if reshards_after_forward(cfg, layout) else params["layers"]
+        gathered = bytes_ * (params["root"] + blocks)
+    buffers = acts.transient_bytes(cfg, layout.tp, stage == layout.pp - 1)
+    if p.dp_mode == "zero":
+        gathered, bucket = _zero_buffers(cfg, params)
+        buffers += bucket
+    # Gradients appear in the first backward, when at most `most` micro-batches are alive; afterwards up to
+    # `most_after` are (1F1B: the same once past the warmup, if m is large enough; GPipe: one fewer).
+    new_at_peak = gathered + buffers + max(most * per_mb, grads + most_after * per_mb)
+    return StageMemory(stage, weights, grads, optimizer, most * per_mb, gathered, buffers,
+                       _step_buffers(cfg, layout, params, foreach), most, new_at_peak)
+
+
+def _zero_buffers(cfg: Config, params: dict) -> tuple[float, float]:
+    """DeepSpeed's (gathered weights, gradient bucket) bytes from its settings (engine/parallel/dp/ds_json.py, with
+    parallel.ds_config merged): a reduce bucket of reduce_bucket_size gradients (fp32 here) in stages 2 and 3;
+    under stage 3 the module being run plus the prefetch bucket of weights. Not measured on CPU: DeepSpeed's allocations happen inside its own engine."""
+    stage, local = cfg.parallel.zero_stage, params["layers"] + params["root"]
+    zero = load_base_config(stage, cfg.parallel.ds_config or None).get("zero_optimization", {})
+    bucket = 4.0 * min(local, int(zero.get("reduce_bucket_size", 5e8))) if stage >= 2 else 0.0
+    gathered = 0.0
+    if stage == 3:
+        w = 2 if cfg.train.dtype == "bf16" else 4
+        prefetch = int(zero.get("stage3_prefetch_bucket_size", 5e7))
+        gathered = w * min(local, params["layer"] + params["root"] + prefetch)
+    return gathered, bucket
+
+
+def _param_tensors(cfg: Config, layout: Layout, stage: int) -> int:
+    """Number of parameter tensors on the stage (9 per layer, 12 with q/k/v biases; embedding, final norm, LM
+    head)."""
+    if cfg.parallel.dp_mode == "zero":
+        return 0  # DeepSpeed keeps one step counter per flat group
+    p = stage_params(cfg, layout.tp, layout.pp, stage)
+    root = (stage == 0) + 2 * (stage == layout.pp - 1) - (cfg.model.tie_embeddings and layout.pp == 1)
+    return (12 if cfg.model.attention_bias else 9) * p["num_layers"] + root
+
+
+def plan_memory(cfg: Config, world_size: int, foreach: bool = True) -> list[StageMemory]:
+    """stage_memory of every pipeline stage, stage 0 first."""
+    layout = resolve_layout(cfg, world_size)
+    return [stage_memory(cfg, world_size, s, foreach) for s in range(layout.pp)]
+
+
+def with_layout(cfg: Config, **parallel_and_train) -> Config:
+    """A copy of ``cfg`` with fields of its ``parallel`` and ``train`` sections replaced (names are unique across
+    the two), for planning a layout other than the configured one."""
+    parallel = {k: v for k, v in parallel_and_train.items() if hasattr(cfg.parallel, k)}
+    train = {k: v for k, v in parallel_and_train.items() if k not in parallel}
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel),
+                               train=dataclasses.replace(cfg.train, **train))
