@@ -67,6 +67,12 @@ class ParallelConfig:
     # dp_mode=zero: a DeepSpeed JSON file merged over the built-in defaults (buckets, overlap, ZeRO-3 thresholds;
     # engine/parallel/dp/ds_json.py); '' = the defaults alone
     ds_config: str = ""
+    # dp_mode=ddp (torch DDP): gradient bucket size in MB, and DDP's communication hook: none | bf16 | fp16 (each
+    # bucket cast for the all-reduce) | powersgd (rank-powersgd_rank factors after powersgd_warmup_steps plain steps)
+    bucket_mb: float = 25.0
+    grad_compression: str = "none"
+    powersgd_rank: int = 4
+    powersgd_warmup_steps: int = 10
     reshard_after_forward: str = "auto"  # fsdp: true (ZeRO-3) | false (keep gathered to backward) | auto (pp == 1)
     schedule: str = "1f1b"  # 1f1b | gpipe
     pp_layers: list[int] = field(default_factory=list)  # layers per stage; empty = as even as possible

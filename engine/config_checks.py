@@ -6,13 +6,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.errors import ConfigError
+from engine.parallel.dp import MODES as DP_MODES
 from engine.parallel.dp.ds_json import read_user_config
 
 if TYPE_CHECKING:
     from engine.config import Config
 
 CHOICES = {
-    "parallel.dp_mode": ("ddp", "fsdp", "zero"),
+    "parallel.dp_mode": tuple(DP_MODES),
+    "parallel.grad_compression": ("none", "bf16", "fp16", "powersgd"),
     "parallel.schedule": ("1f1b", "gpipe"),
     "parallel.backend": ("auto", "gloo", "nccl"),
     "parallel.reshard_after_forward": ("auto", "true", "false"),
@@ -85,11 +87,27 @@ def validate(cfg: Config) -> None:
                           f"end / keep all)")
     if not c.resume:
         raise ConfigError("checkpoint.resume is empty; use auto, none or a checkpoint PATH")
-    if cfg.parallel.ds_config:
-        if cfg.parallel.dp_mode != "zero":
-            raise ConfigError(f"parallel.ds_config={cfg.parallel.ds_config!r} is read only with parallel.dp_mode=zero "
-                              f"(got {cfg.parallel.dp_mode}); remove it or set dp_mode=zero")
-        read_user_config(cfg.parallel.ds_config)  # a missing or bad file fails now, before any rank starts
+    _validate_dp(cfg)
+
+
+def _validate_dp(cfg: Config) -> None:
+    """The keys that belong to one dp mode: a key of another mode set away from its default is refused rather than
+    silently ignored."""
+    p = cfg.parallel
+    if p.ds_config:
+        if p.dp_mode != "zero":
+            raise ConfigError(f"parallel.ds_config={p.ds_config!r} is read only with parallel.dp_mode=zero "
+                              f"(got {p.dp_mode}); remove it or set dp_mode=zero")
+        read_user_config(p.ds_config)  # a missing or bad file fails now, before any rank starts
+    if p.grad_compression != "none" and p.dp_mode != "ddp":
+        raise ConfigError(f"parallel.grad_compression={p.grad_compression} is a DDP communication hook and needs "
+                          f"parallel.dp_mode=ddp (got {p.dp_mode}); use grad_compression=none")
+    if p.bucket_mb <= 0:
+        raise ConfigError(f"parallel.bucket_mb={p.bucket_mb} must be > 0 (DDP's gradient bucket size in MB)")
+    if p.powersgd_rank < 1:
+        raise ConfigError(f"parallel.powersgd_rank={p.powersgd_rank} must be >= 1")
+    if p.powersgd_warmup_steps < 2:  # PowerSGD's error feedback and warm start need two plain steps first (torch)
+        raise ConfigError(f"parallel.powersgd_warmup_steps={p.powersgd_warmup_steps} must be >= 2")
 
 
 def _validate_families(cfg: Config) -> None:

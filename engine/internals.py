@@ -2,7 +2,7 @@
 
 Sharded checkpoints (engine/checkpoint/state.py) locate DeepSpeed's fp32 master partitions and Adam moments through its
 ZeRO optimizer's internals (``single_partition_of_fp32_groups``, ``param._hp_mapping``, ``ds_tensor``, ...);
-ZeroEngine.all_reduce_grad reads the gradient attribute DeepSpeed accumulates into; memory accounting
+ZeRO.all_reduce_grad reads the gradient attribute DeepSpeed accumulates into; memory accounting
 (engine/metrics/memory.py) reads FSDP2's per-parameter records (``module._get_fsdp_state()._fsdp_param_groups``). None of
 these is public API. They were read from the releases in ``TESTED``; a release that renames one fails through
 ``private`` with one line naming the attribute, the installed version and the tested one (a ConfigError: the

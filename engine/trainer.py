@@ -1,13 +1,14 @@
 """The training loop: build the parallel model, split each global batch into micro-batches, step the optimizer.
 
-Order of construction (DESIGN.md "How data flows"): meta-device model -> keep this pipeline stage's layers ->
-tensor parallel -> materialise and initialise on the device (identical weights at every layout) -> optimizer. One optimizer step consumes one
+Order of construction (docs/architecture.md): meta-device model -> keep this pipeline stage's layers -> tensor
+parallel -> materialise and initialise on the device (identical weights at every layout) -> activation
+checkpointing -> data parallel (parallel.dp_mode: DDP, FSDP2 or DeepSpeed ZeRO, which also builds the optimizer;
+engine/parallel/dp/). The trainer never asks which dp mode it runs. One optimizer step consumes one
 global batch of ``global_batch_size`` sequences: each dp rank takes ``global_batch_size / dp`` of them and runs
 them as ``micro_batches`` forward/backward passes of ``micro_batch_size`` (gradient accumulation, as Megatron).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from pathlib import Path
@@ -16,23 +17,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.data import dataset as data_lib
-from engine.model import transformer as model_lib
 from engine.checkpoint.checkpointer import Checkpointer
 from engine.config import Config, ConfigError
-from engine.model.docmask import document_layout
+from engine.data import dataset as data_lib
 from engine.data.feed import BatchFeed
-from engine.model.hf_init import adopt_shape, load_weights
-from engine.model.init import materialize
 from engine.metrics.logger import MetricsLogger
-from engine.optim import build_optimizer, clip_gradients, lr_at, set_lr
-from engine.parallel.context import ParallelContext, resolve_layout
-from engine.parallel.dp.fsdp import allreduce_gradients, apply_fsdp
-from engine.parallel.pipeline import PipelineExecutor, backward_from, split_stage
-from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
-from engine.parallel.dp.zero import ZeroEngine
 from engine.metrics.stepstats import StepStats
 from engine.metrics.tensorboard import build_sinks
+from engine.model import transformer as model_lib
+from engine.model.docmask import document_layout
+from engine.model.hf_init import adopt_shape, load_weights
+from engine.model.init import materialize
+from engine.optim import lr_at
+from engine.parallel import dp as dp_lib
+from engine.parallel import tied
+from engine.parallel.context import ParallelContext, resolve_layout
+from engine.parallel.pipeline import PipelineExecutor, split_stage
+from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 
 
 class TrainingAborted(RuntimeError):
@@ -40,17 +41,12 @@ class TrainingAborted(RuntimeError):
 
 
 def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
-    """The local part of the model on ctx.device, initialised identically at every layout."""
+    """The local part of the model on ctx.device, initialised identically at every layout (before dp)."""
     model = model_lib.build(cfg.model, device="meta")
     split_stage(model, ctx.pp, ctx.pp_rank, cfg.parallel.pp_layers or None)
     apply_tensor_parallel(model, ctx.tp_group)
     materialize(model, ctx.device, cfg.train.seed, cfg.model.init_std)
     model.model.activation_checkpointing = cfg.train.activation_checkpointing
-    if cfg.parallel.dp_mode == "fsdp":
-        # Under pp > 1 each weight would be gathered once per micro-batch forward and again per backward;
-        # keeping it gathered from forward to backward is the better default there (DESIGN.md).
-        reshard = {"true": True, "false": False, "auto": ctx.pp == 1}[cfg.parallel.reshard_after_forward]
-        apply_fsdp(model, ctx.mesh["dp"], reshard, cfg.train.dtype == "bf16")
     return model
 
 
@@ -64,14 +60,8 @@ class Trainer:
         t = cfg.train
         self.micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.dp)
         torch.manual_seed(t.seed)
-        self.model = build_model(cfg, ctx)
-        self.zero = None
-        if cfg.parallel.dp_mode == "zero":
-            # DeepSpeed owns the optimizer step: never call self.optimizer.step() directly (train_step).
-            self.zero = ZeroEngine(self.model, cfg, ctx)
-            self.model, self.optimizer = self.zero.module, self.zero.optimizer
-        else:
-            self.optimizer = build_optimizer(self.model, t)
+        self.dp = dp_lib.build(build_model(cfg, ctx), cfg, ctx)  # gradient sync, the update, the rank's state
+        self.model = self.dp.module  # the stage itself (names and parameters as a checkpoint sees them)
         self.tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer)
         if len(self.tokenizer) > cfg.model.vocab_size:
             raise ConfigError(f"the tokenizer has {len(self.tokenizer)} tokens but model.vocab_size="
@@ -81,12 +71,14 @@ class Trainer:
             print(self.feed.describe(), flush=True)
         # Under ZeRO with bf16 the weights themselves are bf16 (DeepSpeed keeps the fp32 master copy).
         shape, dtype = (t.micro_batch_size, t.seq_len, cfg.model.hidden_size), next(self.model.parameters()).dtype
-        self.executor = PipelineExecutor(ctx, cfg.parallel.schedule, self.micro_batches, shape, dtype,
-                                         free_outputs=self.zero is None)
+        self.executor = PipelineExecutor(ctx, cfg.parallel.schedule, self.micro_batches, shape, dtype)
         self.eval_executor = PipelineExecutor(ctx, cfg.parallel.schedule, self.micro_batches, shape, dtype,
                                               forward_only=True)
         self.step = 0
         self.stats = StepStats(cfg, ctx)  # throughput, MFU, memory, time per phase (metrics.jsonl)
+        # Callables observe(event) at "backward" (before each micro-batch's backward) and "update" (after the last
+        # backward, before the update): measurements hook in here (launch/bench/measure.py).
+        self.observers: list = []
         self.bad_steps = self.skipped_steps = 0  # consecutive and total steps skipped for a NaN/inf loss
         self.metrics = MetricsLogger(t.out_dir, enabled=ctx.rank == 0, progress=cfg.log.progress,
                                      total_steps=t.steps, sinks=build_sinks(cfg, create=ctx.rank == 0))
@@ -96,10 +88,9 @@ class Trainer:
             load_weights(self, Path(cfg.model.init_from).expanduser())
         self.metrics.rewind(self.step)  # a resume rolls back the steps logged after its checkpoint
 
-    def autocast(self):
-        if self.cfg.train.dtype == "bf16":
-            return torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.dp.optimizer
 
     def run_schedule(self, executor: PipelineExecutor, local_batch: torch.Tensor | None, **kwargs) -> torch.Tensor:
         """Run ``executor`` on this rank's share of a global batch (None on middle stages unless
@@ -115,17 +106,11 @@ class Trainer:
             eos = self.tokenizer.eos_token_id
             extra = [dict(zip(("position_ids", "doc_ids"), document_layout(x, eos))) for x in inputs]
 
-        def forward(x: torch.Tensor, **kwargs) -> torch.Tensor:
-            if self.zero is not None:  # DeepSpeed's forward registers the hooks its backward needs
-                return self.zero(x, **kwargs)
-            with self.autocast():
-                return self.model(x, **kwargs)  # (mbs, s, V/tp) on the last stage, (mbs, s, h) elsewhere
-
         def loss_fn(logits: torch.Tensor, mb: int) -> torch.Tensor:
             return vocab_parallel_cross_entropy(logits, labels[mb], ctx.tp_group) / self.micro_batches
 
         timer = self.stats.timer  # the loss counts as forward time
-        loss = executor.run(timer.wrap("forward", forward), timer.wrap("forward", loss_fn), inputs,
+        loss = executor.run(timer.wrap("forward", self.dp.forward), timer.wrap("forward", loss_fn), inputs,
                             extra_inputs=extra, **kwargs)
         if ctx.pp > 1:
             dist.all_reduce(loss, group=ctx.pp_group)  # only the last stage's term is non-zero
@@ -133,7 +118,7 @@ class Trainer:
 
     def forward_backward(self, local_batch: torch.Tensor | None) -> torch.Tensor:
         """Accumulate the gradient of this rank's share of the global batch; returns its mean loss."""
-        backward = self.stats.timer.wrap("backward", self.zero.backward if self.zero is not None else backward_from)
+        backward = self.stats.timer.wrap("backward", self.dp.backward)
         loss = self.run_schedule(self.executor, local_batch, before_backward=self.before_backward,
                                  backward=backward)
         self.sync_tied_embedding()
@@ -142,10 +127,10 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float | None:
         """Mean loss over train.eval_batches global batches of the held-out split (None if it is empty)."""
-        self.model.eval()
+        self.dp.train(False)
         batches = self.feed.valid_batches(self.cfg.train.eval_batches)
         losses = [self.run_schedule(self.eval_executor, batch) for batch in batches]
-        self.model.train()
+        self.dp.train(True)
         self.stats.timer.pop()  # evaluation is not part of the next step's breakdown
         if not losses:
             return None
@@ -156,33 +141,20 @@ class Trainer:
         return loss.item()
 
     def before_backward(self, mb: int, is_last: bool) -> None:
-        """FSDP reduce-scatters gradients only in the last backward of the step (they accumulate unsharded
-        before it), as DDP's no_sync does; ddp mode all-reduces after the schedule instead."""
-        if self.cfg.parallel.dp_mode == "fsdp":
-            self.model.set_requires_gradient_sync(is_last)
-        elif self.zero is not None:
-            self.zero.set_sync(is_last)
+        """Before each micro-batch's backward: the dp mode reduces gradients only in the step's last one."""
+        self.observe("backward")
+        self.dp.before_backward(is_last)
 
-    def tied_copy(self) -> tuple:
-        """The last stage's copy of a tied embedding when embedding and LM head live on different stages."""
-        if self.cfg.model.tie_embeddings and self.ctx.pp > 1 and self.ctx.is_last_stage:
-            return (self.model.lm_head.weight,)
-        return ()
+    def observe(self, event: str) -> None:
+        for observer in self.observers:
+            observer(event)
 
     def sync_tied_embedding(self) -> None:
-        """Sum the gradients of the two copies of a tied embedding (first and last stage), so both copies take
-        the same optimizer step and stay equal."""
-        ctx = self.ctx
-        if not (self.cfg.model.tie_embeddings and ctx.pp > 1) or not (ctx.is_first_stage or ctx.is_last_stage):
-            return
-        weight = self.model.model.embed_tokens.weight if ctx.is_first_stage else self.model.lm_head.weight
-        if self.zero is not None:  # ZeRO-1 still holds the whole gradient in its own attribute
-            self.zero.all_reduce_grad(weight, ctx.embed_group)
-            return
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        grad = weight.grad.to_local() if hasattr(weight.grad, "to_local") else weight.grad  # FSDP: own dp shard
-        dist.all_reduce(grad, group=ctx.embed_group)
+        """Sum the gradients of the two copies of a tied embedding (first and last stage; engine/parallel/tied.py),
+        so both copies take the same optimizer step and stay equal."""
+        weight = tied.stage_copy(self.model, self.cfg, self.ctx)
+        if weight is not None:
+            self.dp.all_reduce_grad(weight, self.ctx.embed_group)
 
     def train_step(self, local_batch: torch.Tensor) -> dict:
         """One optimizer step on one global batch; returns the step's metrics (loss is the global-batch mean)."""
@@ -196,7 +168,7 @@ class Trainer:
         # identically), so every rank takes the same decision.
         loss_value = loss.item()
         lr = lr_at(self.step, t)
-        self.stats.before_update(self)
+        self.stats.before_update(self.dp.bytes_held)
         if not math.isfinite(loss_value):
             grad_norm = self.skip_update("loss")
         else:
@@ -228,37 +200,19 @@ class Trainer:
                                   f"train.warmup_steps or resume from an earlier checkpoint")
 
     def skip_update(self, what: str) -> float:
-        """Drop this step's gradients without updating (a NaN/inf loss). DeepSpeed is still stepped, at lr 0:
-        its step() is what clears its gradient partitions, and it skips the update itself when the gradient
-        norm is not finite (as it is after a NaN loss)."""
+        """Drop this step's gradients without updating (a NaN/inf loss)."""
         self.count_bad_step(what)
-        if self.zero is not None:
-            self.zero.step(0.0)
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
+        self.dp.skip()
         return float("nan")
 
     def optimizer_step(self, lr: float) -> float:
-        """Sync gradients over dp, clip by the global norm, update; returns the norm before clipping. ddp and fsdp:
-        our all-reduce (ddp; FSDP reduce-scattered in backward), clip_gradients and AdamW; zero: DeepSpeed's step.
-        A NaN/inf norm (the same on every rank: it is reduced over dp, tp and pp) drops the gradients unapplied;
-        DeepSpeed makes the same check itself (``is_invalid_grad_norm`` in its ZeRO step)."""
-        timer = self.stats.timer
-        if self.zero is not None:
-            with timer.phase("optimizer"):
-                return self.zero.step(lr)  # DeepSpeed reduces over dp, clips to train.grad_clip and updates
-        ctx, fsdp = self.ctx, self.cfg.parallel.dp_mode == "fsdp"
-        if not fsdp:
-            with timer.phase("dp_comm"):  # once per global batch, after the last micro-batch
-                allreduce_gradients(self.model, ctx.dp_group)
-        with timer.phase("optimizer"):
-            grad_norm = clip_gradients(self.model, self.cfg.train.grad_clip, ctx.tp_rank, ctx.mp_group,
-                                       self.tied_copy(), dp_group=ctx.dp_group if fsdp else None)
-            if math.isfinite(grad_norm):
-                set_lr(self.optimizer, lr)
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        """Finish the dp reduction, clip by the global norm, update; returns the norm before clipping. A NaN/inf
+        norm (the same on every rank: it is reduced over dp, tp and pp) drops the gradients unapplied."""
+        self.observe("update")
+        with self.stats.timer.phase("dp_comm"):  # what of the dp reduction did not overlap with backward
+            self.dp.reduce_gradients()
+        with self.stats.timer.phase("optimizer"):
+            return self.dp.step(lr)
 
     def next_local_batch(self) -> torch.Tensor | None:
         """This dp rank's (B/dp, s+1) slice of the next global batch (None on a middle pipeline stage)."""
@@ -267,7 +221,7 @@ class Trainer:
     def fit(self) -> list[dict]:
         """Train until cfg.train.steps; returns the metrics of every step (all ranks)."""
         history = []
-        self.model.train()
+        self.dp.train(True)
         self.checkpointer.start()  # SIGTERM/SIGINT from here on: save after the current step and return
         while self.step < self.cfg.train.steps:
             with self.stats.timer.phase("data"):

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from engine.config import ConfigError
-from engine.checkpoint.state import Zero12State
+from engine.parallel.dp.zero_state import Zero12State
 from engine.internals import TESTED, UnsupportedVersion, installed_version, private
 from engine.metrics.memory import fsdp_params
 

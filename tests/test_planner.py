@@ -10,7 +10,8 @@ import torch
 from engine.planning import activations as acts
 from engine.model import transformer as model_lib
 from engine.config import load
-from engine.metrics.memory import SavedActivations, measure_rank
+from engine.metrics.memory import SavedActivations
+from launch.bench.measure import measure_rank
 from engine.parallel.pipeline import split_stage
 from engine.parallel.tensor import vocab_parallel_cross_entropy
 from engine.planning.planner import model_state_bytes, stage_memory, stage_params, with_layout
@@ -65,7 +66,7 @@ def test_micro_batch_ledger_matches_saved_tensors(dtype, dp_mode):
 
 
 # ---- planned against measured per-rank memory of whole training steps (forked gloo ranks) ------------------------
-# Measured by engine.metrics.memory.measure_step on the second step of a Trainer: parameters, gradients and optimizer state
+# Measured by launch/bench/measure.py's measure_step on the third step of a Trainer: parameters, gradients and optimizer state
 # held (exact formulas: 1 %), the peak of bytes saved for backward (10 %, the bound), and the step's peak
 # of all tensors (10 %). The 50m rows shrink configs/50m.yaml (h 512, ffn 1536, vocab 16384) to 2 layers and
 # 32 tokens so that a step takes seconds on a shared CPU. Seven layouts run in CI; the slow-marked four add dp

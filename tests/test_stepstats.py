@@ -5,7 +5,6 @@ import pytest
 
 from engine.config import load
 from engine.planning.flops import flops_per_token
-from engine.metrics.memory import trainer_bytes_held
 from engine.parallel.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks
@@ -20,7 +19,7 @@ def two_steps(argv: list[str]) -> dict:
     trainer = Trainer(cfg, ParallelContext.from_config(cfg))
     history = trainer.fit()
     trainer.forward_backward(trainer.next_local_batch())  # grads held again, as right before an update
-    return {"history": history, "held": sum(trainer_bytes_held(trainer).values())}
+    return {"history": history, "held": sum(trainer.dp.bytes_held().values())}
 
 
 @pytest.mark.parametrize("extra", [[], ["--parallel.pp", "2"]], ids=["pp1", "pp2"])

@@ -5,8 +5,8 @@ embeddings and activation checkpointing; DeepSpeed-managed accumulation; the der
 refusals. fp32 losses and grad norms within rel 1e-5, final parameters within 5e-5 of their update.
 
 Both runs are engine.trainer.Trainer; with dp_mode zero its ddp pieces (dp all-reduce, our clipping, torch
-AdamW.step) are replaced by ZeroEngine: forward through the DeepSpeed engine, backward through
-``ZeroEngine.backward`` (the pipeline executor's backward hook), one ``ZeroEngine.step(lr)`` per global batch.
+AdamW.step) are replaced by the ZeRO DataParallel: forward through the DeepSpeed engine, backward through
+``ZeRO.backward`` (the pipeline executor's backward hook), one ``ZeRO.step(lr)`` per global batch.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from engine.config import ConfigError, load  # noqa: E402
 from engine.optim import lr_at  # noqa: E402
 from engine.parallel.dp import zero as zero_lib  # noqa: E402
 from engine.parallel.context import ParallelContext  # noqa: E402
-from engine.parallel.dp.zero import check_zero_supported, ds_config  # noqa: E402
+from engine.parallel.dp.zero import ds_config  # noqa: E402
+from engine.parallel.support import check_zero_supported  # noqa: E402
 from engine.trainer import Trainer  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 
@@ -61,16 +62,16 @@ def zero_train(argv: list[str], extra: dict) -> dict:
     cfg = load(argv)
     trainer = Trainer(cfg, ParallelContext.from_config(cfg))
     history = trainer.fit()
-    zero = trainer.zero
+    zero = trainer.dp
     modules = dict(zero.module.named_modules())
     layout = {}
-    for name in dict(zero.named_parameters()):
+    for name in dict(zero.module.named_parameters()):
         mod_name, _, attr = name.rpartition(".")
         mod = modules[mod_name]
         layout[name] = (mod.tp_dims.get(attr), mod.tp_rank, mod.tp_size) if hasattr(mod, "tp_dims") else None
     return {"loss": [r["loss"] for r in history], "grad_norm": [r["grad_norm"] for r in history],
             "params": zero.full_parameters(), "layout": layout,
-            "lr": zero.engine.optimizer.param_groups[0]["lr"], "dtype": next(zero.parameters()).dtype,
+            "lr": zero.engine.optimizer.param_groups[0]["lr"], "dtype": next(zero.module.parameters()).dtype,
             "managed": zero.managed}
 
 
@@ -152,8 +153,8 @@ def test_zero3_with_activation_checkpointing(ref):
     check_against(ref, zero_run(2, 3, "--train.activation_checkpointing", "true"))
 
 
-def test_deepspeed_managed_accumulation_with_set_sync(ref):
-    # DeepSpeed's own micro-step counting (older releases, or a json asking for it): set_sync marks the boundary.
+def test_deepspeed_managed_accumulation_with_before_backward(ref):
+    # DeepSpeed's own micro-step counting (older releases, or a json asking for it): before_backward marks the boundary.
     results = zero_run(2, 1, ds={"managed_gradient_accumulation": True})
     assert all(r["managed"] for r in results), "DeepSpeed did not run in managed accumulation mode"
     check_against(ref, results)

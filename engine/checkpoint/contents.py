@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from engine.checkpoint.format import INDEX, MODEL_SHAPE_KEYS, CheckpointError, Reader, piece_key, shard_name
-from engine.checkpoint.state import slots, state_for
+from engine.checkpoint.state import slots
 from engine.config import ModelConfig
 
 
@@ -46,7 +46,7 @@ def _set_rng_state(path: Path, meta: dict, device: torch.device) -> None:
 
 def snapshot(trainer) -> tuple[dict, dict, int | None]:
     """CPU copies of the pieces this rank writes, their index entries, and Adam's step count."""
-    access = state_for(trainer)
+    access = trainer.dp.checkpoint_state()
     tensors, params = {}, {}
     for slot in slots(trainer.model, access, trainer.ctx, trainer.cfg.model.tie_embeddings):
         if slot.write is None:
@@ -78,7 +78,7 @@ def contents(trainer) -> tuple[dict, dict, dict]:
 def load_into(trainer, path: Path, index: dict) -> None:
     """Overwrite the trainer's weights, Adam state, step, data position and (same layout) RNG from ``path``."""
     ctx, cfg = trainer.ctx, trainer.cfg
-    reader, access = Reader(path, index), state_for(trainer)
+    reader, access = Reader(path, index), trainer.dp.checkpoint_state()
     local = slots(trainer.model, access, ctx, cfg.model.tie_embeddings)
     names = [] if index.get("model_only") else [s for s in reader.states(local[0].name) if s != "param"]
     if names:

@@ -8,8 +8,8 @@ There is no allocator to ask on CPU, so memory is counted as tensor storages (ea
 - ``LiveTensorBytes``: a ``TorchDispatchMode`` that counts every storage an op allocates until it is freed (as
   torch.distributed._tools.mem_tracker does, without its allocator rounding): the step's peak of new memory, which
   also sees what activation checkpointing keeps (its own saved-tensor hooks hide it from ``SavedActivations``).
-``measure_step(trainer, local_batch)`` runs one forward/backward of a Trainer under all three; engine/planning/planner.py
-is checked against it (tests/test_planner.py, launch/bench/tp.py).
+launch/bench/measure.py runs a Trainer's step under all three; engine/planning/planner.py is checked against it
+(tests/test_planner.py, launch/bench/tp.py).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _storages(t: torch.Tensor) -> list:
     return [t.untyped_storage()]
 
 
-def _storage_bytes(tensors, seen: set[int]) -> int:
+def storage_bytes(tensors, seen: set[int]) -> int:
     """Bytes of the distinct storages of ``tensors`` not already in ``seen``."""
     total = 0
     for t in tensors:
@@ -62,7 +62,7 @@ def fsdp_params(model: nn.Module) -> list:
 def gathered_weight_bytes(records: list) -> int:
     """Bytes of FSDP2's all-gathered weights allocated right now, given ``fsdp_params(model)`` (a freed one has a
     storage of size 0)."""
-    return _storage_bytes([t for fp in records for t in private(fp, "torch", "all_gather_outputs")], set())
+    return storage_bytes([t for fp in records for t in private(fp, "torch", "all_gather_outputs")], set())
 
 
 def tensor_bytes_held(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
@@ -70,56 +70,15 @@ def tensor_bytes_held(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     FSDP: local shards plus unsharded gradients accumulated under no-sync)."""
     seen: set[int] = set()
     params = list(model.parameters())
-    out = {"params": _storage_bytes(params, seen)}
+    out = {"params": storage_bytes(params, seen)}
     # _unsharded_param appears at FSDP2's first all-gather, so its absence before that is no version change.
     unsharded = [g for fp in fsdp_params(model) for g in (private(fp, "torch", "unsharded_accumulated_grad"),
                  getattr(getattr(fp, "_unsharded_param", None), "grad", None))]
-    out["grads"] = _storage_bytes([p.grad for p in params] + unsharded, seen)
+    out["grads"] = storage_bytes([p.grad for p in params] + unsharded, seen)
     state = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()
                                           if isinstance(v, torch.Tensor)]
-    out["optimizer"] = _storage_bytes(state, seen)
+    out["optimizer"] = storage_bytes(state, seen)
     return out
-
-
-def _tensors(obj, depth: int = 0):
-    """Tensors in obj, a tensor or (nested, up to 2 levels) list/tuple/dict of them."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth < 2 and isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _tensors(x, depth + 1)
-    elif depth < 2 and isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors(x, depth + 1)
-
-
-def zero_bytes_held(zero) -> dict[str, int]:
-    """``tensor_bytes_held`` for a DeepSpeed ZeroEngine: parameters (ZeRO-3: the local partition ``ds_tensor``),
-    gradients (on the parameters, or DeepSpeed's reduced partitions), optimizer state (Adam moments and the fp32
-    master partitions DeepSpeed gives the base optimizer as its parameters) and ``other`` DeepSpeed buffers
-    (reduction buckets). Reads DeepSpeed 0.19 attribute names; one that moves is counted as ``other``."""
-    seen: set[int] = set()
-    params = list(zero.module.parameters())
-    out = {"params": _storage_bytes([getattr(p, "ds_tensor", p) for p in params], seen)}
-    ds = zero.optimizer
-    grads = [p.grad for p in params] + [getattr(p, "grad_accum", None) for p in params]
-    for attr in ("averaged_gradients", "all_grad_tensors", "grads_in_partition", "grad_partitions_flat_buffer"):
-        grads += list(_tensors(getattr(ds, attr, None)))
-    out["grads"] = _storage_bytes(grads, seen)
-    base = ds.optimizer
-    state = [t for st in base.state.values() for t in _tensors(st) if t.dim() > 0]
-    masters = [t for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
-               for t in _tensors(getattr(ds, attr, None))]  # ZeRO-1/2 and ZeRO-3 names of the fp32 master copy
-    out["optimizer"] = _storage_bytes(state + [p for g in base.param_groups for p in g["params"]] + masters, seen)
-    out["other"] = _storage_bytes([t for v in vars(ds).values() for t in _tensors(v)], seen)
-    return out
-
-
-def trainer_bytes_held(trainer) -> dict[str, int]:
-    """This rank's model-state bytes, whatever its dp_mode (params, grads, optimizer[, other])."""
-    if trainer.zero is not None:
-        return zero_bytes_held(trainer.zero)
-    return tensor_bytes_held(trainer.model, trainer.optimizer)
 
 
 class SavedActivations:
@@ -210,63 +169,3 @@ class LiveTensorBytes(TorchDispatchMode):
     def _release(self, key: int, nbytes: int) -> None:
         self._tracked.discard(key)
         self.live -= nbytes
-
-
-def measure_step(trainer, local_batch: torch.Tensor | None) -> dict[str, int]:
-    """One ``trainer.train_step(local_batch)`` (an engine.trainer.Trainer whose optimizer state an earlier step has
-    created), measured. Returns bytes: params, grads (the most held before any backward or before the optimizer
-    step: FSDP holds them unsharded until the last micro-batch), optimizer, activations (peak saved for backward),
-    gathered (peak FSDP all-gathered weights), before (held at the start), peak (before + the peak of storages
-    allocated during the step: activations, gradients, communication and optimizer temporaries) and
-    backward_peak (the same until the optimizer step begins)."""
-    model = trainer.model
-    held = tensor_bytes_held(model, trainer.optimizer)
-    records = fsdp_params(model)
-    grads, gathered = [held["grads"]], [gathered_weight_bytes(records)]
-
-    backward_peak = [0]
-
-    def sample() -> None:
-        grads.append(tensor_bytes_held(model)["grads"])
-        gathered.append(gathered_weight_bytes(records))
-        backward_peak[0] = live.peak  # before the optimizer step: the forward/backward's peak so far
-
-    def wrap(name: str):
-        original = getattr(trainer, name)
-
-        def wrapped(*args, **kwargs):
-            sample()
-            return original(*args, **kwargs)
-        setattr(trainer, name, wrapped)  # an instance attribute shadows the method until deleted
-
-    live = LiveTensorBytes(extra=(lambda: gathered_weight_bytes(records)) if records else None)
-    saved = SavedActivations(model, on_event=lambda: records and gathered.append(gathered_weight_bytes(records)))
-    names = [n for n in ("before_backward", "optimizer_step") if hasattr(trainer, n)]
-    for name in names:
-        wrap(name)
-    try:
-        with live, saved.hooks():
-            trainer.train_step(local_batch)
-    finally:
-        for name in names:
-            delattr(trainer, name)
-    before = sum(held.values())
-    return {"params": held["params"], "grads": max(grads), "optimizer": held["optimizer"],
-            "activations": saved.peak, "gathered": max(gathered), "before": before,
-            "backward_peak": before + backward_peak[0], "peak": before + live.peak}
-
-
-def measure_rank(argv: list[str]) -> dict:
-    """Rank function (engine.cluster.spawn.run_ranks): build the Trainer of ``argv`` as launch/pretrain.py does,
-    run one step (so AdamW's state exists), then measure_step on the next batch. Returns the measurement with the
-    rank's pp stage, tp rank and world size."""
-    from engine.config import load
-    from engine.parallel.context import ParallelContext
-    from engine.trainer import Trainer
-
-    cfg = load(argv)
-    ctx = ParallelContext.from_config(cfg)
-    trainer = Trainer(cfg, ctx)
-    trainer.train_step(trainer.next_local_batch())
-    measured = measure_step(trainer, trainer.next_local_batch())
-    return {**measured, "stage": ctx.pp_rank, "tp_rank": ctx.tp_rank, "world_size": ctx.world_size}

@@ -8,7 +8,8 @@
   on CPU, which has no allocator to ask, the bytes of tensors the rank holds for weights, gradients and optimizer
   state at the update (engine/metrics/memory.py), activations not included. ``mem_source`` says which.
 - ``time``: seconds per phase of the step (engine/metrics/timers.py): data, forward, backward, pp_wait (blocked on
-  pipeline receives), dp_comm (ddp's gradient all-reduce), optimizer (clip + update; DeepSpeed's step() with its
+  pipeline receives), dp_comm (the part of the dp gradient reduction that did not overlap with backward: none
+  under DDP, whose bucketed all-reduce runs inside the last backward), optimizer (clip + update; DeepSpeed's step() with its
   reductions under zero). FSDP's and ZeRO-2/3's collectives run inside forward and backward.
 """
 from __future__ import annotations
@@ -17,7 +18,6 @@ import torch
 
 from engine.config import Config
 from engine.planning.flops import device_peak_tflops, flops_per_token
-from engine.metrics.memory import trainer_bytes_held
 from engine.metrics.timers import PhaseTimer
 
 
@@ -32,10 +32,11 @@ class StepStats:
         self.cuda = ctx.device.type == "cuda"
         self.state_bytes = 0
 
-    def before_update(self, trainer) -> None:
-        """Called between the last backward and the update, when gradients and optimizer state are both held."""
+    def before_update(self, bytes_held) -> None:
+        """Called between the last backward and the update, when gradients and optimizer state are both held;
+        ``bytes_held()`` counts them (the dp mode's DataParallel.bytes_held), on CPU only."""
         if not self.cuda:
-            self.state_bytes = sum(trainer_bytes_held(trainer).values())
+            self.state_bytes = sum(bytes_held().values())
 
     def finish(self, record: dict, pp_wait_s: float) -> dict:
         self.timer.add("pp_wait", pp_wait_s)

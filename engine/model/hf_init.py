@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from engine.checkpoint.format import CheckpointError
-from engine.checkpoint.state import slots, state_for
+from engine.checkpoint.state import slots
 from engine.config import Config, ConfigError, validate
 from engine.model.families import model_config
 from engine.model.hf import TOKENIZER_FILES, hf_tensors
@@ -59,7 +59,7 @@ def _block(f, name: str, dim: int | None, size: int, rank: int) -> torch.Tensor:
 def load_weights(trainer, folder: Path) -> None:
     """Overwrite every local parameter of ``trainer`` with the folder's weights (fp32 masters in every dp mode)."""
     ctx = trainer.ctx
-    where, access = hf_tensors(folder), state_for(trainer)
+    where, access = hf_tensors(folder), trainer.dp.checkpoint_state()
     for slot in slots(trainer.model, access, ctx, trainer.cfg.model.tie_embeddings):
         if slot.name not in where:
             raise CheckpointError(f"{folder}: the weights have no tensor '{slot.name}'")

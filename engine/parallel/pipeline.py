@@ -70,11 +70,8 @@ class PipelineExecutor:
     turns the last stage's output into that micro-batch's (already averaged) loss."""
 
     def __init__(self, ctx, schedule: str, micro_batches: int, act_shape: tuple[int, ...], act_dtype: torch.dtype,
-                 forward_only: bool = False, free_outputs: bool = True):
+                 forward_only: bool = False):
         self.ctx, self.micro_batches = ctx, micro_batches
-        # Free a sent output's storage (Megatron's deallocate_output_tensor). A backward that must read the
-        # output (ZeroEngine.backward forms (out * grad).sum()) needs it kept: free_outputs=False.
-        self.free_outputs = free_outputs
         if forward_only:  # evaluation: run() must then be called under torch.no_grad()
             self.actions = sched.forward_only(ctx.pp, micro_batches, ctx.pp_rank)
         else:
@@ -123,7 +120,8 @@ class PipelineExecutor:
         still = []
         for work, a, t in state["pending"]:
             if a.op == Op.SEND_FWD and work.is_completed():
-                if self.free_outputs and a.mb in state["outputs"]:  # not yet backwarded: keep only its graph
+                # Free a sent output's storage (Megatron's deallocate_output_tensor): only its graph is needed
+                if a.mb in state["outputs"]:  # for the backward, which starts from the received gradient
                     _free_storage(state["outputs"][a.mb])
             elif a.op == Op.SEND_FWD or not work.is_completed():
                 still.append((work, a, t))
@@ -136,7 +134,7 @@ class PipelineExecutor:
         position and document ids), or None.
         ``before_backward(mb, is_last)`` is called before each backward (data parallelism syncs gradients only
         in the last one). ``backward(output, grad)`` replaces the plain autograd backward of a micro-batch
-        (grad is None on the last stage, where output is the loss): DeepSpeed's engine.backward under ZeRO.
+        (grad is None on the last stage, where output is the loss): the dp mode's (DataParallel.backward).
         Returns the sum of the micro-batch losses on the last stage (a zero elsewhere), detached."""
         ctx = self.ctx
         state = {"inputs": {}, "outputs": {}, "grads": {}, "pending": []}

@@ -88,8 +88,6 @@ def micro_batch_bytes(cfg: Config, tp: int, pp: int, stage: int, num_layers: int
         per_token += head_bytes_per_token(cfg, tp)
     if stage > 0 and mode(cfg) == "bf16":
         per_token += h * res  # the received input: the first norm saves an fp32 copy, not the buffer itself
-    if not last and cfg.parallel.dp_mode == "zero":
-        per_token += h * res  # ZeroEngine's backward reads the sent output, so the executor keeps it
     rope = 2 * t.seq_len * cfg.model.head_dim * res  # cos and sin tables, built once per forward
     copies = 0.0 if t.activation_checkpointing else weight_copy_bytes(cfg, tp, num_layers, last)
     return tokens * per_token + rope + copies

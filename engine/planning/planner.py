@@ -27,6 +27,7 @@ from engine.planning import activations as acts
 from engine.config import Config, ModelConfig
 from engine.parallel import schedule as sched
 from engine.parallel.context import Layout, resolve_layout
+from engine.parallel.support import reshard_after_forward
 from engine.parallel.dp.ds_json import load_base_config
 from engine.parallel.pipeline import stage_layer_ranges
 
@@ -88,7 +89,7 @@ class StageMemory:
     """Bytes one rank of a pipeline stage holds. ``activations``: the most saved for backward at once (the
     micro-batches in flight); ``buffers``: short-lived ones in the backward (logits and their gradient on the last
     stage, a layer's gradients, a recomputed layer); ``step_buffers``: those of the step after the backward, when
-    activations are gone (ddp's flat all-reduce buffer, AdamW's temporaries). ``new_at_peak``: what the forward /
+    activations are gone (AdamW's temporaries). ``new_at_peak``: what the forward /
     backward allocates at its peak (activations, gradients, buffers), from the schedule."""
     stage: int
     weights: float
@@ -143,15 +144,10 @@ def _state(cfg: Config, layout: Layout, params: int, micro_batches: int) -> tupl
     return weights, grads, optimizer
 
 
-def reshards_after_forward(cfg: Config, layout: Layout) -> bool:
-    """FSDP's reshard_after_forward as engine.trainer.build_model resolves 'auto'."""
-    return {"true": True, "false": False, "auto": layout.pp == 1}[cfg.parallel.reshard_after_forward]
-
-
 def _step_buffers(cfg: Config, layout: Layout, params: dict, foreach: bool) -> float:
     """Temporaries after the backward: torch AdamW's (foreach, its CUDA default: a sqrt buffer per parameter
-    group, ~4 bytes per local parameter; the per-tensor loop used on CPU: ~2 of the largest tensor) and ddp's
-    flat gradient buffer for the dp all-reduce (engine.parallel.dp.fsdp.allreduce_gradients)."""
+    group, ~4 bytes per local parameter; the per-tensor loop used on CPU: ~2 of the largest tensor). DDP's
+    gradients are views into its buckets (engine/parallel/dp/ddp.py), so its reduction adds no buffer."""
     p, m = cfg.parallel, cfg.model
     if p.dp_mode == "zero":
         return 0.0  # DeepSpeed's own buffers (reduce/all-gather buckets): _zero_buffers
@@ -159,9 +155,7 @@ def _step_buffers(cfg: Config, layout: Layout, params: dict, foreach: bool) -> f
     local = params["layers"] + params["root"]
     largest = max(m.hidden_size * max(m.intermediate_size, m.num_heads * m.head_dim) // layout.tp,
                   m.vocab_size * m.hidden_size // layout.tp if params["root"] > m.hidden_size else 0)
-    adam = 4.0 * local / shard if foreach else 8.0 * largest / shard
-    flat = 4.0 * local if p.dp_mode == "ddp" and layout.dp > 1 else 0.0
-    return max(adam, flat)
+    return 4.0 * local / shard if foreach else 8.0 * largest / shard
 
 
 def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True) -> StageMemory:
@@ -182,15 +176,17 @@ def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True)
         # The root unit (embedding, norm, head) is never resharded after forward; the blocks are, with
         # reshard_after_forward: then one is gathered at the peak (the last one as the backward starts; later
         # FSDP2 prefetches the next while freed activations make room). Without it every block stays gathered.
-        blocks = params["layer"] if reshards_after_forward(cfg, layout) else params["layers"]
+        blocks = params["layer"] if reshard_after_forward(cfg, layout.pp) else params["layers"]
         gathered = bytes_ * (params["root"] + blocks)
     buffers = acts.transient_bytes(cfg, layout.tp, stage == layout.pp - 1)
     if p.dp_mode == "zero":
         gathered, bucket = _zero_buffers(cfg, params)
         buffers += bucket
-    # Gradients appear in the first backward, when at most `most` micro-batches are alive; afterwards up to
-    # `most_after` are (1F1B: the same once past the warmup, if m is large enough; GPipe: one fewer).
-    new_at_peak = gathered + buffers + max(most * per_mb, grads + most_after * per_mb)
+    if p.dp_mode == "ddp":  # DDP's gradients are views into its buckets, held through the whole step
+        new_at_peak = gathered + buffers + grads + most * per_mb
+    else:  # gradients appear in the first backward, when at most `most` micro-batches are alive; afterwards up
+        # to `most_after` are (1F1B: the same once past the warmup, if m is large enough; GPipe: one fewer)
+        new_at_peak = gathered + buffers + max(most * per_mb, grads + most_after * per_mb)
     return StageMemory(stage, weights, grads, optimizer, most * per_mb, gathered, buffers,
                        _step_buffers(cfg, layout, params, foreach), most, new_at_peak)
 

@@ -26,7 +26,8 @@ from engine.planning import flops
 from engine.config import Config, ConfigError
 from engine.parallel.context import Layout, resolve_layout
 from engine.parallel.tensor import LAYER_PLAN
-from engine.planning.planner import StageMemory, plan_memory, reshards_after_forward, stage_params, with_layout
+from engine.parallel.support import reshard_after_forward
+from engine.planning.planner import StageMemory, plan_memory, stage_params, with_layout
 
 
 @dataclass
@@ -77,7 +78,7 @@ def _dp_comm(cfg: Config, layout: Layout, hw: Hardware, params: int, micro_batch
     if p.dp_mode == "ddp":
         return _ring(grads, d, 2, bw, lat)
     if p.dp_mode == "fsdp":
-        gathers = 1 + reshards_after_forward(cfg, layout)
+        gathers = 1 + reshard_after_forward(cfg, layout.pp)
         hidden = max(0.0, gathers * _ring(weights, d, 1, bw, lat) - compute_mb)  # prefetch overlaps compute
         return micro_batches * hidden + _ring(grads, d, 1, bw, lat)
     stage = p.zero_stage
@@ -137,7 +138,7 @@ class Candidate:
         p, t = self.cfg.parallel, self.cfg.train
         mode = p.dp_mode + (f"-{p.zero_stage}" if p.dp_mode == "zero" else "")
         if p.dp_mode == "fsdp":
-            mode += "-reshard" if reshards_after_forward(self.cfg, self.layout) else "-keep"
+            mode += "-reshard" if reshard_after_forward(self.cfg, self.layout.pp) else "-keep"
         return {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "dp_mode": mode,
                 "micro_batch_size": t.micro_batch_size,
                 "micro_batches": t.global_batch_size // (t.micro_batch_size * self.layout.dp),
@@ -157,7 +158,7 @@ DP_MODES = [("ddp", 0, "auto"), ("fsdp", 0, "true"), ("fsdp", 0, "false"), ("zer
 
 def layouts(cfg: Config, world_size: int):
     """Every valid (tp, pp, dp, dp mode, micro-batch size, activation checkpointing) of ``cfg`` on ``world_size``
-    ranks, as configs. Validity is engine.parallel.context.resolve_layout's and ZeroEngine's; at dp = 1 only ddp
+    ranks, as configs. Validity is engine.parallel.context.resolve_layout's (engine/parallel/support.py); at dp = 1 only ddp
     (sharding over one rank changes nothing)."""
     gbs = cfg.train.global_batch_size
     for tp in _divisors(world_size):

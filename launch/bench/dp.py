@@ -32,7 +32,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 from engine.config import load  # noqa: E402
-from engine.metrics.memory import trainer_bytes_held  # noqa: E402
 from engine.model.transformer import build, count_params  # noqa: E402
 from engine.parallel.context import ParallelContext  # noqa: E402
 from engine.cluster.spawn import run_ranks  # noqa: E402
@@ -54,7 +53,7 @@ def memory_rank(argv: list[str]) -> dict:
     trainer.train_step(trainer.next_local_batch())
     trainer.forward_backward(trainer.next_local_batch())
     gc.collect()
-    return {"bytes": trainer_bytes_held(trainer), "params": count_params(build(cfg.model))}  # Ψ, the whole model
+    return {"bytes": trainer.dp.bytes_held(), "params": count_params(build(cfg.model))}  # Ψ, the whole model
 
 
 def timing_rank(argv: list[str], modes: list[str], steps: int, warmup: int) -> dict:

@@ -9,7 +9,7 @@ a) Step time (forward + backward) at tp ranks (forked, gloo, one torch thread ea
    sharded for loss_parallel), from the same initial weights, on the same random batches, the two alternating
    step by step. Printed: median step times and the median over step pairs of ours / DTensor (< 1: ours is
    faster), and the largest difference of their losses.
-b) Per-rank memory of a few layouts, measured by engine.metrics.memory.measure_step on the Trainer's second step, next
+b) Per-rank memory of a few layouts, measured by launch/bench/measure.py on the Trainer's third step, next
    to engine.planning.planner.stage_memory's plan for the same rank: model state, peak saved activations, step peak.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 from engine.model import transformer as model_lib  # noqa: E402
 from engine.config import load  # noqa: E402
 from engine.model.init import materialize  # noqa: E402
-from engine.metrics.memory import measure_rank  # noqa: E402
+from launch.bench.measure import measure_rank  # noqa: E402
 from engine.parallel.context import ParallelContext  # noqa: E402
 from engine.cluster.spawn import run_ranks  # noqa: E402
 from engine.parallel.tensor import LAYER_PLAN, vocab_parallel_cross_entropy  # noqa: E402

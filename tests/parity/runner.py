@@ -80,18 +80,10 @@ def combo_argv(c: Combo, out_dir: str, *extra: str) -> list[str]:
 def held_parameters(trainer: Trainer) -> dict:
     """Name -> (full-over-dp fp32 copy, tp dim or None, tp rank, tp size) of every parameter this rank holds.
     FSDP's DTensors and ZeRO's partitions are gathered (collectives: every rank of the dp group calls this)."""
-    zero = trainer.zero
-    root = zero.module if zero is not None else trainer.model
-    if zero is not None and trainer.cfg.train.dtype == "bf16":
-        # The fp32 master weights DeepSpeed's optimizer holds: its bf16 module weights are their rounding, which
-        # quantises the comparison (one bf16 ulp of a weight is ~1 % of a 4-step update).
-        from deepspeed.utils import safe_get_full_fp32_param
-        values = {n: safe_get_full_fp32_param(p).detach().float().clone() for n, p in root.named_parameters()}
-    elif zero is not None:
-        values = zero.full_parameters()
-    else:
-        values = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
-                  for n, p in root.named_parameters()}
+    root = trainer.model
+    # The fp32 values the optimizer steps: under ZeRO bf16 DeepSpeed's master weights, whose bf16 module weights
+    # are their rounding, which would quantise the comparison (one bf16 ulp is ~1 % of a 4-step update).
+    values = trainer.dp.full_parameters()
     modules = dict(root.named_modules())
     out = {}
     for name, value in values.items():

@@ -1,9 +1,4 @@
-"""Data parallelism over the dp axis of the mesh: gradient all-reduce (ddp) or FSDP2 sharding (fsdp).
-
-- ``ddp``: ``allreduce_gradients`` averages every gradient across dp replicas once per global batch (after the
-  last micro-batch), through one flat buffer per dtype so that a step issues few collectives. gloo has no AVG op,
-  so it is a SUM followed by a division.
-- ``fsdp``: torch FSDP2 ``fully_shard`` on each decoder layer, then the root (as torchtitan's apply_fsdp), over
+"""dp_mode=fsdp: torch FSDP2 ``fully_shard`` on each decoder layer, then the root (as torchtitan's apply_fsdp), over
   the dp sub-mesh (Rajbhandari et al. 2020, "ZeRO"; Zhao et al. 2023, "PyTorch FSDP"). Parameters, gradients and
   optimizer state are sharded over dp; ``reshard_after_forward=True`` frees the gathered weights after each
   forward (ZeRO-3), ``False`` keeps them to the backward (ZeRO-2-like: one all-gather per step instead of two).
@@ -11,30 +6,15 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from engine.optim import unique_params
-
-
-@torch.no_grad()
-def allreduce_gradients(model: nn.Module, dp_group) -> None:
-    """grad <- mean over dp ranks of grad, for every parameter that has one."""
-    size = dist.get_world_size(dp_group)
-    if size == 1:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for _, _, p in unique_params(model):
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = _flatten_dense_tensors(grads)  # (sum of numels,)
-        dist.all_reduce(flat, group=dp_group)
-        flat.div_(size)
-        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(synced)
+from engine.checkpoint.state import TorchState
+from engine.config import Config
+from engine.metrics.memory import tensor_bytes_held
+from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin
+from engine.parallel.support import reshard_after_forward
+from engine.parallel.tied import counted_elsewhere
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool, bf16: bool) -> nn.Module:
@@ -48,3 +28,28 @@ def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool, bf16: boo
     # backward starts there), so it is never resharded after forward.
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
     return model
+
+
+class FSDP(TorchOptimizerMixin, DataParallel):
+    """The stage sharded over dp; gradients are reduce-scattered in the last micro-batch's backward only (they
+    accumulate unsharded before it, as DDP's no_sync does)."""
+
+    sharded_grads = True
+
+    def __init__(self, model: nn.Module, cfg: Config, ctx):
+        super().__init__(cfg, ctx)
+        self.exclude = counted_elsewhere(model, cfg, ctx)
+        self.module = apply_fsdp(model, ctx.mesh["dp"], reshard_after_forward(cfg, ctx.pp), cfg.train.dtype == "bf16")
+        self._build_optimizer()
+
+    def before_backward(self, is_last: bool) -> None:
+        self.module.set_requires_gradient_sync(is_last)
+
+    def bytes_held(self) -> dict[str, int]:
+        return tensor_bytes_held(self.module, self.optimizer)
+
+    def checkpoint_state(self):
+        for module in self.module.modules():  # a forward-only pass (evaluation) can leave the root unsharded,
+            if isinstance(module, FSDPModule):  # with plain tensors in place of the sharded DTensor parameters
+                module.reshard()
+        return TorchState(self.module, self.optimizer, self.ctx, fsdp=True)

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO stages 1-3 (Rajbhandari et al. 2020) as the data-parallel wrapper of one pipeline stage.
 
-``ZeroEngine`` hands our stage module (already tensor-parallel) and the AdamW of engine/optim.py to
+``ZeRO`` (the DataParallel of dp_mode=zero, engine/parallel/dp/base.py) hands our stage module (already tensor-parallel) and the AdamW of engine/optim.py to
 ``deepspeed.initialize(..., mpu=ctx)``; ``ds_config`` derives DeepSpeed's config from ours on top of the tunable
 settings (built-in defaults per stage, merged with the user's ``parallel.ds_config`` file: ds_json.py). The step
 contract is ours, not DeepSpeed's per-micro-batch one: the trainer runs all m micro-batch forward/backward passes,
@@ -16,9 +16,9 @@ a parameter on every tp rank when it carries ``tensor_model_parallel`` and other
 counted exactly once in both formulas. Clipping then scales by min(1, clip / (norm + 1e-6)), as
 torch.nn.utils.clip_grad_norm_ and engine.optim.clip_gradients do.
 
-    zero = ZeroEngine(build_model(cfg, ctx), cfg, ctx)
+    zero = ZeRO(build_model(cfg, ctx), cfg, ctx)
     for x, y in micro_batches:                       # or through the pipeline executor
-        zero.backward(loss_fn(zero(x), y) / m)       # last stage; non-last: zero.backward(out, grad_from_next)
+        zero.backward(loss_fn(zero.forward(x), y) / m)   # last stage; non-last: zero.backward(out, grad_from_next)
     grad_norm = zero.step(lr_at(step, cfg.train))
 """
 from __future__ import annotations
@@ -32,28 +32,11 @@ from torch import nn
 
 from engine.config import Config, ConfigError
 from engine.internals import private
-from engine.optim import build_optimizer, unique_params
+from engine.optim import build_optimizer, set_lr, unique_params
+from engine.parallel.dp.base import DataParallel
 from engine.parallel.dp.ds_json import load_base_config
-
-
-def check_zero_supported(cfg: Config, ctx) -> None:
-    """Refuse, naming the combination, what ZeroEngine cannot run correctly."""
-    p = cfg.parallel
-    if p.zero_stage not in (1, 2, 3):
-        raise ConfigError(f"parallel.dp_mode=zero needs parallel.zero_stage 1, 2 or 3, got {p.zero_stage}")
-    if ctx.pp > 1 and cfg.model.tie_embeddings and (p.zero_stage != 1 or cfg.train.dtype != "fp32"):
-        raise ConfigError(f"parallel.dp_mode=zero with zero_stage={p.zero_stage}, train.dtype={cfg.train.dtype}, "
-                          "parallel.pp>1 and model.tie_embeddings=true is not supported: the first and last stage's "
-                          "embedding gradients must be summed before DeepSpeed reduces them, which only ZeRO-1 in "
-                          "fp32 allows (ZeRO-2/3 reduce-scatter during backward; bf16 ZeRO-1 moves them into its "
-                          "fp32 buffers); use zero_stage=1 with train.dtype=fp32, or dp_mode=ddp")
-    if ctx.pp > 1 and p.zero_stage == 3:
-        # Measured with DeepSpeed 0.19.8: ZeRO-3's parameter coordinator checks its module trace against rank 0 of
-        # the whole job (a world-group broadcast at the first forward), which stages holding different layers
-        # reach at different times: the job hangs.
-        raise ConfigError("parallel.dp_mode=zero with zero_stage=3 and parallel.pp>1 is not supported (DeepSpeed's "
-                          "ZeRO-3 compares module traces across all ranks and hangs under pipeline stages); "
-                          "use zero_stage 1 or 2, or dp_mode=fsdp")
+from engine.parallel.dp.zero_state import Zero3State, Zero12State, zero_bytes_held
+from engine.parallel.tied import counted_elsewhere, split_over_stages
 
 
 def ds_config(cfg: Config, ctx, base: dict | None = None) -> dict:
@@ -115,74 +98,62 @@ def _ensure_deepspeed_comm(backend: str) -> None:
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
-class ZeroEngine:
-    """One pipeline stage under DeepSpeed ZeRO. Forward with ``zero(x)`` (DeepSpeed's forward registers the
-    hooks its backward relies on), ``backward`` per micro-batch, ``step(lr)`` once per global batch."""
+class ZeRO(DataParallel):
+    """One pipeline stage under DeepSpeed ZeRO. DeepSpeed's forward registers the hooks its backward relies on;
+    ``backward`` per micro-batch, ``step(lr)`` once per global batch."""
 
     def __init__(self, model: nn.Module, cfg: Config, ctx, config: dict | None = None):
+        super().__init__(cfg, ctx)
         deepspeed = _import_deepspeed()
-        check_zero_supported(cfg, ctx)
-        self.cfg, self.ctx = cfg, ctx
         _ensure_deepspeed_comm(ctx.backend)
         mark_parallel_params(model, ctx.tp_rank)
-        if cfg.model.tie_embeddings and ctx.pp > 1 and ctx.is_last_stage:
-            model.lm_head.weight.ds_pipe_replicated = True  # counted once in the norm, on the first stage
+        for copy_ in counted_elsewhere(model, cfg, ctx):
+            copy_.ds_pipe_replicated = True  # the tied LM-head copy: counted once in the norm, on the first stage
         optimizer = build_optimizer(model, cfg.train)
         self.config = config if config is not None else ds_config(cfg, ctx)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                                  config=self.config, mpu=ctx)
+        self.module = self.engine.module
         self.stage = cfg.parallel.zero_stage
         # DeepSpeed releases without caller-owned accumulation (or a config asking for DeepSpeed's own) count
-        # micro-steps; set_sync() then marks the boundary by hand before each backward.
+        # micro-steps; before_backward() then marks the boundary by hand.
         managed = getattr(self.engine, "managed_gradient_accumulation", None)
         self.managed = managed is None or bool(managed())
-        if self.managed and cfg.model.tie_embeddings and ctx.pp > 1:
+        if self.managed and split_over_stages(cfg, ctx):
             raise ConfigError("model.tie_embeddings with parallel.pp>1 under dp_mode=zero needs DeepSpeed's "
                               "managed_gradient_accumulation=false (DeepSpeed >= 0.19.8 here)")
 
-    # ---- what the trainer's step needs ------------------------------------------------------------------------
-    @property
-    def module(self) -> nn.Module:
-        return self.engine.module
+    def forward(self, x, **kwargs):
+        return self.engine(x, **kwargs)  # under bf16 the weights themselves are bf16: no autocast
 
-    def parameters(self):
-        return self.engine.module.parameters()
-
-    def named_parameters(self):
-        return self.engine.module.named_parameters()
-
-    def __call__(self, *args, **kwargs):
-        return self.engine(*args, **kwargs)
-
-    def train(self, mode: bool = True) -> "ZeroEngine":
+    def train(self, mode: bool = True) -> None:
         self.engine.train(mode)
-        return self
 
-    def eval(self) -> "ZeroEngine":
-        return self.train(False)
-
-    def backward(self, loss_or_output: torch.Tensor, grad: torch.Tensor | None = None) -> None:
-        """Last stage: ``loss_or_output`` is the micro-batch loss, already divided by the number of micro-batches.
-        Other stages: the stage output and the gradient received from the next stage; d/d(out) of (out*grad).sum()
-        is grad, so this is the stage's backward; it reads the output, so the executor must keep sent outputs
-        (PipelineExecutor(free_outputs=False))."""
+    def backward(self, output: torch.Tensor, grad: torch.Tensor | None = None) -> None:
+        """Last stage: ``output`` is the micro-batch loss, already divided by the number of micro-batches (so
+        ``scale_wrt_gas=False``: DeepSpeed would divide again). Other stages: DeepSpeed's backward takes a scalar,
+        so it runs on (out * grad).sum(), whose gradient with respect to out is grad. The executor may have freed
+        the sent output's storage; its value does not matter (mul saves only grad), so zeros stand in for it
+        for this backward alone."""
         if grad is None:
-            self.engine.backward(loss_or_output, scale_wrt_gas=False)
-        else:
-            self.engine.backward((loss_or_output * grad).sum(), scale_wrt_gas=False)
+            self.engine.backward(output, scale_wrt_gas=False)
+            return
+        if output.numel() != grad.numel():
+            output.data = torch.zeros_like(grad, dtype=output.dtype)  # (mbs, s, h), freed with the graph
+        self.engine.backward((output * grad).sum(), scale_wrt_gas=False)
 
-    def set_sync(self, is_last_micro_batch: bool) -> None:
-        """Call before each micro-batch's backward. In caller-owned accumulation mode (the default here) step() is
-        the boundary and this does nothing. In DeepSpeed's managed mode its micro-step counter assumes one
-        engine.step() per micro-batch, which our one step per global batch breaks, so the boundary is set by
-        hand: the last backward reduces (ZeRO-1) and the following step() applies the update."""
+    def before_backward(self, is_last: bool) -> None:
+        """In caller-owned accumulation mode (the default here) step() is the boundary and this does nothing.
+        In DeepSpeed's managed mode its micro-step counter assumes one engine.step() per micro-batch, which our
+        one step per global batch breaks, so the boundary is set by hand: the last backward reduces (ZeRO-1)
+        and the following step() applies the update."""
         if self.managed:
-            self.engine.set_gradient_accumulation_boundary(is_last_micro_batch)
+            self.engine.set_gradient_accumulation_boundary(is_last)
 
     def all_reduce_grad(self, param: nn.Parameter, group) -> None:
         """Sum ``param``'s accumulated gradient over ``group`` before ``step()``: the two copies of a tied
-        embedding on the first and last pipeline stage (the trainer's embed_group). ZeRO-1 only, where gradients
-        stay on the parameters until step() reduces them; ZeRO-2/3 have already reduce-scattered them."""
+        embedding on the first and last pipeline stage. ZeRO-1 only, where gradients stay on the parameters
+        until step() reduces them; ZeRO-2/3 have already reduce-scattered them (refused in support.py)."""
         if self.stage != 1:
             raise RuntimeError(f"all_reduce_grad needs ZeRO-1 (gradients still whole), not ZeRO-{self.stage}")
         opt = self.engine.optimizer
@@ -198,19 +169,25 @@ class ZeroEngine:
     def step(self, lr: float) -> float:
         """Set lr on every param group, reduce (ZeRO-1) or finish reducing (ZeRO-2/3) the accumulated gradients,
         clip to train.grad_clip and update. Returns the global grad norm before clipping, as DeepSpeed computed it
-        (over dp and the tp x pp group)."""
-        for group in self.engine.optimizer.param_groups:
-            group["lr"] = lr
+        (over dp and the tp x pp group); DeepSpeed skips the update itself when it is not finite."""
+        set_lr(self.engine.optimizer, lr)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
+    def skip(self) -> None:
+        """DeepSpeed is stepped at lr 0: its step() is what clears its gradient partitions, and it skips the update
+        itself when the gradient norm is not finite (as it is after a NaN loss)."""
+        self.step(0.0)
+
+    def bytes_held(self) -> dict[str, int]:
+        return zero_bytes_held(self)
+
+    def checkpoint_state(self):
+        return Zero3State(self) if self.stage == 3 else Zero12State(self)
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Name -> full (dp-gathered, tp-local) copy of every parameter; ZeRO-3 parameters are all-gathered
-        (a collective: every rank of the dp group must call it)."""
-        import deepspeed
+        """DeepSpeed's fp32 master weights, whole over dp (the bf16 module weights are their rounding)."""
+        from deepspeed.utils import safe_get_full_fp32_param
 
-        params = dict(self.engine.module.named_parameters())
-        with deepspeed.zero.GatheredParameters(list(params.values()), enabled=self.stage == 3):
-            return {n: p.detach().clone().float() for n, p in params.items()}
-
+        return {n: safe_get_full_fp32_param(p).detach().float().clone() for n, p in self.module.named_parameters()}

@@ -1,0 +1,114 @@
+"""dp_mode=ddp: torch DistributedDataParallel over the dp group, its reduction overlapped with the last backward.
+
+DDP (Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel Training") packs gradients
+into ``parallel.bucket_mb`` buckets in reverse registration order and all-reduces each bucket as soon as backward
+has produced all of its gradients, while backward goes on computing the earlier layers. With
+``gradient_as_bucket_view`` the gradients *are* views into the buckets: no second copy of the model's gradients.
+
+Gradient accumulation over micro-batches and pipeline schedules: every forward runs under ``no_sync`` (DDP then
+arms no reduction), and before the step's last backward the reducer is armed by hand, as
+torch.distributed.pipelining's stage does (``backward_maybe_with_nosync``). Arming at the last *forward* would
+be wrong under 1F1B: on every stage but the last, the last forward is followed by other micro-batches' backwards,
+whose partial gradients would then be reduced. Gradients accumulate in the bucket views between steps (zeroed,
+not freed), so they never exist twice.
+
+``parallel.grad_compression`` picks DDP's communication hook: ``none`` (all-reduce in the gradient dtype; equal to
+one process up to summation order), ``bf16`` / ``fp16`` (each bucket cast down for the all-reduce and back: half
+the bytes on the wire), or
+``powersgd`` (Vogels et al. 2019, "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
+Optimization": rank ``parallel.powersgd_rank`` factors with error feedback, after ``parallel.powersgd_warmup_steps``
+uncompressed steps; tensors too small to gain stay uncompressed).
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from engine.checkpoint.state import TorchState
+from engine.config import Config
+from engine.internals import private
+from engine.metrics.memory import tensor_bytes_held
+from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin
+from engine.parallel.tied import counted_elsewhere
+
+
+def cast_hook(dtype: torch.dtype):
+    """DDP's cast-compression hook (torch's fp16/bf16_compress_hook, default_hooks.py): the bucket is divided by the
+    dp size, cast to ``dtype``, all-reduced, and copied back. torch refuses its bf16 hook off NCCL/XCCL, though
+    gloo reduces bf16 (CPU runs), so this mirror of it serves bf16 there."""
+    # No annotations: DDP checks them against dist.GradBucket, and `from __future__ import annotations` makes
+    # them strings.
+    def hook(group, bucket):  # bucket: dist.GradBucket; returns a Future of the reduced buffer
+        buffer = bucket.buffer()  # (bucket numel,) in the gradient dtype
+        compressed = buffer.to(dtype).div_(dist.get_world_size(group))
+        future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+        def decompress(fut) -> torch.Tensor:
+            buffer.copy_(fut.value()[0])
+            return buffer
+        return future.then(decompress)
+    return hook
+
+
+def comm_hook(cfg: Config, ctx):
+    """(state, hook) for ``DistributedDataParallel.register_comm_hook``, or None for DDP's own all-reduce."""
+    p = cfg.parallel
+    if p.grad_compression == "none":
+        return None
+    if p.grad_compression == "bf16":
+        native = ctx.backend == "nccl"  # torch's own hook checks for it
+        return ctx.dp_group, default_hooks.bf16_compress_hook if native else cast_hook(torch.bfloat16)
+    if p.grad_compression == "fp16":
+        return ctx.dp_group, default_hooks.fp16_compress_hook
+    state = powerSGD_hook.PowerSGDState(process_group=ctx.dp_group, matrix_approximation_rank=p.powersgd_rank,
+                                        start_powerSGD_iter=p.powersgd_warmup_steps, random_seed=cfg.train.seed)
+    return state, powerSGD_hook.powerSGD_hook
+
+
+def _no_buffer_sync() -> dict:
+    """DDP's argument that turns off the per-forward buffer broadcast: ``forward_sync_buffers`` where this torch
+    has it (``broadcast_buffers`` is deprecated there), else ``broadcast_buffers``."""
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+
+
+class DDP(TorchOptimizerMixin, DataParallel):
+    """The stage replicated over dp; DDP averages gradients during the last micro-batch's backward."""
+
+    zero_grad_to_none = False  # keep the bucket views: accumulation writes into them
+
+    def __init__(self, model: nn.Module, cfg: Config, ctx):
+        super().__init__(cfg, ctx)
+        self.module = model
+        self.exclude = counted_elsewhere(model, cfg, ctx)
+        # Every rank built the same weights and buffers (engine/model/init.py): no start-up broadcast, and no
+        # buffer broadcast before each forward (a collective the pipeline schedule does not expect).
+        self.ddp = DistributedDataParallel(
+            model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+            process_group=ctx.dp_group, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True,
+            init_sync=False, **_no_buffer_sync())
+        hook = comm_hook(cfg, ctx)
+        if hook is not None:
+            self.ddp.register_comm_hook(*hook)
+        self._build_optimizer()
+
+    def forward(self, x, **kwargs):
+        with self.ddp.no_sync(), self.autocast():  # the reducer is armed in before_backward, not here
+            return self.ddp(x, **kwargs)
+
+    def before_backward(self, is_last: bool) -> None:
+        if is_last:
+            # DDP arms its reducer in forward when sync is on; here it is armed for this backward alone. With
+            # find_unused_parameters off the outputs are not searched, so none are passed.
+            private(self.ddp, "torch", "reducer").prepare_for_backward([])
+
+    def bytes_held(self) -> dict[str, int]:
+        return tensor_bytes_held(self.module, self.optimizer)
+
+    def checkpoint_state(self):
+        return TorchState(self.module, self.optimizer, self.ctx, fsdp=False)
