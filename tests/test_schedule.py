@@ -371,6 +371,19 @@ def test_simulator_checks_the_chunk_of_each_message():
         simulate_actions([stage + [Action(Op.FWD, 0, 1)]])
 
 
+def test_simulator_keeps_one_channel_per_rank_pair():
+    """At pp=2 the next and previous rank coincide: rank 0 sends F2 (to chunk 0 of rank 1) before B0.1 (to
+    chunk 0 of rank 1, backward), so rank 1 must receive them in that order; NCCL has no tags to sort them."""
+    def edit(x: list[Action]) -> list[Action]:
+        names = [str(a) for a in x]
+        i, j = names.index("recvF2"), names.index("recvB0")  # rank 1 runs B0 before F2: legal compute order
+        return x[:i] + x[j:j + 3] + x[i:j] + x[j + 3:]
+    stages = _broken("interleaved", 2, 4, 2, 1, edit)
+    assert " ".join(computes(stages[1])[6:8]) == "B0 F2"
+    with pytest.raises(RuntimeError, match=r"stage 1 recvB0 matched sendF2 of stage 0: the two post in different"):
+        simulate_actions(stages)
+
+
 def test_simulator_finds_the_deadlock_of_a_short_warmup():
     """Rank 0 of pp=4, v=2, m=8 starting its backwards after 6 forwards instead of Megatron's 10: its B0.1
     waits on rank 1, whose forwards wait for rank 0's F2.1, now queued behind that backward."""

@@ -3,9 +3,11 @@ schedule is deadlock-free and complete, its timeline, bubble and activation memo
 
 Semantics are the executor's (engine/parallel/pipeline.py): sends are non-blocking (posted, never waited on); a
 receive blocks until the matching send has been posted, and then until the sender's compute producing it ended;
-computes take their cost; communication is free. Messages travel on FIFO channels keyed (sender rank, receiver
-rank, direction), as p2p ops match in posting order. With virtual stages (Narayanan et al. 2021, Sec. 2.2.2) the
-receiver of chunk c's forward on rank r is rank r+1, or chunk c+1 of rank 0 when r is the last rank.
+computes take their cost; communication is free. Messages travel on one FIFO channel per (sender rank, receiver
+rank), as NCCL matches p2p ops between two ranks in posting order with no tags. With virtual stages (Narayanan
+et al. 2021, Sec. 2.2.2) the receiver of chunk c's forward on rank r is rank r+1, or chunk c+1 of rank 0 when r is
+the last rank; at pp=2 the next and the previous rank coincide, so forwards and backwards share a channel and
+must be posted in the order the peer takes them.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from engine.parallel.actions import COMM_OPS, DIRECTION, Action, Op, peer
 _BEFORE = {Op.FWD: (), Op.BWD: (Op.FWD,), Op.BWD_INPUT: (Op.FWD,), Op.BWD_WEIGHT: (Op.FWD, Op.BWD_INPUT)}
 _COMPLETE = ((Op.FWD, Op.BWD), (Op.FWD, Op.BWD_INPUT, Op.BWD_WEIGHT))
 _RELEASES = (Op.BWD, Op.BWD_WEIGHT)  # the computes after which a micro-batch's activations are freed
+_SENDER = {Op.RECV_FWD: Op.SEND_FWD, Op.RECV_BWD: Op.SEND_BWD}
 
 
 def _names(ops: tuple[Op, ...]) -> str:
@@ -45,8 +48,8 @@ class _Run:
         self.v = 1 + max((a.chunk for actions in stages for a in actions), default=0)
         self.pos, self.clock = [0] * self.pp, [0.0] * self.pp
         self.alive, self.peak = [0] * self.pp, [0] * self.pp
-        self.posted: dict[tuple[int, int, str], list[tuple[Action, float]]] = {}
-        self.taken: dict[tuple[int, int, str], int] = {}
+        self.posted: dict[tuple[int, int], list[tuple[Action, float]]] = {}  # (sender, receiver) -> sends
+        self.taken: dict[tuple[int, int], int] = {}
         self.received: set[tuple[int, str, int, int]] = set()  # (rank, direction, chunk, mb)
         self.ran: dict[tuple[int, int, int], tuple[Op, ...]] = {}  # (rank, chunk, mb) -> computes so far
         self.intervals: list[list[tuple[float, float, Action]]] = [[] for _ in stages]
@@ -95,17 +98,17 @@ class _Run:
         if not any(op in self.ran.get((s, a.chunk, a.mb), ()) for op in source):
             raise RuntimeError(f"stage {s} runs {a} before computing what it sends")
         dst, _ = self._peer(s, a)
-        self.posted.setdefault((s, dst, DIRECTION[a.op][1]), []).append((a, self.clock[s]))
+        self.posted.setdefault((s, dst), []).append((a, self.clock[s]))
 
     def _receive(self, s: int, a: Action) -> bool:
         (src, src_chunk), way = self._peer(s, a), DIRECTION[a.op][1]
-        key = (src, s, way)
+        key = (src, s)
         n, queue = self.taken.get(key, 0), self.posted.get(key, [])
         if n >= len(queue):
             return False
         sent, at = queue[n]
-        if (sent.mb, sent.chunk) != (a.mb, src_chunk):
-            raise RuntimeError(f"stage {s} {a} matched {sent} of stage {src}: micro-batch order differs")
+        if (sent.op, sent.mb, sent.chunk) != (_SENDER[a.op], a.mb, src_chunk):
+            raise RuntimeError(f"stage {s} {a} matched {sent} of stage {src}: the two post in different orders")
         self.taken[key] = n + 1
         self.received.add((s, way, a.chunk, a.mb))
         self.clock[s] = max(self.clock[s], at)
@@ -117,8 +120,8 @@ class _Run:
                    if self.pos[s] < len(self.stages[s])]
         if blocked:
             raise RuntimeError("deadlock: " + ", ".join(blocked))
-        for (src, dst, way), queue in self.posted.items():
-            for sent, _ in queue[self.taken.get((src, dst, way), 0):]:
+        for (src, dst), queue in self.posted.items():
+            for sent, _ in queue[self.taken.get((src, dst), 0):]:
                 raise RuntimeError(f"stage {src} {sent} to stage {dst} is never received")
         m = 1 + max((mb for _, _, mb in self.ran), default=-1)
         complete = ((Op.FWD,),) if all(len(r) == 1 for r in self.ran.values()) else _COMPLETE  # forward only
