@@ -1,7 +1,8 @@
-"""Pipeline schedules as data (engine/parallel/schedule.py): pure Python, no processes.
+"""Pipeline schedules as data (engine/parallel/schedule.py and its schedule_*.py): pure Python, no processes.
 
-Every property is checked from the action lists or the simulated timeline, never from hand-computed values,
-over pp in (1, 2, 3, 4, 8) and micro_batches in pp..2pp+1 plus 16, for both schedules.
+Every property is checked from the action lists or the simulated timeline against the papers' formulas, over
+pp in (1, 2, 3, 4, 8) and micro_batches in pp..2pp+1 plus 16 for 1F1B, GPipe and ZB-H1, and pp in 1..8,
+v in 2..4, m in (pp, 2pp, 3pp) for interleaved; two small tables are written out by hand.
 """
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from engine.parallel.schedule import (
     SCHEDULES, Action, Op, build, bubble_fraction, main, max_in_flight, render, simulate, simulate_actions,
 )
 
+CLASSIC = ("1f1b", "gpipe")
+
 CASES = sorted({(pp, m) for pp in (1, 2, 3, 4, 8) for m in [*range(pp, 2 * pp + 2), 16]})
-ALL = [pytest.param(name, pp, m, id=f"{name}-pp{pp}-m{m}") for name in SCHEDULES for pp, m in CASES]
+ALL = [pytest.param(name, pp, m, id=f"{name}-pp{pp}-m{m}") for name in CLASSIC for pp, m in CASES]
 
 
 def mbs(actions: list[Action], op: Op) -> list[int]:
@@ -22,7 +25,9 @@ def mbs(actions: list[Action], op: Op) -> list[int]:
 
 
 def test_action_str():
-    assert [str(Action(op, 3)) for op in Op] == ["recvF3", "F3", "sendF3", "recvB3", "B3", "sendB3"]
+    assert [str(Action(op, 3)) for op in Op] == ["recvF3", "F3", "sendF3", "recvB3", "B3", "sendB3", "B3", "W3"]
+    assert [str(Action(Op.FWD, 3, c)) for c in range(3)] == ["F3", "F3.1", "F3.2"]
+    assert str(Action(Op.RECV_BWD, 0, 1)) == "recvB0.1"
 
 
 @pytest.mark.parametrize("name,pp,m", ALL)
@@ -80,7 +85,7 @@ def test_simulated_bubble_matches_theory(name, pp, m):
         assert abs(frac - (pp - 1) / (m + pp - 1)) < 1e-9, f"stage {s}"
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", CLASSIC)
 @pytest.mark.parametrize("f,b", [(1.0, 1.0), (1.0, 3.0), (2.0, 1.0), (0.7, 1.9)])
 @pytest.mark.parametrize("pp,m", [(1, 3), (2, 5), (4, 4), (4, 9), (8, 16)])
 def test_simulated_makespan_other_time_ratios(name, f, b, pp, m):
@@ -122,7 +127,7 @@ def test_simulate_rejects_mismatched_order():
 
 
 @pytest.mark.parametrize("args,match", [
-    (("zb", 4, 8, 0), r"'zb'.*1f1b, gpipe"),
+    (("zb", 4, 8, 0), r"'zb'.*1f1b, gpipe, interleaved, zero_bubble"),
     (("1f1b", 0, 8, 0), r"pp=0"),
     (("gpipe", 4, 8, 4), r"stage=4.*0\.\.3"),
     (("gpipe", 4, 8, -1), r"stage=-1.*0\.\.3"),
@@ -161,3 +166,243 @@ def test_main_prints_timeline(capsys):
         assert "bubble fraction per stage: 0.2727 0.2727 0.2727 0.2727" in section
     assert "max activations in flight per stage: 4 3 2 1" in sections[0]
     assert "max activations in flight per stage: 8 8 8 8" in sections[1]
+
+
+def test_main_refuses_bad_input_in_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--pp", "4", "--micro-batches", "6", "--schedule", "interleaved"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and "micro_batches=6, pp=4; valid: 4, 8, ..." in err
+
+
+def test_main_prints_new_schedules(capsys):
+    main(["--pp", "4", "--micro-batches", "8", "--schedule", "interleaved", "--virtual-stages", "2"])
+    main(["--pp", "4", "--micro-batches", "8", "--schedule", "zero_bubble"])
+    inter, zb = capsys.readouterr().out.split("== ")[1:]
+    assert inter.startswith("interleaved: pp=4 virtual_stages=2 micro_batches=8 fwd=1 bwd=2")
+    assert "bubble fraction per stage: 0.1579 0.1579 0.1579 0.1579  (theory (p-1)/(v*m+p-1) = 0.1579)" in inter
+    assert "max activations in flight per stage: 11 9 7 5  (chunk micro-batches, each 1/2 of a stage's)" in inter
+    assert zb.startswith("zero_bubble: pp=4 micro_batches=8 fwd=1 bwd_input=1 bwd_weight=1")
+    assert "bubble fraction per stage: 0.1111 0.1111 0.1111 0.1111  (theory" in zb
+    assert "max activations in flight per stage: 4 4 4 4  (held until W)" in zb
+
+
+# ---- Interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2.2; Megatron-LM's order) ----
+
+INTERLEAVED = [pytest.param(pp, v, m, id=f"pp{pp}-v{v}-m{m}")
+               for pp in range(1, 9) for v in (2, 3, 4) for m in (pp, 2 * pp, 3 * pp)]
+
+
+def computes(actions: list[Action]) -> list[str]:
+    return [str(a) for a in actions if a.op in (Op.FWD, Op.BWD, Op.BWD_INPUT, Op.BWD_WEIGHT)]
+
+
+def megatron_warmup(pp: int, v: int, m: int, stage: int) -> int:
+    """num_warmup_microbatches of Megatron's forward_backward_pipelining_with_interleaving."""
+    return min((pp - stage - 1) * 2 + (v - 1) * pp, m * v)
+
+
+@pytest.mark.parametrize("pp,v,m", INTERLEAVED)
+def test_interleaved_follows_megatron_order(pp, v, m):
+    """The k-th forward is chunk (k // pp) % v of micro-batch (k // (pp*v))*pp + k % pp; the k-th backward the
+    same micro-batch in chunk v-1-(k // pp) % v; the first backward follows Megatron's warmup and one forward."""
+    expected = [((k // (pp * v)) * pp + k % pp, (k // pp) % v) for k in range(m * v)]
+    for stage in range(pp):
+        actions = build("interleaved", pp, m, stage, v)
+        fwds = [(a.mb, a.chunk) for a in actions if a.op is Op.FWD]
+        bwds = [(a.mb, a.chunk) for a in actions if a.op is Op.BWD]
+        assert fwds == expected and bwds == [(mb, v - 1 - c) for mb, c in expected], f"stage {stage}"
+        order = [a.op for a in actions if a.op in (Op.FWD, Op.BWD)]
+        first_backward = min(megatron_warmup(pp, v, m, stage) + 1, m * v)  # the steady state opens with an F
+        assert order.index(Op.BWD) == first_backward, f"stage {stage}: warmup count"
+
+
+@pytest.mark.parametrize("pp,v,m", INTERLEAVED)
+def test_interleaved_sends_go_to_the_next_virtual_stage(pp, v, m):
+    """Virtual stage g = chunk*pp + rank sends its forward to g+1 (chunk c of the last rank feeds chunk c+1 of
+    rank 0) and its backward to g-1, every micro-batch once, in the same order as the receiver takes them."""
+    stages = [build("interleaved", pp, m, s, v) for s in range(pp)]
+
+    def mbs_of(g: int, op: Op) -> list[int]:
+        return [a.mb for a in stages[g % pp] if a.op is op and a.chunk == g // pp]
+
+    last = pp * v - 1
+    assert mbs_of(0, Op.RECV_FWD) == mbs_of(0, Op.SEND_BWD) == []
+    assert mbs_of(last, Op.SEND_FWD) == mbs_of(last, Op.RECV_BWD) == []
+    for g in range(last):
+        assert mbs_of(g, Op.SEND_FWD) == mbs_of(g + 1, Op.RECV_FWD) == list(range(m)), f"virtual stage {g}"
+        assert mbs_of(g + 1, Op.SEND_BWD) == mbs_of(g, Op.RECV_BWD) == list(range(m)), f"virtual stage {g}"
+
+
+@pytest.mark.parametrize("pp,v,m", INTERLEAVED)
+def test_interleaved_bubble_and_memory_match_theory(pp, v, m):
+    """Per chunk F=1, B=2 (a stage's work split in v): makespan (v*m + p-1)(F+B), so the bubble is (p-1)/(v*m)
+    of the ideal time (Narayanan et al. 2021, Sec. 2.2.2), v times less than 1F1B's; activations held at most
+    Megatron's warmup + 1 (its max_outstanding_backprops)."""
+    t = simulate("interleaved", pp, m, 1.0, 2.0, virtual_stages=v)
+    ideal = m * v * 3.0
+    assert t.makespan == pytest.approx((v * m + pp - 1) * 3.0, abs=1e-9)
+    assert (t.makespan - ideal) / ideal == pytest.approx((pp - 1) / (v * m), abs=1e-12)
+    assert bubble_fraction(t) == pytest.approx([(pp - 1) / (v * m + pp - 1)] * pp, abs=1e-12)
+    for s in range(pp):
+        bound = min(megatron_warmup(pp, v, m, s) + 1, m * v)
+        assert t.peak_in_flight[s] == max_in_flight(build("interleaved", pp, m, s, v)) == bound, f"stage {s}"
+
+
+@pytest.mark.parametrize("f,b", [(1.0, 1.0), (1.0, 3.0), (2.0, 1.0), (0.7, 1.9)])
+@pytest.mark.parametrize("pp,v,m", [(2, 2, 4), (3, 3, 6), (4, 2, 8), (4, 4, 12), (8, 2, 16)])
+def test_interleaved_makespan_other_time_ratios(f, b, pp, v, m):
+    assert simulate("interleaved", pp, m, f, b, v).makespan == pytest.approx((v * m + pp - 1) * (f + b), abs=1e-9)
+
+
+def test_interleaved_hand_checked_table():
+    """pp=2, v=2, m=4, worked out by hand from Megatron's rules: stage 0 warms up with 4 forwards, stage 1 with 2;
+    the backward of a group runs chunk 1 before chunk 0. Makespan (2*4 + 1) * 3 = 27."""
+    stages = [build("interleaved", 2, 4, s, 2) for s in range(2)]
+    assert " ".join(computes(stages[0])) == "F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3"
+    assert " ".join(computes(stages[1])) == "F0 F1 F0.1 B0.1 F1.1 B1.1 F2 B0 F3 B1 F2.1 B2.1 F3.1 B3.1 B2 B3"
+    # Rank 1's chunk 0 feeds rank 0's chunk 1; rank 1's chunk 1 is the last virtual stage (no send, no receive).
+    assert " ".join(map(str, stages[1][:14])) == ("recvF0 F0 sendF0 recvF1 F1 sendF1 recvF0.1 F0.1 B0.1 sendB0.1 "
+                                                  "recvF1.1 F1.1 B1.1 sendB1.1")
+    assert " ".join(map(str, stages[0][:10])) == "F0 sendF0 F1 sendF1 recvF0.1 F0.1 sendF0.1 recvF1.1 F1.1 sendF1.1"
+    t = simulate_actions(stages, 1.0, 2.0)
+    assert (t.makespan, t.virtual_stages, t.micro_batches, t.peak_in_flight) == (27.0, 2, 4, [5, 3])
+
+
+# ---- Zero bubble ZB-H1 (Qi et al. 2023, Sec. 3.1) ----
+
+ZB = [pytest.param(pp, m, id=f"pp{pp}-m{m}") for pp, m in CASES]
+
+
+@pytest.mark.parametrize("pp,m", ZB)
+def test_zero_bubble_f_b_w_once_and_w_deferred_by_stage(pp, m):
+    """Every micro-batch: F, then B (input grad, its send right after), then W, once. Stage s runs W(k) right
+    after B(k+s) (ZB-H1's W shifted by the warmup it lacks: torch's ZB1P num_1f1b_microbatches = rank); the W's
+    left over close the list."""
+    for s in range(pp):
+        actions = build("zero_bubble", pp, m, s)
+        assert not any(a.op is Op.BWD for a in actions)
+        for op in (Op.FWD, Op.BWD_INPUT, Op.BWD_WEIGHT):
+            assert mbs(actions, op) == list(range(m)), f"stage {s} {op}"
+        order = computes(actions)
+        for k in range(m):
+            assert order.index(f"F{k}") < order.index(f"B{k}") < order.index(f"W{k}")
+            expected = order.index(f"B{k + s}") + 1 if k + s < m else len(order) - (m - k)
+            assert order.index(f"W{k}") == expected, f"stage {s} W{k}: {' '.join(order)}"
+
+
+@pytest.mark.parametrize("pp,m", ZB)
+def test_zero_bubble_is_a_third_of_1f1b_with_the_same_peak_memory(pp, m):
+    """F = B = W = 1 (1F1B: F=1, BWD=2): ZB-H1's bubble (p-1)(F+B-W) is a third of 1F1B's (p-1)(F+B+W) on every
+    stage, and every stage holds p micro-batches until their W: 1F1B's peak (its first stage's)."""
+    zb, ofob = simulate("zero_bubble", pp, m), simulate("1f1b", pp, m, 1.0, 2.0)
+    assert zb.makespan == pytest.approx(3 * m + (pp - 1), abs=1e-9)
+    for s in range(pp):
+        assert zb.idle[s] == pytest.approx(ofob.idle[s] / 3, abs=1e-9), f"stage {s}"
+    assert zb.peak_in_flight == [max_in_flight(build("zero_bubble", pp, m, s)) for s in range(pp)] == [pp] * pp
+    assert max(zb.peak_in_flight) == max(ofob.peak_in_flight) == pp
+
+
+@pytest.mark.parametrize("f,b,w", [(1.0, 1.0, 0.5), (1.0, 2.0, 1.0), (2.0, 1.0, 1.0), (1.0, 1.0, 2.0),
+                                   (1.0, 0.5, 1.0), (0.7, 1.3, 0.6)])
+@pytest.mark.parametrize("pp,m", [(2, 2), (2, 5), (4, 4), (4, 9), (8, 16)])
+def test_zero_bubble_other_time_ratios(f, b, w, pp, m):
+    """The paper's (p-1)(F+B-W) is exact while W fits the gaps (W <= min(F, B)); longer W's leave a bubble
+    between that and 1F1B's (p-1)(F+B+W)."""
+    t = simulate("zero_bubble", pp, m, fwd_time=f, bwd_input_time=b, bwd_weight_time=w)
+    paper, ofob = m * (f + b + w) + (pp - 1) * (f + b - w), (m + pp - 1) * (f + b + w)
+    if w <= min(f, b):
+        assert t.makespan == pytest.approx(paper, abs=1e-9)
+    else:
+        assert paper + 1e-9 < t.makespan < ofob
+
+
+def test_zero_bubble_hand_checked_table():
+    """pp=2, m=4 by hand: stage 0 warms up with F0 then runs F B W; stage 1 defers each W by one B.
+    Makespan 3*4 + 1 = 13 against 1F1B's 15."""
+    stages = [build("zero_bubble", 2, 4, s) for s in range(2)]
+    assert " ".join(map(str, stages[0])) == ("F0 sendF0 F1 sendF1 recvB0 B0 W0 F2 sendF2 recvB1 B1 W1 "
+                                             "F3 sendF3 recvB2 B2 W2 recvB3 B3 W3")
+    assert " ".join(map(str, stages[1])) == ("recvF0 F0 B0 sendB0 recvF1 F1 B1 sendB1 W0 recvF2 F2 B2 sendB2 W1 "
+                                             "recvF3 F3 B3 sendB3 W2 W3")
+    t = simulate_actions(stages)
+    assert (t.makespan, t.idle, t.peak_in_flight) == (13.0, [1.0, 1.0], [2, 2])
+
+
+# ---- The simulator refuses broken schedules ----
+
+def _broken(name: str, pp: int, m: int, v: int, stage: int, edit) -> list[list[Action]]:
+    stages = [build(name, pp, m, s, v) for s in range(pp)]
+    stages[stage] = edit(list(stages[stage]))
+    return stages
+
+
+def _swap(actions: list[Action], a: str, b: str) -> list[Action]:
+    i, j = [i for i, x in enumerate(actions) if str(x) in (a, b)]
+    actions[i], actions[j] = actions[j], actions[i]
+    return actions
+
+
+@pytest.mark.parametrize("name,v,stage,edit,match", [
+    ("zero_bubble", 1, 1, lambda x: [a for a in x if str(a) != "W2"], r"stage 1 micro-batch 2 chunk 0 ran fwd "
+     r"bwd_input \(expected fwd bwd or fwd bwd_input bwd_weight\)"),
+    ("zero_bubble", 1, 1, lambda x: _swap(x, "B1", "W1"), r"stage 1 runs W1 after fwd of micro-batch 1"),
+    ("zero_bubble", 1, 0, lambda x: x + [Action(Op.BWD_WEIGHT, 0)], r"stage 0 runs W0 after fwd bwd_input "
+     r"bwd_weight"),
+    ("zero_bubble", 1, 3, lambda x: _swap(x, "B0", "sendB0"), r"stage 3 runs sendB0 before computing"),
+    ("interleaved", 2, 0, lambda x: _swap(x, "recvF0.1", "F0.1"), r"stage 0 runs F0.1 before receiving"),
+    ("interleaved", 2, 0, lambda x: _swap(x, "recvF0.1", "recvF1.1"), r"stage 0 recvF1.1 matched sendF0 of "
+     r"stage 3"),
+    ("interleaved", 2, 3, lambda x: [a for a in x if str(a) != "recvB5"], r"stage 3 runs B5 before receiving"),
+    ("interleaved", 2, 3, lambda x: x + [Action(Op.SEND_FWD, 0)], r"stage 3 sendF0 to stage 0 is never received"),
+    ("interleaved", 2, 3, lambda x: x + [Action(Op.SEND_FWD, 0, 1)], r"stage 3 sendF0.1: no virtual stage 8 "
+     r"\(valid: 0..7\)"),
+])
+def test_simulator_refuses_broken_schedules(name, v, stage, edit, match):
+    with pytest.raises(RuntimeError, match=match):
+        simulate_actions(_broken(name, 4, 8, v, stage, edit))
+
+
+def test_simulator_checks_the_chunk_of_each_message():
+    """One rank, three chunks: chunk 0's output is for chunk 1, so chunk 2 taking it is an error (the tensor
+    would feed the wrong layers), even though the channel and the micro-batch agree."""
+    stage = [Action(Op.FWD, 0), Action(Op.SEND_FWD, 0), Action(Op.RECV_FWD, 0, 2), Action(Op.FWD, 0, 2)]
+    with pytest.raises(RuntimeError, match=r"stage 0 recvF0.2 matched sendF0 of stage 0"):
+        simulate_actions([stage + [Action(Op.FWD, 0, 1)]])
+
+
+def test_simulator_keeps_one_channel_per_rank_pair():
+    """At pp=2 the next and previous rank coincide: rank 0 sends F2 (to chunk 0 of rank 1) before B0.1 (to
+    chunk 0 of rank 1, backward), so rank 1 must receive them in that order; NCCL has no tags to sort them."""
+    def edit(x: list[Action]) -> list[Action]:
+        names = [str(a) for a in x]
+        i, j = names.index("recvF2"), names.index("recvB0")  # rank 1 runs B0 before F2: legal compute order
+        return x[:i] + x[j:j + 3] + x[i:j] + x[j + 3:]
+    stages = _broken("interleaved", 2, 4, 2, 1, edit)
+    assert " ".join(computes(stages[1])[6:8]) == "B0 F2"
+    with pytest.raises(RuntimeError, match=r"stage 1 recvB0 matched sendF2 of stage 0: the two post in different"):
+        simulate_actions(stages)
+
+
+def test_simulator_finds_the_deadlock_of_a_short_warmup():
+    """Rank 0 of pp=4, v=2, m=8 starting its backwards after 6 forwards instead of Megatron's 10: its B0.1
+    waits on rank 1, whose forwards wait for rank 0's F2.1, now queued behind that backward."""
+    def edit(x: list[Action]) -> list[Action]:
+        names = [str(a) for a in x]
+        i, j = names.index("recvB0.1"), names.index("recvF2.1")  # B0.1's three actions go before the 7th forward
+        return x[:j] + x[i:i + 3] + x[j:i] + x[i + 3:]
+    with pytest.raises(RuntimeError, match=r"^deadlock: stage 0 at recvB0.1, stage 1 at recvF2.1, "
+                                           r"stage 2 at recvF2.1, stage 3 at recvF2.1$"):
+        simulate_actions(_broken("interleaved", 4, 8, 2, 0, edit))
+
+
+@pytest.mark.parametrize("args,match", [
+    (("interleaved", 4, 8, 0, 1), r"interleaved needs virtual_stages >= 2, got virtual_stages=1"),
+    (("interleaved", 4, 6, 0, 2), r"multiple of pp.*micro_batches=6, pp=4; valid: 4, 8, \.\.\."),
+    (("1f1b", 4, 8, 0, 2), r"virtual_stages=2 needs schedule 'interleaved'; 1f1b runs one"),
+    (("zero_bubble", 4, 8, 0, 3), r"virtual_stages=3 needs schedule 'interleaved'"),
+    (("zero_bubble", 4, 3, 0, 1), r"zero_bubble needs micro_batches >= pp.*micro_batches=3 < pp=4"),
+])
+def test_build_errors_for_new_schedules(args, match):
+    with pytest.raises(ValueError, match=match):
+        build(*args)

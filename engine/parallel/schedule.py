@@ -1,56 +1,32 @@
 """Pipeline schedules as data: for each stage, the ordered list of actions it runs (no processes, no torch).
 
-A schedule is a pure function `(pp, micro_batches, stage) -> list[Action]`. The executor walks the list and
-turns each RECV/SEND into a p2p op; here it can be printed, simulated and unit-tested without any processes.
+A schedule is a pure function `(pp, micro_batches, stage) -> list[Action]` (interleaved also takes the virtual
+stage count v). The executor walks the list and turns each RECV/SEND into a p2p op; here it can be printed,
+simulated (engine/parallel/schedule_sim.py) and unit-tested without any processes.
 
 - 1F1B, non-interleaved (PipeDream-Flush): Narayanan et al. 2021, "Efficient Large-Scale Language Model
   Training on GPU Clusters Using Megatron-LM", Sec. 2.2.1, Fig. 4 (top).
 - GPipe: Huang et al. 2019, "GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism".
+- interleaved: 1F1B over v model chunks per rank, Narayanan et al. 2021, Sec. 2.2.2 (schedule_interleaved.py).
+- zero_bubble: ZB-H1, Qi et al. 2023, "Zero Bubble Pipeline Parallelism", Sec. 3.1 (schedule_zb.py).
 
-Both have the bubble fraction (p-1)/(m+p-1) of the makespan (Narayanan et al. 2021, Sec. 2.2.1); 1F1B keeps at
-most `pp - stage` activations alive instead of GPipe's m. Run `python -m engine.parallel.schedule --pp 4
---micro-batches 8` to print both.
+1F1B and GPipe have the bubble fraction (p-1)/(m+p-1) of the makespan (Narayanan et al. 2021, Sec. 2.2.1); 1F1B
+keeps at most `pp - stage` activations alive instead of GPipe's m. Run `python -m engine.parallel.schedule --pp 4
+--micro-batches 8` to print both, and add `--schedule interleaved --virtual-stages 2` or `--schedule zero_bubble`.
 """
 from __future__ import annotations
 
 import argparse
-import enum
-from dataclasses import dataclass
 
+from engine.parallel.actions import Action, Op, max_in_flight
+from engine.parallel.actions import backward_actions as _backward
+from engine.parallel.actions import forward_actions as _forward
+from engine.parallel.schedule_interleaved import interleaved_1f1b
+from engine.parallel.schedule_sim import Timeline, bubble_fraction, render, simulate_actions
+from engine.parallel.schedule_zb import zb_h1
 
-class Op(str, enum.Enum):
-    """What a stage does, in order."""
-    RECV_FWD = "recv_fwd"  # receive the activation of micro-batch mb from stage-1   (not on the first stage)
-    FWD = "fwd"            # forward micro-batch mb
-    SEND_FWD = "send_fwd"  # send the output of mb to stage+1                         (not on the last stage)
-    RECV_BWD = "recv_bwd"  # receive d(loss)/d(output) of mb from stage+1            (not on the last stage)
-    BWD = "bwd"            # backward micro-batch mb
-    SEND_BWD = "send_bwd"  # send d(loss)/d(input) of mb to stage-1                   (not on the first stage)
-
-
-_SHORT = {Op.RECV_FWD: "recvF", Op.FWD: "F", Op.SEND_FWD: "sendF",
-          Op.RECV_BWD: "recvB", Op.BWD: "B", Op.SEND_BWD: "sendB"}
-
-
-@dataclass(frozen=True)
-class Action:
-    op: Op
-    mb: int
-
-    def __str__(self) -> str:  # "F3", "B0", "recvF3", "sendB0"
-        return f"{_SHORT[self.op]}{self.mb}"
-
-
-def _forward(pp: int, stage: int, mb: int) -> list[Action]:
-    """FWD of mb wrapped in its receive (not on the first stage) and send (not on the last stage)."""
-    return ([Action(Op.RECV_FWD, mb)] if stage > 0 else []) + [Action(Op.FWD, mb)] \
-        + ([Action(Op.SEND_FWD, mb)] if stage < pp - 1 else [])
-
-
-def _backward(pp: int, stage: int, mb: int) -> list[Action]:
-    """BWD of mb wrapped in its receive (not on the last stage) and send (not on the first stage)."""
-    return ([Action(Op.RECV_BWD, mb)] if stage < pp - 1 else []) + [Action(Op.BWD, mb)] \
-        + ([Action(Op.SEND_BWD, mb)] if stage > 0 else [])
+__all__ = ["Action", "Op", "SCHEDULES", "Timeline", "build", "bubble_fraction", "forward_only", "gpipe",
+           "max_in_flight", "one_f_one_b", "render", "simulate", "simulate_actions"]
 
 
 def one_f_one_b(pp: int, micro_batches: int, stage: int) -> list[Action]:
@@ -98,10 +74,25 @@ def forward_only(pp: int, micro_batches: int, stage: int) -> list[Action]:
     return [a for mb in range(micro_batches) for a in _forward(pp, stage, mb)]
 
 
-SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
+SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe, "interleaved": interleaved_1f1b, "zero_bubble": zb_h1}
 
 
-def build(schedule: str, pp: int, micro_batches: int, stage: int) -> list[Action]:
+def _check_chunks(schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> None:
+    """Virtual stages are interleaved's alone; interleaved needs v >= 2 and Megatron's whole groups of pp."""
+    if schedule != "interleaved":
+        if virtual_stages != 1:
+            raise ValueError(f"virtual_stages={virtual_stages} needs schedule 'interleaved'; {schedule} runs one "
+                             f"model chunk per stage (virtual_stages=1)")
+        return
+    if virtual_stages < 2:
+        raise ValueError(f"interleaved needs virtual_stages >= 2, got virtual_stages={virtual_stages} "
+                         f"(one chunk per stage is 1f1b)")
+    if micro_batches % pp:
+        raise ValueError(f"interleaved needs micro_batches to be a multiple of pp (Megatron's groups of pp "
+                         f"micro-batches), got micro_batches={micro_batches}, pp={pp}; valid: {pp}, {2 * pp}, ...")
+
+
+def build(schedule: str, pp: int, micro_batches: int, stage: int, virtual_stages: int = 1) -> list[Action]:
     """The action list of `stage`, after checking every argument (the error names the bad value)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
@@ -111,135 +102,76 @@ def build(schedule: str, pp: int, micro_batches: int, stage: int) -> list[Action
         raise ValueError(f"stage={stage} out of range for pp={pp}; valid: 0..{pp - 1}")
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got micro_batches={micro_batches}")
-    if schedule == "1f1b" and micro_batches < pp:
-        raise ValueError(f"1f1b needs micro_batches >= pp, got micro_batches={micro_batches} < pp={pp}")
+    if schedule in ("1f1b", "zero_bubble") and micro_batches < pp:
+        raise ValueError(f"{schedule} needs micro_batches >= pp, got micro_batches={micro_batches} < pp={pp}")
+    _check_chunks(schedule, pp, micro_batches, virtual_stages)
+    if schedule == "interleaved":
+        return interleaved_1f1b(pp, micro_batches, stage, virtual_stages)
     return SCHEDULES[schedule](pp, micro_batches, stage)
 
 
-def max_in_flight(actions: list[Action]) -> int:
-    """The most micro-batches forwarded and not yet backwarded at any point (= activations held)."""
-    alive = peak = 0
-    for a in actions:
-        alive += (a.op is Op.FWD) - (a.op is Op.BWD)
-        peak = max(peak, alive)
-    return peak
+def simulate(schedule: str, pp: int, micro_batches: int, fwd_time: float = 1.0, bwd_time: float = 2.0,
+             virtual_stages: int = 1, bwd_input_time: float = 1.0, bwd_weight_time: float = 1.0) -> Timeline:
+    """Event simulation of all stages with the executor's semantics (schedule_sim.simulate_actions): sends are
+    non-blocking; a RECV blocks until the matching SEND has been posted and the sender's compute producing it has
+    finished; computes take their time (fwd_time, bwd_time, zero bubble's bwd_input_time and bwd_weight_time);
+    communication is free. Raises RuntimeError('deadlock: ...') naming each stage's blocked action if no stage
+    can progress, and RuntimeError for any send/receive or F/B/W order that does not add up."""
+    stages = [build(schedule, pp, micro_batches, s, virtual_stages) for s in range(pp)]
+    return simulate_actions(stages, fwd_time, bwd_time, schedule, bwd_input_time, bwd_weight_time)
 
 
-@dataclass
-class Timeline:
-    """Simulated run: intervals[s] = [(start, end, action)] of stage s's FWD/BWD; idle[s] = makespan - busy."""
-    schedule: str
-    pp: int
-    micro_batches: int
-    intervals: list[list[tuple[float, float, Action]]]
-    makespan: float
-    idle: list[float]
+def theory(schedule: str, pp: int, m: int, v: int, f: float, b: float, bi: float, w: float) -> tuple[str, float]:
+    """(formula, value) of the bubble fraction of the makespan that the papers predict."""
+    if schedule == "interleaved":  # Narayanan et al. 2021, Sec. 2.2.2: (p-1)/(v*m) of the ideal time
+        return "(p-1)/(v*m+p-1)", (pp - 1) / (v * m + pp - 1)
+    if schedule == "zero_bubble":  # Qi et al. 2023, Sec. 3.1: bubble (p-1)(F+B-W)
+        bubble = (pp - 1) * (f + bi - w)
+        return "(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W))", bubble / (m * (f + bi + w) + bubble)
+    return "(p-1)/(m+p-1)", (pp - 1) / (m + pp - 1)
 
 
-_CHANNEL = {Op.RECV_FWD: (-1, "fwd"), Op.SEND_FWD: (+1, "fwd"), Op.RECV_BWD: (+1, "bwd"), Op.SEND_BWD: (-1, "bwd")}
-
-
-def simulate_actions(stages: list[list[Action]], fwd_time: float = 1.0, bwd_time: float = 2.0,
-                     schedule: str = "custom") -> Timeline:
-    """Run per-stage action lists against each other (see simulate()).
-
-    Messages travel on FIFO channels keyed (sender, receiver, direction), as p2p ops match in posting order: the
-    n-th RECV on a channel takes its n-th SEND and must name the same micro-batch (RuntimeError otherwise). A
-    SEND is posted when the compute before it ends; a RECV waits until then. Stages are advanced in turn until
-    none can move; the times depend only on data dependencies, not on the order stages are visited.
-    """
-    pp = len(stages)
-    pos, clock = [0] * pp, [0.0] * pp
-    posted: dict[tuple[int, int, str], list[tuple[int, float]]] = {}
-    taken: dict[tuple[int, int, str], int] = {}
-    intervals: list[list[tuple[float, float, Action]]] = [[] for _ in range(pp)]
-    progress = True
-    while progress:
-        progress = False
-        for s in range(pp):
-            while pos[s] < len(stages[s]):
-                a = stages[s][pos[s]]
-                if a.op in (Op.FWD, Op.BWD):
-                    end = clock[s] + (fwd_time if a.op is Op.FWD else bwd_time)
-                    intervals[s].append((clock[s], end, a))
-                    clock[s] = end
-                elif a.op in (Op.SEND_FWD, Op.SEND_BWD):
-                    step, way = _CHANNEL[a.op]
-                    posted.setdefault((s, s + step, way), []).append((a.mb, clock[s]))
-                else:
-                    step, way = _CHANNEL[a.op]
-                    key = (s + step, s, way)
-                    n, queue = taken.get(key, 0), posted.get(key, [])
-                    if n >= len(queue):
-                        break  # blocked: the matching SEND has not been posted yet
-                    if queue[n][0] != a.mb:
-                        raise RuntimeError(f"stage {s} {a} matched send{way[0].upper()}{queue[n][0]} "
-                                           f"of stage {s + step}: micro-batch order differs")
-                    taken[key] = n + 1
-                    clock[s] = max(clock[s], queue[n][1])
-                pos[s] += 1
-                progress = True
-    if any(pos[s] < len(stages[s]) for s in range(pp)):
-        blocked = [f"stage {s} at {stages[s][pos[s]]}" for s in range(pp) if pos[s] < len(stages[s])]
-        raise RuntimeError("deadlock: " + ", ".join(blocked))
-    makespan = max(clock, default=0.0)
-    idle = [makespan - sum(e - b for b, e, _ in iv) for iv in intervals]
-    return Timeline(schedule, pp, sum(a.op is Op.FWD for a in stages[0]) if pp else 0, intervals, makespan, idle)
-
-
-def simulate(schedule: str, pp: int, micro_batches: int, fwd_time: float = 1.0, bwd_time: float = 2.0) -> Timeline:
-    """Event simulation of all stages with the executor's semantics: sends are non-blocking (posted, never
-    waited on); a RECV blocks until the matching SEND (same mb, same direction, neighbour stage) has been posted
-    and the sender's compute producing it has finished; FWD/BWD take fwd_time/bwd_time; communication is free.
-    Raises RuntimeError('deadlock: ...') naming each stage's blocked action if no stage can progress."""
-    stages = [build(schedule, pp, micro_batches, s) for s in range(pp)]
-    return simulate_actions(stages, fwd_time, bwd_time, schedule)
-
-
-def bubble_fraction(timeline: Timeline) -> list[float]:
-    """Per stage idle / makespan; theory (p-1)/(m+p-1) for both schedules (Narayanan et al. 2021, Sec. 2.2.1)."""
-    return [i / timeline.makespan if timeline.makespan else 0.0 for i in timeline.idle]
-
-
-def render(timeline: Timeline, width: int = 100) -> str:
-    """ASCII timeline, one row per stage: "F0"/"B0" cells and "." for idle, time scaled to fit `width` columns
-    (a whole number of columns per time unit when the makespan fits)."""
-    t = timeline.makespan or 1.0
-    scale = width // t if t <= width else width / t  # columns per time unit
-    cols = round(t * scale)
-    rows = [f"{timeline.schedule} pp={timeline.pp} m={timeline.micro_batches} makespan={timeline.makespan:g} "
-            f"({scale:g} columns per time unit)"]
-    for s, iv in enumerate(timeline.intervals):
-        row = ["."] * cols
-        for start, end, a in iv:
-            lo, hi = round(start * scale), round(end * scale)
-            label = str(a) if len(str(a)) <= hi - lo else str(a)[0] * (hi - lo)
-            row[lo:hi] = label.ljust(hi - lo)
-        rows.append(f"stage {s} |{''.join(row)}|")
-    return "\n".join(rows)
+def _print_schedule(name: str, args: argparse.Namespace, v: int) -> None:
+    pp, m = args.pp, args.micro_batches
+    stages = [build(name, pp, m, s, v) for s in range(pp)]
+    timeline = simulate(name, pp, m, args.fwd_time, args.bwd_time, v, args.bwd_input_time, args.bwd_weight_time)
+    costs = (f"fwd={args.fwd_time:g} bwd_input={args.bwd_input_time:g} bwd_weight={args.bwd_weight_time:g}"
+             if name == "zero_bubble" else f"fwd={args.fwd_time:g} bwd={args.bwd_time:g}")
+    chunks = f" virtual_stages={v}" if name == "interleaved" else ""
+    print(f"== {name}: pp={pp}{chunks} micro_batches={m} {costs}")
+    for s, actions in enumerate(stages):
+        print(f"actions stage {s}: {' '.join(map(str, actions))}")
+    print(render(timeline, args.width))
+    formula, value = theory(name, pp, m, v, args.fwd_time, args.bwd_time, args.bwd_input_time, args.bwd_weight_time)
+    print("bubble fraction per stage: " + " ".join(f"{b:.4f}" for b in bubble_fraction(timeline))
+          + f"  (theory {formula} = {value:.4f})")
+    unit = {"interleaved": f"  (chunk micro-batches, each 1/{v} of a stage's)",
+            "zero_bubble": "  (held until W)"}.get(name, "")
+    print("max activations in flight per stage: " + " ".join(map(str, timeline.peak_in_flight)) + unit)
+    print()
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Print pipeline schedules, their simulated timelines and bubbles.")
     p.add_argument("--pp", type=int, default=4, help="pipeline stages")
     p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step")
-    p.add_argument("--schedule", choices=[*SCHEDULES, "both"], default="both")
-    p.add_argument("--fwd-time", type=float, default=1.0, help="time of one forward on one stage")
-    p.add_argument("--bwd-time", type=float, default=2.0, help="time of one backward on one stage")
+    p.add_argument("--schedule", choices=[*SCHEDULES, "both"], default="both", help="both: 1f1b and gpipe")
+    p.add_argument("--virtual-stages", type=int, default=None,
+                   help="model chunks per stage, interleaved only (default: 2 for interleaved, else 1)")
+    p.add_argument("--fwd-time", type=float, default=1.0, help="time of one forward on one stage (chunk)")
+    p.add_argument("--bwd-time", type=float, default=2.0, help="time of one whole backward on one stage (chunk)")
+    p.add_argument("--bwd-input-time", type=float, default=1.0, help="zero_bubble: time of one B (input grad)")
+    p.add_argument("--bwd-weight-time", type=float, default=1.0, help="zero_bubble: time of one W (weight grad)")
     p.add_argument("--width", type=int, default=100, help="columns of the rendered timeline")
     args = p.parse_args(argv)
-    pp, m = args.pp, args.micro_batches
-    for name in SCHEDULES if args.schedule == "both" else [args.schedule]:
-        stages = [build(name, pp, m, s) for s in range(pp)]
-        timeline = simulate(name, pp, m, args.fwd_time, args.bwd_time)
-        print(f"== {name}: pp={pp} micro_batches={m} fwd={args.fwd_time:g} bwd={args.bwd_time:g}")
-        for s, actions in enumerate(stages):
-            print(f"actions stage {s}: {' '.join(map(str, actions))}")
-        print(render(timeline, args.width))
-        print("bubble fraction per stage: " + " ".join(f"{b:.4f}" for b in bubble_fraction(timeline))
-              + f"  (theory (p-1)/(m+p-1) = {(pp - 1) / (m + pp - 1):.4f})")
-        print("max activations in flight per stage: " + " ".join(str(max_in_flight(a)) for a in stages))
-        print()
+    names = ["1f1b", "gpipe"] if args.schedule == "both" else [args.schedule]
+    for name in names:
+        v = args.virtual_stages if args.virtual_stages is not None else (2 if name == "interleaved" else 1)
+        try:
+            build(name, args.pp, args.micro_batches, 0, v)  # check the arguments before printing anything
+        except ValueError as e:
+            p.error(str(e))  # one line, exit status 2
+        _print_schedule(name, args, v)
 
 
 if __name__ == "__main__":
