@@ -27,6 +27,7 @@ layer's activations are rebuilt at a time during backward (``recompute_bytes``).
 from __future__ import annotations
 
 from engine.config import Config
+from engine.parallel.cross_entropy import CHUNK_ELEMENTS
 
 
 def mode(cfg: Config) -> str:
@@ -63,12 +64,17 @@ def weight_copy_bytes(cfg: Config, tp: int, num_layers: int, last_stage: bool) -
 
 
 def head_bytes_per_token(cfg: Config, tp: int) -> float:
-    """Last stage: final norm, LM head input, and the loss's saved softmax (fp32 (b s, V/t)) and targets."""
+    """Last stage: final norm, LM head input, and what the loss saves: the logits (b s, V/t) and per-token values."""
     h, v = cfg.model.hidden_size, cfg.model.vocab_size
     norm = {"fp32": 12 * h + 4, "autocast": 10 * h + 4, "bf16": 8 * h + 4}[mode(cfg)]
-    # tp = 1: F.cross_entropy saves log_softmax's output and the (copied) int64 targets; tp > 1 the vocab-parallel
-    # loss saves its softmax, the local targets and two bool masks.
-    return norm + 4 * v / tp + (8 if tp == 1 else 10)
+    # The chunked loss (engine/parallel/cross_entropy.py) saves the logits in their own dtype (fp32, or bf16 from
+    # an autocast or bf16 LM head), the fp32 log-sum-exp, the int64 local targets and two bool masks.
+    return norm + logit_bytes(cfg) * v / tp + 14
+
+
+def logit_bytes(cfg: Config) -> int:
+    """Bytes per value of the LM head's output."""
+    return 4 if mode(cfg) == "fp32" else 2
 
 
 def micro_batch_bytes(cfg: Config, tp: int, pp: int, stage: int, num_layers: int) -> float:
@@ -96,14 +102,18 @@ def micro_batch_bytes(cfg: Config, tp: int, pp: int, stage: int, num_layers: int
 
 
 def transient_bytes(cfg: Config, tp: int, last_stage: bool) -> float:
-    """Short-lived buffers at the backward's peak, the largest of: on the last stage the logits and their gradient
-    (fp32 (b s, V/t) each, beside the saved softmax); the gradients flowing back through one MLP (about four
-    (b s, f/t) tensors); with activation checkpointing, one layer of one micro-batch rebuilt for its backward."""
+    """Short-lived buffers at the backward's peak, the largest of: on the last stage the logits' gradient ((b s, V/t)
+    in their dtype, beside the saved logits) and the loss's fp32 temporaries (one or two of its chunks); the
+    gradients flowing back through one MLP (about four (b s, f/t) tensors); with activation checkpointing, one
+    layer of one micro-batch rebuilt for its backward."""
     t, m = cfg.train, cfg.model
     tokens = t.micro_batch_size * t.seq_len
     out = tokens * 4 * m.intermediate_size / tp * residual_bytes(cfg)
     if t.activation_checkpointing:
         out += tokens * layer_bytes_per_token(cfg, tp) + weight_copy_bytes(cfg, tp, 1, False)
     if last_stage:
-        out = max(out, tokens * 8.0 * m.vocab_size / tp)
+        local_v = m.vocab_size / tp
+        chunk = min(tokens, max(1, CHUNK_ELEMENTS // int(local_v)))  # tokens per loss chunk
+        temps = 1 if logit_bytes(cfg) == 4 else 2  # the fp32 softmax of a chunk (+ its fp32 cast from bf16)
+        out = max(out, tokens * logit_bytes(cfg) * local_v + temps * 4 * chunk * local_v)
     return out
