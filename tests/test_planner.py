@@ -97,7 +97,7 @@ def test_planned_memory_matches_measured(tmp_path, name):
     argv = argv + ["--train.out_dir", str(tmp_path)]
     cfg = load(argv)
     for got in run_ranks(measure_rank, world, argv, threads=1):
-        plan = stage_memory(cfg, world, got["stage"], foreach=False)  # CPU AdamW runs its per-tensor loop
+        plan = stage_memory(cfg, world, got["stage"])  # AdamW runs foreach on CPU (engine.optim)
         where = f"{name} stage {got['stage']} tp rank {got['tp_rank']}"
         for key, planned in (("params", plan.weights), ("grads", plan.grads), ("optimizer", plan.optimizer),
                              ("gathered", plan.gathered)):

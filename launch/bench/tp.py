@@ -145,7 +145,7 @@ def print_memory(args: argparse.Namespace) -> None:
             for got in run_ranks(measure_rank, world, argv, threads=1, timeout_s=600):
                 if got["tp_rank"] != 0:
                     continue  # tp peers hold the same amounts
-                plan = stage_memory(cfg, world, got["stage"], foreach=False)
+                plan = stage_memory(cfg, world, got["stage"])
                 state = got["params"] + got["grads"] + got["optimizer"]
                 act = "-" if cfg.train.activation_checkpointing else f"{got['activations'] / plan.activations:.3f}"
                 print(f"{name:<14} {got['stage']:>5} {state / 1e6:>8.2f} {state / plan.state:>6.3f} "
