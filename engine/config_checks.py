@@ -17,6 +17,7 @@ CHOICES = {
     "parallel.backend": ("auto", "gloo", "nccl"),
     "parallel.reshard_after_forward": ("auto", "true", "false"),
     "train.dtype": ("fp32", "bf16"),
+    "train.activation_checkpointing": ("none", "full", "selective"),  # true/false read as full/none (config.py)
     "model.family": ("llama", "qwen2", "mistral"),
     "model.rope_scaling": ("none", "linear", "llama3"),
 }
@@ -85,6 +86,9 @@ def validate(cfg: Config) -> None:
                           f"end / keep all)")
     if not c.resume:
         raise ConfigError("checkpoint.resume is empty; use auto, none or a checkpoint PATH")
+    if cfg.train.compile and cfg.parallel.dp_mode == "zero":  # untested: DeepSpeed's hooks on every module
+        raise ConfigError("train.compile=true is not supported with parallel.dp_mode=zero; use dp_mode ddp or fsdp, "
+                          "or train.compile=false")
     if cfg.parallel.ds_config:
         if cfg.parallel.dp_mode != "zero":
             raise ConfigError(f"parallel.ds_config={cfg.parallel.ds_config!r} is read only with parallel.dp_mode=zero "

@@ -23,7 +23,9 @@ from engine.config import Config, ConfigError
 from engine.model.docmask import document_layout
 from engine.data.feed import BatchFeed
 from engine.model.hf_init import adopt_shape, load_weights
+from engine.model.compile import apply_compile
 from engine.model.init import materialize
+from engine.model.recompute import apply_activation_checkpointing
 from engine.metrics.logger import MetricsLogger
 from engine.optim import build_optimizer, clip_gradients, lr_at, set_lr
 from engine.parallel.context import ParallelContext, resolve_layout
@@ -45,7 +47,9 @@ def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
     split_stage(model, ctx.pp, ctx.pp_rank, cfg.parallel.pp_layers or None)
     apply_tensor_parallel(model, ctx.tp_group)
     materialize(model, ctx.device, cfg.train.seed, cfg.model.init_std)
-    model.model.activation_checkpointing = cfg.train.activation_checkpointing
+    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+    if cfg.train.compile:  # after activation checkpointing, before FSDP (engine/model/compile.py)
+        apply_compile(model)
     if cfg.parallel.dp_mode == "fsdp":
         # Under pp > 1 each weight would be gathered once per micro-batch forward and again per backward;
         # keeping it gathered from forward to backward is the better default there (DESIGN.md).
