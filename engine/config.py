@@ -102,7 +102,10 @@ class TrainConfig:
     max_bad_steps: int = 5
     seed: int = 1234
     dtype: str = "fp32"  # fp32 | bf16 (autocast; weights, grads and optimizer state stay fp32)
-    activation_checkpointing: bool = False
+    # Recompute in backward instead of keeping activations: none | full (keep each block's input) | selective
+    # (keep matmul outputs, recompute norms/attention/elementwise; engine/model/recompute.py). true/false: full/none.
+    activation_checkpointing: str = "none"
+    compile: bool = False  # torch.compile each decoder block (engine/model/compile.py)
     eval_every: int = 0  # validation loss every N steps (0: never); logged as eval_loss in metrics.jsonl
     eval_batches: int = 4  # global batches of the held-out split per evaluation
     out_dir: str = "runs/tiny"
@@ -154,6 +157,8 @@ class Config:
 
 # Other spellings of a key: HF's name for our max_seq_len (the longest position the model is meant for).
 ALIASES = {"model.max_position_embeddings": "model.max_seq_len"}
+# Other spellings of a value: activation_checkpointing was a bool before it had modes (old configs, saved headers).
+VALUE_ALIASES = {"train.activation_checkpointing": {"true": "full", "false": "none"}}
 
 
 def _coerce(key: str, value, typ):
@@ -218,7 +223,10 @@ def _set(cfg: Config, dotted: str, value) -> None:
     fields = _field_types(type(sub))
     if key not in fields:
         raise ConfigError(f"unknown config key '{dotted}'; valid keys in '{section}': {', '.join(fields)}")
-    setattr(sub, key, _coerce(dotted, value, fields[key]))
+    value = _coerce(dotted, value, fields[key])
+    if dotted in VALUE_ALIASES:
+        value = VALUE_ALIASES[dotted].get(value, value)
+    setattr(sub, key, value)
 
 
 def _apply_mapping(cfg: Config, data, source: str) -> None:

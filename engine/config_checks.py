@@ -19,6 +19,7 @@ CHOICES = {
     "parallel.backend": ("auto", "gloo", "nccl"),
     "parallel.reshard_after_forward": ("auto", "true", "false"),
     "train.dtype": ("fp32", "bf16"),
+    "train.activation_checkpointing": ("none", "full", "selective"),  # true/false read as full/none (config.py)
     "model.family": ("llama", "qwen2", "mistral"),
     "model.rope_scaling": ("none", "linear", "llama3"),
 }
@@ -94,6 +95,9 @@ def _validate_dp(cfg: Config) -> None:
     """The keys that belong to one dp mode: a key of another mode set away from its default is refused rather than
     silently ignored."""
     p = cfg.parallel
+    if cfg.train.compile and p.dp_mode == "zero":  # untested: DeepSpeed's hooks on every module
+        raise ConfigError("train.compile=true is not supported with parallel.dp_mode=zero; use dp_mode ddp or fsdp, "
+                          "or train.compile=false")
     if p.ds_config:
         if p.dp_mode != "zero":
             raise ConfigError(f"parallel.ds_config={p.ds_config!r} is read only with parallel.dp_mode=zero "

@@ -27,7 +27,17 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
         (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
+                             **adamw_implementation(decay + no_decay))
+
+
+def adamw_implementation(params: list) -> dict:
+    """The fastest AdamW torch offers for these parameters: ``fused=True`` (one kernel for all tensors) on CUDA,
+    else ``foreach=True`` (multi-tensor ops; torch's CPU default is the per-tensor loop). Both do the same
+    arithmetic as the loop up to rounding, DTensor (FSDP2) parameters included."""
+    if params and all(p.device.type == "cuda" for p in params):
+        return {"fused": True}
+    return {"foreach": True}
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -25,9 +25,11 @@ from engine.metrics.logger import MetricsLogger
 from engine.metrics.stepstats import StepStats
 from engine.metrics.tensorboard import build_sinks
 from engine.model import transformer as model_lib
+from engine.model.compile import apply_compile
 from engine.model.docmask import document_layout
 from engine.model.hf_init import adopt_shape, load_weights
 from engine.model.init import materialize
+from engine.model.recompute import apply_activation_checkpointing
 from engine.optim import lr_at
 from engine.parallel import dp as dp_lib
 from engine.parallel import tied
@@ -46,7 +48,9 @@ def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
     split_stage(model, ctx.pp, ctx.pp_rank, cfg.parallel.pp_layers or None)
     apply_tensor_parallel(model, ctx.tp_group)
     materialize(model, ctx.device, cfg.train.seed, cfg.model.init_std)
-    model.model.activation_checkpointing = cfg.train.activation_checkpointing
+    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+    if cfg.train.compile:  # after activation checkpointing, before data parallelism (engine/model/compile.py)
+        apply_compile(model)
     return model
 
 

@@ -48,11 +48,11 @@ def test_ddp_gradient_all_reduce():
 
 
 def test_layouts_are_the_valid_ones():
-    # world 2, global batch 4: (tp, pp, dp) = (1, 1, 2): micro-batch 1 or 2, 6 dp modes, checkpointing on/off: 24;
-    # (1, 2, 1): 1f1b needs 4 / mbs >= 2 micro-batches, so mbs 1 or 2, ddp only at dp = 1: 4; (2, 1, 1): mbs 1, 2,
-    # 4: 6. tp = 4 needs 4 ranks; no layout leaves pp_layers from another pp.
+    # world 2, global batch 4, x 3 checkpointing modes (none, full, selective): (tp, pp, dp) = (1, 1, 2):
+    # micro-batch 1 or 2, 6 dp modes: 36; (1, 2, 1): 1f1b needs 4 / mbs >= 2 micro-batches, so mbs 1 or 2, ddp
+    # only at dp = 1: 6; (2, 1, 1): mbs 1, 2, 4: 9. tp = 4 needs 4 ranks; no layout leaves pp_layers from another pp.
     found = list(layouts(tiny(global_batch_size=4), 2))
-    assert len(found) == 34
+    assert len(found) == 51
     modes = {(c.parallel.dp_mode, c.parallel.zero_stage, c.parallel.reshard_after_forward) for c, _ in found}
     assert len(modes) == 6
     found8 = [layout for _, layout in layouts(tiny(), 8)]

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from engine.config import ModelConfig
 from engine.model.docmask import block_causal_mask
+from engine.model.recompute import run_block
 from engine.model.rope import rope_cos_sin
 
 
@@ -84,7 +84,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h))."""
+    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)). ``recompute``: none | full | selective
+    activation checkpointing of the block (engine/model/recompute.py)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -92,9 +93,14 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = MLP(cfg)
+        self.recompute = "none"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        return run_block(self, self.recompute, x, cos, sin, mask)
+
+    def _block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -108,7 +114,6 @@ class LlamaModel(nn.Module):
         self.embed_tokens: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_layers)})
         self.norm: nn.Module | None = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.activation_checkpointing = False
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,11 +126,7 @@ class LlamaModel(nn.Module):
         cos, sin = rope_cos_sin(self.cfg, position_ids, h.dtype)
         mask = None if doc_ids is None else block_causal_mask(doc_ids)
         for layer in self.layers.values():
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                # Recompute the block in backward instead of keeping its activations (Chen et al. 2016).
-                h = checkpoint(layer, h, cos, sin, mask, use_reentrant=False)
-            else:
-                h = layer(h, cos, sin, mask)
+            h = layer(h, cos, sin, mask)
         return self.norm(h) if self.norm is not None else h
 
 

@@ -3,7 +3,8 @@
 A column-parallel linear splits the output features (weight rows) across the tp group; a row-parallel linear
 splits the input features (weight columns) and all-reduces its output. Attention heads and the SwiGLU hidden dim
 are split this way, so a block needs one all-reduce forward and one backward per sub-layer. The embedding and the
-LM head split the vocabulary; the loss is computed on vocab-sharded logits without gathering them.
+LM head split the vocabulary; the loss is computed on vocab-sharded logits without gathering them
+(engine/parallel/cross_entropy.py, re-exported here).
 
 Every parallel module records which dim of each parameter is sharded in ``tp_dims`` (name -> dim) together with
 ``tp_rank``/``tp_size``: engine.model.init uses it to cut each local shard from the same full tensor at every tp.
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.parallel.comm import copy_to_parallel, gather_from_parallel, reduce_from_parallel, scatter_to_parallel
+from engine.parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: F401 (tensor.vocab_parallel_cross_entropy: the public name)
 
 
 def _rank_size(group) -> tuple[int, int]:
@@ -93,55 +95,6 @@ class VocabParallelEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}/{self.tp_size}, {self.embedding_dim}"
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy on vocab-sharded logits (Megatron-LM's vocab_parallel_cross_entropy).
-
-    loss = log(sum_v exp(z_v - m)) - (z_target - m) with m the global max; three all-reduces of (b*s,) values
-    (max, target logit, sum of exps) replace a gather of the (b*s, V) logits. Gradient: softmax - onehot(target).
-    """
-
-    @staticmethod
-    def forward(ctx, logits, target, group):
-        rank, size = _rank_size(group)
-        logits = logits.float()  # (n, V/tp)
-        local_v = logits.shape[-1]
-        vmax = logits.max(dim=-1).values  # (n,)
-        dist.all_reduce(vmax, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - vmax.unsqueeze(-1)
-        start = rank * local_v
-        outside = (target < start) | (target >= start + local_v)  # (n,)
-        local_target = (target - start).masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        dist.all_reduce(target_logit, group=group)
-        exp = shifted.exp_()  # reuse the buffer: (n, V/tp)
-        sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
-        loss = sum_exp.log() - target_logit  # (n,)
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_target, outside)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local_target, outside = ctx.saved_tensors
-        grad = softmax.clone()
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, local_target] -= (~outside).to(grad.dtype)
-        return grad * grad_loss.unsqueeze(-1), None, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,
-                                 ignore_index: int = -100) -> torch.Tensor:
-    """Mean next-token loss over the tokens whose target is not ``ignore_index`` (as F.cross_entropy).
-    logits (b, s, V/tp) in any dtype (computed in fp32), target (b, s)."""
-    flat_logits, flat_target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
-    if group is None or dist.get_world_size(group) == 1:
-        return F.cross_entropy(flat_logits.float(), flat_target, ignore_index=ignore_index)
-    valid = flat_target != ignore_index  # (n,)
-    per_token = _VocabParallelCrossEntropy.apply(flat_logits, flat_target.masked_fill(~valid, 0), group)
-    return (per_token * valid).sum() / valid.sum()
 
 
 # The plan table: which sub-module of a DecoderLayer becomes which parallel layer.

@@ -21,12 +21,16 @@ Dtypes (measured on CPU with torch.autograd.graph.saved_tensors_hooks; tests/tes
             region)
   bf16      bf16 weights (fsdp's bf16 compute copy; DeepSpeed bf16): the norm computes on an fp32 copy of x
             (4h + 4), x_n and y are bf16 (2h each): 16h + 8 + (4h + 4kvd + 4a + 8f)/t
-With activation checkpointing only each layer's input (the residual stream) is kept per micro-batch, and one
-layer's activations are rebuilt at a time during backward (``recompute_bytes``).
+With full activation checkpointing only each layer's input (the residual stream) is kept per micro-batch, and
+one layer's activations are rebuilt at a time during backward (``transient_bytes``). Selective checkpointing
+(engine/model/recompute.py) keeps the input and the matmul outputs: q (h/t), k, v (kvd/t each), o_proj (h, the
+row-parallel output), gate, up (f/t each), down (h), in the matmul dtype (fp32, or bf16 under autocast and bf16),
+and rebuilds the rest of one layer at a time; autocast's weight copies are recomputed too.
 """
 from __future__ import annotations
 
 from engine.config import Config
+from engine.parallel.cross_entropy import CHUNK_ELEMENTS
 
 
 def mode(cfg: Config) -> str:
@@ -39,6 +43,17 @@ def mode(cfg: Config) -> str:
 def residual_bytes(cfg: Config) -> int:
     """Bytes per value of the residual stream (the stage input/output dtype)."""
     return 2 if mode(cfg) == "bf16" else 4
+
+
+def checkpointed_layer_bytes_per_token(cfg: Config, tp: int) -> float:
+    """Bytes per token one layer keeps under activation checkpointing: its input, plus the matmul outputs with
+    selective recomputation."""
+    m = cfg.model
+    h, kvd, f = m.hidden_size, m.num_kv_heads * m.head_dim, m.intermediate_size
+    kept = h * residual_bytes(cfg)
+    if cfg.train.activation_checkpointing == "selective":
+        kept += logit_bytes(cfg) * (2 * h + (h + 2 * kvd + 2 * f) / tp)
+    return kept
 
 
 def layer_bytes_per_token(cfg: Config, tp: int) -> float:
@@ -63,12 +78,17 @@ def weight_copy_bytes(cfg: Config, tp: int, num_layers: int, last_stage: bool) -
 
 
 def head_bytes_per_token(cfg: Config, tp: int) -> float:
-    """Last stage: final norm, LM head input, and the loss's saved softmax (fp32 (b s, V/t)) and targets."""
+    """Last stage: final norm, LM head input, and what the loss saves: the logits (b s, V/t) and per-token values."""
     h, v = cfg.model.hidden_size, cfg.model.vocab_size
     norm = {"fp32": 12 * h + 4, "autocast": 10 * h + 4, "bf16": 8 * h + 4}[mode(cfg)]
-    # tp = 1: F.cross_entropy saves log_softmax's output and the (copied) int64 targets; tp > 1 the vocab-parallel
-    # loss saves its softmax, the local targets and two bool masks.
-    return norm + 4 * v / tp + (8 if tp == 1 else 10)
+    # The chunked loss (engine/parallel/cross_entropy.py) saves the logits in their own dtype (fp32, or bf16 from
+    # an autocast or bf16 LM head), the fp32 log-sum-exp, the int64 local targets and two bool masks.
+    return norm + logit_bytes(cfg) * v / tp + 14
+
+
+def logit_bytes(cfg: Config) -> int:
+    """Bytes per value of a matmul output (the LM head's and the layers')."""
+    return 4 if mode(cfg) == "fp32" else 2
 
 
 def micro_batch_bytes(cfg: Config, tp: int, pp: int, stage: int, num_layers: int) -> float:
@@ -80,8 +100,8 @@ def micro_batch_bytes(cfg: Config, tp: int, pp: int, stage: int, num_layers: int
     per_token = 0.0
     if stage == 0:
         per_token += 8 if tp == 1 else 9  # token ids saved by the embedding (+ the out-of-shard mask at tp > 1)
-    if t.activation_checkpointing:
-        per_token += num_layers * h * res  # each checkpointed layer keeps only its input
+    if t.activation_checkpointing != "none":
+        per_token += num_layers * checkpointed_layer_bytes_per_token(cfg, tp)
     else:
         per_token += num_layers * layer_bytes_per_token(cfg, tp)
     if last:
@@ -89,19 +109,23 @@ def micro_batch_bytes(cfg: Config, tp: int, pp: int, stage: int, num_layers: int
     if stage > 0 and mode(cfg) == "bf16":
         per_token += h * res  # the received input: the first norm saves an fp32 copy, not the buffer itself
     rope = 2 * t.seq_len * cfg.model.head_dim * res  # cos and sin tables, built once per forward
-    copies = 0.0 if t.activation_checkpointing else weight_copy_bytes(cfg, tp, num_layers, last)
+    copies = 0.0 if t.activation_checkpointing != "none" else weight_copy_bytes(cfg, tp, num_layers, last)
     return tokens * per_token + rope + copies
 
 
 def transient_bytes(cfg: Config, tp: int, last_stage: bool) -> float:
-    """Short-lived buffers at the backward's peak, the largest of: on the last stage the logits and their gradient
-    (fp32 (b s, V/t) each, beside the saved softmax); the gradients flowing back through one MLP (about four
-    (b s, f/t) tensors); with activation checkpointing, one layer of one micro-batch rebuilt for its backward."""
+    """Short-lived buffers at the backward's peak, the largest of: on the last stage the logits' gradient ((b s, V/t)
+    in their dtype, beside the saved logits) and the loss's fp32 temporaries (one or two of its chunks); the
+    gradients flowing back through one MLP (about four (b s, f/t) tensors); with activation checkpointing, one
+    layer of one micro-batch rebuilt for its backward."""
     t, m = cfg.train, cfg.model
     tokens = t.micro_batch_size * t.seq_len
     out = tokens * 4 * m.intermediate_size / tp * residual_bytes(cfg)
-    if t.activation_checkpointing:
+    if t.activation_checkpointing != "none":
         out += tokens * layer_bytes_per_token(cfg, tp) + weight_copy_bytes(cfg, tp, 1, False)
     if last_stage:
-        out = max(out, tokens * 8.0 * m.vocab_size / tp)
+        local_v = m.vocab_size / tp
+        chunk = min(tokens, max(1, CHUNK_ELEMENTS // int(local_v)))  # tokens per loss chunk
+        temps = 1 if logit_bytes(cfg) == 4 else 2  # the fp32 softmax of a chunk (+ its fp32 cast from bf16)
+        out = max(out, tokens * logit_bytes(cfg) * local_v + temps * 4 * chunk * local_v)
     return out

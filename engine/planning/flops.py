@@ -37,12 +37,18 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
 
 
 def stage_flops_per_token(cfg: ModelConfig, seq_len: int, layers: int, lm_head: bool,
-                          recompute: bool = False) -> int:
+                          recompute: str | bool = "none") -> int:
     """FLOPs per token of ``layers`` decoder layers (and the LM head): 6 N + 12 H Q T per layer, plus one more
-    forward of each layer (2 N + 4 H Q T) when activation checkpointing recomputes it (PaLM's hardware FLOPs)."""
-    per_layer = 6 * layer_matmul_params(cfg) + 12 * cfg.num_heads * cfg.head_dim * seq_len
-    if recompute:
+    forward of each layer (2 N + 4 H Q T) when full activation checkpointing recomputes it (PaLM's hardware
+    FLOPs), or of its attention core (4 H Q T) under selective recomputation (the matmul outputs are kept).
+    ``recompute``: none | full | selective (True/False: full/none)."""
+    recompute = {True: "full", False: "none"}.get(recompute, recompute)
+    attention = 4 * cfg.num_heads * cfg.head_dim * seq_len  # forward of Q K^T and A V
+    per_layer = 6 * layer_matmul_params(cfg) + 3 * attention
+    if recompute == "full":
         per_layer += per_layer // 3
+    elif recompute == "selective":
+        per_layer += attention
     return layers * per_layer + (6 * cfg.vocab_size * cfg.hidden_size if lm_head else 0)
 
 
@@ -51,9 +57,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     return 6 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len)
 
 
-def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, activation_checkpointing: bool) -> int:
+def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, activation_checkpointing: str | bool) -> int:
     """FLOPs the device executes per token: with full-block activation checkpointing each decoder layer's forward
-    runs twice; the LM head is not recomputed."""
+    runs twice, with selective its attention core; the LM head is not recomputed."""
     return stage_flops_per_token(cfg, seq_len, cfg.num_layers, True, activation_checkpointing)
 
 

@@ -145,9 +145,10 @@ def _state(cfg: Config, layout: Layout, params: int, micro_batches: int) -> tupl
 
 
 def _step_buffers(cfg: Config, layout: Layout, params: dict, foreach: bool) -> float:
-    """Temporaries after the backward: torch AdamW's (foreach, its CUDA default: a sqrt buffer per parameter
-    group, ~4 bytes per local parameter; the per-tensor loop used on CPU: ~2 of the largest tensor). DDP's
-    gradients are views into its buckets (engine/parallel/dp/ddp.py), so its reduction adds no buffer."""
+    """Temporaries after the backward: torch AdamW's (foreach, as engine.optim runs it off CUDA: a sqrt buffer per
+    parameter group, ~4 bytes per local parameter, an upper bound for CUDA's fused kernel; the per-tensor loop:
+    ~2 of the largest tensor). DDP's gradients are views into its buckets (engine/parallel/dp/ddp.py), so its
+    reduction adds no buffer."""
     p, m = cfg.parallel, cfg.model
     if p.dp_mode == "zero":
         return 0.0  # DeepSpeed's own buffers (reduce/all-gather buckets): _zero_buffers
@@ -161,7 +162,7 @@ def _step_buffers(cfg: Config, layout: Layout, params: dict, foreach: bool) -> f
 def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True) -> StageMemory:
     """Planned bytes held by one rank of pipeline ``stage`` at the peak of a training step (layout from
     ``cfg.parallel`` and ``cfg.train``, checked by engine.parallel.context.resolve_layout). ``foreach``: AdamW's
-    multi-tensor path (torch's default on CUDA; False for CPU runs)."""
+    multi-tensor path (engine.optim's choice off CUDA); False: torch's per-tensor loop."""
     layout = resolve_layout(cfg, world_size)
     t, p = cfg.train, cfg.parallel
     micro_batches = t.global_batch_size // (t.micro_batch_size * layout.dp)

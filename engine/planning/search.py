@@ -104,9 +104,10 @@ def step_time(cfg: Config, world_size: int, hw: Hardware) -> StepTime:
         stage_flops = flops.stage_flops_per_token(m, t.seq_len, params["num_layers"], last,
                                                   t.activation_checkpointing) / layout.tp
         compute = tokens * stage_flops / (hw.peak_tflops * 1e12 * hw.efficiency)
-        # Forward: rows + embedding all-reduces; backward: columns + the LM head's input (recomputation repeats
-        # the forward ones).
-        n_ar = params["num_layers"] * (rows * (1 + t.activation_checkpointing) + columns) + first + last
+        # Forward: rows + embedding all-reduces; backward: columns + the LM head's input (recomputation, full or
+        # selective, repeats the forward ones: engine/model/recompute.py).
+        recomputes = t.activation_checkpointing != "none"
+        n_ar = params["num_layers"] * (rows * (1 + recomputes) + columns) + first + last
         tp_comm = n_ar * _ring(act, layout.tp, 2, tp_bw, hw.latency_us)
         pp_comm = 0.0 if layout.pp == 1 else 2 * (act / (pp_bw * 1e9) + hw.latency_us * 1e-6)
         row = (compute + tp_comm + pp_comm, compute, tp_comm, pp_comm, params)
@@ -169,7 +170,7 @@ def layouts(cfg: Config, world_size: int):
             pp_layers = cfg.parallel.pp_layers if pp == cfg.parallel.pp else []
             for mbs in _divisors(gbs // dp):
                 for mode, stage, reshard in DP_MODES if dp > 1 else DP_MODES[:1]:
-                    for ac in (False, True):
+                    for ac in ("none", "full", "selective"):
                         c = with_layout(cfg, tp=tp, pp=pp, dp=dp, dp_mode=mode, zero_stage=stage,
                                         reshard_after_forward=reshard, pp_layers=pp_layers, micro_batch_size=mbs,
                                         activation_checkpointing=ac)

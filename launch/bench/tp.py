@@ -145,9 +145,10 @@ def print_memory(args: argparse.Namespace) -> None:
             for got in run_ranks(measure_rank, world, argv, threads=1, timeout_s=600):
                 if got["tp_rank"] != 0:
                     continue  # tp peers hold the same amounts
-                plan = stage_memory(cfg, world, got["stage"], foreach=False)
+                plan = stage_memory(cfg, world, got["stage"])
                 state = got["params"] + got["grads"] + got["optimizer"]
-                act = "-" if cfg.train.activation_checkpointing else f"{got['activations'] / plan.activations:.3f}"
+                act = "-" if cfg.train.activation_checkpointing != "none" else \
+                    f"{got['activations'] / plan.activations:.3f}"
                 print(f"{name:<14} {got['stage']:>5} {state / 1e6:>8.2f} {state / plan.state:>6.3f} "
                       f"{got['activations'] / 1e6:>9.2f} {act:>6} {got['peak'] / 1e6:>8.2f} "
                       f"{got['peak'] / plan.total:>6.3f}", flush=True)
