@@ -11,8 +11,8 @@ group whose ranks fit in one node (tp fastest, then dp, then pp: engine/parallel
 bandwidth, otherwise the inter-node one.
 
 What is counted, per engine path: tp: the plan table of engine/parallel/tensor.py (one all-reduce forward per
-row-parallel linear, one backward per column-parallel linear, none fused); ddp: one gradient all-reduce after
-the last micro-batch, not overlapped; fsdp: an all-gather per micro-batch forward (and another in backward with
+row-parallel linear, one backward per column-parallel linear, none fused); ddp: torch DDP's bucketed gradient
+all-reduce, overlapped with the last micro-batch's backward except the last bucket; fsdp: an all-gather per micro-batch forward (and another in backward with
 reshard_after_forward) that overlaps compute, and the gradient reduce-scatter of the last micro-batch; zero k
 (DeepSpeed, overlap_comm off in engine/parallel/dp/ds_json.py): stage 1 all-reduces gradients once, stage 2
 reduce-scatters every micro-batch, stage 3 also all-gathers weights forward and backward, and stages 1-2
@@ -75,8 +75,10 @@ def _dp_comm(cfg: Config, layout: Layout, hw: Hardware, params: int, micro_batch
     bw, lat = _bandwidth(hw, layout.tp * d), hw.latency_us
     grads = 4.0 * params  # fp32 gradients (DeepSpeed bf16 accumulates in fp32 here too)
     weights = (2.0 if cfg.train.dtype == "bf16" else 4.0) * params
-    if p.dp_mode == "ddp":
-        return _ring(grads, d, 2, bw, lat)
+    if p.dp_mode == "ddp":  # buckets reduce during the last micro-batch's backward (~2/3 of its compute);
+        # the last bucket's all-reduce starts only when backward ends
+        bucket = min(grads, p.bucket_mb * 2**20)
+        return max(_ring(grads, d, 2, bw, lat) - 2.0 / 3.0 * compute_mb, _ring(bucket, d, 2, bw, lat))
     if p.dp_mode == "fsdp":
         gathers = 1 + reshard_after_forward(cfg, layout.pp)
         hidden = max(0.0, gathers * _ring(weights, d, 1, bw, lat) - compute_mb)  # prefetch overlaps compute
