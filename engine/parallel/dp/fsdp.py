@@ -38,8 +38,9 @@ class FSDP(TorchOptimizerMixin, DataParallel):
 
     def __init__(self, model: nn.Module, cfg: Config, ctx):
         super().__init__(cfg, ctx)
-        self.exclude = counted_elsewhere(model, cfg, ctx)
         self.module = apply_fsdp(model, ctx.mesh["dp"], reshard_after_forward(cfg, ctx.pp), cfg.train.dtype == "bf16")
+        # After fully_shard, which replaces every parameter with its sharded DTensor parameter.
+        self.exclude = counted_elsewhere(self.module, cfg, ctx)
         self._build_optimizer()
 
     def before_backward(self, is_last: bool) -> None:
