@@ -1,5 +1,5 @@
 """Checks of a loaded configuration that need no world size (the layout is checked by
-engine/parallel/context.py ``resolve_layout``): choices, ranges, divisibility, the family-specific model keys.
+engine/parallel/support.py ``resolve_layout``): choices, ranges, divisibility, the family-specific model keys.
 Every failure is a one-line :class:`ConfigError` naming the key, its value and what would be valid."""
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _positive(cfg: Config, keys: list[str]) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Checks that need no world size; the layout is checked by ParallelContext (engine/parallel/context.py)."""
+    """Checks that need no world size; the layout is checked by engine/parallel/support.py."""
     for dotted, choices in CHOICES.items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.config import TrainConfig
+from engine.parallel.shards import local as _local, tp_dim
 
 
 def unique_params(model: nn.Module):
@@ -57,11 +58,6 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP-sharded over dp), or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = (), dp_group=None) -> torch.Tensor:
     """L2 norm of the whole model's gradient across tensor- and pipeline-parallel ranks.
 
@@ -76,7 +72,7 @@ def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = (),
     for module, attr, p in unique_params(model):
         if p.grad is None or id(p) in skip:
             continue
-        is_sharded = attr in getattr(module, "tp_dims", {}) and module.tp_size > 1
+        is_sharded = tp_dim(module, attr) is not None
         (sharded if is_sharded else replicated).append(_local(p.grad).detach().float().pow(2).sum())
     device = next(model.parameters()).device
     total = torch.zeros((), device=device, dtype=torch.float32)

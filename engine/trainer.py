@@ -33,8 +33,9 @@ from engine.model.recompute import apply_activation_checkpointing
 from engine.optim import lr_at
 from engine.parallel import dp as dp_lib
 from engine.parallel import tied
-from engine.parallel.context import ParallelContext, resolve_layout
+from engine.parallel.context import ParallelContext
 from engine.parallel.pipeline import PipelineExecutor, split_stage
+from engine.parallel.support import micro_batches_per_step, resolve_layout
 from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 
 
@@ -62,7 +63,7 @@ class Trainer:
         resolve_layout(cfg, ctx.world_size)  # the layout (and the supported combinations) against that shape
         self.cfg, self.ctx = cfg, ctx
         t = cfg.train
-        self.micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.dp)
+        self.micro_batches = micro_batches_per_step(t, ctx.dp)
         torch.manual_seed(t.seed)
         self.dp = dp_lib.build(build_model(cfg, ctx), cfg, ctx)  # gradient sync, the update, the rank's state
         self.model = self.dp.module  # the stage itself (names and parameters as a checkpoint sees them)

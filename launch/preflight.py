@@ -64,7 +64,7 @@ def load_job_config(args: argparse.Namespace, world: int):
     if not args.config:
         args.backend = args.backend or "auto"
         return None
-    from engine.parallel.context import resolve_layout
+    from engine.parallel.support import resolve_layout
     args.config = str(Path(args.config).resolve())  # the same absolute path is checked on every host
     cfg = load(["--config", args.config])
     try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import multiprocessing
 import os
 import pathlib
@@ -73,12 +72,8 @@ def _encode(task: tuple[int, int, int]) -> tuple[int, int, np.ndarray, np.ndarra
     int64) of its non-empty documents, each tokenized alone without special tokens and followed by EOS."""
     i, start, stop = task
     ds, column = _STATE["inputs"][i]
-    tok = _STATE["tokenizer"]
-    docs = [d for d in ds[start:stop][column] if d]
-    ids = tok(docs, add_special_tokens=False, verbose=False)["input_ids"] if docs else []
-    lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
-    stream = itertools.chain.from_iterable(itertools.chain(x, (tok.eos_token_id,)) for x in ids)
-    return i, stop - start, np.fromiter(stream, dtype=np.int32, count=int(lengths.sum())), lengths
+    ids, lengths = data.encode_documents([d for d in ds[start:stop][column] if d], _STATE["tokenizer"])
+    return i, stop - start, ids, lengths
 
 
 def _tasks(inputs: list, workers: int) -> list[tuple[int, int, int]]:
@@ -156,8 +151,7 @@ def preprocess(inputs: list[str], output: str, tokenizer: str = "", workers: int
             for spec, (ds, column) in zip(inputs, _STATE["inputs"]):
                 check_has_text(ds, column, spec)
             tok = _STATE["tokenizer"] = data.load_tokenizer(tokenizer)
-            if tok.eos_token_id is None:
-                raise DataError(f"tokenizer {tok.name_or_path!r} has no eos_token; use one that defines it")
+            data.eos_id(tok)  # a tokenizer without EOS fails here, before any worker starts
             return _write(pathlib.Path(output).expanduser(), index_dtype(len(tok)), workers)
         finally:
             _STATE.clear()

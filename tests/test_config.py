@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import Config, ConfigError, load, load_yaml, parse_args
-from engine.parallel.context import resolve_layout
+from engine.parallel.support import resolve_layout
 
 
 def test_defaults_yaml_and_overrides(tmp_path):

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from engine.model.init import full_shape
+from engine.parallel.shards import local as _local, tp_dim
 
 TIED_COPY, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
@@ -35,10 +36,6 @@ class Slot:
     start: int  # flat range [start, end) of the tp block held on this rank
     end: int
     write: tuple[int, int] | None  # the part of that range this rank writes; None: written elsewhere
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def step_tensor(group: dict, step: int, device) -> torch.Tensor:
@@ -114,7 +111,7 @@ def slots(model: nn.Module, access, ctx, tie_embeddings: bool) -> list[Slot]:
         mod_name, _, attr = name.rpartition(".")
         module = modules[mod_name]
         size = getattr(module, "tp_size", 1)
-        dim = getattr(module, "tp_dims", {}).get(attr) if size > 1 else None
+        dim = tp_dim(module, attr)
         rank = getattr(module, "tp_rank", 0) if size > 1 else 0
         local_shape = torch.Size(p.ds_shape) if hasattr(p, "ds_shape") else p.shape  # ZeRO-3: p is empty
         numel = local_shape.numel()

@@ -113,15 +113,27 @@ def _read_documents(path: pathlib.Path, text_key: str, cache_dir: str) -> list[s
     return docs
 
 
+def eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id that ends every document, or DataError naming a tokenizer that has none."""
+    if tokenizer.eos_token_id is None:
+        raise DataError(f"tokenizer {tokenizer.name_or_path!r} has no eos_token; use one that defines it")
+    return tokenizer.eos_token_id
+
+
+def encode_documents(docs: list[str], tokenizer: PreTrainedTokenizerBase) -> tuple[np.ndarray, np.ndarray]:
+    """Tokenize each document alone (no special tokens) and join them as doc0 EOS doc1 EOS ... -> the ids
+    (n_tokens,) int32 and each document's length with its EOS (n_docs,) int64. The one place that turns text into
+    training tokens (the bundled/raw-file path here, launch/preprocess.py's workers)."""
+    eos = eos_id(tokenizer)
+    ids = tokenizer(docs, add_special_tokens=False, verbose=False)["input_ids"] if docs else []  # list of lists
+    lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
+    stream = itertools.chain.from_iterable(itertools.chain(x, (eos,)) for x in ids)
+    return np.fromiter(stream, dtype=np.int32, count=int(lengths.sum())), lengths
+
+
 def documents_to_ids(docs: list[str], tokenizer: PreTrainedTokenizerBase) -> np.ndarray:
     """Tokenize documents (no special tokens) and join them as doc0 EOS doc1 EOS ... -> (n_tokens,) int32."""
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise DataError(f"tokenizer {tokenizer.name_or_path!r} has no eos_token; use one that defines it")
-    ids = tokenizer(docs, add_special_tokens=False, verbose=False)["input_ids"]  # list of lists
-    total = sum(len(x) + 1 for x in ids)
-    stream = itertools.chain.from_iterable(itertools.chain(x, (eos,)) for x in ids)
-    return np.fromiter(stream, dtype=np.int32, count=total)
+    return encode_documents(docs, tokenizer)[0]
 
 
 def tokenize_files(paths: list[str], tokenizer: PreTrainedTokenizerBase, text_key: str = "text") -> np.ndarray:

@@ -13,6 +13,8 @@ import zlib
 import torch
 from torch import nn
 
+from engine.parallel.shards import tp_dim
+
 
 def _param_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
@@ -30,7 +32,7 @@ def _full_value(name: str, shape: torch.Size, seed: int, std: float) -> torch.Te
 
 def _local_slice(full: torch.Tensor, module: nn.Module, attr: str) -> torch.Tensor:
     """Cut this tp rank's shard from the full tensor using the module's ``tp_dims`` record."""
-    dim = getattr(module, "tp_dims", {}).get(attr)
+    dim = tp_dim(module, attr)
     if dim is None:
         return full
     return full.chunk(module.tp_size, dim=dim)[module.tp_rank]
@@ -38,7 +40,7 @@ def _local_slice(full: torch.Tensor, module: nn.Module, attr: str) -> torch.Tens
 
 def full_shape(module: nn.Module, attr: str, local: torch.Size) -> torch.Size:
     """Global shape of a (possibly tp-sharded) parameter."""
-    dim = getattr(module, "tp_dims", {}).get(attr)
+    dim = tp_dim(module, attr)
     if dim is None:
         return local
     shape = list(local)

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from engine.config import Config, ConfigError
-from engine.parallel.support import check_supported
+from engine.parallel.support import Layout, resolve_layout
 
 
 def pick_device_and_backend(requested: str = "auto", local_rank: int = 0) -> tuple[torch.device, str]:
@@ -38,55 +37,6 @@ def group_options(backend: str, timeout: datetime.timedelta):
     options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     return options
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Validated sizes of the three axes."""
-    tp: int
-    pp: int
-    dp: int
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
-
-
-def resolve_layout(cfg: Config, world_size: int) -> Layout:
-    """Check the (tp, pp, dp) layout against the world size and the model; every factor is named in the error."""
-    p, m, t = cfg.parallel, cfg.model, cfg.train
-    tp, pp = p.tp, p.pp
-    if tp < 1 or pp < 1:
-        raise ConfigError(f"parallel.tp={tp} and parallel.pp={pp} must be >= 1")
-    # Model-shape checks come first: they hold whatever the world size.
-    if m.num_heads % tp or m.num_kv_heads % tp:
-        raise ConfigError(f"parallel.tp={tp} must divide model.num_heads={m.num_heads} and "
-                          f"model.num_kv_heads={m.num_kv_heads}")
-    if m.vocab_size % tp:
-        raise ConfigError(f"parallel.tp={tp} must divide model.vocab_size={m.vocab_size}")
-    if m.intermediate_size % tp:
-        raise ConfigError(f"parallel.tp={tp} must divide model.intermediate_size={m.intermediate_size}")
-    if m.num_layers < pp:
-        raise ConfigError(f"parallel.pp={pp} exceeds model.num_layers={m.num_layers}; each stage needs a layer")
-    counts = p.pp_layers
-    if counts and (len(counts) != pp or sum(counts) != m.num_layers or min(counts) < 1):
-        raise ConfigError(f"parallel.pp_layers={counts} must list {pp} positive layer counts (one per stage) "
-                          f"summing to model.num_layers={m.num_layers}")
-    dp = p.dp if p.dp != -1 else world_size // (tp * pp)
-    if dp < 1 or tp * pp * dp != world_size:
-        raise ConfigError(f"invalid layout: tp({tp}) * pp({pp}) * dp({p.dp if p.dp != -1 else 'auto'}) "
-                          f"!= world size({world_size}); choose tp and pp whose product divides {world_size}")
-    per_step = t.micro_batch_size * dp
-    if t.global_batch_size % per_step:
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
-                          f"train.micro_batch_size({t.micro_batch_size}) * dp({dp}) = {per_step}")
-    micro_batches = t.global_batch_size // per_step
-    if pp > 1 and p.schedule == "1f1b" and micro_batches < pp:
-        raise ConfigError(f"1f1b needs micro-batches ({micro_batches} = global_batch_size {t.global_batch_size} / "
-                          f"(micro_batch_size {t.micro_batch_size} * dp {dp})) >= parallel.pp={pp}")
-    layout = Layout(tp=tp, pp=pp, dp=dp)
-    check_supported(cfg, layout)  # dp mode x layout x dtype refusals (engine/parallel/support.py)
-    return layout
 
 
 def env_rank_info() -> tuple[int, int, int]:

@@ -27,7 +27,7 @@ COMM_OPS = (Op.RECV_FWD, Op.SEND_FWD, Op.RECV_BWD, Op.SEND_BWD)
 
 def stage_layer_ranges(num_layers: int, pp: int, counts: list[int] | None = None) -> list[range]:
     """Global layer indices of each stage: even split (earlier stages take the remainder) or explicit counts
-    (already checked against pp and num_layers with the rest of the layout, in context.resolve_layout)."""
+    (already checked against pp and num_layers with the rest of the layout, in support.resolve_layout)."""
     if not counts:
         counts = [num_layers // pp + (1 if s < num_layers % pp else 0) for s in range(pp)]
     starts = [sum(counts[:s]) for s in range(pp)]

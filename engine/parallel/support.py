@@ -1,12 +1,71 @@
-"""Which (layout, dp mode, dtype, embedding) combinations this build runs: the one place that refuses the rest.
+"""The checks that need the world size: the (tp, pp, dp) layout against the model and the batch (resolve_layout),
+and which (layout, dp mode, dtype, embedding) combinations this build runs (check_supported). Checks that need no
+world size are in engine/config_checks.py; together they are every configuration check.
 
-Called by ``context.resolve_layout``, so a refused combination fails before any process group exists, and by the
-planner's search. The list of refusals, with the reason for each, is also stated independently in
+resolve_layout runs in ``ParallelContext.from_config``, so a bad or refused layout fails before any process group
+exists, and in the planner's search. The list of refusals, with the reason for each, is also stated independently in
 tests/parity/matrix.py and shown in the README ("What is proven").
 """
 from __future__ import annotations
 
-from engine.config import Config, ConfigError
+from dataclasses import dataclass
+
+from engine.config import Config, ConfigError, TrainConfig
+
+
+def micro_batches_per_step(t: TrainConfig, dp: int) -> int:
+    """Micro-batches each dp rank runs per optimizer step: global_batch_size / (micro_batch_size * dp), as in
+    Megatron, so a change of dp keeps the global batch (resolve_layout checks that it divides)."""
+    return t.global_batch_size // (t.micro_batch_size * dp)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Validated sizes of the three axes."""
+    tp: int
+    pp: int
+    dp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+def resolve_layout(cfg: Config, world_size: int) -> Layout:
+    """Check the (tp, pp, dp) layout against the world size and the model; every factor is named in the error."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    tp, pp = p.tp, p.pp
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"parallel.tp={tp} and parallel.pp={pp} must be >= 1")
+    # Model-shape checks come first: they hold whatever the world size.
+    if m.num_heads % tp or m.num_kv_heads % tp:
+        raise ConfigError(f"parallel.tp={tp} must divide model.num_heads={m.num_heads} and "
+                          f"model.num_kv_heads={m.num_kv_heads}")
+    if m.vocab_size % tp:
+        raise ConfigError(f"parallel.tp={tp} must divide model.vocab_size={m.vocab_size}")
+    if m.intermediate_size % tp:
+        raise ConfigError(f"parallel.tp={tp} must divide model.intermediate_size={m.intermediate_size}")
+    if m.num_layers < pp:
+        raise ConfigError(f"parallel.pp={pp} exceeds model.num_layers={m.num_layers}; each stage needs a layer")
+    counts = p.pp_layers
+    if counts and (len(counts) != pp or sum(counts) != m.num_layers or min(counts) < 1):
+        raise ConfigError(f"parallel.pp_layers={counts} must list {pp} positive layer counts (one per stage) "
+                          f"summing to model.num_layers={m.num_layers}")
+    dp = p.dp if p.dp != -1 else world_size // (tp * pp)
+    if dp < 1 or tp * pp * dp != world_size:
+        raise ConfigError(f"invalid layout: tp({tp}) * pp({pp}) * dp({p.dp if p.dp != -1 else 'auto'}) "
+                          f"!= world size({world_size}); choose tp and pp whose product divides {world_size}")
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_step:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                          f"train.micro_batch_size({t.micro_batch_size}) * dp({dp}) = {per_step}")
+    micro_batches = micro_batches_per_step(t, dp)
+    if pp > 1 and p.schedule == "1f1b" and micro_batches < pp:
+        raise ConfigError(f"1f1b needs micro-batches ({micro_batches} = global_batch_size {t.global_batch_size} / "
+                          f"(micro_batch_size {t.micro_batch_size} * dp {dp})) >= parallel.pp={pp}")
+    layout = Layout(tp=tp, pp=pp, dp=dp)
+    check_supported(cfg, layout)  # dp mode x layout x dtype refusals
+    return layout
 
 
 def check_supported(cfg: Config, layout) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from engine.planning import activations as acts
 from engine.config import Config, ModelConfig
 from engine.parallel import schedule as sched
-from engine.parallel.context import Layout, resolve_layout
+from engine.parallel.support import Layout, micro_batches_per_step, resolve_layout
 from engine.parallel.support import reshard_after_forward
 from engine.parallel.dp.ds_json import load_base_config
 from engine.parallel.pipeline import stage_layer_ranges
@@ -161,11 +161,11 @@ def _step_buffers(cfg: Config, layout: Layout, params: dict, foreach: bool) -> f
 
 def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True) -> StageMemory:
     """Planned bytes held by one rank of pipeline ``stage`` at the peak of a training step (layout from
-    ``cfg.parallel`` and ``cfg.train``, checked by engine.parallel.context.resolve_layout). ``foreach``: AdamW's
+    ``cfg.parallel`` and ``cfg.train``, checked by engine.parallel.support.resolve_layout). ``foreach``: AdamW's
     multi-tensor path (engine.optim's choice off CUDA); False: torch's per-tensor loop."""
     layout = resolve_layout(cfg, world_size)
     t, p = cfg.train, cfg.parallel
-    micro_batches = t.global_batch_size // (t.micro_batch_size * layout.dp)
+    micro_batches = micro_batches_per_step(t, layout.dp)
     params = stage_params(cfg, layout.tp, layout.pp, stage)
     weights, grads, optimizer = _state(cfg, layout, params["layers"] + params["root"], micro_batches)
     optimizer += 4 * _param_tensors(cfg, layout, stage)  # AdamW's fp32 `step` counter per parameter tensor

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from engine.planning import flops
 from engine.config import Config, ConfigError
-from engine.parallel.context import Layout, resolve_layout
+from engine.parallel.support import Layout, micro_batches_per_step, resolve_layout
 from engine.parallel.tensor import LAYER_PLAN
 from engine.parallel.support import reshard_after_forward
 from engine.planning.planner import StageMemory, plan_memory, stage_params, with_layout
@@ -93,7 +93,7 @@ def step_time(cfg: Config, world_size: int, hw: Hardware) -> StepTime:
     """Estimated seconds of one optimizer step of the configured layout (see the module docstring)."""
     layout = resolve_layout(cfg, world_size)
     t, m = cfg.train, cfg.model
-    micro_batches = t.global_batch_size // (t.micro_batch_size * layout.dp)
+    micro_batches = micro_batches_per_step(t, layout.dp)
     tokens = t.micro_batch_size * t.seq_len
     act = tokens * m.hidden_size * (2 if cfg.train.dtype == "bf16" else 4)  # one (mbs, s, h) activation
     rows = sum(style == "row" for style in LAYER_PLAN.values())
@@ -144,7 +144,7 @@ class Candidate:
             mode += "-reshard" if reshard_after_forward(self.cfg, self.layout.pp) else "-keep"
         return {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "dp_mode": mode,
                 "micro_batch_size": t.micro_batch_size,
-                "micro_batches": t.global_batch_size // (t.micro_batch_size * self.layout.dp),
+                "micro_batches": micro_batches_per_step(t, self.layout.dp),
                 "activation_checkpointing": t.activation_checkpointing, "peak_memory_gb": self.peak_bytes / 1e9,
                 "step_s": self.time.total, "tokens_per_s": self.time.tokens_per_s, "mfu": self.time.mfu,
                 "bubble_s": self.time.bubble, "tp_comm_s": self.time.tp_comm, "pp_comm_s": self.time.pp_comm,
@@ -161,7 +161,7 @@ DP_MODES = [("ddp", 0, "auto"), ("fsdp", 0, "true"), ("fsdp", 0, "false"), ("zer
 
 def layouts(cfg: Config, world_size: int):
     """Every valid (tp, pp, dp, dp mode, micro-batch size, activation checkpointing) of ``cfg`` on ``world_size``
-    ranks, as configs. Validity is engine.parallel.context.resolve_layout's (engine/parallel/support.py); at dp = 1 only ddp
+    ranks, as configs. Validity is engine.parallel.support.resolve_layout's; at dp = 1 only ddp
     (sharding over one rank changes nothing)."""
     gbs = cfg.train.global_batch_size
     for tp in _divisors(world_size):

@@ -27,11 +27,7 @@ from torch import nn
 from engine.config import Config
 from engine.optim import build_optimizer, clip_gradients, set_lr
 from engine.parallel.pipeline import backward_from
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP-sharded over dp), or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
+from engine.parallel.shards import local
 
 
 class DataParallel:

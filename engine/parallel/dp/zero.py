@@ -35,6 +35,8 @@ from engine.internals import private
 from engine.optim import build_optimizer, set_lr, unique_params
 from engine.parallel.dp.base import DataParallel
 from engine.parallel.dp.ds_json import load_base_config
+from engine.parallel.shards import tp_dim
+from engine.parallel.support import micro_batches_per_step
 from engine.parallel.dp.zero_state import Zero3State, Zero12State, zero_bytes_held
 from engine.parallel.tied import counted_elsewhere, split_over_stages
 
@@ -45,13 +47,10 @@ def ds_config(cfg: Config, ctx, base: dict | None = None) -> dict:
     stage, precision and clipping are never written twice."""
     t, stage = cfg.train, cfg.parallel.zero_stage
     c = copy.deepcopy(base) if base is not None else load_base_config(stage, cfg.parallel.ds_config or None)
-    micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.dp)
     c["train_micro_batch_size_per_gpu"] = t.micro_batch_size
-    c["gradient_accumulation_steps"] = micro_batches
-    c["train_batch_size"] = t.micro_batch_size * micro_batches * ctx.dp  # DeepSpeed checks this product
-    if c["train_batch_size"] != t.global_batch_size:
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not micro_batch_size "
-                          f"({t.micro_batch_size}) * micro-batches * dp ({ctx.dp})")
+    c["gradient_accumulation_steps"] = micro_batches_per_step(t, ctx.dp)
+    # DeepSpeed checks train_batch_size = micro * accumulation * dp; support.resolve_layout checked it divides.
+    c["train_batch_size"] = t.global_batch_size
     c["managed_gradient_accumulation"] = False  # the trainer owns the boundary: m backwards, then one step()
     c["gradient_clipping"] = float(t.grad_clip)
     c["zero_allow_untested_optimizer"] = True  # torch.optim.AdamW as client optimizer (no FusedAdam build)
@@ -69,10 +68,10 @@ def mark_parallel_params(model: nn.Module, tp_rank: int) -> None:
     (``tensor_model_parallel``), replicated ones (norms) on tp rank 0 only. Without the tag DeepSpeed counts a
     sharded weight only on tp rank 0 and, in ZeRO-3, a replicated one only on model-parallel rank 0 (stage 0)."""
     for module, attr, p in unique_params(model):
-        sharded = attr in getattr(module, "tp_dims", {}) and module.tp_size > 1
-        p.tensor_model_parallel = sharded or tp_rank == 0
-        if sharded:
-            p.partition_dim, p.partition_stride = module.tp_dims[attr], 1
+        dim = tp_dim(module, attr)
+        p.tensor_model_parallel = dim is not None or tp_rank == 0
+        if dim is not None:
+            p.partition_dim, p.partition_stride = dim, 1
 
 
 def _import_deepspeed():

@@ -1,0 +1,26 @@
+"""What part of a parameter this rank holds: its tensor-parallel cut and the local shard of an FSDP DTensor.
+
+Two one-line questions asked by the optimizer (norms), ZeRO (DeepSpeed's tp tags), initialisation and checkpoints.
+They live here, in a leaf module that imports nothing from the engine, so that any of those can ask them without
+an import circle (engine/parallel/tensor.py, which sets ``tp_dims``, imports comm and the model side; the context
+is about process groups, not parameters).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2-sharded over dp), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def tp_dim(module: nn.Module, attr: str) -> int | None:
+    """The dim along which ``module.<attr>`` is split over the tp group (the module's ``tp_dims`` record, set by
+    engine/parallel/tensor.py), or None when every tp rank holds all of it: a replicated parameter (a norm), or
+    tp = 1."""
+    if getattr(module, "tp_size", 1) <= 1:
+        return None
+    return getattr(module, "tp_dims", {}).get(attr)

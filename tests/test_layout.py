@@ -1,0 +1,127 @@
+"""The architecture rules of docs/architecture.md, read from the source (no imports, no processes; well under a
+second): no import circle among engine modules, no engine file over 300 lines, and the library never imports the
+launchers or the tests (a harness inside the library is what issue 13 took out of it)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_LINES = 300
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def engine_modules(root: Path = ROOT) -> dict[str, Path]:
+    return {module_name(p, root): p for p in sorted((root / "engine").rglob("*.py"))}
+
+
+def _type_checking(node: ast.stmt) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (getattr(test, "id", None) == "TYPE_CHECKING" or
+                                         getattr(test, "attr", None) == "TYPE_CHECKING")
+
+
+def module_level_imports(tree: ast.Module) -> list[ast.stmt]:
+    """Import statements that run when the module is imported: the body, and the branches of module-level if/try
+    blocks, but not ``if TYPE_CHECKING:`` and not function or class bodies (a deferred import cannot close a
+    circle at import time)."""
+    found, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif isinstance(node, (ast.If, ast.Try, ast.With)) and not _type_checking(node):
+            for field in ("body", "orelse", "finalbody"):
+                todo.extend(getattr(node, field, []))
+            todo.extend(s for h in getattr(node, "handlers", []) for s in h.body)
+    return found
+
+
+def imported_names(node: ast.stmt, current: str, is_package: bool) -> list[str]:
+    """Dotted names a statement imports; ``from a import b`` gives ``a.b`` (a submodule if there is one) and ``a``."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    base = node.module or ""
+    if node.level:  # relative: resolve against this module's package
+        package = current.split(".") if is_package else current.split(".")[:-1]
+        package = package[:len(package) - (node.level - 1)]
+        base = ".".join(package + ([base] if base else []))
+    return [base] + [f"{base}.{a.name}" for a in node.names]
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """engine module -> the engine modules it imports at module level."""
+    modules = engine_modules(root)
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        targets = set()
+        for node in module_level_imports(tree):
+            for dotted in imported_names(node, name, path.name == "__init__.py"):
+                if dotted in modules and dotted != name:
+                    targets.add(dotted)
+        graph[name] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted: every import circle."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_finder_sees_a_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_among_engine_modules():
+    graph = import_graph()
+    assert "engine.trainer" in graph and graph["engine.trainer"], "the graph is empty: the parser found nothing"
+    assert cycles(graph) == [], "import circles among engine modules (module-level imports)"
+
+
+def test_no_engine_file_over_300_lines():
+    long = {str(p.relative_to(ROOT)): n for p in engine_modules().values()
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert long == {}, f"engine files over {MAX_LINES} lines (split by job)"
+
+
+def test_engine_imports_neither_launch_nor_tests():
+    bad = []
+    for name, path in engine_modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):  # every import, deferred ones too
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for dotted in imported_names(node, name, path.name == "__init__.py"):
+                    if dotted.split(".")[0] in ("launch", "tests"):
+                        bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {dotted}")
+    assert bad == []
