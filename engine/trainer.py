@@ -247,7 +247,8 @@ class Trainer:
             history.append(record)
             if self.step % self.cfg.log.every == 0 or self.step == self.cfg.train.steps:
                 self.metrics.log(record)
-            if self.checkpointer.after_step(self.parts, self.position):  # saves every checkpoint.every steps, at the last, on a signal
+            # saves every checkpoint.every steps, at the last, on a signal; True: stop now
+            if self.checkpointer.after_step(self.parts, self.position):
                 break
         self.checkpointer.finish()  # an async save commits before fit returns
         self.metrics.close()

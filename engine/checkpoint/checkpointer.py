@@ -8,17 +8,19 @@ Save (collective): each rank copies its pieces of the explicit parts (engine/che
 dp mode's state access, config, context) to CPU with the run position it is given (engine/checkpoint/contents.py),
 then writes ``step_N.tmp-<run token>/rank_R.safetensors``; the ranks exchange piece lists and shard sizes/CRCs
 (metadata only, over a gloo group of their own); rank 0 publishes the directory (engine/checkpoint/publish.py: the
-index, the rename to ``step_N``, only then ``latest``, and deletion of all but the newest ``checkpoint.keep``). With ``checkpoint.async_save`` the
-writing and committing run in a background thread while training goes on (DESIGN.md: gloo collectives on their
-own group work from another thread); the next save or the end of fit waits for it.
+index, the rename to ``step_N``, only then ``latest``, and deletion of all but the newest ``checkpoint.keep``).
+With ``checkpoint.async_save`` the writing and committing run in a background thread while training goes on
+(DESIGN.md: gloo collectives on their own group work from another thread); the next save or the end of fit waits
+for it.
 
 Resume (collective, end of Trainer.__init__): ``checkpoint.resume`` = ``auto`` tries ``latest`` and then older
 ``step_*`` directories, newest first, skipping (with a message naming the file) any whose index is missing or
 unreadable, a shard missing or of the wrong size, a CRC that fails or a piece the index lists but the shard lacks;
 ``none`` starts fresh; a PATH (a ``step_*`` directory or a checkpoint directory with ``latest``) must be valid.
 Each rank reads only the pieces overlapping what it holds at the new layout (engine/checkpoint/state.py), so tp,
-pp, dp and dp_mode may all change; ``resume`` returns the saved run position, which the trainer applies itself. A model-only checkpoint (``launch/convert.py import``) starts at step 0 with a fresh
-optimizer and the data from the beginning.
+pp, dp and dp_mode may all change; ``resume`` returns the saved run position, which the trainer applies itself.
+A model-only checkpoint (``launch/convert.py import``) starts at step 0 with a fresh optimizer and the data from
+the beginning.
 """
 from __future__ import annotations
 

@@ -10,22 +10,27 @@ the rank are the process's own and stay inside engine/checkpoint/contents.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from engine.config import Config
+    from engine.parallel.context import ParallelContext
 
 
 @dataclass(frozen=True)
 class CheckpointParts:
+    """The state of one rank that a save reads and a load overwrites in place."""
     model: nn.Module  # this rank's stage: parameters as a checkpoint names them (a DataParallel's ``module``)
     state: Callable[[], object]  # DataParallel.checkpoint_state: held/writes/get/set/prepare/finish/adam_step
-    cfg: object  # engine.config.Config
-    ctx: object  # engine.parallel.context.ParallelContext
+    cfg: Config
+    ctx: ParallelContext
 
 
 @dataclass(frozen=True)
 class RunPosition:
-    """Where a run stands: optimizer steps taken, and global samples consumed (the data order's position,
-    engine/data/dataset.py GlobalBatchSampler; it differs from step * global_batch_size when that changed)."""
+    """Where a run stands: optimizer steps taken, and global samples consumed (the position in the global sample
+    order, engine/data/dataset.py GlobalBatchSampler; recorded as it is, not derived from the step)."""
     step: int
     consumed_samples: int

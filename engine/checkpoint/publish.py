@@ -10,6 +10,7 @@ matches a temporary directory.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -41,10 +42,13 @@ def staging_dir(root: Path, step: int, token: str) -> Path:
 
 
 def _fsync_dir(path: Path) -> None:
-    """Make the entries (renames, new files) of directory ``path`` durable."""
+    """Make the entries (renames, new files) of directory ``path`` durable, where the file system can."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:  # some file systems cannot fsync a directory; their renames are as durable as they get
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
     finally:
         os.close(fd)
 

@@ -11,6 +11,8 @@ folder copied as they are (with ``generation_config.json``), or ``save_pretraine
 such a folder into a *model-only* checkpoint: step 0, no optimizer state, the tokenizer and generation config
 copied into ``CKPT/hf_files``; ``--checkpoint.resume CKPT`` starts a run from it at any layout with a fresh AdamW
 and the data from the beginning. It also writes ``CKPT/config.yaml``, a full engine config for the imported shape.
+The checkpoint is published as a training save is (engine/checkpoint/publish.py): written under a temporary name,
+renamed into place and named by ``latest`` last, so an import that fails half-way leaves no checkpoint.
 """
 from __future__ import annotations
 

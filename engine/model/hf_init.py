@@ -2,10 +2,11 @@
 
 ``adopt_shape`` replaces the model section with the folder's config.json (engine/model/families.py; the HF folder
 defines the model, so model keys given beside init_from are overridden, except ``name``) and points
-``data.tokenizer`` at the folder when it has a tokenizer and none was given. ``load_weights`` then fills the
-freshly built checkpoint parts of a trainer (engine/checkpoint/parts.py), at any layout and dp mode, with the folder's tensors: each rank reads only its tp block of
-each parameter, through the same slots a checkpoint load uses (engine/checkpoint/state.py). A checkpoint to resume from
-(checkpoint.resume) wins over init_from, so a restarted job continues where it stopped.
+``data.tokenizer`` at the folder when it has a tokenizer and none was given. ``load_weights`` then fills a
+freshly built trainer's checkpoint parts (engine/checkpoint/parts.py), at any layout and dp mode, with the folder's
+tensors: each rank reads only its tp block of each parameter, through the same slots a checkpoint load uses
+(engine/checkpoint/state.py). A checkpoint to resume from (checkpoint.resume) wins over init_from, so a restarted
+job continues where it stopped.
 """
 from __future__ import annotations
 
