@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.checkpoint.checkpointer import Checkpointer
+from engine.checkpoint.parts import CheckpointParts, RunPosition
 from engine.config import Config, ConfigError
 from engine.data import dataset as data_lib
 from engine.data.feed import BatchFeed
@@ -87,11 +88,22 @@ class Trainer:
         self.bad_steps = self.skipped_steps = 0  # consecutive and total steps skipped for a NaN/inf loss
         self.metrics = MetricsLogger(t.out_dir, enabled=ctx.rank == 0, progress=cfg.log.progress,
                                      total_steps=t.steps, sinks=build_sinks(cfg, create=ctx.rank == 0))
-        # checkpoint.resume (auto | none | PATH): weights, Adam state, step, data position (engine/checkpoint/checkpointer.py)
+        # checkpoint.resume (auto | none | PATH) loads weights, Adam state and RNG into the parts and hands back
+        # the step and data position to continue from (engine/checkpoint/checkpointer.py)
+        self.parts = CheckpointParts(self.model, self.dp.checkpoint_state, cfg, ctx)
         self.checkpointer = Checkpointer(cfg, ctx)
-        if self.checkpointer.resume(self) is None and cfg.model.init_from:
-            load_weights(self, Path(cfg.model.init_from).expanduser())
+        resumed = self.checkpointer.resume(self.parts)
+        if resumed is not None:
+            self.step = resumed.step
+            self.feed.seek(resumed.consumed_samples)
+        elif cfg.model.init_from:
+            load_weights(self.parts, Path(cfg.model.init_from).expanduser())
         self.metrics.rewind(self.step)  # a resume rolls back the steps logged after its checkpoint
+
+    @property
+    def position(self) -> RunPosition:
+        """Where the run stands: what a checkpoint saves beside the parts."""
+        return RunPosition(self.step, self.feed.consumed_samples)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -240,7 +252,8 @@ class Trainer:
             history.append(record)
             if self.step % self.cfg.log.every == 0 or self.step == self.cfg.train.steps:
                 self.metrics.log(record)
-            if self.checkpointer.after_step(self):  # saves every checkpoint.every steps, at the last, on a signal
+            # saves every checkpoint.every steps, at the last, on a signal; True: stop now
+            if self.checkpointer.after_step(self.parts, self.position):
                 break
         self.checkpointer.finish()  # an async save commits before fit returns
         self.metrics.close()

@@ -9,7 +9,7 @@ import torch
 
 from engine.data import blend
 from engine.data import dataset as data
-from engine.data.dataset import DataError, GlobalBatchSampler, PackedDataset
+from engine.data.dataset import DataError, GlobalBatchSampler, PackedDataset, check_consumed
 
 ROUND_TRIP = "First Citizen:\nBefore we proceed,  hear me.\t\n\n caf\u00e9 \u00fcber \u65e5\u672c \U0001F600 <|endoftext|> \r\n  "
 
@@ -99,40 +99,33 @@ def test_packed_dataset_windows():
 def test_sampler_dp_slices_union_to_the_global_batch():
     full = GlobalBatchSampler(100, 16, seed=7)
     ranks = [GlobalBatchSampler(100, 16, seed=7, dp_rank=r, dp_size=4) for r in range(4)]
-    for _ in range(15):  # crosses epochs 0 -> 1 -> 2
-        expected = full.next_batch()
-        parts = [s.next_batch() for s in ranks]
+    for step in range(15):  # crosses epochs 0 -> 1 -> 2
+        expected = full.batch(16 * step)
+        parts = [s.batch(16 * step) for s in ranks]
         assert all(len(p) == 4 for p in parts)
         assert sum(parts, []) == expected
-    assert all(s.consumed_samples == full.consumed_samples == 15 * 16 for s in ranks)
 
 
 def test_sampler_order_is_a_permutation_per_epoch():
     s = GlobalBatchSampler(64, 8, seed=3)
-    epoch0 = sum((s.next_batch() for _ in range(8)), [])
-    epoch1 = sum((s.next_batch() for _ in range(8)), [])
+    epoch0 = sum((s.batch(8 * i) for i in range(8)), [])
+    epoch1 = sum((s.batch(8 * i) for i in range(8, 16)), [])
     assert sorted(epoch0) == sorted(epoch1) == list(range(64))  # no repeats within an epoch
     assert epoch0 == np.random.default_rng(3).permutation(64).tolist()
     assert epoch1 == np.random.default_rng(4).permutation(64).tolist()
-    assert GlobalBatchSampler(64, 8, seed=3).next_batch() == epoch0[:8]  # deterministic
+    assert GlobalBatchSampler(64, 8, seed=3).batch(0) == epoch0[:8]  # deterministic
 
 
 def test_sampler_resume_at_another_dp_continues_with_the_next_ids():
     reference = GlobalBatchSampler(50, 12, seed=11)
-    stream = [reference.next_batch() for _ in range(10)]
-    first = [GlobalBatchSampler(50, 12, seed=11, dp_rank=r, dp_size=2) for r in range(2)]
-    for _ in range(3):
-        for s in first:
-            s.next_batch()
-    state = first[0].state_dict()
-    assert state == {"consumed_samples": 36}
+    stream = [reference.batch(12 * step) for step in range(10)]
+    consumed = 3 * 12  # a dp=2 run's position after 3 steps (the feed's count; the sampler holds none)
     resumed = [GlobalBatchSampler(50, 12, seed=11, dp_rank=r, dp_size=3) for r in range(3)]
-    for s in resumed:
-        s.load_state_dict(state)
     for step in range(3, 10):
-        assert sum((s.next_batch() for s in resumed), []) == stream[step]
-    again = GlobalBatchSampler(50, 12, seed=11, dp_rank=1, dp_size=4, consumed_samples=36)
-    assert again.next_batch() == stream[3][3:6]
+        assert sum((s.batch(consumed) for s in resumed), []) == stream[step]
+        consumed += 12
+    again = GlobalBatchSampler(50, 12, seed=11, dp_rank=1, dp_size=4)
+    assert again.batch(36) == stream[3][3:6]
 
 
 @pytest.mark.parametrize("content, name, match", [
@@ -154,8 +147,11 @@ def test_too_short_and_bad_batch_errors():
         PackedDataset(np.arange(5), seq_len=8)
     with pytest.raises(DataError, match=r"global_batch_size=10 .* dp=4"):
         GlobalBatchSampler(100, 10, seed=0, dp_size=4)
-    with pytest.raises(DataError, match="consumed_samples"):
-        GlobalBatchSampler(100, 8, seed=0).load_state_dict({"consumed": 3})
+    for bad in ({"consumed": 3}, -1, True, 2.5):
+        with pytest.raises(DataError, match="consumed_samples"):
+            check_consumed(bad)
+    with pytest.raises(DataError, match="consumed_samples=-8"):
+        GlobalBatchSampler(100, 8, seed=0).batch(-8)
 
 
 # ---- indexed datasets, TrainData: blending, the validation split, resume ----------------------------------------
@@ -262,7 +258,7 @@ def test_blend_weights_are_honoured(megatron_indexed, tmp_path):
     td = blend.TrainData(spec(paths, weights=[5, 3, 2], seed=3), None)  # normalised to 0.5 / 0.3 / 0.2
     assert td.num_train_samples == 12_500 and td.weights.tolist() == pytest.approx([0.5, 0.3, 0.2])
     sampler = GlobalBatchSampler(td.num_train_samples, 16, seed=3)
-    ids = sum((sampler.next_batch() for _ in range(625)), [])  # 10k samples in the sampler's shuffled order
+    ids = sum((sampler.batch(16 * i) for i in range(625)), [])  # 10k samples in the sampler's shuffled order
     counts = np.bincount([td.locate(g)[0] for g in ids], minlength=3)
     assert np.abs(counts / 10_000 - [0.5, 0.3, 0.2]).max() < 0.01
     # Every prefix of the blend order tracks the weights within ~1 sample, no worse than Megatron's greedy helper.
@@ -342,23 +338,16 @@ def test_dp_layouts_and_resume_consume_the_same_global_samples(megatron_indexed,
     td = blend.TrainData(spec(paths, weights=[0.7, 0.3], seed=5), None)
     gbs, steps = 8, 30  # 240 samples: crosses two epochs of 100
     single = GlobalBatchSampler(td.num_train_samples, gbs, seed=5)
-    reference = [single.next_batch() for _ in range(steps)]
+    reference = [single.batch(gbs * step) for step in range(steps)]
     ranks = [GlobalBatchSampler(td.num_train_samples, gbs, seed=5, dp_rank=r, dp_size=4) for r in range(4)]
     for step in range(steps):
-        parts = [s.next_batch() for s in ranks]
+        parts = [s.batch(gbs * step) for s in ranks]
         assert sum(parts, []) == reference[step]
         assert torch.equal(torch.cat([blend.batch_from(td, p) for p in parts]), blend.batch_from(td, reference[step]))
-    seen = []  # a dp=4 run stopped after 11 steps, resumed at dp=2, then at dp=1
-    first = [GlobalBatchSampler(td.num_train_samples, gbs, seed=5, dp_rank=r, dp_size=4) for r in range(4)]
-    for _ in range(11):
-        seen += sum((s.next_batch() for s in first), [])
-    second = [GlobalBatchSampler(td.num_train_samples, gbs, seed=5, dp_rank=r, dp_size=2) for r in range(2)]
-    for s in second:
-        s.load_state_dict(first[0].state_dict())
-    for _ in range(9):
-        seen += sum((s.next_batch() for s in second), [])
-    third = GlobalBatchSampler(td.num_train_samples, gbs, seed=5)
-    third.load_state_dict(second[1].state_dict())
-    for _ in range(10):
-        seen += third.next_batch()
+    seen, consumed = [], 0  # a dp=4 run stopped after 11 steps, resumed at dp=2, then at dp=1
+    for dp, steps_run in ((4, 11), (2, 9), (1, 10)):
+        ranks = [GlobalBatchSampler(td.num_train_samples, gbs, seed=5, dp_rank=r, dp_size=dp) for r in range(dp)]
+        for _ in range(steps_run):
+            seen += sum((s.batch(consumed) for s in ranks), [])
+            consumed += gbs
     assert seen == sum(reference, [])  # none skipped, none repeated

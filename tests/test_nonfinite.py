@@ -42,7 +42,7 @@ def nonfinite_run(argv: list[str]) -> dict:
         trainer.model.model.norm.register_forward_hook(
             lambda module, args, out: NanGradient.apply(out) if poison["on"] else out)
     records = [trainer.train_step(trainer.next_local_batch())]
-    first = trainer.checkpointer.save(trainer)
+    first = trainer.checkpointer.save(trainer.parts, trainer.position)
     before = _snapshot(trainer)
     poison["on"] = True
     records.append(trainer.train_step(trainer.next_local_batch()))
@@ -51,7 +51,7 @@ def nonfinite_run(argv: list[str]) -> dict:
     trainer.cfg.train.lr = float("inf")  # past validation: the update makes weights and moments non-finite
     records.append(trainer.train_step(trainer.next_local_batch()))
     poisoned = any(not torch.isfinite(p).all() for p in _snapshot(trainer).values())
-    refused = trainer.checkpointer.save(trainer)
+    refused = trainer.checkpointer.save(trainer.parts, trainer.position)
     trainer.checkpointer.finish()
     unchanged = all(torch.equal(before[n], after[n]) for n in before)
     return {"records": records, "first": str(first), "refused": refused, "unchanged": unchanged,

@@ -1,31 +1,30 @@
 """Sharded checkpoints: every rank writes its own pieces, a checkpoint appears atomically, resumes at any layout.
 
-Layout (DESIGN.md "Checkpoints"): ``<checkpoint.dir>/step_NNNNNN/`` holds ``rank_NNNNN.safetensors`` (one per rank:
+Layout (docs/architecture.md "Checkpoints"): ``<checkpoint.dir>/step_NNNNNN/`` holds ``rank_NNNNN.safetensors`` (one per rank:
 the parameter and Adam-moment pieces it owns, and its RNG states) and ``index.json`` (engine/checkpoint/format.py).
 ``<checkpoint.dir>/latest`` names the newest complete one.
 
-Save (collective): each rank copies its pieces to CPU (engine/checkpoint/contents.py), then writes ``step_N.tmp-<run token>/
-rank_R.safetensors``; the ranks exchange piece lists and shard sizes/CRCs (metadata only, over a gloo group of
-their own); rank 0 writes the index, renames the directory to ``step_N`` and only then replaces ``latest``
-(write + os.replace), and deletes all but the newest ``checkpoint.keep``. With ``checkpoint.async_save`` the
-writing and committing run in a background thread while training goes on (DESIGN.md: gloo collectives on their
-own group work from another thread); the next save or the end of fit waits for it.
+Save (collective): each rank copies its pieces of the explicit parts (engine/checkpoint/parts.py: the stage, the
+dp mode's state access, config, context) to CPU with the run position it is given (engine/checkpoint/contents.py),
+then writes ``step_N.tmp-<run token>/rank_R.safetensors``; the ranks exchange piece lists and shard sizes/CRCs
+(metadata only, over a gloo group of their own); rank 0 publishes the directory (engine/checkpoint/publish.py: the
+index, the rename to ``step_N``, only then ``latest``, and deletion of all but the newest ``checkpoint.keep``).
+With ``checkpoint.async_save`` the writing and committing run in a background thread while training goes on
+(docs/architecture.md: gloo collectives on their own group work from another thread); the next save or the end of fit waits
+for it.
 
 Resume (collective, end of Trainer.__init__): ``checkpoint.resume`` = ``auto`` tries ``latest`` and then older
 ``step_*`` directories, newest first, skipping (with a message naming the file) any whose index is missing or
 unreadable, a shard missing or of the wrong size, a CRC that fails or a piece the index lists but the shard lacks;
 ``none`` starts fresh; a PATH (a ``step_*`` directory or a checkpoint directory with ``latest``) must be valid.
-Each rank reads only the pieces overlapping what it holds at the new layout (ckpt_state.py), so tp, pp, dp and
-dp_mode may all change. A model-only checkpoint (``launch/convert.py import``) starts at step 0 with a fresh
-optimizer and the data from the beginning.
+Each rank reads only the pieces overlapping what it holds at the new layout (engine/checkpoint/state.py), so tp,
+pp, dp and dp_mode may all change; ``resume`` returns the saved run position, which the trainer applies itself.
+A model-only checkpoint (``launch/convert.py import``) starts at step 0 with a fresh optimizer and the data from
+the beginning.
 """
 from __future__ import annotations
 
 import datetime
-import json
-import os
-import re
-import shutil
 import threading
 import time
 import uuid
@@ -35,24 +34,13 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint.contents import check_model, contents, load_into
-from engine.checkpoint.format import INDEX, CheckpointError, fsync_write, merge_index, read_index, verify_shard, write_shard
+from engine.checkpoint.format import INDEX, CheckpointError, merge_index, read_index, verify_shard, write_shard
 from engine.checkpoint.lock import CheckpointLock, probe_writable
+from engine.checkpoint.parts import CheckpointParts, RunPosition
+from engine.checkpoint.publish import STEP_DIR, list_checkpoints, publish, staging_dir, step_name
 from engine.checkpoint.signals import StopSignal
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
 __all__ = ["Checkpointer", "CheckpointError", "list_checkpoints", "resolve"]
-
-
-def step_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-def list_checkpoints(root: Path) -> list[Path]:
-    """Committed ``step_*`` directories, newest first (temporary ``.tmp-*`` ones never match)."""
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found, reverse=True)]
 
 
 def resolve(path: Path, what: str = "checkpoint path") -> list[Path]:
@@ -78,6 +66,7 @@ class Checkpointer:
         self.pending: threading.Thread | None = None
         self.error: BaseException | None = None
         self.last_saved = None
+        self.resumed_from: Path | None = None
         self.timings: dict[str, float] = {}  # seconds of the latest save/load (launch/bench/checkpoint.py)
         self.skipped: list[str] = []  # why resume: auto passed over each damaged checkpoint
         self.stopped_unsaved = False  # a stop signal ended training with nothing saved (no checkpoint.dir)
@@ -127,28 +116,28 @@ class Checkpointer:
             dist.barrier(group=self.group)
 
     # ---- save ----------------------------------------------------------------------------------------------------
-    def save(self, trainer) -> Path:
-        """Write step ``trainer.step``; returns its final path (committed on return unless async_save)."""
+    def save(self, parts: CheckpointParts, position: RunPosition) -> Path | None:
+        """Write the parts as checkpoint ``position.step``; returns its final path (committed on return unless
+        async_save), None when a rank holds non-finite values (nothing written)."""
         if self.root is None:
             raise CheckpointError("checkpoint.dir is empty; set it to save checkpoints")
         self.wait()
         start = time.perf_counter()
-        tensors, meta, header = contents(trainer)
-        final = self.root / step_name(trainer.step)
-        if not self._all_finite(tensors, trainer.step):
+        tensors, meta, header = contents(parts, position)
+        if not self._all_finite(tensors, position.step):
             return None
-        tmp = self.root / f"{final.name}.tmp-{self.token}"
-        tmp.mkdir(parents=True, exist_ok=True)
+        tmp = staging_dir(self.root, position.step, self.token)
         self.timings = {"snapshot_s": time.perf_counter() - start}
+        args = (tmp, position.step, tensors, meta, header)
         if self.cfg.checkpoint.async_save:
-            self.pending = threading.Thread(target=self._write_and_commit, args=(tmp, final, tensors, meta, header),
-                                            name="checkpoint-writer", daemon=True)
+            self.pending = threading.Thread(target=self._write_and_commit, args=args, name="checkpoint-writer",
+                                            daemon=True)
             self.pending.start()
         else:
-            self._write_and_commit(tmp, final, tensors, meta, header)
+            self._write_and_commit(*args)
             self._raise_pending_error()
-        self.last_saved = trainer.step
-        return final
+        self.last_saved = position.step
+        return self.root / step_name(position.step)
 
     def _all_finite(self, tensors: dict, step: int) -> bool:
         """Collective: False (and one line on rank 0) when any rank holds a NaN/inf weight or Adam moment. Such
@@ -163,7 +152,7 @@ class Checkpointer:
                   f"{more}; the latest checkpoint stays {kept}", flush=True)
         return not found
 
-    def _write_and_commit(self, tmp: Path, final: Path, tensors: dict, meta: dict, header: dict) -> None:
+    def _write_and_commit(self, tmp: Path, step: int, tensors: dict, meta: dict, header: dict) -> None:
         start = time.perf_counter()
         try:
             meta.update(write_shard(tmp / meta["file"], tensors))
@@ -175,34 +164,14 @@ class Checkpointer:
             try:
                 steps = [m.pop("adam_step") for m in metas]
                 header["adam_step"] = max((s for s in steps if s is not None), default=None)
-                fsync_write(tmp / INDEX, json.dumps(merge_index(metas, header)))
-                self._publish(tmp, final)
+                publish(self.root, step, self.token, merge_index(metas, header), self.cfg.checkpoint.keep)
             except Exception as e:  # reported on every rank: none may wait for a commit that never comes
-                errors.append(f"rank 0 could not commit {final}: {e}")
+                errors.append(f"rank 0 could not commit {self.root / step_name(step)}: {e}")
         # Also the barrier after which every rank sees the committed directory and `latest`.
         errors = [e for e in self._gather(errors[0] if errors else None) if e is not None]
         if errors:
             self.error = CheckpointError(errors[0])
         self.timings["write_commit_s"] = time.perf_counter() - start
-
-    def _publish(self, tmp: Path, final: Path) -> None:
-        """rank 0: rename into place (replacing a stale one of the same step), then `latest`, then retention."""
-        aside = None
-        if final.exists():
-            aside = final.with_name(f"{final.name}.old-{self.token}")
-            final.rename(aside)
-        tmp.rename(final)
-        latest_tmp = self.root / f"latest.tmp-{self.token}"
-        fsync_write(latest_tmp, final.name + "\n")
-        os.replace(latest_tmp, self.root / "latest")
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
-        keep = self.cfg.checkpoint.keep
-        for old in list_checkpoints(self.root)[keep:] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-        for pattern in ("step_*.tmp-*", "step_*.old-*"):  # left by a crash (never ours: one save in flight)
-            for stale in self.root.glob(pattern):
-                shutil.rmtree(stale, ignore_errors=True)
 
     def wait(self) -> None:
         """Block until an async save has committed; re-raise its error."""
@@ -220,13 +189,13 @@ class Checkpointer:
     def start(self) -> None:
         self.stop.install()
 
-    def after_step(self, trainer) -> bool:
+    def after_step(self, parts: CheckpointParts, position: RunPosition) -> bool:
         """Save when due (every N steps, the last step, a stop signal); True when training must stop now."""
         stop = self.stop.agreed(self.ctx)
-        c, step = self.cfg.checkpoint, trainer.step
+        c, step = self.cfg.checkpoint, position.step
         due = (c.every and step % c.every == 0) or step == self.cfg.train.steps or stop
         if self.root is not None and due and self.last_saved != step:
-            self.save(trainer)
+            self.save(parts, position)
         if stop and self.ctx.rank == 0:
             print(f"stop signal: stopping after step {step}" + (
                 f", checkpoint saved in {self.root}" if self.root is not None else
@@ -271,8 +240,9 @@ class Checkpointer:
             found = [named] + [p for p in found if p != named]
         return found
 
-    def resume(self, trainer) -> Path | None:
-        """Load the checkpoint that checkpoint.resume selects; returns its path (None: a fresh start)."""
+    def resume(self, parts: CheckpointParts) -> RunPosition | None:
+        """Load the checkpoint that checkpoint.resume selects into ``parts``; returns the position to continue
+        from (None: a fresh start; the path loaded is ``self.resumed_from``)."""
         candidates = self._candidates()
         explicit = self.cfg.checkpoint.resume not in ("auto", "none")
         for path in candidates:
@@ -287,12 +257,13 @@ class Checkpointer:
                 continue
             check_model(path, index, self.cfg.model)
             validated = time.perf_counter()
-            load_into(trainer, path, index)
+            position = load_into(parts, path, index)
             self._barrier()
             self.timings = {"validate_s": validated - start, "load_s": time.perf_counter() - start}
             if self.ctx.rank == 0:
                 print(f"resumed from {path} (step {index['step']}, saved at {index['layout']})", flush=True)
-            return path
+            self.resumed_from = path
+            return position
         if candidates:
             raise CheckpointError(f"no usable checkpoint among {[str(p) for p in candidates]}; fix or remove them, "
                                   f"or set checkpoint.resume=none to start fresh")

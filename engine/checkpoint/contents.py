@@ -1,8 +1,10 @@
-"""What a checkpoint holds of a trainer, and putting it back: the pieces of every parameter and Adam moment
-this rank writes (engine/checkpoint/state.py), its RNG states, and the run's step, data position, config and layout.
+"""What a checkpoint holds of a rank, and putting it back: the pieces of every parameter and Adam moment this
+rank writes (engine/checkpoint/state.py), its RNG states, and the run's position (step, data position), config and
+layout.
 
-``contents`` is one rank's part of a save; ``load_into`` overwrites a freshly built trainer, at any layout, with
-a checkpoint (engine/checkpoint/checkpointer.py chooses and validates it first). RNG streams belong to ranks, so they are
+``contents`` is one rank's part of a save, from explicit parts (engine/checkpoint/parts.py); ``load_into``
+overwrites freshly built parts, at any layout, with a checkpoint (engine/checkpoint/checkpointer.py chooses and
+validates it first) and returns the position it was saved at. RNG streams belong to ranks, so they are
 restored only at the layout that wrote them; nothing in training draws from them (initialisation and the data
 order use their own seeded generators), so losses do not depend on it.
 """
@@ -17,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from engine.checkpoint.format import INDEX, MODEL_SHAPE_KEYS, CheckpointError, Reader, piece_key, shard_name
+from engine.checkpoint.parts import CheckpointParts, RunPosition
 from engine.checkpoint.state import slots
 from engine.config import ModelConfig
 
@@ -44,11 +47,11 @@ def _set_rng_state(path: Path, meta: dict, device: torch.device) -> None:
     random.setstate((version, tuple(state), gauss))
 
 
-def snapshot(trainer) -> tuple[dict, dict, int | None]:
+def snapshot(parts: CheckpointParts) -> tuple[dict, dict, int | None]:
     """CPU copies of the pieces this rank writes, their index entries, and Adam's step count."""
-    access = trainer.dp.checkpoint_state()
+    access = parts.state()
     tensors, params = {}, {}
-    for slot in slots(trainer.model, access, trainer.ctx, trainer.cfg.model.tie_embeddings):
+    for slot in slots(parts.model, access, parts.ctx, parts.cfg.model.tie_embeddings):
         if slot.write is None:
             continue
         lo, hi = slot.write
@@ -61,25 +64,32 @@ def snapshot(trainer) -> tuple[dict, dict, int | None]:
     return tensors, params, access.adam_step()
 
 
-def contents(trainer) -> tuple[dict, dict, dict]:
+def header(position: RunPosition, cfg, layout: dict, model_only: bool = False) -> dict:
+    """The index's run-wide entries (everything but the pieces, files and ranks; Adam's step is added on commit)."""
+    out = {"step": position.step, "consumed_samples": position.consumed_samples, "model_only": model_only,
+           "config": cfg.to_dict(), "layout": layout}
+    if not model_only:
+        out["scheduler"] = {"kind": "warmup_cosine (engine.optim.lr_at)", "step": position.step}
+    return out
+
+
+def contents(parts: CheckpointParts, position: RunPosition) -> tuple[dict, dict, dict]:
     """This rank's save: (CPU tensors to write, its index entry, the run's header (used by rank 0))."""
-    ctx = trainer.ctx
-    tensors, params, adam_step = snapshot(trainer)
+    ctx = parts.ctx
+    tensors, params, adam_step = snapshot(parts)
     rng_tensors, rng = _rng_state(ctx.device)
     tensors.update(rng_tensors)
     meta = {"rank": ctx.rank, "file": shard_name(ctx.rank), "coords": [ctx.pp_rank, ctx.dp_rank, ctx.tp_rank],
             "rng": rng, "params": params, "adam_step": adam_step}
-    header = {"step": trainer.step, "consumed_samples": trainer.feed.consumed_samples, "model_only": False,
-              "config": trainer.cfg.to_dict(), "layout": layout_of(trainer),
-              "scheduler": {"kind": "warmup_cosine (engine.optim.lr_at)", "step": trainer.step}}
-    return tensors, meta, header
+    return tensors, meta, header(position, parts.cfg, layout_of(parts.cfg, ctx))
 
 
-def load_into(trainer, path: Path, index: dict) -> None:
-    """Overwrite the trainer's weights, Adam state, step, data position and (same layout) RNG from ``path``."""
-    ctx, cfg = trainer.ctx, trainer.cfg
-    reader, access = Reader(path, index), trainer.dp.checkpoint_state()
-    local = slots(trainer.model, access, ctx, cfg.model.tie_embeddings)
+def load_into(parts: CheckpointParts, path: Path, index: dict) -> RunPosition:
+    """Overwrite the parts' weights, Adam state and (same layout) the rank's RNG from ``path``; returns the run
+    position the checkpoint was saved at, for the caller to continue from."""
+    ctx, cfg = parts.ctx, parts.cfg
+    reader, access = Reader(path, index), parts.state()
+    local = slots(parts.model, access, ctx, cfg.model.tie_embeddings)
     names = [] if index.get("model_only") else [s for s in reader.states(local[0].name) if s != "param"]
     if names:
         access.prepare(local, names, index["adam_step"])
@@ -93,19 +103,16 @@ def load_into(trainer, path: Path, index: dict) -> None:
                 access.set(slot, state, value.to(ctx.device))
     access.finish()
     reader.close()
-    trainer.step = index["step"]
-    trainer.feed.consumed_samples = index["consumed_samples"]
-    if trainer.feed.sampler is not None:
-        trainer.feed.sampler.load_state_dict({"consumed_samples": index["consumed_samples"]})
-    if index["layout"] == layout_of(trainer):  # RNG streams belong to ranks; another layout starts fresh ones
+    if index["layout"] == layout_of(cfg, ctx):  # RNG streams belong to ranks; another layout starts fresh ones
         meta = index["ranks"][ctx.rank]
         _set_rng_state(path / meta["file"], meta["rng"], ctx.device)
+    return RunPosition(index["step"], index["consumed_samples"])
 
 
-def layout_of(trainer) -> dict:
-    c, p = trainer.ctx, trainer.cfg.parallel
-    return {"tp": c.tp, "pp": c.pp, "dp": c.dp, "dp_mode": p.dp_mode, "zero_stage": p.zero_stage,
-            "world_size": c.world_size}
+def layout_of(cfg, ctx) -> dict:
+    p = cfg.parallel
+    return {"tp": ctx.tp, "pp": ctx.pp, "dp": ctx.dp, "dp_mode": p.dp_mode, "zero_stage": p.zero_stage,
+            "world_size": ctx.world_size}
 
 
 def check_model(path: Path, index: dict, model_cfg) -> None:

@@ -189,15 +189,22 @@ class PackedDataset:
         return torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))  # (s+1,)
 
 
+def check_consumed(consumed) -> int:
+    """A data position (global samples consumed) as an int, or DataError naming the bad value."""
+    if isinstance(consumed, bool) or not isinstance(consumed, numbers.Integral) or consumed < 0:
+        raise DataError(f"consumed_samples={consumed!r} is not a data position; expected an int >= 0")
+    return int(consumed)
+
+
 class GlobalBatchSampler:
     """Deterministic global sample order: epoch e is ``numpy.random.default_rng(seed + e).permutation(num_samples)``
-    and the stream of global sample ids is epoch 0, epoch 1, ... The only state is ``consumed_samples`` (a global
-    count), so a resume with another dp size continues with exactly the next samples (the idea of Megatron's
-    MegatronPretrainingRandomSampler). ``next_batch()`` returns dp rank r's contiguous slice
-    [r*B/dp : (r+1)*B/dp] of the next B = global_batch_size ids of the stream and advances by B."""
+    and the stream of global sample ids is epoch 0, epoch 1, ... It holds no position: ``batch(consumed)``
+    returns dp rank r's contiguous slice [r*B/dp : (r+1)*B/dp] of the B = global_batch_size ids of the stream that
+    follow the first ``consumed``. The caller keeps that one count (engine/data/feed.py BatchFeed), so a resume
+    with another dp size continues with exactly the next samples (the idea of Megatron's
+    MegatronPretrainingRandomSampler)."""
 
-    def __init__(self, num_samples: int, global_batch_size: int, seed: int, dp_rank: int = 0, dp_size: int = 1,
-                 consumed_samples: int = 0):
+    def __init__(self, num_samples: int, global_batch_size: int, seed: int, dp_rank: int = 0, dp_size: int = 1):
         if num_samples < 1:
             raise DataError(f"num_samples={num_samples}; the dataset must have at least one sample")
         if global_batch_size < 1 or dp_size < 1 or global_batch_size % dp_size:
@@ -205,11 +212,8 @@ class GlobalBatchSampler:
                             f"size dp={dp_size}")
         if not 0 <= dp_rank < dp_size:
             raise DataError(f"dp_rank={dp_rank} must be in [0, {dp_size})")
-        if consumed_samples < 0:
-            raise DataError(f"consumed_samples={consumed_samples} must be >= 0")
         self.num_samples, self.global_batch_size, self.seed = num_samples, global_batch_size, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.consumed_samples = consumed_samples
         self._perms: dict[int, np.ndarray] = {}  # epoch -> (num_samples,) permutation; at most two kept
 
     def _epoch(self, epoch: int) -> np.ndarray:
@@ -218,22 +222,11 @@ class GlobalBatchSampler:
             self._perms[epoch] = np.random.default_rng(self.seed + epoch).permutation(self.num_samples)
         return self._perms[epoch]
 
-    def next_batch(self) -> list[int]:
-        """This dp rank's B/dp sample ids of the next global batch; advances consumed_samples by B."""
+    def batch(self, consumed: int) -> list[int]:
+        """This dp rank's B/dp sample ids of the global batch after ``consumed`` samples of the stream."""
         local = self.global_batch_size // self.dp_size
-        first = self.consumed_samples + self.dp_rank * local
-        ids = [int(self._epoch(p // self.num_samples)[p % self.num_samples]) for p in range(first, first + local)]
-        self.consumed_samples += self.global_batch_size
-        return ids
-
-    def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples}
-
-    def load_state_dict(self, state: dict) -> None:
-        consumed = state.get("consumed_samples") if isinstance(state, dict) else None
-        if isinstance(consumed, bool) or not isinstance(consumed, numbers.Integral) or consumed < 0:
-            raise DataError(f"bad sampler state {state!r}; expected {{'consumed_samples': int >= 0}}")
-        self.consumed_samples = int(consumed)
+        first = check_consumed(consumed) + self.dp_rank * local
+        return [int(self._epoch(p // self.num_samples)[p % self.num_samples]) for p in range(first, first + local)]
 
 
 def collate(dataset: PackedDataset, ids: list[int]) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Only the pipeline's first stage (token ids) and last stage (labels) need a batch; middle stages read nothing,
 unless data.document_mask is on: then every stage derives the document layout from the tokens.
 Within those stages only tp rank 0 opens the data; it broadcasts each batch to its tp peers, which must see the
-same tokens. Every rank counts consumed samples, so the data position is known everywhere (checkpoints).
+same tokens. Every rank counts consumed samples (``consumed_samples``, the run's one data position: the sampler
+holds none), so the position is known everywhere (checkpoints); ``seek`` moves it on resume.
 """
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ class BatchFeed:
             self.sampler = data_lib.GlobalBatchSampler(self.data.num_train_samples, t.global_batch_size, t.seed,
                                                        dp_rank=ctx.dp_rank, dp_size=ctx.dp)
 
+    def seek(self, consumed_samples: int) -> None:
+        """Continue after ``consumed_samples`` global samples (a resume, at any dp size: the order is global)."""
+        self.consumed_samples = data_lib.check_consumed(consumed_samples)
+
     def describe(self) -> str:
         return self.data.describe() if self.data is not None else "(this rank reads no data)"
 
@@ -51,8 +56,8 @@ class BatchFeed:
 
     def next_train(self) -> torch.Tensor | None:
         """The next global batch's slice for this dp rank: (B/dp, s+1) token ids, or None on a middle stage."""
+        batch = blend.batch_from(self.data, self.sampler.batch(self.consumed_samples)) if self.reads else None
         self.consumed_samples += self.cfg.train.global_batch_size
-        batch = blend.batch_from(self.data, self.sampler.next_batch()) if self.reads else None
         return self._share(batch)
 
     def valid_batches(self, max_batches: int) -> Iterator[torch.Tensor | None]:

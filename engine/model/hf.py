@@ -11,12 +11,15 @@ folder copied as they are (with ``generation_config.json``), or ``save_pretraine
 such a folder into a *model-only* checkpoint: step 0, no optimizer state, the tokenizer and generation config
 copied into ``CKPT/hf_files``; ``--checkpoint.resume CKPT`` starts a run from it at any layout with a fresh AdamW
 and the data from the beginning. It also writes ``CKPT/config.yaml``, a full engine config for the imported shape.
+The checkpoint is published as a training save is (engine/checkpoint/publish.py): written under a temporary name,
+renamed into place and named by ``latest`` last, so an import that fails half-way leaves no checkpoint.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import shutil
+import uuid
 from pathlib import Path
 
 import torch
@@ -25,9 +28,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.model import transformer as model_lib
-from engine.checkpoint.checkpointer import resolve, step_name
+from engine.checkpoint.checkpointer import resolve
+from engine.checkpoint.contents import header
 from engine.checkpoint.format import (CheckpointError, Reader, fsync_write, merge_index, piece_key, read_index,
-                                verify_shard, write_shard)
+                                      verify_shard, write_shard)
+from engine.checkpoint.parts import RunPosition
+from engine.checkpoint.publish import publish, staging_dir
 from engine.config import Config, ModelConfig
 from engine.model.families import hf_config, model_config  # noqa: F401 (hf.hf_config: the public name)
 
@@ -125,8 +131,8 @@ def import_hf(hf_dir: Path, root: Path, max_file_bytes: int = 2 * 2**30) -> Path
         raise CheckpointError(f"{root} exists and is not empty; import into a new directory")
     m = model_config(json.loads(config_json.read_text()), hf_dir)
     shapes, where = param_shapes(m), hf_tensors(hf_dir)
-    path = root / step_name(0)
-    path.mkdir(parents=True, exist_ok=True)
+    token = uuid.uuid4().hex[:8]
+    path = staging_dir(root, 0, token)
     groups = _shards({n: torch.Size(s).numel() * 4 for n, s in shapes.items()}, max_file_bytes)
     metas = []
     for i, names in enumerate(groups):  # files of at most ~max_file_bytes, so memory stays bounded
@@ -150,10 +156,8 @@ def import_hf(hf_dir: Path, root: Path, max_file_bytes: int = 2 * 2**30) -> Path
     if carry_files(hf_dir, root / "hf_files", extra=("config.json",)):
         cfg.data.tokenizer = str((root / "hf_files").resolve())
     cfg.checkpoint.resume = str(root.resolve())
-    header = {"step": 0, "consumed_samples": 0, "adam_step": None, "model_only": True, "config": cfg.to_dict(),
-              "layout": {"imported_from": str(hf_dir.resolve())}}
-    fsync_write(path / "index.json", json.dumps(merge_index(metas, header)))
-    fsync_write(root / "latest", path.name + "\n")
-    (root / "config.yaml").write_text("# written by launch/convert.py import: the imported model's shape\n" +
-                                      yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    return path
+    fsync_write(root / "config.yaml", "# written by launch/convert.py import: the imported model's shape\n" +
+                yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    # Published last, through the one commit path of every checkpoint: `latest` appears only once all is written.
+    run = header(RunPosition(0, 0), cfg, {"imported_from": str(hf_dir.resolve())}, model_only=True)
+    return publish(root, 0, token, merge_index(metas, {**run, "adam_step": None}))

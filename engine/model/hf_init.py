@@ -2,10 +2,11 @@
 
 ``adopt_shape`` replaces the model section with the folder's config.json (engine/model/families.py; the HF folder
 defines the model, so model keys given beside init_from are overridden, except ``name``) and points
-``data.tokenizer`` at the folder when it has a tokenizer and none was given. ``load_weights`` then fills the
-freshly built trainer, at any layout and dp mode, with the folder's tensors: each rank reads only its tp block of
-each parameter, through the same slots a checkpoint load uses (engine/checkpoint/state.py). A checkpoint to resume from
-(checkpoint.resume) wins over init_from, so a restarted job continues where it stopped.
+``data.tokenizer`` at the folder when it has a tokenizer and none was given. ``load_weights`` then fills a
+freshly built trainer's checkpoint parts (engine/checkpoint/parts.py), at any layout and dp mode, with the folder's
+tensors: each rank reads only its tp block of each parameter, through the same slots a checkpoint load uses
+(engine/checkpoint/state.py). A checkpoint to resume from (checkpoint.resume) wins over init_from, so a restarted
+job continues where it stopped.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from engine.checkpoint.format import CheckpointError
+from engine.checkpoint.parts import CheckpointParts
 from engine.checkpoint.state import slots
 from engine.config import Config, ConfigError, validate
 from engine.model.families import model_config
@@ -56,11 +58,11 @@ def _block(f, name: str, dim: int | None, size: int, rank: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def load_weights(trainer, folder: Path) -> None:
-    """Overwrite every local parameter of ``trainer`` with the folder's weights (fp32 masters in every dp mode)."""
-    ctx = trainer.ctx
-    where, access = hf_tensors(folder), trainer.dp.checkpoint_state()
-    for slot in slots(trainer.model, access, ctx, trainer.cfg.model.tie_embeddings):
+def load_weights(parts: CheckpointParts, folder: Path) -> None:
+    """Overwrite every local parameter of ``parts`` with the folder's weights (fp32 masters in every dp mode)."""
+    ctx = parts.ctx
+    where, access = hf_tensors(folder), parts.state()
+    for slot in slots(parts.model, access, ctx, parts.cfg.model.tie_embeddings):
         if slot.name not in where:
             raise CheckpointError(f"{folder}: the weights have no tensor '{slot.name}'")
         with safe_open(str(where[slot.name]), framework="pt") as f:

@@ -53,13 +53,13 @@ def bench_rank(argv: list[str], root: str) -> dict:
             trainer.train_step(trainer.next_local_batch())
 
     steps(1)
-    out = {"save": timed(lambda: ckpt.save(trainer)), "3 steps": timed(steps)}
+    out = {"save": timed(lambda: ckpt.save(trainer.parts, trainer.position)), "3 steps": timed(steps)}
     path = ckpt.root / f"step_{trainer.step - 3:06d}"
     out["size_mb"] = sum(f.stat().st_size for f in path.iterdir()) / 1e6
     cfg.checkpoint.async_save = True
 
     def async_save_while_training() -> None:
-        out["async blocked"] = timed(lambda: ckpt.save(trainer))
+        out["async blocked"] = timed(lambda: ckpt.save(trainer.parts, trainer.position))
         steps()
         ckpt.wait()
     out["3 steps + async save"] = timed(async_save_while_training)

@@ -6,7 +6,7 @@
    runs launch/preprocess.py's ``preprocess`` on it with each ``--workers`` count: tokens/s of the tokenize+write
    phase (process start-up and the megatron-core import are not counted; they are printed apart).
 2. Builds TrainData from the written prefix (tiny config: seq_len 128, global batch 16) and times one global batch,
-   ``batch_from(data, sampler.next_batch())``, against the tiny model's ~600 ms step on 2 cores.
+   ``batch_from(data, sampler.batch(consumed))``, against the tiny model's ~600 ms step on 2 cores.
 3. For comparison, the start-up cost of the same corpus as a raw file (tokenized on the fly by TrainData).
 """
 from __future__ import annotations
@@ -61,9 +61,9 @@ def bench_batches(prefix: str, seq_len: int, gbs: int, n: int) -> tuple[float, f
     build = time.perf_counter() - start
     sampler = data.GlobalBatchSampler(td.num_train_samples, gbs, seed=1234)
     times = []
-    for _ in range(n):
+    for i in range(n):
         t0 = time.perf_counter()
-        batch = blend.batch_from(td, sampler.next_batch())
+        batch = blend.batch_from(td, sampler.batch(i * gbs))
         times.append(time.perf_counter() - t0)
     assert batch.shape == (gbs, seq_len + 1)
     return build, statistics.median(times), td.describe()
