@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from engine.config import Config
 
 CHOICES = {
-    "parallel.dp_mode": tuple(DP_MODES),
+    "parallel.dp_mode": DP_MODES,  # the registry itself, so that a mode registered at run time is accepted
     "parallel.grad_compression": ("none", "bf16", "fp16", "powersgd"),
     "parallel.schedule": ("1f1b", "gpipe"),
     "parallel.backend": ("auto", "gloo", "nccl"),

@@ -32,6 +32,13 @@ def test_short_run_writes_metrics(tmp_path):
     (["--data.paths", "[/nonexistent/corpus.txt]"], "/nonexistent/corpus.txt"),
     (["--parallel.dp_mode", "zero", "--parallel.zero_stage", "1", "--parallel.ds_config", "/nonexistent/ds.json"],
      "parallel.ds_config '/nonexistent/ds.json' is not a file"),
+    # DDP's keys (engine/parallel/dp/ddp.py)
+    (["--parallel.dp_mode", "fsdp", "--parallel.grad_compression", "bf16"],
+     "parallel.grad_compression=bf16 is a DDP communication hook and needs parallel.dp_mode=ddp (got fsdp)"),
+    (["--parallel.bucket_mb", "0"], "parallel.bucket_mb=0"),
+    (["--parallel.grad_compression", "powersgd", "--parallel.powersgd_rank", "0"], "parallel.powersgd_rank=0"),
+    (["--parallel.grad_compression", "powersgd", "--parallel.powersgd_warmup_steps", "1"],
+     "parallel.powersgd_warmup_steps=1 must be >= 2"),
 ])
 def test_bad_config_is_one_clear_line(tmp_path, args, needle):
     out = pretrain("--config", "configs/tiny.yaml", "--train.out_dir", str(tmp_path), *args)

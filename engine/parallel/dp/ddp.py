@@ -67,7 +67,21 @@ def comm_hook(cfg: Config, ctx):
         return ctx.dp_group, default_hooks.fp16_compress_hook
     state = powerSGD_hook.PowerSGDState(process_group=ctx.dp_group, matrix_approximation_rank=p.powersgd_rank,
                                         start_powerSGD_iter=p.powersgd_warmup_steps, random_seed=cfg.train.seed)
-    return state, powerSGD_hook.powerSGD_hook
+    return state, powerSGD_hook.powerSGD_hook if ctx.backend == "nccl" else one_bucket_at_a_time(
+        powerSGD_hook.powerSGD_hook)
+
+
+def one_bucket_at_a_time(hook):
+    """``hook`` finished before DDP reduces the next bucket. PowerSGD issues its second all-reduce (Q, after P)
+    from a future callback, which under gloo runs on gloo's thread and races the next bucket's all-reduce from
+    the backward thread: with several buckets the ranks then issue collectives in different orders and gloo
+    aborts ("Received data size doesn't match expected size"). Waiting serialises the buckets (no overlap with
+    backward: CPU runs only)."""
+    def serialised(state, bucket):  # no annotations (see cast_hook)
+        future = hook(state, bucket)
+        future.wait()
+        return future
+    return serialised
 
 
 def _no_buffer_sync() -> dict:
