@@ -30,6 +30,7 @@ from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel  
 from megatron.core.tensor_parallel import mappings as megatron_mappings  # noqa: E402
 
 from engine.parallel import tensor as ours  # noqa: E402
+from engine.parallel.cross_entropy import ChunkedCrossEntropy  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -123,8 +124,9 @@ def _cross_entropy(group, rank, tp):
     lo = _leaf(logits)
     mean = ours.vocab_parallel_cross_entropy(lo, target, group)
     mean.backward()
-    per_token = ours._VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                                                       group).reshape(B, S)
+    # a chunk of 3 tokens, so that the chunking itself is compared too
+    per_token = ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), group,
+                                          3).reshape(B, S)
     out["ours"] = {"per_token_loss": per_token.detach(), "mean_loss": mean.detach(), "logits_grad": lo.grad}
     # megatron: subtracts the max in place from its (fp32) input, so feed it a non-leaf copy of the leaf
     lm = _leaf(logits)
