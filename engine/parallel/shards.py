@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 
-
 def local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (FSDP2-sharded over dp), or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
