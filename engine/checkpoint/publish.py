@@ -34,9 +34,13 @@ def list_checkpoints(root: Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
+def _staging_path(root: Path, step: int, token: str) -> Path:
+    return root / f"{step_name(step)}.tmp-{token}"
+
+
 def staging_dir(root: Path, step: int, token: str) -> Path:
     """Create (with ``root``) the temporary directory the shards of checkpoint ``step`` are written into."""
-    tmp = root / f"{step_name(step)}.tmp-{token}"
+    tmp = _staging_path(root, step, token)
     tmp.mkdir(parents=True, exist_ok=True)
     return tmp
 
@@ -57,7 +61,7 @@ def publish(root: Path, step: int, token: str, index: dict, keep: int = 0) -> Pa
     """One process (rank 0): commit ``staging_dir(root, step, token)``, whose shards are written and fsynced,
     with ``index`` as its index.json; point ``latest`` at it; keep the newest ``keep`` checkpoints (0: all) and
     delete the temporary directories a crash left. Returns the published ``root/step_N``."""
-    tmp, final = root / f"{step_name(step)}.tmp-{token}", root / step_name(step)
+    tmp, final = _staging_path(root, step, token), root / step_name(step)
     fsync_write(tmp / INDEX, json.dumps(index))
     _fsync_dir(tmp)
     aside = None

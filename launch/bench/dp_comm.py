@@ -37,11 +37,10 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # noq
 
 from engine.checkpoint.state import TorchState  # noqa: E402
 from engine.cluster.spawn import run_ranks  # noqa: E402
-from engine.metrics.memory import LiveTensorBytes, storage_bytes, tensor_bytes_held  # noqa: E402
+from engine.metrics.memory import LiveTensorBytes, storage_bytes  # noqa: E402
 from engine.optim import unique_params  # noqa: E402
 from engine.parallel.dp import MODES  # noqa: E402
 from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin  # noqa: E402
-from engine.parallel.tied import counted_elsewhere  # noqa: E402
 
 
 class FlatAllReduce(TorchOptimizerMixin, DataParallel):
@@ -53,7 +52,6 @@ class FlatAllReduce(TorchOptimizerMixin, DataParallel):
     def __init__(self, model, cfg, ctx):
         super().__init__(cfg, ctx)
         self.module = model
-        self.exclude = counted_elsewhere(model, cfg, ctx)
         self._build_optimizer()
 
     @torch.no_grad()
@@ -71,9 +69,6 @@ class FlatAllReduce(TorchOptimizerMixin, DataParallel):
             flat.div_(size)
             for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(synced)
-
-    def bytes_held(self) -> dict[str, int]:
-        return tensor_bytes_held(self.module, self.optimizer)
 
     def checkpoint_state(self):
         return TorchState(self.module, self.optimizer, self.ctx, fsdp=False)

@@ -25,9 +25,11 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.config import Config
+from engine.metrics.memory import tensor_bytes_held
 from engine.optim import build_optimizer, clip_gradients, set_lr
 from engine.parallel.pipeline import backward_from
 from engine.parallel.shards import local
+from engine.parallel.tied import counted_elsewhere
 
 
 class DataParallel:
@@ -103,8 +105,9 @@ class DataParallel:
 
 class TorchOptimizerMixin:
     """The update for modes that keep torch parameters and a torch AdamW (ddp, fsdp): clip_gradients with the
-    norm over tp x pp (and over dp when gradients are sharded over it), then AdamW. ``exclude`` names the last
-    stage's copy of a tied embedding, whose gradient is counted on the first stage."""
+    norm over tp x pp (and over dp when gradients are sharded over it), then AdamW. The last stage's copy of a
+    tied embedding is left out of the norm (its gradient is counted on the first stage): looked up on ``module``
+    at each step, so a wrapper that replaces the parameters (FSDP's fully_shard) cannot leave a stale one."""
 
     sharded_grads = False  # True when each dp rank holds a different part of the gradient (FSDP)
     zero_grad_to_none = True  # False keeps gradient storage between steps (DDP's bucket views)
@@ -114,7 +117,8 @@ class TorchOptimizerMixin:
 
     def step(self, lr: float) -> float:
         ctx = self.ctx
-        norm = clip_gradients(self.module, self.cfg.train.grad_clip, ctx.tp_rank, ctx.mp_group, self.exclude,
+        exclude = counted_elsewhere(self.module, self.cfg, ctx)
+        norm = clip_gradients(self.module, self.cfg.train.grad_clip, ctx.tp_rank, ctx.mp_group, exclude,
                               dp_group=ctx.dp_group if self.sharded_grads else None)
         if math.isfinite(norm):
             set_lr(self.optimizer, lr)
@@ -124,3 +128,6 @@ class TorchOptimizerMixin:
 
     def skip(self) -> None:
         self.optimizer.zero_grad(set_to_none=self.zero_grad_to_none)
+
+    def bytes_held(self) -> dict[str, int]:
+        return tensor_bytes_held(self.module, self.optimizer)

@@ -32,9 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from engine.checkpoint.state import TorchState
 from engine.config import Config
 from engine.internals import private
-from engine.metrics.memory import tensor_bytes_held
 from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin
-from engine.parallel.tied import counted_elsewhere
 
 
 def cast_hook(dtype: torch.dtype):
@@ -99,7 +97,6 @@ class DDP(TorchOptimizerMixin, DataParallel):
     def __init__(self, model: nn.Module, cfg: Config, ctx):
         super().__init__(cfg, ctx)
         self.module = model
-        self.exclude = counted_elsewhere(model, cfg, ctx)
         # Every rank built the same weights and buffers (engine/model/init.py): no start-up broadcast, and no
         # buffer broadcast before each forward (a collective the pipeline schedule does not expect).
         self.ddp = DistributedDataParallel(
@@ -120,9 +117,6 @@ class DDP(TorchOptimizerMixin, DataParallel):
             # DDP arms its reducer in forward when sync is on; here it is armed for this backward alone. With
             # find_unused_parameters off the outputs are not searched, so none are passed.
             private(self.ddp, "torch", "reducer").prepare_for_backward([])
-
-    def bytes_held(self) -> dict[str, int]:
-        return tensor_bytes_held(self.module, self.optimizer)
 
     def checkpoint_state(self):
         return TorchState(self.module, self.optimizer, self.ctx, fsdp=False)

@@ -11,10 +11,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from engine.checkpoint.state import TorchState
 from engine.config import Config
-from engine.metrics.memory import tensor_bytes_held
 from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin
 from engine.parallel.support import reshard_after_forward
-from engine.parallel.tied import counted_elsewhere
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool, bf16: bool) -> nn.Module:
@@ -39,15 +37,10 @@ class FSDP(TorchOptimizerMixin, DataParallel):
     def __init__(self, model: nn.Module, cfg: Config, ctx):
         super().__init__(cfg, ctx)
         self.module = apply_fsdp(model, ctx.mesh["dp"], reshard_after_forward(cfg, ctx.pp), cfg.train.dtype == "bf16")
-        # After fully_shard, which replaces every parameter with its sharded DTensor parameter.
-        self.exclude = counted_elsewhere(self.module, cfg, ctx)
         self._build_optimizer()
 
     def before_backward(self, is_last: bool) -> None:
         self.module.set_requires_gradient_sync(is_last)
-
-    def bytes_held(self) -> dict[str, int]:
-        return tensor_bytes_held(self.module, self.optimizer)
 
     def checkpoint_state(self):
         for module in self.module.modules():  # a forward-only pass (evaluation) can leave the root unsharded,
