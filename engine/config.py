@@ -7,7 +7,6 @@ the key, the value and what would be valid (the launcher prints it and exits 2, 
 from __future__ import annotations
 
 import dataclasses
-import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,11 +14,10 @@ from pathlib import Path
 import yaml
 
 from engine.config_checks import validate
+from engine.config_types import coerce
 from engine.errors import ConfigError
 
 __all__ = ["Config", "ConfigError", "load", "load_yaml", "parse_args", "validate"]
-
-
 
 
 @dataclass
@@ -74,7 +72,12 @@ class ParallelConfig:
     powersgd_rank: int = 4
     powersgd_warmup_steps: int = 10
     reshard_after_forward: str = "auto"  # fsdp: true (ZeRO-3) | false (keep gathered to backward) | auto (pp == 1)
-    schedule: str = "1f1b"  # 1f1b | gpipe
+    # 1f1b | gpipe | interleaved (virtual_stages model chunks per rank) | zero_bubble (ZB-H1; engine/parallel/schedule.py)
+    schedule: str = "1f1b"
+    virtual_stages: int = 1  # interleaved: model chunks per rank (>= 2); layers split into pp * virtual_stages chunks
+    # Megatron's sequence parallelism (Korthikanti et al. 2022): norms and residual stream sharded over tp on the
+    # sequence dim; all-gather before column-parallel, reduce-scatter after row-parallel layers. Needs tp > 1.
+    sequence_parallel: bool = False
     pp_layers: list[int] = field(default_factory=list)  # layers per stage; empty = as even as possible
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
     # Seconds any collective (and the start-up rendezvous) may wait for a peer before this rank fails, so a
@@ -161,52 +164,6 @@ ALIASES = {"model.max_position_embeddings": "model.max_seq_len"}
 VALUE_ALIASES = {"train.activation_checkpointing": {"true": "full", "false": "none"}}
 
 
-def _coerce(key: str, value, typ):
-    """Convert a YAML or CLI value to the field type ``typ``, or raise ConfigError naming key and value."""
-    origin = typing.get_origin(typ)
-    if origin is list:
-        (item_t,) = typing.get_args(typ)
-        if isinstance(value, str):  # CLI form: [a,b] or a,b
-            text = value.strip()
-            if text.startswith("[") and text.endswith("]"):
-                text = text[1:-1]
-            value = [v.strip() for v in text.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}={value!r} is not a list; write it as [a,b]")
-        return [_coerce(f"{key}[{i}]", v, item_t) for i, v in enumerate(value)]
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{key}={value!r} is not a boolean; use true or false")
-    if typ is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}={value!r} is not an integer")
-        try:
-            as_float = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}={value!r} is not an integer") from None
-        if not math.isfinite(as_float) or as_float != int(as_float):
-            raise ConfigError(f"{key}={value!r} is not an integer")
-        return int(as_float)
-    if typ is float:
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}={value!r} is not a number") from None
-        if not math.isfinite(number):  # nan/inf are never a meaningful setting, and poison what they touch
-            raise ConfigError(f"{key}={value!r} is not a finite number")
-        return number
-    if typ is str:
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"{key}={value!r} is not a string")
-        if isinstance(value, bool):  # YAML reads `true` as a bool; string fields with true/false choices want text
-            return str(value).lower()
-        return "" if value is None else str(value)
-    raise TypeError(f"unsupported config field type {typ} for {key}")  # a bug in this file, not user input
-
-
 def _field_types(cls) -> dict:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
@@ -223,7 +180,7 @@ def _set(cfg: Config, dotted: str, value) -> None:
     fields = _field_types(type(sub))
     if key not in fields:
         raise ConfigError(f"unknown config key '{dotted}'; valid keys in '{section}': {', '.join(fields)}")
-    value = _coerce(dotted, value, fields[key])
+    value = coerce(dotted, value, fields[key])
     if dotted in VALUE_ALIASES:
         value = VALUE_ALIASES[dotted].get(value, value)
     setattr(sub, key, value)

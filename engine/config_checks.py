@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 CHOICES = {
     "parallel.dp_mode": DP_MODES,  # the registry itself, so that a mode registered at run time is accepted
     "parallel.grad_compression": ("none", "bf16", "fp16", "powersgd"),
-    "parallel.schedule": ("1f1b", "gpipe"),
+    "parallel.schedule": ("1f1b", "gpipe", "interleaved", "zero_bubble"),
     "parallel.backend": ("auto", "gloo", "nccl"),
     "parallel.reshard_after_forward": ("auto", "true", "false"),
     "train.dtype": ("fp32", "bf16"),

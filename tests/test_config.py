@@ -73,7 +73,7 @@ def test_layout_resolves_dp():
     ({"tp": 2, "pp": 2, "dp": 3}, 8, "tp(2) * pp(2) * dp(3) != world size(8)"),
     ({"tp": 2}, 3, "tp(2) * pp(1) * dp(auto) != world size(3)"),
     ({"pp": 5}, 5, "parallel.pp=5 exceeds model.num_layers=4"),
-    ({"pp": 2, "dp": 2}, 4, "1f1b needs micro-batches (1 = global_batch_size 16 / (micro_batch_size 8 * dp 2)) >= parallel.pp=2"),
+    ({"pp": 2, "dp": 2}, 4, "parallel.schedule=1f1b with 1 micro-batches per step (global_batch_size 16 / (micro_batch_size 8 * dp 2)) and parallel.pp=2: 1f1b needs micro_batches >= pp"),
 ])
 def test_layout_errors_name_every_factor(parallel, world, needle):
     cfg = _cfg(**parallel)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import Config, ConfigError, TrainConfig
+from engine.parallel import schedule as sched
 
 
 def micro_batches_per_step(t: TrainConfig, dp: int) -> int:
@@ -59,17 +60,54 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
     if t.global_batch_size % per_step:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
                           f"train.micro_batch_size({t.micro_batch_size}) * dp({dp}) = {per_step}")
-    micro_batches = micro_batches_per_step(t, dp)
-    if pp > 1 and p.schedule == "1f1b" and micro_batches < pp:
-        raise ConfigError(f"1f1b needs micro-batches ({micro_batches} = global_batch_size {t.global_batch_size} / "
-                          f"(micro_batch_size {t.micro_batch_size} * dp {dp})) >= parallel.pp={pp}")
+    check_schedule(cfg, pp, micro_batches_per_step(t, dp), dp)
     layout = Layout(tp=tp, pp=pp, dp=dp)
     check_supported(cfg, layout)  # dp mode x layout x dtype refusals
     return layout
 
 
+def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
+    """The pipeline schedule and its virtual stages against pp, the layers and the micro-batches per step
+    (engine/parallel/schedule.py build's checks, named by config key), and sequence parallelism against tp."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    if p.virtual_stages < 1:
+        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} must be >= 1")
+    if p.schedule == "interleaved":
+        chunks = pp * p.virtual_stages
+        if pp < 2:
+            raise ConfigError("parallel.schedule=interleaved needs parallel.pp >= 2 (with pp=1 there is no bubble "
+                              "to shrink); use schedule 1f1b")
+        if m.num_layers % chunks:
+            raise ConfigError(f"parallel.schedule=interleaved splits model.num_layers={m.num_layers} into pp*"
+                              f"virtual_stages={chunks} equal chunks; choose virtual_stages so that it divides")
+        if p.pp_layers:
+            raise ConfigError(f"parallel.pp_layers={p.pp_layers} is not supported with schedule=interleaved "
+                              f"(layers split evenly into pp*virtual_stages chunks); leave pp_layers empty")
+    if pp > 1:
+        try:
+            sched.build(p.schedule, pp, micro_batches, 0, p.virtual_stages)
+        except ValueError as e:
+            raise ConfigError(f"parallel.schedule={p.schedule} with {micro_batches} micro-batches per step "
+                              f"(global_batch_size {t.global_batch_size} / (micro_batch_size {t.micro_batch_size} * "
+                              f"dp {dp})) and parallel.pp={pp}: {e}") from None
+    elif p.virtual_stages != 1:
+        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule=interleaved and pp >= 2")
+    if p.sequence_parallel and p.tp < 2:
+        raise ConfigError(f"parallel.sequence_parallel=true needs parallel.tp >= 2 (got tp={p.tp}): it shards the "
+                          f"sequence over the tensor-parallel group; set sequence_parallel=false")
+    if p.sequence_parallel and t.seq_len % p.tp:
+        raise ConfigError(f"parallel.sequence_parallel=true needs train.seq_len={t.seq_len} divisible by "
+                          f"parallel.tp={p.tp}")
+
+
 def check_supported(cfg: Config, layout) -> None:
     """Refuse, with the combination named, what this build cannot run. ``layout`` has ``tp``, ``pp``, ``dp``."""
+    p = cfg.parallel
+    if p.schedule in ("interleaved", "zero_bubble") and p.dp_mode != "ddp":
+        when = {"interleaved": "each model chunk's last backward", "zero_bubble": "the last W, not the last B"}
+        raise ConfigError(f"parallel.schedule={p.schedule} with parallel.dp_mode={p.dp_mode} is not supported (the "
+                          f"gradient sync would have to follow {when[p.schedule]}); use dp_mode=ddp, or "
+                          f"schedule 1f1b with {p.dp_mode}")
     if cfg.parallel.dp_mode == "zero":
         check_zero_supported(cfg, layout)
     elif cfg.parallel.zero_stage:

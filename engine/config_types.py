@@ -1,0 +1,54 @@
+"""Conversion of one raw YAML or CLI value to a config field's type (engine/config.py), or a one-line
+:class:`ConfigError` naming the key and the value."""
+from __future__ import annotations
+
+import math
+import typing
+
+from engine.errors import ConfigError
+
+
+def coerce(key: str, value, typ):
+    """Convert a YAML or CLI value to the field type ``typ``, or raise ConfigError naming key and value."""
+    origin = typing.get_origin(typ)
+    if origin is list:
+        (item_t,) = typing.get_args(typ)
+        if isinstance(value, str):  # CLI form: [a,b] or a,b
+            text = value.strip()
+            if text.startswith("[") and text.endswith("]"):
+                text = text[1:-1]
+            value = [v.strip() for v in text.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r} is not a list; write it as [a,b]")
+        return [coerce(f"{key}[{i}]", v, item_t) for i, v in enumerate(value)]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key}={value!r} is not a boolean; use true or false")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} is not an integer")
+        try:
+            as_float = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r} is not an integer") from None
+        if not math.isfinite(as_float) or as_float != int(as_float):
+            raise ConfigError(f"{key}={value!r} is not an integer")
+        return int(as_float)
+    if typ is float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r} is not a number") from None
+        if not math.isfinite(number):  # nan/inf are never a meaningful setting, and poison what they touch
+            raise ConfigError(f"{key}={value!r} is not a finite number")
+        return number
+    if typ is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}={value!r} is not a string")
+        if isinstance(value, bool):  # YAML reads `true` as a bool; string fields with true/false choices want text
+            return str(value).lower()
+        return "" if value is None else str(value)
+    raise TypeError(f"unsupported config field type {typ} for {key}")  # a bug in this file, not user input
