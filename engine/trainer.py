@@ -9,6 +9,7 @@ them as ``micro_batches`` forward/backward passes of ``micro_batch_size`` (gradi
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from pathlib import Path
@@ -47,7 +48,7 @@ class TrainingAborted(RuntimeError):
 def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
     """The local part of the model on ctx.device, initialised identically at every layout (before dp)."""
     model = model_lib.build(cfg.model, device="meta")
-    split_stage(model, ctx.pp, ctx.pp_rank, cfg.parallel.pp_layers or None)
+    split_stage(model, ctx.pp, ctx.pp_rank, cfg.parallel.pp_layers or None, cfg.parallel.virtual_stages)
     apply_tensor_parallel(model, ctx.tp_group)
     materialize(model, ctx.device, cfg.train.seed, cfg.model.init_std)
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
@@ -77,9 +78,11 @@ class Trainer:
             print(self.feed.describe(), flush=True)
         # Under ZeRO with bf16 the weights themselves are bf16 (DeepSpeed keeps the fp32 master copy).
         shape, dtype = (t.micro_batch_size, t.seq_len, cfg.model.hidden_size), next(self.model.parameters()).dtype
-        self.executor = PipelineExecutor(ctx, cfg.parallel.schedule, self.micro_batches, shape, dtype)
-        self.eval_executor = PipelineExecutor(ctx, cfg.parallel.schedule, self.micro_batches, shape, dtype,
-                                              forward_only=True)
+        p = cfg.parallel
+        self.executor = PipelineExecutor(ctx, p.schedule, self.micro_batches, shape, dtype,
+                                         virtual_stages=p.virtual_stages)
+        self.eval_executor = PipelineExecutor(ctx, p.schedule, self.micro_batches, shape, dtype, forward_only=True,
+                                              virtual_stages=p.virtual_stages)
         self.step = 0
         self.stats = StepStats(cfg, ctx)  # throughput, MFU, memory, time per phase (metrics.jsonl)
         # Callables observe(event) at "backward" (before each micro-batch's backward) and "update" (after the last
@@ -127,8 +130,8 @@ class Trainer:
             return vocab_parallel_cross_entropy(logits, labels[mb], ctx.tp_group) / self.micro_batches
 
         timer = self.stats.timer  # the loss counts as forward time
-        loss = executor.run(timer.wrap("forward", self.dp.forward), timer.wrap("forward", loss_fn), inputs,
-                            extra_inputs=extra, **kwargs)
+        forwards = [timer.wrap("forward", functools.partial(self.dp.forward, chunk=c)) for c in range(executor.v)]
+        loss = executor.run(forwards, timer.wrap("forward", loss_fn), inputs, extra_inputs=extra, **kwargs)
         if ctx.pp > 1:
             dist.all_reduce(loss, group=ctx.pp_group)  # only the last stage's term is non-zero
         return loss
@@ -157,10 +160,10 @@ class Trainer:
             loss = loss / self.ctx.dp
         return loss.item()
 
-    def before_backward(self, mb: int, is_last: bool) -> None:
-        """Before each micro-batch's backward: the dp mode reduces gradients only in the step's last one."""
+    def before_backward(self, mb: int, is_last: bool, chunk: int = 0) -> None:
+        """Before each micro-batch's backward: the dp mode reduces a chunk's gradients only in its last one."""
         self.observe("backward")
-        self.dp.before_backward(is_last)
+        self.dp.before_backward(is_last, chunk)
 
     def observe(self, event: str) -> None:
         for observer in self.observers:

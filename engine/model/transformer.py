@@ -120,14 +120,22 @@ class LlamaModel(nn.Module):
         """x: token ids (b, s) on the first stage, else hidden states (b, s, h). position_ids (b, s): RoPE
         positions (default 0..s-1); doc_ids (b, s): document index of each token, attention stays within a
         document (default: one document). Returns (b, s, h)."""
-        h = self.embed_tokens(x) if self.embed_tokens is not None else x
-        if position_ids is None:
-            position_ids = torch.arange(h.shape[1], device=h.device)
-        cos, sin = rope_cos_sin(self.cfg, position_ids, h.dtype)
-        mask = None if doc_ids is None else block_causal_mask(doc_ids)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin, mask)
-        return self.norm(h) if self.norm is not None else h
+        return decode(self.cfg, self.embed_tokens, self.layers.values(), self.norm, x, position_ids, doc_ids)
+
+
+def decode(cfg: ModelConfig, embed: nn.Module | None, layers, norm: nn.Module | None, x: torch.Tensor,
+           position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The decoder's forward over any run of its parts: embed (if given) the token ids x (b, s), else take hidden
+    states x (b, s, h); run ``layers`` in order; apply ``norm`` (if given). LlamaModel runs all of its parts; a
+    pipeline chunk runs its own (engine/parallel/virtual.py). Returns (b, s, h)."""
+    h = embed(x) if embed is not None else x
+    if position_ids is None:
+        position_ids = torch.arange(h.shape[1], device=h.device)
+    cos, sin = rope_cos_sin(cfg, position_ids, h.dtype)
+    mask = None if doc_ids is None else block_causal_mask(doc_ids)
+    for layer in layers:
+        h = layer(h, cos, sin, mask)
+    return norm(h) if norm is not None else h
 
 
 class Llama(nn.Module):

@@ -20,7 +20,9 @@ from torch import nn
 from torch.autograd import Variable
 
 from engine.parallel import schedule as sched
+from engine.parallel.actions import peer
 from engine.parallel.schedule import Op
+from engine.parallel.virtual import chunk_layer_ranges
 
 COMM_OPS = (Op.RECV_FWD, Op.SEND_FWD, Op.RECV_BWD, Op.SEND_BWD)
 
@@ -34,12 +36,17 @@ def stage_layer_ranges(num_layers: int, pp: int, counts: list[int] | None = None
     return [range(start, start + n) for start, n in zip(starts, counts)]
 
 
-def split_stage(model: nn.Module, pp: int, stage: int, counts: list[int] | None = None) -> nn.Module:
+def split_stage(model: nn.Module, pp: int, stage: int, counts: list[int] | None = None,
+                virtual_stages: int = 1) -> nn.Module:
     """Keep only this stage's part of a (meta-device) Llama, in place: its layers under their global names
-    (``model.layers.7`` stays ``7``), the embedding on the first stage, the final norm and LM head on the last."""
+    (``model.layers.7`` stays ``7``), the embedding on the first stage, the final norm and LM head on the last.
+    With virtual stages the rank keeps the layers of each of its chunks (engine/parallel/virtual.py)."""
     if pp == 1:
         return model
-    keep = stage_layer_ranges(len(model.model.layers), pp, counts)[stage]
+    if virtual_stages > 1:
+        keep = [i for r in chunk_layer_ranges(len(model.model.layers), pp, virtual_stages)[stage] for i in r]
+    else:
+        keep = stage_layer_ranges(len(model.model.layers), pp, counts)[stage]
     for name in list(model.model.layers.keys()):
         if int(name) not in keep:
             del model.model.layers[name]
@@ -66,41 +73,50 @@ def backward_from(output: torch.Tensor, grad: torch.Tensor | None) -> None:
 
 
 class PipelineExecutor:
-    """Runs one step's schedule on this stage. ``forward(x, mb)`` is the stage module; ``loss_fn(out, mb)``
-    turns the last stage's output into that micro-batch's (already averaged) loss."""
+    """Runs one step's schedule on this rank. ``forward`` (one per virtual stage, or one callable when v == 1)
+    runs a micro-batch through that chunk; ``loss_fn(out, mb)`` turns the last virtual stage's output into that
+    micro-batch's (already averaged) loss. Zero-bubble schedules need ``weight_grads``, the WeightGradStore
+    the stage's linear layers defer their weight gradients to (engine/parallel/weight_grad.py)."""
 
     def __init__(self, ctx, schedule: str, micro_batches: int, act_shape: tuple[int, ...], act_dtype: torch.dtype,
-                 forward_only: bool = False):
-        self.ctx, self.micro_batches = ctx, micro_batches
+                 forward_only: bool = False, virtual_stages: int = 1, weight_grads=None):
+        self.ctx, self.micro_batches, self.v = ctx, micro_batches, virtual_stages
         if forward_only:  # evaluation: run() must then be called under torch.no_grad()
-            self.actions = sched.forward_only(ctx.pp, micro_batches, ctx.pp_rank)
+            self.actions = sched.forward_only(ctx.pp, micro_batches, ctx.pp_rank, virtual_stages)
         else:
-            self.actions = sched.build(schedule, ctx.pp, micro_batches, ctx.pp_rank)
-        backwards = [a.mb for a in self.actions if a.op == Op.BWD]
-        self.last_backward_mb = backwards[-1] if backwards else None
+            self.actions = sched.build(schedule, ctx.pp, micro_batches, ctx.pp_rank, virtual_stages)
+        self.splits_weights = any(a.op == Op.BWD_WEIGHT for a in self.actions)
+        if self.splits_weights and weight_grads is None:
+            raise ValueError(f"schedule {schedule} defers weight gradients: pass weight_grads (a WeightGradStore)")
+        self.weight_grads = weight_grads
+        # The last backward of each chunk, where the dp mode reduces that chunk's gradients. None when W's follow
+        # the B's: then no backward completes a gradient, and the dp mode reduces after the step's last W.
+        self.last_backward = {} if self.splits_weights else \
+            {a.chunk: a.mb for a in self.actions if a.op in (Op.BWD, Op.BWD_INPUT)}
         self.act_shape, self.act_dtype = act_shape, act_dtype
         # Time the last run() spent blocked on receives. It leaves out the idle tail after this stage's last
         # action, so the whole bubble is measured between barriers (launch/bench/pipeline.py).
         self.wait_s = 0.0
 
     def _post(self, actions: list, state: dict) -> list:
-        """Post a run of consecutive comm actions as one batch; returns (work, action, tensor) per op."""
+        """Post a run of consecutive comm actions as one batch; returns (work, action, tensor) per op. The peer
+        of each is the rank holding the neighbouring virtual stage (with v > 1 the last rank's chunk c sends on
+        to rank 0's chunk c+1)."""
         ctx, ops, meta = self.ctx, [], []
         for a in actions:
-            if a.op == Op.RECV_FWD:
+            other = ctx.stage_ranks[peer(ctx.pp, self.v, ctx.pp_rank, a)[0]]
+            key = (a.mb, a.chunk)
+            if a.op in (Op.RECV_FWD, Op.RECV_BWD):
                 t = torch.empty(self.act_shape, dtype=self.act_dtype, device=ctx.device)
-                ops.append(dist.P2POp(dist.irecv, t, ctx.prev_stage_rank, ctx.pp_group))
+                ops.append(dist.P2POp(dist.irecv, t, other, ctx.pp_group))
             elif a.op == Op.SEND_FWD:
                 # The wire dtype is fixed (act_dtype): under FSDP bf16 compute the output is bf16; .to() is a
                 # no-op when the dtypes already agree.
-                t = state["outputs"][a.mb]
-                ops.append(dist.P2POp(dist.isend, t.detach().to(self.act_dtype), ctx.next_stage_rank, ctx.pp_group))
-            elif a.op == Op.RECV_BWD:
-                t = torch.empty(self.act_shape, dtype=self.act_dtype, device=ctx.device)
-                ops.append(dist.P2POp(dist.irecv, t, ctx.next_stage_rank, ctx.pp_group))
+                t = state["outputs"][key]
+                ops.append(dist.P2POp(dist.isend, t.detach().to(self.act_dtype), other, ctx.pp_group))
             else:  # SEND_BWD
-                t = state["inputs"].pop(a.mb).grad.to(self.act_dtype)
-                ops.append(dist.P2POp(dist.isend, t, ctx.prev_stage_rank, ctx.pp_group))
+                t = state["inputs"].pop(key).grad.to(self.act_dtype)
+                ops.append(dist.P2POp(dist.isend, t, other, ctx.pp_group))
             meta.append((a, t))
         return list(zip(dist.batch_isend_irecv(ops), meta))
 
@@ -112,55 +128,75 @@ class PipelineExecutor:
                 work.wait()
                 self.wait_s += time.perf_counter() - start
             if a.op == Op.RECV_FWD:
-                state["inputs"][a.mb] = t.requires_grad_()
+                state["inputs"][(a.mb, a.chunk)] = t.requires_grad_()
             elif a.op == Op.RECV_BWD:
-                state["grads"][a.mb] = t
+                state["grads"][(a.mb, a.chunk)] = t
             else:
                 state["pending"].append((work, a, t))
         still = []
         for work, a, t in state["pending"]:
             if a.op == Op.SEND_FWD and work.is_completed():
                 # Free a sent output's storage (Megatron's deallocate_output_tensor): only its graph is needed
-                if a.mb in state["outputs"]:  # for the backward, which starts from the received gradient
-                    _free_storage(state["outputs"][a.mb])
+                if (a.mb, a.chunk) in state["outputs"]:  # for the backward, which starts from the received grad
+                    _free_storage(state["outputs"][(a.mb, a.chunk)])
             elif a.op == Op.SEND_FWD or not work.is_completed():
                 still.append((work, a, t))
         state["pending"] = still
 
+    def _compute(self, a, state: dict, forwards: list, loss_fn, first_inputs, extra_inputs, before_backward,
+                 backward) -> torch.Tensor | None:
+        """Run one compute action; returns the micro-batch loss on the last virtual stage's forward."""
+        key, ctx = (a.mb, a.chunk), self.ctx
+        first, last = ctx.is_first_stage and a.chunk == 0, ctx.is_last_stage and a.chunk == self.v - 1
+        if a.op == Op.FWD:
+            x = first_inputs[a.mb] if first else state["inputs"][key]
+            out = forwards[a.chunk](x, **(extra_inputs[a.mb] if extra_inputs else {}))
+            loss = None
+            if last:
+                out = loss = loss_fn(out, a.mb)
+            state["outputs"][key] = out
+            return loss
+        if a.op == Op.BWD_WEIGHT:  # W: the weight gradients that mb's B left for later
+            self.weight_grads.flush(key)
+            return None
+        if before_backward is not None:
+            before_backward(a.mb, is_last=self.last_backward.get(a.chunk) == a.mb, chunk=a.chunk)
+        run = lambda: (backward or backward_from)(state["outputs"].pop(key), state["grads"].pop(key, None))
+        if a.op == Op.BWD_INPUT:  # B: the input gradient now; each linear layer queues its weight gradient
+            with self.weight_grads.defer(key):
+                run()
+        else:
+            run()
+        return None
+
     def run(self, forward, loss_fn, first_inputs: list[torch.Tensor] | None, before_backward=None,
             backward=None, extra_inputs: list[dict] | None = None) -> torch.Tensor:
-        """Run every action of this stage for one step. first_inputs: the token micro-batches (first stage).
+        """Run every action of this rank for one step. ``forward``: the forward of each virtual stage (a list),
+        or one callable when v == 1. first_inputs: the token micro-batches (first stage).
         ``extra_inputs[mb]``: keyword arguments of every stage's forward for micro-batch mb (document masking's
         position and document ids), or None.
-        ``before_backward(mb, is_last)`` is called before each backward (data parallelism syncs gradients only
-        in the last one). ``backward(output, grad)`` replaces the plain autograd backward of a micro-batch
-        (grad is None on the last stage, where output is the loss): the dp mode's (DataParallel.backward).
-        Returns the sum of the micro-batch losses on the last stage (a zero elsewhere), detached."""
-        ctx = self.ctx
+        ``before_backward(mb, is_last, chunk)`` is called before each backward (data parallelism syncs a chunk's
+        gradients only in its last one). ``backward(output, grad)`` replaces the plain autograd backward of a
+        micro-batch (grad is None on the last stage, where output is the loss): the dp mode's
+        (DataParallel.backward). Returns the sum of the micro-batch losses on the last stage (a zero elsewhere),
+        detached."""
+        forwards = list(forward) if isinstance(forward, (list, tuple)) else [forward]
         state = {"inputs": {}, "outputs": {}, "grads": {}, "pending": []}
         self.wait_s = 0.0
-        total = torch.zeros((), device=ctx.device)
+        total = torch.zeros((), device=self.ctx.device)
         i = 0
         while i < len(self.actions):
-            a = self.actions[i]
-            if a.op in COMM_OPS:
+            if self.actions[i].op in COMM_OPS:
                 j = i
                 while j < len(self.actions) and self.actions[j].op in COMM_OPS:
                     j += 1
                 self._complete(self._post(self.actions[i:j], state), state)
                 i = j
                 continue
-            if a.op == Op.FWD:
-                x = first_inputs[a.mb] if ctx.is_first_stage else state["inputs"][a.mb]
-                out = forward(x, **(extra_inputs[a.mb] if extra_inputs else {}))
-                if ctx.is_last_stage:
-                    out = loss_fn(out, a.mb)
-                    total += out.detach()
-                state["outputs"][a.mb] = out
-            else:  # BWD
-                if before_backward is not None:
-                    before_backward(a.mb, is_last=a.mb == self.last_backward_mb)
-                (backward or backward_from)(state["outputs"].pop(a.mb), state["grads"].pop(a.mb, None))
+            loss = self._compute(self.actions[i], state, forwards, loss_fn, first_inputs, extra_inputs,
+                                 before_backward, backward)
+            if loss is not None:
+                total += loss.detach()
             i += 1
         for work, _, _ in state["pending"]:
             work.wait()

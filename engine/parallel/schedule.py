@@ -21,7 +21,7 @@ import argparse
 from engine.parallel.actions import Action, Op, max_in_flight
 from engine.parallel.actions import backward_actions as _backward
 from engine.parallel.actions import forward_actions as _forward
-from engine.parallel.schedule_interleaved import interleaved_1f1b
+from engine.parallel.schedule_interleaved import interleaved_1f1b, interleaved_order
 from engine.parallel.schedule_sim import Timeline, bubble_fraction, render, simulate_actions
 from engine.parallel.schedule_zb import zb_h1
 
@@ -69,8 +69,12 @@ def gpipe(pp: int, micro_batches: int, stage: int) -> list[Action]:
     return actions
 
 
-def forward_only(pp: int, micro_batches: int, stage: int) -> list[Action]:
-    """Evaluation: every micro-batch forwarded (received from stage-1, sent to stage+1), nothing backwarded."""
+def forward_only(pp: int, micro_batches: int, stage: int, virtual_stages: int = 1) -> list[Action]:
+    """Evaluation: every micro-batch forwarded (received from the previous virtual stage, sent to the next),
+    nothing backwarded; with virtual stages in interleaved's order of (micro-batch, chunk)."""
+    if virtual_stages > 1:
+        order = interleaved_order(pp, micro_batches, virtual_stages)
+        return [a for mb, c in order for a in _forward(pp, stage, mb, c, virtual_stages)]
     return [a for mb in range(micro_batches) for a in _forward(pp, stage, mb)]
 
 

@@ -88,14 +88,16 @@ def build(argv: list[str], mode: str):
 
 
 def set_reduction(trainer, on: bool) -> None:
-    """Turn the dp reduction of ``trainer`` on or off: flat skips its all-reduce, DDP never arms its reducer
-    (the instance attribute shadows DDP.before_backward; deleting it restores the method)."""
+    """Turn the dp reduction of ``trainer`` on or off: flat skips its all-reduce, DDP never arms its reducer nor
+    reduces after the backward (instance attributes shadow DDP's methods; deleting them restores the methods)."""
     if isinstance(trainer.dp, FlatAllReduce):
         trainer.dp.reduce = on
     elif on:
         trainer.dp.__dict__.pop("before_backward", None)
+        trainer.dp.__dict__.pop("reduce_gradients", None)
     else:
-        trainer.dp.before_backward = lambda is_last: None
+        trainer.dp.before_backward = lambda is_last, chunk=0: None
+        trainer.dp.reduce_gradients = lambda: None
 
 
 def timing_rank(argv: list[str], steps: int, warmup: int) -> dict:

@@ -50,13 +50,15 @@ class DataParallel:
             return torch.autocast(device_type=self.ctx.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, chunk: int = 0, **kwargs) -> torch.Tensor:
+        """Forward of model chunk ``chunk`` (virtual stages; 0 is the whole stage where a mode has one chunk)."""
         with self.autocast():
             return self.module(x, **kwargs)  # (mbs, s, V/tp) on the last stage, (mbs, s, h) elsewhere
 
-    def before_backward(self, is_last: bool) -> None:
-        """Called before each micro-batch's backward; ``is_last``: the step's last one, where gradients are
-        reduced over dp (the others only accumulate)."""
+    def before_backward(self, is_last: bool, chunk: int = 0) -> None:
+        """Called before each micro-batch's backward; ``is_last``: the step's last one of model chunk ``chunk``,
+        where its gradients are reduced over dp (the others only accumulate). A schedule that defers weight
+        gradients never passes is_last=True: reduce_gradients, after the last W, then reduces everything."""
 
     def backward(self, output: torch.Tensor, grad: torch.Tensor | None) -> None:
         """Backward of one micro-batch: from the loss (grad None, last stage) or from the stage output (whose

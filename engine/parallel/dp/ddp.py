@@ -33,6 +33,7 @@ from engine.checkpoint.state import TorchState
 from engine.config import Config
 from engine.internals import private
 from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin
+from engine.parallel.virtual import model_chunks
 
 
 def cast_hook(dtype: torch.dtype):
@@ -90,7 +91,12 @@ def _no_buffer_sync() -> dict:
 
 
 class DDP(TorchOptimizerMixin, DataParallel):
-    """The stage replicated over dp; DDP averages gradients during the last micro-batch's backward."""
+    """The stage replicated over dp; DDP averages gradients during the last micro-batch's backward.
+
+    With virtual stages (interleaved schedule) each model chunk is its own DistributedDataParallel, armed before
+    that chunk's last backward: a rank's chunks finish their gradients at different backwards. Under a schedule
+    that defers weight gradients (zero bubble) no backward finishes one, so no reducer is armed and
+    reduce_gradients all-reduces the gradients after the last W, in bucket_mb pieces (exposed, not overlapped)."""
 
     zero_grad_to_none = False  # keep the bucket views: accumulation writes into them
 
@@ -99,24 +105,60 @@ class DDP(TorchOptimizerMixin, DataParallel):
         self.module = model
         # Every rank built the same weights and buffers (engine/model/init.py): no start-up broadcast, and no
         # buffer broadcast before each forward (a collective the pipeline schedule does not expect).
-        self.ddp = DistributedDataParallel(
-            model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+        self.ddps = [DistributedDataParallel(
+            chunk, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
             process_group=ctx.dp_group, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True,
             init_sync=False, **_no_buffer_sync())
+            for chunk in model_chunks(model, ctx.pp, ctx.pp_rank, cfg.parallel.virtual_stages)]
+        self.ddp = self.ddps[0]
         hook = comm_hook(cfg, ctx)
         if hook is not None:
-            self.ddp.register_comm_hook(*hook)
+            for ddp in self.ddps:
+                ddp.register_comm_hook(*hook)
+        self.armed: set[int] = set()  # chunks whose reducer ran in this step's backward
         self._build_optimizer()
 
-    def forward(self, x, **kwargs):
-        with self.ddp.no_sync(), self.autocast():  # the reducer is armed in before_backward, not here
-            return self.ddp(x, **kwargs)
+    def forward(self, x, chunk: int = 0, **kwargs):
+        with self.ddps[chunk].no_sync(), self.autocast():  # the reducer is armed in before_backward, not here
+            return self.ddps[chunk](x, **kwargs)
 
-    def before_backward(self, is_last: bool) -> None:
+    def before_backward(self, is_last: bool, chunk: int = 0) -> None:
         if is_last:
             # DDP arms its reducer in forward when sync is on; here it is armed for this backward alone. With
             # find_unused_parameters off the outputs are not searched, so none are passed.
-            private(self.ddp, "torch", "reducer").prepare_for_backward([])
+            private(self.ddps[chunk], "torch", "reducer").prepare_for_backward([])
+            self.armed.add(chunk)
+
+    def reduce_gradients(self) -> None:
+        """Average over dp the gradients of every chunk whose reducer did not run in this step's backward."""
+        for chunk, ddp in enumerate(self.ddps):
+            if chunk not in self.armed:
+                all_reduce_mean([p.grad for p in ddp.module.parameters() if p.grad is not None],
+                                self.ctx.dp_group, self.cfg.parallel.bucket_mb)
+        self.armed.clear()
+
+    def skip(self) -> None:
+        self.armed.clear()
+        super().skip()
 
     def checkpoint_state(self):
         return TorchState(self.module, self.optimizer, self.ctx, fsdp=False)
+
+
+def all_reduce_mean(grads: list[torch.Tensor], group, bucket_mb: float) -> None:
+    """Average ``grads`` over ``group`` in place, packed into flat buffers of about bucket_mb MB each (one
+    all-reduce per buffer instead of one per tensor)."""
+    size = dist.get_world_size(group)
+    limit = int(bucket_mb * 2**20)
+    buckets: list[list[torch.Tensor]] = [[]]
+    for g in grads:
+        if buckets[-1] and (sum(t.numel() * t.element_size() for t in buckets[-1]) >= limit
+                            or buckets[-1][0].dtype != g.dtype):
+            buckets.append([])
+        buckets[-1].append(g)
+    for bucket in (b for b in buckets if b):
+        flat = torch.cat([g.reshape(-1) for g in bucket])  # (sum of numels,)
+        dist.all_reduce(flat, group=group)
+        flat.div_(size)
+        for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+            g.copy_(part.view_as(g))

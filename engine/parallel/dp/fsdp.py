@@ -39,7 +39,7 @@ class FSDP(TorchOptimizerMixin, DataParallel):
         self.module = apply_fsdp(model, ctx.mesh["dp"], reshard_after_forward(cfg, ctx.pp), cfg.train.dtype == "bf16")
         self._build_optimizer()
 
-    def before_backward(self, is_last: bool) -> None:
+    def before_backward(self, is_last: bool, chunk: int = 0) -> None:
         self.module.set_requires_gradient_sync(is_last)
 
     def checkpoint_state(self):

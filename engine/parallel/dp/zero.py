@@ -122,7 +122,7 @@ class ZeRO(DataParallel):
             raise ConfigError("model.tie_embeddings with parallel.pp>1 under dp_mode=zero needs DeepSpeed's "
                               "managed_gradient_accumulation=false (DeepSpeed >= 0.19.8 here)")
 
-    def forward(self, x, **kwargs):
+    def forward(self, x, chunk: int = 0, **kwargs):
         return self.engine(x, **kwargs)  # under bf16 the weights themselves are bf16: no autocast
 
     def train(self, mode: bool = True) -> None:
@@ -141,7 +141,7 @@ class ZeRO(DataParallel):
             output.data = torch.zeros_like(grad, dtype=output.dtype)  # (mbs, s, h), freed with the graph
         self.engine.backward((output * grad).sum(), scale_wrt_gas=False)
 
-    def before_backward(self, is_last: bool) -> None:
+    def before_backward(self, is_last: bool, chunk: int = 0) -> None:
         """In caller-owned accumulation mode (the default here) step() is the boundary and this does nothing.
         In DeepSpeed's managed mode its micro-step counter assumes one engine.step() per micro-batch, which our
         one step per global batch breaks, so the boundary is set by hand: the last backward reduces (ZeRO-1)

@@ -1,0 +1,52 @@
+"""Virtual pipeline stages (interleaved 1F1B; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
+on GPU Clusters Using Megatron-LM", Sec. 2.2.2): the layers are split into pp*v equal chunks and rank r holds
+chunks r, r+pp, ..., r+(v-1)*pp (engine/parallel/actions.py: rank-local chunk c is virtual stage c*pp + r).
+
+A rank still holds *one* stage module (the Llama with the other ranks' layers dropped, layers under their global
+names), so checkpoints, the tied embedding and the dp modes see one module per rank whatever v is; the embedding
+sits on rank 0 (it belongs to chunk 0) and the final norm and LM head on rank pp-1 (the last chunk). A
+``ModelChunk`` is a view of one chunk's part of that module, which the executor runs as one virtual stage.
+
+Example, 8 layers, pp=2, v=2: rank 0 holds layers 0,1 (chunk 0) and 4,5 (chunk 1); rank 1 holds 2,3 and 6,7.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from engine.model.transformer import decode
+
+
+def chunk_layer_ranges(num_layers: int, pp: int, v: int) -> list[list[range]]:
+    """[rank][chunk] -> global layer indices: virtual stage g = chunk*pp + rank holds layers [g*n, (g+1)*n),
+    n = num_layers / (pp*v) (support.check_schedule has checked that it divides)."""
+    n = num_layers // (pp * v)
+    return [[range((c * pp + r) * n, (c * pp + r + 1) * n) for c in range(v)] for r in range(pp)]
+
+
+class ModelChunk(nn.Module):
+    """One virtual stage of a rank's stage module: its run of layers, plus the embedding on virtual stage 0 and
+    the final norm and LM head on the last. The submodules are the stage module's own (shared, not copied)."""
+
+    def __init__(self, stage: nn.Module, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.cfg = stage.cfg
+        self.embed_tokens = stage.model.embed_tokens if first else None
+        self.layers = nn.ModuleDict({str(i): stage.model.layers[str(i)] for i in layers})
+        self.norm = stage.model.norm if last else None
+        self.lm_head = stage.lm_head if last else None
+
+    def forward(self, x, position_ids=None, doc_ids=None):
+        """Token ids (b, s) on virtual stage 0, else hidden states (b, s, h); returns logits (b, s, V/tp) on
+        the last virtual stage, hidden states (b, s, h) elsewhere."""
+        h = decode(self.cfg, self.embed_tokens, self.layers.values(), self.norm, x, position_ids, doc_ids)
+        return self.lm_head(h) if self.lm_head is not None else h
+
+
+def model_chunks(stage: nn.Module, pp: int, rank: int, v: int) -> list[nn.Module]:
+    """The modules the executor runs as this rank's virtual stages: the stage module itself when v == 1, else
+    one ModelChunk per chunk."""
+    if v == 1:
+        return [stage]
+    ranges = chunk_layer_ranges(stage.cfg.num_layers, pp, v)[rank]
+    return [ModelChunk(stage, r, first=rank == 0 and c == 0, last=rank == pp - 1 and c == v - 1)
+            for c, r in enumerate(ranges)]
