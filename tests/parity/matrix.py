@@ -4,7 +4,9 @@ One ``Combo`` is a point of the product of these factors (``FACTORS``):
 
     tp, pp, dp in {1, 2, 4} with tp * pp * dp <= 8
     dp_mode: ddp | fsdp-reshard | fsdp-keep | zero1 | zero2 | zero3
-    schedule: 1f1b | gpipe (only with pp > 1; "-" at pp = 1, where there is no schedule)
+    schedule: 1f1b | gpipe | interleaved (2 virtual stages) | zero_bubble (only with pp > 1; "-" at pp = 1, where
+              there is no schedule); interleaved at pp = 4 runs 8 layers (4 cannot split into 8 chunks), against
+              an 8-layer single process
     dtype: fp32 | bf16;  tied / untied embeddings;  activation checkpointing off / on
     clip: off (train.grad_clip 0) | on (a threshold below the gradient norm, so every step is clipped)
 
@@ -24,6 +26,7 @@ from dataclasses import asdict, dataclass
 
 SIZES = (1, 2, 4)
 DP_MODES = ("ddp", "fsdp-reshard", "fsdp-keep", "zero1", "zero2", "zero3")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero_bubble")
 FACTORS = ("tp", "pp", "dp", "dp_mode", "schedule", "dtype", "tied", "ac", "clip")
 MAX_WORLD = 8
 
@@ -39,6 +42,7 @@ class Combo:
     tied: bool
     ac: bool
     clip: bool
+    layers: int = 4  # model.num_layers: runner.BASE's 4, or 8 where interleaving needs them (not a factor)
 
     @property
     def world(self) -> int:
@@ -48,7 +52,8 @@ class Combo:
     def name(self) -> str:
         return (f"tp{self.tp}-pp{self.pp}-dp{self.dp}-{self.dp_mode}"
                 + (f"-{self.schedule}" if self.pp > 1 else "") + f"-{self.dtype}"
-                + ("-tied" if self.tied else "") + ("-ac" if self.ac else "") + ("-clip" if self.clip else ""))
+                + ("-tied" if self.tied else "") + ("-ac" if self.ac else "") + ("-clip" if self.clip else "")
+                + (f"-L{self.layers}" if self.layers != 4 else ""))
 
     def argv(self) -> list[str]:
         """The engine's command-line overrides for this combination (on top of runner.BASE)."""
@@ -58,6 +63,10 @@ class Combo:
                 "--train.activation_checkpointing", str(self.ac).lower()]
         if self.pp > 1:
             args += ["--parallel.schedule", self.schedule]
+        if self.schedule == "interleaved":
+            args += ["--parallel.virtual_stages", "2"]
+        if self.layers != 4:
+            args += ["--model.num_layers", str(self.layers)]
         if mode == "fsdp":
             args += ["--parallel.dp_mode", "fsdp", "--parallel.reshard_after_forward",
                      "true" if option == "reshard" else "false"]
@@ -72,6 +81,7 @@ class Combo:
         dp mode at dp = 1 (the wrapper runs, but nothing is reduced or sharded), so that pairs with a dp mode are
         covered where that mode really works across ranks."""
         v = asdict(self)
+        del v["layers"]
         if self.pp == 1:
             del v["schedule"]
         if self.dp == 1:
@@ -87,8 +97,9 @@ def all_combos(clip: tuple[bool, ...] = (False, True)) -> list[Combo]:
     out = []
     for (tp, pp, dp), mode, dtype, tied, ac, c in itertools.product(
             layouts(), DP_MODES, ("fp32", "bf16"), (False, True), (False, True), clip):
-        for schedule in (("1f1b", "gpipe") if pp > 1 else ("-",)):
-            out.append(Combo(tp, pp, dp, mode, schedule, dtype, tied, ac, c))
+        for schedule in (SCHEDULES if pp > 1 else ("-",)):
+            layers = 8 if schedule == "interleaved" and pp == 4 else 4
+            out.append(Combo(tp, pp, dp, mode, schedule, dtype, tied, ac, c, layers))
     return sorted(out)
 
 
@@ -100,8 +111,15 @@ ZERO3_PP = ("ZeRO-3 with pp > 1: DeepSpeed compares module traces across all ran
             "zero_stage=3 and parallel.pp>1 is not supported")
 
 
+SCHEDULE_DP = ("interleaved or zero_bubble with a dp mode other than ddp: FSDP and ZeRO would have to sync each "
+               "chunk's gradients after its last backward (interleaved) or after the last W (zero bubble)",
+               "is not supported (the gradient sync would have to follow")
+
+
 def refusal(c: Combo) -> tuple[str, str] | None:
     """(reason, words of the error) if the engine must refuse ``c``, else None."""
+    if c.schedule in ("interleaved", "zero_bubble") and c.dp_mode != "ddp":
+        return SCHEDULE_DP
     if c.dp_mode.startswith("zero") and c.pp > 1:
         if c.tied and (c.dp_mode != "zero1" or c.dtype != "fp32"):
             return TIED_ZERO_PP
@@ -153,8 +171,8 @@ def covering_subset() -> list[Combo]:
 
 
 def _key(c: Combo) -> tuple:
-    return (c.world, c.tp, c.pp, c.dp, DP_MODES.index(c.dp_mode), c.schedule == "gpipe", c.dtype == "bf16",
-            c.tied, c.ac, c.clip)
+    return (c.world, c.tp, c.pp, c.dp, DP_MODES.index(c.dp_mode), SCHEDULES.index(c.schedule) if c.pp > 1 else 0,
+            c.dtype == "bf16", c.tied, c.ac, c.clip, c.layers)
 
 
 @dataclass(frozen=True)
