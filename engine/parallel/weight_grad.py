@@ -30,7 +30,7 @@ Usage (the executor; ``model`` is one materialised, tensor-parallel stage, befor
 Deferred gradients are added to ``param.grad`` directly (in place when it exists, so DDP's bucket views stay the
 storage), not through autograd: no gradient hook (DDP's reducer, post-accumulate hooks) sees them, so a data-
 parallel reduction must be started after the last W. What W keeps alive from B is x and g of each linear (see
-``WeightGradStore.bytes_pending``). The decision reads a flag of the store, not of the thread, so it holds on the
+``WeightGradStore.bytes_pending``). Inside a torch.compile'd block the split linears stay eager (graph breaks). The decision reads a flag of the store, not of the thread, so it holds on the
 autograd engine's device threads (CUDA).
 """
 from __future__ import annotations
@@ -94,7 +94,11 @@ class WeightGradStore:
         return {k: len(q) for k, q in self._queues.items() if q}
 
     def bytes_pending(self) -> int:
-        """Bytes of the distinct x and g storages the queues hold (x is often shared: q/k/v, gate/up)."""
+        """Bytes of the distinct x and g storages the queues hold. Per token of a queued micro-batch, in elements
+        of the compute dtype (tests/test_weight_grad.py checks it): each block keeps x of q/k/v (one (h) tensor
+        in fp32, three casts under autocast), of o (nh*hd/tp), of gate/up (one, or two casts) and of down
+        (ffn/tp), and g of all seven (nh*hd + 2*nkv*hd + 2*ffn)/tp + 2h; the LM head keeps h + V/tp. A plain
+        backward frees both at B; here they live until W."""
         seen: dict[int, int] = {}
         for queue in self._queues.values():
             for item in queue:
@@ -145,13 +149,20 @@ class _LinearDeferredWeight(torch.autograd.Function):
         return dx, dw, db, None
 
 
+@torch.compiler.disable
+def _deferrable_linear(x, weight, bias, store):
+    # Eager even inside a compiled block: traced, the backward's choice would be fixed once (measured: never
+    # deferred). The compiled block breaks its graph around each linear.
+    return _LinearDeferredWeight.apply(x, weight, bias, store)
+
+
 def linear_with_deferred_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                 store: WeightGradStore | None) -> torch.Tensor:
     """F.linear whose weight gradient ``store`` may defer; plain F.linear without a store or without grad
     (evaluation runs exactly as before)."""
     if store is None or not torch.is_grad_enabled():
         return F.linear(x, weight, bias)
-    return _LinearDeferredWeight.apply(x, weight, bias, store)
+    return _deferrable_linear(x, weight, bias, store)
 
 
 class SplitLinear(nn.Linear):
