@@ -30,8 +30,9 @@ Usage (the executor; ``model`` is one materialised, tensor-parallel stage, befor
 Deferred gradients are added to ``param.grad`` directly (in place when it exists, so DDP's bucket views stay the
 storage), not through autograd: no gradient hook (DDP's reducer, post-accumulate hooks) sees them, so a data-
 parallel reduction must be started after the last W. What W keeps alive from B is x and g of each linear (see
-``WeightGradStore.bytes_pending``). Inside a torch.compile'd block the split linears stay eager (graph breaks). The decision reads a flag of the store, not of the thread, so it holds on the
-autograd engine's device threads (CUDA).
+``WeightGradStore.bytes_pending``). Inside a torch.compile'd block the split linears stay eager (graph breaks).
+The decision reads a flag of the store, not of the thread, so it holds on the autograd engine's device threads
+(CUDA).
 """
 from __future__ import annotations
 
