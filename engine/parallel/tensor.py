@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.parallel.comm import copy_to_parallel, gather_from_parallel, reduce_from_parallel, scatter_to_parallel
 from engine.parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: F401 (tensor.vocab_parallel_cross_entropy: the public name)
+from engine.parallel.weight_grad import WeightGradStore, linear_with_deferred_weight
 
 
 def _rank_size(group) -> tuple[int, int]:
@@ -32,7 +33,9 @@ def _divide(n: int, d: int, what: str) -> int:
 
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A split by rows: weight (out/tp, in), bias (out/tp,) split with it (Qwen2's q/k/v).
-    Input copied (f), output sharded (b, s, out/tp)."""
+    Input copied (f), output sharded (b, s, out/tp). ``weight_grad_store``: see engine/parallel/weight_grad.py."""
+
+    weight_grad_store: WeightGradStore | None = None
 
     def __init__(self, in_features: int, out_features: int, group, gather_output: bool = False, bias: bool = False):
         super().__init__()
@@ -45,7 +48,8 @@ class ColumnParallelLinear(nn.Module):
         self.tp_dims = {"weight": 0, "bias": 0}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_parallel(x, self.group), self.weight, self.bias)  # (b, s, out/tp)
+        x = copy_to_parallel(x, self.group)
+        y = linear_with_deferred_weight(x, self.weight, self.bias, self.weight_grad_store)  # (b, s, out/tp)
         return gather_from_parallel(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -53,7 +57,10 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x A^T with A split by columns: weight (out, in/tp). Input sharded (b, s, in/tp), output all-reduced (g)."""
+    """y = x A^T with A split by columns: weight (out, in/tp). Input sharded (b, s, in/tp), output all-reduced (g).
+    ``weight_grad_store``: see engine/parallel/weight_grad.py."""
+
+    weight_grad_store: WeightGradStore | None = None
 
     def __init__(self, in_features: int, out_features: int, group, input_is_parallel: bool = True):
         super().__init__()
@@ -66,7 +73,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_parallel(x, self.group)
-        return reduce_from_parallel(F.linear(x, self.weight), self.group)  # partial sums (b, s, out) -> summed
+        y = linear_with_deferred_weight(x, self.weight, None, self.weight_grad_store)  # (b, s, out) partial sums
+        return reduce_from_parallel(y, self.group)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}/{self.tp_size}, out={self.out_features}"
