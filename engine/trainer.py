@@ -80,7 +80,7 @@ class Trainer:
         shape, dtype = (t.micro_batch_size, t.seq_len, cfg.model.hidden_size), next(self.model.parameters()).dtype
         p = cfg.parallel
         self.executor = PipelineExecutor(ctx, p.schedule, self.micro_batches, shape, dtype,
-                                         virtual_stages=p.virtual_stages)
+                                         virtual_stages=p.virtual_stages, stage=self.model)
         self.eval_executor = PipelineExecutor(ctx, p.schedule, self.micro_batches, shape, dtype, forward_only=True,
                                               virtual_stages=p.virtual_stages)
         self.step = 0

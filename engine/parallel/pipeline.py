@@ -23,6 +23,7 @@ from engine.parallel import schedule as sched
 from engine.parallel.actions import peer
 from engine.parallel.schedule import Op
 from engine.parallel.virtual import chunk_layer_ranges
+from engine.parallel.weight_grad import WeightGradStore, split_weight_gradients
 
 COMM_OPS = (Op.RECV_FWD, Op.SEND_FWD, Op.RECV_BWD, Op.SEND_BWD)
 
@@ -75,20 +76,24 @@ def backward_from(output: torch.Tensor, grad: torch.Tensor | None) -> None:
 class PipelineExecutor:
     """Runs one step's schedule on this rank. ``forward`` (one per virtual stage, or one callable when v == 1)
     runs a micro-batch through that chunk; ``loss_fn(out, mb)`` turns the last virtual stage's output into that
-    micro-batch's (already averaged) loss. Zero-bubble schedules need ``weight_grads``, the WeightGradStore
-    the stage's linear layers defer their weight gradients to (engine/parallel/weight_grad.py)."""
+    micro-batch's (already averaged) loss. A schedule that splits the backward (zero bubble) needs ``stage``, the
+    rank's stage module: its linear layers are switched to defer their weight gradients to this executor's
+    WeightGradStore (engine/parallel/weight_grad.py), which W flushes."""
 
     def __init__(self, ctx, schedule: str, micro_batches: int, act_shape: tuple[int, ...], act_dtype: torch.dtype,
-                 forward_only: bool = False, virtual_stages: int = 1, weight_grads=None):
+                 forward_only: bool = False, virtual_stages: int = 1, stage: nn.Module | None = None):
         self.ctx, self.micro_batches, self.v = ctx, micro_batches, virtual_stages
         if forward_only:  # evaluation: run() must then be called under torch.no_grad()
             self.actions = sched.forward_only(ctx.pp, micro_batches, ctx.pp_rank, virtual_stages)
         else:
             self.actions = sched.build(schedule, ctx.pp, micro_batches, ctx.pp_rank, virtual_stages)
         self.splits_weights = any(a.op == Op.BWD_WEIGHT for a in self.actions)
-        if self.splits_weights and weight_grads is None:
-            raise ValueError(f"schedule {schedule} defers weight gradients: pass weight_grads (a WeightGradStore)")
-        self.weight_grads = weight_grads
+        self.weight_grads = None
+        if self.splits_weights:
+            if stage is None:
+                raise ValueError(f"schedule {schedule} splits the backward: pass the stage module")
+            self.weight_grads = WeightGradStore()
+            split_weight_gradients(stage, self.weight_grads)
         # The last backward of each chunk, where the dp mode reduces that chunk's gradients. None when W's follow
         # the B's: then no backward completes a gradient, and the dp mode reduces after the step's last W.
         self.last_backward = {} if self.splits_weights else \
@@ -200,6 +205,8 @@ class PipelineExecutor:
             i += 1
         for work, _, _ in state["pending"]:
             work.wait()
+        if self.weight_grads is not None and self.weight_grads.pending():
+            raise RuntimeError(f"weight gradients left unflushed after the step: {self.weight_grads.pending()}")
         return total
 
 
