@@ -74,6 +74,20 @@ def test_layout_resolves_dp():
     ({"tp": 2}, 3, "tp(2) * pp(1) * dp(auto) != world size(3)"),
     ({"pp": 5}, 5, "parallel.pp=5 exceeds model.num_layers=4"),
     ({"pp": 2, "dp": 2}, 4, "parallel.schedule=1f1b with 1 micro-batches per step (global_batch_size 16 / (micro_batch_size 8 * dp 2)) and parallel.pp=2: 1f1b needs micro_batches >= pp"),
+    ({"pp": 2, "schedule": "interleaved", "virtual_stages": 4}, 2,
+     "splits model.num_layers=4 into pp*virtual_stages=8 equal chunks"),
+    ({"pp": 2, "schedule": "interleaved"}, 2, "interleaved needs virtual_stages >= 2"),
+    ({"pp": 1, "schedule": "interleaved", "virtual_stages": 2}, 1, "interleaved needs parallel.pp >= 2"),
+    ({"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "pp_layers": [1, 3]}, 2,
+     "parallel.pp_layers=[1, 3] is not supported with schedule=interleaved"),
+    ({"pp": 2, "virtual_stages": 2}, 2, "virtual_stages=2 needs schedule 'interleaved'"),
+    ({"virtual_stages": 2}, 1, "parallel.virtual_stages=2 needs parallel.schedule=interleaved and pp >= 2"),
+    ({"pp": 2, "schedule": "zero_bubble", "dp_mode": "fsdp"}, 2,
+     "parallel.schedule=zero_bubble with parallel.dp_mode=fsdp is not supported (the gradient sync would have to "
+     "follow the last W, not the last B); use dp_mode=ddp"),
+    ({"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "dp_mode": "zero", "zero_stage": 1}, 2,
+     "parallel.schedule=interleaved with parallel.dp_mode=zero is not supported"),
+    ({"sequence_parallel": True}, 1, "parallel.sequence_parallel=true needs parallel.tp >= 2"),
 ])
 def test_layout_errors_name_every_factor(parallel, world, needle):
     cfg = _cfg(**parallel)
