@@ -11,6 +11,7 @@ deadlock-free. Once a stage's output has been sent, its storage is freed and onl
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -166,12 +167,10 @@ class PipelineExecutor:
             return None
         if before_backward is not None:
             before_backward(a.mb, is_last=self.last_backward.get(a.chunk) == a.mb, chunk=a.chunk)
-        run = lambda: (backward or backward_from)(state["outputs"].pop(key), state["grads"].pop(key, None))
-        if a.op == Op.BWD_INPUT:  # B: the input gradient now; each linear layer queues its weight gradient
-            with self.weight_grads.defer(key):
-                run()
-        else:
-            run()
+        # B under zero bubble: the input gradient now, each linear layer queueing its weight gradient for W
+        deferring = self.weight_grads.defer(key) if a.op == Op.BWD_INPUT else contextlib.nullcontext()
+        with deferring:
+            (backward or backward_from)(state["outputs"].pop(key), state["grads"].pop(key, None))
         return None
 
     def run(self, forward, loss_fn, first_inputs: list[torch.Tensor] | None, before_backward=None,
