@@ -7,6 +7,10 @@ never for sends until the step ends, which is the semantics under which schedule
 deadlock-free. Once a stage's output has been sent, its storage is freed and only its autograd graph is kept
 (Megatron's deallocate_output_tensor / custom_backward).
 
+The same executor runs the interleaved schedule (each action names a model chunk; sends and receives go to the
+rank holding the neighbouring virtual stage, engine/parallel/virtual.py) and zero bubble (B runs the backward
+with every linear's weight gradient deferred to a WeightGradStore, W flushes it; engine/parallel/weight_grad.py).
+
     python -m engine.parallel.pipeline --pp 4 --micro-batches 8     # print every stage's timeline
 """
 from __future__ import annotations
