@@ -1,7 +1,7 @@
 """What a pipeline schedule (engine/parallel/schedule.py) implies for the plan: one rank's activations in flight,
 in bytes, and the step's makespan, both read off the schedule's own tables rather than a 1F1B closed form.
 
-Memory: walk the rank's action list and keep a running sum of what is alive:
+Memory: walk the rank's action list (once per table: held_states) and price what is alive after each compute:
 - FWD of (micro-batch, chunk) adds that chunk's activations of one micro-batch (engine/planning/activations.py
   for the chunk's layers). Without virtual stages the one chunk is the whole stage. Interleaved 1F1B
   (Narayanan et al. 2021, Sec. 2.2.2): the layers are split into pp*v equal chunks and rank r holds chunks r,
@@ -24,7 +24,7 @@ of one virtual stage (engine/planning/search.py), so the bubble is whatever the 
 (p-1)/(m+p-1) of Narayanan et al. 2021 Sec. 2.2.1, for interleaved about 1/v of it, for ZB-H1 (p-1)(F+B-W).
 Past SIMULATED_GROUPS groups of pp micro-batches the steady state only repeats: each further micro-batch adds the
 same time, so the makespan is extended along the line through the simulations at 2 pp and 3 pp micro-batches
-(exact: tests/test_plan_schedules.py compares it with full simulations), which keeps a search over global
+(equal to the full simulation in every case tests/test_plan_schedules.py and a wider sweep tried), which keeps a search over global
 batches of thousands of micro-batches fast.
 """
 from __future__ import annotations
