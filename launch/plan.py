@@ -3,11 +3,15 @@
     python launch/plan.py --config configs/llama-3.2-1b.yaml --world-size 8 --device-memory 80 [--global-batch 512]
         [--top 15] [--json] [--device "NVIDIA H100 80GB HBM3" | --peak-tflops 989] [--efficiency 0.5]
         [--gpus-per-node 8] [--intra-node-gbps 450] [--inter-node-gbps 50] [--set section.key=value ...]
+        [--section.key value ...]
 
-Layouts are (tp, pp, dp, dp mode, micro-batch size, activation checkpointing); the config fixes the model,
-sequence length, dtype and schedule. Memory: engine/planning/planner.py (checked against measured memory on CPU in
-tests/test_planner.py); time: engine/planning/search.py. Layouts that fit in --device-memory come first, fastest
-first. A bad argument exits with status 2 and one line `error: ...`.
+Layouts are (tp, pp, dp, dp mode, micro-batch size, activation checkpointing, pipeline schedule); the config fixes
+the model, sequence length and dtype. The schedule is searched too (1f1b, interleaved with 2-4 virtual stages,
+zero_bubble: engine/planning/schedules.py SEARCHED) unless the config file or the command line sets
+parallel.schedule or parallel.virtual_stages, e.g. `--parallel.schedule interleaved --parallel.virtual_stages 2`.
+Memory: engine/planning/planner.py (checked against measured memory on CPU in tests/test_planner.py); time:
+engine/planning/search.py, the bubble from simulating the schedule. Layouts that fit in --device-memory come
+first, fastest first. A bad argument exits with status 2 and one line `error: ...`.
 """
 from __future__ import annotations
 
@@ -20,14 +24,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from engine.config import ConfigError, load  # noqa: E402
 from engine.planning.flops import peak_tflops  # noqa: E402
+from engine.planning.schedules import SEARCHED, label  # noqa: E402
 from engine.planning.search import Hardware, search  # noqa: E402
 
-COLUMNS = [("tp", "{}"), ("pp", "{}"), ("dp", "{}"), ("dp_mode", "{}"), ("micro_batch_size", "{}"),
-           ("micro_batches", "{}"), ("activation_checkpointing", "{}"), ("peak_memory_gb", "{:.2f}"),
-           ("step_s", "{:.3f}"), ("tokens_per_s", "{:,.0f}"), ("mfu", "{:.1%}"), ("bubble_s", "{:.3f}"),
-           ("tp_comm_s", "{:.3f}"), ("pp_comm_s", "{:.3f}"), ("dp_comm_s", "{:.3f}")]
-HEADER = ["tp", "pp", "dp", "dp mode", "mbs", "m", "ac", "mem GB", "step s", "tokens/s", "MFU", "bubble", "tp s",
-          "pp s", "dp s"]
+COLUMNS = [("tp", "{}"), ("pp", "{}"), ("dp", "{}"), ("dp_mode", "{}"), ("schedule", "{}"),
+           ("micro_batch_size", "{}"), ("micro_batches", "{}"), ("activation_checkpointing", "{}"),
+           ("peak_memory_gb", "{:.2f}"), ("step_s", "{:.3f}"), ("tokens_per_s", "{:,.0f}"), ("mfu", "{:.1%}"),
+           ("bubble_fraction", "{:.1%}"), ("activation_gb_per_stage", "{}"), ("tp_comm_s", "{:.3f}"),
+           ("pp_comm_s", "{:.3f}"), ("dp_comm_s", "{:.3f}")]
+HEADER = ["tp", "pp", "dp", "dp mode", "schedule", "mbs", "m", "ac", "mem GB", "step s", "tokens/s", "MFU",
+          "bubble", "act GB/stage", "tp s", "pp s", "dp s"]
+SCHEDULE_KEYS = ("parallel.schedule", "parallel.virtual_stages")
 
 
 class ArgumentError(ValueError):
@@ -40,6 +47,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The flags below; any ``--section.key value`` (or ``--section.key=value``) left over is a config override,
+    as --set section.key=value is."""
     p = _Parser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True)
     p.add_argument("--world-size", type=int, required=True, help="number of devices (ranks)")
@@ -55,7 +64,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--inter-node-gbps", type=float, default=50.0, help="GB/s per device between nodes")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="config override, e.g. --set train.seq_len=4096 (repeatable)")
-    return p.parse_args(argv)
+    args, rest = p.parse_known_args(argv)
+    args.overrides = []
+    while rest:
+        name, eq, value = rest.pop(0).partition("=")
+        if not name.startswith("--") or "." not in name:
+            raise ArgumentError(f"unrecognized argument {name!r}; config keys go as --section.key value")
+        if not eq and not rest:
+            raise ArgumentError(f"argument {name!r} has no value")
+        args.overrides += [name, value if eq else rest.pop(0)]
+    return args
 
 
 def hardware(args: argparse.Namespace, dtype: str) -> Hardware:
@@ -81,15 +99,33 @@ def config_argv(args: argparse.Namespace) -> list[str]:
         if not eq:
             raise ArgumentError(f"--set {item!r} is not SECTION.KEY=VALUE")
         argv += [f"--{key}", value]
+    argv += args.overrides
     if args.global_batch is not None:
         argv += ["--train.global_batch_size", str(args.global_batch)]
     return argv
 
 
+def searched_schedules(args: argparse.Namespace, cfg) -> tuple | None:
+    """None (plan the config's schedule) when the config file or the command line sets one, else SEARCHED."""
+    given = [a.split("=")[0].lstrip("-") for a in config_argv(args)]
+    if any(key in given for key in SCHEDULE_KEYS) or (cfg.parallel.schedule, cfg.parallel.virtual_stages) != \
+            ("1f1b", 1):
+        return None
+    return SEARCHED
+
+
+def cell(row: dict, key: str, fmt: str) -> str:
+    value = row[key]
+    if key == "schedule":
+        return label(value, row["virtual_stages"])
+    if key == "activation_gb_per_stage":  # stage 0 first
+        return "/".join(f"{gb:.2f}" for gb in value)
+    return fmt.format(("yes" if value else "no") if isinstance(value, bool) else value).strip()
+
+
 def table(rows: list[dict]) -> str:
     """Right-aligned columns, each as wide as its widest cell."""
-    cells = [HEADER] + [[fmt.format(("yes" if row[k] else "no") if isinstance(row[k], bool) else row[k]).strip()
-                         for k, fmt in COLUMNS] for row in rows]
+    cells = [HEADER] + [[cell(row, k, fmt) for k, fmt in COLUMNS] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(HEADER))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
 
@@ -99,7 +135,12 @@ def main(argv: list[str]) -> int:
     cfg = load(config_argv(args))
     # TF32 is not the default for fp32 matmuls in torch, so an fp32 run is planned at the fp32 peak.
     hw = hardware(args, "bf16" if cfg.train.dtype == "bf16" else "fp32")
-    plans = search(cfg, args.world_size, hw)
+    schedules, refused = searched_schedules(args, cfg), []
+    plans = search(cfg, args.world_size, hw, schedules, refused)
+    if not plans and schedules is None and refused:  # the schedule given: say why support.check_schedule refused it
+        # (interleaved: from a pipelined layout; its pp = 1 refusal only says that pp must be >= 2)
+        piped = [msg for layout, msg in refused if layout.pp > 1] if cfg.parallel.schedule == "interleaved" else []
+        raise ArgumentError((piped or [msg for _, msg in refused])[0])
     if not plans:
         raise ArgumentError(f"no valid layout of {cfg.model.name} on --world-size={args.world_size} with global "
                             f"batch {cfg.train.global_batch_size}; try a world size that divides it")
@@ -112,8 +153,11 @@ def main(argv: list[str]) -> int:
         raise ArgumentError(f"no layout fits in --device-memory={args.device_memory:g} GB; the smallest needs "
                             f"{best.peak_bytes / 1e9:.1f} GB ({best.describe()['dp_mode']}, tp={best.layout.tp}, "
                             f"pp={best.layout.pp}, micro-batch {best.cfg.train.micro_batch_size})")
+    what = ("schedules 1f1b, il-v2..4 (interleaved, v virtual stages), zb-h1 (zero_bubble)" if schedules
+            else "schedule " + cfg.parallel.schedule
+            + (f" with {cfg.parallel.virtual_stages} virtual stages" if cfg.parallel.schedule == "interleaved" else ""))
     print(f"{cfg.model.name}: seq_len {cfg.train.seq_len}, global batch {cfg.train.global_batch_size}, "
-          f"{cfg.train.dtype}, {cfg.parallel.schedule}; {args.world_size} devices of {args.device_memory:g} GB, "
+          f"{cfg.train.dtype}, {what}; {args.world_size} devices of {args.device_memory:g} GB, "
           f"{hw.peak_tflops:g} TFLOP/s at {hw.efficiency:.0%}; {len(fitting)} of {len(plans)} valid layouts fit")
     print(table([p.describe() for p in fitting[:args.top or None]]))
     return 0

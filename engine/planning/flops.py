@@ -52,6 +52,12 @@ def stage_flops_per_token(cfg: ModelConfig, seq_len: int, layers: int, lm_head: 
     return layers * per_layer + (6 * cfg.vocab_size * cfg.hidden_size if lm_head else 0)
 
 
+def weight_grad_flops_per_token(cfg: ModelConfig, layers: int, lm_head: bool) -> int:
+    """FLOPs per token of the weight gradients alone (zero bubble's W; Qi et al. 2023, Sec. 2): dL/dW = x^T dy is
+    one multiply-add per weight, 2 N, the other half of a linear's 4 N backward being the input gradient (B)."""
+    return 2 * (layers * layer_matmul_params(cfg) + (cfg.vocab_size * cfg.hidden_size if lm_head else 0))
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """Model FLOPs of one training token (forward + backward), PaLM's 6N + 12 L H Q T."""
     return 6 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len)

@@ -15,8 +15,11 @@ In fp32 training (as on CPU) weights and gradients take 4 bytes each and Adam's 
   autocast or FSDP's bf16 compute copy); under fsdp, gradients stay unsharded until the last micro-batch (no-sync
   accumulation), and the gathered weights are extra: one block plus the root unit with reshard_after_forward, the
   whole stage without. zero k = stage k with DeepSpeed's fp32 master copy (K = 12; bf16 weights in bf16 runs).
-- activations: engine/planning/activations.py per micro-batch, times the micro-batches in flight on the stage
-  (engine.parallel.schedule.max_in_flight: 1F1B keeps min(pp - stage, m), GPipe m).
+- activations: engine/planning/activations.py per micro-batch (per model chunk under interleaving), summed over
+  what the schedule's action table keeps in flight on the stage (engine/planning/schedules.py: 1F1B keeps
+  min(pp - stage, m), GPipe m, interleaved warmup + 1 chunks, ZB-H1 pp until their W, plus its W state).
+  Interleaving leaves the parameters as they are: the layers split evenly (pp_layers is refused), and the
+  embedding and head stay on ranks 0 and pp-1.
 """
 from __future__ import annotations
 
@@ -24,8 +27,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from engine.planning import activations as acts
+from engine.planning.schedules import activations_in_flight
 from engine.config import Config, ModelConfig
-from engine.parallel import schedule as sched
 from engine.parallel.support import Layout, micro_batches_per_step, resolve_layout
 from engine.parallel.support import reshard_after_forward
 from engine.parallel.dp.ds_json import load_base_config
@@ -87,7 +90,8 @@ def stage_params(cfg: Config, tp: int, pp: int, stage: int) -> dict[str, int]:
 @dataclass
 class StageMemory:
     """Bytes one rank of a pipeline stage holds. ``activations``: the most saved for backward at once (the
-    micro-batches in flight); ``buffers``: short-lived ones in the backward (logits and their gradient on the last
+    micro-batches, or chunk micro-batches, in flight: ``in_flight`` of them; zero bubble's W state included);
+    ``buffers``: short-lived ones in the backward (logits and their gradient on the last
     stage, a layer's gradients, a recomputed layer); ``step_buffers``: those of the step after the backward, when
     activations are gone (AdamW's temporaries). ``new_at_peak``: what the forward /
     backward allocates at its peak (activations, gradients, buffers), from the schedule."""
@@ -114,22 +118,6 @@ class StageMemory:
     def total(self) -> float:
         """The step's peak: the forward/backward's or the optimizer step's, whichever is larger."""
         return max(self.backward_peak, self.state + self.step_buffers)
-
-
-def _in_flight(actions: list) -> tuple[int, int]:
-    """(most micro-batches in flight, most in flight once the first backward has allocated the gradients)."""
-    alive = most = most_after = 0
-    backward_seen = False
-    for a in actions:
-        if a.op is sched.Op.FWD:
-            alive += 1
-        elif a.op is sched.Op.BWD:
-            alive -= 1
-            backward_seen = True
-        most = max(most, alive)
-        if backward_seen:
-            most_after = max(most_after, alive)
-    return most, most_after
 
 
 def _state(cfg: Config, layout: Layout, params: int, micro_batches: int) -> tuple[float, float, float]:
@@ -159,18 +147,19 @@ def _step_buffers(cfg: Config, layout: Layout, params: dict, foreach: bool) -> f
     return 4.0 * local / shard if foreach else 8.0 * largest / shard
 
 
-def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True) -> StageMemory:
+def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True,
+                 layout: Layout | None = None) -> StageMemory:
     """Planned bytes held by one rank of pipeline ``stage`` at the peak of a training step (layout from
-    ``cfg.parallel`` and ``cfg.train``, checked by engine.parallel.support.resolve_layout). ``foreach``: AdamW's
-    multi-tensor path (engine.optim's choice off CUDA); False: torch's per-tensor loop."""
-    layout = resolve_layout(cfg, world_size)
+    ``cfg.parallel`` and ``cfg.train``, checked by engine.parallel.support.resolve_layout, unless the caller
+    passes the ``layout`` it has resolved). ``foreach``: AdamW's multi-tensor path (engine.optim's choice off
+    CUDA); False: torch's per-tensor loop."""
+    layout = layout or resolve_layout(cfg, world_size)
     t, p = cfg.train, cfg.parallel
     micro_batches = micro_batches_per_step(t, layout.dp)
     params = stage_params(cfg, layout.tp, layout.pp, stage)
     weights, grads, optimizer = _state(cfg, layout, params["layers"] + params["root"], micro_batches)
     optimizer += 4 * _param_tensors(cfg, layout, stage)  # AdamW's fp32 `step` counter per parameter tensor
-    most, most_after = _in_flight(sched.build(p.schedule, layout.pp, micro_batches, stage))
-    per_mb = acts.micro_batch_bytes(cfg, layout.tp, layout.pp, stage, params["num_layers"])
+    held = activations_in_flight(cfg, layout.tp, layout.pp, micro_batches, stage)
     gathered = 0.0
     if p.dp_mode == "fsdp" and layout.dp > 1:
         bytes_ = 2 if t.dtype == "bf16" else 4
@@ -184,12 +173,13 @@ def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True)
         gathered, bucket = _zero_buffers(cfg, params)
         buffers += bucket
     if p.dp_mode == "ddp":  # DDP's gradients are views into its buckets, held through the whole step
-        new_at_peak = gathered + buffers + grads + most * per_mb
-    else:  # gradients appear in the first backward, when at most `most` micro-batches are alive; afterwards up
-        # to `most_after` are (1F1B: the same once past the warmup, if m is large enough; GPipe: one fewer)
-        new_at_peak = gathered + buffers + max(most * per_mb, grads + most_after * per_mb)
-    return StageMemory(stage, weights, grads, optimizer, most * per_mb, gathered, buffers,
-                       _step_buffers(cfg, layout, params, foreach), most, new_at_peak)
+        new_at_peak = gathered + buffers + grads + held.peak
+    else:  # gradients appear in the first backward, before which at most `held.peak` is alive; afterwards up
+        # to `held.peak_after_grads` is (1F1B: the same once past the warmup, if m is large enough; GPipe: one
+        # micro-batch fewer)
+        new_at_peak = gathered + buffers + max(held.peak, grads + held.peak_after_grads)
+    return StageMemory(stage, weights, grads, optimizer, held.peak, gathered, buffers,
+                       _step_buffers(cfg, layout, params, foreach), held.count, new_at_peak)
 
 
 def _zero_buffers(cfg: Config, params: dict) -> tuple[float, float]:
@@ -217,10 +207,11 @@ def _param_tensors(cfg: Config, layout: Layout, stage: int) -> int:
     return (12 if cfg.model.attention_bias else 9) * p["num_layers"] + root
 
 
-def plan_memory(cfg: Config, world_size: int, foreach: bool = True) -> list[StageMemory]:
-    """stage_memory of every pipeline stage, stage 0 first."""
-    layout = resolve_layout(cfg, world_size)
-    return [stage_memory(cfg, world_size, s, foreach) for s in range(layout.pp)]
+def plan_memory(cfg: Config, world_size: int, foreach: bool = True,
+                layout: Layout | None = None) -> list[StageMemory]:
+    """stage_memory of every pipeline stage, stage 0 first (``layout`` as for stage_memory)."""
+    layout = layout or resolve_layout(cfg, world_size)
+    return [stage_memory(cfg, world_size, s, foreach, layout) for s in range(layout.pp)]
 
 
 def with_layout(cfg: Config, **parallel_and_train) -> Config:

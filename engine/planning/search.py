@@ -1,11 +1,15 @@
 """Step-time estimates and the layout search behind ``launch/plan.py``.
 
 ``step_time`` models one optimizer step of a layout as
-    (m + p - 1) * t_mb  +  exposed dp communication
-where t_mb is the slowest stage's time for one micro-batch, forward and backward: its FLOPs (engine/planning/flops.py,
-recomputation included) at ``efficiency`` of the device peak, its tensor-parallel all-reduces, and its two
-pipeline transfers. (m + p - 1) * t_mb is the 1F1B / GPipe makespan whose bubble is (p - 1) / (m + p - 1)
-(Narayanan et al. 2021, Sec. 2.2.1). Collectives are rings over ``n`` ranks (Thakur et al. 2005): all-reduce moves
+    makespan of the pipeline schedule  +  exposed dp communication
+where the makespan is engine.parallel.schedule_sim's event simulation of the configured schedule
+(engine/planning/schedules.py), every virtual stage taking the slowest stage's time for one micro-batch / v:
+forward F, input-gradient backward B and weight-gradient backward W (one backward B+W except under zero bubble),
+from its FLOPs (engine/planning/flops.py, recomputation included) at ``efficiency`` of the device peak, its
+tensor-parallel all-reduces, and its pipeline transfers (one each way per model chunk). The bubble is what the
+schedule leaves idle: for 1F1B and GPipe a makespan of (m + p - 1) (F + B), a bubble of (p - 1) / (m + p - 1)
+(Narayanan et al. 2021, Sec. 2.2.1), for interleaved about 1/v of that (their Sec. 2.2.2) with v times the
+transfers, for ZB-H1 (p - 1) (F + B - W) (Qi et al. 2023). Collectives are rings over ``n`` ranks (Thakur et al. 2005): all-reduce moves
 2 (n-1)/n of the bytes per rank, reduce-scatter and all-gather (n-1)/n each, plus a latency per ring step. A
 group whose ranks fit in one node (tp fastest, then dp, then pp: engine/parallel/context.py) uses the intra-node
 bandwidth, otherwise the inter-node one.
@@ -22,12 +26,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.planning import flops
+from engine.planning import flops, schedules
 from engine.config import Config, ConfigError
 from engine.parallel.support import Layout, micro_batches_per_step, resolve_layout
 from engine.parallel.tensor import LAYER_PLAN
-from engine.parallel.support import reshard_after_forward
+from engine.parallel.support import check_supported, reshard_after_forward
 from engine.planning.planner import StageMemory, plan_memory, stage_params, with_layout
+from engine.planning.schedules import virtual_stages
 
 
 @dataclass
@@ -54,6 +59,7 @@ class StepTime:
     total: float
     tokens_per_s: float
     mfu: float
+    bubble_fraction: float = 0.0  # idle / makespan of the simulated schedule (the stage idling most)
 
 
 def _ring(nbytes: float, n: int, passes: float, bw_gbps: float, latency_us: float) -> float:
@@ -89,39 +95,74 @@ def _dp_comm(cfg: Config, layout: Layout, hw: Hardware, params: int, micro_batch
     return reduce + gather
 
 
-def step_time(cfg: Config, world_size: int, hw: Hardware) -> StepTime:
-    """Estimated seconds of one optimizer step of the configured layout (see the module docstring)."""
-    layout = resolve_layout(cfg, world_size)
+@dataclass
+class StageCost:
+    """Seconds of one micro-batch on one pipeline stage (all its chunks): the forward, the input-gradient backward
+    B (recomputation and the backward's all-reduces with it) and the weight-gradient backward W, which the
+    schedules other than zero bubble run as one backward; ``compute``, ``tp_comm``, ``pp_comm`` are their parts."""
+    fwd: float
+    bwd_input: float
+    bwd_weight: float
+    compute: float
+    tp_comm: float
+    pp_comm: float
+    params: dict
+
+    @property
+    def total(self) -> float:
+        return self.fwd + self.bwd_input + self.bwd_weight
+
+
+def stage_cost(cfg: Config, layout: Layout, hw: Hardware, stage: int) -> StageCost:
+    """One micro-batch on ``stage`` (see the module docstring). W is the weight-gradient matmuls (2 FLOPs per
+    weight per token, engine.planning.flops.weight_grad_flops_per_token): about half the backward, as Qi et al.
+    2023 take it (B = W); B is the rest (input gradients, attention's backward, recomputation)."""
     t, m = cfg.train, cfg.model
-    micro_batches = micro_batches_per_step(t, layout.dp)
     tokens = t.micro_batch_size * t.seq_len
-    act = tokens * m.hidden_size * (2 if cfg.train.dtype == "bf16" else 4)  # one (mbs, s, h) activation
+    act = tokens * m.hidden_size * (2 if t.dtype == "bf16" else 4)  # one (mbs, s, h) activation
     rows = sum(style == "row" for style in LAYER_PLAN.values())
     columns = len(LAYER_PLAN) - rows
     tp_bw, pp_bw = _bandwidth(hw, layout.tp), _bandwidth(hw, layout.world_size)
-    worst = None
-    for stage in range(layout.pp):
-        params = stage_params(cfg, layout.tp, layout.pp, stage)
-        first, last = stage == 0, stage == layout.pp - 1
-        stage_flops = flops.stage_flops_per_token(m, t.seq_len, params["num_layers"], last,
-                                                  t.activation_checkpointing) / layout.tp
-        compute = tokens * stage_flops / (hw.peak_tflops * 1e12 * hw.efficiency)
-        # Forward: rows + embedding all-reduces; backward: columns + the LM head's input (recomputation, full or
-        # selective, repeats the forward ones: engine/model/recompute.py).
-        recomputes = t.activation_checkpointing != "none"
-        n_ar = params["num_layers"] * (rows * (1 + recomputes) + columns) + first + last
-        tp_comm = n_ar * _ring(act, layout.tp, 2, tp_bw, hw.latency_us)
-        pp_comm = 0.0 if layout.pp == 1 else 2 * (act / (pp_bw * 1e9) + hw.latency_us * 1e-6)
-        row = (compute + tp_comm + pp_comm, compute, tp_comm, pp_comm, params)
-        worst = row if worst is None or row[0] > worst[0] else worst
-    t_mb, compute, tp_comm, pp_comm, params = worst
-    slots = micro_batches + layout.pp - 1
-    dp = _dp_comm(cfg, layout, hw, params["layers"] + params["root"], micro_batches, compute)
-    total = slots * t_mb + dp
+    params = stage_params(cfg, layout.tp, layout.pp, stage)
+    layers, first, last = params["num_layers"], stage == 0, stage == layout.pp - 1
+    rate = hw.peak_tflops * 1e12 * hw.efficiency * layout.tp  # a tp rank does 1/tp of the stage's FLOPs
+    compute = tokens * flops.stage_flops_per_token(m, t.seq_len, layers, last, t.activation_checkpointing) / rate
+    fwd = tokens * flops.stage_flops_per_token(m, t.seq_len, layers, last) / 3 / rate
+    weight = tokens * flops.weight_grad_flops_per_token(m, layers, last) / rate
+    # Forward: rows + embedding all-reduces; backward: columns + the LM head's input (recomputation, full or
+    # selective, repeats the forward ones: engine/model/recompute.py).
+    recomputes = t.activation_checkpointing != "none"
+    ring = _ring(act, layout.tp, 2, tp_bw, hw.latency_us)
+    tp_fwd, tp_bwd = (layers * rows + first) * ring, (layers * (rows * recomputes + columns) + last) * ring
+    # one transfer each way per micro-batch and model chunk (v chunks under interleaving: v times the messages)
+    p2p = 0.0 if layout.pp == 1 else virtual_stages(cfg) * (act / (pp_bw * 1e9) + hw.latency_us * 1e-6)
+    return StageCost(fwd + tp_fwd + p2p, compute - fwd - weight + tp_bwd + p2p, weight, compute, tp_fwd + tp_bwd,
+                     2 * p2p, params)
+
+
+def pipeline_time(cfg: Config, layout: Layout, cost: StageCost, micro_batches: int) -> tuple[float, list[float]]:
+    """(makespan, idle per rank) of the configured schedule, simulated with every virtual stage at ``cost`` / v
+    (the slowest stage's pace, as it sets the makespan; the simulator takes one cost per op)."""
+    v = virtual_stages(cfg)
+    return schedules.makespan_and_idle(cfg.parallel.schedule, layout.pp, micro_batches, v, cost.fwd / v,
+                                       (cost.bwd_input + cost.bwd_weight) / v, cost.bwd_input / v,
+                                       cost.bwd_weight / v)
+
+
+def step_time(cfg: Config, world_size: int, hw: Hardware, layout: Layout | None = None) -> StepTime:
+    """Estimated seconds of one optimizer step of the configured layout (see the module docstring; ``layout``:
+    the resolved one, if the caller has it)."""
+    layout = layout or resolve_layout(cfg, world_size)
+    t, m = cfg.train, cfg.model
+    micro_batches = micro_batches_per_step(t, layout.dp)
+    worst = max((stage_cost(cfg, layout, hw, s) for s in range(layout.pp)), key=lambda c: c.total)
+    makespan, idle = pipeline_time(cfg, layout, worst, micro_batches)
+    dp = _dp_comm(cfg, layout, hw, worst.params["layers"] + worst.params["root"], micro_batches, worst.compute)
+    total = makespan + dp
     tokens_per_s = t.global_batch_size * t.seq_len / total
     mfu = flops.mfu(tokens_per_s / world_size, flops.flops_per_token(m, t.seq_len), hw.peak_tflops) or 0.0
-    return StepTime(micro_batches * compute, micro_batches * tp_comm, micro_batches * pp_comm,
-                    (layout.pp - 1) * t_mb, dp, total, tokens_per_s, mfu)
+    return StepTime(micro_batches * worst.compute, micro_batches * worst.tp_comm, micro_batches * worst.pp_comm,
+                    max(idle), dp, total, tokens_per_s, mfu, max(idle) / makespan)
 
 
 @dataclass
@@ -143,12 +184,15 @@ class Candidate:
         if p.dp_mode == "fsdp":
             mode += "-reshard" if reshard_after_forward(self.cfg, self.layout.pp) else "-keep"
         return {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "dp_mode": mode,
+                "schedule": p.schedule, "virtual_stages": p.virtual_stages,
                 "micro_batch_size": t.micro_batch_size,
                 "micro_batches": micro_batches_per_step(t, self.layout.dp),
                 "activation_checkpointing": t.activation_checkpointing, "peak_memory_gb": self.peak_bytes / 1e9,
                 "step_s": self.time.total, "tokens_per_s": self.time.tokens_per_s, "mfu": self.time.mfu,
-                "bubble_s": self.time.bubble, "tp_comm_s": self.time.tp_comm, "pp_comm_s": self.time.pp_comm,
-                "dp_comm_s": self.time.dp_comm, "fits": self.fits}
+                "bubble_s": self.time.bubble, "bubble_fraction": self.time.bubble_fraction,
+                "activation_gb_per_stage": [s.activations / 1e9 for s in self.memory],
+                "in_flight_per_stage": [s.in_flight for s in self.memory], "tp_comm_s": self.time.tp_comm,
+                "pp_comm_s": self.time.pp_comm, "dp_comm_s": self.time.dp_comm, "fits": self.fits}
 
 
 def _divisors(n: int) -> list[int]:
@@ -159,36 +203,50 @@ DP_MODES = [("ddp", 0, "auto"), ("fsdp", 0, "true"), ("fsdp", 0, "false"), ("zer
             ("zero", 2, "auto"), ("zero", 3, "auto")]
 
 
-def layouts(cfg: Config, world_size: int):
-    """Every valid (tp, pp, dp, dp mode, micro-batch size, activation checkpointing) of ``cfg`` on ``world_size``
-    ranks, as configs. Validity is engine.parallel.support.resolve_layout's; at dp = 1 only ddp
-    (sharding over one rank changes nothing)."""
+def layouts(cfg: Config, world_size: int, schedules: tuple[tuple[str, int], ...] | None = None,
+            refused: list[tuple[Layout, str]] | None = None):
+    """Every valid (tp, pp, dp, dp mode, micro-batch size, activation checkpointing, schedule) of ``cfg`` on
+    ``world_size`` ranks, as configs. ``schedules``: (schedule, virtual stages) pairs to try (default: the
+    config's; engine.planning.schedules.SEARCHED is every one), the first alone at pp = 1 where no pipeline
+    runs. Validity is engine.parallel.support.resolve_layout's ((tp, pp, dp), message of each refusal go to
+    ``refused``); at
+    dp = 1 only ddp (sharding over one rank changes nothing)."""
     gbs = cfg.train.global_batch_size
+    schedules = schedules or ((cfg.parallel.schedule, cfg.parallel.virtual_stages),)
     for tp in _divisors(world_size):
         for pp in _divisors(world_size // tp):
             dp = world_size // (tp * pp)
             if gbs % dp:
                 continue
-            pp_layers = cfg.parallel.pp_layers if pp == cfg.parallel.pp else []
-            for mbs in _divisors(gbs // dp):
-                for mode, stage, reshard in DP_MODES if dp > 1 else DP_MODES[:1]:
-                    for ac in ("none", "full", "selective"):
-                        c = with_layout(cfg, tp=tp, pp=pp, dp=dp, dp_mode=mode, zero_stage=stage,
-                                        reshard_after_forward=reshard, pp_layers=pp_layers, micro_batch_size=mbs,
-                                        activation_checkpointing=ac)
-                        try:
-                            layout = resolve_layout(c, world_size)  # refuses unsupported combinations too
-                        except ConfigError:
-                            continue
-                        yield c, layout
+            for schedule, v in schedules[:1] if pp == 1 else schedules:
+                # interleaved splits the layers evenly into chunks; other pp keep no pp_layers of another pp
+                pp_layers = cfg.parallel.pp_layers if pp == cfg.parallel.pp and schedule != "interleaved" else []
+                for mbs in _divisors(gbs // dp):
+                    for mode, stage, reshard in DP_MODES if dp > 1 else DP_MODES[:1]:
+                        for ac in ("none", "full", "selective"):
+                            c = with_layout(cfg, tp=tp, pp=pp, dp=dp, dp_mode=mode, zero_stage=stage,
+                                            reshard_after_forward=reshard, pp_layers=pp_layers,
+                                            micro_batch_size=mbs, activation_checkpointing=ac, schedule=schedule,
+                                            virtual_stages=v)
+                            try:
+                                # the dp-mode refusals first: resolve_layout's schedule check builds a table
+                                check_supported(c, Layout(tp=tp, pp=pp, dp=dp))
+                                layout = resolve_layout(c, world_size)  # refuses unsupported combinations too
+                            except ConfigError as e:
+                                if refused is not None:
+                                    refused.append((Layout(tp=tp, pp=pp, dp=dp), str(e)))
+                                continue
+                            yield c, layout
 
 
-def search(cfg: Config, world_size: int, hw: Hardware) -> list[Candidate]:
-    """Every valid layout, planned; those that fit in hw.memory_gb first, each group by step time."""
+def search(cfg: Config, world_size: int, hw: Hardware, schedules: tuple[tuple[str, int], ...] | None = None,
+           refused: list[tuple[Layout, str]] | None = None) -> list[Candidate]:
+    """Every valid layout (``schedules`` and ``refused`` as for layouts), planned; those that fit in
+    hw.memory_gb first, each group by step time."""
     out = []
-    for c, layout in layouts(cfg, world_size):
-        memory = plan_memory(c, world_size)
-        cand = Candidate(c, layout, memory, step_time(c, world_size, hw))
+    for c, layout in layouts(cfg, world_size, schedules, refused):
+        memory = plan_memory(c, world_size, layout=layout)
+        cand = Candidate(c, layout, memory, step_time(c, world_size, hw, layout))
         cand.fits = cand.peak_bytes <= hw.memory_gb * 1e9
         out.append(cand)
     return sorted(out, key=lambda c: (not c.fits, c.time.total, c.peak_bytes))

@@ -1,0 +1,168 @@
+"""What a pipeline schedule (engine/parallel/schedule.py) implies for the plan: one rank's activations in flight,
+in bytes, and the step's makespan, both read off the schedule's own tables rather than a 1F1B closed form.
+
+Memory: walk the rank's action list (once per table: held_states) and price what is alive after each compute:
+- FWD of (micro-batch, chunk) adds that chunk's activations of one micro-batch (engine/planning/activations.py
+  for the chunk's layers). Without virtual stages the one chunk is the whole stage. Interleaved 1F1B
+  (Narayanan et al. 2021, Sec. 2.2.2): the layers are split into pp*v equal chunks and rank r holds chunks r,
+  r+pp, ... (engine/parallel/actions.py), so each chunk holds 1/v of the stage's layers; virtual stage 0 (chunk
+  0 of rank 0) also keeps the token ids of the embedding, the last virtual stage (chunk v-1 of rank pp-1) the
+  final norm, logits and loss, and every chunk but virtual stage 0 its received input (bf16) and its own RoPE
+  tables (built per forward).
+- BWD releases them. Under zero bubble (Qi et al. 2023, Sec. 2) B (BWD_INPUT) keeps them and adds the W state:
+  W reads, for every linear layer, its input (already among the activations) and its output gradient, so from
+  B to W one micro-batch also holds one output-gradient tensor per linear: q, k, v (a hd/t, kvd/t, kvd/t), o and
+  down (h each: row-parallel outputs), gate and up (f/t each), and on the last stage the LM head's logits
+  gradient (V/t), in the matmul dtype. With activation checkpointing B rebuilds the layer, and W also needs the
+  rebuilt linear inputs (the two norm outputs, h each; the attention output a hd/t; the SwiGLU product f/t).
+  W (BWD_WEIGHT) releases both. (Planned only: the measured check waits for the zero-bubble executor,
+  tests/test_planner.py NEW_SCHEDULE_LAYOUTS.)
+The peak is taken after each compute, as engine.parallel.actions.max_in_flight counts pairs.
+
+Time: engine.parallel.schedule_sim's event simulation of the schedule with the planner's per-micro-batch costs
+of one virtual stage (engine/planning/search.py), so the bubble is whatever the schedule leaves, for 1F1B the
+(p-1)/(m+p-1) of Narayanan et al. 2021 Sec. 2.2.1, for interleaved about 1/v of it, for ZB-H1 (p-1)(F+B-W).
+Past SIMULATED_GROUPS groups of pp micro-batches the steady state only repeats: each further micro-batch adds the
+same time, so the makespan is extended along the line through the simulations at 2 pp and 3 pp micro-batches
+(equal to the full simulation in every case tests/test_plan_schedules.py and a wider sweep tried), which keeps a search over global
+batches of thousands of micro-batches fast.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from engine.config import Config
+from engine.parallel import schedule as sched
+from engine.parallel.actions import Op
+from engine.parallel.pipeline import stage_layer_ranges
+from engine.planning import activations as acts
+
+# What the planner searches when the config leaves the schedule open: 1F1B, interleaved with 2..4 virtual stages
+# and ZB-H1. GPipe is left out: the same makespan as 1F1B with m instead of pp - stage micro-batches held.
+SEARCHED = (("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("interleaved", 4), ("zero_bubble", 1))
+
+
+def virtual_stages(cfg: Config) -> int:
+    """Model chunks per rank: parallel.virtual_stages under interleaved, else 1."""
+    return cfg.parallel.virtual_stages if cfg.parallel.schedule == "interleaved" else 1
+
+
+def label(schedule: str, v: int) -> str:
+    """Short name for tables: 1f1b, gpipe, il-v2 (interleaved, 2 virtual stages), zb-h1."""
+    return {"interleaved": f"il-v{v}", "zero_bubble": "zb-h1"}.get(schedule, schedule)
+
+
+def rank_chunks(cfg: Config, pp: int, stage: int) -> list[tuple[int, int]]:
+    """(virtual stage, layer count) of each model chunk rank ``stage`` holds, rank-local chunk c at index c.
+    Interleaved: virtual stage g = c*pp + stage holds num_layers/(pp*v) layers (the split of
+    engine/parallel/virtual.py's chunk_layer_ranges); otherwise one chunk, the stage's layers."""
+    v = virtual_stages(cfg)
+    if v == 1:
+        return [(stage, len(stage_layer_ranges(cfg.model.num_layers, pp, cfg.parallel.pp_layers or None)[stage]))]
+    n = cfg.model.num_layers // (pp * v)
+    return [(c * pp + stage, n) for c in range(v)]
+
+
+def chunk_bytes(cfg: Config, tp: int, pp: int, stage: int) -> list[float]:
+    """Activations one micro-batch keeps alive on each of the rank's chunks, from its forward to its backward (to
+    its W under zero bubble): the ledger of activations.py for the chunk's layers as a stage of pp*v."""
+    chunks = pp * virtual_stages(cfg)
+    return [acts.micro_batch_bytes(cfg, tp, chunks, g, n) for g, n in rank_chunks(cfg, pp, stage)]
+
+
+def w_state_bytes(cfg: Config, tp: int, pp: int, stage: int) -> list[float]:
+    """Zero bubble: what one micro-batch holds from its B to its W besides its activations, per chunk (see the
+    module docstring); 0 for the other schedules."""
+    if cfg.parallel.schedule != "zero_bubble":
+        return [0.0 for _ in rank_chunks(cfg, pp, stage)]
+    m, t = cfg.model, cfg.train
+    h, q, kvd, f = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.intermediate_size
+    grads = 2 * h + (q + 2 * kvd + 2 * f) / tp  # output gradients of q k v o gate up down, per token
+    inputs = 2 * h + (q + f) / tp if t.activation_checkpointing != "none" else 0.0  # rebuilt linear inputs
+    last = pp * virtual_stages(cfg) - 1
+    tokens = t.micro_batch_size * t.seq_len
+    return [tokens * acts.logit_bytes(cfg) * (n * (grads + inputs) + (m.vocab_size / tp if g == last else 0))
+            for g, n in rank_chunks(cfg, pp, stage)]
+
+
+@dataclass
+class InFlight:
+    """A rank's activations over one step. ``count``: the most (micro-batch, chunk) pairs held at once (each 1/v
+    of the stage under interleaving); ``peak``: the most bytes held; ``peak_after_grads``: the most once the
+    weight gradients exist (from the first BWD, or the first W); ``w_state``: zero bubble's W state within
+    ``peak``."""
+    count: int
+    peak: float
+    peak_after_grads: float
+    w_state: float
+
+
+@lru_cache(maxsize=1024)
+def actions(schedule: str, pp: int, micro_batches: int, stage: int, v: int) -> tuple:
+    """engine.parallel.schedule.build's action list, cached (the search plans many layouts per schedule)."""
+    return tuple(sched.build(schedule, pp, micro_batches, stage, v))
+
+
+@lru_cache(maxsize=1024)
+def held_states(schedule: str, pp: int, micro_batches: int, stage: int, v: int) -> tuple:
+    """Walk the action list of rank ``stage`` once: the distinct states it passes through after each compute, as
+    (activations held per chunk, W states held per chunk, weight gradients exist yet). Bytes differ by chunk
+    only, so the peak in bytes is the largest of these states priced (cached: one walk per schedule table)."""
+    held, w_held = [0] * v, [0] * v
+    grads, states = False, {}
+    for a in actions(schedule, pp, micro_batches, stage, v):
+        if a.op is Op.FWD:
+            held[a.chunk] += 1
+        elif a.op is Op.BWD_INPUT:
+            w_held[a.chunk] += 1
+        elif a.op in (Op.BWD, Op.BWD_WEIGHT):
+            held[a.chunk] -= 1
+            w_held[a.chunk] -= a.op is Op.BWD_WEIGHT
+            grads = True
+        else:
+            continue
+        states[(tuple(held), tuple(w_held), grads)] = None  # first-seen order, no repeats
+    return tuple(states)
+
+
+def activations_in_flight(cfg: Config, tp: int, pp: int, micro_batches: int, stage: int) -> InFlight:
+    """The schedule's action list of rank ``stage`` priced: what each compute leaves alive, added up."""
+    key = (cfg.parallel.schedule, pp, micro_batches, stage, virtual_stages(cfg))
+    held, w_held = chunk_bytes(cfg, tp, pp, stage), w_state_bytes(cfg, tp, pp, stage)
+    peak = after = w_at_peak = 0.0
+    for counts, w_counts, grads in held_states(*key):
+        w_bytes = sum(n * b for n, b in zip(w_counts, w_held))
+        total = sum(n * b for n, b in zip(counts, held)) + w_bytes
+        if total > peak:
+            peak, w_at_peak = total, w_bytes
+        if grads:
+            after = max(after, total)
+    return InFlight(max(sum(counts) for counts, _, _ in held_states(*key)), peak, after, w_at_peak)
+
+
+SIMULATED_GROUPS = 2
+
+
+def makespan_and_idle(schedule: str, pp: int, micro_batches: int, v: int, fwd: float, bwd: float,
+                      bwd_input: float, bwd_weight: float) -> tuple[float, list[float]]:
+    """(makespan, idle time of each rank) of the simulated step (``timeline``), extended linearly in the
+    micro-batches beyond SIMULATED_GROUPS * pp of them (module docstring)."""
+    costs = (v, fwd, bwd, bwd_input, bwd_weight)
+    m1 = SIMULATED_GROUPS * pp
+    if micro_batches <= m1 + pp:
+        t = timeline(schedule, pp, micro_batches, *costs)
+        return t.makespan, list(t.idle)
+    t1, t2 = timeline(schedule, pp, m1, *costs), timeline(schedule, pp, m1 + pp, *costs)
+    k = (micro_batches - m1) / pp
+    return t1.makespan + k * (t2.makespan - t1.makespan), [a + k * (b - a) for a, b in zip(t1.idle, t2.idle)]
+
+
+@lru_cache(maxsize=4096)
+def timeline(schedule: str, pp: int, micro_batches: int, v: int, fwd: float, bwd: float, bwd_input: float,
+             bwd_weight: float) -> sched.Timeline:
+    """The simulated step (engine.parallel.schedule.simulate, on the cached tables) with the costs of one
+    micro-batch on one virtual stage: fwd, bwd (whole backward), and zero bubble's bwd_input (B) and bwd_weight
+    (W). Cached: layouts that differ only in their dp mode share their costs."""
+    tables = [actions(schedule, pp, micro_batches, s, v) for s in range(pp)]
+    return sched.simulate_actions(tables, fwd, bwd, schedule, bwd_input, bwd_weight)
