@@ -1,12 +1,28 @@
 """Independent oracle: our PipelineExecutor against torch.distributed.pipelining on CPU/gloo.
 
 In each of pp ranks the stage is built twice from the same config and seed (``build_model`` gives identical
-weights). One copy runs our executor, the other ``PipelineStage`` driven by ``Schedule1F1B`` (against our 1f1b)
-or ``ScheduleGPipe`` (against our gpipe), on the same token batch cut into the same micro-batches. For two
-consecutive steps (so stale state from a first run would show), every rank compares every parameter gradient
-and the last stage compares the loss: fp32, rel err max|a-b|/max|b| <= 1e-5. At m = 4 and 8 the two agree bit
-for bit (dividing by a power of two is exact, so scaling the loss before backward or the gradient after gives the
-same bits); m = 6 (not a multiple of pp = 4, and inexact scaling) differs by rounding, ~1e-6.
+weights). One copy runs our executor, the other ``PipelineStage`` driven by torch's schedule of the same name
+(TORCH_SCHEDULES), on the same token batch cut into the same micro-batches. For two consecutive steps (so stale
+state from a first run would show), every rank compares every parameter gradient and the last stage compares
+the loss: fp32, rel err max|a-b|/max|b| <= 1e-5. At m = 4 and 8 the two agree bit for bit (dividing by a power
+of two is exact, so scaling the loss before backward or the gradient after gives the same bits); m = 6 (inexact
+scaling) differs by rounding, measured <= 8.3e-7 on gradients (every schedule here), 0 on the loss.
+
+The schedules with more than 1F1B's structure:
+- interleaved (v = 2) against ``ScheduleInterleaved1F1B``: both sides run the chunks of engine/parallel/virtual.py
+  (``model_chunks``), torch with one ``PipelineStage`` per chunk (stage_index = chunk*pp + rank, num_stages =
+  pp*v). 8 layers at pp = 4 (one per virtual stage), 4 at pp = 2.
+- zero_bubble (our ZB-H1) against ``ScheduleInterleavedZeroBubble`` with one stage per rank: torch's ZB1P, whose
+  W lag is num_1f1b_microbatches = rank, as ours. torch splits B and W on the autograd graph
+  (stage_backward_input / stage_backward_weight); ours splits every linear (engine/parallel/weight_grad.py), so
+  the two splits are independent implementations.
+- Equal gradients do not show that both ran the same order (any order that runs each F, B, W once sums the same
+  terms), so each rank also compares its compute order with the one torch's schedule computed (its
+  ``pipeline_order``), and test_compute_order_matches_torch compares many (pp, v, m) without ranks. torch's
+  constraint: m % max(1, m // pp) == 0 (ours is stricter for interleaved: m a multiple of pp).
+- Nor do they show that B deferred anything: a B that computes every weight gradient itself, and W's that flush
+  nothing, give the same numbers. A spy on our WeightGradStore checks that each W flushed the weight gradients of
+  all the stage's linears (count_deferred).
 
 Making the two comparable:
 - Loss scaling. Our loss_fn returns each micro-batch's mean cross-entropy divided by the number of micro-batches
@@ -28,12 +44,17 @@ import pytest
 import torch
 
 pytest.importorskip("torch.distributed.pipelining")
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # noqa: E402
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,  # noqa: E402
+                                         ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
+
+from engine.parallel import schedule as sched  # noqa: E402
+from engine.parallel.actions import COMPUTE_OPS, Op  # noqa: E402
 
 from engine.config import load  # noqa: E402
 from engine.parallel.context import ParallelContext  # noqa: E402
 from engine.parallel.pipeline import PipelineExecutor  # noqa: E402
 from engine.parallel.tensor import vocab_parallel_cross_entropy  # noqa: E402
+from engine.parallel.virtual import model_chunks  # noqa: E402
 from engine.trainer import build_model  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 
@@ -42,19 +63,41 @@ MBS, STEPS = 2, 2
 SMALL = ["--config", "configs/tiny.yaml", "--model.num_layers", "4", "--model.hidden_size", "64",
          "--model.intermediate_size", "128", "--model.num_heads", "4", "--model.num_kv_heads", "2",
          "--model.vocab_size", "512", "--train.seq_len", "32", "--train.micro_batch_size", str(MBS)]
-TORCH_SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
-CASES = [pytest.param(pp, name, m, id=f"{name}-pp{pp}-m{m}")
-         for pp in (2, 4) for name in TORCH_SCHEDULES for m in (4, 6, 8)]
+TORCH_SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved": ScheduleInterleaved1F1B,
+                   "zero_bubble": ScheduleInterleavedZeroBubble}
+MULTI = {"interleaved": 2, "zero_bubble": 1}  # torch's multi-stage schedules (a list of stages): our v for each
+CASES = [pytest.param(pp, name, m, 1, id=f"{name}-pp{pp}-m{m}")
+         for pp in (2, 4) for name in ("1f1b", "gpipe") for m in (4, 6, 8)]
+# interleaved needs m a multiple of pp; m = pp at pp = 4 is the case where warmup takes every forward
+CASES += [pytest.param(pp, name, m, MULTI[name], id=f"{name}-pp{pp}-m{m}") for name, cases in (
+    ("interleaved", ((2, 4), (2, 6), (4, 4), (4, 8))), ("zero_bubble", ((2, 4), (2, 6), (4, 6), (4, 8))))
+    for pp, m in cases]
+TORCH_OP = {Op.FWD: "F", Op.BWD: "B", Op.BWD_INPUT: "I", Op.BWD_WEIGHT: "W"}  # torch's _ComputationType values
 
 
-def torch_schedule(model, cfg, ctx, name: str, m: int):
-    """torch's PipelineStage around our stage module (static metadata) and its schedule with the same loss."""
+def torch_schedule(chunks: list, cfg, ctx, name: str, m: int):
+    """torch's PipelineStage around each of our chunk modules (static metadata) and its schedule with the same
+    loss. Chunk c of this rank is virtual stage c*pp + rank; with v == 1 the chunk is the stage module."""
     s, h, vocab = cfg.train.seq_len, cfg.model.hidden_size, cfg.model.vocab_size
-    x = torch.zeros(MBS, s, dtype=torch.long) if ctx.is_first_stage else torch.empty(MBS, s, h, requires_grad=True)
-    y = torch.empty(MBS, s, vocab if ctx.is_last_stage else h, requires_grad=True)
-    stage = PipelineStage(model, ctx.pp_rank, ctx.pp, ctx.device, input_args=x, output_args=y, group=ctx.pp_group)
-    return TORCH_SCHEDULES[name](stage, m, loss_fn=lambda logits, target: vocab_parallel_cross_entropy(
-        logits, target, ctx.tp_group), scale_grads=True)
+    n = ctx.pp * len(chunks)
+    stages = []
+    for c, module in enumerate(chunks):
+        g = c * ctx.pp + ctx.pp_rank
+        x = torch.zeros(MBS, s, dtype=torch.long) if g == 0 else torch.empty(MBS, s, h, requires_grad=True)
+        y = torch.empty(MBS, s, vocab if g == n - 1 else h, requires_grad=True)
+        stages.append(PipelineStage(module, g, n, ctx.device, input_args=x, output_args=y, group=ctx.pp_group))
+    return TORCH_SCHEDULES[name](stages if name in MULTI else stages[0], m, loss_fn=lambda logits, target:
+                                 vocab_parallel_cross_entropy(logits, target, ctx.tp_group), scale_grads=True)
+
+
+def compute_order(actions: list, pp: int, rank: int) -> list[str]:
+    """Our compute actions in torch's notation: "<virtual stage><F|B|I|W><micro-batch>"."""
+    return [f"{a.chunk * pp + rank}{TORCH_OP[a.op]}{a.mb}" for a in actions if a.op in COMPUTE_OPS]
+
+
+def torch_compute_order(actions: list) -> list[str]:
+    """torch's pipeline_order of one rank (None: a bubble it inserted) in the same notation."""
+    return [f"{a.stage_index}{a.computation_type.value}{a.microbatch_index}" for a in actions if a is not None]
 
 
 def rel_err(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
@@ -64,15 +107,38 @@ def rel_err(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-def compare_on_rank(pp: int, name: str, m: int) -> dict:
-    """Rank function: one step-pair per batch; returns per step the loss of each side and each gradient's error."""
-    cfg = load([*SMALL, "--parallel.pp", str(pp), "--parallel.schedule", name,
-                "--train.global_batch_size", str(m * MBS)])
+def count_deferred(store, counts: list[int]) -> None:
+    """Spy on W: before each flush, record how many weight gradients B deferred under its key. Equal numbers
+    would also come from a B that computed every weight gradient itself and W's that flush nothing."""
+    flush = store.flush
+
+    def counted(key):
+        counts.append(store.pending().get(key, 0))
+        flush(key)
+    store.flush = counted
+
+
+def compare_on_rank(pp: int, name: str, m: int, v: int) -> dict:
+    """Rank function: one step-pair per batch; returns per step the loss of each side and each gradient's error,
+    and for torch's multi-stage schedules both compute orders of this rank."""
+    cfg = load([*SMALL, "--model.num_layers", str(max(4, pp * v)), "--parallel.pp", str(pp), "--parallel.schedule",
+                name, "--parallel.virtual_stages", str(v), "--train.global_batch_size", str(m * MBS)])
     ctx = ParallelContext.from_config(cfg)
     ours, theirs = build_model(cfg, ctx), build_model(cfg, ctx)
     same_init = all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters()))
-    executor = PipelineExecutor(ctx, name, m, (MBS, cfg.train.seq_len, cfg.model.hidden_size), torch.float32)
-    schedule = torch_schedule(theirs, cfg, ctx, name, m)
+    executor = PipelineExecutor(ctx, name, m, (MBS, cfg.train.seq_len, cfg.model.hidden_size), torch.float32,
+                                virtual_stages=v, stage=ours)
+    forwards = model_chunks(ours, pp, ctx.pp_rank, v)
+    schedule = torch_schedule(model_chunks(theirs, pp, ctx.pp_rank, v), cfg, ctx, name, m)
+    deferred: list[int] = []
+    linears = 0
+    if executor.weight_grads is not None:
+        count_deferred(executor.weight_grads, deferred)
+        linears = sum(getattr(mod, "weight_grad_store", None) is executor.weight_grads for mod in ours.modules())
+    orders = None
+    if name in MULTI:
+        orders = (compute_order(executor.actions, pp, ctx.pp_rank),
+                  torch_compute_order(schedule.pipeline_order[ctx.pp_rank]))
     gen = torch.Generator().manual_seed(cfg.train.seed)
     steps = []
     for _ in range(STEPS):
@@ -80,7 +146,7 @@ def compare_on_rank(pp: int, name: str, m: int) -> dict:
         inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()  # (m*mbs, s) each
         ys = labels.split(MBS)
         loss_ours = executor.run(
-            ours, lambda logits, mb: vocab_parallel_cross_entropy(logits, ys[mb], ctx.tp_group) / m,
+            forwards, lambda logits, mb: vocab_parallel_cross_entropy(logits, ys[mb], ctx.tp_group) / m,
             list(inputs.split(MBS)))
         losses: list[torch.Tensor] = []
         schedule.step(*([inputs] if ctx.is_first_stage else []),
@@ -88,21 +154,30 @@ def compare_on_rank(pp: int, name: str, m: int) -> dict:
         grads = {n: rel_err(a.grad, b.grad)
                  for (n, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters())}
         steps.append({"loss": (loss_ours.item(), torch.stack(losses).mean().item()) if losses else None,
-                      "grads": grads})
+                      "grads": grads, "deferred": deferred[:]})
+        deferred.clear()
         ours.zero_grad(set_to_none=True)
         theirs.zero_grad(set_to_none=True)
-    return {"stage": ctx.pp_rank, "last": ctx.is_last_stage, "same_init": same_init, "steps": steps}
+    return {"stage": ctx.pp_rank, "last": ctx.is_last_stage, "same_init": same_init, "steps": steps,
+            "orders": orders, "linears": linears}
 
 
-@pytest.mark.parametrize("pp,name,m", CASES)
-def test_executor_matches_torch_pipelining(pp, name, m):
-    results = run_ranks(compare_on_rank, pp, pp, name, m)
+@pytest.mark.parametrize("pp,name,m,v", CASES)
+def test_executor_matches_torch_pipelining(pp, name, m, v):
+    results = run_ranks(compare_on_rank, pp, pp, name, m, v)
     assert [r["stage"] for r in results] == list(range(pp))
     for r in results:
         stage = r["stage"]
         assert r["same_init"], f"stage {stage}: two build_model calls gave different weights"
+        if name in MULTI:
+            ours, theirs = r["orders"]
+            assert ours == theirs, f"stage {stage}: our {name} order {ours} vs torch's {theirs}"
         for step, got in enumerate(r["steps"]):
             assert got["grads"], f"stage {stage} holds no parameters"
+            # zero bubble: each of the m W's computed the weight gradients of every linear of the stage
+            want = [r["linears"]] * m if name == "zero_bubble" else []
+            assert r["linears"] or not want, f"stage {stage}: no linear layer defers its weight gradient"
+            assert got["deferred"] == want, f"step {step} stage {stage}: gradients deferred per W {got['deferred']}"
             bad = {n: e for n, e in got["grads"].items() if not e <= REL}
             assert not bad, f"step {step} stage {stage}: gradients differ from torch's {name} (rel err): {bad}"
             if r["last"]:
@@ -110,3 +185,29 @@ def test_executor_matches_torch_pipelining(pp, name, m):
                 assert abs(ours - theirs) <= REL * abs(theirs), f"step {step}: loss {ours} vs torch's {theirs}"
             else:
                 assert got["loss"] is None
+
+
+def torch_order_without_ranks(name: str, pp: int, v: int, m: int, rank: int) -> list[str]:
+    """torch's compute order of one rank, computed as its constructor does but without stages or a process
+    group: torch 2.13's private ``_calculate_single_rank_operations`` on a bare instance with the attributes its
+    constructor sets. (Private: a torch upgrade that renames them fails here loudly, not silently.)"""
+    schedule = object.__new__(TORCH_SCHEDULES[name])
+    schedule.n_local_stages, schedule.pp_group_size, schedule._n_microbatches = v, pp, m
+    schedule.number_of_rounds = max(1, m // pp)
+    schedule.microbatches_per_round = m // schedule.number_of_rounds
+    return torch_compute_order(schedule._calculate_single_rank_operations(rank))
+
+
+ORDER_CASES = [("interleaved", pp, v, m) for pp in (2, 3, 4, 8) for v in (2, 3, 4) for m in (pp, 2 * pp, 3 * pp)]
+ORDER_CASES += [("zero_bubble", pp, 1, m) for pp in (2, 3, 4, 8) for m in range(pp, 3 * pp + 1)
+                if m % max(1, m // pp) == 0]  # torch's constraint on m (rounds of pp micro-batches)
+
+
+def test_compute_order_matches_torch():
+    """Every rank's F/B/I/W order equals torch's ScheduleInterleaved1F1B (Megatron's order) and
+    ScheduleInterleavedZeroBubble with one stage per rank (ZB1P = our ZB-H1) over many (pp, v, m)."""
+    for name, pp, v, m in ORDER_CASES:
+        for rank in range(pp):
+            ours = compute_order(sched.build(name, pp, m, rank, v), pp, rank)
+            theirs = torch_order_without_ranks(name, pp, v, m, rank)
+            assert ours == theirs, f"{name} pp={pp} v={v} m={m} rank {rank}: {ours} vs torch's {theirs}"
