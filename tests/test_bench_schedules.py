@@ -36,8 +36,8 @@ def test_rotation_puts_each_schedule_in_each_position_once():
 @pytest.mark.parametrize("name, v, ops, closed", [
     ("1f1b", 1, {"F": 1.0, "B": 2.0}, 3 / 11),
     ("interleaved", 2, {"F": 0.5, "B": 1.0}, 3 / 19),
-    # ZB-H1 with F = B = W: bubble (p-1)(F+B-W) = 3 over m(F+B+W) = 24 of work
-    ("zero_bubble", 1, {"F": 1.0, "Bi": 1.0, "W": 1.0}, 3 / 27),
+    # ZB-H1, W <= min(F, B) (exact there, schedule_zb.py): bubble (p-1)(F+B-W) = 9 over m(F+B+W) = 40 of work
+    ("zero_bubble", 1, {"F": 2.0, "Bi": 2.0, "W": 1.0}, 9 / 49),
 ])
 def test_theory_at_pp4_m8(name, v, ops, closed):
     """The closed forms of the papers, and the simulator fed with the same uniform times agrees with them on
