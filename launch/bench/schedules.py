@@ -6,8 +6,8 @@ against theory.
 For each pp, pp ranks are forked (gloo, one torch thread each, fp32, random tokens, 8 layers so that pp=4 with v=2
 has one layer per chunk). Each rank builds one stage per schedule (interleaved holds other layers); for each m the
 three schedules alternate step by step, in a rotating order, so machine noise hits them alike. The first
-(--warmup) step of each also measures memory; medians are over the --steps after it. About 4 minutes on 2 shared
-cores with the defaults. Printed:
+(--warmup) step of each also measures memory; medians are over the --steps after it. With the defaults: 3.5 to 6
+minutes wall, 1.5 minutes of CPU, on 2 cores shared with other jobs (load average 12 to 30). Printed:
 
 a) per stage: ``closed``, the bubble fraction of the papers' closed forms (1F1B (p-1)/(m+p-1), Narayanan et al.
    2021 Sec. 2.2.1; interleaved (p-1)/(v*m+p-1), their Sec. 2.2.2; ZB-H1 (p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)),
@@ -27,6 +27,8 @@ c) the measured compute times (thread CPU ms, mean over ranks of each op's media
 With more ranks than free cores (pp=4 on 2 cores) the ranks take turns: wall-clock idle/wait then include time a
 neighbour was descheduled (it looks busy, its receiver idle), a stage descheduled mid-compute looks busy, and
 ``cpu`` sums to at most the cores over the stages. Thread CPU times (the simulator's inputs) are not inflated.
+The simulator has one cost per op for all stages, so with uniform costs its bubble equals the closed form; its
+makespan (communication and per-action overhead free) is the figure to compare step times with.
 """
 from __future__ import annotations
 
