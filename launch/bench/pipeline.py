@@ -52,22 +52,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-m", type=int, default=8)
     p.add_argument("--compare-m", type=int, default=8, help="m for ours vs torch's 1F1B")
     p.add_argument("--compare-steps", type=int, default=16, help="measured steps of each, ours vs torch's")
+    add_model_args(p)
+    return p.parse_args(argv)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model and batch sizes (also launch/bench/schedules.py's)."""
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--ffn", type=int, default=688)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batch-size", type=int, default=1)
-    return p.parse_args(argv)
+
+
+def config(args: argparse.Namespace, pp: int, *overrides: str):
+    """tiny.yaml's heads with the sizes given, pp stages, and further dotted overrides (launch/bench/schedules.py:
+    the schedule)."""
+    return load(["--config", str(ROOT / "configs/tiny.yaml"), "--parallel.pp", str(pp),
+                 "--model.num_layers", str(args.layers), "--model.hidden_size", str(args.hidden),
+                 "--model.intermediate_size", str(args.ffn), "--model.vocab_size", str(args.vocab),
+                 "--train.seq_len", str(args.seq_len), "--train.micro_batch_size", str(args.micro_batch_size),
+                 "--train.global_batch_size", str(max(args.micro_batches + [pp]) * args.micro_batch_size),
+                 *overrides])
 
 
 def setup(args: argparse.Namespace, pp: int):
-    """Config, context and this rank's stage (tiny.yaml's heads, the sizes given)."""
-    cfg = load(["--config", str(ROOT / "configs/tiny.yaml"), "--parallel.pp", str(pp),
-                "--model.num_layers", str(args.layers), "--model.hidden_size", str(args.hidden),
-                "--model.intermediate_size", str(args.ffn), "--model.vocab_size", str(args.vocab),
-                "--train.seq_len", str(args.seq_len), "--train.micro_batch_size", str(args.micro_batch_size),
-                "--train.global_batch_size", str(max(args.micro_batches + [pp]) * args.micro_batch_size)])
+    """Config, context and this rank's stage."""
+    cfg = config(args, pp)
     ctx = ParallelContext.from_config(cfg)
     return cfg, ctx, build_model(cfg, ctx)
 
