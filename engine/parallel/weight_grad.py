@@ -177,13 +177,17 @@ class SplitLinear(nn.Linear):
 
 
 def split_weight_gradients(model: nn.Module, store: WeightGradStore) -> int:
-    """Attach ``store`` to every linear layer of ``model`` (a materialised, possibly tensor-parallel stage):
-    plain nn.Linear (tp = 1, the LM head) become SplitLinear; layers that declare ``weight_grad_store``
+    """Attach ``store`` to every linear layer of ``model`` (a materialised, possibly tensor-parallel stage) but
+    the LM head: plain nn.Linear (tp = 1) become SplitLinear; layers that declare ``weight_grad_store``
     (ColumnParallelLinear, RowParallelLinear) get it set. The embedding and RMSNorm weights are not split: their
-    gradients come in B. A tied LM head still ends with the embedding's gradient plus its own. Returns how many
-    layers were split."""
+    gradients come in B. Neither is the LM head: its W would keep the logits' gradient (tokens x V/tp) of every
+    micro-batch between its B and W, pp of them on the last stage under ZB-H1, far above 1F1B's peak for a large
+    vocabulary (ZB-H1's point is 1F1B's peak memory); its weight gradient stays in the last stage's B. Returns
+    how many layers were split."""
     count = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
+        if name.split(".")[-1] == "lm_head":
+            continue
         if type(module) is nn.Linear:
             module.__class__ = SplitLinear
         if hasattr(type(module), "weight_grad_store"):

@@ -17,7 +17,7 @@ In fp32 training (as on CPU) weights and gradients take 4 bytes each and Adam's 
   whole stage without. zero k = stage k with DeepSpeed's fp32 master copy (K = 12; bf16 weights in bf16 runs).
 - activations: engine/planning/activations.py per micro-batch (per model chunk under interleaving), summed over
   what the schedule's action table keeps in flight on the stage (engine/planning/schedules.py: 1F1B keeps
-  min(pp - stage, m), GPipe m, interleaved warmup + 1 chunks, ZB-H1 pp until their W, plus its W state).
+  min(pp - stage, m), GPipe m, interleaved warmup + 1 chunks, ZB-H1 1F1B's until B, then W states until W).
   Interleaving leaves the parameters as they are: the layers split evenly (pp_layers is refused), and the
   embedding and head stay on ranks 0 and pp-1.
 """
@@ -105,6 +105,7 @@ class StageMemory:
     step_buffers: float
     in_flight: int
     new_at_peak: float
+    w_state: float = 0.0  # zero bubble: the part of ``activations`` that is W's queue, not saved tensors
 
     @property
     def state(self) -> float:
@@ -179,7 +180,7 @@ def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True,
         # micro-batch fewer)
         new_at_peak = gathered + buffers + max(held.peak, grads + held.peak_after_grads)
     return StageMemory(stage, weights, grads, optimizer, held.peak, gathered, buffers,
-                       _step_buffers(cfg, layout, params, foreach), held.count, new_at_peak)
+                       _step_buffers(cfg, layout, params, foreach), held.count, new_at_peak, held.w_state)
 
 
 def _zero_buffers(cfg: Config, params: dict) -> tuple[float, float]:

@@ -9,14 +9,12 @@ Memory: walk the rank's action list (once per table: held_states) and price what
   0 of rank 0) also keeps the token ids of the embedding, the last virtual stage (chunk v-1 of rank pp-1) the
   final norm, logits and loss, and every chunk but virtual stage 0 its received input (bf16) and its own RoPE
   tables (built per forward).
-- BWD releases them. Under zero bubble (Qi et al. 2023, Sec. 2) B (BWD_INPUT) keeps them and adds the W state:
-  W reads, for every linear layer, its input (already among the activations) and its output gradient, so from
-  B to W one micro-batch also holds one output-gradient tensor per linear: q, k, v (a hd/t, kvd/t, kvd/t), o and
-  down (h each: row-parallel outputs), gate and up (f/t each), and on the last stage the LM head's logits
-  gradient (V/t), in the matmul dtype. With activation checkpointing B rebuilds the layer, and W also needs the
-  rebuilt linear inputs (the two norm outputs, h each; the attention output a hd/t; the SwiGLU product f/t).
-  W (BWD_WEIGHT) releases both. (Planned only: the measured check waits for the zero-bubble executor,
-  tests/test_planner.py NEW_SCHEDULE_LAYOUTS.)
+- BWD releases them. Under zero bubble (Qi et al. 2023, Sec. 2) B (BWD_INPUT) releases them too (autograd frees
+  the graph) but leaves the W state (engine/parallel/weight_grad.py), which W (BWD_WEIGHT) releases: for every
+  split linear its input x and output gradient g, in the matmul dtype. Per token of a block, x: the norm output
+  for q/k/v (h; under bf16 autocast each of the three casts its own copy), the attention output (a hd/t), the
+  norm output for gate/up (h; two casts under autocast), the SwiGLU product (f/t); g: q, k, v (a hd/t, kvd/t,
+  kvd/t), o and down (h each), gate and up (f/t each). The LM head is not split (its g would be logits-sized).
 The peak is taken after each compute, as engine.parallel.actions.max_in_flight counts pairs.
 
 Time: engine.parallel.schedule_sim's event simulation of the schedule with the planner's per-micro-batch costs
@@ -79,11 +77,9 @@ def w_state_bytes(cfg: Config, tp: int, pp: int, stage: int) -> list[float]:
     m, t = cfg.model, cfg.train
     h, q, kvd, f = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.intermediate_size
     grads = 2 * h + (q + 2 * kvd + 2 * f) / tp  # output gradients of q k v o gate up down, per token
-    inputs = 2 * h + (q + f) / tp if t.activation_checkpointing != "none" else 0.0  # rebuilt linear inputs
-    last = pp * virtual_stages(cfg) - 1
+    inputs = (5 if t.dtype == "bf16" else 2) * h + (q + f) / tp  # their inputs (autocast: one cast per linear)
     tokens = t.micro_batch_size * t.seq_len
-    return [tokens * acts.logit_bytes(cfg) * (n * (grads + inputs) + (m.vocab_size / tp if g == last else 0))
-            for g, n in rank_chunks(cfg, pp, stage)]
+    return [tokens * acts.logit_bytes(cfg) * n * (grads + inputs) for _, n in rank_chunks(cfg, pp, stage)]
 
 
 @dataclass
@@ -114,10 +110,11 @@ def held_states(schedule: str, pp: int, micro_batches: int, stage: int, v: int) 
     for a in actions(schedule, pp, micro_batches, stage, v):
         if a.op is Op.FWD:
             held[a.chunk] += 1
-        elif a.op is Op.BWD_INPUT:
+        elif a.op is Op.BWD_INPUT:  # the graph is freed, the W state stays
+            held[a.chunk] -= 1
             w_held[a.chunk] += 1
         elif a.op in (Op.BWD, Op.BWD_WEIGHT):
-            held[a.chunk] -= 1
+            held[a.chunk] -= a.op is Op.BWD
             w_held[a.chunk] -= a.op is Op.BWD_WEIGHT
             grads = True
         else:
@@ -138,7 +135,8 @@ def activations_in_flight(cfg: Config, tp: int, pp: int, micro_batches: int, sta
             peak, w_at_peak = total, w_bytes
         if grads:
             after = max(after, total)
-    return InFlight(max(sum(counts) for counts, _, _ in held_states(*key)), peak, after, w_at_peak)
+    pairs = max(sum(counts) + sum(w_counts) for counts, w_counts, _ in held_states(*key))  # as max_in_flight
+    return InFlight(pairs, peak, after, w_at_peak)
 
 
 SIMULATED_GROUPS = 2
