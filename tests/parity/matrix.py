@@ -7,6 +7,7 @@ One ``Combo`` is a point of the product of these factors (``FACTORS``):
     schedule: 1f1b | gpipe (only with pp > 1; "-" at pp = 1, where there is no schedule)
     dtype: fp32 | bf16;  tied / untied embeddings;  activation checkpointing off / on
     clip: off (train.grad_clip 0) | on (a threshold below the gradient norm, so every step is clipped)
+    sp: sequence parallelism off | on (only with tp > 1, where it applies; off at tp = 1)
 
 ``refusal(combo)`` states, independently of the engine's own checks, which combinations the engine must refuse and
 with which words; the tests check that the engine gives exactly that error, so an accidental refusal or an
@@ -24,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 SIZES = (1, 2, 4)
 DP_MODES = ("ddp", "fsdp-reshard", "fsdp-keep", "zero1", "zero2", "zero3")
-FACTORS = ("tp", "pp", "dp", "dp_mode", "schedule", "dtype", "tied", "ac", "clip")
+FACTORS = ("tp", "pp", "dp", "dp_mode", "schedule", "dtype", "tied", "ac", "clip", "sp")
 MAX_WORLD = 8
 
 
@@ -39,6 +40,7 @@ class Combo:
     tied: bool
     ac: bool
     clip: bool
+    sp: bool = False  # parallel.sequence_parallel (tp > 1 only)
 
     @property
     def world(self) -> int:
@@ -48,14 +50,16 @@ class Combo:
     def name(self) -> str:
         return (f"tp{self.tp}-pp{self.pp}-dp{self.dp}-{self.dp_mode}"
                 + (f"-{self.schedule}" if self.pp > 1 else "") + f"-{self.dtype}"
-                + ("-tied" if self.tied else "") + ("-ac" if self.ac else "") + ("-clip" if self.clip else ""))
+                + ("-tied" if self.tied else "") + ("-ac" if self.ac else "") + ("-clip" if self.clip else "")
+                + ("-sp" if self.sp else ""))
 
     def argv(self) -> list[str]:
         """The engine's command-line overrides for this combination (on top of runner.BASE)."""
         mode, _, option = self.dp_mode.partition("-")
         args = ["--parallel.tp", str(self.tp), "--parallel.pp", str(self.pp), "--parallel.dp", str(self.dp),
                 "--train.dtype", self.dtype, "--model.tie_embeddings", str(self.tied).lower(),
-                "--train.activation_checkpointing", str(self.ac).lower()]
+                "--train.activation_checkpointing", str(self.ac).lower(),
+                "--parallel.sequence_parallel", str(self.sp).lower()]
         if self.pp > 1:
             args += ["--parallel.schedule", self.schedule]
         if mode == "fsdp":
@@ -68,12 +72,14 @@ class Combo:
         return args
 
     def values(self) -> dict:
-        """Factor -> value, leaving out a factor that does not matter for covering: the schedule at pp = 1, and the
-        dp mode at dp = 1 (the wrapper runs, but nothing is reduced or sharded), so that pairs with a dp mode are
+        """Factor -> value, leaving out a factor that does not matter for covering: the schedule at pp = 1, sequence
+        parallelism at tp = 1 (always off there), and the dp mode at dp = 1 (the wrapper runs, but nothing is reduced or sharded), so that pairs with a dp mode are
         covered where that mode really works across ranks."""
         v = asdict(self)
         if self.pp == 1:
             del v["schedule"]
+        if self.tp == 1:
+            del v["sp"]
         if self.dp == 1:
             del v["dp_mode"]
         return v
@@ -87,8 +93,9 @@ def all_combos(clip: tuple[bool, ...] = (False, True)) -> list[Combo]:
     out = []
     for (tp, pp, dp), mode, dtype, tied, ac, c in itertools.product(
             layouts(), DP_MODES, ("fp32", "bf16"), (False, True), (False, True), clip):
-        for schedule in (("1f1b", "gpipe") if pp > 1 else ("-",)):
-            out.append(Combo(tp, pp, dp, mode, schedule, dtype, tied, ac, c))
+        for schedule, sp in itertools.product(("1f1b", "gpipe") if pp > 1 else ("-",), (False, True) if tp > 1
+                                              else (False,)):
+            out.append(Combo(tp, pp, dp, mode, schedule, dtype, tied, ac, c, sp))
     return sorted(out)
 
 
@@ -154,7 +161,7 @@ def covering_subset() -> list[Combo]:
 
 def _key(c: Combo) -> tuple:
     return (c.world, c.tp, c.pp, c.dp, DP_MODES.index(c.dp_mode), c.schedule == "gpipe", c.dtype == "bf16",
-            c.tied, c.ac, c.clip)
+            c.tied, c.ac, c.clip, c.sp)
 
 
 @dataclass(frozen=True)
