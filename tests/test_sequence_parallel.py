@@ -115,3 +115,47 @@ def test_sequence_parallel_shrinks_residual_stream_and_matches_ledger(tp):
         assert with_sp["saved"] < without["saved"]
         for got in (without, with_sp):  # the ledger leaves out a few scalars of the loss
             assert got["saved"] == pytest.approx(got["planned"], rel=1e-3), got
+
+
+# ---- recomputation under sequence parallelism ---------------------------------------------------------------------
+def _recompute_rank(argv: list[str]) -> dict:
+    """Loss and every gradient of one micro-batch at tp with sequence parallelism, under each recomputation mode:
+    the largest relative difference of full and selective from none (their collectives run again in backward;
+    selective caches the matmul outputs, the partial sums before a reduce-scatter among them)."""
+    from engine.model.recompute import apply_activation_checkpointing
+
+    cfg = load(argv)
+    ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
+                        generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for mode in ("none", "full", "selective"):
+        model = model_lib.build(cfg.model, device="meta")
+        apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=True)
+        materialize(model, torch.device("cpu"), seed=0, std=0.02)
+        apply_activation_checkpointing(model, mode)
+        loss = vocab_parallel_cross_entropy(model(ids[:, :-1]), ids[:, 1:], dist.group.WORLD)
+        loss.backward()
+        runs[mode] = [loss.detach()] + [p.grad for p in model.parameters()]
+    return {mode: max(((g - w).abs().max() / w.abs().max()).item() for g, w in zip(runs[mode], runs["none"]))
+            for mode in ("full", "selective")}
+
+
+def test_recomputation_under_sequence_parallel_matches_none():
+    for got in run_ranks(_recompute_rank, 2, SMALL + ["--parallel.tp", "2"], threads=1):
+        assert got["full"] <= 1e-6 and got["selective"] <= 1e-6, got  # measured: 0.0 (the same ops again)
+
+
+@pytest.mark.slow
+def test_selective_recompute_with_sequence_parallel_matches_single_process(tmp_path):
+    """tp 2 with sequence parallelism and selective recomputation (its collectives run again in backward; the
+    matmul outputs are cached) against one process without either: loss and grad norm every step, clipping off."""
+    from tests.parity import matrix, runner  # the parity runner: the same model, data and bounds
+
+    pytest.importorskip("deepspeed")  # tests.parity.runner imports the trainer's dp modes
+    ref = matrix.Combo(1, 1, 1, "ddp", "-", "fp32", False, False, False)
+    combo = matrix.Combo(2, 1, 1, "ddp", "-", "fp32", False, False, False, sp=True)
+    want = runner.run_group(1, [runner.combo_argv(ref, str(tmp_path / "ref"))], want_init=True)[0][0]
+    argv = runner.combo_argv(combo, str(tmp_path / "sp"), "--train.activation_checkpointing", "selective")
+    got = runner.run_group(2, [argv])[0]
+    errors = runner.compare(got, want)
+    assert runner.verdict(errors, runner.FP32) is None, errors
