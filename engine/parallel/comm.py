@@ -110,10 +110,10 @@ def scatter_to_parallel(x: torch.Tensor, group) -> torch.Tensor:
 # Models", Sec. 4.2.2): the residual stream is (b, s/tp, h) on each tp rank; Megatron's g and g-bar. The sequence
 # is dim 1 of (b, s, h); the collectives work on dim 0, so the chunks are moved there and back (a copy).
 
-def _reduce_scatter_dim0(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    """dist.reduce_scatter_single where this torch has it (2.13 deprecates reduce_scatter_tensor), else
-    reduce_scatter_tensor; gloo runs both."""
-    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, x, group=group)
+# torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names warn); gloo and nccl
+# run both, on the concatenated (tp * b, ...) form.
+_all_gather_dim0 = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_dim0 = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
@@ -122,7 +122,7 @@ def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     if size == 1:
         return x
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # (tp * b, s/tp, ...): gloo wants the concatenated form
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    _all_gather_dim0(out, x.contiguous(), group=group)
     return out.unflatten(0, (size, x.shape[0])).movedim(0, 1).flatten(1, 2)  # (b, tp, s/tp, ...) -> (b, s, ...)
 
 
@@ -133,7 +133,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
         return x
     chunks = x.unflatten(1, (size, x.shape[1] // size)).movedim(1, 0)  # (tp, b, s/tp, ...)
     out = x.new_empty(chunks.shape[1:])
-    _reduce_scatter_dim0(out, chunks.flatten(0, 1).contiguous(), group)  # in: (tp * b, s/tp, ...)
+    _reduce_scatter_dim0(out, chunks.flatten(0, 1).contiguous(), group=group)  # in: (tp * b, s/tp, ...)
     return out
 
 
