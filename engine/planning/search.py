@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.planning import flops
+from engine.planning.activations import sequence_share
 from engine.config import Config, ConfigError
 from engine.parallel.support import Layout, micro_batches_per_step, resolve_layout
 from engine.parallel.tensor import LAYER_PLAN
@@ -111,7 +112,8 @@ def step_time(cfg: Config, world_size: int, hw: Hardware) -> StepTime:
         recomputes = t.activation_checkpointing != "none"
         n_ar = params["num_layers"] * (rows * (1 + recomputes) + columns) + first + last
         tp_comm = n_ar * _ring(act, layout.tp, 2, tp_bw, hw.latency_us)
-        pp_comm = 0.0 if layout.pp == 1 else 2 * (act / (pp_bw * 1e9) + hw.latency_us * 1e-6)
+        sent = act / sequence_share(cfg, layout.tp)  # (b, s/tp, h) between stages under sequence parallelism
+        pp_comm = 0.0 if layout.pp == 1 else 2 * (sent / (pp_bw * 1e9) + hw.latency_us * 1e-6)
         row = (compute + tp_comm + pp_comm, compute, tp_comm, pp_comm, params)
         worst = row if worst is None or row[0] > worst[0] else worst
     t_mb, compute, tp_comm, pp_comm, params = worst
