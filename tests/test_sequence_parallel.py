@@ -5,6 +5,8 @@ process. The trainer's parity at tp 2 and 4 with pp, every dp mode and full reco
 ``sp`` axis (tests/parity/matrix.py)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -71,6 +73,18 @@ def _collectives_rank() -> dict:
 def test_sequence_collectives_match_all_gather_reference(tp):
     for got in run_ranks(_collectives_rank, tp, threads=1):
         assert all(err <= 1e-5 for err in got.values()), got  # fp32 sums in another order
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--parallel.tp", "1"], "parallel.sequence_parallel=true needs parallel.tp >= 2 (got tp=1)"),
+    (["--parallel.tp", "4", "--train.seq_len", "30"], "needs train.seq_len=30 divisible by parallel.tp=4")])
+def test_sequence_parallel_refusals(extra, words):
+    from engine.config import ConfigError
+    from engine.parallel.support import resolve_layout
+
+    cfg = load(SMALL + ["--parallel.sequence_parallel", "true"] + extra)
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        resolve_layout(cfg, cfg.parallel.tp)
 
 
 def test_group_of_one_is_identity():
