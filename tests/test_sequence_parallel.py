@@ -131,6 +131,36 @@ def test_sequence_parallel_shrinks_residual_stream_and_matches_ledger(tp):
             assert got["saved"] == pytest.approx(got["planned"], rel=1e-3), got
 
 
+# ---- RoPE positions and document masking act on the whole sequence inside attention ------------------------------
+def _positions_rank(argv: list[str]) -> dict:
+    """Loss and gradients at tp with and without sequence parallelism, on default positions and on packed
+    documents (position_ids restart, block-causal mask): the largest relative difference."""
+    from engine.model.docmask import document_layout
+
+    cfg = load(argv)
+    ids = torch.randint(0, 16, (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
+                        generator=torch.Generator().manual_seed(0))  # token 3 is the EOS: ~6 % of the tokens
+    position_ids, doc_ids = document_layout(ids[:, :-1], eos_id=3)
+    errs = {}
+    for docs in (False, True):
+        runs = []
+        for sp in (False, True):
+            model = model_lib.build(cfg.model, device="meta")
+            apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=sp)
+            materialize(model, torch.device("cpu"), seed=0, std=0.02)
+            kw = {"position_ids": position_ids, "doc_ids": doc_ids} if docs else {}
+            loss = vocab_parallel_cross_entropy(model(ids[:, :-1], **kw), ids[:, 1:], dist.group.WORLD)
+            loss.backward()
+            runs.append([loss.detach()] + [p.grad for p in model.parameters()])
+        errs[docs] = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*runs))
+    return errs
+
+
+def test_positions_and_document_mask_cover_the_whole_sequence():
+    for got in run_ranks(_positions_rank, 2, SMALL + ["--parallel.tp", "2"], threads=1):
+        assert max(got.values()) <= 1e-5, got
+
+
 # ---- recomputation under sequence parallelism ---------------------------------------------------------------------
 def _recompute_rank(argv: list[str]) -> dict:
     """Loss and every gradient of one micro-batch at tp with sequence parallelism, under each recomputation mode:
