@@ -48,7 +48,9 @@ from engine.trainer import build_model  # noqa: E402
 MEMORY_LAYOUTS = {"tp2": (2, ["--parallel.tp", "2"]), "pp2-1f1b": (2, ["--parallel.pp", "2"]),
                   "pp2-gpipe": (2, ["--parallel.pp", "2", "--parallel.schedule", "gpipe"]),
                   "fsdp2-keep": (2, ["--parallel.dp_mode", "fsdp", "--parallel.reshard_after_forward", "false"]),
-                  "checkpointing": (1, ["--train.activation_checkpointing", "true"])}
+                  "checkpointing": (1, ["--train.activation_checkpointing", "true"]),
+                  "tp2-sp": (2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
+                  "tp4-sp": (4, ["--parallel.tp", "4", "--parallel.sequence_parallel", "true"])}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
