@@ -112,17 +112,18 @@ def _activations_rank(argv: list[str]) -> dict:
     ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
                         generator=torch.Generator().manual_seed(0))
     tracker = SavedActivations(model)
-    with tracker.hooks():
+    with tracker.hooks(), torch.autocast("cpu", torch.bfloat16, enabled=cfg.train.dtype == "bf16"):
         loss = vocab_parallel_cross_entropy(model(ids[:, :-1]), ids[:, 1:], dist.group.WORLD)
     loss.backward()
     return {"residual": max(residual), "saved": tracker.peak,
             "planned": acts.micro_batch_bytes(cfg, tp, 1, 0, cfg.model.num_layers)}
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_sequence_parallel_shrinks_residual_stream_and_matches_ledger(tp):
-    tp_only = run_ranks(_activations_rank, tp, SMALL, threads=1)
-    sp = run_ranks(_activations_rank, tp, SMALL + ["--parallel.tp", str(tp), "--parallel.sequence_parallel", "true"],
+@pytest.mark.parametrize("tp,dtype", [(2, "fp32"), (4, "fp32"), (2, "bf16")])  # bf16: autocast over fp32 weights
+def test_sequence_parallel_shrinks_residual_stream_and_matches_ledger(tp, dtype):
+    argv = SMALL + ["--train.dtype", dtype]
+    tp_only = run_ranks(_activations_rank, tp, argv, threads=1)
+    sp = run_ranks(_activations_rank, tp, argv + ["--parallel.tp", str(tp), "--parallel.sequence_parallel", "true"],
                    threads=1)
     for without, with_sp in zip(tp_only, sp):
         assert with_sp["residual"] * tp == without["residual"], (without, with_sp)
