@@ -184,12 +184,17 @@ class _SequenceGatheredLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         device, enabled, dtype = ctx.autocast
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]  # e.g. a backward split into input and weight parts
+        grad_x = grad_w = grad_b = None
         with torch.autocast(device, dtype=dtype, enabled=enabled):
-            full = _gather_seq(x, ctx.group)  # (b, s, h) again
-            grad_x = torch.matmul(grad, weight).to(x.dtype)  # (b, s, h) partial over tp
-            grad_w = torch.matmul(grad.flatten(0, -2).t(), full.flatten(0, -2)).to(weight.dtype)  # (out/tp, h)
-        grad_b = grad.flatten(0, -2).sum(0).to(weight.dtype) if ctx.has_bias else None
-        return _reduce_scatter_seq(grad_x, ctx.group), grad_w, grad_b, None
+            if need_x:  # (b, s, h) partial over tp -> summed, this rank's (b, s/tp, h)
+                grad_x = _reduce_scatter_seq(torch.matmul(grad, weight).to(x.dtype), ctx.group)
+            if need_w:  # (out/tp, h), from x gathered again (b, s, h)
+                full = _gather_seq(x, ctx.group)
+                grad_w = torch.matmul(grad.flatten(0, -2).t(), full.flatten(0, -2)).to(weight.dtype)
+        if need_b and ctx.has_bias:
+            grad_b = grad.flatten(0, -2).sum(0).to(weight.dtype)
+        return grad_x, grad_w, grad_b, None
 
 
 def gather_from_sequence_parallel(x: torch.Tensor, group) -> torch.Tensor:
