@@ -49,7 +49,7 @@ def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
     """The local part of the model on ctx.device, initialised identically at every layout (before dp)."""
     model = model_lib.build(cfg.model, device="meta")
     split_stage(model, ctx.pp, ctx.pp_rank, cfg.parallel.pp_layers or None, cfg.parallel.virtual_stages)
-    apply_tensor_parallel(model, ctx.tp_group)
+    apply_tensor_parallel(model, ctx.tp_group, cfg.parallel.sequence_parallel)
     materialize(model, ctx.device, cfg.train.seed, cfg.model.init_std)
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if cfg.train.compile:  # after activation checkpointing, before data parallelism (engine/model/compile.py)
@@ -77,7 +77,9 @@ class Trainer:
         if ctx.rank == 0:
             print(self.feed.describe(), flush=True)
         # Under ZeRO with bf16 the weights themselves are bf16 (DeepSpeed keeps the fp32 master copy).
-        shape, dtype = (t.micro_batch_size, t.seq_len, cfg.model.hidden_size), next(self.model.parameters()).dtype
+        # Between stages: (b, s, h), or (b, s/tp, h) under sequence parallelism (the residual stream is sharded).
+        s_local = t.seq_len // ctx.tp if cfg.parallel.sequence_parallel else t.seq_len
+        shape, dtype = (t.micro_batch_size, s_local, cfg.model.hidden_size), next(self.model.parameters()).dtype
         p = cfg.parallel
         self.executor = PipelineExecutor(ctx, p.schedule, self.micro_batches, shape, dtype,
                                          virtual_stages=p.virtual_stages, stage=self.model)

@@ -69,8 +69,9 @@ def test_micro_batch_ledger_matches_saved_tensors(dtype, dp_mode):
 # Measured by launch/bench/measure.py's measure_step on the third step of a Trainer: parameters, gradients and optimizer state
 # held (exact formulas: 1 %), the peak of bytes saved for backward (10 %, the bound), and the step's peak
 # of all tensors (10 %). The 50m rows shrink configs/50m.yaml (h 512, ffn 1536, vocab 16384) to 2 layers and
-# 32 tokens so that a step takes seconds on a shared CPU. Seven layouts run in CI; the slow-marked four add dp
-# replicas, FSDP with resharding, bf16 autocast through the Trainer (its ledger is checked above) and 50m under pp.
+# 32 tokens so that a step takes seconds on a shared CPU. Nine layouts run in CI; the slow-marked ones add dp
+# replicas, FSDP with resharding, bf16 autocast through the Trainer (its ledger is checked above), 50m under pp, and
+# sequence parallelism at tp 4, under pp, with autocast and with selective recomputation.
 FIFTY = ["--config", "configs/50m.yaml", "--model.num_layers", "2", "--train.seq_len", "32",
          "--train.micro_batch_size", "1", "--train.global_batch_size", "2", "--log.progress", "false"]
 LAYOUTS = {
@@ -82,12 +83,20 @@ LAYOUTS = {
     "tiny-checkpointing": (1, SMALL + ["--train.activation_checkpointing", "true"]),
     "tiny-selective": (1, SMALL + ["--train.activation_checkpointing", "selective"]),
     "50m-tp2": (2, FIFTY + ["--parallel.tp", "2"]),
+    "tiny-tp2-sp": (2, SMALL + ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
 }
 SLOW_LAYOUTS = {
     "tiny-ddp2": (2, SMALL),
     "tiny-fsdp2-reshard": (2, SMALL + ["--parallel.dp_mode", "fsdp", "--parallel.reshard_after_forward", "true"]),
     "tiny-bf16-autocast": (1, SMALL + ["--train.dtype", "bf16"]),
     "50m-pp2": (2, FIFTY + ["--parallel.pp", "2"]),
+    "tiny-tp4-sp": (4, SMALL + ["--parallel.tp", "4", "--parallel.sequence_parallel", "true"]),
+    "tiny-tp2-pp2-sp": (4, SMALL + ["--parallel.tp", "2", "--parallel.pp", "2",
+                                    "--parallel.sequence_parallel", "true"]),
+    "tiny-tp2-sp-bf16-autocast": (2, SMALL + ["--parallel.tp", "2", "--parallel.sequence_parallel", "true",
+                                              "--train.dtype", "bf16"]),
+    "tiny-tp2-sp-selective": (2, SMALL + ["--parallel.tp", "2", "--parallel.sequence_parallel", "true",
+                                          "--train.activation_checkpointing", "selective"]),
 }
 LAYOUTS.update(SLOW_LAYOUTS)
 # The interleaved and zero-bubble plans (engine/planning/schedules.py) measured the same way.

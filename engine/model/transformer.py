@@ -17,8 +17,16 @@ from engine.model.recompute import run_block
 from engine.model.rope import rope_cos_sin
 
 
-class RMSNorm(nn.Module):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = x / sqrt(mean(x^2) + eps) * w (Zhang & Sennrich 2019), computed in fp32 as HF Llama does."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    """rms_norm with a learned weight (h,)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -26,10 +34,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -58,11 +63,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """mask: None (causal) or a (b, 1, s, s) bool block-causal mask (True: attend) of packed documents."""
-        b, s, _ = x.shape
-        # Head counts come from the (possibly tensor-parallel) projections: local heads = heads / tp.
-        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, nh/tp, s, hd)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, nkv/tp, s, hd)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, nkv/tp, s, hd)
+        # Head counts come from the (possibly tensor-parallel) projections: local heads = heads / tp. The length
+        # too: under sequence parallelism x is (b, s/tp, h) and the projections gather the whole sequence.
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        b, s = q.shape[:2]
+        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, nh/tp, s, hd)
+        k = k.view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, nkv/tp, s, hd)
+        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, nkv/tp, s, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=q.shape[1] != k.shape[1])
@@ -114,23 +121,29 @@ class LlamaModel(nn.Module):
         self.embed_tokens: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_layers)})
         self.norm: nn.Module | None = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        # Sequence parallelism (set by engine/parallel/tensor.py) runs the layers on 1/sequence_shards of the tokens
+        self.sequence_shards = 1
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x: token ids (b, s) on the first stage, else hidden states (b, s, h). position_ids (b, s): RoPE
         positions (default 0..s-1); doc_ids (b, s): document index of each token, attention stays within a
-        document (default: one document). Returns (b, s, h)."""
-        return decode(self.cfg, self.embed_tokens, self.layers.values(), self.norm, x, position_ids, doc_ids)
+        document (default: one document). Returns (b, s, h); (b, s/sequence_shards, h) in and out under sequence
+        parallelism, where RoPE and the mask still cover the whole sequence (attention sees it gathered)."""
+        return decode(self.cfg, self.embed_tokens, self.layers.values(), self.norm, x, position_ids, doc_ids,
+                      self.sequence_shards)
 
 
 def decode(cfg: ModelConfig, embed: nn.Module | None, layers, norm: nn.Module | None, x: torch.Tensor,
-           position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+           position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+           sequence_shards: int = 1) -> torch.Tensor:
     """The decoder's forward over any run of its parts: embed (if given) the token ids x (b, s), else take hidden
     states x (b, s, h); run ``layers`` in order; apply ``norm`` (if given). LlamaModel runs all of its parts; a
-    pipeline chunk runs its own (engine/parallel/virtual.py). Returns (b, s, h)."""
+    pipeline chunk runs its own (engine/parallel/virtual.py). Returns (b, s, h), or (b, s/sequence_shards, h)
+    under sequence parallelism, whose default positions still cover the whole sequence."""
     h = embed(x) if embed is not None else x
     if position_ids is None:
-        position_ids = torch.arange(h.shape[1], device=h.device)
+        position_ids = torch.arange(h.shape[1] * sequence_shards, device=h.device)
     cos, sin = rope_cos_sin(cfg, position_ids, h.dtype)
     mask = None if doc_ids is None else block_causal_mask(doc_ids)
     for layer in layers:

@@ -104,3 +104,110 @@ def gather_from_parallel(x: torch.Tensor, group) -> torch.Tensor:
 
 def scatter_to_parallel(x: torch.Tensor, group) -> torch.Tensor:
     return x if _size(group) == 1 else _ScatterToParallel.apply(x, group)
+
+
+# ---- sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+# Models", Sec. 4.2.2): the residual stream is (b, s/tp, h) on each tp rank; Megatron's g and g-bar. The sequence
+# is dim 1 of (b, s, h); the collectives work on dim 0, so the chunks are moved there and back (a copy).
+
+# torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names warn); gloo and nccl
+# run both, on the concatenated (tp * b, ...) form.
+_all_gather_dim0 = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_dim0 = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's chunk of dim 1, in rank order: (b, s/tp, ...) -> (b, s, ...)."""
+    size = _size(group)
+    if size == 1:
+        return x
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # (tp * b, s/tp, ...): gloo wants the concatenated form
+    _all_gather_dim0(out, x.contiguous(), group=group)
+    return out.unflatten(0, (size, x.shape[0])).movedim(0, 1).flatten(1, 2)  # (b, tp, s/tp, ...) -> (b, s, ...)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum over the group, keep this rank's chunk of dim 1: (b, s, ...) partial sums -> (b, s/tp, ...)."""
+    size = _size(group)
+    if size == 1:
+        return x
+    chunks = x.unflatten(1, (size, x.shape[1] // size)).movedim(1, 0)  # (tp, b, s/tp, ...)
+    out = x.new_empty(chunks.shape[1:])
+    _reduce_scatter_dim0(out, chunks.flatten(0, 1).contiguous(), group=group)  # in: (tp * b, s/tp, ...)
+    return out
+
+
+class _GatherFromSequenceParallel(torch.autograd.Function):
+    """All-gather along the sequence forward, reduce-scatter backward: (b, s/tp, h) -> (b, s, h). Megatron's g-bar
+    in front of a column-parallel layer (the gradients of the tp ranks' partial inputs are summed and scattered)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ReduceScatterToSequenceParallel(torch.autograd.Function):
+    """Reduce-scatter along the sequence forward, all-gather backward: (b, s, h) partial sums -> (b, s/tp, h).
+    Megatron's g after a row-parallel layer and the vocab-parallel embedding."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group), None
+
+
+class _SequenceGatheredLinear(torch.autograd.Function):
+    """y = gather_seq(x) A^T + b: all-gather along the sequence, then the column-parallel matmul; backward
+    all-gathers x again for A's gradient and reduce-scatters x's. Only the local (b, s/tp, h) input is kept for
+    backward, not the gathered one: the activation saving of Korthikanti et al. Sec. 4.2.2 (Megatron's
+    LinearWithGradAccumulationAndAsyncCommunication with sequence_parallel). Autocast, if on in forward, is on
+    again in backward, so the gradients use the forward's matmul dtype."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        device = x.device.type
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.save_for_backward(x, weight)  # x: (b, s/tp, h), never the gathered (b, s, h)
+        return torch.nn.functional.linear(_gather_seq(x, group), weight, bias)  # (b, s, out/tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        device, enabled, dtype = ctx.autocast
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]  # e.g. a backward split into input and weight parts
+        grad_x = grad_w = grad_b = None
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            if need_x:  # (b, s, h) partial over tp -> summed, this rank's (b, s/tp, h)
+                grad_x = _reduce_scatter_seq(torch.matmul(grad, weight).to(x.dtype), ctx.group)
+            if need_w:  # (out/tp, h), from x gathered again (b, s, h)
+                full = _gather_seq(x, ctx.group)
+                grad_w = torch.matmul(grad.flatten(0, -2).t(), full.flatten(0, -2)).to(weight.dtype)
+        if need_b and ctx.has_bias:
+            grad_b = grad.flatten(0, -2).sum(0).to(weight.dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+def gather_from_sequence_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    return x if _size(group) == 1 else _GatherFromSequenceParallel.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    return x if _size(group) == 1 else _ReduceScatterToSequenceParallel.apply(x, group)
+
+
+def sequence_gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             group) -> torch.Tensor:
+    """(b, s/tp, h) -> (b, s, out/tp); see _SequenceGatheredLinear. A group of size one is a plain linear."""
+    if _size(group) == 1:
+        return torch.nn.functional.linear(x, weight, bias)
+    return _SequenceGatheredLinear.apply(x, weight, bias, group)

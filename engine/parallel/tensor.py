@@ -6,6 +6,12 @@ are split this way, so a block needs one all-reduce forward and one backward per
 LM head split the vocabulary; the loss is computed on vocab-sharded logits without gathering them
 (engine/parallel/cross_entropy.py, re-exported here).
 
+With sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2; ``apply_tensor_parallel(..., sequence_parallel=True)``)
+the residual stream between the layers is (b, s/tp, h): a column-parallel layer all-gathers its input along the
+sequence (and keeps only the local chunk for backward), a row-parallel layer and the embedding reduce-scatter their
+output instead of all-reducing it, and the norms run on s/tp tokens, their weights' gradients summed over tp in
+backward. The LM head gathers too, so the logits are (b, s, V/tp) and the loss is unchanged.
+
 Every parallel module records which dim of each parameter is sharded in ``tp_dims`` (name -> dim) together with
 ``tp_rank``/``tp_size``: engine.model.init uses it to cut each local shard from the same full tensor at every tp.
 """
@@ -16,7 +22,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from engine.parallel.comm import copy_to_parallel, gather_from_parallel, reduce_from_parallel, scatter_to_parallel
+from engine.model.transformer import RMSNorm, rms_norm
+from engine.parallel.comm import (copy_to_parallel, gather_from_parallel, reduce_from_parallel,
+                                  reduce_scatter_to_sequence_parallel, scatter_to_parallel, sequence_gathered_linear)
 from engine.parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: F401 (tensor.vocab_parallel_cross_entropy: the public name)
 from engine.parallel.weight_grad import WeightGradStore, linear_with_deferred_weight
 
@@ -33,13 +41,15 @@ def _divide(n: int, d: int, what: str) -> int:
 
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A split by rows: weight (out/tp, in), bias (out/tp,) split with it (Qwen2's q/k/v).
-    Input copied (f), output sharded (b, s, out/tp). ``weight_grad_store``: see engine/parallel/weight_grad.py."""
+    Input copied (f), output sharded (b, s, out/tp); with ``sequence_parallel`` the input is (b, s/tp, in), gathered.
+    ``weight_grad_store``: see engine/parallel/weight_grad.py."""
 
     weight_grad_store: WeightGradStore | None = None
 
-    def __init__(self, in_features: int, out_features: int, group, gather_output: bool = False, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, group, gather_output: bool = False, bias: bool = False,
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.group, self.gather_output = group, gather_output
+        self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         self.tp_rank, self.tp_size = _rank_size(group)
         self.in_features, self.out_features = in_features, out_features
         local = _divide(out_features, self.tp_size, "out_features")
@@ -48,8 +58,11 @@ class ColumnParallelLinear(nn.Module):
         self.tp_dims = {"weight": 0, "bias": 0}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_parallel(x, self.group)
-        y = linear_with_deferred_weight(x, self.weight, self.bias, self.weight_grad_store)  # (b, s, out/tp)
+        if self.sequence_parallel:  # (b, s/tp, in) gathered along the sequence inside
+            y = sequence_gathered_linear(x, self.weight, self.bias, self.group)  # (b, s, out/tp)
+        else:
+            x = copy_to_parallel(x, self.group)
+            y = linear_with_deferred_weight(x, self.weight, self.bias, self.weight_grad_store)  # (b, s, out/tp)
         return gather_from_parallel(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -57,14 +70,16 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x A^T with A split by columns: weight (out, in/tp). Input sharded (b, s, in/tp), output all-reduced (g).
+    """y = x A^T with A split by columns: weight (out, in/tp). Input sharded (b, s, in/tp), output all-reduced (g),
+    or with ``sequence_parallel`` reduce-scattered along the sequence to (b, s/tp, out).
     ``weight_grad_store``: see engine/parallel/weight_grad.py."""
 
     weight_grad_store: WeightGradStore | None = None
 
-    def __init__(self, in_features: int, out_features: int, group, input_is_parallel: bool = True):
+    def __init__(self, in_features: int, out_features: int, group, input_is_parallel: bool = True,
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.group, self.input_is_parallel = group, input_is_parallel
+        self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
         self.tp_rank, self.tp_size = _rank_size(group)
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, _divide(in_features, self.tp_size, "in_features")))
@@ -74,6 +89,8 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_parallel(x, self.group)
         y = linear_with_deferred_weight(x, self.weight, None, self.weight_grad_store)  # (b, s, out) partial sums
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel(y, self.group)  # (b, s/tp, out)
         return reduce_from_parallel(y, self.group)
 
     def extra_repr(self) -> str:
@@ -81,11 +98,12 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding with rows [rank*V/tp, (rank+1)*V/tp) on each rank; other ids give zeros, then all-reduce (g)."""
+    """Embedding with rows [rank*V/tp, (rank+1)*V/tp) on each rank; other ids give zeros, then all-reduce (g), or
+    with ``sequence_parallel`` reduce-scatter along the sequence to (b, s/tp, h)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, group):
+    def __init__(self, num_embeddings: int, embedding_dim: int, group, sequence_parallel: bool = False):
         super().__init__()
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.tp_rank, self.tp_size = _rank_size(group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         local = _divide(num_embeddings, self.tp_size, "vocab_size")
@@ -99,10 +117,26 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)  # (b, s)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # (b, s, h) partial
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel(out, self.group)  # (b, s/tp, h)
         return reduce_from_parallel(out, self.group)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}/{self.tp_size}, {self.embedding_dim}"
+
+
+class SequenceParallelRMSNorm(RMSNorm):
+    """RMSNorm over this rank's (b, s/tp, h) tokens under sequence parallelism. Its weight is replicated but sees
+    only s/tp tokens, so its gradient is summed over tp in backward (``copy_to_parallel``: identity forward,
+    all-reduce backward), as Megatron's finalize_model_grads does for sequence-parallel parameters. Inside the
+    autograd graph, so every dp mode (ZeRO-2/3 reduce gradients during backward) gets the summed gradient."""
+
+    def __init__(self, dim: int, eps: float, group):
+        super().__init__(dim, eps)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, copy_to_parallel(self.weight, self.group), self.eps)
 
 
 # The plan table: which sub-module of a DecoderLayer becomes which parallel layer.
@@ -117,37 +151,58 @@ LAYER_PLAN = {
 }
 
 
-def _parallel_linear(old: nn.Linear, style: str, group) -> nn.Module:
+# Under sequence parallelism: the norms of a DecoderLayer (and the decoder's final norm) that run on s/tp tokens.
+SEQUENCE_PARALLEL_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+def _parallel_linear(old: nn.Linear, style: str, group, sp: bool) -> nn.Module:
     with torch.device(old.weight.device):
         if style == "column":
-            return ColumnParallelLinear(old.in_features, old.out_features, group, bias=old.bias is not None)
+            return ColumnParallelLinear(old.in_features, old.out_features, group, bias=old.bias is not None,
+                                        sequence_parallel=sp)
         if old.bias is not None:  # would need adding once after the all-reduce; no supported family has one
             raise ValueError("a row-parallel linear with a bias (o_proj/down_proj) is not supported")
-        return RowParallelLinear(old.in_features, old.out_features, group)
+        return RowParallelLinear(old.in_features, old.out_features, group, sequence_parallel=sp)
 
 
-def apply_tensor_parallel(model: nn.Module, tp_group) -> nn.Module:
-    """Swap the Llama model's linears and embedding for their tensor-parallel versions, in place.
+def _sequence_parallel_norm(old: RMSNorm, group) -> SequenceParallelRMSNorm:
+    with torch.device(old.weight.device):
+        return SequenceParallelRMSNorm(old.weight.shape[0], old.eps, group)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = False) -> nn.Module:
+    """Swap the Llama model's linears and embedding for their tensor-parallel versions, in place; with
+    ``sequence_parallel`` also the norms, and the stage's input and output become (b, s/tp, h).
 
     Call on the meta-device model before materialising (engine.model.init.materialize). Tied embeddings stay tied: the
     embedding and the LM head are sharded the same way (vocab rows). A tp group of size 1 leaves the model as is.
     """
-    if dist.get_world_size(tp_group) == 1:
+    tp = dist.get_world_size(tp_group)
+    if tp == 1:
         return model
-    for layer in model.model.layers.values():
+    sp = sequence_parallel
+    decoder = model.model
+    for layer in decoder.layers.values():
         for path, style in LAYER_PLAN.items():
             parent_name, attr = path.split(".")
             parent = getattr(layer, parent_name)
-            setattr(parent, attr, _parallel_linear(getattr(parent, attr), style, tp_group))
-    decoder = model.model
+            setattr(parent, attr, _parallel_linear(getattr(parent, attr), style, tp_group, sp))
+        for name in SEQUENCE_PARALLEL_NORMS if sp else ():
+            setattr(layer, name, _sequence_parallel_norm(getattr(layer, name), tp_group))
+    if sp:
+        decoder.sequence_shards = tp  # RoPE positions count the whole sequence (engine/model/transformer.py)
+        if decoder.norm is not None:
+            decoder.norm = _sequence_parallel_norm(decoder.norm, tp_group)
     if decoder.embed_tokens is not None:
         old = decoder.embed_tokens
         with torch.device(old.weight.device):
-            decoder.embed_tokens = VocabParallelEmbedding(old.num_embeddings, old.embedding_dim, tp_group)
+            decoder.embed_tokens = VocabParallelEmbedding(old.num_embeddings, old.embedding_dim, tp_group,
+                                                          sequence_parallel=sp)
     if model.lm_head is not None:
         old = model.lm_head
-        with torch.device(old.weight.device):
-            model.lm_head = ColumnParallelLinear(old.in_features, old.out_features, tp_group, gather_output=False)
+        with torch.device(old.weight.device):  # under sp: gathers the (b, s/tp, h) final norm output
+            model.lm_head = ColumnParallelLinear(old.in_features, old.out_features, tp_group, gather_output=False,
+                                                 sequence_parallel=sp)
         if model.cfg.tie_embeddings and decoder.embed_tokens is not None:
             model.lm_head.weight = decoder.embed_tokens.weight
     return model

@@ -34,11 +34,13 @@ class ModelChunk(nn.Module):
         self.layers = nn.ModuleDict({str(i): stage.model.layers[str(i)] for i in layers})
         self.norm = stage.model.norm if last else None
         self.lm_head = stage.lm_head if last else None
+        self.sequence_shards = stage.model.sequence_shards  # sequence parallelism (engine/parallel/tensor.py)
 
     def forward(self, x, position_ids=None, doc_ids=None):
         """Token ids (b, s) on virtual stage 0, else hidden states (b, s, h); returns logits (b, s, V/tp) on
         the last virtual stage, hidden states (b, s, h) elsewhere."""
-        h = decode(self.cfg, self.embed_tokens, self.layers.values(), self.norm, x, position_ids, doc_ids)
+        h = decode(self.cfg, self.embed_tokens, self.layers.values(), self.norm, x, position_ids, doc_ids,
+                   self.sequence_shards)
         return self.lm_head(h) if self.lm_head is not None else h
 
 

@@ -26,6 +26,13 @@ one layer's activations are rebuilt at a time during backward (``transient_bytes
 (engine/model/recompute.py) keeps the input and the matmul outputs: q (h/t), k, v (kvd/t each), o_proj (h, the
 row-parallel output), gate, up (f/t each), down (h), in the matmul dtype (fp32, or bf16 under autocast and bf16),
 and rebuilds the rest of one layer at a time; autocast's weight copies are recomputed too.
+Sequence parallelism (parallel.sequence_parallel; Korthikanti et al. Sec. 4.2.2, their sbh(34/t + 5as/(ht))):
+the norms, the residual stream and the layer input run on s/t tokens, so every term above that is not already /t
+becomes /t (``sequence_share``). The column-parallel layers keep only their local (s/t) input and gather it again
+in backward (engine/parallel/comm.py), so under autocast no bf16 cast of y is saved but y itself is (fp32, 2 x 4h:
+the 10h of casts become 8h), and only the row-parallel weights' bf16 copies are saved. Unchanged: the token ids,
+the logits and the loss's per-token values, and under selective recomputation the o_proj/down_proj matmul outputs
+(b, s, h), which are the partial sums before the reduce-scatter.
 """
 from __future__ import annotations
 
@@ -40,6 +47,11 @@ def mode(cfg: Config) -> str:
     return "bf16" if cfg.parallel.dp_mode in ("fsdp", "zero") else "autocast"
 
 
+def sequence_share(cfg: Config, tp: int) -> int:
+    """What divides the replicated activations (norms, residual stream): tp under sequence parallelism, else 1."""
+    return tp if cfg.parallel.sequence_parallel and tp > 1 else 1
+
+
 def residual_bytes(cfg: Config) -> int:
     """Bytes per value of the residual stream (the stage input/output dtype)."""
     return 2 if mode(cfg) == "bf16" else 4
@@ -50,7 +62,7 @@ def checkpointed_layer_bytes_per_token(cfg: Config, tp: int) -> float:
     selective recomputation."""
     m = cfg.model
     h, kvd, f = m.hidden_size, m.num_kv_heads * m.head_dim, m.intermediate_size
-    kept = h * residual_bytes(cfg)
+    kept = h * residual_bytes(cfg) / sequence_share(cfg, tp)
     if cfg.train.activation_checkpointing == "selective":
         kept += logit_bytes(cfg) * (2 * h + (h + 2 * kvd + 2 * f) / tp)
     return kept
@@ -60,10 +72,11 @@ def layer_bytes_per_token(cfg: Config, tp: int) -> float:
     """Saved bytes per token of one decoder layer (without autocast's weight copies)."""
     m = cfg.model
     h, kvd, a, f = m.hidden_size, m.num_kv_heads * m.head_dim, m.num_heads, m.intermediate_size
+    sp = sequence_share(cfg, tp)
     if mode(cfg) == "fp32":
-        return 24 * h + 8 + (8 * h + 8 * kvd + 4 * a + 16 * f) / tp
-    casts = 10 * h if mode(cfg) == "autocast" else 0
-    return 16 * h + 8 + casts + (4 * h + 4 * kvd + 4 * a + 8 * f) / tp
+        return (24 * h + 8) / sp + (8 * h + 8 * kvd + 4 * a + 16 * f) / tp
+    casts = 0 if mode(cfg) != "autocast" else 10 * h if sp == 1 else 8 * h  # sp: y itself, fp32, not its casts
+    return (16 * h + 8 + casts) / sp + (4 * h + 4 * kvd + 4 * a + 8 * f) / tp
 
 
 def weight_copy_bytes(cfg: Config, tp: int, num_layers: int, last_stage: bool) -> float:
@@ -72,6 +85,8 @@ def weight_copy_bytes(cfg: Config, tp: int, num_layers: int, last_stage: bool) -
         return 0.0
     m = cfg.model
     h, hd = m.hidden_size, m.head_dim
+    if sequence_share(cfg, tp) > 1:  # only the row-parallel linears' copies: o_proj and down_proj
+        return 2.0 * num_layers * (h * m.num_heads * hd + h * m.intermediate_size) / tp
     layer = 2 * h * m.num_heads * hd + 2 * h * m.num_kv_heads * hd + 3 * h * m.intermediate_size
     head = m.vocab_size * h if last_stage else 0
     return 2.0 * (num_layers * layer + head) / tp
@@ -81,6 +96,8 @@ def head_bytes_per_token(cfg: Config, tp: int) -> float:
     """Last stage: final norm, LM head input, and what the loss saves: the logits (b s, V/t) and per-token values."""
     h, v = cfg.model.hidden_size, cfg.model.vocab_size
     norm = {"fp32": 12 * h + 4, "autocast": 10 * h + 4, "bf16": 8 * h + 4}[mode(cfg)]
+    if sequence_share(cfg, tp) > 1:  # s/t tokens; autocast: the head keeps y (fp32), not its bf16 cast
+        norm = (norm + (2 * h if mode(cfg) == "autocast" else 0)) / tp
     # The chunked loss (engine/parallel/cross_entropy.py) saves the logits in their own dtype (fp32, or bf16 from
     # an autocast or bf16 LM head), the fp32 log-sum-exp, the int64 local targets and two bool masks.
     return norm + logit_bytes(cfg) * v / tp + 14
@@ -107,7 +124,7 @@ def micro_batch_bytes(cfg: Config, tp: int, pp: int, stage: int, num_layers: int
     if last:
         per_token += head_bytes_per_token(cfg, tp)
     if stage > 0 and mode(cfg) == "bf16":
-        per_token += h * res  # the received input: the first norm saves an fp32 copy, not the buffer itself
+        per_token += h * res / sequence_share(cfg, tp)  # the received input: the first norm saves an fp32 copy
     rope = 2 * t.seq_len * cfg.model.head_dim * res  # cos and sin tables, built once per forward
     copies = 0.0 if t.activation_checkpointing != "none" else weight_copy_bytes(cfg, tp, num_layers, last)
     return tokens * per_token + rope + copies

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.planning import flops, schedules
+from engine.planning.activations import sequence_share
 from engine.config import Config, ConfigError
 from engine.parallel.support import Layout, micro_batches_per_step, resolve_layout
 from engine.parallel.tensor import LAYER_PLAN
@@ -135,7 +136,8 @@ def stage_cost(cfg: Config, layout: Layout, hw: Hardware, stage: int) -> StageCo
     ring = _ring(act, layout.tp, 2, tp_bw, hw.latency_us)
     tp_fwd, tp_bwd = (layers * rows + first) * ring, (layers * (rows * recomputes + columns) + last) * ring
     # one transfer each way per micro-batch and model chunk (v chunks under interleaving: v times the messages)
-    p2p = 0.0 if layout.pp == 1 else virtual_stages(cfg) * (act / (pp_bw * 1e9) + hw.latency_us * 1e-6)
+    sent = act / sequence_share(cfg, layout.tp)  # (b, s/tp, h) between stages under sequence parallelism
+    p2p = 0.0 if layout.pp == 1 else virtual_stages(cfg) * (sent / (pp_bw * 1e9) + hw.latency_us * 1e-6)
     return StageCost(fwd + tp_fwd + p2p, compute - fwd - weight + tp_bwd + p2p, weight, compute, tp_fwd + tp_bwd,
                      2 * p2p, params)
 

@@ -1,6 +1,6 @@
 """Benchmark: our tensor parallelism against DTensor's, and planned against measured memory per rank.
 
-    python launch/bench/tp.py [--config configs/tiny.yaml] [--tp 2] [--steps 20] [--memory-config ...]
+    python launch/bench/tp.py [--config configs/tiny.yaml] [--tp 2] [--steps 20] [--memory-config ...] [--tables abc]
 
 a) Step time (forward + backward) at tp ranks (forked, gloo, one torch thread each) of our Megatron-style layers
    (engine/parallel/tensor.py, vocab-parallel loss) against the same engine/model/transformer.py modules parallelised by
@@ -11,6 +11,9 @@ a) Step time (forward + backward) at tp ranks (forked, gloo, one torch thread ea
    faster), and the largest difference of their losses.
 b) Per-rank memory of a few layouts, measured by launch/bench/measure.py on the Trainer's third step, next
    to engine.planning.planner.stage_memory's plan for the same rank: model state, peak saved activations, step peak.
+c) Sequence parallelism (parallel.sequence_parallel): peak bytes saved for backward per rank at tp 2 and 4, without
+   and with it, measured the same way as b) next to the plan (engine/planning/activations.py), and the measured
+   saving. The residual stream, the norms and the layer inputs are (b, s/tp, h) with it (Korthikanti et al. 2022).
 """
 from __future__ import annotations
 
@@ -45,7 +48,9 @@ from engine.trainer import build_model  # noqa: E402
 MEMORY_LAYOUTS = {"tp2": (2, ["--parallel.tp", "2"]), "pp2-1f1b": (2, ["--parallel.pp", "2"]),
                   "pp2-gpipe": (2, ["--parallel.pp", "2", "--parallel.schedule", "gpipe"]),
                   "fsdp2-keep": (2, ["--parallel.dp_mode", "fsdp", "--parallel.reshard_after_forward", "false"]),
-                  "checkpointing": (1, ["--train.activation_checkpointing", "true"])}
+                  "checkpointing": (1, ["--train.activation_checkpointing", "true"]),
+                  "tp2-sp": (2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
+                  "tp4-sp": (4, ["--parallel.tp", "4", "--parallel.sequence_parallel", "true"])}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--memory-config", default=str(ROOT / "configs/tiny.yaml"), help="model for table b")
     p.add_argument("--memory-layouts", nargs="*", default=list(MEMORY_LAYOUTS), choices=list(MEMORY_LAYOUTS))
+    p.add_argument("--sp-tp", nargs="*", type=int, default=[2, 4], help="tp sizes of table c")
+    p.add_argument("--tables", default="abc", help="which tables to print (a, b, c)")
     return p.parse_args(argv)
 
 
@@ -154,15 +161,44 @@ def print_memory(args: argparse.Namespace) -> None:
                       f"{got['peak'] / plan.total:>6.3f}", flush=True)
 
 
+def saved_activations(argv: list[str], world: int) -> tuple[float, float]:
+    """(measured, planned) peak bytes saved for backward on tp rank 0 of stage 0 (launch/bench/measure.py)."""
+    with tempfile.TemporaryDirectory() as out:
+        argv = argv + ["--train.out_dir", out]
+        got = next(g for g in run_ranks(measure_rank, world, argv, threads=1, timeout_s=600)
+                   if g["tp_rank"] == 0 and g["stage"] == 0)
+    return got["activations"], stage_memory(load(argv), world, 0).activations
+
+
+def print_sequence_parallel(args: argparse.Namespace) -> None:
+    base = ["--config", args.memory_config, "--log.progress", "false"]
+    cfg = load(base)
+    t = cfg.train
+    print(f"\nc) saved activations per rank (peak, MB), tp without and with sequence parallelism, measured / planned; "
+          f"{Path(args.memory_config).name}, {t.micro_batch_size} x {t.seq_len} tokens per micro-batch, "
+          f"{cfg.model.num_layers} layers, {t.dtype}, activation_checkpointing {t.activation_checkpointing}")
+    print(f"{'tp':>3} {'tp MB':>8} {'planned':>8} {'ratio':>6} {'tp+sp MB':>9} {'planned':>8} {'ratio':>6} "
+          f"{'sp / tp':>7}")
+    for tp in args.sp_tp:
+        layout = base + ["--parallel.tp", str(tp), "--train.global_batch_size", str(t.micro_batch_size)]
+        plain = saved_activations(layout, tp)
+        sp = saved_activations(layout + ["--parallel.sequence_parallel", "true"], tp)
+        print(f"{tp:>3} {plain[0] / 1e6:>8.2f} {plain[1] / 1e6:>8.2f} {plain[0] / plain[1]:>6.3f} "
+              f"{sp[0] / 1e6:>9.2f} {sp[1] / 1e6:>8.2f} {sp[0] / sp[1]:>6.3f} {sp[0] / plain[0]:>7.3f}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ.pop("MASTER_ADDR", None)
     torch.set_num_threads(1)  # the parent forks ranks: keep it single-threaded (tests/conftest.py says why)
     start = time.perf_counter()
     print(f"torch {torch.__version__}, {os.cpu_count()} cores")
-    print_tp(args, run_ranks(compare_tp, args.tp, args, threads=1, timeout_s=600)[0])
-    if args.memory_layouts:
+    if "a" in args.tables:
+        print_tp(args, run_ranks(compare_tp, args.tp, args, threads=1, timeout_s=600)[0])
+    if args.memory_layouts and "b" in args.tables:
         print_memory(args)
+    if args.sp_tp and "c" in args.tables:
+        print_sequence_parallel(args)
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
 
 

@@ -9,6 +9,7 @@ One ``Combo`` is a point of the product of these factors (``FACTORS``):
               an 8-layer single process
     dtype: fp32 | bf16;  tied / untied embeddings;  activation checkpointing off / on
     clip: off (train.grad_clip 0) | on (a threshold below the gradient norm, so every step is clipped)
+    sp: sequence parallelism off | on (only with tp > 1, where it applies; off at tp = 1)
 
 ``refusal(combo)`` states, independently of the engine's own checks, which combinations the engine must refuse and
 with which words; the tests check that the engine gives exactly that error, so an accidental refusal or an
@@ -27,7 +28,7 @@ from dataclasses import asdict, dataclass
 SIZES = (1, 2, 4)
 DP_MODES = ("ddp", "fsdp-reshard", "fsdp-keep", "zero1", "zero2", "zero3")
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero_bubble")
-FACTORS = ("tp", "pp", "dp", "dp_mode", "schedule", "dtype", "tied", "ac", "clip")
+FACTORS = ("tp", "pp", "dp", "dp_mode", "schedule", "dtype", "tied", "ac", "clip", "sp")
 MAX_WORLD = 8
 
 
@@ -42,6 +43,7 @@ class Combo:
     tied: bool
     ac: bool
     clip: bool
+    sp: bool = False  # parallel.sequence_parallel (tp > 1 only)
     layers: int = 4  # model.num_layers: runner.BASE's 4, or 8 where interleaving needs them (not a factor)
 
     @property
@@ -53,14 +55,15 @@ class Combo:
         return (f"tp{self.tp}-pp{self.pp}-dp{self.dp}-{self.dp_mode}"
                 + (f"-{self.schedule}" if self.pp > 1 else "") + f"-{self.dtype}"
                 + ("-tied" if self.tied else "") + ("-ac" if self.ac else "") + ("-clip" if self.clip else "")
-                + (f"-L{self.layers}" if self.layers != 4 else ""))
+                + ("-sp" if self.sp else "") + (f"-L{self.layers}" if self.layers != 4 else ""))
 
     def argv(self) -> list[str]:
         """The engine's command-line overrides for this combination (on top of runner.BASE)."""
         mode, _, option = self.dp_mode.partition("-")
         args = ["--parallel.tp", str(self.tp), "--parallel.pp", str(self.pp), "--parallel.dp", str(self.dp),
                 "--train.dtype", self.dtype, "--model.tie_embeddings", str(self.tied).lower(),
-                "--train.activation_checkpointing", str(self.ac).lower()]
+                "--train.activation_checkpointing", str(self.ac).lower(),
+                "--parallel.sequence_parallel", str(self.sp).lower()]
         if self.pp > 1:
             args += ["--parallel.schedule", self.schedule]
         if self.schedule == "interleaved":
@@ -77,13 +80,15 @@ class Combo:
         return args
 
     def values(self) -> dict:
-        """Factor -> value, leaving out a factor that does not matter for covering: the schedule at pp = 1, and the
-        dp mode at dp = 1 (the wrapper runs, but nothing is reduced or sharded), so that pairs with a dp mode are
+        """Factor -> value, leaving out a factor that does not matter for covering: the schedule at pp = 1, sequence
+        parallelism at tp = 1 (always off there), and the dp mode at dp = 1 (the wrapper runs, but nothing is reduced or sharded), so that pairs with a dp mode are
         covered where that mode really works across ranks."""
         v = asdict(self)
         del v["layers"]
         if self.pp == 1:
             del v["schedule"]
+        if self.tp == 1:
+            del v["sp"]
         if self.dp == 1:
             del v["dp_mode"]
         return v
@@ -97,9 +102,10 @@ def all_combos(clip: tuple[bool, ...] = (False, True)) -> list[Combo]:
     out = []
     for (tp, pp, dp), mode, dtype, tied, ac, c in itertools.product(
             layouts(), DP_MODES, ("fp32", "bf16"), (False, True), (False, True), clip):
-        for schedule in (SCHEDULES if pp > 1 else ("-",)):
+        for schedule, sp in itertools.product(SCHEDULES if pp > 1 else ("-",), (False, True) if tp > 1
+                                              else (False,)):
             layers = 8 if schedule == "interleaved" and pp == 4 else 4
-            out.append(Combo(tp, pp, dp, mode, schedule, dtype, tied, ac, c, layers))
+            out.append(Combo(tp, pp, dp, mode, schedule, dtype, tied, ac, c, sp, layers))
     return sorted(out)
 
 
@@ -116,8 +122,14 @@ SCHEDULE_DP = ("interleaved or zero_bubble with a dp mode other than ddp: FSDP a
                "is not supported (the gradient sync would have to follow")
 
 
+SP_ZB = ("sequence parallelism with zero_bubble: the sequence-gathering linears do not split their weight "
+         "gradient into W", "sequence_parallel=true with parallel.schedule=zero_bubble is not supported")
+
+
 def refusal(c: Combo) -> tuple[str, str] | None:
     """(reason, words of the error) if the engine must refuse ``c``, else None."""
+    if c.sp and c.schedule == "zero_bubble":
+        return SP_ZB
     if c.schedule in ("interleaved", "zero_bubble") and c.dp_mode != "ddp":
         return SCHEDULE_DP
     if c.dp_mode.startswith("zero") and c.pp > 1:
@@ -172,7 +184,7 @@ def covering_subset() -> list[Combo]:
 
 def _key(c: Combo) -> tuple:
     return (c.world, c.tp, c.pp, c.dp, DP_MODES.index(c.dp_mode), SCHEDULES.index(c.schedule) if c.pp > 1 else 0,
-            c.dtype == "bf16", c.tied, c.ac, c.clip, c.layers)
+            c.dtype == "bf16", c.tied, c.ac, c.clip, c.sp, c.layers)
 
 
 @dataclass(frozen=True)

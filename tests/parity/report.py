@@ -111,9 +111,10 @@ def readme_section(results: dict, command: str, commit: str) -> str:
         BEGIN,
         f"Measured {datetime.date.today().isoformat()} on commit {commit} "
         f"with `{command}`: {passed} of {len(results)} supported combinations match one process "
-        f"(tp, pp, dp in 1, 2, 4 up to 8 ranks; 1f1b and gpipe; activation checkpointing off and on; clipping "
-        f"off), {len(matrix.refused())} are refused with the error below. Each cell counts the combinations "
-        f"of its family (layouts, schedules, activation checkpointing).",
+        f"(tp, pp, dp in 1, 2, 4 up to 8 ranks; 1f1b and gpipe; activation checkpointing off and on; sequence "
+        f"parallelism off and on at tp > 1; clipping off), {len(matrix.refused())} are refused with the error "
+        f"below. Each cell counts the combinations of its family (layouts, schedules, activation checkpointing, "
+        f"sequence parallelism).",
         "",
         family_table(results),
         "",
