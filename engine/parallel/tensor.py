@@ -2,12 +2,16 @@
 
 A column-parallel linear splits the output features (weight rows) across the tp group; a row-parallel linear
 splits the input features (weight columns) and all-reduces its output. Attention heads and the SwiGLU hidden dim
-are split this way, so a block needs one all-reduce forward and one backward per sub-layer. The embedding and the
+are split this way, so a block needs one all-reduce forward and one backward per sub-layer: q/k/v and gate/up are
+fused linears (engine/model/fused.py), each one column-parallel GEMM behind one ``f``, so a decoder layer runs 2
+all-reduces forward (o_proj, down_proj) and 2 backward (in front of qkv_proj, gate_up_proj), where separate q, k,
+v, gate and up linears ran 5 backward (tests/test_tp_collectives.py counts them). The embedding and the
 LM head split the vocabulary; the loss is computed on vocab-sharded logits without gathering them
 (engine/parallel/cross_entropy.py, re-exported here).
 
 Every parallel module records which dim of each parameter is sharded in ``tp_dims`` (name -> dim) together with
 ``tp_rank``/``tp_size``: engine.model.init uses it to cut each local shard from the same full tensor at every tp.
+A fused linear's record applies to each of its parts (``part_blocks``): its local weight is [q_r; k_r; v_r].
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.fused import FusedLinear, split_output
 from engine.parallel.comm import copy_to_parallel, gather_from_parallel, reduce_from_parallel, scatter_to_parallel
 from engine.parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: F401 (tensor.vocab_parallel_cross_entropy: the public name)
 
@@ -50,6 +55,23 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}/{self.tp_size}"
+
+
+class ColumnParallelFusedLinear(ColumnParallelLinear):
+    """A FusedLinear (engine/model/fused.py) split by rows per part: weight (sum(out)/tp, in) = [q_r; k_r; v_r]
+    (gate_r, up_r), one GEMM behind one ``f``; returns one (b, s, out_i/tp) output per part."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], group, bias: bool = False):
+        super().__init__(in_features, sum(parts.values()), group, bias=bias)
+        for name, rows in parts.items():
+            _divide(rows, self.tp_size, f"{name} out_features")
+        self.parts = dict(parts)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return split_output(self, super().forward(x))
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, parts={self.parts}/{self.tp_size}"
 
 
 class RowParallelLinear(nn.Module):
@@ -99,18 +121,17 @@ class VocabParallelEmbedding(nn.Module):
 
 # The plan table: which sub-module of a DecoderLayer becomes which parallel layer.
 LAYER_PLAN = {
-    "self_attn.q_proj": "column",
-    "self_attn.k_proj": "column",
-    "self_attn.v_proj": "column",
+    "self_attn.qkv_proj": "column",
     "self_attn.o_proj": "row",
-    "mlp.gate_proj": "column",
-    "mlp.up_proj": "column",
+    "mlp.gate_up_proj": "column",
     "mlp.down_proj": "row",
 }
 
 
-def _parallel_linear(old: nn.Linear, style: str, group) -> nn.Module:
+def _parallel_linear(old: nn.Module, style: str, group) -> nn.Module:
     with torch.device(old.weight.device):
+        if style == "column" and isinstance(old, FusedLinear):  # q/k/v, gate/up: one GEMM, one f
+            return ColumnParallelFusedLinear(old.in_features, old.parts, group, bias=old.bias is not None)
         if style == "column":
             return ColumnParallelLinear(old.in_features, old.out_features, group, bias=old.bias is not None)
         if old.bias is not None:  # would need adding once after the all-reduce; no supported family has one
