@@ -2,7 +2,7 @@
 Hugging Face's tensors at every boundary a user sees.
 
 ``FusedLinear`` stacks its *parts* (Hugging Face linears reading the same input) by rows: weight (sum(out), in),
-bias (sum(out),), and returns one output per part. Under tensor parallelism (engine/parallel/tensor.py,
+bias (sum(out),); ``split_output`` cuts its output into one tensor per part. Under tensor parallelism (engine/parallel/tensor.py,
 ``ColumnParallelFusedLinear``) tp rank r holds rows r of every part, [q_r; k_r; v_r] with q_r = q.chunk(tp, 0)[r]:
 the tp-global fused tensor is the per-rank interleaving [q_0; k_0; v_0; q_1; k_1; v_1; ...] (``interleave``), so
 a rank's contiguous slice holds its own heads' q, k and v, and one GEMM with one all-reduce in backward serves
@@ -19,40 +19,29 @@ The parts stay the model's identity outside the forward:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 ATTRS = ("weight", "bias")
 
 
-class FusedLinear(nn.Module):
-    """y_i = x W_i^T + b_i for every part i, as one GEMM over W = [W_0; W_1; ...] (sum(out), in).
-    ``parts``: Hugging Face module name -> output features, in stacking order."""
+class FusedLinear(nn.Linear):
+    """The linears of ``parts`` over one input as one GEMM: y = x W^T + b with W = [W_0; W_1; ...] (sum(out), in),
+    split by the caller with ``split_output``. A plain nn.Linear otherwise (so DTensor's ColwiseParallel applies
+    to it too, launch/bench/tp.py). ``parts``: Hugging Face module name -> output features, in stacking order."""
 
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False):
-        super().__init__()
-        self.in_features, self.parts = in_features, dict(parts)
-        self.out_features = sum(self.parts.values())
-        self.weight = nn.Parameter(torch.empty(self.out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return split_output(self, F.linear(x, self.weight, self.bias))
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = dict(parts)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, parts={self.parts}"
-
-
-def local_sizes(module: nn.Module) -> list[int]:
-    """Rows of each part in the local weight: its full rows scaled by local/full (1/tp under tensor parallelism,
-    which needs every part divisible by tp)."""
-    total = sum(module.parts.values())
-    return [n * module.weight.shape[0] // total for n in module.parts.values()]
+        return f"{super().extra_repr()}, parts={self.parts}"
 
 
 def split_output(module: nn.Module, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(b, s, sum(out)/tp) -> one (b, s, out_i/tp) view per part."""
-    return y.split(local_sizes(module), dim=-1)
+    """(b, s, sum(out)/tp) -> one (b, s, out_i/tp) view per part: the width split in the ratio of the parts (1/tp of
+    each under tensor parallelism, which needs every part divisible by tp)."""
+    total = sum(module.parts.values())
+    return y.split([n * y.shape[-1] // total for n in module.parts.values()], dim=-1)
 
 
 def _part_names(name: str, parts: dict[str, int]) -> list[str]:

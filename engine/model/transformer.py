@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.model.docmask import block_causal_mask
-from engine.model.fused import FusedLinear, hf_state_dict_hooks
+from engine.model.fused import FusedLinear, hf_state_dict_hooks, split_output
 from engine.model.recompute import run_block
 from engine.model.rope import rope_cos_sin
 
@@ -61,7 +61,8 @@ class Attention(nn.Module):
         """mask: None (causal) or a (b, 1, s, s) bool block-causal mask (True: attend) of packed documents."""
         b, s, _ = x.shape
         # Head counts come from the (possibly tensor-parallel) projection: local heads = heads / tp.
-        q, k, v = (t.reshape(b, s, -1, self.head_dim).transpose(1, 2) for t in self.qkv_proj(x))
+        qkv = split_output(self.qkv_proj, self.qkv_proj(x))  # (b, s, (nh + 2 nkv) hd/tp) -> q, k, v
+        q, k, v = (t.reshape(b, s, -1, self.head_dim).transpose(1, 2) for t in qkv)
         # q (b, nh/tp, s, hd); k, v (b, nkv/tp, s, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
@@ -81,7 +82,7 @@ class MLP(nn.Module):
         hf_state_dict_hooks(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x)  # (b, s, ffn/tp) each
+        gate, up = split_output(self.gate_up_proj, self.gate_up_proj(x))  # (b, s, ffn/tp) each
         return self.down_proj(F.silu(gate) * up)
 
 

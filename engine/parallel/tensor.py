@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.fused import FusedLinear, split_output
+from engine.model.fused import FusedLinear
 from engine.parallel.comm import copy_to_parallel, gather_from_parallel, reduce_from_parallel, scatter_to_parallel
 from engine.parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: F401 (tensor.vocab_parallel_cross_entropy: the public name)
 
@@ -59,16 +59,13 @@ class ColumnParallelLinear(nn.Module):
 
 class ColumnParallelFusedLinear(ColumnParallelLinear):
     """A FusedLinear (engine/model/fused.py) split by rows per part: weight (sum(out)/tp, in) = [q_r; k_r; v_r]
-    (gate_r, up_r), one GEMM behind one ``f``; returns one (b, s, out_i/tp) output per part."""
+    (gate_r, up_r), one GEMM behind one ``f``; output (b, s, sum(out)/tp), which the model splits per part."""
 
     def __init__(self, in_features: int, parts: dict[str, int], group, bias: bool = False):
         super().__init__(in_features, sum(parts.values()), group, bias=bias)
         for name, rows in parts.items():
             _divide(rows, self.tp_size, f"{name} out_features")
         self.parts = dict(parts)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return split_output(self, super().forward(x))
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, parts={self.parts}/{self.tp_size}"
