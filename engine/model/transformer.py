@@ -65,6 +65,9 @@ class Attention(nn.Module):
         q, k, v = (t.reshape(b, s, -1, self.head_dim).transpose(1, 2) for t in qkv)
         # q (b, nh/tp, s, hd); k, v (b, nkv/tp, s, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # SDPA saves v for backward: a view would keep the whole fused (b, s, (nh + 2 nkv) hd/tp) output alive;
+        # its own copy (nkv hd/tp) keeps the saved bytes those of separate projections.
+        v = v.contiguous()
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=q.shape[1] != k.shape[1])
         o = o.transpose(1, 2).reshape(b, s, -1)  # (b, s, nh*hd/tp)
