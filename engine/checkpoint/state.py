@@ -6,7 +6,8 @@ same per Hugging Face tensor it holds (global name and shape, ranges of that ten
 plain parameter, q/k/v or gate/up for a fused one (engine/model/fused.py), so checkpoints keep the names, shapes
 and tp cuts they had before the fusion and reshard across tp as before. Replicas are written once: a
 tp-replicated weight (a norm) by tp rank 0 only, the last stage's copy of a tied embedding never (it is read back
-from the embedding's pieces), and a ddp replica split evenly over the dp ranks so that they write in parallel. The state classes read and write those ranges:
+from the embedding's pieces), and a ddp replica split evenly over the dp ranks so that they write in parallel.
+The state classes read and write those ranges:
 
 - ``TorchState`` (ddp, fsdp): the parameter itself or its FSDP2 DTensor shard (Shard(0): a row range of the
   block), and torch AdamW's per-parameter ``exp_avg``/``exp_avg_sq``/``step``.

@@ -16,9 +16,9 @@ Dtypes (measured on CPU with torch.autograd.graph.saved_tensors_hooks; tests/tes
   fp32      everything fp32:  24h + 8 + (8h + 8kvd + 4a + 16f)/t bytes per token
   autocast  bf16 matmuls on fp32 weights (train.dtype bf16 with ddp): norms stay fp32 (x, x_n: 16h + 8), each
             linear saves its own bf16 cast of y (the fused qkv and gate_up: 2 x 2h; 5 x 2h before the fusion),
-            attention and MLP tensors are bf16: 20h + 8 + (4h + 4kvd + 4a + 8f)/t, plus the bf16 copy of every weight autocast makes for each forward
-            (2 bytes x the layer's matmul parameters, per micro-batch, since the cache dies with the autocast
-            region)
+            attention and MLP tensors are bf16: 20h + 8 + (4h + 4kvd + 4a + 8f)/t, plus the bf16 copy of every
+            weight autocast makes for each forward (2 bytes x the layer's matmul parameters, per micro-batch, since
+            the cache dies with the autocast region)
   bf16      bf16 weights (fsdp's bf16 compute copy; DeepSpeed bf16): the norm computes on an fp32 copy of x
             (4h + 4), x_n and y are bf16 (2h each): 16h + 8 + (4h + 4kvd + 4a + 8f)/t
 With full activation checkpointing only each layer's input (the residual stream) is kept per micro-batch, and
