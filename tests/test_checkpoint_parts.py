@@ -22,6 +22,7 @@ from engine.checkpoint.publish import list_checkpoints
 from engine.config import load
 from engine.data import blend
 from engine.data.dataset import GlobalBatchSampler
+from engine.model.fused import by_hf_name
 from engine.parallel.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks
@@ -32,7 +33,9 @@ SAVED = RunPosition(step=5, consumed_samples=72)  # 4.5 global batches of 16: no
 
 
 def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    """Hugging Face name -> local value (a fused q/k/v or gate/up split into its parts: each is tp-chunked)."""
+    values = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    return {n: t for n, (t, _, _) in by_hf_name(trainer.model, values).items()}
 
 
 def save_then_load(root: str) -> dict:
@@ -53,11 +56,11 @@ def save_then_load(root: str) -> dict:
     out["consumed_after"] = fresh.feed.consumed_samples
     # Weights: the tp-2 shard of each parameter is the matching block of the dp-2 run's full one.
     full = {}
-    for name, p in fresh.model.named_parameters():
+    for name, p in _weights(fresh).items():
         gathered = [torch.empty_like(p) for _ in range(2)]
-        dist.all_gather(gathered, p.detach().contiguous(), group=fresh.ctx.tp_group)
+        dist.all_gather(gathered, p.contiguous(), group=fresh.ctx.tp_group)
         dim = [d for d in range(p.dim()) if p.shape[d] != saved[name].shape[d]]
-        full[name] = torch.cat(gathered, dim[0]) if dim else p.detach()
+        full[name] = torch.cat(gathered, dim[0]) if dim else p
     out["weights_ok"] = all(torch.equal(full[n], saved[n]) for n in saved)
     return out
 

@@ -89,9 +89,9 @@ def test_uneven_explicit_stage_split(tmp_path):
 
 
 def _layer_param_suffixes() -> list[str]:
-    return ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
-            "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+    # named_parameters: q/k/v and gate/up are fused (engine/model/fused.py; state_dict gives the HF names)
+    return ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.qkv_proj.weight",
+            "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight"]
 
 
 def test_timeline_cli_prints_every_stage():

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from engine.model import transformer as model_lib
 from engine.config import Config
+from engine.model.fused import by_hf_name
 from engine.model.init import materialize
 from engine.parallel.context import ParallelContext
 from engine.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -113,10 +114,12 @@ def test_tp_layers_match_reference(tp):
         assert not bad, f"rank {rank}: relative errors above {REL}: {bad}"
 
 
-def _model_rank(tp: int, tie: bool) -> dict:
-    """tp-sharded model vs the tp=1 model from the same seed: logits, loss and every parameter gradient."""
+def _model_rank(tp: int, tie: bool, qwen2: bool = False) -> dict:
+    """tp-sharded model vs the tp=1 model from the same seed: logits, loss and every parameter gradient. GQA (8
+    heads, 4 kv heads); ``qwen2``: q/k/v biases."""
     cfg = Config()
     cfg.model.num_layers, cfg.model.tie_embeddings, cfg.parallel.tp = 2, tie, tp
+    cfg.model.attention_bias, cfg.model.family = qwen2, "qwen2" if qwen2 else "llama"
     cfg.train.global_batch_size, cfg.train.micro_batch_size = 4, 4
     ctx = ParallelContext.from_config(cfg)
     ref = materialize(model_lib.build(cfg.model), torch.device("cpu"), seed=7, std=0.02)
@@ -134,21 +137,23 @@ def _model_rank(tp: int, tie: bool) -> dict:
 
     errs = {"logits": rel_err(logits.detach(), _chunk(ref_logits.detach(), -1)),
             "loss": rel_err(loss.detach(), ref_loss.detach())}
-    ref_modules = dict(ref.named_modules())
-    for mod_name, module in par.named_modules():
-        for attr, p in module.named_parameters(recurse=False):
-            ref_p = getattr(ref_modules[mod_name], attr)
-            dim = getattr(module, "tp_dims", {}).get(attr)
-            want_w = ref_p.detach() if dim is None else _chunk(ref_p.detach(), dim)
-            want_g = ref_p.grad if dim is None else _chunk(ref_p.grad, dim)
-            assert torch.equal(p.detach(), want_w), f"initial weight of {mod_name}.{attr} differs from tp=1"
-            errs[f"grad {mod_name}.{attr}"] = rel_err(p.grad, want_g)
+    # Compared per Hugging Face tensor: a fused qkv_proj holds [q_r; k_r; v_r], the tp chunk of each part.
+    def tensors(model, grad):
+        return by_hf_name(model, {n: (p.grad if grad else p).detach() for n, p in model.named_parameters()})
+    ref_w, ref_g, par_w, par_g = tensors(ref, False), tensors(ref, True), tensors(par, False), tensors(par, True)
+    assert set(par_w) == set(ref_w)
+    for name, (w, module, attr) in par_w.items():
+        dim = getattr(module, "tp_dims", {}).get(attr)
+        want_w = ref_w[name][0] if dim is None else _chunk(ref_w[name][0], dim)
+        want_g = ref_g[name][0] if dim is None else _chunk(ref_g[name][0], dim)
+        assert torch.equal(w, want_w), f"initial weight of {name} differs from tp=1"
+        errs[f"grad {name}"] = rel_err(par_g[name][0], want_g)
     return errs
 
 
-@pytest.mark.parametrize("tp,tie", [(2, False), (4, False), (2, True)])
-def test_tp_model_matches_tp1(tp, tie):
-    for rank, errs in enumerate(run_ranks(_model_rank, tp, tp, tie)):
+@pytest.mark.parametrize("tp,tie,qwen2", [(2, False, False), (4, False, False), (2, True, False), (4, False, True)])
+def test_tp_model_matches_tp1(tp, tie, qwen2):
+    for rank, errs in enumerate(run_ranks(_model_rank, tp, tp, tie, qwen2)):
         assert len(errs) > 10  # logits, loss and the gradients of every parameter were compared
         bad = {k: v for k, v in errs.items() if v > REL}
         assert not bad, f"rank {rank}: relative errors above {REL}: {bad}"

@@ -43,7 +43,7 @@ def _model(mode: str = "none", tie: bool = False, group=None, stage: bool = Fals
     materialize(model, torch.device("cpu"), seed=3, std=0.02)
     apply_activation_checkpointing(model, mode)
     if store is not None:
-        assert split_weight_gradients(model, store) == 2 * 7  # 7 linears a block; the LM head stays whole
+        assert split_weight_gradients(model, store) == 2 * 4  # qkv, o, gate_up, down; the LM head stays whole
     return model
 
 
@@ -113,7 +113,7 @@ def _split_vs_plain(mode: str = "none", bf16: bool = False, tie: bool = False, g
 
 def _check(got: dict) -> None:
     assert got["deferred"] == got["linear"], got["deferred"]  # after B: no linear weight (or bias) has a gradient
-    assert got["pending"] == {(0,): 14, (1,): 14}
+    assert got["pending"] == {(0,): 8, (1,): 8}
     assert got["b"] <= REL and got["dx"] <= REL, got  # B: every other gradient, and dL/dx, already final
     assert got["w"] <= REL, got  # after W: every gradient equals the plain backward's
     assert got["left"] == {}
@@ -186,15 +186,15 @@ def test_defer_does_not_nest():
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_pending_bytes_are_x_and_g_of_every_linear(bf16):
-    """What W keeps from B, per token of a micro-batch (engine/parallel/weight_grad.py): per block x of q/k/v (one
-    tensor, or three bf16 casts under autocast), o, gate/up (one, or two casts) and down, and g of all seven (the
-    LM head is not split: nothing of it). Nothing once flushed."""
+    """What W keeps from B, per token of a micro-batch (engine/parallel/weight_grad.py): per block x and g of the
+    fused qkv_proj, o_proj, the fused gate_up_proj and down_proj (the LM head is not split: nothing of it).
+    Nothing once flushed."""
     store = WeightGradStore()
     model = _model(store=store)
     cfg, (ids, labels) = model.cfg, _batches(model, stage=False)[0]
     _backward(model, (ids, labels), None, bf16, store.defer(0))
     h, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    x = (5 if bf16 else 2) * h + q + f
+    x = 2 * h + q + f  # one input (one autocast cast) per fused linear
     g = q + 2 * kv + 2 * f + 2 * h
     per_token = cfg.num_layers * (x + g)
     assert store.bytes_pending() == per_token * ids.numel() * (2 if bf16 else 4)

@@ -17,6 +17,7 @@ pytest.importorskip("deepspeed")
 import torch  # noqa: E402
 
 from engine.config import ConfigError, load  # noqa: E402
+from engine.model.fused import by_hf_name  # noqa: E402
 from engine.optim import lr_at  # noqa: E402
 from engine.parallel.dp import zero as zero_lib  # noqa: E402
 from engine.parallel.context import ParallelContext  # noqa: E402
@@ -47,10 +48,15 @@ def reference(argv: list[str]) -> dict:
     """Rank function: the plain trainer (dp_mode ddp), plus every final parameter by name."""
     cfg = load(argv)
     trainer = Trainer(cfg, ParallelContext.from_config(cfg))
-    init = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    init = hf_params(trainer.model, {n: p.detach() for n, p in trainer.model.named_parameters()})
     history = trainer.fit()
     return {"loss": [r["loss"] for r in history], "grad_norm": [r["grad_norm"] for r in history], "init": init,
-            "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()}}
+            "params": hf_params(trainer.model, {n: p.detach() for n, p in trainer.model.named_parameters()})}
+
+
+def hf_params(model, values: dict) -> dict:
+    """Parameter name -> tensor, to Hugging Face name -> a copy (fused q/k/v, gate/up split: each is tp-chunked)."""
+    return {n: t.clone() for n, (t, _, _) in by_hf_name(model, values).items()}
 
 
 def zero_train(argv: list[str], extra: dict) -> dict:
@@ -63,14 +69,11 @@ def zero_train(argv: list[str], extra: dict) -> dict:
     trainer = Trainer(cfg, ParallelContext.from_config(cfg))
     history = trainer.fit()
     zero = trainer.dp
-    modules = dict(zero.module.named_modules())
-    layout = {}
-    for name in dict(zero.module.named_parameters()):
-        mod_name, _, attr = name.rpartition(".")
-        mod = modules[mod_name]
-        layout[name] = (mod.tp_dims.get(attr), mod.tp_rank, mod.tp_size) if hasattr(mod, "tp_dims") else None
+    params = by_hf_name(zero.module, zero.full_parameters())
+    layout = {name: (mod.tp_dims.get(attr), mod.tp_rank, mod.tp_size) if hasattr(mod, "tp_dims") else None
+              for name, (_, mod, attr) in params.items()}
     return {"loss": [r["loss"] for r in history], "grad_norm": [r["grad_norm"] for r in history],
-            "params": zero.full_parameters(), "layout": layout,
+            "params": {n: t.clone() for n, (t, _, _) in params.items()}, "layout": layout,
             "lr": zero.engine.optimizer.param_groups[0]["lr"], "dtype": next(zero.module.parameters()).dtype,
             "managed": zero.managed}
 

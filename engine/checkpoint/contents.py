@@ -54,13 +54,17 @@ def snapshot(parts: CheckpointParts) -> tuple[dict, dict, int | None]:
     for slot in slots(parts.model, access, parts.ctx, parts.cfg.model.tie_embeddings):
         if slot.write is None:
             continue
-        lo, hi = slot.write
-        entry = params.setdefault(slot.name, {"shape": slot.shape, "tp_dim": slot.tp_dim, "tp_size": slot.tp_size,
-                                              "states": {}})
-        for state in ["param", *access.state_names(slot)]:
-            piece = access.get(slot, state)[lo - slot.start:hi - slot.start]
-            tensors[piece_key(slot.name, state, slot.tp_rank, lo)] = piece.to("cpu", torch.float32, copy=True)
-            entry["states"].setdefault(state, []).append([slot.tp_rank, lo, hi])
+        held = {state: access.get(slot, state) for state in ["param", *access.state_names(slot)]}  # [start, end)
+        for part in slot.parts:  # stored per Hugging Face tensor: q/k/v of a fused qkv_proj apart
+            if part.write is None:
+                continue
+            lo, hi = part.write
+            entry = params.setdefault(part.name, {"shape": part.shape, "tp_dim": slot.tp_dim,
+                                                  "tp_size": slot.tp_size, "states": {}})
+            for state, values in held.items():
+                piece = values[part.at + lo - slot.start:part.at + hi - slot.start]
+                tensors[piece_key(part.name, state, slot.tp_rank, lo)] = piece.to("cpu", torch.float32, copy=True)
+                entry["states"].setdefault(state, []).append([slot.tp_rank, lo, hi])
     return tensors, params, access.adam_step()
 
 
@@ -90,16 +94,18 @@ def load_into(parts: CheckpointParts, path: Path, index: dict) -> RunPosition:
     ctx, cfg = parts.ctx, parts.cfg
     reader, access = Reader(path, index), parts.state()
     local = slots(parts.model, access, ctx, cfg.model.tie_embeddings)
-    names = [] if index.get("model_only") else [s for s in reader.states(local[0].name) if s != "param"]
+    names = [] if index.get("model_only") else [s for s in reader.states(local[0].parts[0].name) if s != "param"]
     if names:
         access.prepare(local, names, index["adam_step"])
     for slot in local:
-        saved = reader.params.get(slot.name, {}).get("shape")
-        if saved != slot.shape:
-            raise CheckpointError(f"{path / INDEX}: {slot.name} has shape {saved}, this model needs {slot.shape}")
+        for part in slot.parts:
+            saved = reader.params.get(part.name, {}).get("shape")
+            if saved != part.shape:
+                raise CheckpointError(f"{path / INDEX}: {part.name} has shape {saved}, this model needs {part.shape}")
         for state in ["param", *names]:
-            if slot.start < slot.end:
-                value = reader.read(slot.name, state, slot.tp_dim, slot.tp_size, slot.tp_rank, slot.start, slot.end)
+            if slot.start < slot.end:  # the held range, assembled part by part (a fused q/k/v: in stacking order)
+                value = torch.cat([reader.read(p.name, state, slot.tp_dim, slot.tp_size, slot.tp_rank, p.start,
+                                               p.end) for p in slot.parts])
                 access.set(slot, state, value.to(ctx.device))
     access.finish()
     reader.close()

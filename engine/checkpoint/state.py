@@ -1,10 +1,13 @@
 """What each rank holds of every parameter and its Adam state, under each dp_mode, as pieces of the checkpoint format.
 
-A ``Slot`` describes one local parameter in the terms of engine/checkpoint/format.py: its global name and shape, its
-tp block (tp_dim, tp_size, tp_rank), the flat range [start, end) of that block this rank holds, and the range it
-writes. Replicas are written once: a tp-replicated weight (a norm) by tp rank 0 only, the last stage's copy of a
-tied embedding never (it is read back from the embedding's pieces), and a ddp replica split evenly over the dp
-ranks so that they write in parallel. The state classes read and write those ranges:
+A ``Slot`` describes one local parameter in the terms of engine/checkpoint/format.py: its tp block (tp_dim, tp_size,
+tp_rank), the flat range [start, end) of that block this rank holds, and the range it writes; its ``parts`` give the
+same per Hugging Face tensor it holds (global name and shape, ranges of that tensor's tp block): one part for a
+plain parameter, q/k/v or gate/up for a fused one (engine/model/fused.py), so checkpoints keep the names, shapes
+and tp cuts they had before the fusion and reshard across tp as before. Replicas are written once: a
+tp-replicated weight (a norm) by tp rank 0 only, the last stage's copy of a tied embedding never (it is read back
+from the embedding's pieces), and a ddp replica split evenly over the dp ranks so that they write in parallel.
+The state classes read and write those ranges:
 
 - ``TorchState`` (ddp, fsdp): the parameter itself or its FSDP2 DTensor shard (Shard(0): a row range of the
   block), and torch AdamW's per-parameter ``exp_avg``/``exp_avg_sq``/``step``.
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.model.fused import part_blocks
 from engine.model.init import full_shape
 from engine.parallel.shards import local as _local, tp_dim
 
@@ -26,16 +30,27 @@ TIED_COPY, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
 
 @dataclass
-class Slot:
+class Part:
+    """One Hugging Face tensor a slot holds (the slot itself, or q/k/v of a fused qkv_proj), in its own terms."""
     name: str  # the name its pieces are stored under (a tied LM-head copy: the embedding's)
-    param: nn.Parameter
     shape: list[int]  # global shape
-    tp_dim: int | None
+    at: int  # flat offset of its tp block in the local parameter
+    start: int  # flat range [start, end) of its tp block held on this rank
+    end: int
+    write: tuple[int, int] | None  # the part of that range this rank writes; None: nothing
+
+
+@dataclass
+class Slot:
+    name: str  # the parameter's name in the model
+    param: nn.Parameter
+    tp_dim: int | None  # the tp cut, the same for every part
     tp_size: int
     tp_rank: int
-    start: int  # flat range [start, end) of the tp block held on this rank
+    start: int  # flat range [start, end) of the local parameter held on this rank
     end: int
     write: tuple[int, int] | None  # the part of that range this rank writes; None: written elsewhere
+    parts: list[Part]  # what it holds, under the names checkpoints store: ranges are those above, cut per part
 
 
 def step_tensor(group: dict, step: int, device) -> torch.Tensor:
@@ -103,8 +118,27 @@ class TorchState:
         pass
 
 
+def _cut(lo: int, hi: int, at: int, numel: int) -> tuple[int, int]:
+    """The flat range [lo, hi) of a parameter, seen from a part at [at, at + numel): a range of the part."""
+    a = min(max(lo - at, 0), numel)
+    return a, max(a, min(hi - at, numel))
+
+
+def _parts(module: nn.Module, name: str, attr: str, local_shape: torch.Size, dim: int | None, start: int, end: int,
+           write: tuple[int, int] | None) -> list[Part]:
+    """The slot's Hugging Face tensors (engine/model/fused.py part_blocks) with their global shapes and ranges."""
+    out = []
+    for part, at, shape in part_blocks(module, name, local_shape):
+        numel = shape.numel()
+        lo, hi = _cut(start, end, at, numel)
+        w = _cut(*write, at, numel) if write else None
+        out.append(Part(part, list(full_shape(module, attr, shape)) if dim is not None else list(shape), at, lo, hi,
+                        w if w and w[0] < w[1] else None))
+    return out
+
+
 def slots(model: nn.Module, access, ctx, tie_embeddings: bool) -> list[Slot]:
-    """Every local parameter once (tied weights by their first name), with its tp cut and ranges."""
+    """Every local parameter once (tied weights by their first name), with its tp cut, ranges and parts."""
     modules = dict(model.named_modules())
     out = []
     for name, p in model.named_parameters():
@@ -119,8 +153,7 @@ def slots(model: nn.Module, access, ctx, tie_embeddings: bool) -> list[Slot]:
         tied_copy = tie_embeddings and name == TIED_COPY and ctx.pp > 1
         written = not tied_copy and (dim is not None or ctx.tp_rank == 0)  # replicated over tp: once
         write = access.writes(start, end) if written else None
-        out.append(Slot(EMBEDDING if tied_copy else name, p,
-                        list(full_shape(module, attr, local_shape)) if dim is not None else list(local_shape),
-                        dim, size if dim is not None else 1, rank, start, end,
-                        write if write and write[0] < write[1] else None))
+        write = write if write and write[0] < write[1] else None
+        parts = _parts(module, EMBEDDING if tied_copy else name, attr, local_shape, dim, start, end, write)
+        out.append(Slot(name, p, dim, size if dim is not None else 1, rank, start, end, write, parts))
     return out

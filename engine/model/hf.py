@@ -1,8 +1,9 @@
 """Hugging Face Llama / Qwen2 / Mistral folders <-> engine checkpoints, through safetensors both ways
 (launch/convert.py).
 
-Our parameter names are those of ``transformers.LlamaForCausalLM`` (engine/model/transformer.py; Qwen2 and Mistral use the
-same), so conversion is only about layout: export assembles each full tensor from a checkpoint saved at any
+Checkpoints store the tensors of ``transformers.LlamaForCausalLM`` under its names (engine/model/transformer.py's fused
+q/k/v and gate/up are stored as their parts; Qwen2 and Mistral use the same names), so conversion is only about
+layout: export assembles each full tensor from a checkpoint saved at any
 (tp, pp, dp, dp_mode) with ``ckpt_format.Reader.full`` and writes the standard folder: ``config.json`` (the
 config class of ``model.family``, engine/model/families.py), the weights as ``model.safetensors`` or, above
 ``max_shard_bytes``, ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json`` (transformers'
@@ -35,6 +36,7 @@ from engine.checkpoint.format import (CheckpointError, Reader, fsync_write, merg
 from engine.checkpoint.parts import RunPosition
 from engine.checkpoint.publish import publish, staging_dir
 from engine.config import Config, ModelConfig
+from engine.model.fused import part_blocks
 from engine.model.families import hf_config, model_config  # noqa: F401 (hf.hf_config: the public name)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -46,8 +48,12 @@ CARRIED_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json
 
 
 def param_shapes(m: ModelConfig) -> dict[str, list[int]]:
-    """HF names and shapes of every distinct parameter, in module order (a tied LM head is the embedding)."""
-    return {n: list(p.shape) for n, p in model_lib.build(m, device="meta").named_parameters()}
+    """HF names and shapes of every distinct parameter, in module order (a tied LM head is the embedding; a fused
+    q/k/v or gate/up weight is its parts, engine/model/fused.py)."""
+    model = model_lib.build(m, device="meta")
+    modules = dict(model.named_modules())
+    return {part: list(shape) for n, p in model.named_parameters()
+            for part, _, shape in part_blocks(modules[n.rpartition(".")[0]], n, p.shape)}
 
 
 def _shards(sizes: dict[str, int], limit: int) -> list[list[str]]:

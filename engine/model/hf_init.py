@@ -63,14 +63,17 @@ def load_weights(parts: CheckpointParts, folder: Path) -> None:
     ctx = parts.ctx
     where, access = hf_tensors(folder), parts.state()
     for slot in slots(parts.model, access, ctx, parts.cfg.model.tie_embeddings):
-        if slot.name not in where:
-            raise CheckpointError(f"{folder}: the weights have no tensor '{slot.name}'")
-        with safe_open(str(where[slot.name]), framework="pt") as f:
-            shape = list(f.get_slice(slot.name).get_shape())
-            if shape != slot.shape:
-                raise CheckpointError(f"{where[slot.name]}: {slot.name} has shape {shape}, config.json implies "
-                                      f"{slot.shape}")
-            block = _block(f, slot.name, slot.tp_dim, slot.tp_size, slot.tp_rank)
+        held = []  # the held range part by part (q, k, v of a fused qkv_proj: in stacking order)
+        for part in slot.parts:
+            if part.name not in where:
+                raise CheckpointError(f"{folder}: the weights have no tensor '{part.name}'")
+            with safe_open(str(where[part.name]), framework="pt") as f:
+                shape = list(f.get_slice(part.name).get_shape())
+                if shape != part.shape:
+                    raise CheckpointError(f"{where[part.name]}: {part.name} has shape {shape}, config.json implies "
+                                          f"{part.shape}")
+                block = _block(f, part.name, slot.tp_dim, slot.tp_size, slot.tp_rank)
+            held.append(block.reshape(-1)[part.start:part.end].to(torch.float32))
         if slot.start < slot.end:
-            access.set(slot, "param", block.reshape(-1)[slot.start:slot.end].to(ctx.device, torch.float32))
+            access.set(slot, "param", torch.cat(held).to(ctx.device))
     access.finish()

@@ -1,8 +1,9 @@
 """Layout-independent initialisation: the same weights at every tp, pp and dp.
 
 Each parameter's full (unsharded) tensor is drawn from its own generator, seeded from the run seed and the
-parameter's global name, and each rank keeps only its slice. A parameter's values therefore depend on neither
-the tensor-parallel size, nor which pipeline stage holds it, nor the order in which modules were built.
+parameter's global Hugging Face name (a fused q/k/v or gate/up weight: each part's, engine/model/fused.py), and
+each rank keeps only its slice. A parameter's values therefore depend on neither the tensor-parallel size, nor
+which pipeline stage holds it, nor the order in which modules were built, nor the fusion.
 Distributions follow HF ``LlamaPreTrainedModel._init_weights``: N(0, std) for linears and embeddings, ones for
 norms, zeros for biases.
 """
@@ -13,6 +14,7 @@ import zlib
 import torch
 from torch import nn
 
+from engine.model.fused import part_blocks
 from engine.parallel.shards import tp_dim
 
 
@@ -60,9 +62,12 @@ def init_parameters(model: nn.Module, seed: int, std: float, aliases: dict[str, 
                 continue
             done.add(id(param))
             name = f"{mod_name}.{attr}" if mod_name else attr
-            name = aliases.get(name, name)
-            full = _full_value(name, full_shape(module, attr, param.shape), seed, std)
-            param.copy_(_local_slice(full, module, attr))
+            flat = param.view(-1)
+            # Each Hugging Face tensor the parameter holds (q, k and v of a fused qkv_proj) from its own name.
+            for part, at, shape in part_blocks(module, name, param.shape):
+                part = aliases.get(part, part)
+                full = _full_value(part, full_shape(module, attr, shape), seed, std)
+                flat[at:at + shape.numel()].copy_(_local_slice(full, module, attr).reshape(-1))
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int, std: float) -> nn.Module:

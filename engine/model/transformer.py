@@ -3,7 +3,8 @@
 No distributed code lives here: tensor parallelism swaps the linear/embedding modules (engine/parallel/tensor.py)
 and pipeline parallelism drops layers, so every module reads its local head count from its weights, ``layers`` is
 a ModuleDict keyed by the global layer index, and ``embed_tokens``/``norm``/``lm_head`` may be None on a stage.
-Parameter names are those of Hugging Face ``LlamaForCausalLM`` (``model.layers.3.self_attn.q_proj.weight``).
+q/k/v and gate/up run as one GEMM each (``qkv_proj``, ``gate_up_proj``: engine/model/fused.py); ``state_dict`` and
+``load_state_dict`` speak the names of Hugging Face ``LlamaForCausalLM`` (``model.layers.3.self_attn.q_proj.weight``).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.model.docmask import block_causal_mask
+from engine.model.fused import FusedLinear, hf_state_dict_hooks, split_output
 from engine.model.recompute import run_block
 from engine.model.rope import rope_cos_sin
 
@@ -54,23 +56,24 @@ class Attention(nn.Module):
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         self.head_dim = hd
-        bias = cfg.attention_bias  # Qwen2: q/k/v biases, none on o_proj
-        self.q_proj = nn.Linear(h, cfg.num_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * hd, bias=bias)
+        parts = {"q_proj": cfg.num_heads * hd, "k_proj": cfg.num_kv_heads * hd, "v_proj": cfg.num_kv_heads * hd}
+        self.qkv_proj = FusedLinear(h, parts, bias=cfg.attention_bias)  # Qwen2: q/k/v biases, none on o_proj
         self.o_proj = nn.Linear(cfg.num_heads * hd, h, bias=False)
+        hf_state_dict_hooks(self)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """mask: None (causal) or a (b, 1, s, s) bool block-causal mask (True: attend) of packed documents."""
-        # Head counts come from the (possibly tensor-parallel) projections: local heads = heads / tp. The length
-        # too: under sequence parallelism x is (b, s/tp, h) and the projections gather the whole sequence.
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        b, s = q.shape[:2]
-        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, nh/tp, s, hd)
-        k = k.view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, nkv/tp, s, hd)
-        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)  # (b, nkv/tp, s, hd)
+        # Head counts come from the (possibly tensor-parallel) projection: local heads = heads / tp. The length
+        # too: under sequence parallelism x is (b, s/tp, h) and the projection gathers the whole sequence.
+        qkv = self.qkv_proj(x)  # (b, s, (nh + 2 nkv) hd/tp)
+        b, s = qkv.shape[:2]
+        q, k, v = (t.reshape(b, s, -1, self.head_dim).transpose(1, 2) for t in split_output(self.qkv_proj, qkv))
+        # q (b, nh/tp, s, hd); k, v (b, nkv/tp, s, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # SDPA saves v for backward: a view would keep the whole fused (b, s, (nh + 2 nkv) hd/tp) output alive;
+        # its own copy (nkv hd/tp) keeps the saved bytes those of separate projections.
+        v = v.contiguous()
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=q.shape[1] != k.shape[1])
         o = o.transpose(1, 2).reshape(b, s, -1)  # (b, s, nh*hd/tp)
@@ -82,12 +85,14 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        ffn = cfg.intermediate_size
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate_proj": ffn, "up_proj": ffn}, bias=False)
+        self.down_proj = nn.Linear(ffn, cfg.hidden_size, bias=False)
+        hf_state_dict_hooks(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (b, s, ffn/tp) inside
+        gate, up = split_output(self.gate_up_proj, self.gate_up_proj(x))  # (b, s, ffn/tp) each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -152,7 +157,8 @@ def decode(cfg: ModelConfig, embed: nn.Module | None, layers, norm: nn.Module | 
 
 
 class Llama(nn.Module):
-    """Decoder plus LM head; same module tree and parameter names as HF ``LlamaForCausalLM``."""
+    """Decoder plus LM head; the module tree of HF ``LlamaForCausalLM`` with q/k/v and gate/up fused, and its
+    state_dict names."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

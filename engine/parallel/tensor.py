@@ -2,7 +2,10 @@
 
 A column-parallel linear splits the output features (weight rows) across the tp group; a row-parallel linear
 splits the input features (weight columns) and all-reduces its output. Attention heads and the SwiGLU hidden dim
-are split this way, so a block needs one all-reduce forward and one backward per sub-layer. The embedding and the
+are split this way, so a block needs one all-reduce forward and one backward per sub-layer: q/k/v and gate/up are
+fused linears (engine/model/fused.py), each one column-parallel GEMM behind one ``f``, so a decoder layer runs 2
+all-reduces forward (o_proj, down_proj) and 2 backward (in front of qkv_proj, gate_up_proj), where separate q, k,
+v, gate and up linears ran 5 backward (tests/test_tp_collectives.py counts them). The embedding and the
 LM head split the vocabulary; the loss is computed on vocab-sharded logits without gathering them
 (engine/parallel/cross_entropy.py, re-exported here).
 
@@ -14,6 +17,7 @@ backward. The LM head gathers too, so the logits are (b, s, V/tp) and the loss i
 
 Every parallel module records which dim of each parameter is sharded in ``tp_dims`` (name -> dim) together with
 ``tp_rank``/``tp_size``: engine.model.init uses it to cut each local shard from the same full tensor at every tp.
+A fused linear's record applies to each of its parts (``part_blocks``): its local weight is [q_r; k_r; v_r].
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.fused import FusedLinear
 from engine.model.transformer import RMSNorm, rms_norm
 from engine.parallel.comm import (copy_to_parallel, gather_from_parallel, reduce_from_parallel,
                                   reduce_scatter_to_sequence_parallel, scatter_to_parallel, sequence_gathered_linear)
@@ -67,6 +72,21 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}/{self.tp_size}"
+
+
+class ColumnParallelFusedLinear(ColumnParallelLinear):
+    """A FusedLinear (engine/model/fused.py) split by rows per part: weight (sum(out)/tp, in) = [q_r; k_r; v_r]
+    (gate_r, up_r), one GEMM behind one ``f``; output (b, s, sum(out)/tp), which the model splits per part."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], group, bias: bool = False,
+                 sequence_parallel: bool = False):
+        super().__init__(in_features, sum(parts.values()), group, bias=bias, sequence_parallel=sequence_parallel)
+        for name, rows in parts.items():
+            _divide(rows, self.tp_size, f"{name} out_features")
+        self.parts = dict(parts)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, parts={self.parts}/{self.tp_size}"
 
 
 class RowParallelLinear(nn.Module):
@@ -141,12 +161,9 @@ class SequenceParallelRMSNorm(RMSNorm):
 
 # The plan table: which sub-module of a DecoderLayer becomes which parallel layer.
 LAYER_PLAN = {
-    "self_attn.q_proj": "column",
-    "self_attn.k_proj": "column",
-    "self_attn.v_proj": "column",
+    "self_attn.qkv_proj": "column",
     "self_attn.o_proj": "row",
-    "mlp.gate_proj": "column",
-    "mlp.up_proj": "column",
+    "mlp.gate_up_proj": "column",
     "mlp.down_proj": "row",
 }
 
@@ -155,8 +172,11 @@ LAYER_PLAN = {
 SEQUENCE_PARALLEL_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
-def _parallel_linear(old: nn.Linear, style: str, group, sp: bool) -> nn.Module:
+def _parallel_linear(old: nn.Module, style: str, group, sp: bool) -> nn.Module:
     with torch.device(old.weight.device):
+        if style == "column" and isinstance(old, FusedLinear):  # q/k/v, gate/up: one GEMM, one f
+            return ColumnParallelFusedLinear(old.in_features, old.parts, group, bias=old.bias is not None,
+                                             sequence_parallel=sp)
         if style == "column":
             return ColumnParallelLinear(old.in_features, old.out_features, group, bias=old.bias is not None,
                                         sequence_parallel=sp)

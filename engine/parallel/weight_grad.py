@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.fused import FusedLinear
+
 
 class _Deferred(NamedTuple):
     """One linear's weight gradient, computed at flush: dW = g^T x (T tokens flattened)."""
@@ -176,9 +178,16 @@ class SplitLinear(nn.Linear):
         return linear_with_deferred_weight(x, self.weight, self.bias, self.weight_grad_store)
 
 
+class SplitFusedLinear(SplitLinear, FusedLinear):
+    """A FusedLinear (q/k/v or gate/up, engine/model/fused.py) with a ``weight_grad_store``, as SplitLinear."""
+
+
+_SPLIT = {nn.Linear: SplitLinear, FusedLinear: SplitFusedLinear}  # the exact class -> its split class
+
+
 def split_weight_gradients(model: nn.Module, store: WeightGradStore) -> int:
     """Attach ``store`` to every linear layer of ``model`` (a materialised, possibly tensor-parallel stage) but
-    the LM head: plain nn.Linear (tp = 1) become SplitLinear; layers that declare ``weight_grad_store``
+    the LM head: plain nn.Linear and FusedLinear (tp = 1) become SplitLinear / SplitFusedLinear; layers that declare ``weight_grad_store``
     (ColumnParallelLinear, RowParallelLinear) get it set. The embedding and RMSNorm weights are not split: their
     gradients come in B. Neither is the LM head: its W would keep the logits' gradient (tokens x V/tp) of every
     micro-batch between its B and W, pp of them on the last stage under ZB-H1, far above 1F1B's peak for a large
@@ -188,8 +197,8 @@ def split_weight_gradients(model: nn.Module, store: WeightGradStore) -> int:
     for name, module in model.named_modules():
         if name.split(".")[-1] == "lm_head":
             continue
-        if type(module) is nn.Linear:
-            module.__class__ = SplitLinear
+        if type(module) in _SPLIT:
+            module.__class__ = _SPLIT[type(module)]
         if hasattr(type(module), "weight_grad_store"):
             module.weight_grad_store = store
             count += 1

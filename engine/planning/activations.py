@@ -15,16 +15,16 @@ a/t heads:
 Dtypes (measured on CPU with torch.autograd.graph.saved_tensors_hooks; tests/test_planner.py):
   fp32      everything fp32:  24h + 8 + (8h + 8kvd + 4a + 16f)/t bytes per token
   autocast  bf16 matmuls on fp32 weights (train.dtype bf16 with ddp): norms stay fp32 (x, x_n: 16h + 8), each
-            linear saves its own bf16 cast of y (q, k, v, gate, up: 5 x 2h), attention and MLP tensors are bf16:
-            26h + 8 + (4h + 4kvd + 4a + 8f)/t, plus the bf16 copy of every weight autocast makes for each forward
-            (2 bytes x the layer's matmul parameters, per micro-batch, since the cache dies with the autocast
-            region)
+            linear saves its own bf16 cast of y (the fused qkv and gate_up: 2 x 2h; 5 x 2h before the fusion),
+            attention and MLP tensors are bf16: 20h + 8 + (4h + 4kvd + 4a + 8f)/t, plus the bf16 copy of every
+            weight autocast makes for each forward (2 bytes x the layer's matmul parameters, per micro-batch, since
+            the cache dies with the autocast region)
   bf16      bf16 weights (fsdp's bf16 compute copy; DeepSpeed bf16): the norm computes on an fp32 copy of x
             (4h + 4), x_n and y are bf16 (2h each): 16h + 8 + (4h + 4kvd + 4a + 8f)/t
 With full activation checkpointing only each layer's input (the residual stream) is kept per micro-batch, and
 one layer's activations are rebuilt at a time during backward (``transient_bytes``). Selective checkpointing
-(engine/model/recompute.py) keeps the input and the matmul outputs: q (h/t), k, v (kvd/t each), o_proj (h, the
-row-parallel output), gate, up (f/t each), down (h), in the matmul dtype (fp32, or bf16 under autocast and bf16),
+(engine/model/recompute.py) keeps the input and the matmul outputs: qkv ((h + 2 kvd)/t), o_proj (h, the
+row-parallel output), gate_up (2f/t), down (h), in the matmul dtype (fp32, or bf16 under autocast and bf16),
 and rebuilds the rest of one layer at a time; autocast's weight copies are recomputed too.
 Sequence parallelism (parallel.sequence_parallel; Korthikanti et al. Sec. 4.2.2, their sbh(34/t + 5as/(ht))):
 the norms, the residual stream and the layer input run on s/t tokens, so every term above that is not already /t
@@ -75,7 +75,8 @@ def layer_bytes_per_token(cfg: Config, tp: int) -> float:
     sp = sequence_share(cfg, tp)
     if mode(cfg) == "fp32":
         return (24 * h + 8) / sp + (8 * h + 8 * kvd + 4 * a + 16 * f) / tp
-    casts = 0 if mode(cfg) != "autocast" else 10 * h if sp == 1 else 8 * h  # sp: y itself, fp32, not its casts
+    # autocast: y cast to bf16 by qkv_proj and gate_up_proj; under sequence parallelism y itself (fp32) is kept
+    casts = 0 if mode(cfg) != "autocast" else 4 * h if sp == 1 else 8 * h
     return (16 * h + 8 + casts) / sp + (4 * h + 4 * kvd + 4 * a + 8 * f) / tp
 
 

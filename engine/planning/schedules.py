@@ -12,8 +12,8 @@ Memory: walk the rank's action list (once per table: held_states) and price what
 - BWD releases them. Under zero bubble (Qi et al. 2023, Sec. 2) B (BWD_INPUT) releases them too (autograd frees
   the graph) but leaves the W state (engine/parallel/weight_grad.py), which W (BWD_WEIGHT) releases: for every
   split linear its input x and output gradient g, in the matmul dtype. Per token of a block, x: the norm output
-  for q/k/v (h; under bf16 autocast each of the three casts its own copy), the attention output (a hd/t), the
-  norm output for gate/up (h; two casts under autocast), the SwiGLU product (f/t); g: q, k, v (a hd/t, kvd/t,
+  for the fused q/k/v (h), the attention output (a hd/t), the norm output for the fused gate/up (h), the SwiGLU
+  product (f/t); g: q, k, v (a hd/t, kvd/t,
   kvd/t), o and down (h each), gate and up (f/t each). The LM head is not split (its g would be logits-sized).
 The peak is taken after each compute, as engine.parallel.actions.max_in_flight counts pairs.
 
@@ -77,7 +77,7 @@ def w_state_bytes(cfg: Config, tp: int, pp: int, stage: int) -> list[float]:
     m, t = cfg.model, cfg.train
     h, q, kvd, f = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.intermediate_size
     grads = 2 * h + (q + 2 * kvd + 2 * f) / tp  # output gradients of q k v o gate up down, per token
-    inputs = (5 if t.dtype == "bf16" else 2) * h + (q + f) / tp  # their inputs (autocast: one cast per linear)
+    inputs = 2 * h + (q + f) / tp  # their inputs: qkv_proj's, o_proj's, gate_up_proj's, down_proj's
     tokens = t.micro_batch_size * t.seq_len
     return [tokens * acts.logit_bytes(cfg) * n * (grads + inputs) for _, n in rank_chunks(cfg, pp, stage)]
 

@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 
 from engine.model import transformer as model_lib  # noqa: E402
 from engine.config import load  # noqa: E402
+from engine.model.fused import FusedLinear, interleave  # noqa: E402
 from engine.model.init import materialize  # noqa: E402
 from launch.bench.measure import measure_rank  # noqa: E402
 from engine.parallel.context import ParallelContext  # noqa: E402
@@ -72,6 +73,12 @@ def dtensor_model(cfg, mesh) -> torch.nn.Module:
     """The unsharded engine model with our initial weights, parallelised by DTensor (torchtitan's plan, without
     sequence parallelism, which our layers do not do either)."""
     model = materialize(model_lib.build(cfg.model), torch.device("cpu"), cfg.train.seed, cfg.model.init_std)
+    with torch.no_grad():  # fused q/k/v, gate/up: DTensor's contiguous row chunks must be [q_r; k_r; v_r] as ours
+        for module in model.modules():
+            if isinstance(module, FusedLinear):
+                for p in (module.weight, module.bias):
+                    if p is not None:
+                        p.copy_(interleave(p.detach().clone(), module.parts, mesh.size()))
     styles = {"column": ColwiseParallel, "row": RowwiseParallel}
     layer_plan = {path: styles[style]() for path, style in LAYER_PLAN.items()}  # the same table as ours
     for layer in model.model.layers.values():

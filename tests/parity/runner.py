@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ConfigError, load
+from engine.model.fused import by_hf_name
 from engine.parallel.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks
@@ -84,11 +85,8 @@ def held_parameters(trainer: Trainer) -> dict:
     # The fp32 values the optimizer steps: under ZeRO bf16 DeepSpeed's master weights, whose bf16 module weights
     # are their rounding, which would quantise the comparison (one bf16 ulp is ~1 % of a 4-step update).
     values = trainer.dp.full_parameters()
-    modules = dict(root.named_modules())
     out = {}
-    for name, value in values.items():
-        mod_name, _, attr = name.rpartition(".")
-        mod = modules[mod_name]
+    for name, (value, mod, attr) in by_hf_name(root, values).items():  # fused q/k/v, gate/up: per part
         size = getattr(mod, "tp_size", 1)
         dim = getattr(mod, "tp_dims", {}).get(attr) if size > 1 else None
         out[name] = (value, dim, getattr(mod, "tp_rank", 0), size)
