@@ -6,8 +6,8 @@ rows into the fused weights), trained 5 steps at tp 2 (fused qkv_proj/gate_up_pr
 layer), saved, and exported with engine/model/hf.py. transformers' logits of the exported folder must equal the
 engine's own logits after the 5 steps (gathered over tp): fp32, max|a - b| / max|b| <= 1e-5 (measured: ~3e-7).
 The 5 steps must also have moved the model away from the source folder (so the comparison is not of unchanged
-weights). ``LAYOUTS`` lists the parallel settings trained under; sequence parallelism joins it as
-``--parallel.sequence_parallel true`` once it exists.
+weights). ``LAYOUTS`` lists the parallel settings trained under: tp 2 with the fused layers, with and without
+sequence parallelism.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from engine.trainer import Trainer
 from tests.dist import run_ranks
 
 REL = 1e-5
-LAYOUTS = {"tp2": ["--parallel.tp", "2"]}
+LAYOUTS = {"tp2": ["--parallel.tp", "2"], "tp2-sp": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]}
 SHAPE = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
 
