@@ -406,3 +406,28 @@ def test_simulator_finds_the_deadlock_of_a_short_warmup():
 def test_build_errors_for_new_schedules(args, match):
     with pytest.raises(ValueError, match=match):
         build(*args)
+
+
+def test_executor_refuses_a_table_whose_ranks_post_in_different_orders(monkeypatch):
+    """The executor simulates every rank's list before running: a table that would swap same-shaped messages
+    (interleaved with the chunk and micro-batch loops swapped on one rank) fails at construction."""
+    import types
+
+    import torch
+
+    from engine.parallel import pipeline
+    from engine.parallel import schedule as sched_mod
+
+    ctx = types.SimpleNamespace(pp=2, pp_rank=0)
+    pipeline.PipelineExecutor(ctx, "interleaved", 4, (1, 2, 3), torch.float32, virtual_stages=2)  # the real one
+    build = sched_mod.build
+
+    def swapped(schedule, pp, m, stage, v=1):
+        actions = build(schedule, pp, m, stage, v)
+        if stage == 1:  # chunk before micro-batch: another order of the same actions
+            actions = sorted(actions, key=lambda a: (a.op not in (Op.RECV_FWD, Op.FWD, Op.SEND_FWD), a.chunk, a.mb))
+        return actions
+
+    monkeypatch.setattr(sched_mod, "build", swapped)
+    with pytest.raises(RuntimeError):
+        pipeline.PipelineExecutor(ctx, "interleaved", 4, (1, 2, 3), torch.float32, virtual_stages=2)

@@ -27,6 +27,7 @@ from torch.autograd import Variable
 from engine.parallel import schedule as sched
 from engine.parallel.actions import peer
 from engine.parallel.schedule import Op
+from engine.parallel.schedule_sim import simulate_actions
 from engine.parallel.virtual import chunk_layer_ranges
 from engine.parallel.weight_grad import WeightGradStore, split_weight_gradients
 
@@ -91,7 +92,12 @@ class PipelineExecutor:
         if forward_only:  # evaluation: run() must then be called under torch.no_grad()
             self.actions = sched.forward_only(ctx.pp, micro_batches, ctx.pp_rank, virtual_stages)
         else:
-            self.actions = sched.build(schedule, ctx.pp, micro_batches, ctx.pp_rank, virtual_stages)
+            # Every rank's list, simulated against each other before anything runs: at pp = 2 forward activations
+            # and backward gradients share a shape and meet in posting order, so two ranks posting in different
+            # orders would silently swap them (at pp > 2, hang). The simulator refuses such a table.
+            ranks = [sched.build(schedule, ctx.pp, micro_batches, r, virtual_stages) for r in range(ctx.pp)]
+            simulate_actions(ranks, schedule=schedule)
+            self.actions = ranks[ctx.pp_rank]
         self.splits_weights = any(a.op == Op.BWD_WEIGHT for a in self.actions)
         self.weight_grads = None
         if self.splits_weights:
