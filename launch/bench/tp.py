@@ -1,6 +1,6 @@
 """Benchmark: our tensor parallelism against DTensor's, and planned against measured memory per rank.
 
-    python launch/bench/tp.py [--config configs/tiny.yaml] [--tp 2] [--steps 20] [--memory-config ...] [--tables abc]
+    python launch/bench/tp.py [--config configs/tiny.yaml] [--tp 2] [--steps 20] [--memory-config ...] [--tables abcd]
 
 a) Step time (forward + backward) at tp ranks (forked, gloo, one torch thread each) of our Megatron-style layers
    (engine/parallel/tensor.py, vocab-parallel loss) against the same engine/model/transformer.py modules parallelised by
@@ -14,6 +14,10 @@ b) Per-rank memory of a few layouts, measured by launch/bench/measure.py on the 
 c) Sequence parallelism (parallel.sequence_parallel): peak bytes saved for backward per rank at tp 2 and 4, without
    and with it, measured the same way as b) next to the plan (engine/planning/activations.py), and the measured
    saving. The residual stream, the norms and the layer inputs are (b, s/tp, h) with it (Korthikanti et al. 2022).
+d) Collectives per decoder layer, forward and backward, at the tp sizes of c) without and with sequence parallelism
+   and with activation checkpointing none and full: calls of each kind and bytes per token, counted on the c10d
+   calls, next to Megatron-LM's design and the counts before the q/k/v, gate/up fusion
+   (launch/bench/tp_collectives.py, which also runs alone; tests/test_tp_collectives.py asserts the counts).
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from engine.config import load  # noqa: E402
 from engine.model.fused import FusedLinear, interleave  # noqa: E402
 from engine.model.init import materialize  # noqa: E402
 from launch.bench.measure import measure_rank  # noqa: E402
+from launch.bench.tp_collectives import print_collectives  # noqa: E402
 from engine.parallel.context import ParallelContext  # noqa: E402
 from engine.cluster.spawn import run_ranks  # noqa: E402
 from engine.parallel.tensor import LAYER_PLAN, vocab_parallel_cross_entropy  # noqa: E402
@@ -64,8 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--memory-config", default=str(ROOT / "configs/tiny.yaml"), help="model for table b")
     p.add_argument("--memory-layouts", nargs="*", default=list(MEMORY_LAYOUTS), choices=list(MEMORY_LAYOUTS))
-    p.add_argument("--sp-tp", nargs="*", type=int, default=[2, 4], help="tp sizes of table c")
-    p.add_argument("--tables", default="abc", help="which tables to print (a, b, c)")
+    p.add_argument("--sp-tp", nargs="*", type=int, default=[2, 4], help="tp sizes of tables c and d")
+    p.add_argument("--tables", default="abcd", help="which tables to print (a, b, c, d)")
     return p.parse_args(argv)
 
 
@@ -206,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
         print_memory(args)
     if args.sp_tp and "c" in args.tables:
         print_sequence_parallel(args)
+    if args.sp_tp and "d" in args.tables:
+        print_collectives(args.memory_config, args.sp_tp, micro_batch_size=2, seq_len=16)
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
 
 
