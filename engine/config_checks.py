@@ -106,6 +106,10 @@ def _validate_dp(cfg: Config) -> None:
     if p.grad_compression != "none" and p.dp_mode != "ddp":
         raise ConfigError(f"parallel.grad_compression={p.grad_compression} is a DDP communication hook and needs "
                           f"parallel.dp_mode=ddp (got {p.dp_mode}); use grad_compression=none")
+    if p.grad_compression != "none" and p.schedule == "zero_bubble":  # its reduction runs after the last W, unhooked
+        raise ConfigError(f"parallel.grad_compression={p.grad_compression} is not supported with parallel.schedule="
+                          f"zero_bubble (DDP's reducer does not run there: the gradients are all-reduced after the "
+                          f"last W); use grad_compression=none, or schedule 1f1b or interleaved")
     if p.bucket_mb <= 0:
         raise ConfigError(f"parallel.bucket_mb={p.bucket_mb} must be > 0 (DDP's gradient bucket size in MB)")
     if p.powersgd_rank < 1:

@@ -39,6 +39,9 @@ def test_short_run_writes_metrics(tmp_path):
     (["--parallel.grad_compression", "powersgd", "--parallel.powersgd_rank", "0"], "parallel.powersgd_rank=0"),
     (["--parallel.grad_compression", "powersgd", "--parallel.powersgd_warmup_steps", "1"],
      "parallel.powersgd_warmup_steps=1 must be >= 2"),
+    (["--parallel.grad_compression", "bf16", "--parallel.schedule", "zero_bubble"],
+     "parallel.grad_compression=bf16 is not supported with parallel.schedule=zero_bubble"),
+    (["--parallel.virtual_stages", "2"], "parallel.virtual_stages=2 needs parallel.schedule=interleaved"),
 ])
 def test_bad_config_is_one_clear_line(tmp_path, args, needle):
     out = pretrain("--config", "configs/tiny.yaml", "--train.out_dir", str(tmp_path), *args)

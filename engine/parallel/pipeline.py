@@ -105,10 +105,9 @@ class PipelineExecutor:
                 raise ValueError(f"schedule {schedule} splits the backward: pass the stage module")
             self.weight_grads = WeightGradStore()
             split_weight_gradients(stage, self.weight_grads)
-        # The last backward of each chunk, where the dp mode reduces that chunk's gradients. None when W's follow
-        # the B's: then no backward completes a gradient, and the dp mode reduces after the step's last W.
-        self.last_backward = {} if self.splits_weights else \
-            {a.chunk: a.mb for a in self.actions if a.op in (Op.BWD, Op.BWD_INPUT)}
+        # The last backward of each chunk, where the dp mode reduces that chunk's gradients. None at all when W's
+        # follow the B's: then no backward completes a gradient, and the dp mode reduces after the step's last W.
+        self.last_backward = {a.chunk: a.mb for a in self.actions if a.op == Op.BWD}
         self.act_shape, self.act_dtype = act_shape, act_dtype
         # Time the last run() spent blocked on receives. It leaves out the idle tail after this stage's last
         # action, so the whole bubble is measured between barriers (launch/bench/pipeline.py).

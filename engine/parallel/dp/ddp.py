@@ -111,9 +111,9 @@ class DDP(TorchOptimizerMixin, DataParallel):
             init_sync=False, **_no_buffer_sync())
             for chunk in model_chunks(model, ctx.pp, ctx.pp_rank, cfg.parallel.virtual_stages)]
         self.ddp = self.ddps[0]
-        hook = comm_hook(cfg, ctx)
-        if hook is not None:
-            for ddp in self.ddps:
+        for ddp in self.ddps:  # a hook state per chunk: PowerSGD keys its error feedback by bucket index
+            hook = comm_hook(cfg, ctx)
+            if hook is not None:
                 ddp.register_comm_hook(*hook)
         self.armed: set[int] = set()  # chunks whose reducer ran in this step's backward
         self._build_optimizer()
@@ -132,7 +132,7 @@ class DDP(TorchOptimizerMixin, DataParallel):
     def reduce_gradients(self) -> None:
         """Average over dp the gradients of every chunk whose reducer did not run in this step's backward."""
         for chunk, ddp in enumerate(self.ddps):
-            if chunk not in self.armed:
+            if chunk not in self.armed and self.ctx.dp > 1:
                 all_reduce_mean([p.grad for p in ddp.module.parameters() if p.grad is not None],
                                 self.ctx.dp_group, self.cfg.parallel.bucket_mb)
         self.armed.clear()
