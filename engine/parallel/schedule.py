@@ -98,20 +98,26 @@ def _check_chunks(schedule: str, pp: int, micro_batches: int, virtual_stages: in
 
 def build(schedule: str, pp: int, micro_batches: int, stage: int, virtual_stages: int = 1) -> list[Action]:
     """The action list of `stage`, after checking every argument (the error names the bad value)."""
+    check(schedule, pp, micro_batches, virtual_stages)
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage={stage} out of range for pp={pp}; valid: 0..{pp - 1}")
+    if schedule == "interleaved":
+        return interleaved_1f1b(pp, micro_batches, stage, virtual_stages)
+    return SCHEDULES[schedule](pp, micro_batches, stage)
+
+
+def check(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> None:
+    """Raise ValueError naming the bad value if `schedule` cannot run pp stages over micro_batches (cheap: no
+    table is built; the layout checks and the planner's search call it for every candidate)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
     if pp < 1:
         raise ValueError(f"pp must be >= 1, got pp={pp}")
-    if not 0 <= stage < pp:
-        raise ValueError(f"stage={stage} out of range for pp={pp}; valid: 0..{pp - 1}")
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got micro_batches={micro_batches}")
     if schedule in ("1f1b", "zero_bubble") and micro_batches < pp:
         raise ValueError(f"{schedule} needs micro_batches >= pp, got micro_batches={micro_batches} < pp={pp}")
     _check_chunks(schedule, pp, micro_batches, virtual_stages)
-    if schedule == "interleaved":
-        return interleaved_1f1b(pp, micro_batches, stage, virtual_stages)
-    return SCHEDULES[schedule](pp, micro_batches, stage)
 
 
 def simulate(schedule: str, pp: int, micro_batches: int, fwd_time: float = 1.0, bwd_time: float = 2.0,

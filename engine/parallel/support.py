@@ -68,7 +68,7 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
 
 def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
     """The pipeline schedule and its virtual stages against pp, the layers and the micro-batches per step
-    (engine/parallel/schedule.py build's checks, named by config key), and sequence parallelism against tp."""
+    (engine/parallel/schedule.py check, named by config key), and sequence parallelism against tp."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     if p.virtual_stages < 1:
         raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} must be >= 1")
@@ -85,7 +85,7 @@ def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
                               f"(layers split evenly into pp*virtual_stages chunks); leave pp_layers empty")
     if pp > 1:
         try:
-            sched.build(p.schedule, pp, micro_batches, 0, p.virtual_stages)
+            sched.check(p.schedule, pp, micro_batches, p.virtual_stages)
         except ValueError as e:
             raise ConfigError(f"parallel.schedule={p.schedule} with {micro_batches} micro-batches per step "
                               f"(global_batch_size {t.global_batch_size} / (micro_batch_size {t.micro_batch_size} * "
