@@ -163,14 +163,16 @@ def test_outside_defer_the_split_model_is_unchanged():
 @pytest.mark.slow
 def test_compiled_blocks_still_defer():
     """The split linears stay eager inside a compiled block (torch.compiler.disable): traced, their backward would
-    never defer. Against the eager plain model; measured 4.8e-8, compile's own rounding of the rest of the block."""
+    never defer. Against the plain model compiled alike (measured 4.8e-8); compiled and eager bf16 differ by
+    bf16 rounding (2.7e-3 here, with or without the split), so the eager model is not the reference."""
     plain, store = _model(), WeightGradStore()
     split = _model(store=store)
-    apply_compile(split, backend="aot_eager")  # what dynamo and AOTAutograd do, without inductor's build time
+    for model in (plain, split):  # what dynamo and AOTAutograd do, without inductor's build time
+        apply_compile(model, backend="aot_eager")
     for mb, batch in enumerate(_batches(plain, stage=False)):
         _backward(plain, batch, None, bf16=True)
         _backward(split, batch, None, bf16=True, defer=store.defer(mb))
-    assert store.pending() == {0: 15, 1: 15}
+    assert store.pending() == {0: 8, 1: 8}  # 4 split linears per block (the LM head stays whole)
     store.flush(0)
     store.flush(1)
     assert _worst(_grads(split), _grads(plain)) <= 1e-6
