@@ -8,7 +8,7 @@ calls these in this order every step and never asks which mode it is:
 
     dp = build(stage, cfg, ctx)                        # engine/parallel/dp/__init__.py: the registry
     for each micro-batch's backward:                   # run by the pipeline executor
-        dp.before_backward(is_last); dp.backward(output, grad)
+        dp.before_backward(is_last, chunk); dp.backward(output, grad)
     dp.all_reduce_grad(tied_weight, embed_group)       # pp > 1 with tied embeddings
     dp.reduce_gradients()                              # the exposed part of the dp reduction (often nothing)
     norm = dp.step(lr)                                 # or dp.skip() after a NaN loss
