@@ -98,10 +98,9 @@ class WeightGradStore:
 
     def bytes_pending(self) -> int:
         """Bytes of the distinct x and g storages the queues hold. Per token of a queued micro-batch, in elements
-        of the compute dtype (tests/test_weight_grad.py checks it): each block keeps x of q/k/v (one (h) tensor
-        in fp32, three casts under autocast), of o (nh*hd/tp), of gate/up (one, or two casts) and of down
-        (ffn/tp), and g of all seven (nh*hd + 2*nkv*hd + 2*ffn)/tp + 2h; the LM head keeps h + V/tp. A plain
-        backward frees both at B; here they live until W."""
+        of the compute dtype (tests/test_weight_grad.py checks it): each block keeps x of the fused q/k/v (h), of
+        o (nh*hd/tp), of the fused gate/up (h) and of down (ffn/tp), and their g: (nh*hd + 2*nkv*hd + 2*ffn)/tp
+        + 2h; the LM head is not split. A plain backward frees both at B; here they live until W."""
         seen: dict[int, int] = {}
         for queue in self._queues.values():
             for item in queue:
