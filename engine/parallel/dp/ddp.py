@@ -110,7 +110,6 @@ class DDP(TorchOptimizerMixin, DataParallel):
             process_group=ctx.dp_group, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True,
             init_sync=False, **_no_buffer_sync())
             for chunk in model_chunks(model, ctx.pp, ctx.pp_rank, cfg.parallel.virtual_stages)]
-        self.ddp = self.ddps[0]
         for ddp in self.ddps:  # a hook state per chunk: PowerSGD keys its error feedback by bucket index
             hook = comm_hook(cfg, ctx)
             if hook is not None:
