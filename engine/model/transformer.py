@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.model.attention import attend
 from engine.model.docmask import block_causal_mask
 from engine.model.fused import FusedLinear, hf_state_dict_hooks, split_output
 from engine.model.recompute import run_block
@@ -50,7 +51,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Causal GQA self-attention through torch SDPA (flash / memory-efficient kernels where available)."""
+    """Causal GQA self-attention through torch SDPA on a fused kernel (flash / memory-efficient; the path per
+    device, dtype and mask is engine/model/attention.py's, which the planner counts)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -74,8 +76,7 @@ class Attention(nn.Module):
         # SDPA saves v for backward: a view would keep the whole fused (b, s, (nh + 2 nkv) hd/tp) output alive;
         # its own copy (nkv hd/tp) keeps the saved bytes those of separate projections.
         v = v.contiguous()
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=q.shape[1] != k.shape[1])
+        o = attend(q, k, v, mask)  # the kernel for (device, dtype, mask, GQA): engine/model/attention.py
         o = o.transpose(1, 2).reshape(b, s, -1)  # (b, s, nh*hd/tp)
         return self.o_proj(o)  # (b, s, h)
 
