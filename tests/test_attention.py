@@ -2,7 +2,8 @@
 
 - The pure selection function over a table of cases, CUDA ones included (decided without a GPU); on CPU the kernel
   torch itself picks for the model's actual SDPA calls (torch._fused_sdp_choice on the same arguments) is the path
-  the planner assumes, for fp32 and bf16 autocast, with and without the document mask.
+  the planner assumes, for fp32 and bf16 autocast, with and without the document mask. With CUDA, the table's CUDA
+  cases are checked the same way (torch._fused_sdp_choice on CUDA tensors; not run on the CPU-only machine).
 - The repeated-k/v call (the CUDA efficient path, run here on CPU's kernel) gives the native-GQA result within
   1e-6 in fp32 (measured: 0, bit-equal, with and without the mask).
 - The planner's activation ledger (engine/planning/activations.py) matches the bytes autograd saves on each path:
@@ -42,6 +43,26 @@ CASES = [
 @pytest.mark.parametrize("device,dtype,mask,gqa,head_dim,path", CASES)
 def test_attention_path_table(device, dtype, mask, gqa, head_dim, path):
     assert attn.attention_path(device, dtype, mask, gqa, head_dim) == path
+
+
+# cuDNN attention (first in torch's order on sm90 with a recent cuDNN) saves what the fused kernels save.
+CUDA_BACKENDS = {attn.FLASH: {SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION},
+                 attn.EFFICIENT: {SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION},
+                 attn.MATH: {SDPBackend.MATH}}
+CUDA_BACKENDS[attn.EFFICIENT_REPEAT_KV] = CUDA_BACKENDS[attn.EFFICIENT]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the table above decides these without one")
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] == "cuda"])
+def test_cuda_kernel_is_the_path(case):
+    _, dtype, mask, gqa, head_dim, path = case
+    q = torch.randn(2, 8, 256, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+    kv_heads = 2 if gqa and path != attn.EFFICIENT_REPEAT_KV else 8  # as attend() calls SDPA
+    k, v = (torch.randn(2, kv_heads, 256, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    m = block_causal_mask(torch.arange(256, device="cuda").expand(2, 256) // 100) if mask else None
+    choice = torch._fused_sdp_choice(q, k, v, m, 0.0, m is None, scale=None,
+                                     enable_gqa=k.shape[1] != q.shape[1])
+    assert SDPBackend(choice) in CUDA_BACKENDS[path]
 
 
 SMALL = ["--config", "configs/tiny.yaml", "--model.hidden_size", "128", "--model.intermediate_size", "344",
