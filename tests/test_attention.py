@@ -6,9 +6,11 @@
   cases are checked the same way (torch._fused_sdp_choice on CUDA tensors; not run on the CPU-only machine).
 - The repeated-k/v call (the CUDA efficient path, run here on CPU's kernel) gives the native-GQA result within
   1e-6 in fp32 (measured: 0, bit-equal, with and without the mask).
+- The additive mask decode() builds once gives bit-equal results to the bool mask (fp32 and bf16).
 - The planner's activation ledger (engine/planning/activations.py) matches the bytes autograd saves on each path:
-  the document mask's (b, 1, s, s) in q's dtype, the repeated k/v, and the math kernel's s x s softmax (rel 1e-3,
-  the existing ledger test's tolerance: the loss's few scalars).
+  the document mask's (b, 1, s, s) in q's dtype once per micro-batch (each layer saved its own copy of a bool
+  mask), the repeated k/v, and the math kernel's s x s softmax (rel 1e-3, the existing ledger test's tolerance:
+  the loss's few scalars).
 """
 from __future__ import annotations
 
@@ -132,6 +134,17 @@ def test_repeated_kv_equals_native_gqa():
             mp.setattr(attn, "attention_path", lambda *a: attn.EFFICIENT_REPEAT_KV)
             repeated = attn.attend(q, k, v, mask)
         torch.testing.assert_close(repeated, native, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_additive_mask_equals_the_bool_mask(dtype):
+    # decode() hands the layers one additive mask instead of the bool one SDPA would convert in every layer
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 48, 16, generator=gen).to(dtype) for heads in (8, 2, 2))
+    mask = block_causal_mask(torch.tensor([[0] * 15 + [1] * 33, [0] * 30 + [1] * 18]))
+    additive = attn.attend(q, k, v, attn.additive_mask(mask, dtype))
+    assert torch.equal(additive, attn.attend(q, k, v, mask))
+    assert not torch.equal(additive, attn.attend(q, k, v, None))  # the mask matters in these rows
 
 
 @pytest.mark.parametrize("dtype,dp_mode", [("fp32", "ddp"), ("bf16", "ddp"), ("bf16", "zero")])

@@ -13,7 +13,7 @@ the bytes of the kernel that actually runs:
                    here: without that, fp32 GQA and every document-masked run fell back to math
   CUDA math        everything else: the (b, nh, s, s) softmax is saved, k/v repeated
   CPU flash        fp32/bf16, masks and GQA natively (torch._fused_sdp_choice picks it for all of this engine's
-                   calls); a mask is converted to q's dtype and saved, (b, 1, s, s)
+                   calls); a bool mask is converted to q's dtype and saved, (b, 1, s, s)
   other devices    math is assumed
 On sm90 cuDNN attention may take the flash path's place (same saved tensors: q, k, v, output, log-sum-exp).
 FlexAttention with a document block mask is left out: in eager mode (and on CPU) it runs an unfused reference that
@@ -52,11 +52,21 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
 
 
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(b, 1, s, s) bool (True: attend) -> (b, 1, s, s) of 0 / -inf in ``dtype``: the form SDPA converts a bool mask
+    to on every call (the fused kernels then save that copy), built once per forward so every layer saves the same
+    tensor: one (b, s, s) per micro-batch instead of one per layer. Results are bit-equal to the bool mask's."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """q (b, nh, s, hd), k and v (b, nkv, s, hd), mask None (causal) or (b, 1, s, s) bool (True: attend)
-    -> (b, nh, s, hd), through the kernel ``attention_path`` names."""
-    gqa = q.shape[1] != k.shape[1]
-    path = attention_path(q.device.type, compute_dtype(q), mask is not None, gqa, q.shape[-1])
+    """q (b, nh, s, hd), k and v (b, nkv, s, hd), mask None (causal) or (b, 1, s, s), bool (True: attend) or
+    additive in SDPA's compute dtype (``additive_mask``) -> (b, nh, s, hd), through the kernel ``attention_path``
+    names."""
+    gqa, dtype = q.shape[1] != k.shape[1], compute_dtype(q)
+    path = attention_path(q.device.type, dtype, mask is not None, gqa, q.shape[-1])
+    if mask is not None and mask.is_floating_point() and mask.dtype != dtype:
+        mask = mask.to(dtype)  # a mask built for another dtype: correct, but a copy of its own per layer
     if gqa and path == EFFICIENT_REPEAT_KV:
         # k/v (b, nkv, s, hd) -> (b, nh, s, hd), head i of q reading kv head i // (nh / nkv) as enable_gqa does
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)

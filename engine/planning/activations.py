@@ -11,8 +11,8 @@ a/t heads:
                 output (which is o_proj's input) and the log-sum-exp (a/t fp32 values); RoPE saves only cos/sin
                                                                            -> 2h/t + 2 kvd/t (+ a/t fp32)
                 plus what the run's kernel path holds beyond that (``attention_bytes_per_token``, the path from
-                engine/model/attention.py): a document mask in q's dtype (s values a token; padded to 16 on the
-                CUDA efficient kernel), k/v repeated to a/t heads, or on the math path the (b, a/t, s, s) softmax
+                engine/model/attention.py): k/v repeated to a/t heads, or on the math path the (b, a/t, s, s)
+                softmax; and once per micro-batch the document mask, (b, 1, s, s) in the kernel's dtype
   SwiGLU MLP    gate output (silu saves it), silu(gate), up (the product saves both), their product (down_proj's
                 input)                                                     -> 4 f/t
 Dtypes (measured on CPU with torch.autograd.graph.saved_tensors_hooks; tests/test_planner.py):
@@ -90,19 +90,31 @@ def planned_attention_path(cfg: Config) -> str:
 
 def attention_bytes_per_token(cfg: Config, tp: int) -> float:
     """Saved bytes per token of one layer's attention beyond the fused kernels' q, k, v, output and log-sum-exp
-    (counted in layer_bytes_per_token), in the kernel's dtype: the document mask (b, 1, s, s) converted to q's
-    dtype (s values a token, last dim padded to 16 on the CUDA efficient kernel; the math kernel adds it to the
-    scores and keeps none), k and v repeated from kvd/t to a*hd/t, and on the math path the softmax (b, a/t, s, s)
-    in place of the log-sum-exp."""
+    (counted in layer_bytes_per_token), in the kernel's dtype: k and v repeated from kvd/t to a*hd/t; on the math
+    path the softmax (b, a/t, s, s) in place of the log-sum-exp; on the CUDA efficient kernel, where s is not a
+    multiple of 16, its own copy of the document mask padded to 16 (pad16(s) values a token; else the layers
+    share one: ``document_mask_bytes``)."""
     m, s = cfg.model, cfg.train.seq_len
     a, qd, kvd = m.num_heads, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     width, path = logit_bytes(cfg), planned_attention_path(cfg)
     extra = 2 * (qd - kvd) / tp * width if path in REPEATS_KV else 0.0
     if path == MATH:
         return extra + a / tp * (s * width - 4)
-    if cfg.data.document_mask:
-        extra += (-(-s // 16) * 16 if path in (EFFICIENT, EFFICIENT_REPEAT_KV) else s) * width
+    if cfg.data.document_mask and path in (EFFICIENT, EFFICIENT_REPEAT_KV) and s % 16:
+        extra += -(-s // 16) * 16 * width
     return extra
+
+
+def document_mask_bytes(cfg: Config, num_layers: int) -> float:
+    """The (b, 1, s, s) additive document mask decode() builds once per micro-batch in the kernel's dtype
+    (engine/model/attention.py additive_mask), kept while the fused kernels save it (not when the CUDA efficient
+    kernel pads a copy of its own), or activation checkpointing keeps it as every block's input."""
+    t, path = cfg.train, planned_attention_path(cfg)
+    own_copies = path in (EFFICIENT, EFFICIENT_REPEAT_KV) and t.seq_len % 16
+    kept = t.activation_checkpointing != "none" or (path != MATH and not own_copies)
+    if not cfg.data.document_mask or num_layers == 0 or not kept:
+        return 0.0
+    return t.micro_batch_size * t.seq_len ** 2 * logit_bytes(cfg)
 
 
 def layer_bytes_per_token(cfg: Config, tp: int) -> float:
@@ -166,7 +178,7 @@ def micro_batch_bytes(cfg: Config, tp: int, pp: int, stage: int, num_layers: int
     # cos and sin tables, built once per forward: (s, hd), or (b, s, hd) from the document mask's per-row positions
     rope = 2 * (t.micro_batch_size if cfg.data.document_mask else 1) * t.seq_len * cfg.model.head_dim * res
     copies = 0.0 if t.activation_checkpointing != "none" else weight_copy_bytes(cfg, tp, num_layers, last)
-    return tokens * per_token + rope + copies
+    return tokens * per_token + rope + copies + document_mask_bytes(cfg, num_layers)
 
 
 def transient_bytes(cfg: Config, tp: int, last_stage: bool) -> float:
