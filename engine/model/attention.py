@@ -26,8 +26,6 @@ import torch.nn.functional as F
 
 FLASH, EFFICIENT, EFFICIENT_REPEAT_KV = "flash", "efficient", "efficient_repeat_kv"
 CPU_FLASH, MATH = "cpu_flash", "math"
-PATHS = (FLASH, EFFICIENT, EFFICIENT_REPEAT_KV, CPU_FLASH, MATH)
-FUSED = (FLASH, EFFICIENT, EFFICIENT_REPEAT_KV, CPU_FLASH)  # no s x s scores: q, k, v, output, log-sum-exp
 REPEATS_KV = (EFFICIENT_REPEAT_KV, MATH)  # k/v saved with q's head count
 
 
