@@ -16,6 +16,7 @@ first, fastest first. A bad argument exits with status 2 and one line `error: ..
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -133,6 +134,9 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg = load(config_argv(args))
+    if cfg.parallel.backend == "auto":  # the devices planned for are CUDA ones (--device): plan their attention
+        # kernel (engine/model/attention.py), not this machine's
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, backend="nccl"))
     # TF32 is not the default for fp32 matmuls in torch, so an fp32 run is planned at the fp32 peak.
     hw = hardware(args, "bf16" if cfg.train.dtype == "bf16" else "fp32")
     schedules, refused = searched_schedules(args, cfg), []

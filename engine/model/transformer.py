@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.model.attention import additive_mask, attend, compute_dtype
 from engine.model.docmask import block_causal_mask
 from engine.model.fused import FusedLinear, hf_state_dict_hooks, split_output
 from engine.model.recompute import run_block
@@ -50,7 +51,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Causal GQA self-attention through torch SDPA (flash / memory-efficient kernels where available)."""
+    """Causal GQA self-attention through torch SDPA on a fused kernel (flash / memory-efficient; the path per
+    device, dtype and mask is engine/model/attention.py's, which the planner counts)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -63,7 +65,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """mask: None (causal) or a (b, 1, s, s) bool block-causal mask (True: attend) of packed documents."""
+        """mask: None (causal) or a (b, 1, s, s) block-causal mask of packed documents, bool (True: attend) or
+        additive (0 / -inf, engine/model/attention.py additive_mask)."""
         # Head counts come from the (possibly tensor-parallel) projection: local heads = heads / tp. The length
         # too: under sequence parallelism x is (b, s/tp, h) and the projection gathers the whole sequence.
         qkv = self.qkv_proj(x)  # (b, s, (nh + 2 nkv) hd/tp)
@@ -74,8 +77,7 @@ class Attention(nn.Module):
         # SDPA saves v for backward: a view would keep the whole fused (b, s, (nh + 2 nkv) hd/tp) output alive;
         # its own copy (nkv hd/tp) keeps the saved bytes those of separate projections.
         v = v.contiguous()
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=q.shape[1] != k.shape[1])
+        o = attend(q, k, v, mask)  # the kernel for (device, dtype, mask, GQA): engine/model/attention.py
         o = o.transpose(1, 2).reshape(b, s, -1)  # (b, s, nh*hd/tp)
         return self.o_proj(o)  # (b, s, h)
 
@@ -150,7 +152,8 @@ def decode(cfg: ModelConfig, embed: nn.Module | None, layers, norm: nn.Module | 
     if position_ids is None:
         position_ids = torch.arange(h.shape[1] * sequence_shards, device=h.device)
     cos, sin = rope_cos_sin(cfg, position_ids, h.dtype)
-    mask = None if doc_ids is None else block_causal_mask(doc_ids)
+    # (b, 1, s, s) additive mask in SDPA's dtype, shared by the layers (each would save its own copy of a bool one)
+    mask = None if doc_ids is None else additive_mask(block_causal_mask(doc_ids), compute_dtype(h))
     for layer in layers:
         h = layer(h, cos, sin, mask)
     return norm(h) if norm is not None else h

@@ -7,9 +7,12 @@ DecoderLayer.forward, per token (b s tokens), for tp-sharded widths h/t, kvd/t =
 a/t heads:
   RMSNorm (x2)  x (pow and x*rsqrt save it), rsqrt (1 value), x_n (weight*x_n saves it), y = weight*x_n (the
                 next linears' input)                                       -> x, x_n, y: 3h values; rsqrt: 1
-  attention     SDPA (flash/memory-efficient; no s x s matrix) saves rotated q, rotated k, v, its output (which is
-                o_proj's input) and the log-sum-exp (a/t fp32 values); RoPE saves only cos/sin (shared)
+  attention     a fused SDPA kernel (flash/memory-efficient; no s x s matrix) saves rotated q, rotated k, v, its
+                output (which is o_proj's input) and the log-sum-exp (a/t fp32 values); RoPE saves only cos/sin
                                                                            -> 2h/t + 2 kvd/t (+ a/t fp32)
+                plus what the run's kernel path holds beyond that (``attention_bytes_per_token``, the path from
+                engine/model/attention.py): k/v repeated to a/t heads, or on the math path the (b, a/t, s, s)
+                softmax; and once per micro-batch the document mask, (b, 1, s, s) in the kernel's dtype
   SwiGLU MLP    gate output (silu saves it), silu(gate), up (the product saves both), their product (down_proj's
                 input)                                                     -> 4 f/t
 Dtypes (measured on CPU with torch.autograd.graph.saved_tensors_hooks; tests/test_planner.py):
@@ -36,7 +39,10 @@ the logits and the loss's per-token values, and under selective recomputation th
 """
 from __future__ import annotations
 
+import torch
+
 from engine.config import Config
+from engine.model.attention import EFFICIENT, EFFICIENT_REPEAT_KV, MATH, REPEATS_KV, attention_path
 from engine.parallel.cross_entropy import CHUNK_ELEMENTS
 
 
@@ -68,16 +74,59 @@ def checkpointed_layer_bytes_per_token(cfg: Config, tp: int) -> float:
     return kept
 
 
+def device_type(cfg: Config) -> str:
+    """The device a run of cfg computes on, as engine/parallel/context.py picks it (nccl: cuda, gloo: cpu, auto: cuda
+    where available); unlike it, planning a CUDA run on a machine without one is allowed."""
+    backend = cfg.parallel.backend
+    return "cuda" if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def planned_attention_path(cfg: Config) -> str:
+    """The attention kernel every layer of a cfg run takes (engine/model/attention.py attention_path)."""
+    m = cfg.model
+    dtype = torch.float32 if mode(cfg) == "fp32" else torch.bfloat16  # autocast: SDPA runs in bf16
+    return attention_path(device_type(cfg), dtype, cfg.data.document_mask, m.num_heads != m.num_kv_heads, m.head_dim)
+
+
+def attention_bytes_per_token(cfg: Config, tp: int) -> float:
+    """Saved bytes per token of one layer's attention beyond the fused kernels' q, k, v, output and log-sum-exp
+    (counted in layer_bytes_per_token), in the kernel's dtype: k and v repeated from kvd/t to a*hd/t; on the math
+    path the softmax (b, a/t, s, s) in place of the log-sum-exp; on the CUDA efficient kernel, where s is not a
+    multiple of 16, its own copy of the document mask padded to 16 (pad16(s) values a token; else the layers
+    share one: ``document_mask_bytes``)."""
+    m, s = cfg.model, cfg.train.seq_len
+    a, qd, kvd = m.num_heads, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    width, path = logit_bytes(cfg), planned_attention_path(cfg)
+    extra = 2 * (qd - kvd) / tp * width if path in REPEATS_KV else 0.0
+    if path == MATH:
+        return extra + a / tp * (s * width - 4)
+    if cfg.data.document_mask and path in (EFFICIENT, EFFICIENT_REPEAT_KV) and s % 16:
+        extra += -(-s // 16) * 16 * width
+    return extra
+
+
+def document_mask_bytes(cfg: Config, num_layers: int) -> float:
+    """The (b, 1, s, s) additive document mask decode() builds once per micro-batch in the kernel's dtype
+    (engine/model/attention.py additive_mask), kept while the fused kernels save it (not when the CUDA efficient
+    kernel pads a copy of its own), or activation checkpointing keeps it as every block's input."""
+    t, path = cfg.train, planned_attention_path(cfg)
+    own_copies = path in (EFFICIENT, EFFICIENT_REPEAT_KV) and t.seq_len % 16
+    kept = t.activation_checkpointing != "none" or (path != MATH and not own_copies)
+    if not cfg.data.document_mask or num_layers == 0 or not kept:
+        return 0.0
+    return t.micro_batch_size * t.seq_len ** 2 * logit_bytes(cfg)
+
+
 def layer_bytes_per_token(cfg: Config, tp: int) -> float:
     """Saved bytes per token of one decoder layer (without autocast's weight copies)."""
     m = cfg.model
     h, kvd, a, f = m.hidden_size, m.num_kv_heads * m.head_dim, m.num_heads, m.intermediate_size
-    sp = sequence_share(cfg, tp)
+    sp, attn = sequence_share(cfg, tp), attention_bytes_per_token(cfg, tp)
     if mode(cfg) == "fp32":
-        return (24 * h + 8) / sp + (8 * h + 8 * kvd + 4 * a + 16 * f) / tp
+        return (24 * h + 8) / sp + (8 * h + 8 * kvd + 4 * a + 16 * f) / tp + attn
     # autocast: y cast to bf16 by qkv_proj and gate_up_proj; under sequence parallelism y itself (fp32) is kept
     casts = 0 if mode(cfg) != "autocast" else 4 * h if sp == 1 else 8 * h
-    return (16 * h + 8 + casts) / sp + (4 * h + 4 * kvd + 4 * a + 8 * f) / tp
+    return (16 * h + 8 + casts) / sp + (4 * h + 4 * kvd + 4 * a + 8 * f) / tp + attn
 
 
 def weight_copy_bytes(cfg: Config, tp: int, num_layers: int, last_stage: bool) -> float:
@@ -126,9 +175,10 @@ def micro_batch_bytes(cfg: Config, tp: int, pp: int, stage: int, num_layers: int
         per_token += head_bytes_per_token(cfg, tp)
     if stage > 0 and mode(cfg) == "bf16":
         per_token += h * res / sequence_share(cfg, tp)  # the received input: the first norm saves an fp32 copy
-    rope = 2 * t.seq_len * cfg.model.head_dim * res  # cos and sin tables, built once per forward
+    # cos and sin tables, built once per forward: (s, hd), or (b, s, hd) from the document mask's per-row positions
+    rope = 2 * (t.micro_batch_size if cfg.data.document_mask else 1) * t.seq_len * cfg.model.head_dim * res
     copies = 0.0 if t.activation_checkpointing != "none" else weight_copy_bytes(cfg, tp, num_layers, last)
-    return tokens * per_token + rope + copies
+    return tokens * per_token + rope + copies + document_mask_bytes(cfg, num_layers)
 
 
 def transient_bytes(cfg: Config, tp: int, last_stage: bool) -> float:
