@@ -526,3 +526,19 @@ def test_executor_refuses_a_table_whose_ranks_post_in_different_orders(monkeypat
     monkeypatch.setattr(sched_mod, "build", swapped)
     with pytest.raises(RuntimeError):
         pipeline.PipelineExecutor(ctx, "interleaved", 4, (1, 2, 3), torch.float32, virtual_stages=2)
+
+
+def test_executor_refuses_the_old_interleaved_table_that_deadlocks_on_nccl(monkeypatch):
+    """The executor's construction-time check is the NCCL model: fed the pre-issue-24 interleaved table (pp=2,
+    v=2, m=4), which a buffered-send simulation passed, it refuses with the deadlock before anything runs."""
+    import types
+
+    import torch
+
+    from engine.parallel import pipeline
+    from engine.parallel import schedule as sched_mod
+
+    ctx = types.SimpleNamespace(pp=2, pp_rank=0)
+    monkeypatch.setattr(sched_mod, "build", lambda schedule, pp, m, stage, v=1: old_interleaved(pp, m, stage, v))
+    with pytest.raises(RuntimeError, match=r"^deadlock: stage 0 in \[sendB0.1\]"):
+        pipeline.PipelineExecutor(ctx, "interleaved", 4, (1, 2, 3), torch.float32, virtual_stages=2)
