@@ -160,6 +160,20 @@ def test_a_send_waits_for_its_receiver_and_batches_run_in_order():
     assert t.makespan > 0
 
 
+def test_rendezvous_timing_send_only_batches_do_not_hold_computes():
+    """Stage 1 does F, B, W (3 units) per micro-batch before taking the next input, stage 0 only F (1 unit): its
+    batch [sendF1] completes when stage 1 starts [recvF1] at 4. Meanwhile stage 0 goes on computing (F2 at 2..3:
+    a send-only batch does not block computes), and its [sendF2] queues behind [sendF1] (one p2p stream). A
+    receive completes at the later of its own start and its sender's batch start: stage 0's recvB0 at 10."""
+    s0 = parse("F0 sendF0 F1 sendF1 F2 sendF2 recvB0 Bi0 W0 recvB1 Bi1 W1 recvB2 Bi2 W2")
+    s1 = parse("recvF0 F0 Bi0 W0 recvF1 F1 Bi1 W1 recvF2 F2 Bi2 W2 sendB0 sendB1 sendB2")
+    t = simulate_actions([s0, s1])
+    start = {(s, str(a)): (b, e) for s, iv in enumerate(t.intervals) for b, e, a in iv}
+    assert start[(0, "F2")] == (2.0, 3.0)
+    assert [start[(1, f"F{k}")][0] for k in range(3)] == [1.0, 4.0, 7.0]
+    assert start[(0, "B0")] == (10.0, 11.0) and t.makespan == 16.0
+
+
 def test_simulate_rejects_mismatched_order():
     stages = [[Action(Op.FWD, 0), Action(Op.FWD, 1), Action(Op.SEND_FWD, 1), Action(Op.SEND_FWD, 0)],
               [Action(Op.RECV_FWD, 0), Action(Op.FWD, 0), Action(Op.RECV_FWD, 1), Action(Op.FWD, 1)]]
