@@ -4,7 +4,8 @@ sends, per-pair FIFO matching). The search (engine/planning/search.py) tries eng
 (1f1b, interleaved v = 2..4, zero_bubble) and the config's own schedule (gpipe too) at any pp dividing the world
 and any micro-batch count the global batch gives; here pp 2..16 and every valid m up to 4pp, each training table
 and its forward-only (evaluation) table. The full sweep is marked slow (152 s in a plain script, 398 s niced
-under the shared machine's load: it grows with pp^2 m); the unmarked subset (pp 2..5 in full, pp 8 at m = pp, 2pp, 4pp) takes seconds.
+under the shared machine's load: it grows with pp^2 m); the unmarked subset (pp 2..5 in full, pp 8 at m = pp,
+2pp, 4pp) takes seconds.
 """
 from __future__ import annotations
 
