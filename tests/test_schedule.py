@@ -13,6 +13,7 @@ import pytest
 from engine.parallel.schedule import (
     SCHEDULES, Action, Op, build, bubble_fraction, main, max_in_flight, render, simulate, simulate_actions,
 )
+from engine.parallel.actions import steps
 
 CLASSIC = ("1f1b", "gpipe")
 
@@ -115,8 +116,60 @@ def test_simulated_intervals_respect_dependencies(name, pp, m):
 def test_simulate_reports_deadlock_naming_each_stage():
     stages = [[Action(Op.RECV_BWD, 0), Action(Op.FWD, 0), Action(Op.SEND_FWD, 0), Action(Op.BWD, 0)],
               [Action(Op.RECV_FWD, 0), Action(Op.FWD, 0), Action(Op.BWD, 0), Action(Op.SEND_BWD, 0)]]
-    with pytest.raises(RuntimeError, match=r"deadlock: stage 0 at recvB0, stage 1 at recvF0"):
+    with pytest.raises(RuntimeError, match=re.escape(
+            "deadlock: stage 0 in [recvB0]: recvB0 waits for stage 1's sendB0 in its batch [sendB0]; "
+            "stage 1 in [recvF0]: recvF0 waits for stage 0's sendF0 in its batch [sendF0]")):
         simulate_actions(stages)
+
+
+def test_steps_group_consecutive_comm_actions_into_one_batch():
+    actions = build("1f1b", 2, 2, 1)
+    assert render_steps(actions) == "[recvF0] F0 B0 [sendB0 recvF1] F1 B1 [sendB1]"
+    assert [a for s in steps(actions) for a in (s if isinstance(s, tuple) else (s,))] == actions
+    assert steps([]) == []
+
+
+_TOKENS = {"recvF": Op.RECV_FWD, "sendF": Op.SEND_FWD, "recvB": Op.RECV_BWD, "sendB": Op.SEND_BWD, "F": Op.FWD,
+           "Bi": Op.BWD_INPUT, "B": Op.BWD, "W": Op.BWD_WEIGHT}
+
+
+def parse(table: str) -> list[Action]:
+    """"F0 sendF0 Bi0 W0" -> Actions (one chunk; Bi: zero bubble's input-gradient B)."""
+    out = []
+    for tok in table.split():
+        name, mb = re.fullmatch(r"([a-zA-Z]+)(\d+)", tok).groups()
+        out.append(Action(_TOKENS[name], int(mb)))
+    return out
+
+
+def test_a_send_waits_for_its_receiver_and_batches_run_in_order():
+    """Rendezvous sends and in-order batches (the NCCL model of schedule_sim), bug 2 of issue 24 in two ranks:
+    stage 0's sendF1 waits for stage 1's recvF1, queued behind its sendB0, which waits for stage 0's recvB0,
+    queued behind sendF1. Buffered sends would let this table finish. With stage 1's W0 moved after recvF1,
+    [sendB0 recvF1] is one batch (Megatron's pairing) and meets stage 0's batches in order."""
+    s0 = parse("F0 sendF0 F1 sendF1 F2 sendF2 recvB0 Bi0 W0 recvB1 Bi1 W1 recvB2 Bi2 W2")
+    split = parse("recvF0 F0 Bi0 sendB0 W0 recvF1 F1 Bi1 sendB1 W1 recvF2 F2 Bi2 sendB2 W2")
+    paired = parse("recvF0 F0 Bi0 sendB0 recvF1 W0 F1 Bi1 sendB1 recvF2 W1 F2 Bi2 sendB2 W2")
+    with pytest.raises(RuntimeError, match=re.escape(
+            "deadlock: stage 0 in [sendF1]: sendF1 waits for stage 1's recvF1 in its batch [recvF1]; "
+            "stage 1 in [sendB0]: sendB0 waits for stage 0's recvB0 in its batch [sendF2 recvB0]")):
+        simulate_actions([s0, split])
+    t = simulate_actions([s0, paired])
+    assert t.makespan > 0
+
+
+def test_rendezvous_timing_send_only_batches_do_not_hold_computes():
+    """Stage 1 does F, B, W (3 units) per micro-batch before taking the next input, stage 0 only F (1 unit): its
+    batch [sendF1] completes when stage 1 starts [recvF1] at 4. Meanwhile stage 0 goes on computing (F2 at 2..3:
+    a send-only batch does not block computes), and its [sendF2] queues behind [sendF1] (one p2p stream). A
+    receive completes at the later of its own start and its sender's batch start: stage 0's recvB0 at 10."""
+    s0 = parse("F0 sendF0 F1 sendF1 F2 sendF2 recvB0 Bi0 W0 recvB1 Bi1 W1 recvB2 Bi2 W2")
+    s1 = parse("recvF0 F0 Bi0 W0 recvF1 F1 Bi1 W1 recvF2 F2 Bi2 W2 sendB0 sendB1 sendB2")
+    t = simulate_actions([s0, s1])
+    start = {(s, str(a)): (b, e) for s, iv in enumerate(t.intervals) for b, e, a in iv}
+    assert start[(0, "F2")] == (2.0, 3.0)
+    assert [start[(1, f"F{k}")][0] for k in range(3)] == [1.0, 4.0, 7.0]
+    assert start[(0, "B0")] == (10.0, 11.0) and t.makespan == 16.0
 
 
 def test_simulate_rejects_mismatched_order():
@@ -257,14 +310,22 @@ def test_interleaved_makespan_other_time_ratios(f, b, pp, v, m):
 
 def test_interleaved_hand_checked_table():
     """pp=2, v=2, m=4, worked out by hand from Megatron's rules: stage 0 warms up with 4 forwards, stage 1 with 2;
-    the backward of a group runs chunk 1 before chunk 0. Makespan (2*4 + 1) * 3 = 27."""
+    the backward of a group runs chunk 1 before chunk 0. Each compute step ends in one batch that sends what it
+    computed and receives what the rank computes next (Megatron's p2p_communication pairs); batch t of rank 0
+    meets batch t of rank 1 (after rank 1's first receive), in both directions. Makespan (2*4 + 1) * 3 = 27."""
     stages = [build("interleaved", 2, 4, s, 2) for s in range(2)]
     assert " ".join(computes(stages[0])) == "F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3"
     assert " ".join(computes(stages[1])) == "F0 F1 F0.1 B0.1 F1.1 B1.1 F2 B0 F3 B1 F2.1 B2.1 F3.1 B3.1 B2 B3"
     # Rank 1's chunk 0 feeds rank 0's chunk 1; rank 1's chunk 1 is the last virtual stage (no send, no receive).
-    assert " ".join(map(str, stages[1][:14])) == ("recvF0 F0 sendF0 recvF1 F1 sendF1 recvF0.1 F0.1 B0.1 sendB0.1 "
-                                                  "recvF1.1 F1.1 B1.1 sendB1.1")
-    assert " ".join(map(str, stages[0][:10])) == "F0 sendF0 F1 sendF1 recvF0.1 F0.1 sendF0.1 recvF1.1 F1.1 sendF1.1"
+    assert render_steps(stages[0]) == (
+        "F0 [sendF0] F1 [sendF1 recvF0.1] F0.1 [sendF0.1 recvF1.1] F1.1 [sendF1.1 recvB0.1] "
+        "F2 B0.1 [sendF2 sendB0.1 recvB1.1] F3 B1.1 [sendF3 sendB1.1 recvF2.1 recvB0] "
+        "F2.1 B0 [sendF2.1 recvF3.1 recvB1] F3.1 B1 [sendF3.1 recvB2.1] B2.1 [sendB2.1 recvB3.1] "
+        "B3.1 [sendB3.1 recvB2] B2 [recvB3] B3")
+    assert render_steps(stages[1]) == (
+        "[recvF0] F0 [sendF0 recvF1] F1 [sendF1 recvF0.1] F0.1 B0.1 [sendB0.1 recvF1.1] "
+        "F1.1 B1.1 [sendB1.1 recvF2 recvB0] F2 B0 [sendF2 sendB0 recvF3 recvB1] F3 B1 [sendF3 sendB1 recvF2.1] "
+        "F2.1 B2.1 [sendB2.1 recvF3.1] F3.1 B3.1 [sendB3.1 recvB2] B2 [sendB2 recvB3] B3 [sendB3]")
     t = simulate_actions(stages, 1.0, 2.0)
     assert (t.makespan, t.virtual_stages, t.micro_batches, t.peak_in_flight) == (27.0, 2, 4, [5, 3])
 
@@ -372,28 +433,74 @@ def test_simulator_checks_the_chunk_of_each_message():
 
 
 def test_simulator_keeps_one_channel_per_rank_pair():
-    """At pp=2 the next and previous rank coincide: rank 0 sends F2 (to chunk 0 of rank 1) before B0.1 (to
-    chunk 0 of rank 1, backward), so rank 1 must receive them in that order; NCCL has no tags to sort them."""
+    """At pp=2 the next and previous rank coincide: in rank 0's batch [sendF2 sendB0.1 recvB1.1] both sends go to
+    rank 1 (F2 to its chunk 0, B0.1 to its chunk 0's backward), so rank 1 must receive them in that order; NCCL
+    has no tags to sort them. Swapping the two sends on rank 0 alone is caught."""
     def edit(x: list[Action]) -> list[Action]:
-        names = [str(a) for a in x]
-        i, j = names.index("recvF2"), names.index("recvB0")  # rank 1 runs B0 before F2: legal compute order
-        return x[:i] + x[j:j + 3] + x[i:j] + x[j + 3:]
-    stages = _broken("interleaved", 2, 4, 2, 1, edit)
-    assert " ".join(computes(stages[1])[6:8]) == "B0 F2"
-    with pytest.raises(RuntimeError, match=r"stage 1 recvB0 matched sendF2 of stage 0: the two post in different"):
+        return _swap(x, "sendF2", "sendB0.1")
+    stages = _broken("interleaved", 2, 4, 2, 0, edit)
+    assert "[sendF2 sendB0 recvF3 recvB1]" in render_steps(stages[1])  # rank 1 takes F2 before B0.1's gradient
+    with pytest.raises(RuntimeError, match=r"stage 1 recvF2 matched sendB0.1 of stage 0: the two post in different"):
         simulate_actions(stages)
 
 
-def test_simulator_finds_the_deadlock_of_a_short_warmup():
-    """Rank 0 of pp=4, v=2, m=8 starting its backwards after 6 forwards instead of Megatron's 10: its B0.1
-    waits on rank 1, whose forwards wait for rank 0's F2.1, now queued behind that backward."""
-    def edit(x: list[Action]) -> list[Action]:
-        names = [str(a) for a in x]
-        i, j = names.index("recvB0.1"), names.index("recvF2.1")  # B0.1's three actions go before the 7th forward
-        return x[:j] + x[i:i + 3] + x[j:i] + x[i + 3:]
-    with pytest.raises(RuntimeError, match=r"^deadlock: stage 0 at recvB0.1, stage 1 at recvF2.1, "
-                                           r"stage 2 at recvF2.1, stage 3 at recvF2.1$"):
-        simulate_actions(_broken("interleaved", 4, 8, 2, 0, edit))
+def test_simulator_finds_the_deadlock_of_a_short_warmup(monkeypatch):
+    """Rank 0 of pp=4, v=2, m=8 starting its backwards after 6 forwards instead of Megatron's 10: its batch
+    receiving B0.1's gradient waits on rank 1's batch sending it, which rank 1 reaches only after forwards that
+    need rank 0's F2.1, now behind that backward."""
+    from engine.parallel import schedule_interleaved
+    megatron = schedule_interleaved.interleaved_warmup
+    monkeypatch.setattr(schedule_interleaved, "interleaved_warmup",
+                        lambda pp, m, s, v: 6 if s == 0 else megatron(pp, m, s, v))
+    stages = [build("interleaved", 4, 8, s, 2) for s in range(4)]
+    with pytest.raises(RuntimeError, match=r"^deadlock: stage 0 in \[sendF1.1 recvF2.1 recvB0.1\]: recvB0.1 waits "
+                                           r"for stage 1's sendB0.1 in its batch \[sendF4 sendB0.1 recvF5 recvB1.1\]; "
+                                           r"stage 1 in \[sendF1.1 recvF2.1\]: recvF2.1 waits for stage 0's sendF2.1"):
+        simulate_actions(stages)
+
+
+def render_steps(actions: list[Action]) -> str:
+    """F0 [sendF0 recvB0] B0: computes alone, each batch (actions.steps) in brackets."""
+    return " ".join(str(s) if isinstance(s, Action) else "[" + " ".join(map(str, s)) + "]" for s in steps(actions))
+
+
+def old_interleaved(pp: int, m: int, stage: int, v: int) -> list[Action]:
+    """The interleaved table before issue 24 (the fixture proving the simulator catches bug 2): Megatron's compute
+    order, but each receive right before its compute and each send right after it."""
+    from engine.parallel.actions import backward_actions, forward_actions
+    from engine.parallel.schedule_interleaved import interleaved_order, interleaved_warmup
+    order, warmup = interleaved_order(pp, m, v), interleaved_warmup(pp, m, stage, v)
+    total = len(order)
+    fwd = [forward_actions(pp, stage, mb, c, v) for mb, c in order]
+    bwd = [backward_actions(pp, stage, mb, v - 1 - c, v) for mb, c in order]
+    actions = [a for k in range(warmup) for a in fwd[k]]
+    for k in range(total - warmup):
+        actions += fwd[warmup + k] + bwd[k]
+    return actions + [a for k in range(total - warmup, total) for a in bwd[k]]
+
+
+def test_old_interleaved_order_deadlocks_under_nccl_rules():
+    """Issue 24, bug 2: the old table has today's compute order and passes a buffered-send simulation, but under
+    rendezvous sends and in-order batches pp=2, v=2, m=4 deadlocks exactly as the issue traces it: rank 1's
+    [sendB1.1 recvF2] waits on rank 0's [sendF3 recvB1.1], queued behind [sendB0.1], which waits on rank 1's
+    [sendF2 recvB0], queued behind the first. It deadlocks at every pp with m >= 2pp (v = 2, 3), never at m = pp;
+    the new placement finishes all of them."""
+    stages = [old_interleaved(2, 4, s, 2) for s in range(2)]
+    assert [computes(x) for x in stages] == [computes(build("interleaved", 2, 4, s, 2)) for s in range(2)]
+    with pytest.raises(RuntimeError, match=re.escape(
+            "deadlock: stage 0 in [sendB0.1]: sendB0.1 waits for stage 1's recvB0 in its batch [sendF2 recvB0]; "
+            "stage 1 in [sendB1.1 recvF2]: sendB1.1 waits for stage 0's recvB1.1 in its batch [sendF3 recvB1.1]")):
+        simulate_actions(stages)
+    for pp in range(2, 9):
+        for v in (2, 3):
+            for m in (pp, 2 * pp, 3 * pp):
+                old = [old_interleaved(pp, m, s, v) for s in range(pp)]
+                if m >= 2 * pp:
+                    with pytest.raises(RuntimeError, match="^deadlock: "):
+                        simulate_actions(old)
+                else:
+                    simulate_actions(old)
+                simulate("interleaved", pp, m, virtual_stages=v)
 
 
 @pytest.mark.parametrize("args,match", [
@@ -430,4 +537,20 @@ def test_executor_refuses_a_table_whose_ranks_post_in_different_orders(monkeypat
 
     monkeypatch.setattr(sched_mod, "build", swapped)
     with pytest.raises(RuntimeError):
+        pipeline.PipelineExecutor(ctx, "interleaved", 4, (1, 2, 3), torch.float32, virtual_stages=2)
+
+
+def test_executor_refuses_the_old_interleaved_table_that_deadlocks_on_nccl(monkeypatch):
+    """The executor's construction-time check is the NCCL model: fed the pre-issue-24 interleaved table (pp=2,
+    v=2, m=4), which a buffered-send simulation passed, it refuses with the deadlock before anything runs."""
+    import types
+
+    import torch
+
+    from engine.parallel import pipeline
+    from engine.parallel import schedule as sched_mod
+
+    ctx = types.SimpleNamespace(pp=2, pp_rank=0)
+    monkeypatch.setattr(sched_mod, "build", lambda schedule, pp, m, stage, v=1: old_interleaved(pp, m, stage, v))
+    with pytest.raises(RuntimeError, match=r"^deadlock: stage 0 in \[sendB0.1\]"):
         pipeline.PipelineExecutor(ctx, "interleaved", 4, (1, 2, 3), torch.float32, virtual_stages=2)

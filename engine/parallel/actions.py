@@ -78,3 +78,21 @@ def max_in_flight(actions: list[Action]) -> int:
         alive += (a.op is Op.FWD) - (a.op in (Op.BWD, Op.BWD_WEIGHT))
         peak = max(peak, alive)
     return peak
+
+
+Step = Action | tuple[Action, ...]
+
+
+def steps(actions: list[Action]) -> list[Step]:
+    """A rank's action list as the executor issues it: each compute Action alone, each maximal run of consecutive
+    comm actions as one tuple, posted as ONE batch (one dist.batch_isend_irecv call; under NCCL one Work, run in
+    issue order on the rank's p2p stream). Example: F0 sendF0 recvB0 B0 -> F0, (sendF0, recvB0), B0."""
+    out: list[Step] = []
+    for a in actions:
+        if a.op in COMM_OPS and out and isinstance(out[-1], tuple):
+            out[-1] = out[-1] + (a,)
+        elif a.op in COMM_OPS:
+            out.append((a,))
+        else:
+            out.append(a)
+    return out

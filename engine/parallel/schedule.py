@@ -71,7 +71,9 @@ def gpipe(pp: int, micro_batches: int, stage: int) -> list[Action]:
 
 def forward_only(pp: int, micro_batches: int, stage: int, virtual_stages: int = 1) -> list[Action]:
     """Evaluation: every micro-batch forwarded (received from the previous virtual stage, sent to the next),
-    nothing backwarded; with virtual stages in interleaved's order of (micro-batch, chunk)."""
+    nothing backwarded; with virtual stages in interleaved's order of (micro-batch, chunk). Each send and the
+    next receive are consecutive, so they form one batch (actions.steps): Megatron's send_forward_recv_forward,
+    which NCCL's rendezvous sends cannot deadlock (schedule_sim)."""
     if virtual_stages > 1:
         order = interleaved_order(pp, micro_batches, virtual_stages)
         return [a for mb, c in order for a in _forward(pp, stage, mb, c, virtual_stages)]
@@ -122,11 +124,11 @@ def check(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -
 
 def simulate(schedule: str, pp: int, micro_batches: int, fwd_time: float = 1.0, bwd_time: float = 2.0,
              virtual_stages: int = 1, bwd_input_time: float = 1.0, bwd_weight_time: float = 1.0) -> Timeline:
-    """Event simulation of all stages with the executor's semantics (schedule_sim.simulate_actions): sends are
-    non-blocking; a RECV blocks until the matching SEND has been posted and the sender's compute producing it has
-    finished; computes take their time (fwd_time, bwd_time, zero bubble's bwd_input_time and bwd_weight_time);
-    communication is free. Raises RuntimeError('deadlock: ...') naming each stage's blocked action if no stage
-    can progress, and RuntimeError for any send/receive or F/B/W order that does not add up."""
+    """Event simulation of all stages under NCCL's rules (schedule_sim.simulate_actions): each run of consecutive
+    comm actions is one batch, a rank's batches run in order, a send completes only once the batch holding its
+    receive has started (rendezvous); computes take their time (fwd_time, bwd_time, zero bubble's bwd_input_time
+    and bwd_weight_time); communication is free. Raises RuntimeError('deadlock: ...') naming each rank's blocked
+    batch and what it waits for, and RuntimeError for any send/receive or F/B/W order that does not add up."""
     stages = [build(schedule, pp, micro_batches, s, virtual_stages) for s in range(pp)]
     return simulate_actions(stages, fwd_time, bwd_time, schedule, bwd_input_time, bwd_weight_time)
 

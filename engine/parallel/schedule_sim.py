@@ -1,29 +1,45 @@
 """Event simulation of pipeline schedules (per-rank action lists, engine/parallel/actions.py): the proof that a
-schedule is deadlock-free and complete, its timeline, bubble and activation memory, without processes or torch.
+schedule is deadlock-free and complete under NCCL's point-to-point rules, its timeline, bubble and activation
+memory, without processes or torch.
 
-Semantics are the executor's (engine/parallel/pipeline.py): sends are non-blocking (posted, never waited on); a
-receive blocks until the matching send has been posted, and then until the sender's compute producing it ended;
-computes take their cost; communication is free. Messages travel on one FIFO channel per (sender rank, receiver
-rank), as NCCL matches p2p ops between two ranks in posting order with no tags. With virtual stages (Narayanan
-et al. 2021, Sec. 2.2.2) the receiver of chunk c's forward on rank r is rank r+1, or chunk c+1 of rank 0 when r is
-the last rank; at pp=2 the next and the previous rank coincide, so forwards and backwards share a channel and
-must be posted in the order the peer takes them.
+The model of NCCL (issue 24; the NCCL shim over gloo in the tests implements the same rules):
+- A rank walks its actions in order; each maximal run of consecutive comm actions is ONE batch (one
+  dist.batch_isend_irecv, actions.steps), as PipelineExecutor.run posts them.
+- A rank's batches start in issue order, each only once the rank's previous batch has completed (one p2p stream)
+  and the computes issued before it have ended.
+- Messages between two ranks are matched in posting order per direction (one FIFO channel per (sender, receiver),
+  no tags). With virtual stages (Narayanan et al. 2021, Sec. 2.2.2) the receiver of chunk c's forward on rank r
+  is rank r+1, or chunk c+1 of rank 0 when r is the last rank; at pp=2 the next and the previous rank coincide,
+  so forwards and backwards share a channel and must be posted in the order the peer takes them.
+- Rendezvous: an op completes when the batch holding its partner op (on the peer) has STARTED; a send alone never
+  completes (no buffering). A batch completes when all its ops have, at the latest of its own start and its
+  partners' batch starts (communication is free), so bubble and makespan are those NCCL gives.
+- After a batch holding a receive the rank waits for it (the data is needed); after a send-only batch it goes on
+  computing, but its next batch still queues behind it.
+Computes take their cost. A schedule that passes here cannot deadlock under NCCL; a buffered-send model (a send
+never waits) passes tables that hang on NCCL (today's interleaved order at m >= 2pp before issue 24), so none is
+kept.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.parallel.actions import COMM_OPS, DIRECTION, Action, Op, peer
+from engine.parallel.actions import DIRECTION, Action, Op, Step, peer, steps
 
 # The computes each (micro-batch, chunk) must have run on a rank before the next one; complete runs.
 _BEFORE = {Op.FWD: (), Op.BWD: (Op.FWD,), Op.BWD_INPUT: (Op.FWD,), Op.BWD_WEIGHT: (Op.FWD, Op.BWD_INPUT)}
 _COMPLETE = ((Op.FWD, Op.BWD), (Op.FWD, Op.BWD_INPUT, Op.BWD_WEIGHT))
 _RELEASES = (Op.BWD, Op.BWD_WEIGHT)  # the computes after which a micro-batch's activations are freed
 _SENDER = {Op.RECV_FWD: Op.SEND_FWD, Op.RECV_BWD: Op.SEND_BWD}
+_SENDS = (Op.SEND_FWD, Op.SEND_BWD)
 
 
 def _names(ops: tuple[Op, ...]) -> str:
     return " ".join(o.value for o in ops) or "nothing"
+
+
+def _batch(actions: tuple[Action, ...]) -> str:
+    return "[" + " ".join(map(str, actions)) + "]"
 
 
 @dataclass
@@ -40,38 +56,54 @@ class Timeline:
     peak_in_flight: list[int] = field(default_factory=list)
 
 
+@dataclass
+class _Batch:
+    """A started batch: its rank, actions, start time, and per op its (channel, side, position in the channel)."""
+    rank: int
+    actions: tuple[Action, ...]
+    start: float
+    slots: list[tuple[tuple[int, int], str, int]]
+
+    @property
+    def receives(self) -> bool:
+        return any(a.op not in _SENDS for a in self.actions)
+
+
 class _Run:
-    """The state of one simulated step: each rank's position and clock, the channels, what each ran."""
+    """The state of one simulated step: each rank's position, compute clock and open batch, the channels."""
 
     def __init__(self, stages: list[list[Action]], cost: dict[Op, float]):
-        self.stages, self.cost, self.pp = stages, cost, len(stages)
+        self.steps: list[list[Step]] = [steps(actions) for actions in stages]
+        self.cost, self.pp = cost, len(stages)
         self.v = 1 + max((a.chunk for actions in stages for a in actions), default=0)
-        self.pos, self.clock = [0] * self.pp, [0.0] * self.pp
+        self.pos, self.clock, self.comm_free = [0] * self.pp, [0.0] * self.pp, [0.0] * self.pp
+        self.open: list[_Batch | None] = [None] * self.pp  # started, not yet completed
         self.alive, self.peak = [0] * self.pp, [0] * self.pp
-        self.posted: dict[tuple[int, int], list[tuple[Action, float]]] = {}  # (sender, receiver) -> sends
-        self.taken: dict[tuple[int, int], int] = {}
+        # (sender, receiver) -> {"send": [(action, batch)], "recv": [...]}, in posting (= matching) order
+        self.channels: dict[tuple[int, int], dict[str, list[tuple[Action, _Batch]]]] = {}
         self.received: set[tuple[int, str, int, int]] = set()  # (rank, direction, chunk, mb)
         self.ran: dict[tuple[int, int, int], tuple[Op, ...]] = {}  # (rank, chunk, mb) -> computes so far
         self.intervals: list[list[tuple[float, float, Action]]] = [[] for _ in stages]
 
     def advance(self, s: int) -> bool:
-        """Run rank s until it blocks on a receive or ends; True if it moved."""
+        """Run rank s until it blocks (on its open batch) or ends; True if it moved."""
         moved = False
-        while self.pos[s] < len(self.stages[s]):
-            a = self.stages[s][self.pos[s]]
-            if a.op in COMM_OPS and self._peer(s, a) is None:
-                target = a.chunk * self.pp + s + DIRECTION[a.op][0]
-                raise RuntimeError(f"stage {s} {a}: no virtual stage {target} (valid: 0..{self.pp * self.v - 1})")
-            if a.op in (Op.SEND_FWD, Op.SEND_BWD):
-                self._send(s, a)
-            elif a.op in (Op.RECV_FWD, Op.RECV_BWD):
-                if not self._receive(s, a):
-                    return moved  # blocked: the matching send has not been posted yet
+        while True:
+            b = self.open[s]
+            if b is not None and self._try_complete(b):
+                moved = True
+                continue
+            if self.pos[s] == len(self.steps[s]):
+                return moved
+            step = self.steps[s][self.pos[s]]
+            if b is not None and (b.receives or isinstance(step, tuple)):
+                return moved  # waiting for the data, or the p2p stream is busy with the open batch
+            if isinstance(step, tuple):
+                self._start(s, step)
             else:
-                self._compute(s, a)
+                self._compute(s, step)
             self.pos[s] += 1
             moved = True
-        return moved
 
     def _peer(self, s: int, a: Action) -> tuple[int, int] | None:
         return peer(self.pp, self.v, s, a)
@@ -93,36 +125,87 @@ class _Run:
         self.alive[s] += (a.op is Op.FWD) - (a.op in _RELEASES)
         self.peak[s] = max(self.peak[s], self.alive[s])
 
-    def _send(self, s: int, a: Action) -> None:
-        source = (Op.FWD,) if a.op is Op.SEND_FWD else (Op.BWD, Op.BWD_INPUT)
-        if not any(op in self.ran.get((s, a.chunk, a.mb), ()) for op in source):
-            raise RuntimeError(f"stage {s} runs {a} before computing what it sends")
-        dst, _ = self._peer(s, a)
-        self.posted.setdefault((s, dst), []).append((a, self.clock[s]))
+    def _start(self, s: int, actions: tuple[Action, ...]) -> None:
+        """Start a batch on rank s (its previous batch has completed): claim each op's place in its channel."""
+        b = _Batch(s, actions, max(self.clock[s], self.comm_free[s]), [])
+        for a in actions:
+            if self._peer(s, a) is None:
+                target = a.chunk * self.pp + s + DIRECTION[a.op][0]
+                raise RuntimeError(f"stage {s} {a}: no virtual stage {target} (valid: 0..{self.pp * self.v - 1})")
+            other = self._peer(s, a)[0]
+            if a.op in _SENDS:
+                source = (Op.FWD,) if a.op is Op.SEND_FWD else (Op.BWD, Op.BWD_INPUT)
+                if not any(op in self.ran.get((s, a.chunk, a.mb), ()) for op in source):
+                    raise RuntimeError(f"stage {s} runs {a} before computing what it sends")
+            key, side = ((s, other), "send") if a.op in _SENDS else ((other, s), "recv")
+            channel = self.channels.setdefault(key, {"send": [], "recv": []})
+            n = len(channel[side])
+            channel[side].append((a, b))
+            b.slots.append((key, side, n))
+            self._check_match(key, n)
+        self.open[s] = b
 
-    def _receive(self, s: int, a: Action) -> bool:
-        (src, src_chunk), way = self._peer(s, a), DIRECTION[a.op][1]
-        key = (src, s)
-        n, queue = self.taken.get(key, 0), self.posted.get(key, [])
-        if n >= len(queue):
+    def _check_match(self, key: tuple[int, int], n: int) -> None:
+        """The n-th send and the n-th receive of a channel meet: they must be the same (micro-batch, chunk)."""
+        channel = self.channels[key]
+        if n >= len(channel["send"]) or n >= len(channel["recv"]):
+            return
+        (sent, _), (got, _) = channel["send"][n], channel["recv"][n]
+        src, dst = key
+        if (sent.op, sent.mb, sent.chunk) != (_SENDER[got.op], got.mb, self._peer(dst, got)[1]):
+            raise RuntimeError(f"stage {dst} {got} matched {sent} of stage {src}: the two post in different orders")
+
+    def _partner(self, key: tuple[int, int], side: str, n: int) -> _Batch | None:
+        other = self.channels[key]["recv" if side == "send" else "send"]
+        return other[n][1] if n < len(other) else None
+
+    def _try_complete(self, b: _Batch) -> bool:
+        """Complete rank b.rank's open batch if every partner batch has started (rendezvous)."""
+        partners = [self._partner(*slot) for slot in b.slots]
+        if any(p is None for p in partners):
             return False
-        sent, at = queue[n]
-        if (sent.op, sent.mb, sent.chunk) != (_SENDER[a.op], a.mb, src_chunk):
-            raise RuntimeError(f"stage {s} {a} matched {sent} of stage {src}: the two post in different orders")
-        self.taken[key] = n + 1
-        self.received.add((s, way, a.chunk, a.mb))
-        self.clock[s] = max(self.clock[s], at)
+        end = max([b.start] + [p.start for p in partners])
+        s = b.rank
+        for a in b.actions:
+            if a.op not in _SENDS:
+                self.received.add((s, DIRECTION[a.op][1], a.chunk, a.mb))
+        if b.receives:
+            self.clock[s] = max(self.clock[s], end)
+        self.comm_free[s], self.open[s] = end, None
         return True
 
+    def _queued(self, rank: int, key: tuple[int, int], side: str, n: int) -> tuple[Action, tuple] | None:
+        """The op of `rank` (not yet started) that will take place n on `side` of channel `key`, and its batch."""
+        have = len(self.channels[key][side])
+        for step in self.steps[rank][self.pos[rank]:]:
+            for a in step if isinstance(step, tuple) else ():
+                there = self._peer(rank, a)
+                on = ((rank, there[0]) if a.op in _SENDS else (there[0], rank)) if there else None
+                if on == key and (a.op in _SENDS) == (side == "send"):
+                    if have == n:
+                        return a, step
+                    have += 1
+        return None
+
+    def _waits_for(self, b: _Batch) -> str:
+        """What the open batch b waits for: each unmatched op and the peer's queued batch that would match it."""
+        waits = []
+        for a, (key, side, n) in zip(b.actions, b.slots):
+            if self._partner(key, side, n) is not None:
+                continue
+            other, their = (key[1], "recv") if side == "send" else (key[0], "send")
+            queued = self._queued(other, key, their, n)
+            if queued is None and a.op in _SENDS:
+                raise RuntimeError(f"stage {b.rank} {a} to stage {other} is never received")
+            waits.append(f"{a} waits for stage {other}, which never sends it" if queued is None else
+                         f"{a} waits for stage {other}'s {queued[0]} in its batch {_batch(queued[1])}")
+        return f"stage {b.rank} in {_batch(b.actions)}: " + ", ".join(waits)
+
     def check_complete(self) -> None:
-        """No rank blocked, no message unreceived, every (micro-batch, chunk) ran F then BWD, or F, B, W, once."""
-        blocked = [f"stage {s} at {self.stages[s][self.pos[s]]}" for s in range(self.pp)
-                   if self.pos[s] < len(self.stages[s])]
+        """No rank blocked, every (micro-batch, chunk) ran F then BWD, or F, B, W, once."""
+        blocked = [self._waits_for(b) for b in self.open if b is not None]
         if blocked:
-            raise RuntimeError("deadlock: " + ", ".join(blocked))
-        for (src, dst), queue in self.posted.items():
-            for sent, _ in queue[self.taken.get((src, dst), 0):]:
-                raise RuntimeError(f"stage {src} {sent} to stage {dst} is never received")
+            raise RuntimeError("deadlock: " + "; ".join(blocked))
         m = 1 + max((mb for _, _, mb in self.ran), default=-1)
         complete = ((Op.FWD,),) if all(len(r) == 1 for r in self.ran.values()) else _COMPLETE  # forward only
         for s in range(self.pp):
@@ -136,20 +219,21 @@ class _Run:
 
 def simulate_actions(stages: list[list[Action]], fwd_time: float = 1.0, bwd_time: float = 2.0,
                      schedule: str = "custom", bwd_input_time: float = 1.0, bwd_weight_time: float = 1.0) -> Timeline:
-    """Run per-rank action lists against each other (the semantics are in the module docstring) and check them.
+    """Run per-rank action lists against each other under NCCL's rules (module docstring) and check them.
 
     Costs: FWD fwd_time, BWD bwd_time (1F1B's F=1, B=2 by default), zero bubble's BWD_INPUT bwd_input_time and
-    BWD_WEIGHT bwd_weight_time (F=B=W=1 by default). Raises RuntimeError for a deadlock (naming each rank's
-    blocked action), a receive that meets another micro-batch's send, a send never received, a compute before
-    its input arrived, and a (micro-batch, chunk) whose computes on a rank are not exactly F then BWD, or F, B, W.
-    Ranks are advanced in turn until none can move; the times depend only on data dependencies.
+    BWD_WEIGHT bwd_weight_time (F=B=W=1 by default). Raises RuntimeError for a deadlock (naming each blocked rank's
+    open batch, each of its ops still unmatched and the peer's batch that would match it), a receive that meets
+    another micro-batch's send, a send never received, a compute before its input arrived, and a (micro-batch,
+    chunk) whose computes on a rank are not exactly F then BWD, or F, B, W.
+    Ranks are advanced in turn until none can move; the times depend only on the dependencies.
     """
     cost = {Op.FWD: fwd_time, Op.BWD: bwd_time, Op.BWD_INPUT: bwd_input_time, Op.BWD_WEIGHT: bwd_weight_time}
     run = _Run(stages, cost)
     while any([run.advance(s) for s in range(run.pp)]):  # a list: advance every rank each round
         pass
     run.check_complete()
-    makespan = max(run.clock, default=0.0)
+    makespan = max(max(run.clock, default=0.0), max(run.comm_free, default=0.0))
     idle = [makespan - sum(e - b for b, e, _ in iv) for iv in run.intervals]
     m = 1 + max((mb for _, _, mb in run.ran), default=-1)
     return Timeline(schedule, run.pp, m, run.intervals, makespan, idle, run.v, run.peak)
