@@ -134,3 +134,15 @@ def test_export_into_an_unwritable_folder_is_one_line(ckpt, tmp_path):
     with read_only(out):
         one_error_line(launch("convert.py", "export", ckpt / "step_000006", out), str(out), "cannot be written")
     assert list(tmp_path.iterdir()) == [out] and not list(out.iterdir())
+
+
+def test_import_into_a_non_empty_directory_needs_overwrite(sharded, tmp_path):
+    root = tmp_path / "imported"
+    root.mkdir()
+    (root / "notes.txt").write_text("an earlier run's")
+    one_error_line(launch("convert.py", "import", sharded, root), str(root), "not empty", "--overwrite")
+    assert [p.name for p in root.iterdir()] == ["notes.txt"]
+    out = launch("convert.py", "import", sharded, root, "--overwrite")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(p.name for p in root.iterdir()) == ["config.yaml", "hf_files", "latest", "step_000000"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["imported"], "a temporary folder was left"

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from engine.checkpoint.contents import check_model, contents, load_into
 from engine.checkpoint.format import INDEX, CheckpointError, merge_index, read_index, verify_shard, write_shard
-from engine.checkpoint.lineage import settle
+from engine.checkpoint.lineage import set_aside, settle
 from engine.checkpoint.lock import CheckpointLock, probe_writable
 from engine.checkpoint.parts import CheckpointParts, RunPosition
 from engine.checkpoint.publish import STEP_DIR, list_checkpoints, publish, staging_dir, step_name
@@ -277,9 +277,16 @@ class Checkpointer:
         return None
 
     def _settle(self, start: int, bad: dict[Path, str]) -> None:
-        """Collective: the steps of checkpoint.dir above ``start`` are set aside or refused (engine/checkpoint/
-        lineage.py); ends with a barrier, after which every rank sees the directory as rank 0 left it."""
+        """Collective: the steps of checkpoint.dir above ``start`` are refused or set aside (engine/checkpoint/
+        lineage.py); ends with an exchange, after which every rank sees the directory as rank 0 left it."""
+        error = None
         if self.root is not None:
-            settle(self.root, start, self.cfg.checkpoint.resume, lambda p: self._validate(p)[1], bad,
-                   self.ctx.rank, self.token)
-        self._barrier()
+            unusable = settle(self.root, start, self.cfg.checkpoint.resume, lambda p: self._validate(p)[1], bad)
+            if unusable and self.ctx.rank == 0:
+                try:
+                    set_aside(self.root, start, unusable, self.token)
+                except OSError as e:  # reported on every rank: none may wait for rank 0
+                    error = f"cannot set aside the unusable steps above step {start} in {self.root}: {e}"
+        errors = [e for e in self._gather(error) if e is not None]
+        if errors:
+            raise CheckpointError(errors[0])

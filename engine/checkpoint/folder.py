@@ -3,19 +3,21 @@ Face export and import (engine/model/hf.py, launch/convert.py).
 
 Why: writing straight into the target mixed two exports (step 6's ``model.safetensors`` beside step 3's index
 and shards, and readers prefer the index: ``model.init_from`` silently loaded step 3) and left half a folder
-behind a failure. Now ``begin`` refuses a target that is a file, cannot be written, or is not empty (unless
-``overwrite``), and makes ``.<name>.tmp-<token>`` beside it; the caller writes there; ``finish`` fsyncs the files
-and renames the folder to the target. With ``overwrite`` the old target is renamed aside first and deleted only
-once the new one is in place, so nothing of it (weights, index, config, tokenizer files) survives into the new
-folder, and a failure before the rename leaves it whole. A crash leaves at most a ``.<name>.tmp-*`` folder, never
-a mixed target.
+behind a failure. Now ``written`` does it in three parts: ``begin`` refuses a target that is a file, cannot be
+written, or is not empty (unless ``overwrite``), and makes ``.<name>.tmp-<token>`` beside it; the caller writes
+there; ``finish`` fsyncs the files and renames the folder to the target. With ``overwrite`` the old target is
+renamed aside first and deleted only once the new one is in place, so nothing of it (weights, index, config,
+tokenizer files) survives into the new folder, and a failure before the rename leaves it whole. A crash leaves
+at most a ``.<name>.tmp-*`` (or ``.old-*``) folder beside the target, never a mixed target.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 from engine.checkpoint.format import CheckpointError
 from engine.checkpoint.publish import fsync_dir
@@ -75,6 +77,14 @@ def finish(tmp: Path, target: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
-def abandon(tmp: Path) -> None:
-    """Remove the temporary folder of a failed export or import (the target is as it was)."""
-    shutil.rmtree(tmp, ignore_errors=True)
+@contextlib.contextmanager
+def written(target: Path, overwrite: bool, what: str) -> Iterator[Path]:
+    """``begin``; the caller writes into the folder yielded; ``finish`` (or, on any error, the temporary folder
+    is removed and the target is as it was)."""
+    tmp = begin(target, overwrite, what)
+    try:
+        yield tmp
+        finish(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

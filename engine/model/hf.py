@@ -81,14 +81,8 @@ def export(ckpt: Path, out: Path, max_shard_bytes: int = 5 * 2**30, dtype: str =
     index = read_index(path)
     for file in index["files"]:
         verify_shard(path, index, file)
-    tmp = folder.begin(out, overwrite, "export folder")
-    try:
-        info = _write_export(path, index, tmp, max_shard_bytes, dtype)
-        folder.finish(tmp, out)
-    except BaseException:
-        folder.abandon(tmp)
-        raise
-    return info
+    with folder.written(out, overwrite, "export folder") as tmp:
+        return _write_export(path, index, tmp, max_shard_bytes, dtype)
 
 
 def _write_export(path: Path, index: dict, out: Path, max_shard_bytes: int, dtype: str) -> dict:
@@ -138,11 +132,12 @@ def _weight_map(hf_dir: Path) -> dict[str, str] | None:
     sharded, single = hf_dir / "model.safetensors.index.json", hf_dir / "model.safetensors"
     if sharded.is_file():
         try:
-            weight_map = json.loads(sharded.read_text())["weight_map"]
-            assert isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())
-        except (ValueError, KeyError, TypeError, AssertionError):
+            weight_map = json.loads(sharded.read_text()).get("weight_map")
+        except (ValueError, AttributeError):  # not JSON, or not a JSON object
+            weight_map = None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise CheckpointError(f"{sharded} is not a safetensors index (JSON with a 'weight_map' of tensor "
-                                  f"name -> file name)") from None
+                                  f"name -> file name)")
         return weight_map
     if single.is_file():
         return None
@@ -186,13 +181,8 @@ def import_hf(hf_dir: Path, root: Path, max_file_bytes: int = 2 * 2**30, overwri
         raise CheckpointError(f"{hf_dir} is not a Hugging Face model folder: {config_json} is missing")
     m = model_config(json.loads(config_json.read_text()), hf_dir)
     shapes, where = param_shapes(m), hf_tensors(hf_dir)
-    tmp = folder.begin(root, overwrite, "checkpoint directory")
-    try:
+    with folder.written(root, overwrite, "checkpoint directory") as tmp:
         _write_import(hf_dir, m, shapes, where, root, tmp, max_file_bytes)
-        folder.finish(tmp, root)
-    except BaseException:
-        folder.abandon(tmp)
-        raise
     return root / step_name(0)
 
 
