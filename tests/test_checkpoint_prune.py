@@ -5,6 +5,8 @@
 - A corrupt newest step that ``resume: auto`` skips: set aside (not deleted), so that ``keep 1`` keeps the new save
   and a restart resumes from it with the losses of an uninterrupted run. Before: ``keep 1`` deleted the step
   resumed from and the new save, kept the corrupt one, and the restart found no usable checkpoint.
+- publish's pruning alone (the start-up check above makes the end-to-end runs pass without it): only steps below
+  the committed one are candidates, and each removal is named.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from engine.checkpoint.publish import publish, staging_dir
 from tests.test_checkpoint import SAME, SMALL, assert_curves
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,3 +83,16 @@ def test_corrupt_newest_is_set_aside_and_keep_1_keeps_the_good_lineage(tmp_path)
     assert [p.name.split("-")[0] for p in aside] == ["step_000006"] and (aside[0] / shard.name).is_file()
     assert first.stdout.count("checkpoint: set aside") == 1, first.stdout[-3000:]
     assert f"checkpoint: pruned {ckpt / 'step_000003'}" in first.stdout, first.stdout[-3000:]
+
+
+def test_prune_spares_the_new_checkpoint_and_steps_above_it(tmp_path, capsys):
+    root = tmp_path / "ckpt"
+    for step in (1, 2, 3, 6):  # step 6: whatever it is, a step above the new one is not this save's to delete
+        (root / f"step_{step:06d}").mkdir(parents=True)
+    staging_dir(root, 4, "run")
+    publish(root, 4, "run", {"step": 4}, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000003", "step_000004", "step_000006"]
+    assert (root / "latest").read_text() == "step_000004\n"
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [f"checkpoint: pruned {root / name} (checkpoint.keep=2; kept step_000004 and 1 older)"
+                       for name in ("step_000002", "step_000001")], printed
