@@ -209,8 +209,12 @@ def test_damaged_checkpoints_fall_back_and_a_signal_saves(tmp_path):
     assert r[6]["end"] == 7 and r[6]["loss"] == full[:7], "the signalled run did not stop after step 7"
     assert r[7]["start"] == 7 and r[7]["loss"] == full[7:], "the resume after the signal differs"
     assert sorted(p.name for p in s.iterdir()) == ["latest", "step_000020"]
-    # The cut-short save was ignored, then cleaned up by the next successful save.
-    assert sorted(p.name for p in c.iterdir()) == ["latest", *(f"step_{i:06d}" for i in (4, 8, 12, 16, 20))]
+    # The cut-short save was ignored, then cleaned up by the next successful save; the damaged steps above the
+    # one resumed from were set aside (engine/checkpoint/lineage.py), not deleted.
+    assert sorted(p.name for p in c.iterdir()) == ["latest", "set_aside",
+                                                   *(f"step_{i:06d}" for i in (4, 8, 12, 16, 20))]
+    assert sorted(p.name.split("-")[0] for p in (c / "set_aside").iterdir()) == \
+        [f"step_{i:06d}" for i in (8, 12, 16, 20)]
 
 
 def test_pretrain_sigterm_saves_and_exits_0_and_a_bad_path_exits_2(tmp_path):

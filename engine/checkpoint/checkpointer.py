@@ -8,7 +8,8 @@ Save (collective): each rank copies its pieces of the explicit parts (engine/che
 dp mode's state access, config, context) to CPU with the run position it is given (engine/checkpoint/contents.py),
 then writes ``step_N.tmp-<run token>/rank_R.safetensors``; the ranks exchange piece lists and shard sizes/CRCs
 (metadata only, over a gloo group of their own); rank 0 publishes the directory (engine/checkpoint/publish.py: the
-index, the rename to ``step_N``, only then ``latest``, and deletion of all but the newest ``checkpoint.keep``).
+index, the rename to ``step_N``, only then ``latest``, then pruning to ``checkpoint.keep``, never the new one or a
+step above it).
 With ``checkpoint.async_save`` the writing and committing run in a background thread while training goes on
 (docs/architecture.md: gloo collectives on their own group work from another thread); the next save or the end of fit waits
 for it.
@@ -17,6 +18,8 @@ Resume (collective, end of Trainer.__init__): ``checkpoint.resume`` = ``auto`` t
 ``step_*`` directories, newest first, skipping (with a message naming the file) any whose index is missing or
 unreadable, a shard missing or of the wrong size, a CRC that fails or a piece the index lists but the shard lacks;
 ``none`` starts fresh; a PATH (a ``step_*`` directory or a checkpoint directory with ``latest``) must be valid.
+Then the steps of ``checkpoint.dir`` above the one the run starts from are set aside (unusable) or refused (valid:
+another run's), engine/checkpoint/lineage.py, so that every later save and prune sees only this run's lineage.
 Each rank reads only the pieces overlapping what it holds at the new layout (engine/checkpoint/state.py), so tp,
 pp, dp and dp_mode may all change; ``resume`` returns the saved run position, which the trainer applies itself.
 A model-only checkpoint (``launch/convert.py import``) starts at step 0 with a fresh optimizer and the data from
@@ -35,6 +38,7 @@ import torch.distributed as dist
 
 from engine.checkpoint.contents import check_model, contents, load_into
 from engine.checkpoint.format import INDEX, CheckpointError, merge_index, read_index, verify_shard, write_shard
+from engine.checkpoint.lineage import set_aside, settle
 from engine.checkpoint.lock import CheckpointLock, probe_writable
 from engine.checkpoint.parts import CheckpointParts, RunPosition
 from engine.checkpoint.publish import STEP_DIR, list_checkpoints, publish, staging_dir, step_name
@@ -245,6 +249,7 @@ class Checkpointer:
         from (None: a fresh start; the path loaded is ``self.resumed_from``)."""
         candidates = self._candidates()
         explicit = self.cfg.checkpoint.resume not in ("auto", "none")
+        bad: dict[Path, str] = {}
         for path in candidates:
             start = time.perf_counter()
             index, error = self._validate(path)
@@ -252,13 +257,14 @@ class Checkpointer:
                 if explicit:
                     raise CheckpointError(error)
                 self.skipped.append(error)
+                bad[path] = error
                 if self.ctx.rank == 0:
                     print(f"checkpoint: skipping {path}: {error}", flush=True)
                 continue
             check_model(path, index, self.cfg.model)
             validated = time.perf_counter()
             position = load_into(parts, path, index)
-            self._barrier()
+            self._settle(position.step, bad)
             self.timings = {"validate_s": validated - start, "load_s": time.perf_counter() - start}
             if self.ctx.rank == 0:
                 print(f"resumed from {path} (step {index['step']}, saved at {index['layout']})", flush=True)
@@ -267,4 +273,20 @@ class Checkpointer:
         if candidates:
             raise CheckpointError(f"no usable checkpoint among {[str(p) for p in candidates]}; fix or remove them, "
                                   f"or set checkpoint.resume=none to start fresh")
+        self._settle(0, bad)
         return None
+
+    def _settle(self, start: int, bad: dict[Path, str]) -> None:
+        """Collective: the steps of checkpoint.dir above ``start`` are refused or set aside (engine/checkpoint/
+        lineage.py); ends with an exchange, after which every rank sees the directory as rank 0 left it."""
+        error = None
+        if self.root is not None:
+            unusable = settle(self.root, start, self.cfg.checkpoint.resume, lambda p: self._validate(p)[1], bad)
+            if unusable and self.ctx.rank == 0:
+                try:
+                    set_aside(self.root, start, unusable, self.token)
+                except OSError as e:  # reported on every rank: none may wait for rank 0
+                    error = f"cannot set aside the unusable steps above step {start} in {self.root}: {e}"
+        errors = [e for e in self._gather(error) if e is not None]
+        if errors:
+            raise CheckpointError(errors[0])

@@ -45,7 +45,7 @@ def staging_dir(root: Path, step: int, token: str) -> Path:
     return tmp
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     """Make the entries (renames, new files) of directory ``path`` durable, where the file system can."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -59,11 +59,11 @@ def _fsync_dir(path: Path) -> None:
 
 def publish(root: Path, step: int, token: str, index: dict, keep: int = 0) -> Path:
     """One process (rank 0): commit ``staging_dir(root, step, token)``, whose shards are written and fsynced,
-    with ``index`` as its index.json; point ``latest`` at it; keep the newest ``keep`` checkpoints (0: all) and
+    with ``index`` as its index.json; point ``latest`` at it; ``prune`` to ``keep`` checkpoints (0: all) and
     delete the temporary directories a crash left. Returns the published ``root/step_N``."""
     tmp, final = _staging_path(root, step, token), root / step_name(step)
     fsync_write(tmp / INDEX, json.dumps(index))
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     aside = None
     if final.exists():  # a stale save of the same step (a resume from an older one): replaced, not merged
         aside = final.with_name(f"{final.name}.old-{token}")
@@ -72,12 +72,32 @@ def publish(root: Path, step: int, token: str, index: dict, keep: int = 0) -> Pa
     latest_tmp = root / f"latest.tmp-{token}"
     fsync_write(latest_tmp, final.name + "\n")
     os.replace(latest_tmp, root / "latest")
-    _fsync_dir(root)
+    fsync_dir(root)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
-    for old in list_checkpoints(root)[keep:] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    prune(root, step, keep)
     for pattern in ("step_*.tmp-*", "step_*.old-*"):  # left by a crash (never ours: one save in flight)
         for stale in root.glob(pattern):
             shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def step_of(path: Path) -> int:
+    return int(STEP_DIR.match(path.name).group(1))
+
+
+def prune(root: Path, step: int, keep: int) -> list[Path]:
+    """Delete all but ``keep`` checkpoints (0: none deleted), counting the one just committed, ``step``; returns
+    what was deleted, each named in one line. Only steps *below* ``step`` are candidates: the new checkpoint (which
+    ``latest`` names, and which is the newest that validates: it was just written and checked) and anything above
+    it survive. (Steps above it cannot be this run's: the start-up check, engine/checkpoint/lineage.py, sets aside
+    or refuses them; deleting by rank of step number alone once deleted the save just made.)"""
+    if keep <= 0:
+        return []
+    older = [p for p in list_checkpoints(root) if step_of(p) < step]
+    gone = older[keep - 1:]  # newest first: the keep - 1 newest older ones stay beside the new one
+    for old in gone:
+        print(f"checkpoint: pruned {old} (checkpoint.keep={keep}; kept {step_name(step)} and "
+              f"{len(older) - len(gone)} older)", flush=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return gone

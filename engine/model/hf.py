@@ -13,7 +13,9 @@ such a folder into a *model-only* checkpoint: step 0, no optimizer state, the to
 copied into ``CKPT/hf_files``; ``--checkpoint.resume CKPT`` starts a run from it at any layout with a fresh AdamW
 and the data from the beginning. It also writes ``CKPT/config.yaml``, a full engine config for the imported shape.
 The checkpoint is published as a training save is (engine/checkpoint/publish.py): written under a temporary name,
-renamed into place and named by ``latest`` last, so an import that fails half-way leaves no checkpoint.
+renamed into place and named by ``latest`` last. Both directions write the whole target folder beside it under a
+temporary name and rename it into place (engine/checkpoint/folder.py), so a failure leaves the target as it was
+and two exports never mix; a non-empty target is refused unless ``overwrite`` (which replaces it as a whole).
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ from engine.checkpoint.contents import header
 from engine.checkpoint.format import (CheckpointError, Reader, fsync_write, merge_index, piece_key, read_index,
                                       verify_shard, write_shard)
 from engine.checkpoint.parts import RunPosition
-from engine.checkpoint.publish import publish, staging_dir
+from engine.checkpoint import folder
+from engine.checkpoint.publish import publish, staging_dir, step_name
 from engine.config import Config, ModelConfig
 from engine.model.fused import part_blocks
 from engine.model.families import hf_config, model_config  # noqa: F401 (hf.hf_config: the public name)
@@ -69,12 +72,21 @@ def _shards(sizes: dict[str, int], limit: int) -> list[list[str]]:
     return shards + [current] if current else shards
 
 
-def export(ckpt: Path, out: Path, max_shard_bytes: int = 5 * 2**30, dtype: str = "fp32") -> dict:
-    """Write the HF folder ``out`` from the checkpoint ``ckpt`` (a step_* dir, or a dir with ``latest``)."""
+def export(ckpt: Path, out: Path, max_shard_bytes: int = 5 * 2**30, dtype: str = "fp32",
+           overwrite: bool = False) -> dict:
+    """Write the HF folder ``out`` from the checkpoint ``ckpt`` (a step_* dir, or a dir with ``latest``): into a
+    temporary folder beside it, renamed into place at the end (engine/checkpoint/folder.py; ``overwrite``: an
+    existing non-empty ``out`` is replaced as a whole)."""
     (path,) = resolve(ckpt)
     index = read_index(path)
     for file in index["files"]:
         verify_shard(path, index, file)
+    with folder.written(out, overwrite, "export folder") as tmp:
+        return _write_export(path, index, tmp, max_shard_bytes, dtype)
+
+
+def _write_export(path: Path, index: dict, out: Path, max_shard_bytes: int, dtype: str) -> dict:
+    """The folder's files, written into ``out`` (the temporary folder)."""
     cfg = index["config"]
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     m = ModelConfig(**{k: v for k, v in cfg["model"].items() if k in known})
@@ -82,7 +94,6 @@ def export(ckpt: Path, out: Path, max_shard_bytes: int = 5 * 2**30, dtype: str =
     reader = Reader(path, index)
     element = torch.tensor([], dtype=DTYPES[dtype]).element_size()
     groups = _shards({n: torch.Size(s).numel() * element for n, s in shapes.items()}, max_shard_bytes)
-    out.mkdir(parents=True, exist_ok=True)
     files = ["model.safetensors"] if len(groups) == 1 else \
         [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map = {}
@@ -116,29 +127,70 @@ def carry_files(src: Path, dst: Path, extra: tuple[str, ...] = ()) -> bool:
     return True
 
 
-def hf_tensors(hf_dir: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (single file or the sharded index)."""
+def _weight_map(hf_dir: Path) -> dict[str, str] | None:
+    """The sharded index's tensor name -> file name; None for a single ``model.safetensors``."""
     sharded, single = hf_dir / "model.safetensors.index.json", hf_dir / "model.safetensors"
     if sharded.is_file():
-        return {n: hf_dir / f for n, f in json.loads(sharded.read_text())["weight_map"].items()}
+        try:
+            weight_map = json.loads(sharded.read_text()).get("weight_map")
+        except (ValueError, AttributeError):  # not JSON, or not a JSON object
+            weight_map = None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{sharded} is not a safetensors index (JSON with a 'weight_map' of tensor "
+                                  f"name -> file name)")
+        return weight_map
     if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
-            return {n: single for n in f.keys()}
+        return None
     raise CheckpointError(f"{hf_dir} has no model.safetensors or model.safetensors.index.json (save the model "
                           f"with save_pretrained(..., safe_serialization=True) first)")
 
 
-def import_hf(hf_dir: Path, root: Path, max_file_bytes: int = 2 * 2**30) -> Path:
-    """Write the model-only checkpoint ``root/step_000000`` (+ ``root/latest``, ``root/config.yaml``)."""
+def _tensor_names(file: Path, listed_in: str) -> set[str]:
+    """The tensor names in ``file``'s header; CheckpointError if it is missing, truncated or not safetensors."""
+    if not file.is_file():
+        raise CheckpointError(f"weight file {file}{listed_in} is missing")
+    try:
+        with safe_open(str(file), framework="pt") as f:  # checks that the header covers the file's bytes
+            return set(f.keys())
+    except Exception as e:  # SafetensorError: truncated, or not a safetensors file
+        raise CheckpointError(f"weight file {file}{listed_in} is not a readable safetensors file, truncated or "
+                              f"damaged ({e})") from None
+
+
+def hf_tensors(hf_dir: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (single file or the sharded index), every file checked to
+    exist, be readable and hold the tensors the index places in it: the one check of an HF folder's weights,
+    shared by ``import_hf`` and ``--model.init_from`` (engine/model/hf_init.py)."""
+    weight_map = _weight_map(hf_dir)
+    if weight_map is None:
+        single = hf_dir / "model.safetensors"
+        return {n: single for n in _tensor_names(single, "")}
+    listed_in = f" listed in {hf_dir / 'model.safetensors.index.json'}"
+    held = {f: _tensor_names(hf_dir / f, listed_in) for f in sorted(set(weight_map.values()))}
+    for name, f in weight_map.items():
+        if name not in held[f]:
+            raise CheckpointError(f"weight file {hf_dir / f} does not hold tensor '{name}'{listed_in}")
+    return {n: hf_dir / f for n, f in weight_map.items()}
+
+
+def import_hf(hf_dir: Path, root: Path, max_file_bytes: int = 2 * 2**30, overwrite: bool = False) -> Path:
+    """Write the model-only checkpoint ``root/step_000000`` (+ ``root/latest``, ``root/config.yaml``): into a
+    temporary folder beside ``root``, renamed into place at the end (engine/checkpoint/folder.py)."""
     config_json = hf_dir / "config.json"
     if not config_json.is_file():
         raise CheckpointError(f"{hf_dir} is not a Hugging Face model folder: {config_json} is missing")
-    if root.exists() and any(root.iterdir()):
-        raise CheckpointError(f"{root} exists and is not empty; import into a new directory")
     m = model_config(json.loads(config_json.read_text()), hf_dir)
     shapes, where = param_shapes(m), hf_tensors(hf_dir)
+    with folder.written(root, overwrite, "checkpoint directory") as tmp:
+        _write_import(hf_dir, m, shapes, where, root, tmp, max_file_bytes)
+    return root / step_name(0)
+
+
+def _write_import(hf_dir: Path, m: ModelConfig, shapes: dict, where: dict, root: Path, tmp: Path,
+                  max_file_bytes: int) -> None:
+    """The checkpoint's files, written into ``tmp``; paths inside them (config.yaml) name the final ``root``."""
     token = uuid.uuid4().hex[:8]
-    path = staging_dir(root, 0, token)
+    path = staging_dir(tmp, 0, token)
     groups = _shards({n: torch.Size(s).numel() * 4 for n, s in shapes.items()}, max_file_bytes)
     metas = []
     for i, names in enumerate(groups):  # files of at most ~max_file_bytes, so memory stays bounded
@@ -159,11 +211,11 @@ def import_hf(hf_dir: Path, root: Path, max_file_bytes: int = 2 * 2**30) -> Path
     cfg = Config(model=m)
     # config.json too: AutoTokenizer reads its model_type to pick the tokenizer class, so the copy loads as
     # the source folder does (and as --model.init_from of it does)
-    if carry_files(hf_dir, root / "hf_files", extra=("config.json",)):
+    if carry_files(hf_dir, tmp / "hf_files", extra=("config.json",)):
         cfg.data.tokenizer = str((root / "hf_files").resolve())
     cfg.checkpoint.resume = str(root.resolve())
-    fsync_write(root / "config.yaml", "# written by launch/convert.py import: the imported model's shape\n" +
+    fsync_write(tmp / "config.yaml", "# written by launch/convert.py import: the imported model's shape\n" +
                 yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     # Published last, through the one commit path of every checkpoint: `latest` appears only once all is written.
     run = header(RunPosition(0, 0), cfg, {"imported_from": str(hf_dir.resolve())}, model_only=True)
-    return publish(root, 0, token, merge_index(metas, {**run, "adam_step": None}))
+    publish(tmp, 0, token, merge_index(metas, {**run, "adam_step": None}))

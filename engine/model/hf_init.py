@@ -61,7 +61,11 @@ def _block(f, name: str, dim: int | None, size: int, rank: int) -> torch.Tensor:
 def load_weights(parts: CheckpointParts, folder: Path) -> None:
     """Overwrite every local parameter of ``parts`` with the folder's weights (fp32 masters in every dp mode)."""
     ctx = parts.ctx
-    where, access = hf_tensors(folder), parts.state()
+    try:  # a missing, truncated or foreign weight file: one line (launch/pretrain.py), as convert.py import gives
+        where = hf_tensors(folder)
+    except CheckpointError as e:
+        raise CheckpointError(f"model.init_from: {e}") from None
+    access = parts.state()
     for slot in slots(parts.model, access, ctx, parts.cfg.model.tie_embeddings):
         held = []  # the held range part by part (q, k, v of a fused qkv_proj: in stacking order)
         for part in slot.parts:
