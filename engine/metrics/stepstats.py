@@ -25,8 +25,8 @@ from engine.config import Config
 from engine.planning.flops import device_peak_tflops, flops_per_token
 from engine.metrics.timers import PhaseTimer, StepClock
 
-# Steps of a process marked "warmup": the first compiles (train.compile), touches fresh memory and lets DDP
-# re-bucket; measured on CPU the first step takes several times the second, later steps are alike.
+# Steps of a process marked "warmup": the first compiles (train.compile; recompiles later are rare), touches fresh
+# CUDA memory and is DDP's last before it re-buckets. On CPU without compile it is not slower (launch/bench/timers.py).
 WARMUP_STEPS = 1
 
 
