@@ -38,6 +38,7 @@ def test_records_carry_throughput_mfu_memory_and_phases(tmp_path, extra):
         phases = r["time"]
         assert {"data", "forward", "backward", "optimizer", "pp_wait"} <= set(phases)
         assert phases["forward"] > 0 and phases["backward"] > 0
+        assert (phases["pp_wait"] > 0) == bool(extra)  # the executor's receives, timed through the trainer's hook
         # Phases are disjoint parts of the step, data included (the step runs boundary to boundary).
         assert sum(phases.values()) <= r["step_time"] * 1.01
     assert [r.get("warmup", False) for r in result["history"]] == [True, False]

@@ -12,9 +12,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from engine.config import load
 from engine.metrics import logger as logger_lib
 from engine.metrics.timers import PhaseTimer, StepClock
+from engine.parallel.context import ParallelContext
 from engine.parallel.pipeline import PipelineExecutor
+from engine.trainer import Trainer
+from tests.dist import run_ranks
+from tests.test_stepstats import SMALL
 
 
 class FakeStream:
@@ -115,6 +120,38 @@ def test_pp_wait_is_the_stream_stall_around_each_receive(monkeypatch):
     assert receives == 3 and syncs == []
     assert executor.wait_s < stall  # the host did not block
     assert timer.pop()["pp_wait"] == pytest.approx(receives * stall)
+
+
+def fit_with_cuda_timer(argv: list[str]) -> dict:
+    """Trainer.fit whose phase timer believes it runs on CUDA (events stamped with the host clock)."""
+    syncs = []
+    torch.cuda.synchronize = lambda *a, **k: syncs.append(a)  # a forked rank of its own: nothing to restore
+
+    class Event:
+        def __init__(self, enable_timing: bool = False):
+            self.at = None
+
+        def record(self, stream=None):
+            self.at = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end) -> float:
+            return 1000.0 * (end.at - self.at)
+    cfg = load(argv)
+    trainer = Trainer(cfg, ParallelContext.from_config(cfg))
+    timer = PhaseTimer(torch.device("cuda"), event=Event)
+    trainer.stats.timer, trainer.executor.waiting = timer, timer.waiting  # the step's phases, the pp_wait hook
+    return {"history": trainer.fit(), "syncs": len(syncs)}
+
+
+def test_a_training_step_on_the_cuda_path_never_synchronizes_the_host(tmp_path):
+    got = run_ranks(fit_with_cuda_timer, 2, [*SMALL, "--parallel.pp", "2", "--train.out_dir", str(tmp_path)])[-1]
+    assert got["syncs"] == 0
+    for r in got["history"]:
+        assert {"data", "forward", "backward", "pp_wait", "optimizer"} <= set(r["time"])
+        assert r["time"]["forward"] > 0 and sum(r["time"].values()) <= r["step_time"]
 
 
 def test_step_clock_runs_boundary_to_boundary_minus_excluded_spans():
