@@ -51,7 +51,8 @@ def main() -> None:
             rows[breakdown].append({
                 "first": history[0]["step_time"], "later": statistics.median(r["step_time"] for r in later),
                 "unphased": statistics.median(r["step_time"] - sum(r.get("time", {}).values()) for r in later)})
-    print(f"{'breakdown':>10}{'step 1 s':>10}{'later s':>10}{'ratio':>8}{'unphased s':>12}  (medians of {args.repeats})")
+    print(f"{'breakdown':>10}{'step 1 s':>10}{'later s':>10}{'ratio':>8}{'unphased s':>12}"
+          f"  (medians of {args.repeats})")
     for breakdown, rs in rows.items():
         first, later = (statistics.median(r[k] for r in rs) for k in ("first", "later"))
         unphased = statistics.median(r["unphased"] for r in rs)
