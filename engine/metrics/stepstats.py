@@ -13,9 +13,10 @@
   on CPU, which has no allocator to ask, the bytes of tensors the rank holds for weights, gradients and optimizer
   state at the update (engine/metrics/memory.py), activations not included. ``mem_source`` says which.
 - ``time``: seconds per phase of the step (engine/metrics/timers.py; CUDA events on CUDA): data, forward, backward,
-  pp_wait (stalled on pipeline receives), dp_comm (the part of the dp gradient reduction that did not overlap with backward: none
-  under DDP, whose bucketed all-reduce runs inside the last backward), optimizer (clip + update; DeepSpeed's step() with its
-  reductions under zero). FSDP's and ZeRO-2/3's collectives run inside forward and backward.
+  pp_wait (stalled on pipeline receives), dp_comm (the part of the dp gradient reduction that did not overlap with
+  backward: none under DDP, whose bucketed all-reduce runs inside the last backward), optimizer (clip + update;
+  DeepSpeed's step() with its reductions under zero). FSDP's and ZeRO-2/3's collectives run inside forward and
+  backward.
 """
 from __future__ import annotations
 
