@@ -81,12 +81,13 @@ class Trainer:
         s_local = t.seq_len // ctx.tp if cfg.parallel.sequence_parallel else t.seq_len
         shape, dtype = (t.micro_batch_size, s_local, cfg.model.hidden_size), next(self.model.parameters()).dtype
         p = cfg.parallel
+        self.stats = StepStats(cfg, ctx)  # throughput, MFU, memory, time per phase (metrics.jsonl)
         self.executor = PipelineExecutor(ctx, p.schedule, self.micro_batches, shape, dtype,
-                                         virtual_stages=p.virtual_stages, stage=self.model)
+                                         virtual_stages=p.virtual_stages, stage=self.model,
+                                         waiting=self.stats.timer.waiting)  # pp_wait: stalls on receives
         self.eval_executor = PipelineExecutor(ctx, p.schedule, self.micro_batches, shape, dtype, forward_only=True,
                                               virtual_stages=p.virtual_stages)
         self.step = 0
-        self.stats = StepStats(cfg, ctx)  # throughput, MFU, memory, time per phase (metrics.jsonl)
         # Callables observe(event) at "backward" (before each micro-batch's backward) and "update" (after the last
         # backward, before the update): measurements hook in here (launch/bench/measure.py).
         self.observers: list = []
@@ -153,7 +154,7 @@ class Trainer:
         batches = self.feed.valid_batches(self.cfg.train.eval_batches)
         losses = [self.run_schedule(self.eval_executor, batch) for batch in batches]
         self.dp.train(True)
-        self.stats.timer.pop()  # evaluation is not part of the next step's breakdown
+        self.stats.timer.discard()  # evaluation is not part of the next step's breakdown
         if not losses:
             return None
         loss = torch.stack(losses).mean()
@@ -200,12 +201,13 @@ class Trainer:
             else:  # a finite loss can still have NaN/inf gradients (an overflow in backward, a huge lr)
                 self.count_bad_step("gradient norm")
         self.step += 1  # a skipped step still consumed its batch and its place in the LR schedule (Megatron)
-        step_time = time.perf_counter() - start
+        lap = self.stats.clock.lap()  # under fit: from the previous step's record, data and logging included
+        step_time = lap if lap is not None else time.perf_counter() - start
         record = {"step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": t.global_batch_size * t.seq_len / step_time, "step_time": step_time}
         if self.skipped_steps:
             record["skipped_steps"] = self.skipped_steps
-        return self.stats.finish(record, self.executor.wait_s)
+        return self.stats.finish(record)
 
     def count_bad_step(self, what: str) -> None:
         """Count a skipped step (``what``: loss or gradient norm was NaN/inf); abort after train.max_bad_steps
@@ -245,21 +247,30 @@ class Trainer:
         history = []
         self.dp.train(True)
         self.checkpointer.start()  # SIGTERM/SIGINT from here on: save after the current step and return
+        clock = self.stats.clock  # a step's time runs from the previous step's record to its own, data included
+        clock.start()
         while self.step < self.cfg.train.steps:
             with self.stats.timer.phase("data"):
                 batch = self.next_local_batch()
             record = self.train_step(batch)
             every = self.cfg.train.eval_every
             if every and (self.step % every == 0 or self.step == self.cfg.train.steps):
-                eval_loss = self.evaluate()
+                with clock.excluded():
+                    eval_loss = self.evaluate()
                 if eval_loss is not None:
                     record["eval_loss"] = eval_loss
             history.append(record)
             if self.step % self.cfg.log.every == 0 or self.step == self.cfg.train.steps:
                 self.metrics.log(record)
-            # saves every checkpoint.every steps, at the last, on a signal; True: stop now
-            if self.checkpointer.after_step(self.parts, self.position):
+            # saves every checkpoint.every steps, at the last, on a signal; True: stop now. The stop-signal
+            # all-reduce counts to the next step; a save does not (Megatron stops its interval timer around it).
+            saved, start = self.checkpointer.last_saved, time.perf_counter()
+            stop = self.checkpointer.after_step(self.parts, self.position)
+            if self.checkpointer.last_saved != saved:
+                clock.exclude(time.perf_counter() - start)
+            if stop:
                 break
+        clock.stop()  # train_step called on its own times itself again
         self.checkpointer.finish()  # an async save commits before fit returns
         self.metrics.close()
         return history

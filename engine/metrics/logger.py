@@ -62,12 +62,16 @@ class MetricsLogger:
         self.sinks = []
 
     def _print_progress(self, r: dict) -> None:
+        """The ETA is the mean wall time per step since the first logged step after warm-up (a ``warmup`` record,
+        engine/metrics/stepstats.py: compilation and first touch), times the steps left."""
         step = r["step"]
-        if self.start_step is None:
-            self.start_step, self.start_time = step - 1, time.perf_counter() - r.get("step_time", 0.0)
-        done = step - self.start_step
-        per_step = (time.perf_counter() - self.start_time) / max(1, done)
-        eta = _fmt_duration(per_step * (self.total_steps - step))
+        if r.get("warmup"):
+            eta = "after warm-up"
+        else:
+            if self.start_step is None:
+                self.start_step, self.start_time = step - 1, time.perf_counter() - r.get("step_time", 0.0)
+            per_step = (time.perf_counter() - self.start_time) / max(1, step - self.start_step)
+            eta = _fmt_duration(per_step * (self.total_steps - step))
         print(f"step {step:>6}/{self.total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | "
               f"grad_norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | "
               f"{1000 * r['step_time']:.0f} ms/step | ETA {eta}", file=sys.stdout, flush=True)

@@ -1,16 +1,22 @@
 """What each step's metrics.jsonl record says beyond the loss: throughput, FLOP/s and MFU, memory, time per phase.
 
-- ``tokens_per_s`` (global) and ``tokens_per_s_per_device`` (global / world size).
+- ``step_time``: wall seconds from the previous step's record to this one (engine/metrics/timers.py StepClock,
+  under Trainer.fit): the data phase, the previous step's logging and the checkpointer's stop-signal all-reduce
+  count; evaluation and checkpoint saves do not. A ``train_step`` called outside fit times itself.
+- ``tokens_per_s`` (global, global_batch_size * seq_len / step_time) and ``tokens_per_s_per_device`` (/ world size).
+- ``warmup``: true on the first WARMUP_STEPS steps of a process (compilation, first touch of memory, DDP's
+  re-bucketing), which the progress line's ETA leaves out; absent on later steps.
 - ``tflops``: achieved model TFLOP/s per device, ``tokens_per_s_per_device * flops_per_token`` with PaLM's
   6N + 12 L H Q T per token (engine/planning/flops.py); ``mfu`` = tflops / the device's peak (``log.peak_tflops``, else
   engine/planning/flops.py's table by CUDA device name; absent where no peak is known, a CPU for one).
 - ``peak_mem_bytes``: on CUDA the allocator's peak since the previous step (``torch.cuda.max_memory_allocated``);
   on CPU, which has no allocator to ask, the bytes of tensors the rank holds for weights, gradients and optimizer
   state at the update (engine/metrics/memory.py), activations not included. ``mem_source`` says which.
-- ``time``: seconds per phase of the step (engine/metrics/timers.py): data, forward, backward, pp_wait (blocked on
-  pipeline receives), dp_comm (the part of the dp gradient reduction that did not overlap with backward: none
-  under DDP, whose bucketed all-reduce runs inside the last backward), optimizer (clip + update; DeepSpeed's step() with its
-  reductions under zero). FSDP's and ZeRO-2/3's collectives run inside forward and backward.
+- ``time``: seconds per phase of the step (engine/metrics/timers.py; CUDA events on CUDA): data, forward, backward,
+  pp_wait (stalled on pipeline receives), dp_comm (the part of the dp gradient reduction that did not overlap with
+  backward: none under DDP, whose bucketed all-reduce runs inside the last backward), optimizer (clip + update;
+  DeepSpeed's step() with its reductions under zero). FSDP's and ZeRO-2/3's collectives run inside forward and
+  backward.
 """
 from __future__ import annotations
 
@@ -18,7 +24,11 @@ import torch
 
 from engine.config import Config
 from engine.planning.flops import device_peak_tflops, flops_per_token
-from engine.metrics.timers import PhaseTimer
+from engine.metrics.timers import PhaseTimer, StepClock
+
+# Steps of a process marked "warmup": the first compiles (train.compile; recompiles later are rare), touches fresh
+# CUDA memory and is DDP's last before it re-buckets. On CPU without compile it is not slower (launch/bench/timers.py).
+WARMUP_STEPS = 1
 
 
 class StepStats:
@@ -27,6 +37,8 @@ class StepStats:
     def __init__(self, cfg: Config, ctx):
         self.cfg, self.ctx = cfg, ctx
         self.timer = PhaseTimer(ctx.device, cfg.log.breakdown)
+        self.clock = StepClock()  # started by Trainer.fit: step boundary to step boundary
+        self.steps_done = 0
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_tflops = device_peak_tflops(ctx.device, cfg.train.dtype, cfg.log.peak_tflops)
         self.cuda = ctx.device.type == "cuda"
@@ -38,8 +50,11 @@ class StepStats:
         if not self.cuda:
             self.state_bytes = sum(bytes_held().values())
 
-    def finish(self, record: dict, pp_wait_s: float) -> dict:
-        self.timer.add("pp_wait", pp_wait_s)
+    def finish(self, record: dict) -> dict:
+        self.steps_done += 1
+        if self.steps_done <= WARMUP_STEPS:
+            record["warmup"] = True
+        self.timer.add("pp_wait", 0.0)  # present at pp = 1 too (the executor's waiting hook adds the stalls)
         per_device = record["tokens_per_s"] / self.ctx.world_size
         tflops = per_device * self.flops_per_token / 1e12
         record.update(tokens_per_s_per_device=per_device, tflops=tflops)

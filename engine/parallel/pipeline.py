@@ -87,7 +87,8 @@ class PipelineExecutor:
     WeightGradStore (engine/parallel/weight_grad.py), which W flushes."""
 
     def __init__(self, ctx, schedule: str, micro_batches: int, act_shape: tuple[int, ...], act_dtype: torch.dtype,
-                 forward_only: bool = False, virtual_stages: int = 1, stage: nn.Module | None = None):
+                 forward_only: bool = False, virtual_stages: int = 1, stage: nn.Module | None = None,
+                 waiting=contextlib.nullcontext):
         self.ctx, self.micro_batches, self.v = ctx, micro_batches, virtual_stages
         if forward_only:  # evaluation: run() must then be called under torch.no_grad()
             self.actions = sched.forward_only(ctx.pp, micro_batches, ctx.pp_rank, virtual_stages)
@@ -112,6 +113,7 @@ class PipelineExecutor:
         # Time the last run() spent blocked on receives. It leaves out the idle tail after this stage's last
         # action, so the whole bubble is measured between barriers (launch/bench/pipeline.py).
         self.wait_s = 0.0
+        self.waiting = waiting  # a context around each receive's wait: the trainer's pp_wait (CUDA events on CUDA)
 
     def _post(self, actions: list, state: dict) -> list:
         """Post a run of consecutive comm actions as one batch; returns (work, action, tensor) per op. The peer
@@ -140,7 +142,8 @@ class PipelineExecutor:
         for work, (a, t) in posted:
             if a.op in (Op.RECV_FWD, Op.RECV_BWD):
                 start = time.perf_counter()
-                work.wait()
+                with self.waiting():
+                    work.wait()
                 self.wait_s += time.perf_counter() - start
             if a.op == Op.RECV_FWD:
                 state["inputs"][(a.mb, a.chunk)] = t.requires_grad_()
