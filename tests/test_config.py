@@ -55,6 +55,28 @@ def test_bad_yaml_sections(tmp_path):
         load_yaml(path)
 
 
+@pytest.mark.parametrize("text,needle", [
+    ("train:\n  steps: 3\n  lr: 1.0e-3\n  steps: 5\n", "key 'steps' is given twice (lines 2 and 4)"),
+    ("model:\n  num_layers: 2\ntrain:\n  steps: 3\nmodel:\n  num_layers: 4\n",
+     "key 'model' is given twice (lines 1 and 5)"),
+    ("train: {steps: 3, steps: 4}\n", "key 'steps' is given twice (lines 1 and 1)"),
+])
+def test_duplicate_yaml_key_names_key_and_both_lines(tmp_path, text, needle):
+    """Before: PyYAML kept the last value silently (issue 23 item 5)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_yaml(path)
+    assert needle in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_yaml_merge_key_may_override(tmp_path):
+    """A ``<<: *anchor`` merge is meant to be overridden: not a repeated key."""
+    path = tmp_path / "c.yaml"
+    path.write_text("train: &t {steps: 3, lr: 1.0e-3}\nlog:\n  <<: {every: 2}\n  every: 4\n")
+    assert load_yaml(path).log.every == 4
+
+
 def _cfg(**parallel) -> Config:
     cfg = Config()
     for k, v in parallel.items():
