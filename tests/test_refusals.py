@@ -81,6 +81,19 @@ def test_missing_text_field_names_a_key_that_exists(tmp_path):
     assert blend.TrainData(blend.spec_from_config(cfg), tok).num_train_samples > 0
 
 
+def test_malformed_jsonl_names_the_line_in_the_error_alone(tmp_path, capfd):
+    """Issue 23 item 6: the row number was in a separate library log line, the error said only 'An error occurred
+    while generating the dataset'."""
+    path = tmp_path / "d.jsonl"
+    lines = [json.dumps({"text": f"document {i} " * 20}) for i in range(40)]
+    lines[24] = lines[24][:-1]  # the closing brace lost
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(data.DataError) as e:
+        blend.TrainData(blend.DataSpec([str(path)], [], 16, 1, 4096), data.load_tokenizer(""))
+    assert f"{path}: could not read it as json (line 25 is not valid JSON: " in str(e.value)
+    assert "Failed to load JSON" not in capfd.readouterr().err
+
+
 def test_shards_get_the_mode_of_index_json(tmp_path):
     import torch
 
