@@ -148,7 +148,10 @@ def test_out_dir_is_probed_and_locked_like_checkpoint_dir(tmp_path, live_pid):
     assert f"train.out_dir '{out}' is in use by pid {live_pid} on host {socket.gethostname()} (run other, since 20" \
         in str(e.value)
     assert not (tmp_path / "ckpt" / LOCK).exists()  # refused before taking checkpoint.dir's lock
-    (out / LOCK).unlink()
+    holder["pid"] = os.getppid()  # the process that forked this one (tests/dist.py ranks): the same job
+    (out / LOCK).write_text(json.dumps(holder))
+    _checkpointer(tmp_path / "ckpt", out).finish()
+    assert not (out / LOCK).exists()
     for ckpt_dir in (out, out / "ckpt"):
         ckpt = _checkpointer(ckpt_dir, out)
         assert json.loads((out / LOCK).read_text())["pid"] == os.getpid()
