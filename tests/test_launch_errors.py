@@ -119,3 +119,24 @@ def test_resume_past_the_end_and_changed_batch_say_so(tmp_path):
     assert changed.returncode == 0, changed.stderr[-2000:]
     assert "notice: train.global_batch_size is 8, the checkpoint's run had 16" in changed.stdout
     assert "notice: train.seq_len is 16, the checkpoint's run had 32" in changed.stdout
+
+
+def test_two_real_runs_on_one_out_dir(tmp_path):
+    """Issue 23 item 4 as users met it: while one run trains, a second on its out_dir exits 2 naming the first
+    (its pid); the first's metrics.jsonl holds only its own steps, in order."""
+    first = subprocess.Popen([sys.executable, "launch/pretrain.py", *SMALL, "--train.steps", "100000",
+                              "--log.progress", "true", "--train.out_dir", str(tmp_path)], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in first.stdout:  # the first has its lock once it trains
+            if line.startswith("step "):
+                break
+        second = _pretrain(*SMALL, "--train.out_dir", str(tmp_path))
+        assert second.returncode == 2
+        _one_error_line(second, f"train.out_dir '{tmp_path}' is in use by pid {first.pid} on host")
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=120)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1)) and not (tmp_path / "metrics.rolled_back.jsonl").exists()
+    assert not (tmp_path / "LOCK").exists()  # released when the first run ended
