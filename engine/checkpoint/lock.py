@@ -7,7 +7,8 @@ and holding JSON ``{"host", "pid", "started", "run"}``. A second job finds it an
 A lock left by a dead process on this host (a crash, ``kill -9``, a torchrun restart: new worker pids) is taken
 over with a message; a lock from another host cannot be checked from here and is refused with the file to delete.
 A lock held by this process or by the process that forked it (tests/dist.py ranks after an in-process run) is
-this job's own. Because only the lock holder saves, the clean-up of ``step_*.tmp-*`` directories never meets another live job's.
+this job's own. Because only the lock holder saves, the clean-up of ``step_*.tmp-*`` directories never meets
+another live job's.
 """
 from __future__ import annotations
 
@@ -85,8 +86,9 @@ class CheckpointLock:
                         f"{self.setting} '{self.path.parent}' is in use by {_describe(holder)}; use another "
                         f"{self.setting}, or delete {self.path} if that job is gone") from None
                 if not self._ours(holder):
-                    message = f"{self.setting}: taking over " + (_describe(holder) if "unreadable" in holder else
-                                                                 f"the lock of {_describe(holder)}, which is no longer running")
+                    what = _describe(holder) if "unreadable" in holder else \
+                        f"the lock of {_describe(holder)}, which is no longer running"
+                    message = f"{self.setting}: taking over {what}"
                 try:
                     self.path.unlink()
                 except FileNotFoundError:
