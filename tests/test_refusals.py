@@ -189,3 +189,24 @@ def test_metrics_rewind_keeps_a_line_that_is_not_utf8(tmp_path, capsys):
     assert (tmp_path / "metrics.jsonl").read_bytes() == good
     assert (tmp_path / "metrics.rolled_back.jsonl").read_bytes() == bad + later + cut + b"\n"
     assert "1 records past step 3 and 2 unreadable lines moved" in capsys.readouterr().out
+
+
+def _claim_rank(argv: list[str]) -> str | None:
+    """Rank function: the start-up claim of a world of 2; this rank's error, or None."""
+    import torch.distributed as dist
+
+    try:
+        Checkpointer(load(argv), SimpleNamespace(rank=dist.get_rank(), world_size=dist.get_world_size())).finish()
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_every_rank_refuses_a_bad_out_dir(tmp_path):
+    """rank 0 checks train.out_dir; the other ranks must raise its error too, not go on into the first collective
+    and hang there until parallel.timeout_s (with checkpoint.dir empty there was no group to tell them)."""
+    from tests.dist import run_ranks
+
+    (tmp_path / "file").write_text("x")
+    errors = run_ranks(_claim_rank, 2, ["--train.out_dir", str(tmp_path / "file")], timeout_s=120)
+    assert errors[0] == errors[1] and "train.out_dir" in errors[0] and "is not a directory" in errors[0]
