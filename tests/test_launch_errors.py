@@ -115,6 +115,7 @@ def test_resume_past_the_end_and_changed_batch_say_so(tmp_path):
     assert _pretrain(*args).returncode == 0
     again = _pretrain(*args)
     assert again.returncode == 0 and "nothing to do: the run is at step 2 and train.steps=2" in again.stdout
+    assert "notice:" not in again.stdout  # nothing changed
     changed = _pretrain(*args, "--train.steps", "3", "--train.global_batch_size", "8", "--train.seq_len", "16")
     assert changed.returncode == 0, changed.stderr[-2000:]
     assert "notice: train.global_batch_size is 8, the checkpoint's run had 16" in changed.stdout
