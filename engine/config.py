@@ -198,6 +198,27 @@ def _apply_mapping(cfg: Config, data, source: str) -> None:
             _set(cfg, f"{section}.{key}", value)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping key given twice (PyYAML keeps the last one silently)."""
+
+
+def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
+    """Construct a mapping after checking its own keys (not those a ``<<: *anchor`` merge brings in, which may be
+    overridden on purpose) for repeats; ConfigError naming the key and both lines."""
+    seen: dict = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key, line = loader.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+        if key in seen:
+            raise ConfigError(f"key '{key}' is given twice (lines {seen[key]} and {line}); keep one")
+        seen[key] = line
+    return loader.construct_mapping(node, deep=True)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def load_yaml(path: str | Path, cfg: Config | None = None) -> Config:
     """Apply a YAML file on top of ``cfg`` (or the defaults)."""
     cfg = cfg or Config()
@@ -207,7 +228,9 @@ def load_yaml(path: str | Path, cfg: Config | None = None) -> Config:
     if not path.is_file():
         raise ConfigError(f"config file '{path}' does not exist")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except ConfigError as e:
+        raise ConfigError(f"config file '{path}': {e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file '{path}' is not UTF-8 text (byte {e.start}); give a YAML file") from None
     except yaml.YAMLError as e:

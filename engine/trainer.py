@@ -92,12 +92,14 @@ class Trainer:
         # backward, before the update): measurements hook in here (launch/bench/measure.py).
         self.observers: list = []
         self.bad_steps = self.skipped_steps = 0  # consecutive and total steps skipped for a NaN/inf loss
-        self.metrics = MetricsLogger(t.out_dir, enabled=ctx.rank == 0, progress=cfg.log.progress,
-                                     total_steps=t.steps, sinks=build_sinks(cfg, create=ctx.rank == 0))
         # checkpoint.resume (auto | none | PATH) loads weights, Adam state and RNG into the parts and hands back
-        # the step and data position to continue from (engine/checkpoint/checkpointer.py)
+        # the step and data position to continue from (engine/checkpoint/checkpointer.py). The Checkpointer first
+        # probes and locks train.out_dir and checkpoint.dir (every rank gets rank 0's verdict), so nothing is
+        # written to out_dir before this job owns it.
         self.parts = CheckpointParts(self.model, self.dp.checkpoint_state, cfg, ctx)
         self.checkpointer = Checkpointer(cfg, ctx)
+        self.metrics = MetricsLogger(t.out_dir, enabled=ctx.rank == 0, progress=cfg.log.progress,
+                                     total_steps=t.steps, sinks=build_sinks(cfg, create=ctx.rank == 0))
         resumed = self.checkpointer.resume(self.parts)
         if resumed is not None:
             self.step = resumed.step
@@ -247,6 +249,9 @@ class Trainer:
         history = []
         self.dp.train(True)
         self.checkpointer.start()  # SIGTERM/SIGINT from here on: save after the current step and return
+        if self.step >= self.cfg.train.steps and self.ctx.rank == 0:
+            print(f"nothing to do: the run is at step {self.step} and train.steps={self.cfg.train.steps}; raise "
+                  f"train.steps to train further", flush=True)
         clock = self.stats.clock  # a step's time runs from the previous step's record to its own, data included
         clock.start()
         while self.step < self.cfg.train.steps:

@@ -33,15 +33,19 @@ def read_run(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl" if run_dir.is_dir() else run_dir
     if not path.is_file():
         raise PlotError(f"{run_dir}: no metrics.jsonl (give a run's train.out_dir)")
-    by_step = {}
+    by_step, skipped = {}, []
     for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
         try:
             record = json.loads(line)
             by_step[int(record["step"])] = record
         except (ValueError, KeyError, TypeError):
-            continue  # a line cut short by a crash
+            skipped.append(number)  # a line cut short by a crash, a damaged byte
     if not by_step:
         raise PlotError(f"{path}: no step records")
+    if skipped:
+        shown = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
+        print(f"warning: {path}: skipped {len(skipped)} lines that are not a step record (line {shown})",
+              file=sys.stderr, flush=True)
     return [by_step[s] for s in sorted(by_step)]
 
 

@@ -1,4 +1,6 @@
 """Session set-up shared by every test."""
+import subprocess
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,3 +26,13 @@ def _no_process_group_left_in_the_parent():
         dist.destroy_process_group()
         pytest.fail("this test left a torch.distributed process group in the pytest process; run the Trainer in "
                     "a forked rank (tests/dist.run_ranks)")
+
+
+@pytest.fixture
+def live_pid():
+    """A live process on this host that is neither this one nor its parent (the directory locks of
+    engine/checkpoint/lock.py count both as the same job's own): a rival job's pid for lock tests."""
+    proc = subprocess.Popen(["sleep", "300"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()

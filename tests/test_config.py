@@ -55,6 +55,28 @@ def test_bad_yaml_sections(tmp_path):
         load_yaml(path)
 
 
+@pytest.mark.parametrize("text,needle", [
+    ("train:\n  steps: 3\n  lr: 1.0e-3\n  steps: 5\n", "key 'steps' is given twice (lines 2 and 4)"),
+    ("model:\n  num_layers: 2\ntrain:\n  steps: 3\nmodel:\n  num_layers: 4\n",
+     "key 'model' is given twice (lines 1 and 5)"),
+    ("train: {steps: 3, steps: 4}\n", "key 'steps' is given twice (lines 1 and 1)"),
+])
+def test_duplicate_yaml_key_names_key_and_both_lines(tmp_path, text, needle):
+    """Before: PyYAML kept the last value silently (issue 23 item 5)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_yaml(path)
+    assert needle in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_yaml_merge_key_may_override(tmp_path):
+    """A ``<<: *anchor`` merge is meant to be overridden: not a repeated key."""
+    path = tmp_path / "c.yaml"
+    path.write_text("train: &t {steps: 3, lr: 1.0e-3}\nlog:\n  <<: {every: 2}\n  every: 4\n")
+    assert load_yaml(path).log.every == 4
+
+
 def _cfg(**parallel) -> Config:
     cfg = Config()
     for k, v in parallel.items():
@@ -70,7 +92,11 @@ def test_layout_resolves_dp():
 @pytest.mark.parametrize("parallel,world,needle", [
     ({"tp": 3}, 3, "parallel.tp=3 must divide model.num_heads=8 and model.num_kv_heads=4"),
     ({"tp": 8}, 8, "parallel.tp=8 must divide model.num_heads=8 and model.num_kv_heads=4"),
-    ({"tp": 2, "pp": 2, "dp": 3}, 8, "tp(2) * pp(2) * dp(3) != world size(8)"),
+    ({"tp": 2, "pp": 2, "dp": 3}, 8, "tp(2) * pp(2) * dp(3) != world size(8); set parallel.dp=2 or -1 (auto)"),
+    # issue 23 item 6: dp set wrong was answered with "choose tp and pp"
+    ({"dp": 3}, 2, "tp(1) * pp(1) * dp(3) != world size(2); set parallel.dp=2 or -1 (auto)"),
+    ({"tp": 2, "dp": 2}, 3, "tp(2) * pp(1) * dp(2) != world size(3); choose tp and pp whose product divides 3, and "
+                            "dp=-1"),
     ({"tp": 2}, 3, "tp(2) * pp(1) * dp(auto) != world size(3)"),
     ({"pp": 5}, 5, "parallel.pp=5 exceeds model.num_layers=4"),
     ({"pp": 2, "dp": 2}, 4, "parallel.schedule=1f1b with 1 micro-batches per step (global_batch_size 16 / (micro_batch_size 8 * dp 2)) and parallel.pp=2: 1f1b needs micro_batches >= pp"),

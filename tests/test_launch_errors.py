@@ -55,14 +55,14 @@ def test_zero_without_deepspeed_is_one_line(tmp_path):
     _one_error_line(out, 'pip install -e ".[deepspeed]"')
 
 
-def test_locked_or_unwritable_checkpoint_dir_is_one_line(tmp_path):
+def test_locked_or_unwritable_checkpoint_dir_is_one_line(tmp_path, live_pid):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": 0, "run": "first"}
+    holder = {"host": socket.gethostname(), "pid": live_pid, "started": 0, "run": "first"}
     (ckpt / "LOCK").write_text(json.dumps(holder))
     out = _pretrain(*SMALL, "--train.out_dir", str(tmp_path), "--checkpoint.dir", str(ckpt))
     assert out.returncode == 2
-    _one_error_line(out, f"is in use by pid {os.getpid()} on host {socket.gethostname()} (run first")
+    _one_error_line(out, f"is in use by pid {live_pid} on host {socket.gethostname()} (run first")
     (tmp_path / "file").write_text("x")
     out = _pretrain(*SMALL, "--train.out_dir", str(tmp_path), "--checkpoint.dir", str(tmp_path / "file"))
     assert out.returncode == 2
@@ -84,3 +84,60 @@ def test_sigterm_with_nothing_to_save_says_so_and_fails(tmp_path):
     assert proc.returncode == 1, (text, err)
     assert "checkpoint.dir is empty: no checkpoint will be saved" in text
     assert "nothing saved (checkpoint.dir is empty)" in text
+
+
+def test_second_run_on_one_out_dir_is_one_line(tmp_path, live_pid):
+    """Issue 23 item 4: a second run on a train.out_dir in use exited 0, interleaving both runs' metrics.jsonl."""
+    holder = {"host": socket.gethostname(), "pid": live_pid, "started": 1.7e9, "run": "first"}
+    (tmp_path / "LOCK").write_text(json.dumps(holder))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 28}\n')
+    out = _pretrain(*SMALL, "--train.out_dir", str(tmp_path))
+    assert out.returncode == 2
+    _one_error_line(out, f"train.out_dir '{tmp_path}' is in use by pid {live_pid} on host {socket.gethostname()}")
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 28}\n'  # the first run's records untouched
+
+
+@pytest.mark.parametrize("what", ["out_dir", "tensorboard"])
+def test_out_dir_or_tensorboard_that_is_a_file_is_one_line(tmp_path, what):
+    """Issue 23 item 3: FileExistsError tracebacks (out_dir's mkdir; SummaryWriter's)."""
+    target = tmp_path / "run" if what == "out_dir" else tmp_path / "tensorboard"
+    target.write_text("x")
+    out = _pretrain(*SMALL, "--train.out_dir", str(target if what == "out_dir" else tmp_path),
+                    "--log.tensorboard", str(what == "tensorboard").lower())
+    assert out.returncode == 2
+    _one_error_line(out, f"'{target}' is not a directory")
+
+
+def test_resume_past_the_end_and_changed_batch_say_so(tmp_path):
+    """Issue 23 item 6: a resume at train.steps said nothing; a changed global_batch_size or seq_len on resume
+    passed without a word about the data position."""
+    args = [*SMALL, "--train.steps", "2", "--train.out_dir", str(tmp_path), "--checkpoint.dir", str(tmp_path / "c")]
+    assert _pretrain(*args).returncode == 0
+    again = _pretrain(*args)
+    assert again.returncode == 0 and "nothing to do: the run is at step 2 and train.steps=2" in again.stdout
+    assert "notice:" not in again.stdout  # nothing changed
+    changed = _pretrain(*args, "--train.steps", "3", "--train.global_batch_size", "8", "--train.seq_len", "16")
+    assert changed.returncode == 0, changed.stderr[-2000:]
+    assert "notice: train.global_batch_size is 8, the checkpoint's run had 16" in changed.stdout
+    assert "notice: train.seq_len is 16, the checkpoint's run had 32" in changed.stdout
+
+
+def test_two_real_runs_on_one_out_dir(tmp_path):
+    """Issue 23 item 4 as users met it: while one run trains, a second on its out_dir exits 2 naming the first
+    (its pid); the first's metrics.jsonl holds only its own steps, in order."""
+    first = subprocess.Popen([sys.executable, "launch/pretrain.py", *SMALL, "--train.steps", "100000",
+                              "--log.progress", "true", "--train.out_dir", str(tmp_path)], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in first.stdout:  # the first has its lock once it trains
+            if line.startswith("step "):
+                break
+        second = _pretrain(*SMALL, "--train.out_dir", str(tmp_path))
+        assert second.returncode == 2
+        _one_error_line(second, f"train.out_dir '{tmp_path}' is in use by pid {first.pid} on host")
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=120)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1)) and not (tmp_path / "metrics.rolled_back.jsonl").exists()
+    assert not (tmp_path / "LOCK").exists()  # released when the first run ended

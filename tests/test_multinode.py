@@ -36,11 +36,18 @@ def train_args(out_dir: Path, *extra: str) -> list[str]:
     return ["launch/pretrain.py", "--config", "configs/tiny.yaml", *SHRUNK, "--train.out_dir", str(out_dir), *extra]
 
 
+# The c10d rendezvous's store operations time out after read_timeout (60 s by default): an agent whose peer is
+# still importing torch on a loaded 2-core machine (CI: several helpers' tests at once) gave up at 60 s. 300 s, and
+# 10 s x 6 missed keep-alives (not 5 s x 3) before a starved agent counts as dead. The job's own bounds stay
+# parallel.timeout_s (the faults tested here kill workers, not agents).
+RDZV_CONF = "read_timeout=300,join_timeout=600,keep_alive_interval=10,keep_alive_max_attempt=6"
+
+
 def torchrun(nnodes: int, nproc: int, node_rank: int, port: int, args: list[str], restarts: int = 0) -> list[str]:
     """One torchrun agent: a node of an ``nnodes``-node job that meets the others at 127.0.0.1:port."""
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
             "--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--max-restarts", str(restarts), *args]
+            "--rdzv-conf", RDZV_CONF, "--max-restarts", str(restarts), *args]
 
 
 class Job:

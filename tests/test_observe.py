@@ -101,3 +101,14 @@ def test_plot_draws_every_run(tmp_path):
     missing = subprocess.run([sys.executable, "launch/plot.py", str(tmp_path / "nope")], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and missing.stderr.startswith("error: ") and "Traceback" not in missing.stderr
+
+
+def test_plot_says_which_lines_it_skipped(tmp_path, capsys):
+    """Issue 23 item 6: plot.py dropped corrupt lines without a word."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    import plot
+
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": 2.0}\n{"step": 2, "lo\xff\n{"step": 3}\n{"ste')
+    assert [r["step"] for r in plot.read_run(tmp_path)] == [1, 3]
+    assert f"warning: {tmp_path / 'metrics.jsonl'}: skipped 2 lines that are not a step record (line 2, 4)" \
+        in capsys.readouterr().err

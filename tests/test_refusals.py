@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -80,6 +81,19 @@ def test_missing_text_field_names_a_key_that_exists(tmp_path):
     assert blend.TrainData(blend.spec_from_config(cfg), tok).num_train_samples > 0
 
 
+def test_malformed_jsonl_names_the_line_in_the_error_alone(tmp_path, capfd):
+    """Issue 23 item 6: the row number was in a separate library log line, the error said only 'An error occurred
+    while generating the dataset'."""
+    path = tmp_path / "d.jsonl"
+    lines = [json.dumps({"text": f"document {i} " * 20}) for i in range(40)]
+    lines[24] = lines[24][:-1]  # the closing brace lost
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(data.DataError) as e:
+        blend.TrainData(blend.DataSpec([str(path)], [], 16, 1, 4096), data.load_tokenizer(""))
+    assert f"{path}: could not read it as json (line 25 is not valid JSON: " in str(e.value)
+    assert "Failed to load JSON" not in capfd.readouterr().err
+
+
 def test_shards_get_the_mode_of_index_json(tmp_path):
     import torch
 
@@ -89,8 +103,9 @@ def test_shards_get_the_mode_of_index_json(tmp_path):
     assert modes["rank_00000.safetensors"] == modes["index.json"], modes
 
 
-def _checkpointer(directory) -> Checkpointer:
-    cfg = load(["--checkpoint.dir", str(directory)])
+def _checkpointer(directory, out_dir=None, *args: str) -> Checkpointer:
+    out_dir = out_dir or tempfile.mkdtemp()  # not the default runs/tiny of the working directory
+    cfg = load(["--checkpoint.dir", str(directory), "--train.out_dir", str(out_dir), *args])
     return Checkpointer(cfg, SimpleNamespace(rank=0, world_size=1))
 
 
@@ -102,13 +117,13 @@ def test_checkpoint_dir_must_be_writable(tmp_path):
         _checkpointer(tmp_path / "file" / "ckpt")
 
 
-def test_second_job_is_refused_and_its_saves_are_safe(tmp_path):
-    """A live job's lock (here: this test's parent process) refuses a second one, which leaves the first one's
+def test_second_job_is_refused_and_its_saves_are_safe(tmp_path, live_pid):
+    """A live job's lock (here: a sleeping process) refuses a second one, which leaves the first one's
     save in progress alone; a dead process's lock on this host is taken over."""
-    holder = {"host": socket.gethostname(), "pid": os.getppid(), "started": 0, "run": "other"}
+    holder = {"host": socket.gethostname(), "pid": live_pid, "started": 0, "run": "other"}
     (tmp_path / LOCK).write_text(json.dumps(holder))
     (tmp_path / "step_000005.tmp-other").mkdir()
-    with pytest.raises(CheckpointError, match=f"is in use by pid {os.getppid()} on host"):
+    with pytest.raises(CheckpointError, match=f"is in use by pid {live_pid} on host"):
         _checkpointer(tmp_path)
     assert (tmp_path / "step_000005.tmp-other").is_dir()
     dead = subprocess.Popen(["true"])
@@ -119,3 +134,79 @@ def test_second_job_is_refused_and_its_saves_are_safe(tmp_path):
     assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
     ckpt.finish()
     assert not (tmp_path / LOCK).exists()
+
+
+def test_out_dir_is_probed_and_locked_like_checkpoint_dir(tmp_path, live_pid):
+    """Issue 23 item 4: two runs on one train.out_dir interleaved their metrics.jsonl; now the second is refused,
+    naming the holder. checkpoint.dir equal to out_dir or inside it is the same job's, not a rival."""
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = {"host": socket.gethostname(), "pid": live_pid, "started": 1.7e9, "run": "other"}
+    (out / LOCK).write_text(json.dumps(holder))
+    with pytest.raises(CheckpointError) as e:
+        _checkpointer(tmp_path / "ckpt", out)
+    assert f"train.out_dir '{out}' is in use by pid {live_pid} on host {socket.gethostname()} (run other, since 20" \
+        in str(e.value)
+    assert not (tmp_path / "ckpt" / LOCK).exists()  # refused before taking checkpoint.dir's lock
+    holder["pid"] = os.getppid()  # the process that forked this one (tests/dist.py ranks): the same job
+    (out / LOCK).write_text(json.dumps(holder))
+    _checkpointer(tmp_path / "ckpt", out).finish()
+    assert not (out / LOCK).exists()
+    for ckpt_dir in (out, out / "ckpt"):
+        ckpt = _checkpointer(ckpt_dir, out)
+        assert json.loads((out / LOCK).read_text())["pid"] == os.getpid()
+        ckpt.finish()
+        assert not (out / LOCK).exists() and not (ckpt_dir / LOCK).exists()
+
+
+def test_out_dir_or_its_tensorboard_that_is_a_file(tmp_path):
+    """Issue 23 item 3: FileExistsError tracebacks from mkdir and from SummaryWriter."""
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match=f"train.out_dir '{tmp_path / 'file'}' is not a directory"):
+        _checkpointer(tmp_path / "ckpt", tmp_path / "file")
+    (tmp_path / "tensorboard").write_text("x")
+    with pytest.raises(CheckpointError, match=r"log.tensorboard's directory '.*tensorboard' is not a directory; "
+                                              r"move it away, or set log.tensorboard=false"):
+        _checkpointer(tmp_path / "ckpt", tmp_path, "--log.tensorboard", "true")
+
+
+def test_garbage_lock_is_called_unreadable(tmp_path, capsys):
+    """Issue 23 item 6: a LOCK holding garbage was described as 'pid -1 ... since 1970'."""
+    (tmp_path / LOCK).write_bytes(b"\x00\x17garbage")
+    _checkpointer(tmp_path).finish()
+    said = capsys.readouterr().out
+    assert "taking over an unreadable lock file" in said and "pid -1" not in said and "1970" not in said
+
+
+def test_metrics_rewind_keeps_a_line_that_is_not_utf8(tmp_path, capsys):
+    """Issue 23 item 3: a non-UTF-8 byte in metrics.jsonl made the rewind on resume raise UnicodeDecodeError.
+    Such a line, like one cut short by a crash, moves to metrics.rolled_back.jsonl byte for byte."""
+    from engine.metrics.logger import MetricsLogger
+
+    good, bad, later, cut = b'{"step": 1}\n', b'{"step": 2, "note": "\xff"}\n', b'{"step": 4}\n', b'{"ste'
+    (tmp_path / "metrics.jsonl").write_bytes(good + bad + later + cut)
+    MetricsLogger(str(tmp_path), enabled=True, progress=False, total_steps=9).rewind(3)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == good
+    assert (tmp_path / "metrics.rolled_back.jsonl").read_bytes() == bad + later + cut + b"\n"
+    assert "1 records past step 3 and 2 unreadable lines moved" in capsys.readouterr().out
+
+
+def _claim_rank(argv: list[str]) -> str | None:
+    """Rank function: the start-up claim of a world of 2; this rank's error, or None."""
+    import torch.distributed as dist
+
+    try:
+        Checkpointer(load(argv), SimpleNamespace(rank=dist.get_rank(), world_size=dist.get_world_size())).finish()
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_every_rank_refuses_a_bad_out_dir(tmp_path):
+    """rank 0 checks train.out_dir; the other ranks must raise its error too, not go on into the first collective
+    and hang there until parallel.timeout_s (with checkpoint.dir empty there was no group to tell them)."""
+    from tests.dist import run_ranks
+
+    (tmp_path / "file").write_text("x")
+    errors = run_ranks(_claim_rank, 2, ["--train.out_dir", str(tmp_path / "file")], timeout_s=120)
+    assert errors[0] == errors[1] and "train.out_dir" in errors[0] and "is not a directory" in errors[0]

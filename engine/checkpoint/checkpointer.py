@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint.contents import check_model, contents, load_into
+from engine.checkpoint.contents import check_model, contents, data_changes, load_into
 from engine.checkpoint.format import INDEX, CheckpointError, merge_index, read_index, verify_shard, write_shard
 from engine.checkpoint.lineage import set_aside, settle
-from engine.checkpoint.lock import CheckpointLock, probe_writable
+from engine.checkpoint.lock import CheckpointLock, claim_run_directories
 from engine.checkpoint.parts import CheckpointParts, RunPosition
 from engine.checkpoint.publish import STEP_DIR, list_checkpoints, publish, staging_dir, step_name
 from engine.checkpoint.signals import StopSignal
@@ -74,38 +74,27 @@ class Checkpointer:
         self.timings: dict[str, float] = {}  # seconds of the latest save/load (launch/bench/checkpoint.py)
         self.skipped: list[str] = []  # why resume: auto passed over each damaged checkpoint
         self.stopped_unsaved = False  # a stop signal ended training with nothing saved (no checkpoint.dir)
-        self.lock: CheckpointLock | None = None
+        self.locks: list[CheckpointLock] = []  # train.out_dir's, and checkpoint.dir's unless it is the same
         # Metadata travels on a gloo group of its own: usable from the async thread and on CPU tensors under nccl.
-        # (Every rank has the same config, so every rank creates it or none does.) With parallel.timeout_s, not gloo's
-        # 30-minute default, a rank that dies or hangs during a save fails the others' exchange in bounded time.
-        used = self.root is not None or c.resume not in ("auto", "none")
+        # It also carries rank 0's verdict on train.out_dir, which every run writes, so every multi-rank run makes
+        # it. With parallel.timeout_s, not gloo's 30-minute default, a rank that dies or hangs during a save fails
+        # the others' exchange in bounded time.
         timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
-        self.group = dist.new_group(backend="gloo", timeout=timeout) if ctx.world_size > 1 and used else None
-        status = [uuid.uuid4().hex[:8], None]  # the run's token, and rank 0's verdict on checkpoint.dir
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if ctx.world_size > 1 else None
+        status = [uuid.uuid4().hex[:8], None]  # the run's token, and rank 0's verdict on the directories
         if ctx.rank == 0:
-            status[1] = self._claim(status[0])
+            self.locks, status[1] = claim_run_directories(cfg, self.root, status[0])
         if self.group is not None:
             dist.broadcast_object_list(status, src=0, group=self.group)
         self.token, error = status
         if error is not None:
             raise CheckpointError(error)
 
-    def _claim(self, token: str) -> str | None:
-        """rank 0, before the first step: checkpoint.dir is writable and ours (engine/checkpoint/lock.py); an error
-        message (every rank raises it) or None."""
-        if self.root is None:
-            print("checkpoint.dir is empty: no checkpoint will be saved, not even on SIGTERM (set "
-                  "--checkpoint.dir DIR to keep the weights)", flush=True)
-            return None
-        try:
-            probe_writable(self.root, token)
-            self.lock = CheckpointLock(self.root, token)
-            message = self.lock.acquire()
-        except CheckpointError as e:
-            return str(e)
-        if message:
-            print(message, flush=True)
-        return None
+    def release(self) -> None:
+        """Give back the directory locks (the end of fit; a failed start-up)."""
+        for lock in self.locks:
+            lock.release()
+        self.locks = []
 
     # ---- collectives on our group ------------------------------------------------------------------------------
     def _gather(self, obj) -> list:
@@ -212,8 +201,7 @@ class Checkpointer:
             self.wait()
         finally:
             self.stop.uninstall()
-            if self.lock is not None:
-                self.lock.release()
+            self.release()
 
     # ---- resume ----------------------------------------------------------------------------------------------
     def _validate(self, path: Path) -> tuple[dict | None, str | None]:
@@ -268,6 +256,8 @@ class Checkpointer:
             self.timings = {"validate_s": validated - start, "load_s": time.perf_counter() - start}
             if self.ctx.rank == 0:
                 print(f"resumed from {path} (step {index['step']}, saved at {index['layout']})", flush=True)
+                for note in data_changes(index, self.cfg.train):
+                    print(f"notice: {note}", flush=True)
             self.resumed_from = path
             return position
         if candidates:

@@ -128,3 +128,20 @@ def check_model(path: Path, index: dict, model_cfg) -> None:
     if diff:
         raise CheckpointError(f"{path / INDEX} was written for another model: {', '.join(diff)}; use its model "
                               f"settings, another checkpoint.dir, or checkpoint.resume=none")
+
+
+def data_changes(index: dict, train_cfg) -> list[str]:
+    """One notice per data-shaping setting that differs from the checkpoint's, saying what it does to the data
+    position (consumed_samples, engine/data/dataset.py GlobalBatchSampler): the run goes on, but not as before."""
+    saved, consumed = index["config"].get("train", {}), index["consumed_samples"]
+    notes = []
+    if saved.get("seq_len", train_cfg.seq_len) != train_cfg.seq_len:
+        notes.append(f"train.seq_len is {train_cfg.seq_len}, the checkpoint's run had {saved['seq_len']}: the corpus "
+                     f"is cut into other samples in another order, so the {consumed} samples consumed no longer say "
+                     f"which text was seen (some will repeat, some be skipped)")
+    if saved.get("global_batch_size", train_cfg.global_batch_size) != train_cfg.global_batch_size:
+        notes.append(f"train.global_batch_size is {train_cfg.global_batch_size}, the checkpoint's run had "
+                     f"{saved['global_batch_size']}: the data continues after sample {consumed} exactly, but each "
+                     f"step from here takes {train_cfg.global_batch_size} samples (the step count and learning-rate "
+                     f"schedule no longer match the samples seen)")
+    return notes

@@ -1,11 +1,14 @@
-"""Start-up checks of ``checkpoint.dir``: it can be created and written, and no other live job uses it.
+"""Start-up checks of ``checkpoint.dir`` and ``train.out_dir``: each can be created and written, and no other live
+job uses it (two runs on one out_dir would interleave their metrics.jsonl records).
 
 Run by rank 0 before the first step, so a read-only mount or a path that is a file fails in seconds with one line
 instead of losing the training done before the first save. The lock is ``<dir>/LOCK``, created with ``O_EXCL``
 and holding JSON ``{"host", "pid", "started", "run"}``. A second job finds it and is refused, naming the holder.
 A lock left by a dead process on this host (a crash, ``kill -9``, a torchrun restart: new worker pids) is taken
 over with a message; a lock from another host cannot be checked from here and is refused with the file to delete.
-Because only the lock holder saves, the clean-up of ``step_*.tmp-*`` directories never meets another live job's.
+A lock held by this process or by the process that forked it (tests/dist.py ranks after an in-process run) is
+this job's own. Because only the lock holder saves, the clean-up of ``step_*.tmp-*`` directories never meets
+another live job's.
 """
 from __future__ import annotations
 
@@ -20,10 +23,14 @@ from engine.checkpoint.format import CheckpointError
 LOCK = "LOCK"
 
 
-def probe_writable(root: Path, token: str) -> None:
-    """Create ``root`` (and parents) and write, fsync and delete a probe file in it; CheckpointError if not."""
+CHECKPOINT_HINT = "give a writable directory to save checkpoints in, or checkpoint.dir='' to save nothing"
+
+
+def probe_writable(root: Path, token: str, setting: str = "checkpoint.dir", hint: str = CHECKPOINT_HINT) -> None:
+    """Create ``root`` (and parents) and write, fsync and delete a probe file in it; CheckpointError naming
+    ``setting`` (the config key that chose root) and ``hint`` (what to do) if not."""
     if root.exists() and not root.is_dir():
-        raise CheckpointError(f"checkpoint.dir '{root}' is not a directory; give a directory to save checkpoints in")
+        raise CheckpointError(f"{setting} '{root}' is not a directory; {hint}")
     probe = root / f".probe-{token}"
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -33,8 +40,7 @@ def probe_writable(root: Path, token: str) -> None:
             os.fsync(f.fileno())
         probe.unlink()
     except OSError as e:
-        raise CheckpointError(f"checkpoint.dir '{root}' cannot be written ({e.strerror or e}); give a writable "
-                              f"directory, or checkpoint.dir='' to save nothing") from None
+        raise CheckpointError(f"{setting} '{root}' cannot be written ({e.strerror or e}); {hint}") from None
 
 
 def _alive(pid: int) -> bool:
@@ -48,15 +54,20 @@ def _alive(pid: int) -> bool:
 
 
 def _describe(holder: dict) -> str:
-    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
-    return f"pid {holder.get('pid')} on host {holder.get('host')} (run {holder.get('run')}, since {started})"
+    if holder.get("unreadable"):
+        return f"an unreadable lock file ({holder['unreadable']}; its writer was probably killed mid-write)"
+    started = holder.get("started")
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) \
+        and started > 0 else "an unknown time"
+    return f"pid {holder.get('pid')} on host {holder.get('host')} (run {holder.get('run')}, since {since})"
 
 
 class CheckpointLock:
-    """rank 0's exclusive claim on a checkpoint directory; ``release()`` at the end of training."""
+    """rank 0's exclusive claim on a directory (``setting`` names its config key in messages); ``release()`` at
+    the end of training."""
 
-    def __init__(self, root: Path, run: str):
-        self.path = root / LOCK
+    def __init__(self, root: Path, run: str, setting: str = "checkpoint.dir"):
+        self.path, self.setting = root / LOCK, setting
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "run": run}
         self.held = False
 
@@ -72,10 +83,12 @@ class CheckpointLock:
                     continue
                 if not self._stale(holder):
                     raise CheckpointError(
-                        f"checkpoint.dir '{self.path.parent}' is in use by {_describe(holder)}; use another "
-                        f"checkpoint.dir, or delete {self.path} if that job is gone") from None
-                if holder.get("pid") != self.me["pid"]:
-                    message = f"checkpoint: taking over the lock of {_describe(holder)}, which is no longer running"
+                        f"{self.setting} '{self.path.parent}' is in use by {_describe(holder)}; use another "
+                        f"{self.setting}, or delete {self.path} if that job is gone") from None
+                if not self._ours(holder):
+                    what = _describe(holder) if "unreadable" in holder else \
+                        f"the lock of {_describe(holder)}, which is no longer running"
+                    message = f"{self.setting}: taking over {what}"
                 try:
                     self.path.unlink()
                 except FileNotFoundError:
@@ -95,16 +108,21 @@ class CheckpointLock:
             holder = json.loads(self.path.read_text())
         except FileNotFoundError:
             return None
-        except (OSError, ValueError):
-            return {"host": self.me["host"], "pid": -1, "run": "unreadable lock"}
-        return holder if isinstance(holder, dict) else {"host": self.me["host"], "pid": -1, "run": "?"}
+        except (OSError, ValueError) as e:
+            return {"host": self.me["host"], "unreadable": type(e).__name__}
+        return holder if isinstance(holder, dict) else {"host": self.me["host"], "unreadable": "not a JSON object"}
+
+    def _ours(self, holder: dict) -> bool:
+        """This very process (a second Trainer in one process) or the one that forked it (tests/dist.py ranks
+        after an in-process run in the parent): the same job, not a rival."""
+        return holder.get("host") == self.me["host"] and holder.get("pid") in (self.me["pid"], os.getppid())
 
     def _stale(self, holder: dict) -> bool:
-        """Dead on this host, or this very process (a second Trainer in one process, as the tests make)."""
+        """Ours, or dead on this host (a crash, kill -9, a torchrun restart)."""
         if holder.get("host") != self.me["host"]:
             return False
         pid = holder.get("pid")
-        return not isinstance(pid, int) or pid <= 0 or pid == self.me["pid"] or not _alive(pid)
+        return not isinstance(pid, int) or pid <= 0 or self._ours(holder) or not _alive(pid)
 
     def release(self) -> None:
         if self.held:
@@ -114,3 +132,33 @@ class CheckpointLock:
                     self.path.unlink()
             except (OSError, ValueError):
                 pass
+
+
+def claim_run_directories(cfg, root: Path | None, token: str) -> tuple[list[CheckpointLock], str | None]:
+    """Rank 0, before the first step: train.out_dir (and its tensorboard/ under log.tensorboard) and checkpoint.dir
+    (``root``, None when no checkpoint is saved) are writable directories and this job's alone; returns the locks
+    taken and an error message (every rank raises it; no lock is then kept) or None. checkpoint.dir may be out_dir
+    itself (one lock) or inside it (two)."""
+    out = Path(cfg.train.out_dir)
+    claims = [(out, "train.out_dir", "give a writable directory for the run's metrics")]
+    if root is not None and root.resolve() != out.resolve():
+        claims.append((root, "checkpoint.dir", CHECKPOINT_HINT))
+    locks: list[CheckpointLock] = []
+    try:
+        for directory, setting, hint in claims:
+            probe_writable(directory, token, setting, hint)
+            locks.append(CheckpointLock(directory, token, setting))
+            message = locks[-1].acquire()
+            if message:
+                print(message, flush=True)
+        if cfg.log.tensorboard:  # SummaryWriter would raise FileExistsError from deep inside
+            probe_writable(out / "tensorboard", token, "log.tensorboard's directory",
+                           "move it away, or set log.tensorboard=false")
+    except CheckpointError as e:
+        for lock in locks:
+            lock.release()
+        return [], str(e)
+    if root is None:
+        print("checkpoint.dir is empty: no checkpoint will be saved, not even on SIGTERM (set "
+              "--checkpoint.dir DIR to keep the weights)", flush=True)
+    return locks, None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import numbers
 import pathlib
 import tempfile
@@ -85,14 +86,33 @@ def open_documents(path: pathlib.Path, text_key: str, cache_dir: str):
     if path.stat().st_size == 0:
         raise DataError(f"{path}: no text (the file is empty)")
     kwargs = {"sample_by": "document"} if builder == "text" else {}
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its error log line would repeat ours, apart
     try:
         ds = datasets.load_dataset(builder, data_files=[str(path)], split="train", cache_dir=cache_dir, **kwargs)
     except Exception as e:  # datasets/pyarrow raise many types (e.g. StopIteration, ArrowInvalid)
         reason = str(e).strip().splitlines()[0] if str(e).strip() else f"{type(e).__name__}, is it empty?"
-        raise DataError(f"{path}: could not read it as {builder} ({reason})") from e
+        where = _bad_json_line(path) if builder == "json" else None
+        raise DataError(f"{path}: could not read it as {builder} ({where or reason})") from e
+    finally:
+        datasets.logging.set_verbosity(verbosity)
     column = "text" if builder == "text" else text_key
     check_text_column(ds, column, str(path))
     return ds, column
+
+
+def _bad_json_line(path: pathlib.Path) -> str | None:
+    """For a JSON Lines file that failed to load: the first line that is not a JSON value, and why (datasets only
+    logs pyarrow's 0-based row within a read block). None when every line parses (a .json array, say)."""
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                json.loads(line.strip() or b"null")
+            except json.JSONDecodeError as e:
+                return f"line {number} is not valid JSON: {e.msg} at column {e.colno}"
+            except UnicodeDecodeError as e:
+                return f"line {number} is not UTF-8 (byte {e.start + 1} of the line)"
+    return None
 
 
 def check_text_column(ds, column: str, name: str) -> None:

@@ -26,24 +26,27 @@ class MetricsLogger:
     def rewind(self, step: int) -> None:
         """Start (or resume) at ``step``: records past it belong to a run that was rolled back (a crash after the
         checkpoint it resumes from, or an earlier run); they move to metrics.rolled_back.jsonl so each step is in
-        metrics.jsonl once and nothing is lost."""
+        metrics.jsonl once and nothing is lost. Lines that are not a JSON record (cut short by a crash, a byte that
+        is not UTF-8) move there too, byte for byte, with a count."""
         if not self.enabled or not self.path.is_file():
             return
-        keep, dropped = [], []
-        for line in self.path.read_text().splitlines(keepends=True):
+        keep, dropped, unreadable = [], [], 0
+        for line in self.path.read_bytes().splitlines(keepends=True):
             try:
-                past = json.loads(line)["step"] > step
+                past = json.loads(line)["step"] > step  # json.loads decodes bytes as UTF-8 (a ValueError if not)
             except (ValueError, KeyError, TypeError):
-                past = True  # a line cut short by the crash
-            (dropped if past else keep).append(line if line.endswith("\n") else line + "\n")
+                past, unreadable = True, unreadable + 1
+            (dropped if past else keep).append(line if line.endswith(b"\n") else line + b"\n")
         if not dropped:
             return
-        with self.path.with_name("metrics.rolled_back.jsonl").open("a") as f:
+        with self.path.with_name("metrics.rolled_back.jsonl").open("ab") as f:
             f.writelines(dropped)
         tmp = self.path.with_name("metrics.jsonl.tmp")
-        tmp.write_text("".join(keep))
+        tmp.write_bytes(b"".join(keep))
         tmp.replace(self.path)
-        print(f"metrics: {len(dropped)} records past step {step} moved to metrics.rolled_back.jsonl", flush=True)
+        bad = f" and {unreadable} unreadable lines" if unreadable else ""
+        print(f"metrics: {len(dropped) - unreadable} records past step {step}{bad} moved to "
+              f"metrics.rolled_back.jsonl", flush=True)
 
     def log(self, record: dict) -> None:
         """Append ``record`` (which must hold 'step') and print the progress line with an ETA."""

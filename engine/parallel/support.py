@@ -54,8 +54,11 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
                           f"summing to model.num_layers={m.num_layers}")
     dp = p.dp if p.dp != -1 else world_size // (tp * pp)
     if dp < 1 or tp * pp * dp != world_size:
+        fits = world_size % (tp * pp) == 0  # then only an explicit dp is wrong: say so, not "change tp and pp"
+        fix = (f"set parallel.dp={world_size // (tp * pp)} or -1 (auto)" if fits and p.dp != -1 else
+               f"choose tp and pp whose product divides {world_size}" + (", and dp=-1" if p.dp != -1 else ""))
         raise ConfigError(f"invalid layout: tp({tp}) * pp({pp}) * dp({p.dp if p.dp != -1 else 'auto'}) "
-                          f"!= world size({world_size}); choose tp and pp whose product divides {world_size}")
+                          f"!= world size({world_size}); {fix}")
     per_step = t.micro_batch_size * dp
     if t.global_batch_size % per_step:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
