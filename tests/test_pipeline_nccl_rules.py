@@ -3,7 +3,12 @@
 The shim itself (one Work per batch, rendezvous sends, in-order batches, shape check, fast deadlock error), then
 every schedule at pp 2 and 4 with m = pp, 2pp and 3pp micro-batches trained under it against one process, within
 the parity matrix's fp32 bounds (tests/parity/runner.py). The CI subset is every schedule at pp 2, m = 2pp, and
-1F1B at pp 4, m = 3pp; the rest is marked slow.
+1F1B at pp 4, m = 3pp; the rest is marked slow. Plus 1F1B on plain gloo (a Work per op): the executor takes both.
+
+Bug 1 of the issue (Works zipped with ops) fails 1f1b-v1-pp2-m4 with KeyError (1, 0) on the last stage (its first
+received activation dropped); bug 2 (interleaved order) fails interleaved-v2-pp2-m4 and -v3- with "NCCL rules:
+deadlock: rank 1 batch 5 [send#3->r0 ..., recv#4<-r0 ...] waits for rank 0 to start its recv#3 of 1->0; rank 0
+batch 6 [send#5->r1 ...] waits for rank 1 to start its recv#5 of 0->1" about 2 s into the run.
 
     python -m pytest -q tests/test_pipeline_nccl_rules.py              # CI subset
     python -m pytest -q -m slow tests/test_pipeline_nccl_rules.py      # the rest
@@ -164,6 +169,16 @@ def _argv(c: Combo, root, m: int, v: int) -> list[str]:
                                                            marks=() if case in CI else pytest.mark.slow)
                                              for case in CASES])
 def test_schedule_under_nccl_rules_matches_single_process(tmp_path_factory, schedule, v, pp, m):
+    _assert_matches_single_process(tmp_path_factory, schedule, v, pp, m)
+
+
+def test_executor_also_takes_one_work_per_op(tmp_path_factory, monkeypatch):
+    """Plain gloo (the shim off) returns a Work per op: the executor waits any number of them."""
+    monkeypatch.setenv("ENGINE_NCCL_SHIM", "0")
+    _assert_matches_single_process(tmp_path_factory, "1f1b", 1, 2, 4)
+
+
+def _assert_matches_single_process(tmp_path_factory, schedule: str, v: int, pp: int, m: int) -> None:
     layers = _layers(pp, v)
     if (layers, m) not in _references:
         ref = Combo(1, 1, 1, "ddp", "-", "fp32", False, False, False, layers=layers)
