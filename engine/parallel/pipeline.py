@@ -5,8 +5,9 @@ The schedule is data (engine/parallel/schedule.py: 1F1B of Narayanan et al. 2021
 ``dist.batch_isend_irecv`` (Megatron's send_forward_recv_backward pairing). A batch is waited whole (NCCL returns
 one Work for it) when it holds a receive; a send-only batch is waited only at the step's end. Under NCCL a send
 completes only once its receiver's batch has started and a rank's batches run in order, the rules under which
-schedule_sim proves the schedule deadlock-free and tests/nccl_shim.py runs the tests over gloo. Once a stage's output has been sent, its storage is freed and only its autograd graph is kept
-(Megatron's deallocate_output_tensor / custom_backward).
+schedule_sim proves the schedule deadlock-free and tests/nccl_shim.py runs the tests over gloo. Once a stage's
+output has been sent, its storage is freed and only its autograd graph is kept (Megatron's deallocate_output_tensor
+/ custom_backward).
 
 The same executor runs the interleaved schedule (each action names a model chunk; sends and receives go to the
 rank holding the neighbouring virtual stage, engine/parallel/virtual.py) and zero bubble (B runs the backward
