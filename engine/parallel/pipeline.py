@@ -2,10 +2,12 @@
 
 The schedule is data (engine/parallel/schedule.py: 1F1B of Narayanan et al. 2021, GPipe of Huang et al. 2019);
 ``PipelineExecutor`` walks this stage's action list. Consecutive communication actions are posted together with
-``dist.batch_isend_irecv`` (Megatron's send_forward_recv_backward pairing); the executor waits only for receives,
-never for sends until the step ends, which is the semantics under which schedule.simulate proves the schedule
-deadlock-free. Once a stage's output has been sent, its storage is freed and only its autograd graph is kept
-(Megatron's deallocate_output_tensor / custom_backward).
+``dist.batch_isend_irecv`` (Megatron's send_forward_recv_backward pairing). A batch is waited whole (NCCL returns
+one Work for it) when it holds a receive; a send-only batch is waited only at the step's end. Under NCCL a send
+completes only once its receiver's batch has started and a rank's batches run in order, the rules under which
+schedule_sim proves the schedule deadlock-free and tests/nccl_shim.py runs the tests over gloo. Once a stage's
+output has been sent, its storage is freed and only its autograd graph is kept (Megatron's deallocate_output_tensor
+/ custom_backward).
 
 The same executor runs the interleaved schedule (each action names a model chunk; sends and receives go to the
 rank holding the neighbouring virtual stage, engine/parallel/virtual.py) and zero bubble (B runs the backward
@@ -25,13 +27,12 @@ from torch import nn
 from torch.autograd import Variable
 
 from engine.parallel import schedule as sched
-from engine.parallel.actions import peer
+from engine.parallel.actions import peer, steps
 from engine.parallel.schedule import Op
 from engine.parallel.schedule_sim import simulate_actions
 from engine.parallel.virtual import chunk_layer_ranges
 from engine.parallel.weight_grad import WeightGradStore, split_weight_gradients
 
-COMM_OPS = (Op.RECV_FWD, Op.SEND_FWD, Op.RECV_BWD, Op.SEND_BWD)
 
 
 def stage_layer_ranges(num_layers: int, pp: int, counts: list[int] | None = None) -> list[range]:
@@ -115,10 +116,11 @@ class PipelineExecutor:
         self.wait_s = 0.0
         self.waiting = waiting  # a context around each receive's wait: the trainer's pp_wait (CUDA events on CUDA)
 
-    def _post(self, actions: list, state: dict) -> list:
-        """Post a run of consecutive comm actions as one batch; returns (work, action, tensor) per op. The peer
-        of each is the rank holding the neighbouring virtual stage (with v > 1 the last rank's chunk c sends on
-        to rank 0's chunk c+1)."""
+    def _post(self, actions: list, state: dict) -> tuple[list, list]:
+        """Post a run of consecutive comm actions as one batch; returns (the batch's Works, (action, tensor) per
+        op). NCCL coalesces a batch into ONE Work, gloo returns one per op: the Works are never paired with the
+        ops, only waited together. The peer of each op is the rank holding the neighbouring virtual stage (with
+        v > 1 the last rank's chunk c sends on to rank 0's chunk c+1)."""
         ctx, ops, meta = self.ctx, [], []
         for a in actions:
             other = ctx.stage_ranks[peer(ctx.pp, self.v, ctx.pp_rank, a)[0]]
@@ -135,31 +137,41 @@ class PipelineExecutor:
                 t = state["inputs"].pop(key).grad.to(self.act_dtype)
                 ops.append(dist.P2POp(dist.isend, t, other, ctx.pp_group))
             meta.append((a, t))
-        return list(zip(dist.batch_isend_irecv(ops), meta))
+        return list(dist.batch_isend_irecv(ops)), meta
 
-    def _complete(self, posted: list, state: dict) -> None:
-        """Wait for the receives just posted; keep sends pending (freeing sent outputs once they complete)."""
-        for work, (a, t) in posted:
-            if a.op in (Op.RECV_FWD, Op.RECV_BWD):
-                start = time.perf_counter()
-                with self.waiting():
+    def _complete(self, posted: tuple[list, list], state: dict) -> None:
+        """A batch that holds a receive is waited whole (its sends too: under NCCL they are one Work); a send-only
+        batch is kept pending. Sent outputs are freed once their batch has completed."""
+        works, meta = posted
+        if any(a.op in (Op.RECV_FWD, Op.RECV_BWD) for a, _ in meta):
+            start = time.perf_counter()
+            with self.waiting():  # the trainer's pp_wait: on CUDA the stream's stall, measured by events
+                for work in works:
                     work.wait()
-                self.wait_s += time.perf_counter() - start
-            if a.op == Op.RECV_FWD:
-                state["inputs"][(a.mb, a.chunk)] = t.requires_grad_()
-            elif a.op == Op.RECV_BWD:
-                state["grads"][(a.mb, a.chunk)] = t
-            else:
-                state["pending"].append((work, a, t))
+            self.wait_s += time.perf_counter() - start
+            for a, t in meta:
+                if a.op == Op.RECV_FWD:
+                    state["inputs"][(a.mb, a.chunk)] = t.requires_grad_()
+                elif a.op == Op.RECV_BWD:
+                    state["grads"][(a.mb, a.chunk)] = t
+            self._sent(meta, state)
+        else:
+            state["pending"].append((works, meta))
         still = []
-        for work, a, t in state["pending"]:
-            if a.op == Op.SEND_FWD and work.is_completed():
-                # Free a sent output's storage (Megatron's deallocate_output_tensor): only its graph is needed
-                if (a.mb, a.chunk) in state["outputs"]:  # for the backward, which starts from the received grad
-                    _free_storage(state["outputs"][(a.mb, a.chunk)])
-            elif a.op == Op.SEND_FWD or not work.is_completed():
-                still.append((work, a, t))
+        for pending in state["pending"]:
+            if all(work.is_completed() for work in pending[0]):
+                self._sent(pending[1], state)
+            else:
+                still.append(pending)
         state["pending"] = still
+
+    @staticmethod
+    def _sent(meta: list, state: dict) -> None:
+        """Free the storage of the outputs a completed batch sent (Megatron's deallocate_output_tensor): only
+        their graph is needed, for the backward, which starts from the received gradient."""
+        for a, _ in meta:
+            if a.op == Op.SEND_FWD and (a.mb, a.chunk) in state["outputs"]:
+                _free_storage(state["outputs"][(a.mb, a.chunk)])
 
     def _compute(self, a, state: dict, forwards: list, loss_fn, first_inputs, extra_inputs, before_backward,
                  backward) -> torch.Tensor | None:
@@ -200,22 +212,18 @@ class PipelineExecutor:
         state = {"inputs": {}, "outputs": {}, "grads": {}, "pending": []}
         self.wait_s = 0.0
         total = torch.zeros((), device=self.ctx.device)
-        i = 0
-        while i < len(self.actions):
-            if self.actions[i].op in COMM_OPS:
-                j = i
-                while j < len(self.actions) and self.actions[j].op in COMM_OPS:
-                    j += 1
-                self._complete(self._post(self.actions[i:j], state), state)
-                i = j
+        for step in steps(self.actions):  # a compute, or a batch of consecutive comm actions (one Work on NCCL)
+            if isinstance(step, tuple):
+                self._complete(self._post(list(step), state), state)
                 continue
-            loss = self._compute(self.actions[i], state, forwards, loss_fn, first_inputs, extra_inputs,
-                                 before_backward, backward)
+            loss = self._compute(step, state, forwards, loss_fn, first_inputs, extra_inputs, before_backward,
+                                 backward)
             if loss is not None:
                 total += loss.detach()
-            i += 1
-        for work, _, _ in state["pending"]:
-            work.wait()
+        for works, meta in state["pending"]:
+            for work in works:
+                work.wait()
+            self._sent(meta, state)
         if self.weight_grads is not None and self.weight_grads.pending():
             raise RuntimeError(f"weight gradients left unflushed after the step: {self.weight_grads.pending()}")
         return total
