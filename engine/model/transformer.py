@@ -149,11 +149,18 @@ def decode(cfg: ModelConfig, embed: nn.Module | None, layers, norm: nn.Module | 
     h = embed(x) if embed is not None else x
     if position_ids is None:
         position_ids = torch.arange(h.shape[1] * sequence_shards, device=h.device)
-    cos, sin = rope_cos_sin(cfg, position_ids, h.dtype)
+    cos, sin = rope_cos_sin(cfg, position_ids, compute_dtype(h))
     mask = None if doc_ids is None else block_causal_mask(doc_ids)
     for layer in layers:
         h = layer(h, cos, sin, mask)
     return norm(h) if norm is not None else h
+
+
+def compute_dtype(h: torch.Tensor) -> torch.dtype:
+    """The dtype the layers compute q and k in: autocast's (bf16 over fp32 hidden states) where it is on, else
+    h's own. RoPE tables in h's fp32 would promote the bf16 q/k (b, heads, s, hd) to fp32 for the rotation."""
+    kind = h.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
 
 
 class Llama(nn.Module):

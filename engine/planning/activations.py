@@ -126,7 +126,7 @@ def micro_batch_bytes(cfg: Config, tp: int, pp: int, stage: int, num_layers: int
         per_token += head_bytes_per_token(cfg, tp)
     if stage > 0 and mode(cfg) == "bf16":
         per_token += h * res / sequence_share(cfg, tp)  # the received input: the first norm saves an fp32 copy
-    rope = 2 * t.seq_len * cfg.model.head_dim * res  # cos and sin tables, built once per forward
+    rope = 2 * t.seq_len * cfg.model.head_dim * logit_bytes(cfg)  # cos, sin: once per forward, compute dtype
     copies = 0.0 if t.activation_checkpointing != "none" else weight_copy_bytes(cfg, tp, num_layers, last)
     return tokens * per_token + rope + copies
 
