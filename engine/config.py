@@ -105,6 +105,7 @@ class TrainConfig:
     max_bad_steps: int = 5
     seed: int = 1234
     dtype: str = "fp32"  # fp32 | bf16 (autocast; weights, grads and optimizer state stay fp32)
+    tf32: bool = True  # CUDA only: fp32 matmuls on TF32 tensor cores (engine/parallel/context.py apply_tf32)
     # Recompute in backward instead of keeping activations: none | full (keep each block's input) | selective
     # (keep matmul outputs, recompute norms/attention/elementwise; engine/model/recompute.py). true/false: full/none.
     activation_checkpointing: str = "none"

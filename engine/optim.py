@@ -58,6 +58,17 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """sum_i ||t_i||^2 (fp32 scalar) from one multi-tensor norm (torch._foreach_norm: a kernel per few hundred
+    tensors on CUDA, where a pow and a sum per tensor launch hundreds of tiny kernels). CPU's norm kernel
+    accumulates in its output dtype without pairwise summation (measured: 1e-6 relative error in fp32 on 262k
+    values, where pow().sum() errs by 2e-8), so on CPU it accumulates in fp64 (2e-14); CUDA's tree reduction is
+    accurate in fp32."""
+    acc = torch.float64 if tensors[0].device.type == "cpu" else torch.float32
+    norms = torch._foreach_norm(tensors, 2, dtype=acc)  # one scalar per tensor
+    return torch.stack(norms).pow(2).sum().float()
+
+
 def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = (), dp_group=None) -> torch.Tensor:
     """L2 norm of the whole model's gradient across tensor- and pipeline-parallel ranks.
 
@@ -73,13 +84,13 @@ def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = (),
         if p.grad is None or id(p) in skip:
             continue
         is_sharded = tp_dim(module, attr) is not None
-        (sharded if is_sharded else replicated).append(_local(p.grad).detach().float().pow(2).sum())
+        (sharded if is_sharded else replicated).append(_local(p.grad).detach())
     device = next(model.parameters()).device
     total = torch.zeros((), device=device, dtype=torch.float32)
     if sharded:
-        total = total + torch.stack(sharded).sum()
+        total = total + sum_of_squares(sharded)
     if replicated and tp_rank == 0:
-        total = total + torch.stack(replicated).sum()
+        total = total + sum_of_squares(replicated)
     for g in (group, dp_group):
         if g is not None and dist.get_world_size(g) > 1:
             dist.all_reduce(total, group=g)
@@ -94,7 +105,7 @@ def clip_gradients(model: nn.Module, max_norm: float, tp_rank: int, group, exclu
     norm = global_grad_norm(model, tp_rank, group, exclude, dp_group)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for _, _, p in unique_params(model):
-            if p.grad is not None:
-                _local(p.grad).mul_(coef.to(p.grad.device))
+        grads = [_local(p.grad) for _, _, p in unique_params(model) if p.grad is not None]
+        if grads:  # one multi-tensor multiply (every gradient of a stage lives on the stage's device)
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
     return norm.item()

@@ -41,6 +41,11 @@ from engine.parallel.support import micro_batches_per_step, resolve_layout
 from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 
 
+def wire_dtype(train_dtype: str, param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of activations and their gradients between pipeline stages: the compute dtype."""
+    return torch.bfloat16 if train_dtype == "bf16" else param_dtype
+
+
 class TrainingAborted(RuntimeError):
     """Training cannot usefully go on (train.max_bad_steps non-finite losses in a row)."""
 
@@ -76,10 +81,12 @@ class Trainer:
         self.feed = BatchFeed(cfg, ctx, self.tokenizer)
         if ctx.rank == 0:
             print(self.feed.describe(), flush=True)
-        # Under ZeRO with bf16 the weights themselves are bf16 (DeepSpeed keeps the fp32 master copy).
-        # Between stages: (b, s, h), or (b, s/tp, h) under sequence parallelism (the residual stream is sharded).
+        # Between stages: (b, s, h), or (b, s/tp, h) under sequence parallelism (the residual stream is sharded),
+        # in the compute dtype: bf16 under train.dtype bf16 halves the p2p bytes of fp32 weights. A stage casts
+        # its input back to its weights' dtype (stage_forward; under ZeRO bf16 the weights themselves are bf16).
+        self.param_dtype = next(self.model.parameters()).dtype
         s_local = t.seq_len // ctx.tp if cfg.parallel.sequence_parallel else t.seq_len
-        shape, dtype = (t.micro_batch_size, s_local, cfg.model.hidden_size), next(self.model.parameters()).dtype
+        shape, dtype = (t.micro_batch_size, s_local, cfg.model.hidden_size), wire_dtype(t.dtype, self.param_dtype)
         p = cfg.parallel
         self.stats = StepStats(cfg, ctx)  # throughput, MFU, memory, time per phase (metrics.jsonl)
         self.executor = PipelineExecutor(ctx, p.schedule, self.micro_batches, shape, dtype,
@@ -135,11 +142,18 @@ class Trainer:
             return vocab_parallel_cross_entropy(logits, labels[mb], ctx.tp_group) / self.micro_batches
 
         timer = self.stats.timer  # the loss counts as forward time
-        forwards = [timer.wrap("forward", functools.partial(self.dp.forward, chunk=c)) for c in range(executor.v)]
+        forwards = [timer.wrap("forward", functools.partial(self.stage_forward, chunk=c)) for c in range(executor.v)]
         loss = executor.run(forwards, timer.wrap("forward", loss_fn), inputs, extra_inputs=extra, **kwargs)
         if ctx.pp > 1:
             dist.all_reduce(loss, group=ctx.pp_group)  # only the last stage's term is non-zero
         return loss
+
+    def stage_forward(self, x: torch.Tensor, chunk: int = 0, **kwargs) -> torch.Tensor:
+        """dp.forward of one micro-batch; received hidden states (b, s, h) in the wire dtype go back to the
+        weights' dtype (autocast's fp32 residual stream), whose backward casts their gradient to the wire dtype."""
+        if x.is_floating_point():
+            x = x.to(self.param_dtype)
+        return self.dp.forward(x, chunk=chunk, **kwargs)
 
     def forward_backward(self, local_batch: torch.Tensor | None) -> torch.Tensor:
         """Accumulate the gradient of this rank's share of the global batch; returns its mean loss."""

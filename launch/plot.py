@@ -20,7 +20,7 @@ PANELS = [  # (record key, title, y label, log scale)
     ("lr", "Learning rate", "lr", False),
     ("grad_norm", "Gradient norm (before clipping)", "global L2 norm", True),
     ("tokens_per_s", "Throughput", "tokens/s (all ranks)", False),
-    ("peak_mem_bytes", "Peak memory per rank", "MiB", False),
+    ("peak_mem_bytes", "Peak memory (largest rank)", "MiB", False),
 ]
 
 

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.config import Config, ConfigError, load, load_yaml, parse_args
+from engine.parallel.context import apply_tf32
 from engine.parallel.support import resolve_layout
 
 
@@ -37,12 +39,29 @@ def test_deepspeed_local_rank_argument_is_accepted():
     (["--config", "/nonexistent/x.yaml"], "config file '/nonexistent/x.yaml' does not exist"),
     (["--train.steps"], "argument '--train.steps' has no value"),
     (["stray"], "unexpected argument 'stray'"),
+    (["--train.tf32", "maybe"], "train.tf32='maybe' is not a boolean; use true or false"),
 ])
 def test_bad_values_name_key_and_value(argv, needle):
     with pytest.raises(ConfigError) as e:
         load(argv)
     assert needle in str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_tf32_is_set_on_cuda_only(enabled):
+    """train.tf32 (default on) sets torch's TF32 matmul flag for a CUDA device and leaves it alone on CPU. The flag
+    is only a setting: a torch.device("cuda") object needs no GPU to be passed."""
+    assert Config().train.tf32 is True
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = not enabled
+        apply_tf32(enabled, torch.device("cpu"))
+        assert torch.backends.cuda.matmul.allow_tf32 is (not enabled)
+        apply_tf32(enabled, torch.device("cuda", 0))
+        assert torch.backends.cuda.matmul.allow_tf32 is enabled
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def test_bad_yaml_sections(tmp_path):

@@ -4,6 +4,7 @@
   with 1F1B, where the reducer must be armed before the step's last *backward*, not at its last forward.
 - DDP reduces once per step (one comm-hook call per bucket), not once per micro-batch.
 - Gradients are DDP's bucket views: no second copy (bytes_held()['grads'] == the parameter bytes).
+- At dp = 1 nothing is wrapped (nothing to reduce); the dp = 1 curve the others are compared with runs so.
 - bf16 / fp16 / PowerSGD compression converge with the dp = 1 curve over 40 steps (bounds measured: CONVERGE).
 
 The hooks are observed by wrapping ``engine.parallel.dp.ddp.comm_hook`` in the forked ranks
@@ -14,6 +15,11 @@ from __future__ import annotations
 
 import pytest
 
+from torch.nn.parallel import DistributedDataParallel
+
+from engine.config import load
+from engine.parallel.context import ParallelContext
+from engine.trainer import Trainer
 from launch.bench.compression import differences, train_rank
 from tests.dist import run_ranks
 from tests.parity.runner import BASE
@@ -46,6 +52,21 @@ def test_ddp_equals_one_process(tmp_path, dp1):
     for (run,) in ranks:  # every stage: the loss is pp-all-reduced, the grad norm is over the whole model
         assert rel(run["loss"], dp1["loss"]) <= 1e-5, (run["loss"], dp1["loss"])
         assert rel(run["grad_norm"], dp1["grad_norm"]) <= 1e-5, (run["grad_norm"], dp1["grad_norm"])
+
+
+def wrappers(argv: list[str]) -> int:
+    """Rank function: how many DistributedDataParallel modules the ddp mode built."""
+    cfg = load(argv)
+    dp = Trainer(cfg, ParallelContext.from_config(cfg)).dp
+    return sum(isinstance(m, DistributedDataParallel) for m in vars(dp).get("ddps", []))
+
+
+@pytest.mark.parametrize("world,pp", [(1, 1), (2, 2), (2, 1)])
+def test_no_wrapper_at_dp_1(tmp_path, world, pp):
+    """dp 1 (one process, or pp 2 over two) runs the stage unwrapped; dp 2 wraps it."""
+    argv = [*DDP, "--parallel.pp", str(pp), "--train.out_dir", str(tmp_path)]
+    dp = world // pp
+    assert run_ranks(wrappers, world, argv) == [1 if dp > 1 else 0] * world
 
 
 def test_one_reduction_per_step_into_bucket_views(tmp_path):

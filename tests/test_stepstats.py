@@ -28,7 +28,8 @@ def two_steps(argv: list[str]) -> dict:
 def test_records_carry_throughput_mfu_memory_and_phases(tmp_path, extra):
     argv = [*SMALL, *extra, "--train.out_dir", str(tmp_path)]
     world = 2 if extra else 1
-    result = run_ranks(two_steps, world, argv)[-1]  # the last stage
+    ranks = run_ranks(two_steps, world, argv)
+    result = ranks[-1]  # the last stage
     cfg = load(argv)
     for r in result["history"]:
         assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / world)
@@ -42,8 +43,11 @@ def test_records_carry_throughput_mfu_memory_and_phases(tmp_path, extra):
         # Phases are disjoint parts of the step, data included (the step runs boundary to boundary).
         assert sum(phases.values()) <= r["step_time"] * 1.01
     assert [r.get("warmup", False) for r in result["history"]] == [True, False]
-    # The model state counted at the update is what the rank holds with gradients present.
-    assert result["history"][-1]["peak_mem_bytes"] == result["held"]
+    # The model state counted at the update is what a rank holds with gradients present; the record carries the
+    # largest over ranks (at pp 2 the stages hold different bytes: the last one has the final norm), on every rank.
+    held = [r["held"] for r in ranks]
+    assert len(set(held)) == world
+    assert [r["history"][-1]["peak_mem_bytes"] for r in ranks] == [max(held)] * world
 
 
 SLOW = 0.2  # seconds added to the data phase and to the checkpointer's after_step (its stop-signal all-reduce)

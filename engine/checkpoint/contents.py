@@ -63,9 +63,21 @@ def snapshot(parts: CheckpointParts) -> tuple[dict, dict, int | None]:
                                                   "tp_size": slot.tp_size, "states": {}})
             for state, values in held.items():
                 piece = values[part.at + lo - slot.start:part.at + hi - slot.start]
-                tensors[piece_key(part.name, state, slot.tp_rank, lo)] = piece.to("cpu", torch.float32, copy=True)
+                tensors[piece_key(part.name, state, slot.tp_rank, lo)] = host_copy(piece)
                 entry["states"].setdefault(state, []).append([slot.tp_rank, lo, hi])
+    if parts.ctx.device.type == "cuda":
+        torch.cuda.synchronize(parts.ctx.device)  # the one wait for every host_copy of the snapshot
     return tensors, params, access.adam_step()
+
+
+def host_copy(piece: torch.Tensor) -> torch.Tensor:
+    """An fp32 CPU copy of ``piece`` (n,). From CUDA: queued into pinned host memory without waiting (the copies
+    of a snapshot overlap, and snapshot waits once); complete only after a synchronize."""
+    if piece.device.type != "cuda":
+        return piece.to("cpu", torch.float32, copy=True)
+    out = torch.empty(piece.shape, dtype=torch.float32, pin_memory=True)
+    # the fp32 cast (a temporary for bf16 pieces) runs on the device, on the stream the copy is queued on
+    return out.copy_(piece.to(torch.float32), non_blocking=True)
 
 
 def header(position: RunPosition, cfg, layout: dict, model_only: bool = False) -> dict:

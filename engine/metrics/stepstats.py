@@ -11,7 +11,8 @@
   engine/planning/flops.py's table by CUDA device name; absent where no peak is known, a CPU for one).
 - ``peak_mem_bytes``: on CUDA the allocator's peak since the previous step (``torch.cuda.max_memory_allocated``);
   on CPU, which has no allocator to ask, the bytes of tensors the rank holds for weights, gradients and optimizer
-  state at the update (engine/metrics/memory.py), activations not included. ``mem_source`` says which.
+  state at the update (engine/metrics/memory.py), activations not included. ``mem_source`` says which. The
+  maximum over all ranks (one scalar all-reduce a step): the rank closest to running out, whichever writes it.
 - ``time``: seconds per phase of the step (engine/metrics/timers.py; CUDA events on CUDA): data, forward, backward,
   pp_wait (stalled on pipeline receives), dp_comm (the part of the dp gradient reduction that did not overlap with
   backward: none under DDP, whose bucketed all-reduce runs inside the last backward), optimizer (clip + update;
@@ -21,6 +22,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from engine.config import Config
 from engine.planning.flops import device_peak_tflops, flops_per_token
@@ -50,6 +52,14 @@ class StepStats:
         if not self.cuda:
             self.state_bytes = sum(bytes_held().values())
 
+    def max_over_ranks(self, value: int) -> int:
+        """The largest ``value`` of any rank (every rank calls it once a step, at the same point)."""
+        if self.ctx.world_size == 1:
+            return value
+        t = torch.tensor(value, dtype=torch.int64, device=self.ctx.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the world group: stages and tp/dp shards hold different bytes
+        return int(t.item())
+
     def finish(self, record: dict) -> dict:
         self.steps_done += 1
         if self.steps_done <= WARMUP_STEPS:
@@ -61,10 +71,12 @@ class StepStats:
         if self.peak_tflops:
             record["mfu"] = tflops / self.peak_tflops
         if self.cuda:
-            record.update(peak_mem_bytes=torch.cuda.max_memory_allocated(self.ctx.device), mem_source="cuda_allocator")
+            peak = torch.cuda.max_memory_allocated(self.ctx.device)
             torch.cuda.reset_peak_memory_stats(self.ctx.device)
         else:
-            record.update(peak_mem_bytes=self.state_bytes, mem_source="tensors_held")
+            peak = self.state_bytes
+        record.update(peak_mem_bytes=self.max_over_ranks(peak),
+                      mem_source="cuda_allocator" if self.cuda else "tensors_held")
         if self.timer.enabled:
             record["time"] = {k: round(v, 6) for k, v in self.timer.pop().items()}
         return record

@@ -151,7 +151,7 @@ def decode(cfg: ModelConfig, embed: nn.Module | None, layers, norm: nn.Module | 
     h = embed(x) if embed is not None else x
     if position_ids is None:
         position_ids = torch.arange(h.shape[1] * sequence_shards, device=h.device)
-    cos, sin = rope_cos_sin(cfg, position_ids, h.dtype)
+    cos, sin = rope_cos_sin(cfg, position_ids, compute_dtype(h))
     # (b, 1, s, s) additive mask in SDPA's dtype, shared by the layers (each would save its own copy of a bool one)
     mask = None if doc_ids is None else additive_mask(block_causal_mask(doc_ids), compute_dtype(h))
     for layer in layers:

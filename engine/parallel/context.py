@@ -30,6 +30,14 @@ def pick_device_and_backend(requested: str = "auto", local_rank: int = 0) -> tup
     return torch.device("cpu"), "gloo"
 
 
+def apply_tf32(enabled: bool, device: torch.device) -> None:
+    """train.tf32: fp32 matmuls on CUDA run on TF32 tensor cores (10-bit mantissa products, fp32 accumulation;
+    NVIDIA's A100 whitepaper: 8x the fp32 rate) when enabled, full fp32 when not. Off CUDA there are no TF32
+    units and the flag is left alone. The MFU peak follows the flag (engine/planning/flops.py)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+
+
 def group_options(backend: str, timeout: datetime.timedelta):
     """Backend options carrying ``timeout`` for the groups DeviceMesh creates. torch's ``new_group`` defaults to
     the backend's global timeout (gloo: 30 min), not the world group's, so without this a dead peer would hang a
@@ -98,6 +106,7 @@ class ParallelContext:
         rank, world, local_rank = env_rank_info()
         layout = resolve_layout(cfg, world)
         device, backend = pick_device_and_backend(cfg.parallel.backend, local_rank)
+        apply_tf32(cfg.train.tf32, device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         elif "OMP_NUM_THREADS" not in os.environ:
@@ -106,11 +115,15 @@ class ParallelContext:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
         timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
         if not dist.is_initialized():
+            # device_id binds NCCL's communicators to this rank's GPU at once (eager init: no guessing the device
+            # at the first collective, and new_group can split the world communicator instead of a new bootstrap)
+            bound = {"device_id": device} if device.type == "cuda" else {}
             if world == 1 and "MASTER_ADDR" not in os.environ:
                 # A plain `python launch/pretrain.py`: no rendezvous needed, an in-memory store will do.
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                                        **bound)
             else:
-                dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+                dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **bound)
         names = ("pp", "dp", "tp")
         mesh = init_device_mesh(device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=names,
                                 backend_override={n: (backend, group_options(backend, timeout)) for n in names})

@@ -175,8 +175,10 @@ def micro_batch_bytes(cfg: Config, tp: int, pp: int, stage: int, num_layers: int
         per_token += head_bytes_per_token(cfg, tp)
     if stage > 0 and mode(cfg) == "bf16":
         per_token += h * res / sequence_share(cfg, tp)  # the received input: the first norm saves an fp32 copy
-    # cos and sin tables, built once per forward: (s, hd), or (b, s, hd) from the document mask's per-row positions
-    rope = 2 * (t.micro_batch_size if cfg.data.document_mask else 1) * t.seq_len * cfg.model.head_dim * res
+    # cos and sin tables in the compute dtype, built once per forward: (s, hd), or (b, s, hd) from the document
+    # mask's per-row positions
+    rope = 2 * (t.micro_batch_size if cfg.data.document_mask else 1) * t.seq_len * cfg.model.head_dim \
+        * logit_bytes(cfg)
     copies = 0.0 if t.activation_checkpointing != "none" else weight_copy_bytes(cfg, tp, num_layers, last)
     return tokens * per_token + rope + copies + document_mask_bytes(cfg, num_layers)
 

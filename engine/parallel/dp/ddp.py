@@ -94,22 +94,24 @@ class DDP(TorchOptimizerMixin, DataParallel):
     """The stage replicated over dp; DDP averages gradients during the last micro-batch's backward.
 
     With virtual stages (interleaved schedule) each model chunk is its own DistributedDataParallel, armed before
-    that chunk's last backward: a rank's chunks finish their gradients at different backwards. Under a schedule
-    that defers weight gradients (zero bubble) no backward finishes one, so no reducer is armed and
-    reduce_gradients all-reduces the gradients after the last W, in bucket_mb pieces (exposed, not overlapped)."""
+    that chunk's last backward: a rank's chunks finish their gradients at different backwards (at dp 1 the chunks
+    run unwrapped). Under a schedule that defers weight gradients (zero bubble) no backward finishes one, so no
+    reducer is armed and reduce_gradients all-reduces the gradients after the last W, in bucket_mb pieces (exposed, not overlapped)."""
 
     zero_grad_to_none = False  # keep the bucket views: accumulation writes into them
 
     def __init__(self, model: nn.Module, cfg: Config, ctx):
         super().__init__(cfg, ctx)
         self.module = model
+        self.chunks = model_chunks(model, ctx.pp, ctx.pp_rank, cfg.parallel.virtual_stages)
         # Every rank built the same weights and buffers (engine/model/init.py): no start-up broadcast, and no
-        # buffer broadcast before each forward (a collective the pipeline schedule does not expect).
+        # buffer broadcast before each forward (a collective the pipeline schedule does not expect). At dp 1 there
+        # is nothing to reduce: no wrapper (its buckets would copy every gradient and its hooks run for nothing).
         self.ddps = [DistributedDataParallel(
             chunk, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
             process_group=ctx.dp_group, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True,
             init_sync=False, **_no_buffer_sync())
-            for chunk in model_chunks(model, ctx.pp, ctx.pp_rank, cfg.parallel.virtual_stages)]
+            for chunk in self.chunks] if ctx.dp > 1 else []
         for ddp in self.ddps:  # a hook state per chunk: PowerSGD keys its error feedback by bucket index
             hook = comm_hook(cfg, ctx)
             if hook is not None:
@@ -118,11 +120,14 @@ class DDP(TorchOptimizerMixin, DataParallel):
         self._build_optimizer()
 
     def forward(self, x, chunk: int = 0, **kwargs):
+        if not self.ddps:  # dp 1
+            with self.autocast():
+                return self.chunks[chunk](x, **kwargs)
         with self.ddps[chunk].no_sync(), self.autocast():  # the reducer is armed in before_backward, not here
             return self.ddps[chunk](x, **kwargs)
 
     def before_backward(self, is_last: bool, chunk: int = 0) -> None:
-        if is_last:
+        if is_last and self.ddps:
             # DDP arms its reducer in forward when sync is on; here it is armed for this backward alone. With
             # find_unused_parameters off the outputs are not searched, so none are passed.
             private(self.ddps[chunk], "torch", "reducer").prepare_for_backward([])
