@@ -40,3 +40,12 @@ def test_dry_run_writes_a_report_whose_verdict_comes_from_the_cases(tmp_path):
     assert all("skipped: no CUDA" in r["detail"] for r in skipped)
     assert all(" GB " in r["detail"] for r in skipped if r["name"].startswith("memory/"))  # the prediction
     assert f"{len(rows) - len(skipped) - 1} PASS" in report.read_text()  # the count on the verdict line
+
+
+def test_without_cuda_it_says_so_in_one_line(tmp_path):
+    """Not a dry run and no CUDA (the test session hides it): exit status 2 and one line, no report."""
+    proc = subprocess.run([sys.executable, str(ROOT / "launch/gpu_check.py"), "--out", str(tmp_path / "r.txt")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "--dry-run" in proc.stderr
+    assert not (tmp_path / "r.txt").exists()
