@@ -151,11 +151,20 @@ def memory(check: Check) -> None:
                 if check.args.dry_run:
                     check.add("SKIP", name, f"planned {planned / 1e9:.2f} GB (llama-3.2-1b, seq 2048, bf16); "
                                             f"measured: skipped: no CUDA")
+                elif planned > 0.9 * device_bytes():  # an OOM would say less than the plan does
+                    check.add("SKIP", name, f"planned {planned / 1e9:.2f} GB, more than 90% of the device's "
+                                            f"{device_bytes() / 1e9:.1f} GB")
                 else:
                     measure(check, name, BIG + cell, planned, "max_memory_allocated")
             if check.args.dry_run and check.wanted(f"memory-cpu/ac={ac},mbs={mbs}"):
                 planned = stage_memory(load(tiny + cell), 1, 0).total
                 measure(check, f"memory-cpu/ac={ac},mbs={mbs}", tiny + cell, planned, "peak")
+
+
+def device_bytes() -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory
 
 
 def measure(check: Check, name: str, argv: list[str], planned: float, key: str) -> None:
