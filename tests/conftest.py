@@ -1,9 +1,18 @@
 """Session set-up shared by every test."""
+import os
 import subprocess
 
-import pytest
-import torch
-import torch.distributed as dist
+# The suite means gloo on the CPU (the project's rule: everything runs there). On a machine with a GPU, CUDA is
+# hidden from the test session and every process it starts, before torch can initialise it: otherwise the launcher
+# tests' ranks would all pick cuda:0 with nccl (NCCL refuses two ranks on one GPU: "Duplicate GPU detected"), and a
+# pytest process that initialised CUDA before forking would break its forked ranks. ENGINE_TEST_CUDA=1 keeps the
+# GPUs visible (forked gloo ranks still run on the CPU: engine/cluster/spawn.py).
+if os.environ.get("ENGINE_TEST_CUDA") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 # The pytest process forks gloo ranks (tests/dist.py). GNU OpenMP, which CPU torch uses for intra-op parallelism,
 # is not fork-safe: once the parent has run a multi-threaded op, a child that runs one hangs. So the parent stays

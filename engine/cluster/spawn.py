@@ -2,7 +2,8 @@
 
 Forking skips re-importing torch in every rank (an 8-rank test starts in about a second instead of ~10 s with
 torchrun). Each rank gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* in its environment, exactly as torchrun sets them, and
-an initialised gloo process group, so the code runs the same path as under a launcher. The caller must not have
+an initialised gloo process group, so the code runs the same path as under a launcher, on the CPU (ENGINE_CPU_ONLY=1:
+engine/parallel/context.py), whatever GPUs the machine has. The caller must not have
 run multi-threaded torch ops before forking (GNU OpenMP is not fork-safe; see tests/conftest.py).
 """
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from engine.parallel.context import CPU_ONLY_ENV
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -29,6 +32,10 @@ def _worker(rank: int, world_size: int, port: int, fn, args: tuple, result_dir: 
             threads: int | None) -> None:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    # Gloo ranks run on the CPU even where GPUs are visible: pick_device_and_backend would give each forked rank
+    # cuda:LOCAL_RANK % GPUs with nccl (on one GPU all of them cuda:0), and a forked child cannot use CUDA at all
+    # once its parent has initialised it. The child never asks torch.cuda, and hides the GPUs from what it starts.
+    os.environ.update({CPU_ONLY_ENV: "1", "CUDA_VISIBLE_DEVICES": ""})
     # The ranks share the machine's cores; oversubscribing them makes gloo tests crawl.
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world_size))
     # A rank stuck outside a collective (which the process-group timeout would catch) prints its stack and exits,

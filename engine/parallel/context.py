@@ -18,15 +18,30 @@ from engine.config import Config, ConfigError
 from engine.parallel.support import Layout, resolve_layout
 
 
+# Set to 1 by engine/cluster/spawn.py in each forked gloo rank: that rank runs on the CPU whatever GPUs are visible
+# (several forked ranks would all get cuda:0, which NCCL refuses as "Duplicate GPU detected", and a child must not
+# touch CUDA at all if its parent initialised it before forking).
+CPU_ONLY_ENV = "ENGINE_CPU_ONLY"
+
+
 def pick_device_and_backend(requested: str = "auto", local_rank: int = 0) -> tuple[torch.device, str]:
-    """The single place that chooses device and backend: nccl on CUDA, gloo on CPU."""
+    """The single place that chooses device and backend: nccl on CUDA, gloo on CPU (always under ENGINE_CPU_ONLY=1,
+    without asking torch.cuda). More local ranks (LOCAL_WORLD_SIZE) than visible GPUs is a ConfigError under nccl:
+    two ranks on one GPU would fail inside NCCL's set-up."""
     if requested not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"parallel.backend={requested!r} is not one of auto, gloo, nccl")
-    cuda = torch.cuda.is_available()
+    cpu_only = os.environ.get(CPU_ONLY_ENV) == "1"
+    cuda = not cpu_only and torch.cuda.is_available()
     if requested == "nccl" and not cuda:
-        raise ConfigError("parallel.backend=nccl needs CUDA, but torch.cuda.is_available() is False; use auto or gloo")
+        why = f"{CPU_ONLY_ENV}=1 (a forked gloo rank)" if cpu_only else "torch.cuda.is_available() is False"
+        raise ConfigError(f"parallel.backend=nccl needs CUDA, but {why}; use auto or gloo")
     if cuda and requested != "gloo":
-        return torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
+        devices, local_world = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        if local_world > devices:
+            raise ConfigError(f"LOCAL_WORLD_SIZE={local_world} ranks on this node but {devices} GPU(s) visible; NCCL "
+                              f"needs one GPU per rank: start at most {devices} ranks per node, or set "
+                              f"parallel.backend=gloo to run on the CPU")
+        return torch.device("cuda", local_rank % devices), "nccl"
     return torch.device("cpu"), "gloo"
 
 
