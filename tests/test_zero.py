@@ -110,10 +110,15 @@ def check_against(ref: dict, results: list[dict], rel: float = 1e-5) -> None:
         # What 10 steps changed must agree to ~1e-5. Elementwise equality to 1e-6 is too strict for any
         # reordering of fp32 sums: Adam normalises each element by its own gradient scale, so a few embedding
         # entries of rare tokens (near-zero, sign-noisy gradients) drift ~1e-6..1e-5 apart. Our own trainer does
-        # the same (ddp dp=2: 1e-6 of the update, tp=2: 2e-5); ZeRO measures 1e-6..2e-5.
+        # the same (ddp dp=2: 1e-6 of the update, tp=2: 2e-5); ZeRO measures 1e-6..2e-5. The embedding holds those
+        # rows, so its figure moves with the initial draw and the norm's summation order: ZeRO-3 dp 2 measured
+        # 4.3e-6 (the old full-tensor init), 2.3e-5 (the tiled init, fp32 norm), 5.3e-5 (tiled init, the fp64 CPU
+        # norm of engine/optim.py), every other parameter <= 2e-6 in all three. A missing or doubled dp reduction
+        # moves parameters by ~1 of their update (tests/test_parity.py's table), so 2e-4 still separates them.
         update = (want - ref["init"][name]).norm()
         err = (got[name] - want).norm() / update
-        assert err <= 5e-5, f"{name}: after {STEPS} steps differs by {err:.1e} of its update"
+        bound = 2e-4 if name.endswith("embed_tokens.weight") else 5e-5
+        assert err <= bound, f"{name}: after {STEPS} steps differs by {err:.1e} of its update (bound {bound:g})"
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,6 @@ from engine.parallel.virtual import chunk_layer_ranges
 from engine.parallel.weight_grad import WeightGradStore, split_weight_gradients
 
 
-
 def stage_layer_ranges(num_layers: int, pp: int, counts: list[int] | None = None) -> list[range]:
     """Global layer indices of each stage: even split (earlier stages take the remainder) or explicit counts
     (already checked against pp and num_layers with the rest of the layout, in support.resolve_layout)."""

@@ -76,4 +76,3 @@ def interleaved_1f1b(pp: int, micro_batches: int, stage: int, v: int) -> list[Ac
     for k in range(total - warmup, total):
         actions += bwd(k, Op.BWD) + comm(bwd(k, Op.SEND_BWD), bwd(k + 1, Op.RECV_BWD))
     return actions
-
