@@ -17,6 +17,7 @@ CHOICES = {
     "parallel.grad_compression": ("none", "bf16", "fp16", "powersgd"),
     "parallel.schedule": ("1f1b", "gpipe", "interleaved", "zero_bubble"),
     "parallel.backend": ("auto", "gloo", "nccl"),
+    "parallel.p2p_dtype": ("auto", "bf16"),
     "parallel.reshard_after_forward": ("auto", "true", "false"),
     "train.dtype": ("fp32", "bf16"),
     "train.activation_checkpointing": ("none", "full", "selective"),  # true/false read as full/none (config.py)
@@ -45,6 +46,9 @@ def validate(cfg: Config) -> None:
                     "parallel.timeout_s",
                     "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
                     "log.every", "train.eval_batches"])
+    if cfg.parallel.p2p_dtype == "bf16" and cfg.train.dtype != "bf16":
+        raise ConfigError(f"parallel.p2p_dtype=bf16 needs train.dtype=bf16 (got {cfg.train.dtype}); use "
+                          f"parallel.p2p_dtype=auto")
     if cfg.train.eval_every < 0:
         raise ConfigError(f"train.eval_every={cfg.train.eval_every} must be >= 0 (0 turns evaluation off)")
     m = cfg.model

@@ -41,9 +41,10 @@ from engine.parallel.support import micro_batches_per_step, resolve_layout
 from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 
 
-def wire_dtype(train_dtype: str, param_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of activations and their gradients between pipeline stages: the compute dtype."""
-    return torch.bfloat16 if train_dtype == "bf16" else param_dtype
+def wire_dtype(p2p_dtype: str, param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of activations and their gradients between pipeline stages (parallel.p2p_dtype): the stage
+    output's own (the weights' dtype) under auto, bf16 when asked (train.dtype bf16, checked by the config)."""
+    return torch.bfloat16 if p2p_dtype == "bf16" else param_dtype
 
 
 class TrainingAborted(RuntimeError):
@@ -82,12 +83,12 @@ class Trainer:
         if ctx.rank == 0:
             print(self.feed.describe(), flush=True)
         # Between stages: (b, s, h), or (b, s/tp, h) under sequence parallelism (the residual stream is sharded),
-        # in the compute dtype: bf16 under train.dtype bf16 halves the p2p bytes of fp32 weights. A stage casts
-        # its input back to its weights' dtype (stage_forward; under ZeRO bf16 the weights themselves are bf16).
-        self.param_dtype = next(self.model.parameters()).dtype
-        s_local = t.seq_len // ctx.tp if cfg.parallel.sequence_parallel else t.seq_len
-        shape, dtype = (t.micro_batch_size, s_local, cfg.model.hidden_size), wire_dtype(t.dtype, self.param_dtype)
+        # in parallel.p2p_dtype: the weights' dtype (auto), or bf16, half the p2p bytes of fp32 weights. A stage
+        # casts its input back to its weights' dtype (stage_forward; under ZeRO bf16 the weights are bf16).
         p = cfg.parallel
+        self.param_dtype = next(self.model.parameters()).dtype
+        s_local = t.seq_len // ctx.tp if p.sequence_parallel else t.seq_len
+        shape, dtype = (t.micro_batch_size, s_local, cfg.model.hidden_size), wire_dtype(p.p2p_dtype, self.param_dtype)
         self.stats = StepStats(cfg, ctx)  # throughput, MFU, memory, time per phase (metrics.jsonl)
         self.executor = PipelineExecutor(ctx, p.schedule, self.micro_batches, shape, dtype,
                                          virtual_stages=p.virtual_stages, stage=self.model,

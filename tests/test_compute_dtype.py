@@ -1,7 +1,7 @@
 """Bytes in the compute dtype (issue 24 item 5): under bf16 autocast over fp32 weights RoPE rotates q and k in
-bf16 (tables in the hidden fp32 would promote them to fp32), and pipeline activations and their gradients cross
-stages in bf16, half the p2p bytes of the fp32 parameter dtype; the receiving stage casts them back to its
-residual dtype."""
+bf16 (tables in the hidden fp32 would promote them to fp32), and with parallel.p2p_dtype bf16 pipeline activations
+and their gradients cross stages in bf16, half the p2p bytes of the fp32 parameter dtype (the receiving stage casts
+them back to its residual dtype); the default keeps the weights' dtype, exact against one process."""
 from __future__ import annotations
 
 import pytest
@@ -56,10 +56,13 @@ SMALL = ["--config", "configs/tiny.yaml", "--model.num_layers", "2", "--model.hi
          "--train.micro_batch_size", "2", "--log.progress", "false", "--parallel.pp", "2"]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_pipeline_activations_cross_in_the_compute_dtype(tmp_path, dtype):
-    ranks = run_ranks(p2p_dtypes, 2, [*SMALL, "--train.dtype", dtype, "--train.out_dir", str(tmp_path)])
-    want = torch.bfloat16 if dtype == "bf16" else torch.float32
+@pytest.mark.parametrize("dtype,p2p", [("fp32", "auto"), ("bf16", "auto"), ("bf16", "bf16")])
+def test_pipeline_activations_cross_in_parallel_p2p_dtype(tmp_path, dtype, p2p):
+    """auto: the weights' dtype (fp32 under bf16 autocast: the residual stream, exact against one process);
+    bf16: half the bytes."""
+    ranks = run_ranks(p2p_dtypes, 2, [*SMALL, "--train.dtype", dtype, "--parallel.p2p_dtype", p2p,
+                                      "--train.out_dir", str(tmp_path)])
+    want = torch.bfloat16 if p2p == "bf16" else torch.float32
     for rank in ranks:
         ops = rank["ops"]
         assert {name for name, _, _ in ops} == {"isend", "irecv"}  # activations one way, gradients the other

@@ -40,6 +40,8 @@ def test_deepspeed_local_rank_argument_is_accepted():
     (["--train.steps"], "argument '--train.steps' has no value"),
     (["stray"], "unexpected argument 'stray'"),
     (["--train.tf32", "maybe"], "train.tf32='maybe' is not a boolean; use true or false"),
+    (["--parallel.p2p_dtype", "fp16"], "parallel.p2p_dtype='fp16' is not one of auto, bf16"),
+    (["--parallel.p2p_dtype", "bf16", "--train.dtype", "fp32"], "parallel.p2p_dtype=bf16 needs train.dtype=bf16"),
 ])
 def test_bad_values_name_key_and_value(argv, needle):
     with pytest.raises(ConfigError) as e:
