@@ -9,7 +9,7 @@ import pytest
 
 from engine.config import ConfigError, load
 from engine.parallel.support import resolve_layout
-from engine.planning.balance import balanced_layers, best_split, even_layers, layer_counts, stage_cost
+from engine.planning.balance import balanced_layers, best_split, describe, even_layers, layer_counts, stage_cost
 from engine.planning.search import Hardware, step_time
 
 TINY = ["--config", "configs/tiny.yaml"]
@@ -131,3 +131,11 @@ def test_pp2_auto_trains_like_one_process(tmp_path):
     assert [len(h) for h in held] == counts
     errors = runner.compare(got, want)
     assert runner.verdict(errors, runner.FP32) is None, errors
+
+
+def test_the_logged_line_names_both_splits():
+    """What rank 0 prints (engine/trainer.py): the chosen split with its stage costs, and the even split's."""
+    cfg = _cfg("--parallel.pp", "2", "--parallel.pp_layers", "auto")
+    line = describe(cfg, 2)
+    assert f"layers per stage {layer_counts(cfg, 2)}" in line and f"the even split {even_layers(4, 2)}" in line
+    assert "\n" not in line
