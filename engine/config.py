@@ -78,7 +78,9 @@ class ParallelConfig:
     # Megatron's sequence parallelism (Korthikanti et al. 2022): norms and residual stream sharded over tp on the
     # sequence dim; all-gather before column-parallel, reduce-scatter after row-parallel layers. Needs tp > 1.
     sequence_parallel: bool = False
-    pp_layers: list[int] = field(default_factory=list)  # layers per stage; empty = as even as possible
+    # layers per stage, e.g. [3, 5]; empty = as even as possible; auto = the split minimising the slowest stage's
+    # FLOPs, LM head included (engine/planning/balance.py)
+    pp_layers: list[int] | str = field(default_factory=list)
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | gloo | nccl
     # The dtype of activations and their gradients between pipeline stages. auto: the stage output's own (the
     # weights': fp32 under bf16 autocast, whose residual stream is fp32), so every pp layout computes the one-process

@@ -61,6 +61,9 @@ def validate(cfg: Config) -> None:
     if cfg.train.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     _validate_families(cfg)
+    if isinstance(cfg.parallel.pp_layers, str) and cfg.parallel.pp_layers != "auto":
+        raise ConfigError(f"parallel.pp_layers={cfg.parallel.pp_layers!r} is not valid; use auto (balanced by "
+                          f"cost), a list of layers per stage such as [3,5], or [] (even)")
     if cfg.parallel.dp == 0 or cfg.parallel.dp < -1:
         raise ConfigError(f"parallel.dp={cfg.parallel.dp} must be a positive integer or -1 (infer from world size)")
     if cfg.data.weights and len(cfg.data.weights) != len(cfg.data.paths):

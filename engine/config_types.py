@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import types
 import typing
 
 from engine.errors import ConfigError
@@ -11,6 +12,13 @@ from engine.errors import ConfigError
 def coerce(key: str, value, typ):
     """Convert a YAML or CLI value to the field type ``typ``, or raise ConfigError naming key and value."""
     origin = typing.get_origin(typ)
+    if origin is types.UnionType:  # list[int] | str: a list, or a word in its place (which words: config_checks)
+        (list_t,) = [t for t in typing.get_args(typ) if t is not str]
+        if isinstance(value, str) and value.strip().isalpha():
+            return value.strip()
+        if not isinstance(value, (str, list, tuple)):
+            raise ConfigError(f"{key}={value!r} is neither a list [a,b] nor a word such as auto")
+        return coerce(key, value, list_t)
     if origin is list:
         (item_t,) = typing.get_args(typ)
         if isinstance(value, str):  # CLI form: [a,b] or a,b

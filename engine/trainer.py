@@ -39,6 +39,7 @@ from engine.parallel.context import ParallelContext
 from engine.parallel.pipeline import PipelineExecutor, split_stage
 from engine.parallel.support import micro_batches_per_step, resolve_layout
 from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+from engine.planning.balance import describe as describe_split, layer_counts
 
 
 def wire_dtype(p2p_dtype: str, param_dtype: torch.dtype) -> torch.dtype:
@@ -54,7 +55,7 @@ class TrainingAborted(RuntimeError):
 def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
     """The local part of the model on ctx.device, initialised identically at every layout (before dp)."""
     model = model_lib.build(cfg.model, device="meta")
-    split_stage(model, ctx.pp, ctx.pp_rank, cfg.parallel.pp_layers or None, cfg.parallel.virtual_stages)
+    split_stage(model, ctx.pp, ctx.pp_rank, layer_counts(cfg, ctx.pp), cfg.parallel.virtual_stages)
     apply_tensor_parallel(model, ctx.tp_group, cfg.parallel.sequence_parallel)
     materialize(model, ctx.device, cfg.train.seed, cfg.model.init_std)
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
@@ -82,6 +83,8 @@ class Trainer:
         self.feed = BatchFeed(cfg, ctx, self.tokenizer)
         if ctx.rank == 0:
             print(self.feed.describe(), flush=True)
+            if cfg.parallel.pp_layers == "auto" and ctx.pp > 1:  # the split chosen by cost (planning/balance.py)
+                print(describe_split(cfg, ctx.pp), flush=True)
         # Between stages: (b, s, h), or (b, s/tp, h) under sequence parallelism (the residual stream is sharded),
         # in parallel.p2p_dtype: the weights' dtype (auto), or bf16, half the p2p bytes of fp32 weights. A stage
         # casts its input back to its weights' dtype (stage_forward; under ZeRO bf16 the weights are bf16).

@@ -9,6 +9,8 @@ Layouts are (tp, pp, dp, dp mode, micro-batch size, activation checkpointing, pi
 the model, sequence length and dtype. The schedule is searched too (1f1b, interleaved with 2-4 virtual stages,
 zero_bubble: engine/planning/schedules.py SEARCHED) unless the config file or the command line sets
 parallel.schedule or parallel.virtual_stages, e.g. `--parallel.schedule interleaved --parallel.virtual_stages 2`.
+With `--parallel.pp_layers auto` every pp is planned with its balanced split (engine/planning/balance.py; the
+--json rows give each layout's pp_layers), else with the even one.
 Memory: engine/planning/planner.py (checked against measured memory on CPU in tests/test_planner.py); time:
 engine/planning/search.py, the bubble from simulating the schedule. Layouts that fit in --device-memory come
 first, fastest first. A bad argument exits with status 2 and one line `error: ...`.

@@ -48,8 +48,8 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
         raise ConfigError(f"parallel.tp={tp} must divide model.intermediate_size={m.intermediate_size}")
     if m.num_layers < pp:
         raise ConfigError(f"parallel.pp={pp} exceeds model.num_layers={m.num_layers}; each stage needs a layer")
-    counts = p.pp_layers
-    if counts and (len(counts) != pp or sum(counts) != m.num_layers or min(counts) < 1):
+    counts = p.pp_layers  # "auto": engine/planning/balance.py picks them (any pp <= num_layers has a split)
+    if counts and counts != "auto" and (len(counts) != pp or sum(counts) != m.num_layers or min(counts) < 1):
         raise ConfigError(f"parallel.pp_layers={counts} must list {pp} positive layer counts (one per stage) "
                           f"summing to model.num_layers={m.num_layers}")
     dp = p.dp if p.dp != -1 else world_size // (tp * pp)

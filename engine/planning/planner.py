@@ -33,6 +33,7 @@ from engine.parallel.support import Layout, micro_batches_per_step, resolve_layo
 from engine.parallel.support import reshard_after_forward
 from engine.parallel.dp.ds_json import load_base_config
 from engine.parallel.pipeline import stage_layer_ranges
+from engine.planning.balance import layer_counts
 
 # bytes per parameter: (weights, gradients, optimizer state)
 PRECISIONS = {"mixed": (2, 2, 12), "fp32": (4, 4, 8),
@@ -76,7 +77,7 @@ def stage_params(cfg: Config, tp: int, pp: int, stage: int) -> dict[str, int]:
     the embedding / final norm / LM head that the stage holds (FSDP's root unit)."""
     m = cfg.model
     sharded, replicated = layer_params(m, tp)
-    n_layers = len(stage_layer_ranges(m.num_layers, pp, cfg.parallel.pp_layers or None)[stage])
+    n_layers = len(stage_layer_ranges(m.num_layers, pp, layer_counts(cfg, pp))[stage])
     vocab = m.vocab_size * m.hidden_size // tp  # embedding or LM head: vocab rows split by tp
     root = 0
     if stage == 0:

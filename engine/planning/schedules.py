@@ -35,6 +35,7 @@ from engine.parallel import schedule as sched
 from engine.parallel.actions import Op
 from engine.parallel.pipeline import stage_layer_ranges
 from engine.planning import activations as acts
+from engine.planning.balance import layer_counts
 
 # What the planner searches when the config leaves the schedule open: 1F1B, interleaved with 2..4 virtual stages
 # and ZB-H1. GPipe is left out: the same makespan as 1F1B with m instead of pp - stage micro-batches held.
@@ -57,7 +58,7 @@ def rank_chunks(cfg: Config, pp: int, stage: int) -> list[tuple[int, int]]:
     engine/parallel/virtual.py's chunk_layer_ranges); otherwise one chunk, the stage's layers."""
     v = virtual_stages(cfg)
     if v == 1:
-        return [(stage, len(stage_layer_ranges(cfg.model.num_layers, pp, cfg.parallel.pp_layers or None)[stage]))]
+        return [(stage, len(stage_layer_ranges(cfg.model.num_layers, pp, layer_counts(cfg, pp))[stage]))]
     n = cfg.model.num_layers // (pp * v)
     return [(c * pp + stage, n) for c in range(v)]
 

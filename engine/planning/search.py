@@ -34,6 +34,7 @@ from engine.parallel.tensor import LAYER_PLAN
 from engine.parallel.support import check_supported, reshard_after_forward
 from engine.planning.planner import StageMemory, plan_memory, stage_params, with_layout
 from engine.planning.schedules import virtual_stages
+from engine.planning.balance import layer_counts
 
 
 @dataclass
@@ -187,6 +188,7 @@ class Candidate:
             mode += "-reshard" if reshard_after_forward(self.cfg, self.layout.pp) else "-keep"
         return {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "dp_mode": mode,
                 "schedule": p.schedule, "virtual_stages": p.virtual_stages,
+                "pp_layers": layer_counts(self.cfg, self.layout.pp),
                 "micro_batch_size": t.micro_batch_size,
                 "micro_batches": micro_batches_per_step(t, self.layout.dp),
                 "activation_checkpointing": t.activation_checkpointing, "peak_memory_gb": self.peak_bytes / 1e9,
@@ -222,7 +224,9 @@ def layouts(cfg: Config, world_size: int, schedules: tuple[tuple[str, int], ...]
                 continue
             for schedule, v in schedules[:1] if pp == 1 else schedules:
                 # interleaved splits the layers evenly into chunks; other pp keep no pp_layers of another pp
-                pp_layers = cfg.parallel.pp_layers if pp == cfg.parallel.pp and schedule != "interleaved" else []
+                # (auto is a rule, not counts: it balances every pp)
+                same = pp == cfg.parallel.pp or cfg.parallel.pp_layers == "auto"
+                pp_layers = cfg.parallel.pp_layers if same and schedule != "interleaved" else []
                 for mbs in _divisors(gbs // dp):
                     for mode, stage, reshard in DP_MODES if dp > 1 else DP_MODES[:1]:
                         for ac in ("none", "full", "selective"):

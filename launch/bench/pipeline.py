@@ -66,6 +66,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch-size", type=int, default=1)
 
 
+def model_line(args: argparse.Namespace) -> str:
+    """The machine and the sizes of add_model_args, for a benchmark's first line."""
+    return (f"{os.cpu_count()} cores, 1 torch thread per rank; layers={args.layers} hidden={args.hidden} "
+            f"ffn={args.ffn} vocab={args.vocab} seq_len={args.seq_len} micro_batch_size={args.micro_batch_size} fp32")
+
+
 def config(args: argparse.Namespace, pp: int, *overrides: str):
     """tiny.yaml's heads with the sizes given, pp stages, and further dotted overrides (launch/bench/schedules.py:
     the schedule)."""
@@ -222,9 +228,7 @@ def print_tables(results: dict[int, list[dict]], args: argparse.Namespace) -> No
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    print(f"{os.cpu_count()} cores, 1 torch thread per rank; layers={args.layers} hidden={args.hidden} "
-          f"ffn={args.ffn} vocab={args.vocab} seq_len={args.seq_len} micro_batch_size={args.micro_batch_size} "
-          f"fp32; {args.warmup} warmup step(s) before each measurement")
+    print(f"{model_line(args)}; {args.warmup} warmup step(s) before each measurement")
     start = time.perf_counter()
     results = {pp: spawn(pp, args) for pp in args.pp}
     print_tables(results, args)

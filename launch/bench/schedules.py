@@ -33,7 +33,6 @@ makespan (communication and per-action overhead free) is the figure to compare s
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -53,7 +52,7 @@ from engine.parallel.schedule import bubble_fraction, max_in_flight, simulate, t
 from engine.parallel.tensor import vocab_parallel_cross_entropy  # noqa: E402
 from engine.parallel.virtual import model_chunks  # noqa: E402
 from engine.trainer import build_model  # noqa: E402
-from launch.bench.pipeline import add_model_args, batch, config, timed  # noqa: E402
+from launch.bench.pipeline import add_model_args, batch, config, model_line, timed  # noqa: E402
 
 NAMES = ("1f1b", "interleaved", "zero_bubble")
 
@@ -249,9 +248,8 @@ def print_ops(results: dict[int, list[dict]], args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    print(f"{os.cpu_count()} cores, 1 torch thread per rank; layers={args.layers} hidden={args.hidden} "
-          f"ffn={args.ffn} vocab={args.vocab} seq_len={args.seq_len} micro_batch_size={args.micro_batch_size} "
-          f"fp32; interleaved v={args.virtual_stages}; {args.steps} measured steps of each schedule per (pp, m)")
+    print(f"{model_line(args)}; interleaved v={args.virtual_stages}; {args.steps} measured steps of each schedule "
+          f"per (pp, m)")
     start = time.perf_counter()
     results = {pp: run_ranks(rank_main, pp, args, timeout_s=900, threads=1) for pp in args.pp}
     print_stages(results, args)
