@@ -106,6 +106,10 @@ NEW_SCHEDULE_LAYOUTS = {
                                           "--parallel.virtual_stages", "2"]),
     "tiny-pp2-zero-bubble": (2, SMALL + ["--parallel.pp", "2", "--parallel.schedule", "zero_bubble"]),
 }
+# Zero bubble with sequence parallelism: W queues the qkv and gate/up inputs as (b, s/tp, h) shards (slow: 4 ranks).
+SLOW_LAYOUTS["tiny-tp2-pp2-sp-zero-bubble"] = NEW_SCHEDULE_LAYOUTS["tiny-tp2-pp2-sp-zero-bubble"] = (
+    4, SMALL + ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.sequence_parallel", "true",
+                "--parallel.schedule", "zero_bubble"])
 LAYOUTS.update(NEW_SCHEDULE_LAYOUTS)
 
 

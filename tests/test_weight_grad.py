@@ -1,7 +1,8 @@
 """The zero-bubble split backward (engine/parallel/weight_grad.py): B under ``store.defer`` gives the input
 gradient and every non-linear gradient of a plain backward and no linear weight gradient; W (``flush``, in any
 order of the micro-batches) then completes every gradient to the plain backward's sum over micro-batches. Under
-full and selective recomputation, bf16 autocast, tp = 2 and tied embeddings.
+full and selective recomputation, bf16 autocast, tp = 2, tp = 2 with sequence parallelism (the column-parallel
+linears' one Function gathers the sequence and defers W, which gathers the queued shard again) and tied embeddings.
 
 Measured: bitwise equal (0.0) in every case here, fp32 and bf16 (W's g^T x is the matmul that F.linear's backward
 runs, and two micro-batches sum the same either way round); the bound only allows for a kernel picking another
@@ -32,12 +33,14 @@ SHAPE = ["--config", "configs/tiny.yaml", "--model.num_layers", "2", "--model.at
 LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
 
 
-def _model(mode: str = "none", tie: bool = False, group=None, stage: bool = False, store=None) -> nn.Module:
-    """The model; ``stage``: without the embedding (a later pipeline stage, fed hidden states)."""
+def _model(mode: str = "none", tie: bool = False, group=None, stage: bool = False, store=None,
+           sp: bool = False) -> nn.Module:
+    """The model; ``stage``: without the embedding (a later pipeline stage, fed hidden states); ``sp``: sequence
+    parallelism over ``group``."""
     cfg = load(SHAPE + ["--model.tie_embeddings", str(tie).lower()]).model
     model = model_lib.build(cfg)
     if group is not None:
-        apply_tensor_parallel(model, group)
+        apply_tensor_parallel(model, group, sequence_parallel=sp)
     if stage:
         model.model.embed_tokens = None
     materialize(model, torch.device("cpu"), seed=3, std=0.02)
@@ -47,14 +50,16 @@ def _model(mode: str = "none", tie: bool = False, group=None, stage: bool = Fals
     return model
 
 
-def _batches(model: nn.Module, stage: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Two micro-batches (input, labels): token ids, or hidden states (2, 16, h) that require grad."""
+def _batches(model: nn.Module, stage: bool, sp: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two micro-batches (input, labels): token ids, or hidden states (2, 16, h) that require grad; ``sp``: this
+    rank's (2, 16/tp, h) sequence chunk of them."""
     cfg, gen = model.cfg, torch.Generator().manual_seed(5)
     out = []
     for _ in range(2):
         ids = torch.randint(0, cfg.vocab_size, (2, 17), generator=gen)
-        x = torch.randn(2, 16, cfg.hidden_size, generator=gen).requires_grad_() if stage else ids[:, :-1]
-        out.append((x, ids[:, 1:]))
+        x = torch.randn(2, 16, cfg.hidden_size, generator=gen)
+        x = x.chunk(dist.get_world_size(), 1)[dist.get_rank()].clone() if sp else x
+        out.append((x.requires_grad_() if stage else ids[:, :-1], ids[:, 1:]))
     return out
 
 
@@ -82,18 +87,18 @@ def _linear_params(model: nn.Module) -> set[str]:
 
 
 def _split_vs_plain(mode: str = "none", bf16: bool = False, tie: bool = False, group=None,
-                    stage: bool = True) -> dict:
+                    stage: bool = True, sp: bool = False) -> dict:
     """B of both micro-batches under defer, checked against the plain backward, then W in reverse order."""
-    plain = _model(mode, tie, group, stage)
-    batches = _batches(plain, stage)
+    plain = _model(mode, tie, group, stage, sp=sp)
+    batches = _batches(plain, stage, sp)
     for batch in batches:
         _backward(plain, batch, group, bf16)
     want = _grads(plain)
     want_dx = [b[0].grad.clone() for b in batches] if stage else []
 
     store = WeightGradStore()
-    split = _model(mode, tie, group, stage, store)
-    batches = _batches(split, stage)
+    split = _model(mode, tie, group, stage, store, sp)
+    batches = _batches(split, stage, sp)
     for mb, batch in enumerate(batches):
         _backward(split, batch, group, bf16, store.defer((mb,)))
     after_b, linear = _grads(split), _linear_params(split)
@@ -104,7 +109,8 @@ def _split_vs_plain(mode: str = "none", bf16: bool = False, tie: bool = False, g
     out = {"deferred": sorted(n for n, g in after_b.items() if g is None),
            "linear": sorted(linear & set(want)), "pending": store.pending(),
            "b": _worst({n: after_b[n] for n in final_in_b}, {n: want[n] for n in final_in_b}),
-           "dx": max([_worst({0: b[0].grad}, {0: w}) for b, w in zip(batches, want_dx)], default=0.0)}
+           "dx": max([_worst({0: b[0].grad}, {0: w}) for b, w in zip(batches, want_dx)], default=0.0),
+           "bytes": store.bytes_pending()}
     store.flush((1,))
     store.flush((0,))
     out["w"], out["left"] = _worst(_grads(split), want), store.pending()
@@ -146,6 +152,26 @@ def test_tensor_parallel_split_matches_plain():
     for results in run_ranks(_tp_rank, 2):
         for got in results:
             _check(got)
+
+
+def _sp_rank() -> list[dict]:
+    return [_split_vs_plain(mode, bf16, group=dist.group.WORLD, sp=True) for mode in ("none", "full", "selective")
+            for bf16 in (False, True)]
+
+
+def test_sequence_parallel_split_matches_plain():
+    """tp = 2 with sequence parallelism: against the plain sequence-parallel backward (comm.py's gathering linear),
+    B leaves every linear weight without a gradient, W completes them; what W keeps is the planner's W state
+    (the qkv and gate/up inputs as (b, s/tp, h) shards), for the two queued micro-batches of 2 x 16 tokens."""
+    from engine.planning.schedules import w_state_bytes
+
+    for results in run_ranks(_sp_rank, 2):
+        for got, bf16 in zip(results, [False, True] * 3):
+            _check(got)
+            cfg = load(SHAPE + ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--parallel.schedule",
+                                "zero_bubble", "--train.seq_len", "16", "--train.micro_batch_size", "2",
+                                "--train.dtype", "bf16" if bf16 else "fp32"])
+            assert got["bytes"] == 2 * w_state_bytes(cfg, 2, 1, 0)[0], got["bytes"]
 
 
 def test_outside_defer_the_split_model_is_unchanged():

@@ -116,8 +116,9 @@ _all_gather_dim0 = getattr(dist, "all_gather_single", dist.all_gather_into_tenso
 _reduce_scatter_dim0 = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
-def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's chunk of dim 1, in rank order: (b, s/tp, ...) -> (b, s, ...)."""
+def gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's chunk of dim 1, in rank order: (b, s/tp, ...) -> (b, s, ...). No autograd (the Functions below,
+    and engine/parallel/weight_grad.py's sequence-parallel linear, call it)."""
     size = _size(group)
     if size == 1:
         return x
@@ -126,8 +127,8 @@ def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     return out.unflatten(0, (size, x.shape[0])).movedim(0, 1).flatten(1, 2)  # (b, tp, s/tp, ...) -> (b, s, ...)
 
 
-def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """Sum over the group, keep this rank's chunk of dim 1: (b, s, ...) partial sums -> (b, s/tp, ...)."""
+def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum over the group, keep this rank's chunk of dim 1: (b, s, ...) partial sums -> (b, s/tp, ...). No autograd."""
     size = _size(group)
     if size == 1:
         return x
@@ -144,11 +145,11 @@ class _GatherFromSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _gather_seq(x, group)
+        return gather_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.group), None
+        return reduce_scatter_seq(grad, ctx.group), None
 
 
 class _ReduceScatterToSequenceParallel(torch.autograd.Function):
@@ -158,11 +159,11 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_seq(x, group)
+        return reduce_scatter_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group), None
+        return gather_seq(grad, ctx.group), None
 
 
 class _SequenceGatheredLinear(torch.autograd.Function):
@@ -178,7 +179,7 @@ class _SequenceGatheredLinear(torch.autograd.Function):
         ctx.group, ctx.has_bias = group, bias is not None
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.save_for_backward(x, weight)  # x: (b, s/tp, h), never the gathered (b, s, h)
-        return torch.nn.functional.linear(_gather_seq(x, group), weight, bias)  # (b, s, out/tp)
+        return torch.nn.functional.linear(gather_seq(x, group), weight, bias)  # (b, s, out/tp)
 
     @staticmethod
     def backward(ctx, grad):
@@ -188,9 +189,9 @@ class _SequenceGatheredLinear(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         with torch.autocast(device, dtype=dtype, enabled=enabled):
             if need_x:  # (b, s, h) partial over tp -> summed, this rank's (b, s/tp, h)
-                grad_x = _reduce_scatter_seq(torch.matmul(grad, weight).to(x.dtype), ctx.group)
+                grad_x = reduce_scatter_seq(torch.matmul(grad, weight).to(x.dtype), ctx.group)
             if need_w:  # (out/tp, h), from x gathered again (b, s, h)
-                full = _gather_seq(x, ctx.group)
+                full = gather_seq(x, ctx.group)
                 grad_w = torch.matmul(grad.flatten(0, -2).t(), full.flatten(0, -2)).to(weight.dtype)
         if need_b and ctx.has_bias:
             grad_b = grad.flatten(0, -2).sum(0).to(weight.dtype)

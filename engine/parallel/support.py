@@ -98,10 +98,6 @@ def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
     if p.sequence_parallel and p.tp < 2:
         raise ConfigError(f"parallel.sequence_parallel=true needs parallel.tp >= 2 (got tp={p.tp}): it shards the "
                           f"sequence over the tensor-parallel group; set sequence_parallel=false")
-    if p.sequence_parallel and p.schedule == "zero_bubble":
-        raise ConfigError("parallel.sequence_parallel=true with parallel.schedule=zero_bubble is not supported (the "
-                          "sequence-gathering linears do not split their weight gradient into W); use schedule "
-                          "interleaved or 1f1b with sequence parallelism, or sequence_parallel=false")
     if p.sequence_parallel and t.seq_len % p.tp:
         raise ConfigError(f"parallel.sequence_parallel=true needs train.seq_len={t.seq_len} divisible by "
                           f"parallel.tp={p.tp}")

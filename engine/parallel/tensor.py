@@ -63,7 +63,10 @@ class ColumnParallelLinear(nn.Module):
         self.tp_dims = {"weight": 0, "bias": 0}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:  # (b, s/tp, in) gathered along the sequence inside
+        if self.sequence_parallel and self.weight_grad_store is not None:  # zero bubble (weight_grad.py): one
+            # Function gathers the sequence and defers W: (b, s/tp, in) -> (b, s, out/tp)
+            y = linear_with_deferred_weight(x, self.weight, self.bias, self.weight_grad_store, seq_group=self.group)
+        elif self.sequence_parallel:  # (b, s/tp, in) gathered along the sequence inside
             y = sequence_gathered_linear(x, self.weight, self.bias, self.group)  # (b, s, out/tp)
         else:
             x = copy_to_parallel(x, self.group)

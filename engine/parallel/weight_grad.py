@@ -14,6 +14,13 @@ instance instead of in class-level globals, so W of any queued micro-batch can r
 
 Tensor parallelism: ColumnParallelLinear / RowParallelLinear call the same function between their collectives
 (copy_to_parallel / reduce_from_parallel), so B still all-reduces dL/dx and W is local (no communication).
+Sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2): a column-parallel linear's input is (b, s/tp, h) and
+the same Function, given ``seq_group``, gathers it along the sequence before the matmul (forward), reduce-scatters
+dL/dx back to (b, s/tp, h) (B), and queues only the local x shard, which W gathers again before g^T x, as
+Megatron-LM's sequence-parallel linear does in its weight-gradient step: W keeps 1/tp of x alive between B and W
+(the activation saving of sequence parallelism holds for the W queue too) at the price of one all-gather in W,
+which runs in a bubble; B's critical path has only the reduce-scatter. Every tp rank runs the same schedule, so the
+W's all-gathers meet in the same order on every rank of the group.
 Under ``torch.autocast`` the Function casts as autocast would (bf16 x, W and b; bf16 matmuls, fp32 ``.grad``).
 Activation checkpointing recomputes the forward during B, inside ``defer``; the recomputed x is what is queued.
 
@@ -45,14 +52,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.fused import FusedLinear
+from engine.parallel.comm import gather_seq, reduce_scatter_seq
 
 
 class _Deferred(NamedTuple):
     """One linear's weight gradient, computed at flush: dW = g^T x (T tokens flattened)."""
     weight: nn.Parameter
     bias: nn.Parameter | None
-    x: torch.Tensor  # (..., in), the compute dtype (bf16 under autocast)
+    x: torch.Tensor  # (..., in), the compute dtype (bf16 under autocast); (b, s/tp, in) under seq_group
     g: torch.Tensor  # (..., out), dL/dy in the compute dtype
+    seq_group: object = None  # sequence parallelism: x is this rank's sequence shard, gathered at flush
 
 
 class WeightGradStore:
@@ -78,17 +87,20 @@ class WeightGradStore:
     def deferring(self) -> bool:
         return self._deferring
 
-    def put(self, weight: nn.Parameter, bias: nn.Parameter | None, x: torch.Tensor, g: torch.Tensor) -> None:
-        """Queue one linear's weight gradient under the current key (called from the backward)."""
-        self._queues.setdefault(self._key, []).append(_Deferred(weight, bias, x, g))
+    def put(self, weight: nn.Parameter, bias: nn.Parameter | None, x: torch.Tensor, g: torch.Tensor,
+            seq_group=None) -> None:
+        """Queue one linear's weight gradient under the current key (called from the backward); with ``seq_group``
+        x is this rank's (b, s/tp, in) sequence shard, all-gathered over the group at flush."""
+        self._queues.setdefault(self._key, []).append(_Deferred(weight, bias, x, g, seq_group))
 
     @torch.no_grad()
     def flush(self, key: Hashable) -> None:
         """Run W for ``key``: add each queued g^T x (and sum g) to its parameter's ``.grad``, in B's order, then
         drop x and g. A key with nothing queued is a no-op."""
         for item in self._queues.pop(key, ()):
+            x = item.x if item.seq_group is None else gather_seq(item.x, item.seq_group)  # (b, s, in)
             g2 = item.g.reshape(-1, item.g.shape[-1])  # (T, out)
-            _accumulate(item.weight, g2.t().mm(item.x.reshape(-1, item.x.shape[-1])))  # (out, in)
+            _accumulate(item.weight, g2.t().mm(x.reshape(-1, x.shape[-1])))  # (out, in)
             if item.bias is not None:
                 _accumulate(item.bias, g2.sum(0))  # (out,)
 
@@ -100,7 +112,9 @@ class WeightGradStore:
         """Bytes of the distinct x and g storages the queues hold. Per token of a queued micro-batch, in elements
         of the compute dtype (tests/test_weight_grad.py checks it): each block keeps x of the fused q/k/v (h), of
         o (nh*hd/tp), of the fused gate/up (h) and of down (ffn/tp), and their g: (nh*hd + 2*nkv*hd + 2*ffn)/tp
-        + 2h; the LM head is not split. A plain backward frees both at B; here they live until W."""
+        + 2h; the LM head is not split; under sequence parallelism x of qkv and gate/up is the h/tp shard (the
+        planner's engine/planning/schedules.py w_state_bytes). A plain backward frees both at B; here they live
+        until W."""
         seen: dict[int, int] = {}
         for queue in self._queues.values():
             for item in queue:
@@ -124,47 +138,58 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
 
 
 class _LinearDeferredWeight(torch.autograd.Function):
-    """y = x W^T + b; backward returns dL/dx always and dL/dW, dL/db only when ``store`` is not deferring."""
+    """y = x W^T + b; backward returns dL/dx always and dL/dW, dL/db only when ``store`` is not deferring. With
+    ``seq_group`` (sequence parallelism) y = gather_seq(x) W^T + b: x (b, s/tp, in) -> y (b, s, out/tp), and
+    dL/dx = reduce_scatter_seq(g W), the tp ranks' partial input gradients summed, this rank's chunk kept."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, store):
+    def forward(ctx, x, weight, bias, store, seq_group):
         dtype = _autocast_dtype(x)  # autocast's rule for linear: every input in the lower precision
         xc, wc = (x, weight) if dtype is None else (x.to(dtype), weight.to(dtype))
         bc = bias if dtype is None or bias is None else bias.to(dtype)
+        full = xc if seq_group is None else gather_seq(xc, seq_group)  # (b, s, in); only xc is saved
         with torch.autocast(x.device.type, enabled=False):
-            y = F.linear(xc, wc, bc)  # (..., out)
-        ctx.save_for_backward(xc, wc)
-        ctx.store, ctx.weight, ctx.bias, ctx.x_dtype = store, weight, bias, x.dtype
+            y = F.linear(full, wc, bc)  # (..., out)
+        # Under sequence parallelism x and W as given, cast again in backward: what comm.py's sequence-gathered
+        # linear saves (the fp32 shard and no bf16 weight copy under autocast; engine/planning/activations.py)
+        ctx.save_for_backward(*((xc, wc) if seq_group is None else (x, weight)))
+        ctx.store, ctx.weight, ctx.bias, ctx.x_dtype, ctx.seq_group = store, weight, bias, x.dtype, seq_group
+        ctx.dtype = dtype
         return y
 
     @staticmethod
     def backward(ctx, g):
         xc, wc = ctx.saved_tensors
-        dx = (g.matmul(wc) if ctx.needs_input_grad[0] else None)  # (..., in)
+        xc, wc = (xc, wc) if ctx.dtype is None else (xc.to(ctx.dtype), wc.to(ctx.dtype))  # no-ops unless sp
+        dx = (g.matmul(wc) if ctx.needs_input_grad[0] else None)  # (..., in); (b, s, in) partial under seq_group
         dx = dx if dx is None else dx.to(ctx.x_dtype)
+        if dx is not None and ctx.seq_group is not None:
+            dx = reduce_scatter_seq(dx, ctx.seq_group)  # (b, s/tp, in)
         if ctx.store.deferring:
-            ctx.store.put(ctx.weight, ctx.bias, xc, g)
-            return dx, None, None, None
+            ctx.store.put(ctx.weight, ctx.bias, xc, g, ctx.seq_group)
+            return dx, None, None, None, None
+        full = xc if ctx.seq_group is None else gather_seq(xc, ctx.seq_group)  # (b, s, in)
         g2 = g.reshape(-1, g.shape[-1])  # (T, out)
-        dw = g2.t().mm(xc.reshape(-1, xc.shape[-1])).to(ctx.weight.dtype)  # (out, in)
+        dw = g2.t().mm(full.reshape(-1, full.shape[-1])).to(ctx.weight.dtype)  # (out, in)
         db = None if ctx.bias is None else g2.sum(0).to(ctx.bias.dtype)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 @torch.compiler.disable
-def _deferrable_linear(x, weight, bias, store):
+def _deferrable_linear(x, weight, bias, store, seq_group):
     # Eager even inside a compiled block: traced, the backward's choice would be fixed once (measured: never
     # deferred). The compiled block breaks its graph around each linear.
-    return _LinearDeferredWeight.apply(x, weight, bias, store)
+    return _LinearDeferredWeight.apply(x, weight, bias, store, seq_group)
 
 
 def linear_with_deferred_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                                store: WeightGradStore | None) -> torch.Tensor:
+                                store: WeightGradStore | None, seq_group=None) -> torch.Tensor:
     """F.linear whose weight gradient ``store`` may defer; plain F.linear without a store or without grad
-    (evaluation runs exactly as before)."""
+    (evaluation runs exactly as before). ``seq_group``: x is (b, s/tp, in), gathered along the sequence over the
+    group first (the sequence-parallel column linear; callers pass it only with a store, see tensor.py)."""
     if store is None or not torch.is_grad_enabled():
-        return F.linear(x, weight, bias)
-    return _deferrable_linear(x, weight, bias, store)
+        return F.linear(x if seq_group is None else gather_seq(x, seq_group), weight, bias)
+    return _deferrable_linear(x, weight, bias, store, seq_group)
 
 
 class SplitLinear(nn.Linear):

@@ -31,11 +31,11 @@ row-parallel output), gate_up (2f/t), down (h), in the matmul dtype (fp32, or bf
 and rebuilds the rest of one layer at a time; autocast's weight copies are recomputed too.
 Sequence parallelism (parallel.sequence_parallel; Korthikanti et al. Sec. 4.2.2, their sbh(34/t + 5as/(ht))):
 the norms, the residual stream and the layer input run on s/t tokens, so every term above that is not already /t
-becomes /t (``sequence_share``). The column-parallel layers keep only their local (s/t) input and gather it again
-in backward (engine/parallel/comm.py), so under autocast no bf16 cast of y is saved but y itself is (fp32, 2 x 4h:
-the 10h of casts become 8h), and only the row-parallel weights' bf16 copies are saved. Unchanged: the token ids,
-the logits and the loss's per-token values, and under selective recomputation the o_proj/down_proj matmul outputs
-(b, s, h), which are the partial sums before the reduce-scatter.
+becomes /t (``sequence_share``). The column-parallel layers keep only their local (s/t) input and gather it again in
+backward (engine/parallel/comm.py; engine/parallel/weight_grad.py under zero bubble), so under autocast no bf16 cast
+of y is saved but y itself is (fp32, 2 x 4h: the 10h of casts become 8h), and only the row-parallel weights' bf16
+copies are saved. Unchanged: the token ids, the logits and the loss's per-token values, and under selective
+recomputation the o_proj/down_proj matmul outputs (b, s, h), which are the partial sums before the reduce-scatter.
 """
 from __future__ import annotations
 

@@ -78,7 +78,9 @@ def w_state_bytes(cfg: Config, tp: int, pp: int, stage: int) -> list[float]:
     m, t = cfg.model, cfg.train
     h, q, kvd, f = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.intermediate_size
     grads = 2 * h + (q + 2 * kvd + 2 * f) / tp  # output gradients of q k v o gate up down, per token
-    inputs = 2 * h + (q + f) / tp  # their inputs: qkv_proj's, o_proj's, gate_up_proj's, down_proj's
+    # their inputs: qkv_proj's, o_proj's, gate_up_proj's, down_proj's; under sequence parallelism qkv_proj and
+    # gate_up_proj queue only their (b, s/tp, h) shard, gathered again at W (engine/parallel/weight_grad.py)
+    inputs = 2 * h / acts.sequence_share(cfg, tp) + (q + f) / tp
     tokens = t.micro_batch_size * t.seq_len
     return [tokens * acts.logit_bytes(cfg) * n * (grads + inputs) for _, n in rank_chunks(cfg, pp, stage)]
 

@@ -4,6 +4,7 @@
     python -m tests.parity                          # the CI covering subset (what `pytest` runs)
     python -m tests.parity --full --write-readme    # every supported combination; refreshes the README table
     python -m tests.parity --full --rerun-failed --write-readme   # only what failed or is missing in the last run
+    python -m tests.parity --full --match zero_bubble --match=-sp  # a slice: names containing every --match
 
 Results go to runs/parity/{full,ci}.jsonl as they are known (one JSON line per combination), so a long run can be
 looked at while it goes and resumed with --rerun-failed.
@@ -30,14 +31,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--full", action="store_true", help="every supported combination, not the CI subset")
     ap.add_argument("--list", action="store_true", help="print the combinations and exit")
     ap.add_argument("--write-readme", action="store_true", help="replace the README's 'What is proven' table")
-    ap.add_argument("--match", default="", help="only combinations whose name contains this text")
+    ap.add_argument("--match", action="append", default=[],
+                    help="only combinations whose name contains this text (repeatable: every text)")
     ap.add_argument("--rerun-failed", action="store_true",
                     help="keep the passed results of the last run's file; run the failed and missing ones")
     args = ap.parse_args(argv)
     if args.write_readme and (not args.full or args.match):
         ap.error("--write-readme needs --full without --match: the README table counts every combination")
     combos = matrix.full_matrix() if args.full else matrix.covering_subset()
-    combos = [c for c in combos if args.match in c.name]
+    combos = [c for c in combos if all(m in c.name for m in args.match)]
     if args.list:
         for c in combos:
             print(c.name)

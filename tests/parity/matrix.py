@@ -122,14 +122,8 @@ SCHEDULE_DP = ("interleaved or zero_bubble with a dp mode other than ddp: FSDP a
                "is not supported (the gradient sync would have to follow")
 
 
-SP_ZB = ("sequence parallelism with zero_bubble: the sequence-gathering linears do not split their weight "
-         "gradient into W", "sequence_parallel=true with parallel.schedule=zero_bubble is not supported")
-
-
 def refusal(c: Combo) -> tuple[str, str] | None:
     """(reason, words of the error) if the engine must refuse ``c``, else None."""
-    if c.sp and c.schedule == "zero_bubble":
-        return SP_ZB
     if c.schedule in ("interleaved", "zero_bubble") and c.dp_mode != "ddp":
         return SCHEDULE_DP
     if c.dp_mode.startswith("zero") and c.pp > 1:
