@@ -1,9 +1,11 @@
 """The architecture rules of docs/architecture.md, read from the source (no imports, no processes; well under a
-second): no import circle among engine modules, no engine file over 300 lines, and the library never imports the
-launchers or the tests (a harness inside the library is what issue 13 took out of it)."""
+second): no import circle among engine modules, no engine file over 300 lines, the library never imports the
+launchers or the tests (a harness inside the library is what issue 13 took out of it), and nothing but
+engine/parallel/mesh.py indexes the rank mesh by position (issue 25: axes are asked for by name)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,3 +127,28 @@ def test_engine_imports_neither_launch_nor_tests():
                     if dotted.split(".")[0] in ("launch", "tests"):
                         bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {dotted}")
     assert bad == []
+
+
+MESH_MODULE = "engine/parallel/mesh.py"
+# Positional use of the rank mesh: DeviceMesh's rank tensor (mesh.mesh), a mesh subscripted by an index or slice,
+# a mesh dimension asked for by number (get_group(0), get_local_rank(1), size(2) on a mesh).
+POSITIONAL_MESH = re.compile(r"\bmesh\.mesh\b|\bmesh\[\s*[-\d:(]|\bmesh\.(get_group|get_local_rank|size)\(\s*\d")
+
+
+def positional_mesh_uses(text: str) -> list[str]:
+    return [f"{n}: {line.strip()}" for n, line in enumerate(text.splitlines(), 1) if POSITIONAL_MESH.search(line)]
+
+
+def test_positional_mesh_finder_sees_positions():
+    bad = ["grid = ctx.mesh.mesh", "self.mesh[:, d, :]", "ctx.mesh[0]", "mesh.get_group(0)", "ctx.mesh.size(1)"]
+    assert [positional_mesh_uses(line) != [] for line in bad] == [True] * len(bad)
+    good = ['ctx.mesh["dp"]', "ctx.group('tp')", "mesh.get_group(name)", "tile_grid[i, j]", "ctx.mesh.size()"]
+    assert [positional_mesh_uses(line) for line in good] == [[]] * len(good)
+
+
+def test_no_positional_mesh_indexing_outside_the_mesh_module():
+    files = sorted([*(ROOT / "engine").rglob("*.py"), *(ROOT / "launch").rglob("*.py")])
+    assert files, "no sources found"
+    bad = {str(p.relative_to(ROOT)): found for p in files if str(p.relative_to(ROOT)) != MESH_MODULE
+           and (found := positional_mesh_uses(p.read_text(encoding="utf-8")))}
+    assert bad == {}, "index the mesh by axis name (ctx.group, ctx.axis_rank, ctx.ranks_along: engine/parallel/mesh.py)"

@@ -95,7 +95,7 @@ def contents(parts: CheckpointParts, position: RunPosition) -> tuple[dict, dict,
     tensors, params, adam_step = snapshot(parts)
     rng_tensors, rng = _rng_state(ctx.device)
     tensors.update(rng_tensors)
-    meta = {"rank": ctx.rank, "file": shard_name(ctx.rank), "coords": [ctx.pp_rank, ctx.dp_rank, ctx.tp_rank],
+    meta = {"rank": ctx.rank, "file": shard_name(ctx.rank), "coords": ctx.coords(),
             "rng": rng, "params": params, "adam_step": adam_step}
     return tensors, meta, header(position, parts.cfg, layout_of(parts.cfg, ctx))
 

@@ -1,7 +1,6 @@
-"""ParallelContext: the rank grid (pp, dp, tp), its process groups, and the device, built in one place.
+"""ParallelContext: the named rank mesh's process groups (axes and rank layout: engine/parallel/mesh.py), and the
+device and backend, built in one place.
 
-Rank layout (Megatron / DeepSpeed order, tp fastest-varying so TP peers share a node):
-    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
 The object is passed explicitly to whatever needs a group; there are no process-group globals. It also answers
 DeepSpeed's ``mpu`` questions (``get_data_parallel_group`` and friends) so it can be given as ``mpu=ctx``.
 """
@@ -15,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from engine.config import Config, ConfigError
+from engine.parallel.mesh import MODEL_PARALLEL, Mesh
 from engine.parallel.support import Layout, resolve_layout
 
 
@@ -80,39 +80,59 @@ def env_rank_info() -> tuple[int, int, int]:
 
 
 class ParallelContext:
-    """Groups and coordinates of this rank in the (pp, dp, tp) grid."""
+    """This rank's groups and coordinates in the named mesh (engine/parallel/mesh.py), asked for by axis name:
+    ``group("tp")``, ``axis_rank("pp")``, ``size("dp")``, ``ranks_along("pp")``; besides the axes, two derived
+    groups: "mp" (Megatron's model-parallel group, every axis but dp and cp) and "embed" (first and last stage of
+    each pipeline, which hold the two copies of a tied embedding / LM head; None when pp is 1)."""
 
     def __init__(self, layout: Layout, mesh: DeviceMesh, device: torch.device, backend: str,
                  timeout: datetime.timedelta | None = None):
         self.layout, self.mesh, self.device, self.backend = layout, mesh, device, backend
-        self.tp, self.pp, self.dp = layout.tp, layout.pp, layout.dp
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.tp_group = mesh.get_group("tp")
-        self.pp_group = mesh.get_group("pp")
-        self.dp_group = mesh.get_group("dp")
-        self.tp_rank = mesh.get_local_rank("tp")
-        self.pp_rank = mesh.get_local_rank("pp")
-        self.dp_rank = mesh.get_local_rank("dp")
-        grid = mesh.mesh  # (pp, dp, tp) tensor of global ranks
-        # Model-parallel group (tp x pp, one per dp index), as Megatron's mpu defines it. Every rank must create
-        # every group in the same order, so loop over all dp indices.
-        self.mp_group = None
-        for d in range(self.dp):
-            ranks = grid[:, d, :].flatten().tolist()
-            group = dist.new_group(ranks, timeout=timeout) if self.world_size > 1 else dist.group.WORLD
-            if self.rank in ranks:
-                self.mp_group = group
-        self.stage_ranks = grid[:, self.dp_rank, self.tp_rank].tolist()  # global rank of each pp stage
-        # Embedding group: first and last stage of each (dp, tp) pipeline, which hold the two copies of a tied
-        # embedding / LM head weight and all-reduce their gradients (Megatron's embedding group).
-        self.embed_group = None
-        if self.pp > 1:
-            for d in range(self.dp):
-                for t in range(self.tp):
-                    ranks = [grid[0, d, t].item(), grid[-1, d, t].item()]
-                    group = dist.new_group(ranks, timeout=timeout)
-                    if self.rank in ranks:
-                        self.embed_group = group
+        self.named_mesh = Mesh(layout.axes)
+        self._coords = self.named_mesh.coords(self.rank)
+        self._groups = {name: mesh.get_group(name) for name in self.named_mesh.names}
+        self._groups["mp"] = (_member_group(self.named_mesh.groups_spanning(MODEL_PARALLEL), self.rank, timeout)
+                              if self.world_size > 1 else dist.group.WORLD)
+        self._groups["embed"] = _member_group(self.named_mesh.ends_along("pp"), self.rank, timeout)
+
+    # ---- by name (every consumer; adding an axis adds a name, not a method) ------------------------------------
+    def group(self, name: str):
+        """The process group of axis ``name`` (pp, dp, cp, tp) or of a derived group (mp, embed)."""
+        if name not in self._groups:
+            raise KeyError(f"no group {name!r}; the groups are {', '.join(self._groups)}")
+        return self._groups[name]
+
+    def axis_rank(self, axis: str) -> int:
+        """This rank's index along ``axis`` (``ctx.rank`` stays the global rank)."""
+        self.named_mesh.size(axis)  # an unknown name fails naming the valid ones
+        return self._coords[axis]
+
+    def size(self, axis: str) -> int:
+        return self.named_mesh.size(axis)
+
+    def coords(self) -> dict[str, int]:
+        return dict(self._coords)
+
+    def ranks_along(self, axis: str) -> list[int]:
+        return self.named_mesh.ranks_along(axis, self.rank)
+
+    def ranks_spanning(self, axes: tuple[str, ...]) -> list[int]:
+        return self.named_mesh.ranks_spanning(axes, self.rank)
+
+    # ---- read-only shortcuts over the by-name API, kept: 118 uses in 27 files of engine/, launch/, tests/ -------
+    tp = property(lambda self: self.size("tp"))
+    pp = property(lambda self: self.size("pp"))
+    dp = property(lambda self: self.size("dp"))
+    tp_rank = property(lambda self: self.axis_rank("tp"))
+    pp_rank = property(lambda self: self.axis_rank("pp"))
+    dp_rank = property(lambda self: self.axis_rank("dp"))
+    tp_group = property(lambda self: self.group("tp"))
+    pp_group = property(lambda self: self.group("pp"))
+    dp_group = property(lambda self: self.group("dp"))
+    mp_group = property(lambda self: self.group("mp"))
+    embed_group = property(lambda self: self.group("embed"))
+    stage_ranks = property(lambda self: self.ranks_along("pp"))  # global rank of each pp stage of this pipeline
 
     @classmethod
     def from_config(cls, cfg: Config) -> "ParallelContext":
@@ -139,8 +159,8 @@ class ParallelContext:
                                         **bound)
             else:
                 dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **bound)
-        names = ("pp", "dp", "tp")
-        mesh = init_device_mesh(device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=names,
+        names, sizes = zip(*layout.axes)
+        mesh = init_device_mesh(device.type, sizes, mesh_dim_names=names,
                                 backend_override={n: (backend, group_options(backend, timeout)) for n in names})
         return cls(layout, mesh, device, backend, timeout)
 
@@ -162,8 +182,8 @@ class ParallelContext:
         return None if self.is_last_stage else self.stage_ranks[self.pp_rank + 1]
 
     def __repr__(self) -> str:
-        return (f"ParallelContext(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp}, "
-                f"pp={self.pp_rank}/{self.pp}, dp={self.dp_rank}/{self.dp}, device={self.device}, "
+        axes = ", ".join(f"{n}={self.axis_rank(n)}/{self.size(n)}" for n in self.named_mesh.names)
+        return (f"ParallelContext(rank={self.rank}/{self.world_size}, {axes}, device={self.device}, "
                 f"backend={self.backend})")
 
     # ---- DeepSpeed / Megatron mpu interface ------------------------------------------------------------------
@@ -180,12 +200,21 @@ class ParallelContext:
     get_pipe_parallel_rank = get_pipeline_model_parallel_rank
     get_pipe_parallel_world_size = get_pipeline_model_parallel_world_size
     def get_model_parallel_group(self): return self.mp_group
-    def get_model_parallel_rank(self) -> int: return self.pp_rank * self.tp + self.tp_rank
-    def get_model_parallel_world_size(self) -> int: return self.tp * self.pp
-    def get_data_parallel_group_ranks(self) -> list[int]:
-        return self.mesh.mesh[self.pp_rank, :, self.tp_rank].tolist()
-    def get_tensor_model_parallel_src_rank(self) -> int:
-        return self.mesh.mesh[self.pp_rank, self.dp_rank, 0].item()
+    def get_model_parallel_rank(self) -> int: return self.ranks_spanning(MODEL_PARALLEL).index(self.rank)
+    def get_model_parallel_world_size(self) -> int: return len(self.ranks_spanning(MODEL_PARALLEL))
+    def get_data_parallel_group_ranks(self) -> list[int]: return self.ranks_along("dp")
+    def get_tensor_model_parallel_src_rank(self) -> int: return self.ranks_along("tp")[0]
+
+
+def _member_group(rank_lists: list[list[int]], rank: int, timeout: datetime.timedelta | None):
+    """Create one group per rank list (every rank creates every group, in the same order: new_group is collective
+    over the world) and return the one holding ``rank``, or None."""
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            mine = group
+    return mine
 
 
 def destroy() -> None:

@@ -8,10 +8,12 @@ tests/parity/matrix.py and shown in the README ("What is proven").
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engine.config import Config, ConfigError, TrainConfig
 from engine.parallel import schedule as sched
+from engine.parallel.mesh import AXES
 
 
 def micro_batches_per_step(t: TrainConfig, dp: int) -> int:
@@ -22,14 +24,21 @@ def micro_batches_per_step(t: TrainConfig, dp: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """Validated sizes of the three axes."""
+    """Validated sizes of the parallel axes (engine/parallel/mesh.py AXES). cp stays 1 until context parallelism
+    exists (there is no parallel.cp key yet)."""
     tp: int
     pp: int
     dp: int
+    cp: int = 1
+
+    @property
+    def axes(self) -> tuple[tuple[str, int], ...]:
+        """((name, size), ...) in mesh order, outermost first: what ParallelContext builds its mesh from."""
+        return tuple((name, getattr(self, name)) for name in AXES)
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return math.prod(size for _, size in self.axes)
 
 
 def resolve_layout(cfg: Config, world_size: int) -> Layout:

@@ -1,0 +1,99 @@
+"""The named rank mesh: which parallel axes there are, in which order, and which ranks share each group.
+
+Issue 25: the one place that knows the axes and how ranks are laid out over them. Everything else asks by name
+(``ctx.group("tp")``, ``ctx.axis_rank("pp")``, ``ctx.ranks_along("dp")``); nothing outside this module indexes the
+rank grid by position (tests/test_layout.py checks it). The layout is row-major over ``AXES``, the last axis
+fastest-varying (Megatron-Core's order, tp innermost so tensor-parallel peers share a node):
+
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+
+which is ``torch.arange(world).reshape(pp, dp, cp, tp)``, the grid ``init_device_mesh`` builds from the same sizes.
+cp (context parallelism) has size 1 until it exists: it then changes no rank. An expert-parallel axis (ep) would
+be one more name here and a size in ``Layout`` (docs/architecture.md, "Adding a parallel axis").
+
+Pure rank arithmetic, no process groups: engine/parallel/context.py creates the groups from these rank lists.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+AXES = ("pp", "dp", "cp", "tp")  # outermost first
+DATA_AXES = ("dp", "cp")  # ranks along these hold the same parameters (cp: the same weights, other tokens)
+# Megatron's model-parallel group: the ranks that together hold one copy of the parameters (every axis but the
+# data axes); the global gradient norm is summed over it (engine/optim.py clip_gradients).
+MODEL_PARALLEL = tuple(a for a in AXES if a not in DATA_AXES)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The sizes of the named axes, outermost first, and the rank arithmetic over them."""
+    axes: tuple[tuple[str, int], ...]  # ((name, size), ...) in AXES order
+
+    def __post_init__(self):
+        names = [n for n, _ in self.axes]
+        if len(set(names)) != len(names) or any(s < 1 for _, s in self.axes):
+            raise ValueError(f"mesh axes {self.axes} need distinct names and sizes >= 1")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.axes)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(s for _, s in self.axes)
+
+    def size(self, axis: str) -> int:
+        for name, size in self.axes:
+            if name == axis:
+                return size
+        raise KeyError(f"no parallel axis {axis!r}; the axes are {', '.join(self.names)}")
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """{axis: this rank's index along it}, e.g. {"pp": 1, "dp": 0, "cp": 0, "tp": 1}."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside 0..{self.world_size - 1}")
+        out = {}
+        for name, size in reversed(self.axes):  # the last axis varies fastest
+            rank, out[name] = divmod(rank, size)
+        return {name: out[name] for name in self.names}
+
+    def rank_at(self, coords: dict[str, int]) -> int:
+        rank = 0
+        for name, size in self.axes:
+            rank = rank * size + coords[name]
+        return rank
+
+    def ranks_spanning(self, axes: tuple[str, ...], rank: int) -> list[int]:
+        """The ranks that share ``rank``'s coordinate on every axis not in ``axes``, ascending (row-major over
+        ``axes`` in mesh order): one group of the product of those axes, e.g. ("pp", "tp") is Megatron's
+        model-parallel group."""
+        for axis in axes:
+            self.size(axis)  # an unknown name fails here, naming the valid ones
+        at = self.coords(rank)
+        choices = [range(size) if name in axes else (at[name],) for name, size in self.axes]
+        return [self.rank_at(dict(zip(self.names, values))) for values in itertools.product(*choices)]
+
+    def ranks_along(self, axis: str, rank: int) -> list[int]:
+        """The ranks that differ from ``rank`` only along ``axis``, by index along it (``ranks_along("pp", r)[i]``
+        is stage i of r's pipeline)."""
+        return self.ranks_spanning((axis,), rank)
+
+    def groups_spanning(self, axes: tuple[str, ...]) -> list[list[int]]:
+        """Every group spanning ``axes`` (a partition of the world), ordered by their first rank: the order in
+        which every rank must create them (``dist.new_group`` is collective over the world)."""
+        seen, out = set(), []
+        for rank in range(self.world_size):
+            if rank not in seen:
+                group = self.ranks_spanning(axes, rank)
+                seen.update(group)
+                out.append(group)
+        return out
+
+    def ends_along(self, axis: str) -> list[list[int]]:
+        """[first, last] rank of every line along ``axis``: along pp, Megatron's embedding groups (the two stages
+        holding the tied embedding and LM head). Empty when the axis has size 1 (nothing to pair)."""
+        if self.size(axis) == 1:
+            return []
+        return [[line[0], line[-1]] for line in self.groups_spanning((axis,))]
