@@ -188,3 +188,16 @@ def test_planner_zero2_offload_host_bytes_follow_zero_offload():
     off = stage_memory(cfg, 2, 0)
     _, _, k = model_state_parts(local, 2, 2, "fp32_master")
     assert off.host == pytest.approx(k + 4 * local / 2) and off.weights == plain.weights and off.grads == 0
+
+
+def test_search_tries_offload_only_where_nothing_fits_without_it():
+    """launch/plan.py's search: no offload layout while one without offload fits; below the smallest of those, the
+    offload layouts are planned, and those that fit keep bytes on the host."""
+    from engine.planning.search import Hardware, search
+
+    cfg = load(["--config", "configs/tiny.yaml"])
+    plain = search(cfg, 2, Hardware())
+    assert any(c.fits for c in plain) and all(c.cfg.parallel.offload == "none" for c in plain)
+    tight = search(cfg, 2, Hardware(memory_gb=0.99 * min(c.peak_bytes for c in plain) / 1e9))
+    fitting = [c for c in tight if c.fits]
+    assert fitting and all(c.cfg.parallel.offload != "none" and c.describe()["host_gb"] > 0 for c in fitting)
