@@ -65,6 +65,10 @@ class ParallelConfig:
     # dp_mode=zero: a DeepSpeed JSON file merged over the built-in defaults (buckets, overlap, ZeRO-3 thresholds;
     # engine/parallel/dp/ds_json.py); '' = the defaults alone
     ds_config: str = ""
+    # Optimizer / parameter offload to host memory (ZeRO-Offload, Ren et al. 2021): none | optimizer (zero: fp32
+    # master weights, gradient partition and Adam state on the host, the update there) | optimizer_and_params
+    # (also the weights: zero stage 3's offload_param, or fsdp's CPUOffloadPolicy)
+    offload: str = "none"
     # dp_mode=ddp (torch DDP): gradient bucket size in MB, and DDP's communication hook: none | bf16 | fp16 (each
     # bucket cast for the all-reduce) | powersgd (rank-powersgd_rank factors after powersgd_warmup_steps plain steps)
     bucket_mb: float = 25.0

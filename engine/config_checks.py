@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from engine.errors import ConfigError
 from engine.parallel.dp import MODES as DP_MODES
-from engine.parallel.dp.ds_json import read_user_config
+from engine.parallel.dp.ds_json import DEFAULTS as DS_STAGES, offload_of, read_user_config
 
 if TYPE_CHECKING:
     from engine.config import Config
@@ -19,6 +19,7 @@ CHOICES = {
     "parallel.backend": ("auto", "gloo", "nccl"),
     "parallel.p2p_dtype": ("auto", "bf16"),
     "parallel.reshard_after_forward": ("auto", "true", "false"),
+    "parallel.offload": ("none", "optimizer", "optimizer_and_params"),
     "train.dtype": ("fp32", "bf16"),
     "train.activation_checkpointing": ("none", "full", "selective"),  # true/false read as full/none (config.py)
     "model.family": ("llama", "qwen2", "mistral"),
@@ -105,11 +106,14 @@ def _validate_dp(cfg: Config) -> None:
     if cfg.train.compile and p.dp_mode == "zero":  # untested: DeepSpeed's hooks on every module
         raise ConfigError("train.compile=true is not supported with parallel.dp_mode=zero; use dp_mode ddp or fsdp, "
                           "or train.compile=false")
+    _validate_offload(cfg)
     if p.ds_config:
         if p.dp_mode != "zero":
             raise ConfigError(f"parallel.ds_config={p.ds_config!r} is read only with parallel.dp_mode=zero "
                               f"(got {p.dp_mode}); remove it or set dp_mode=zero")
         read_user_config(p.ds_config)  # a missing or bad file fails now, before any rank starts
+    if p.dp_mode == "zero" and p.zero_stage in DS_STAGES:
+        offload_of(p.zero_stage, p.ds_config or None, p.offload)  # the file and parallel.offload agree
     if p.grad_compression != "none" and p.dp_mode != "ddp":
         raise ConfigError(f"parallel.grad_compression={p.grad_compression} is a DDP communication hook and needs "
                           f"parallel.dp_mode=ddp (got {p.dp_mode}); use grad_compression=none")
@@ -123,6 +127,25 @@ def _validate_dp(cfg: Config) -> None:
         raise ConfigError(f"parallel.powersgd_rank={p.powersgd_rank} must be >= 1")
     if p.powersgd_warmup_steps < 2:  # PowerSGD's error feedback and warm start need two plain steps first (torch)
         raise ConfigError(f"parallel.powersgd_warmup_steps={p.powersgd_warmup_steps} must be >= 2")
+
+
+def _validate_offload(cfg: Config) -> None:
+    """parallel.offload against the dp mode: only zero and fsdp have an offload, ZeRO's parameter offload is
+    stage 3's, and FSDP2's CPUOffloadPolicy moves parameters, gradients and the step together."""
+    p = cfg.parallel
+    if p.offload == "none":
+        return
+    if p.dp_mode not in ("zero", "fsdp"):
+        raise ConfigError(f"parallel.offload={p.offload} needs parallel.dp_mode zero or fsdp (got {p.dp_mode}); "
+                          f"use offload=none with {p.dp_mode}")
+    if p.dp_mode == "fsdp" and p.offload != "optimizer_and_params":
+        raise ConfigError(f"parallel.offload={p.offload} with parallel.dp_mode=fsdp is not available (FSDP2's "
+                          f"CPUOffloadPolicy offloads parameters, gradients and the step together); use "
+                          f"offload=optimizer_and_params, or dp_mode=zero for the optimizer alone")
+    if p.dp_mode == "zero" and p.offload == "optimizer_and_params" and p.zero_stage != 3:
+        raise ConfigError(f"parallel.offload=optimizer_and_params needs parallel.zero_stage=3 (DeepSpeed offloads "
+                          f"parameters only in ZeRO-3; got zero_stage={p.zero_stage}); use offload=optimizer, or "
+                          f"zero_stage=3")
 
 
 def _validate_families(cfg: Config) -> None:

@@ -69,7 +69,8 @@ def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(norms).pow(2).sum().float()
 
 
-def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = (), dp_group=None) -> torch.Tensor:
+def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = (), dp_group=None,
+                     device=None) -> torch.Tensor:
     """L2 norm of the whole model's gradient across tensor- and pipeline-parallel ranks.
 
     Sharded parameters (those a module lists in ``tp_dims``) contribute their local shard on every tp rank;
@@ -77,6 +78,8 @@ def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = (),
     ``group`` spans all ranks holding different parts of the model (tp x pp); dp replicas are not summed.
     ``exclude``: parameters counted elsewhere (the last stage's copy of a tied embedding).
     ``dp_group``: set when gradients are sharded over dp (FSDP); each rank then holds a different part.
+    ``device``: where the norm is reduced (the context's device: NCCL reduces only device tensors, and under FSDP's
+    CPU offload the gradients are on the host); default the parameters' device.
     """
     sharded, replicated = [], []
     skip = {id(p) for p in exclude}
@@ -85,12 +88,12 @@ def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = (),
             continue
         is_sharded = tp_dim(module, attr) is not None
         (sharded if is_sharded else replicated).append(_local(p.grad).detach())
-    device = next(model.parameters()).device
+    device = device or next(model.parameters()).device
     total = torch.zeros((), device=device, dtype=torch.float32)
     if sharded:
-        total = total + sum_of_squares(sharded)
+        total = total + sum_of_squares(sharded).to(device)
     if replicated and tp_rank == 0:
-        total = total + sum_of_squares(replicated)
+        total = total + sum_of_squares(replicated).to(device)
     for g in (group, dp_group):
         if g is not None and dist.get_world_size(g) > 1:
             dist.all_reduce(total, group=g)
@@ -99,10 +102,10 @@ def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = (),
 
 @torch.no_grad()
 def clip_gradients(model: nn.Module, max_norm: float, tp_rank: int, group, exclude: tuple = (),
-                   dp_group=None) -> float:
+                   dp_group=None, device=None) -> float:
     """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_ does, but with
     the norm of the whole distributed model. Returns the norm before clipping; max_norm <= 0 only measures."""
-    norm = global_grad_norm(model, tp_rank, group, exclude, dp_group)
+    norm = global_grad_norm(model, tp_rank, group, exclude, dp_group, device)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         grads = [_local(p.grad) for _, _, p in unique_params(model) if p.grad is not None]

@@ -13,7 +13,9 @@ With `--parallel.pp_layers auto` every pp is planned with its balanced split (en
 --json rows give each layout's pp_layers), else with the even one.
 Memory: engine/planning/planner.py (checked against measured memory on CPU in tests/test_planner.py); time:
 engine/planning/search.py, the bubble from simulating the schedule. Layouts that fit in --device-memory come
-first, fastest first. A bad argument exits with status 2 and one line `error: ...`.
+first, fastest first. Offload (parallel.offload: host memory for the optimizer, or also the parameters) is tried
+only when no layout fits without it; "host GB" is what a rank then keeps in host memory (step time leaves out
+the host copies and the host Adam step). A bad argument exits with status 2 and one line `error: ...`.
 """
 from __future__ import annotations
 
@@ -34,9 +36,9 @@ COLUMNS = [("tp", "{}"), ("pp", "{}"), ("dp", "{}"), ("dp_mode", "{}"), ("schedu
            ("micro_batch_size", "{}"), ("micro_batches", "{}"), ("activation_checkpointing", "{}"),
            ("peak_memory_gb", "{:.2f}"), ("step_s", "{:.3f}"), ("tokens_per_s", "{:,.0f}"), ("mfu", "{:.1%}"),
            ("bubble_fraction", "{:.1%}"), ("activation_gb_per_stage", "{}"), ("tp_comm_s", "{:.3f}"),
-           ("pp_comm_s", "{:.3f}"), ("dp_comm_s", "{:.3f}")]
+           ("pp_comm_s", "{:.3f}"), ("dp_comm_s", "{:.3f}"), ("host_gb", "{:.2f}")]
 HEADER = ["tp", "pp", "dp", "dp mode", "schedule", "mbs", "m", "ac", "mem GB", "step s", "tokens/s", "MFU",
-          "bubble", "act GB/stage", "tp s", "pp s", "dp s"]
+          "bubble", "act GB/stage", "tp s", "pp s", "dp s", "host GB"]
 SCHEDULE_KEYS = ("parallel.schedule", "parallel.virtual_stages")
 
 

@@ -9,6 +9,10 @@ import subprocess
 # GPUs visible (forked gloo ranks still run on the CPU: engine/cluster/spawn.py).
 if os.environ.get("ENGINE_TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# ZeRO-Offload's DeepSpeedCPUAdam is a C++ op DeepSpeed JIT-builds on first use (455 s on 2 cores): the suite uses
+# it where it is already built and otherwise DeepSpeed's documented fallback, torch AdamW stepping on the host
+# (engine/parallel/dp/zero.py offload_optimizer), so a fresh CI machine never compiles inside a test.
+os.environ.setdefault("ENGINE_CPU_ADAM_BUILD", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

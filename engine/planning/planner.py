@@ -20,6 +20,12 @@ In fp32 training (as on CPU) weights and gradients take 4 bytes each and Adam's 
   min(pp - stage, m), GPipe m, interleaved warmup + 1 chunks, ZB-H1 1F1B's until B, then W states until W).
   Interleaving leaves the parameters as they are: the layers split evenly (pp_layers is refused), and the
   embedding and head stay on ranks 0 and pp-1.
+- offload (parallel.offload, or the DeepSpeed file's offload keys; Ren et al. 2021, "ZeRO-Offload"): what moves to
+  host memory is counted in ``host``, not in the device fields. zero: the fp32 master weights, Adam moments and the
+  fp32 gradient partition (K P / N + 4 P / N), ZeRO-3's offload_param also the 16-bit weight partition; the
+  device keeps the 16-bit weights (stages 1-2), ZeRO-1's whole gradients and the buckets. fsdp (CPUOffloadPolicy):
+  the sharded weights, gradients, AdamW state and its temporaries; the device keeps the gathered weights and,
+  with several micro-batches, the unsharded accumulated gradients.
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ from engine.planning.schedules import activations_in_flight
 from engine.config import Config, ModelConfig
 from engine.parallel.support import Layout, micro_batches_per_step, resolve_layout
 from engine.parallel.support import reshard_after_forward
-from engine.parallel.dp.ds_json import load_base_config
+from engine.parallel.dp.ds_json import load_base_config, offload_of
 from engine.parallel.pipeline import stage_layer_ranges
 from engine.planning.balance import layer_counts
 
@@ -107,6 +113,7 @@ class StageMemory:
     in_flight: int
     new_at_peak: float
     w_state: float = 0.0  # zero bubble: the part of ``activations`` that is W's queue, not saved tensors
+    host: float = 0.0  # bytes offloaded to host memory (parallel.offload); every other field is device memory
 
     @property
     def state(self) -> float:
@@ -161,9 +168,12 @@ def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True,
     params = stage_params(cfg, layout.tp, layout.pp, stage)
     weights, grads, optimizer = _state(cfg, layout, params["layers"] + params["root"], micro_batches)
     optimizer += 4 * _param_tensors(cfg, layout, stage)  # AdamW's fp32 `step` counter per parameter tensor
+    step_buffers = _step_buffers(cfg, layout, params, foreach)
+    weights, grads, optimizer, step_buffers, host = _offloaded(cfg, layout, params["layers"] + params["root"],
+                                                               (weights, grads, optimizer, step_buffers))
     held = activations_in_flight(cfg, layout.tp, layout.pp, micro_batches, stage)
     gathered = 0.0
-    if p.dp_mode == "fsdp" and layout.dp > 1:
+    if p.dp_mode == "fsdp" and (layout.dp > 1 or p.offload != "none"):  # offloaded: gathered from the host
         bytes_ = 2 if t.dtype == "bf16" else 4
         # The root unit (embedding, norm, head) is never resharded after forward; the blocks are, with
         # reshard_after_forward: then one is gathered at the peak (the last one as the backward starts; later
@@ -180,8 +190,30 @@ def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True,
         # to `held.peak_after_grads` is (1F1B: the same once past the warmup, if m is large enough; GPipe: one
         # micro-batch fewer)
         new_at_peak = gathered + buffers + max(held.peak, grads + held.peak_after_grads)
-    return StageMemory(stage, weights, grads, optimizer, held.peak, gathered, buffers,
-                       _step_buffers(cfg, layout, params, foreach), held.count, new_at_peak, held.w_state)
+    return StageMemory(stage, weights, grads, optimizer, held.peak, gathered, buffers, step_buffers, held.count,
+                       new_at_peak, held.w_state, host)
+
+
+def _offloaded(cfg: Config, layout: Layout, local: int, parts: tuple) -> tuple[float, ...]:
+    """(weights, grads, optimizer, step_buffers) left on the device, and the host bytes, under offload (see the
+    module docstring); ``parts`` as stage_memory computed them without offload, ``local`` parameters."""
+    p = cfg.parallel
+    weights, grads, optimizer, step_buffers = parts
+    if p.dp_mode == "fsdp" and p.offload == "optimizer_and_params":
+        sharded_grads = 4.0 * local / layout.dp
+        on_device = grads if grads > sharded_grads else 0.0  # the no-sync accumulation buffer (several micro-batches)
+        return 0.0, on_device, 0.0, 0.0, weights + sharded_grads + optimizer + step_buffers
+    if p.dp_mode != "zero" or p.zero_stage not in (1, 2, 3):
+        return weights, grads, optimizer, step_buffers, 0.0
+    opt, params = offload_of(p.zero_stage, p.ds_config or None, p.offload)
+    if not opt:
+        return weights, grads, optimizer, step_buffers, 0.0
+    host = optimizer + 4.0 * local / layout.dp  # fp32 master + moments, and the fp32 gradient partition
+    if p.zero_stage >= 2:
+        grads = 0.0  # reduced bucket by bucket (the bucket is in ``buffers``) into the host partition
+    if params:
+        host, weights = host + weights, 0.0
+    return weights, grads, 0.0, step_buffers, host
 
 
 def _zero_buffers(cfg: Config, params: dict) -> tuple[float, float]:

@@ -186,12 +186,14 @@ class Candidate:
         mode = p.dp_mode + (f"-{p.zero_stage}" if p.dp_mode == "zero" else "")
         if p.dp_mode == "fsdp":
             mode += "-reshard" if reshard_after_forward(self.cfg, self.layout.pp) else "-keep"
+        mode += {"none": "", "optimizer": "+off-opt", "optimizer_and_params": "+off-all"}[p.offload]
         return {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "dp_mode": mode,
                 "schedule": p.schedule, "virtual_stages": p.virtual_stages,
                 "pp_layers": layer_counts(self.cfg, self.layout.pp),
                 "micro_batch_size": t.micro_batch_size,
                 "micro_batches": micro_batches_per_step(t, self.layout.dp),
                 "activation_checkpointing": t.activation_checkpointing, "peak_memory_gb": self.peak_bytes / 1e9,
+                "host_gb": max(s.host for s in self.memory) / 1e9,
                 "step_s": self.time.total, "tokens_per_s": self.time.tokens_per_s, "mfu": self.time.mfu,
                 "bubble_s": self.time.bubble, "bubble_fraction": self.time.bubble_fraction,
                 "activation_gb_per_stage": [s.activations / 1e9 for s in self.memory],
@@ -205,16 +207,30 @@ def _divisors(n: int) -> list[int]:
 
 DP_MODES = [("ddp", 0, "auto"), ("fsdp", 0, "true"), ("fsdp", 0, "false"), ("zero", 1, "auto"),
             ("zero", 2, "auto"), ("zero", 3, "auto")]
+# (dp mode, zero stage, reshard, parallel.offload) tried only where no layout fits without offload (or the config
+# asks for offload): on a GPU it trades host copies and a host Adam step for device memory.
+OFFLOAD_MODES = [("fsdp", 0, "true", "optimizer_and_params"), ("zero", 1, "auto", "optimizer"),
+                 ("zero", 2, "auto", "optimizer"), ("zero", 3, "auto", "optimizer"),
+                 ("zero", 3, "auto", "optimizer_and_params")]
+
+
+def dp_modes(offload: str, dp: int) -> list[tuple[str, int, str, str]]:
+    """The (dp mode, stage, reshard, offload) tried at ``dp`` ranks: no offload (only ddp at dp = 1, where sharding
+    over one rank changes nothing), or those of OFFLOAD_MODES with parallel.offload ``offload`` ("any": all)."""
+    if offload == "none":
+        return [(*m, "none") for m in (DP_MODES if dp > 1 else DP_MODES[:1])]
+    return [m for m in OFFLOAD_MODES if offload in ("any", m[3])]
 
 
 def layouts(cfg: Config, world_size: int, schedules: tuple[tuple[str, int], ...] | None = None,
-            refused: list[tuple[Layout, str]] | None = None):
+            refused: list[tuple[Layout, str]] | None = None, offload: str | None = None):
     """Every valid (tp, pp, dp, dp mode, micro-batch size, activation checkpointing, schedule) of ``cfg`` on
     ``world_size`` ranks, as configs. ``schedules``: (schedule, virtual stages) pairs to try (default: the
     config's; engine.planning.schedules.SEARCHED is every one), the first alone at pp = 1 where no pipeline
     runs. Validity is engine.parallel.support.resolve_layout's ((tp, pp, dp), message of each refusal go to
     ``refused``); at
-    dp = 1 only ddp (sharding over one rank changes nothing)."""
+    dp = 1 only ddp (sharding over one rank changes nothing). ``offload``: dp_modes' (default the config's
+    parallel.offload)."""
     gbs = cfg.train.global_batch_size
     schedules = schedules or ((cfg.parallel.schedule, cfg.parallel.virtual_stages),)
     for tp in _divisors(world_size):
@@ -228,10 +244,10 @@ def layouts(cfg: Config, world_size: int, schedules: tuple[tuple[str, int], ...]
                 same = pp == cfg.parallel.pp or cfg.parallel.pp_layers == "auto"
                 pp_layers = cfg.parallel.pp_layers if same and schedule != "interleaved" else []
                 for mbs in _divisors(gbs // dp):
-                    for mode, stage, reshard in DP_MODES if dp > 1 else DP_MODES[:1]:
+                    for mode, stage, reshard, off in dp_modes(offload or cfg.parallel.offload, dp):
                         for ac in ("none", "full", "selective"):
                             c = with_layout(cfg, tp=tp, pp=pp, dp=dp, dp_mode=mode, zero_stage=stage,
-                                            reshard_after_forward=reshard, pp_layers=pp_layers,
+                                            reshard_after_forward=reshard, offload=off, pp_layers=pp_layers,
                                             micro_batch_size=mbs, activation_checkpointing=ac, schedule=schedule,
                                             virtual_stages=v)
                             try:
@@ -249,10 +265,17 @@ def search(cfg: Config, world_size: int, hw: Hardware, schedules: tuple[tuple[st
            refused: list[tuple[Layout, str]] | None = None) -> list[Candidate]:
     """Every valid layout (``schedules`` and ``refused`` as for layouts), planned; those that fit in
     hw.memory_gb first, each group by step time."""
+    out = _planned(cfg, world_size, hw, schedules, refused)
+    if cfg.parallel.offload == "none" and not any(c.fits for c in out):  # offload only where nothing fits without
+        out += _planned(cfg, world_size, hw, schedules, refused, "any")
+    return sorted(out, key=lambda c: (not c.fits, c.time.total, c.peak_bytes))
+
+
+def _planned(cfg: Config, world_size: int, hw: Hardware, schedules, refused, offload: str | None = None) -> list:
     out = []
-    for c, layout in layouts(cfg, world_size, schedules, refused):
+    for c, layout in layouts(cfg, world_size, schedules, refused, offload):
         memory = plan_memory(c, world_size, layout=layout)
         cand = Candidate(c, layout, memory, step_time(c, world_size, hw, layout))
         cand.fits = cand.peak_bytes <= hw.memory_gb * 1e9
         out.append(cand)
-    return sorted(out, key=lambda c: (not c.fits, c.time.total, c.peak_bytes))
+    return out

@@ -1,7 +1,7 @@
 """Run the parity matrix and print the table of results.
 
     python -m tests.parity --list                   # the combinations, the CI subset and the refusals; runs nothing
-    python -m tests.parity                          # the CI covering subset (what `pytest` runs)
+    python -m tests.parity                          # the CI covering subset and offload slice (what `pytest` runs)
     python -m tests.parity --full --write-readme    # every supported combination; refreshes the README table
     python -m tests.parity --full --rerun-failed --write-readme   # only what failed or is missing in the last run
     python -m tests.parity --full --match zero_bubble --match=-sp  # a slice: names containing every --match
@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if args.write_readme and (not args.full or args.match):
         ap.error("--write-readme needs --full without --match: the README table counts every combination")
-    combos = matrix.full_matrix() if args.full else matrix.covering_subset()
+    combos = matrix.full_matrix() if args.full else matrix.ci_combos()
     combos = [c for c in combos if all(m in c.name for m in args.match)]
     if args.list:
         for c in combos:

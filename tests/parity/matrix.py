@@ -3,7 +3,8 @@
 One ``Combo`` is a point of the product of these factors (``FACTORS``):
 
     tp, pp, dp in {1, 2, 4} with tp * pp * dp <= 8
-    dp_mode: ddp | fsdp-reshard | fsdp-keep | zero1 | zero2 | zero3
+    dp_mode: ddp | fsdp-reshard | fsdp-keep | zero1 | zero2 | zero3, and with host offload (parallel.offload):
+             zero2-offload (optimizer) | zero3-offload | fsdp-offload (optimizer_and_params; fsdp resharding)
     schedule: 1f1b | gpipe | interleaved (2 virtual stages) | zero_bubble (only with pp > 1; "-" at pp = 1, where
               there is no schedule); interleaved at pp = 4 runs 8 layers (4 cannot split into 8 chunks), against
               an 8-layer single process
@@ -16,7 +17,9 @@ with which words; the tests check that the engine gives exactly that error, so a
 accidental acceptance both fail. ``full_matrix()`` is every combination with clipping off (clipping off is what
 makes a gradient that is off by a constant factor visible: clipping followed by Adam hides it);
 ``covering_subset()`` is the CI subset: every pair of factor values that occurs in some supported combination,
-clipping on included, appears in at least one chosen combination (greedy pairwise covering, cheapest first).
+clipping on included, appears in at least one chosen combination (greedy pairwise covering, cheapest first),
+with the offload modes left out of the covering and run as ``offload_slice()`` (on a CPU offload is the same
+arithmetic in the same place, so a few layouts per mode show it is wired in; ``--full`` runs them all).
 
     python -m tests.parity --list          # the matrix and the CI subset, without running anything
 """
@@ -27,6 +30,7 @@ from dataclasses import asdict, dataclass
 
 SIZES = (1, 2, 4)
 DP_MODES = ("ddp", "fsdp-reshard", "fsdp-keep", "zero1", "zero2", "zero3")
+OFFLOAD_MODES = ("zero2-offload", "zero3-offload", "fsdp-offload")  # parallel.offload: optimizer, +params, +params
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero_bubble")
 FACTORS = ("tp", "pp", "dp", "dp_mode", "schedule", "dtype", "tied", "ac", "clip", "sp")
 MAX_WORLD = 8
@@ -72,11 +76,13 @@ class Combo:
             args += ["--model.num_layers", str(self.layers)]
         if mode == "fsdp":
             args += ["--parallel.dp_mode", "fsdp", "--parallel.reshard_after_forward",
-                     "true" if option == "reshard" else "false"]
+                     "false" if option == "keep" else "true"]
         elif mode.startswith("zero"):
             args += ["--parallel.dp_mode", "zero", "--parallel.zero_stage", mode[-1]]
         else:
             args += ["--parallel.dp_mode", "ddp"]
+        if option == "offload":
+            args += ["--parallel.offload", "optimizer" if mode == "zero2" else "optimizer_and_params"]
         return args
 
     def values(self) -> dict:
@@ -101,7 +107,7 @@ def layouts() -> list[tuple[int, int, int]]:
 def all_combos(clip: tuple[bool, ...] = (False, True)) -> list[Combo]:
     out = []
     for (tp, pp, dp), mode, dtype, tied, ac, c in itertools.product(
-            layouts(), DP_MODES, ("fp32", "bf16"), (False, True), (False, True), clip):
+            layouts(), DP_MODES + OFFLOAD_MODES, ("fp32", "bf16"), (False, True), (False, True), clip):
         for schedule, sp in itertools.product(SCHEDULES if pp > 1 else ("-",), (False, True) if tp > 1
                                               else (False,)):
             layers = 8 if schedule == "interleaved" and pp == 4 else 4
@@ -129,7 +135,7 @@ def refusal(c: Combo) -> tuple[str, str] | None:
     if c.dp_mode.startswith("zero") and c.pp > 1:
         if c.tied and (c.dp_mode != "zero1" or c.dtype != "fp32"):
             return TIED_ZERO_PP
-        if c.dp_mode == "zero3":
+        if c.dp_mode.startswith("zero3"):
             return ZERO3_PP
     return None
 
@@ -166,7 +172,7 @@ def covering_subset() -> list[Combo]:
     """Greedy pairwise covering of the supported combinations (clip off and on): repeatedly take the combination
     that covers the most not-yet-covered pairs of factor values per unit of cost (ties: the smaller combo first,
     so the choice is deterministic)."""
-    pool = [c for c in all_combos() if refusal(c) is None]
+    pool = [c for c in all_combos() if refusal(c) is None and c.dp_mode not in OFFLOAD_MODES]
     uncovered = set().union(*(_pairs(c) for c in pool))
     chosen = []
     while uncovered:
@@ -176,8 +182,29 @@ def covering_subset() -> list[Combo]:
     return sorted(chosen)
 
 
+def ci_combos() -> list[Combo]:
+    """What CI runs: the pairwise covering subset and the offload slice."""
+    return covering_subset() + offload_slice()
+
+
+def offload_slice() -> list[Combo]:
+    """The offload modes' CI slice: each mode across dp 2 alone, with tp, with pp (1F1B, tied embeddings where the
+    mode allows them), bf16, clipping and activation checkpointing spread over them."""
+    return sorted([
+        Combo(1, 1, 2, "zero2-offload", "-", "fp32", False, False, True),
+        Combo(2, 1, 2, "zero2-offload", "-", "bf16", False, True, False),
+        Combo(1, 2, 2, "zero2-offload", "1f1b", "fp32", False, False, False),
+        Combo(1, 1, 2, "zero3-offload", "-", "fp32", True, True, True),
+        Combo(2, 1, 2, "zero3-offload", "-", "fp32", False, False, False, True),
+        Combo(1, 1, 2, "fsdp-offload", "-", "fp32", False, False, True),
+        Combo(1, 2, 2, "fsdp-offload", "1f1b", "fp32", True, False, False),
+        Combo(2, 1, 2, "fsdp-offload", "-", "bf16", False, True, False),
+    ])
+
+
 def _key(c: Combo) -> tuple:
-    return (c.world, c.tp, c.pp, c.dp, DP_MODES.index(c.dp_mode), SCHEDULES.index(c.schedule) if c.pp > 1 else 0,
+    return (c.world, c.tp, c.pp, c.dp, (DP_MODES + OFFLOAD_MODES).index(c.dp_mode),
+            SCHEDULES.index(c.schedule) if c.pp > 1 else 0,
             c.dtype == "bf16", c.tied, c.ac, c.clip, c.sp, c.layers)
 
 

@@ -92,7 +92,7 @@ def family_table(results: dict | None) -> str:
     cols = [("pp = 1", lambda c: c.pp == 1 and not c.tied), ("pp = 1, tied", lambda c: c.pp == 1 and c.tied),
             ("pp 2-4", lambda c: c.pp > 1 and not c.tied), ("pp 2-4, tied", lambda c: c.pp > 1 and c.tied)]
     rows = ["| dp mode | " + " | ".join(name for name, _ in cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for mode in matrix.DP_MODES:
+    for mode in matrix.DP_MODES + matrix.OFFLOAD_MODES:
         cells = [_cell([c for c in combos if c.dp_mode == mode and pick(c)], results) for _, pick in cols]
         rows.append(f"| {mode} | " + " | ".join(cells) + " |")
     return "\n".join(rows)

@@ -73,7 +73,11 @@ class DataParallel:
         """Sum ``param``'s accumulated gradient (this rank's part of it) over ``group``; zeros if it has none."""
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        dist.all_reduce(local(param.grad), group=group)
+        grad = local(param.grad)
+        on_device = grad.to(self.ctx.device)  # FSDP's CPU offload keeps it on the host; NCCL reduces device tensors
+        dist.all_reduce(on_device, group=group)
+        if on_device is not grad:
+            grad.copy_(on_device)
 
     def reduce_gradients(self) -> None:
         """Finish the dp reduction that did not overlap with backward (timed as the ``dp_comm`` phase)."""
@@ -121,7 +125,7 @@ class TorchOptimizerMixin:
         ctx = self.ctx
         exclude = counted_elsewhere(self.module, self.cfg, ctx)
         norm = clip_gradients(self.module, self.cfg.train.grad_clip, ctx.tp_rank, ctx.mp_group, exclude,
-                              dp_group=ctx.dp_group if self.sharded_grads else None)
+                              dp_group=ctx.dp_group if self.sharded_grads else None, device=ctx.device)
         if math.isfinite(norm):
             set_lr(self.optimizer, lr)
             self.optimizer.step()

@@ -34,7 +34,15 @@ DEFAULTS = {
 OURS = {"train_batch_size": "train.global_batch_size", "train_micro_batch_size_per_gpu": "train.micro_batch_size",
         "gradient_accumulation_steps": "train.global_batch_size / (train.micro_batch_size * dp)",
         "gradient_clipping": "train.grad_clip", "bf16": "train.dtype", "optimizer": "train.lr, train.beta1, ...",
-        "scheduler": "train.lr, train.warmup_steps, train.min_lr_ratio"}
+        "scheduler": "train.lr, train.warmup_steps, train.min_lr_ratio",
+        "zero_force_ds_cpu_optimizer": "parallel.offload (the engine picks the offload optimizer)",
+        "zero_allow_untested_optimizer": "parallel.offload (the engine picks the optimizer)"}
+# The offload sub-keys the engine honours; DeepSpeed's others (nvme_path, ratio, super_offload, ...) are refused.
+OFFLOAD_KEYS = {"offload_optimizer": ("device", "pin_memory"),
+                "offload_param": ("device", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu")}
+# DeepSpeed's deprecated spellings of the offload keys, and the key to write instead.
+OLD_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param",
+               "cpu_offload_use_pin_memory": "offload_optimizer.pin_memory"}
 
 
 def read_user_config(path: str | Path) -> dict:
@@ -63,7 +71,52 @@ def read_user_config(path: str | Path) -> dict:
     if "stage" in zero:
         raise ConfigError(f"{where} sets 'zero_optimization.stage'; remove it: the engine sets it from "
                           f"parallel.zero_stage")
+    _check_offload_keys(zero, where)
     return user
+
+
+def _check_offload_keys(zero: dict, where: str) -> None:
+    """Offload sub-keys of the file the engine can honour: device none or cpu (nvme needs an aio build and a
+    path), pin_memory and ZeRO-3's parameter buffers; anything else is refused with the key named."""
+    for old, new in OLD_OFFLOAD.items():
+        if old in zero:
+            raise ConfigError(f"{where} sets 'zero_optimization.{old}' (deprecated by DeepSpeed); write "
+                              f"'zero_optimization.{new}' or set parallel.offload")
+    for key, allowed in OFFLOAD_KEYS.items():
+        sub = zero.get(key)
+        if sub is None:
+            continue
+        if not isinstance(sub, dict):
+            raise ConfigError(f"{where} has a 'zero_optimization.{key}' that is not an object of keys")
+        for k in sub:
+            if k not in allowed:
+                raise ConfigError(f"{where} sets 'zero_optimization.{key}.{k}', which this engine does not honour; "
+                                  f"keep only {', '.join(allowed)}")
+        if sub.get("device", "none") not in ("none", "cpu"):
+            raise ConfigError(f"{where} sets 'zero_optimization.{key}.device'={sub['device']!r}; use 'cpu' or "
+                              f"'none' (NVMe offload is not supported here)")
+
+
+def offload_of(stage: int, path: str | None, offload: str) -> tuple[bool, bool]:
+    """(optimizer offloaded, parameters offloaded) for ZeRO ``stage``: parallel.offload (``offload``) or the file's
+    offload_optimizer / offload_param with device cpu; refused where the two disagree, and parameter offload
+    outside stage 3 (DeepSpeed would ignore it silently)."""
+    zero = load_base_config(stage, path).get("zero_optimization", {})
+    on = {k: zero.get(k, {}).get("device", "none") == "cpu" for k in OFFLOAD_KEYS}
+    wanted = {"offload_optimizer": offload != "none", "offload_param": offload == "optimizer_and_params"}
+    for key in OFFLOAD_KEYS:
+        if wanted[key] and key in zero and not on[key]:
+            raise ConfigError(f"parallel.offload={offload} and parallel.ds_config '{path}' (zero_optimization.{key}."
+                              f"device={zero[key].get('device', 'none')!r}) disagree; remove one of them")
+    opt, params = (on[k] or wanted[k] for k in OFFLOAD_KEYS)
+    if params and stage != 3:
+        raise ConfigError(f"parallel.ds_config '{path}' offloads parameters (zero_optimization.offload_param), which "
+                          f"DeepSpeed does only in ZeRO-3 (zero_stage={stage}); remove offload_param or use "
+                          f"zero_stage=3")
+    if params and not opt:
+        raise ConfigError(f"parallel.ds_config '{path}' offloads parameters without the optimizer; set "
+                          f"parallel.offload=optimizer_and_params instead")
+    return opt, params
 
 
 def merged(base: dict, over: dict) -> dict:

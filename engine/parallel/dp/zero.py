@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ from engine.config import Config, ConfigError
 from engine.internals import private
 from engine.optim import build_optimizer, set_lr, unique_params
 from engine.parallel.dp.base import DataParallel
-from engine.parallel.dp.ds_json import load_base_config
+from engine.parallel.dp.ds_json import load_base_config, offload_of
 from engine.parallel.shards import tp_dim
 from engine.parallel.support import micro_batches_per_step
 from engine.parallel.dp.zero_state import Zero3State, Zero12State, zero_bytes_held
@@ -54,13 +55,57 @@ def ds_config(cfg: Config, ctx, base: dict | None = None) -> dict:
     c["managed_gradient_accumulation"] = False  # the trainer owns the boundary: m backwards, then one step()
     c["gradient_clipping"] = float(t.grad_clip)
     c["zero_allow_untested_optimizer"] = True  # torch.optim.AdamW as client optimizer (no FusedAdam build)
-    c.setdefault("zero_optimization", {})["stage"] = stage
+    # The engine picks the offload optimizer (offload_optimizer below): DeepSpeed must not refuse torch's AdamW.
+    c["zero_force_ds_cpu_optimizer"] = False
+    zero = c.setdefault("zero_optimization", {})
+    zero["stage"] = stage
+    # parallel.offload, or the file's own offload keys (checked to agree at load): the device is cpu; pinned host
+    # memory (faster copies) only where there is a CUDA device to copy to.
+    pin = getattr(getattr(ctx, "device", None), "type", "cpu") == "cuda"
+    for key, on in zip(("offload_optimizer", "offload_param"), zero_offload(cfg)):
+        if on:
+            zero[key] = {"pin_memory": pin, **zero.get(key, {}), "device": "cpu"}
     c["bf16"] = {**c.get("bf16", {}), "enabled": t.dtype == "bf16"}
     c["fp16"] = {"enabled": False}
     if t.dtype == "bf16":
         # Accumulate micro-batch gradients in fp32, as the ddp path does (bf16 weights, fp32 master + grads).
         c.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
     return c
+
+
+def zero_offload(cfg: Config) -> tuple[bool, bool]:
+    """(optimizer offloaded, parameters offloaded) under dp_mode zero (engine/parallel/dp/ds_json.py offload_of)."""
+    return offload_of(cfg.parallel.zero_stage, cfg.parallel.ds_config or None, cfg.parallel.offload)
+
+
+def cpu_adam_built() -> bool:
+    """DeepSpeedCPUAdam's op is installed with DeepSpeed or already JIT-built in torch's extension cache, so
+    loading it costs no compilation."""
+    from deepspeed.git_version_info import installed_ops
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return bool(installed_ops.get("cpu_adam")) or \
+        os.path.exists(os.path.join(_get_build_directory("cpu_adam", verbose=False), "cpu_adam.so"))
+
+
+def offload_optimizer(model: nn.Module, t) -> torch.optim.Optimizer:
+    """The optimizer of ZeRO-Offload (Ren et al. 2021): DeepSpeed's vectorised host AdamW, DeepSpeedCPUAdam in
+    AdamW mode (decoupled weight decay, as torch.optim.AdamW), over build_optimizer's two groups, when its C++ op
+    builds here (JIT, cached under ~/.cache/torch_extensions); else torch's AdamW, which DeepSpeed then steps on
+    the host partitions (its documented fallback, zero_force_ds_cpu_optimizer=false, set by ds_config)."""
+    fallback = build_optimizer(model, t)
+    if os.environ.get("ENGINE_CPU_ADAM_BUILD", "1") == "0" and not cpu_adam_built():
+        # The test suite (tests/conftest.py): never a first JIT build inside a test (455 s on 2 cores).
+        warnings.warn("DeepSpeedCPUAdam is not built and ENGINE_CPU_ADAM_BUILD=0: torch AdamW steps on the host")
+        return fallback
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in fallback.param_groups]
+        return DeepSpeedCPUAdam(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps, adamw_mode=True)
+    except Exception as e:  # the op cannot be built or loaded (no compiler, no ninja, no headers)
+        warnings.warn(f"DeepSpeedCPUAdam unavailable ({type(e).__name__}: {e}); torch AdamW steps on the host")
+        return fallback
 
 
 def mark_parallel_params(model: nn.Module, tp_rank: int) -> None:
@@ -108,7 +153,8 @@ class ZeRO(DataParallel):
         mark_parallel_params(model, ctx.tp_rank)
         for copy_ in counted_elsewhere(model, cfg, ctx):
             copy_.ds_pipe_replicated = True  # the tied LM-head copy: counted once in the norm, on the first stage
-        optimizer = build_optimizer(model, cfg.train)
+        self.offload = zero_offload(cfg)
+        optimizer = offload_optimizer(model, cfg.train) if self.offload[0] else build_optimizer(model, cfg.train)
         self.config = config if config is not None else ds_config(cfg, ctx)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                                  config=self.config, mpu=ctx)
