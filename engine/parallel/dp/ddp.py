@@ -96,7 +96,8 @@ class DDP(TorchOptimizerMixin, DataParallel):
     With virtual stages (interleaved schedule) each model chunk is its own DistributedDataParallel, armed before
     that chunk's last backward: a rank's chunks finish their gradients at different backwards (at dp 1 the chunks
     run unwrapped). Under a schedule that defers weight gradients (zero bubble) no backward finishes one, so no
-    reducer is armed and reduce_gradients all-reduces the gradients after the last W, in bucket_mb pieces (exposed, not overlapped)."""
+    reducer is armed and reduce_gradients all-reduces the gradients after the last W, in bucket_mb pieces
+    (exposed, not overlapped)."""
 
     zero_grad_to_none = False  # keep the bucket views: accumulation writes into them
 
