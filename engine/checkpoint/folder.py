@@ -20,18 +20,8 @@ from pathlib import Path
 from typing import Iterator
 
 from engine.checkpoint.format import CheckpointError
+from engine.checkpoint.lock import probe_writable
 from engine.checkpoint.publish import fsync_dir
-
-
-def _writable(target: Path) -> str | None:
-    """Why a probe file cannot be created in the existing directory ``target`` (None: it can)."""
-    probe = target / f".probe-{uuid.uuid4().hex[:8]}"
-    try:
-        probe.write_text("probe\n")
-        probe.unlink()
-    except OSError as e:
-        return e.strerror or str(e)
-    return None
 
 
 def begin(target: Path, overwrite: bool, what: str) -> Path:
@@ -43,8 +33,7 @@ def begin(target: Path, overwrite: bool, what: str) -> Path:
         if any(target.iterdir()) and not overwrite:
             raise CheckpointError(f"{what} '{target}' exists and is not empty; give a new or empty directory, or "
                                   f"--overwrite to replace it as a whole")
-        if (why := _writable(target)) is not None:
-            raise CheckpointError(f"{what} '{target}' cannot be written ({why}); give a writable directory")
+        probe_writable(target, uuid.uuid4().hex[:8], what, "give a writable directory")
     tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         tmp.mkdir(parents=True)
