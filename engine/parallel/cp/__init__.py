@@ -1,0 +1,1 @@
+"""Context parallelism: the sequence split over the cp axis (layout.py), and attention across it."""
