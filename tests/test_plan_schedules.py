@@ -239,3 +239,21 @@ def test_plan_cli_bad_virtual_stages_exits_2_with_one_line():
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: parallel.virtual_stages=2 needs parallel.schedule=interleaved and pp >= 2"]
+
+
+@pytest.mark.parametrize("name", list(sched.SCHEDULES))
+def test_one_count_of_activations_in_flight(name):
+    """The simulator's peak_in_flight, the planner's InFlight.count, the held_states walk the planner prices and
+    engine.parallel.actions.max_in_flight are one count, for every registered schedule (issue 25)."""
+    spec = sched.SCHEDULES[name]
+    for pp in (2, 4):
+        for m in (pp, 2 * pp, 3 * pp):
+            v = 2 if spec.chunks else 1
+            cfg = plan_cfg(name, pp, m, v, layers=pp * v * 2)
+            timeline = sched.simulate(name, pp, m, virtual_stages=v)
+            for stage in range(pp):
+                table = sched.build(name, pp, m, stage, v)
+                walked = max(sum(c) + sum(w) for c, w, _ in schedules.held_states(name, pp, m, stage, v))
+                planned = schedules.activations_in_flight(cfg, 1, pp, m, stage).count
+                counts = (sched.max_in_flight(table), timeline.peak_in_flight[stage], planned, walked)
+                assert len(set(counts)) == 1, f"{name} pp={pp} m={m} stage {stage}: {counts}"

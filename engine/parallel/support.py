@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from engine.config import Config, ConfigError, TrainConfig
+from engine.parallel import dp as dp_modes
 from engine.parallel import schedule as sched
 from engine.parallel.mesh import AXES
 
@@ -84,16 +85,17 @@ def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
     p, m, t = cfg.parallel, cfg.model, cfg.train
     if p.virtual_stages < 1:
         raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} must be >= 1")
-    if p.schedule == "interleaved":
+    spec = sched.SCHEDULES[p.schedule]
+    if spec.chunks:
         chunks = pp * p.virtual_stages
         if pp < 2:
-            raise ConfigError("parallel.schedule=interleaved needs parallel.pp >= 2 (with pp=1 there is no bubble "
+            raise ConfigError(f"parallel.schedule={p.schedule} needs parallel.pp >= 2 (with pp=1 there is no bubble "
                               "to shrink); use schedule 1f1b")
         if m.num_layers % chunks:
-            raise ConfigError(f"parallel.schedule=interleaved splits model.num_layers={m.num_layers} into pp*"
+            raise ConfigError(f"parallel.schedule={p.schedule} splits model.num_layers={m.num_layers} into pp*"
                               f"virtual_stages={chunks} equal chunks; choose virtual_stages so that it divides")
         if p.pp_layers:
-            raise ConfigError(f"parallel.pp_layers={p.pp_layers} is not supported with schedule=interleaved "
+            raise ConfigError(f"parallel.pp_layers={p.pp_layers} is not supported with schedule={p.schedule} "
                               f"(layers split evenly into pp*virtual_stages chunks); leave pp_layers empty")
     if pp > 1:
         try:
@@ -103,7 +105,8 @@ def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
                               f"(global_batch_size {t.global_batch_size} / (micro_batch_size {t.micro_batch_size} * "
                               f"dp {dp})) and parallel.pp={pp}: {e}") from None
     elif p.virtual_stages != 1:
-        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule=interleaved and pp >= 2")
+        chunked = " or ".join(name for name, s in sched.SCHEDULES.items() if s.chunks)
+        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule={chunked} and pp >= 2")
     if p.sequence_parallel and p.tp < 2:
         raise ConfigError(f"parallel.sequence_parallel=true needs parallel.tp >= 2 (got tp={p.tp}): it shards the "
                           f"sequence over the tensor-parallel group; set sequence_parallel=false")
@@ -113,41 +116,22 @@ def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
 
 
 def check_supported(cfg: Config, layout) -> None:
-    """Refuse, with the combination named, what this build cannot run. ``layout`` has ``tp``, ``pp``, ``dp``."""
+    """Refuse, with the combination named, what this build cannot run: a schedule whose gradient sync point the dp
+    mode cannot follow (ScheduleSpec.grad_sync against DpModeSpec.grad_syncs), then the mode's own refusals.
+    ``layout`` has ``tp``, ``pp``, ``dp``."""
     p = cfg.parallel
-    if p.schedule in ("interleaved", "zero_bubble") and p.dp_mode != "ddp":
-        when = {"interleaved": "each model chunk's last backward", "zero_bubble": "the last W, not the last B"}
+    schedule, mode = sched.SCHEDULES[p.schedule], dp_modes.spec(cfg)
+    if schedule.grad_sync not in mode.grad_syncs:
+        modes = " or ".join(name for name, s in dp_modes.MODES.items() if schedule.grad_sync in s.grad_syncs)
+        other = next(name for name, s in sched.SCHEDULES.items() if s.grad_sync in mode.grad_syncs)
         raise ConfigError(f"parallel.schedule={p.schedule} with parallel.dp_mode={p.dp_mode} is not supported (the "
-                          f"gradient sync would have to follow {when[p.schedule]}); use dp_mode=ddp, or "
-                          f"schedule 1f1b with {p.dp_mode}")
-    if cfg.parallel.dp_mode == "zero":
-        check_zero_supported(cfg, layout)
-    elif cfg.parallel.zero_stage:
-        raise ConfigError(f"parallel.zero_stage={cfg.parallel.zero_stage} needs parallel.dp_mode=zero, not "
-                          f"{cfg.parallel.dp_mode}; fsdp shards like ZeRO-3 (reshard_after_forward=true)")
+                          f"gradient sync would have to follow {schedule.grad_sync}); use dp_mode={modes}, or "
+                          f"schedule {other} with {p.dp_mode}")
+    if mode.check_layout is not None:
+        mode.check_layout(cfg, layout)
 
 
 def reshard_after_forward(cfg: Config, pp: int) -> bool:
     """FSDP's parallel.reshard_after_forward: true, false, or auto. Under pp > 1 each weight would be gathered once
     per micro-batch forward and again per backward, so auto keeps it gathered from forward to backward there."""
     return {"true": True, "false": False, "auto": pp == 1}[cfg.parallel.reshard_after_forward]
-
-
-def check_zero_supported(cfg: Config, ctx) -> None:
-    """Refuse, naming the combination, what engine/parallel/dp/zero.py cannot run correctly."""
-    p = cfg.parallel
-    if p.zero_stage not in (1, 2, 3):
-        raise ConfigError(f"parallel.dp_mode=zero needs parallel.zero_stage 1, 2 or 3, got {p.zero_stage}")
-    if ctx.pp > 1 and cfg.model.tie_embeddings and (p.zero_stage != 1 or cfg.train.dtype != "fp32"):
-        raise ConfigError(f"parallel.dp_mode=zero with zero_stage={p.zero_stage}, train.dtype={cfg.train.dtype}, "
-                          "parallel.pp>1 and model.tie_embeddings=true is not supported: the first and last stage's "
-                          "embedding gradients must be summed before DeepSpeed reduces them, which only ZeRO-1 in "
-                          "fp32 allows (ZeRO-2/3 reduce-scatter during backward; bf16 ZeRO-1 moves them into its "
-                          "fp32 buffers); use zero_stage=1 with train.dtype=fp32, or dp_mode=ddp")
-    if ctx.pp > 1 and p.zero_stage == 3:
-        # Measured with DeepSpeed 0.19.8: ZeRO-3's parameter coordinator checks its module trace against rank 0 of
-        # the whole job (a world-group broadcast at the first forward), which stages holding different layers
-        # reach at different times: the job hangs.
-        raise ConfigError("parallel.dp_mode=zero with zero_stage=3 and parallel.pp>1 is not supported (DeepSpeed's "
-                          "ZeRO-3 compares module traces across all ranks and hangs under pipeline stages); "
-                          "use zero_stage 1 or 2, or dp_mode=fsdp")

@@ -42,15 +42,17 @@ from __future__ import annotations
 import torch
 
 from engine.config import Config
+from engine.parallel import dp as dp_modes
 from engine.model.attention import EFFICIENT, EFFICIENT_REPEAT_KV, MATH, REPEATS_KV, attention_path
 from engine.parallel.cross_entropy import CHUNK_ELEMENTS
 
 
 def mode(cfg: Config) -> str:
-    """Which ledger applies: fp32, autocast or bf16 (see the module docstring)."""
+    """Which ledger applies: fp32, autocast or bf16 (see the module docstring; bf16 where the dp mode computes on
+    bf16 weights, DpModeSpec.bf16_weights: fsdp's compute copy, DeepSpeed's bf16)."""
     if cfg.train.dtype != "bf16":
         return "fp32"
-    return "bf16" if cfg.parallel.dp_mode in ("fsdp", "zero") else "autocast"
+    return "bf16" if dp_modes.spec(cfg).bf16_weights else "autocast"
 
 
 def sequence_share(cfg: Config, tp: int) -> int:
