@@ -123,7 +123,7 @@ def check_supported(cfg: Config, layout) -> None:
     schedule, mode = sched.SCHEDULES[p.schedule], dp_modes.spec(cfg)
     if schedule.grad_sync not in mode.grad_syncs:
         modes = " or ".join(name for name, s in dp_modes.MODES.items() if schedule.grad_sync in s.grad_syncs)
-        other = next(name for name, s in sched.SCHEDULES.items() if s.grad_sync in mode.grad_syncs)
+        other = next((name for name, s in sched.SCHEDULES.items() if s.grad_sync in mode.grad_syncs), "none")
         raise ConfigError(f"parallel.schedule={p.schedule} with parallel.dp_mode={p.dp_mode} is not supported (the "
                           f"gradient sync would have to follow {schedule.grad_sync}); use dp_mode={modes}, or "
                           f"schedule {other} with {p.dp_mode}")
