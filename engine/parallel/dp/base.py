@@ -13,7 +13,8 @@ calls these in this order every step and never asks which mode it is:
     dp.reduce_gradients()                              # the exposed part of the dp reduction (often nothing)
     norm = dp.step(lr)                                 # or dp.skip() after a NaN loss
 
-A new mode is one file with a subclass and one line in the registry.
+A new mode is a subclass in a file of its own, its planner model and one DpModeSpec in the registry
+(docs/architecture.md, "A new dp mode", names every file).
 """
 from __future__ import annotations
 
