@@ -26,9 +26,9 @@ CHOICES = {
 
 
 def choices() -> dict:
-    """CHOICES and the registries that live beside code with heavier imports, read when a config is checked:
-    engine/model/recompute.py MODES (true/false read as full/none, config.py) and engine/model/families.py
-    ARCHITECTURES (imported here, not at module level: families reads engine.config, which imports this)."""
+    """CHOICES and the registries of engine/model/, read when a config is checked: recompute.py MODES (true/false
+    read as full/none, config.py) and families.py ARCHITECTURES (imported here, not at module level: families
+    reads engine.config, which imports this module). Neither imports torch."""
     from engine.model.families import ARCHITECTURES
     from engine.model.recompute import MODES as RECOMPUTE_MODES
     return {**CHOICES, "train.activation_checkpointing": RECOMPUTE_MODES, "model.family": ARCHITECTURES}

@@ -73,3 +73,19 @@ def test_kind_names_are_compared_only_in_their_packages():
             if not rel.startswith(homes) and (found := name_comparisons(path.read_text(encoding="utf-8"), names)):
                 bad[f"{kind} in {rel}"] = found
     assert bad == {}, "ask the kind's spec (engine/parallel/dp/registry.py, engine/parallel/actions.py ScheduleSpec)"
+
+
+def test_config_checks_read_the_registries_without_torch():
+    """The config checks read every registry (dp modes, schedules, recompute modes, model families) before torch
+    is loaded, so a bad config fails fast (launch/preflight.py loads one on a login node)."""
+    import os
+    import subprocess
+    import sys
+    code = ("import sys\nfrom engine.config import load\nload(['--parallel.dp_mode', 'zero', '--parallel.zero_stage', "
+            "'1', '--parallel.schedule', 'gpipe', '--train.activation_checkpointing', 'selective', '--model.family', "
+            "'qwen2', '--model.attention_bias', 'true'])\nprint(sorted(m for m in ('torch', 'deepspeed') if m in "
+            "sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -16,7 +16,7 @@ from engine.config import ModelConfig
 from engine.model.attention import additive_mask, attend, compute_dtype
 from engine.model.docmask import block_causal_mask
 from engine.model.fused import FusedLinear, hf_state_dict_hooks, split_output
-from engine.model.recompute import run_block
+from engine.model.recompute_run import run_block
 from engine.model.rope import rope_cos_sin
 
 
@@ -99,7 +99,7 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)). ``recompute``: none | full | selective
-    activation checkpointing of the block (engine/model/recompute.py)."""
+    activation checkpointing of the block (engine/model/recompute.py, recompute_run.py)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
