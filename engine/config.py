@@ -56,10 +56,14 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """Layout of the world: world_size = tp * pp * dp, tp fastest-varying (TP peers share a node)."""
+    """Layout of the world: world_size = tp * pp * dp * cp, tp fastest-varying (TP peers share a node)."""
     tp: int = 1
     pp: int = 1
-    dp: int = -1  # -1: world_size // (tp * pp)
+    dp: int = -1  # -1: world_size // (tp * pp * cp)
+    # Context parallelism: the sequence split over cp ranks (load-balanced head/tail chunks, engine/parallel/cp/);
+    # cp_mode ring (K/V blocks rotate, online softmax) | all_to_all (Ulysses: sequence <-> heads around attention)
+    cp: int = 1
+    cp_mode: str = "ring"
     dp_mode: str = "ddp"  # ddp | fsdp | zero
     zero_stage: int = 0  # 1..3 with dp_mode=zero
     # dp_mode=zero: a DeepSpeed JSON file merged over the built-in defaults (buckets, overlap, ZeRO-3 thresholds;

@@ -129,7 +129,7 @@ def load_into(parts: CheckpointParts, path: Path, index: dict) -> RunPosition:
 
 def layout_of(cfg, ctx) -> dict:
     p = cfg.parallel
-    return {"tp": ctx.tp, "pp": ctx.pp, "dp": ctx.dp, "dp_mode": p.dp_mode, "zero_stage": p.zero_stage,
+    return {"tp": ctx.tp, "pp": ctx.pp, "dp": ctx.dp, "cp": ctx.size("cp"), "dp_mode": p.dp_mode, "zero_stage": p.zero_stage,
             "world_size": ctx.world_size}
 
 
