@@ -108,3 +108,17 @@ def test_cp_in_the_layout(tmp_path):
 def test_refusals(tmp_path, argv, words):
     with pytest.raises(ConfigError, match=words.replace("*", r"\*").replace("(", r"\(")):
         _layout(tmp_path, 8, *argv)
+
+
+def test_resume_across_cp_sizes(tmp_path):
+    """Checkpoints hold no cp state (cp shards no weight): 10 steps at cp 2 (ddp, and fsdp sharded over dp x cp),
+    saved, resumed at cp 1 (dp 4) and at cp 4 all_to_all, follow the uninterrupted run's losses (rel 1e-5, the
+    tolerance between layouts in tests/test_checkpoint.py)."""
+    from tests.test_checkpoint import MOVED, check_resumes
+
+    heads = ["--model.num_kv_heads", "4"]  # all_to_all at cp 4 needs 4 kv heads (SMALL has 4 heads, 2 kv)
+    cp2 = [*heads, "--parallel.cp", "2", "--parallel.cp_mode", "all_to_all"]
+    cp4 = [*heads, "--parallel.cp", "4", "--parallel.cp_mode", "all_to_all"]
+    check_resumes(tmp_path, 4, {
+        "ddp cp2 dp2": (cp2, [("cp1 dp4", heads, MOVED), ("cp4", cp4, MOVED)]),
+        "fsdp cp2 dp2": ([*cp2, "--parallel.dp_mode", "fsdp"], [("ddp cp4", cp4, MOVED)])})
