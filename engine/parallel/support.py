@@ -88,6 +88,9 @@ def check_context_parallel(cfg: Config) -> None:
     if t.seq_len % (2 * p.cp):
         raise ConfigError(f"parallel.cp={p.cp} needs train.seq_len={t.seq_len} divisible by 2 * cp = {2 * p.cp} "
                           f"(each cp rank holds two of 2 cp equal chunks)")
+    if p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
+        raise ConfigError(f"parallel.sequence_parallel=true with parallel.cp={p.cp} needs train.seq_len / cp = "
+                          f"{t.seq_len // p.cp} divisible by parallel.tp={p.tp}")
     if p.cp_mode == "all_to_all" and (m.num_heads % (p.cp * p.tp) or m.num_kv_heads % (p.cp * p.tp)):
         raise ConfigError(f"parallel.cp_mode=all_to_all needs model.num_heads={m.num_heads} and model.num_kv_heads="
                           f"{m.num_kv_heads} divisible by cp * tp = {p.cp} * {p.tp} = {p.cp * p.tp}; use "
