@@ -10,6 +10,8 @@ chunks in the feed, or an all-to-all backward without the exchange moved a gradi
 """
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -103,6 +105,9 @@ def test_cp_in_the_layout(tmp_path):
     (["--parallel.cp", "2", "--parallel.cp_mode", "all_to_all", "--parallel.tp", "2", "--model.num_kv_heads", "2"],
      "model.num_kv_heads=2 divisible by cp * tp = 2 * 2 = 4"),
     (["--parallel.cp", "0"], "parallel.cp=0 must be > 0"),
+    (["--parallel.cp", "2", "--parallel.cp_mode", "all_to_all", "--parallel.tp", "4", "--model.num_kv_heads", "8",
+      "--train.seq_len", "36", "--parallel.sequence_parallel", "true"],
+     "train.seq_len / cp = 18 divisible by parallel.tp=4"),
     (["--parallel.cp_mode", "ulysses"], "parallel.cp_mode='ulysses' is not one of ring, all_to_all"),
 ])
 def test_refusals(tmp_path, argv, words):
@@ -122,3 +127,10 @@ def test_resume_across_cp_sizes(tmp_path):
     check_resumes(tmp_path, 4, {
         "ddp cp2 dp2": (cp2, [("cp1 dp4", heads, MOVED), ("cp4", cp4, MOVED)]),
         "fsdp cp2 dp2": ([*cp2, "--parallel.dp_mode", "fsdp"], [("ddp cp4", cp4, MOVED)])})
+
+
+def test_ring_is_refused_until_its_kernel_exists(tmp_path):
+    if importlib.util.find_spec("engine.parallel.cp.ring") is not None:
+        pytest.skip("engine/parallel/cp/ring.py exists: cp_mode ring runs (the parity matrix's ring combinations)")
+    with pytest.raises(ConfigError, match="parallel.cp_mode=ring \\(parallel.cp=2\\) is not built yet"):
+        _layout(tmp_path, 2, "--parallel.cp", "2")
