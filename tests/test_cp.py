@@ -134,3 +134,36 @@ def test_ring_is_refused_until_its_kernel_exists(tmp_path):
         pytest.skip("engine/parallel/cp/ring.py exists: cp_mode ring runs (the parity matrix's ring combinations)")
     with pytest.raises(ConfigError, match="parallel.cp_mode=ring \\(parallel.cp=2\\) is not built yet"):
         _layout(tmp_path, 2, "--parallel.cp", "2")
+
+
+def _saved_rank(argv: list[str]) -> dict:
+    """Bytes saved for backward by one micro-batch on this cp rank, and the planner's figure."""
+    from engine.metrics.memory import SavedActivations
+    from engine.planning import activations as acts
+
+    cfg = load(argv)
+    cp, rank = cfg.parallel.cp, dist.get_rank()
+    model = model_lib.build(cfg.model, device="meta")
+    apply_context_parallel(model, cfg.parallel.cp_mode, dist.group.WORLD, cp)
+    materialize(model, torch.device("cpu"), seed=0, std=0.02)
+    rows = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
+                         generator=torch.Generator().manual_seed(0))
+    eos = 3 if cfg.data.document_mask else None
+    inputs, labels, extra = micro_batch_inputs([rows], 1, eos, cp, rank, cfg.train.seq_len)
+    tracker = SavedActivations(model)
+    with tracker.hooks(), torch.autocast("cpu", torch.bfloat16, enabled=cfg.train.dtype == "bf16"):
+        loss = vocab_parallel_cross_entropy(model(inputs[0], **(extra[0] if extra else {})), labels[0], None)
+    loss.backward()
+    return {"saved": tracker.peak, "planned": acts.micro_batch_bytes(cfg, 1, 1, 0, cfg.model.num_layers)}
+
+
+@pytest.mark.parametrize("cp,extra", [(1, []), (2, []), (4, []), (2, ["--data.document_mask", "true"]), (1, ["--data.document_mask", "true"]),
+                                      (2, ["--train.dtype", "bf16"])])
+def test_saved_activations_per_rank_match_the_planner(cp, extra):
+    """all_to_all keeps the activations of s/cp tokens per rank (attention: the same bytes as whole heads of s
+    tokens), the document mask whole; the planner's ledger (engine/planning/activations.py) says so."""
+    argv = ["--config", "configs/tiny.yaml", "--model.hidden_size", "128", "--model.intermediate_size", "256",
+            "--model.num_layers", "2", "--train.seq_len", "64", "--train.micro_batch_size", "2",
+            "--parallel.cp", str(cp), "--parallel.cp_mode", "all_to_all", *extra]
+    for got in run_ranks(_saved_rank, cp, argv, threads=1):
+        assert got["saved"] == pytest.approx(got["planned"], rel=1e-3), got
