@@ -167,3 +167,24 @@ def test_saved_activations_per_rank_match_the_planner(cp, extra):
             "--parallel.cp", str(cp), "--parallel.cp_mode", "all_to_all", *extra]
     for got in run_ranks(_saved_rank, cp, argv, threads=1):
         assert got["saved"] == pytest.approx(got["planned"], rel=1e-3), got
+
+
+def _eval_losses(argv: list[str]) -> list[float]:
+    from engine.parallel.context import ParallelContext
+    from engine.trainer import Trainer
+
+    cfg = load(argv)
+    return [r["eval_loss"] for r in Trainer(cfg, ParallelContext.from_config(cfg)).fit() if "eval_loss" in r]
+
+
+def test_evaluation_loss_is_the_whole_sequences(tmp_path):
+    """Evaluation under cp 2 reports on every rank the one-process validation loss (its mean over dp x cp)."""
+    from tests.parity import runner
+
+    argv = [*runner.BASE, "--train.steps", "2", "--train.eval_every", "2", "--train.eval_batches", "2"]
+    want = run_ranks(_eval_losses, 1, [*argv, "--train.out_dir", str(tmp_path / "one")])[0]
+    got = run_ranks(_eval_losses, 2, [*argv, "--train.out_dir", str(tmp_path / "cp"), "--parallel.cp", "2",
+                                      "--parallel.cp_mode", "all_to_all"])
+    assert len(want) == 1
+    for losses in got:
+        assert losses == pytest.approx(want, rel=runner.FP32.loss), (losses, want)
