@@ -188,3 +188,17 @@ def test_evaluation_loss_is_the_whole_sequences(tmp_path):
     assert len(want) == 1
     for losses in got:
         assert losses == pytest.approx(want, rel=runner.FP32.loss), (losses, want)
+
+
+def test_zero_resume_across_cp_sizes(tmp_path):
+    """ZeRO partitions over DeepSpeed's data-parallel group, dp x cp (the mpu): its checkpoint at cp 2 resumes at
+    cp 1 and at cp 4."""
+    pytest.importorskip("deepspeed")
+    from tests.test_checkpoint import MOVED, check_resumes, zero
+
+    heads = ["--model.num_kv_heads", "4"]
+    cp2 = [*heads, "--parallel.cp", "2", "--parallel.cp_mode", "all_to_all"]
+    check_resumes(tmp_path, 4, {
+        "zero-2 cp2 dp2": ([*cp2, *zero(2)], [("zero-1 cp1 dp4", [*heads, *zero(1)], MOVED),
+                                             ("ddp cp4", [*heads, "--parallel.cp", "4", "--parallel.cp_mode",
+                                                          "all_to_all"], MOVED)])})
