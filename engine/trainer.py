@@ -88,8 +88,8 @@ class Trainer:
             if cfg.parallel.pp_layers == "auto" and ctx.pp > 1:  # the split chosen by cost (planning/balance.py)
                 print(describe_split(cfg, ctx.pp), flush=True)
         # Between stages: (b, s/cp, h), or (b, s/(cp tp), h) under sequence parallelism (the residual stream is
-        # sharded), in parallel.p2p_dtype: the weights' dtype (auto), or bf16, half the p2p bytes of fp32 weights. A stage
-        # casts its input back to its weights' dtype (stage_forward; under ZeRO bf16 the weights are bf16).
+        # sharded), in parallel.p2p_dtype: the weights' dtype (auto), or bf16, half the p2p bytes of fp32 weights.
+        # A stage casts its input back to its weights' dtype (stage_forward; under ZeRO bf16 the weights are bf16).
         p = cfg.parallel
         self.param_dtype = next(self.model.parameters()).dtype
         s_local = t.seq_len // ctx.size("cp") // (ctx.tp if p.sequence_parallel else 1)
@@ -131,9 +131,9 @@ class Trainer:
         return self.dp.optimizer
 
     def run_schedule(self, executor: PipelineExecutor, local_batch: torch.Tensor | None, **kwargs) -> torch.Tensor:
-        """Run ``executor`` on this rank's share of a global batch (None on middle stages unless
-        data.document_mask). local_batch: (B/dp, s+1) token ids. Each micro-batch's mean loss is divided by the number of micro-batches, so the sum
-        is the mean over this rank's tokens; returned (detached) on every stage via a pp all-reduce."""
+        """Run ``executor`` on this rank's share of a global batch (None on middle stages unless data.document_mask).
+        local_batch: (B/dp, s+1) token ids. Each micro-batch's mean loss is divided by the number of micro-batches,
+        so the sum is the mean over this rank's tokens; returned (detached) on every stage via a pp all-reduce."""
         ctx = self.ctx
         micro = [] if local_batch is None else \
             [m.to(ctx.device, non_blocking=True) for m in local_batch.split(self.cfg.train.micro_batch_size)]
