@@ -174,11 +174,17 @@ def _eval_losses(argv: list[str]) -> list[float]:
     from engine.trainer import Trainer
 
     cfg = load(argv)
-    return [r["eval_loss"] for r in Trainer(cfg, ParallelContext.from_config(cfg)).fit() if "eval_loss" in r]
+    history = Trainer(cfg, ParallelContext.from_config(cfg)).fit()
+    t = cfg.train  # throughput counts each sequence once, whatever cp: B s tokens a step, / world per device
+    for r in history:
+        assert r["tokens_per_s"] * r["step_time"] == pytest.approx(t.global_batch_size * t.seq_len)
+        assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_s"] / dist.get_world_size())
+    return [r["eval_loss"] for r in history if "eval_loss" in r]
 
 
 def test_evaluation_loss_is_the_whole_sequences(tmp_path):
-    """Evaluation under cp 2 reports on every rank the one-process validation loss (its mean over dp x cp)."""
+    """Evaluation under cp 2 reports on every rank the one-process validation loss (its mean over dp x cp), and
+    tokens/s counts the whole sequence once."""
     from tests.parity import runner
 
     argv = [*runner.BASE, "--train.steps", "2", "--train.eval_every", "2", "--train.eval_batches", "2"]
