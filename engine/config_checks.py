@@ -20,6 +20,7 @@ CHOICES = {
     "parallel.p2p_dtype": ("auto", "bf16"),
     "parallel.reshard_after_forward": ("auto", "true", "false"),
     "parallel.offload": ("none", "optimizer", "optimizer_and_params"),
+    "parallel.cp_mode": ("ring", "all_to_all"),
     "train.dtype": ("fp32", "bf16"),
     "model.rope_scaling": ("none", "linear", "llama3"),
 }
@@ -51,6 +52,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{dotted}={value!r} is not one of {', '.join(valid)}")
     _positive(cfg, ["model.vocab_size", "model.hidden_size", "model.intermediate_size", "model.num_layers",
                     "model.num_heads", "model.num_kv_heads", "model.rope_theta", "parallel.tp", "parallel.pp",
+                    "parallel.cp",
                     "parallel.timeout_s",
                     "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
                     "log.every", "train.eval_batches"])

@@ -113,12 +113,13 @@ def test_layout_resolves_dp():
 @pytest.mark.parametrize("parallel,world,needle", [
     ({"tp": 3}, 3, "parallel.tp=3 must divide model.num_heads=8 and model.num_kv_heads=4"),
     ({"tp": 8}, 8, "parallel.tp=8 must divide model.num_heads=8 and model.num_kv_heads=4"),
-    ({"tp": 2, "pp": 2, "dp": 3}, 8, "tp(2) * pp(2) * dp(3) != world size(8); set parallel.dp=2 or -1 (auto)"),
+    ({"tp": 2, "pp": 2, "dp": 3}, 8, "tp(2) * pp(2) * cp(1) * dp(3) != world size(8); set parallel.dp=2 or -1 (auto)"),
     # issue 23 item 6: dp set wrong was answered with "choose tp and pp"
-    ({"dp": 3}, 2, "tp(1) * pp(1) * dp(3) != world size(2); set parallel.dp=2 or -1 (auto)"),
-    ({"tp": 2, "dp": 2}, 3, "tp(2) * pp(1) * dp(2) != world size(3); choose tp and pp whose product divides 3, and "
-                            "dp=-1"),
-    ({"tp": 2}, 3, "tp(2) * pp(1) * dp(auto) != world size(3)"),
+    ({"dp": 3}, 2, "tp(1) * pp(1) * cp(1) * dp(3) != world size(2); set parallel.dp=2 or -1 (auto)"),
+    ({"tp": 2, "dp": 2}, 3, "tp(2) * pp(1) * cp(1) * dp(2) != world size(3); choose tp, pp and cp whose product "
+                            "divides 3, and dp=-1"),
+    ({"tp": 2}, 3, "tp(2) * pp(1) * cp(1) * dp(auto) != world size(3)"),
+    ({"cp": 2, "cp_mode": "all_to_all", "dp": 2}, 8, "tp(1) * pp(1) * cp(2) * dp(2) != world size(8); set parallel.dp=4"),
     ({"pp": 5}, 5, "parallel.pp=5 exceeds model.num_layers=4"),
     ({"pp": 2, "dp": 2}, 4, "parallel.schedule=1f1b with 1 micro-batches per step (global_batch_size 16 / (micro_batch_size 8 * dp 2)) and parallel.pp=2: 1f1b needs micro_batches >= pp"),
     ({"pp": 2, "schedule": "interleaved", "virtual_stages": 4}, 2,

@@ -105,20 +105,20 @@ class TorchState(CheckpointState):
         if not self.fsdp:
             return 0, numel
         rows = p.shape[0]  # FSDP2 chunks dim 0 like torch.chunk: ceil(rows / dp) rows per rank, the last fewer
-        per = -(-rows // self.ctx.dp)
-        first = min(self.ctx.dp_rank * per, rows)
+        per = -(-rows // self.ctx.grad_size)  # FSDP shards over dp x cp (ctx.grad_mesh)
+        first = min(self.ctx.grad_rank * per, rows)
         if _local(p).shape[0] != min(per, rows - first):
-            raise RuntimeError(f"unexpected FSDP shard of {tuple(p.shape)} on dp rank {self.ctx.dp_rank}: "
+            raise RuntimeError(f"unexpected FSDP shard of {tuple(p.shape)} on dp x cp rank {self.ctx.grad_rank}: "
                                f"{tuple(_local(p).shape)}")  # FSDP2 changed its sharding: a bug here
         row = numel // rows if rows else 0
         return first * row, (first + _local(p).shape[0]) * row
 
     def writes(self, start: int, end: int) -> tuple[int, int]:
-        """Replicas (ddp) split the block evenly over dp ranks; a shard (fsdp) is written by its holder."""
+        """Replicas (ddp) split the block evenly over dp x cp ranks; a shard (fsdp) is written by its holder."""
         if self.fsdp:
             return start, end
-        per = -(-(end - start) // self.ctx.dp)
-        lo = min(start + self.ctx.dp_rank * per, end)
+        per = -(-(end - start) // self.ctx.grad_size)  # the replicas: dp x cp ranks
+        lo = min(start + self.ctx.grad_rank * per, end)
         return lo, min(lo + per, end)
 
     def state_names(self, slot: Slot) -> list[str]:

@@ -8,6 +8,7 @@ tests/parity/matrix.py and shown in the README ("What is proven").
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -25,8 +26,7 @@ def micro_batches_per_step(t: TrainConfig, dp: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """Validated sizes of the parallel axes (engine/parallel/mesh.py AXES). cp stays 1 until context parallelism
-    exists (there is no parallel.cp key yet)."""
+    """Validated sizes of the parallel axes (engine/parallel/mesh.py AXES); cp: parallel.cp (context parallelism)."""
     tp: int
     pp: int
     dp: int
@@ -43,11 +43,11 @@ class Layout:
 
 
 def resolve_layout(cfg: Config, world_size: int) -> Layout:
-    """Check the (tp, pp, dp) layout against the world size and the model; every factor is named in the error."""
+    """Check the (tp, pp, dp, cp) layout against the world size and the model; every factor is named in the error."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    tp, pp = p.tp, p.pp
-    if tp < 1 or pp < 1:
-        raise ConfigError(f"parallel.tp={tp} and parallel.pp={pp} must be >= 1")
+    tp, pp, cp = p.tp, p.pp, p.cp
+    if tp < 1 or pp < 1 or cp < 1:
+        raise ConfigError(f"parallel.tp={tp}, parallel.pp={pp} and parallel.cp={cp} must be >= 1")
     # Model-shape checks come first: they hold whatever the world size.
     if m.num_heads % tp or m.num_kv_heads % tp:
         raise ConfigError(f"parallel.tp={tp} must divide model.num_heads={m.num_heads} and "
@@ -62,21 +62,43 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
     if counts and counts != "auto" and (len(counts) != pp or sum(counts) != m.num_layers or min(counts) < 1):
         raise ConfigError(f"parallel.pp_layers={counts} must list {pp} positive layer counts (one per stage) "
                           f"summing to model.num_layers={m.num_layers}")
-    dp = p.dp if p.dp != -1 else world_size // (tp * pp)
-    if dp < 1 or tp * pp * dp != world_size:
-        fits = world_size % (tp * pp) == 0  # then only an explicit dp is wrong: say so, not "change tp and pp"
-        fix = (f"set parallel.dp={world_size // (tp * pp)} or -1 (auto)" if fits and p.dp != -1 else
-               f"choose tp and pp whose product divides {world_size}" + (", and dp=-1" if p.dp != -1 else ""))
-        raise ConfigError(f"invalid layout: tp({tp}) * pp({pp}) * dp({p.dp if p.dp != -1 else 'auto'}) "
+    check_context_parallel(cfg)
+    dp = p.dp if p.dp != -1 else world_size // (tp * pp * cp)
+    if dp < 1 or tp * pp * cp * dp != world_size:
+        fits = world_size % (tp * pp * cp) == 0  # then only an explicit dp is wrong: say so, not "change tp and pp"
+        fix = (f"set parallel.dp={world_size // (tp * pp * cp)} or -1 (auto)" if fits and p.dp != -1 else
+               f"choose tp, pp and cp whose product divides {world_size}" + (", and dp=-1" if p.dp != -1 else ""))
+        raise ConfigError(f"invalid layout: tp({tp}) * pp({pp}) * cp({cp}) * dp({p.dp if p.dp != -1 else 'auto'}) "
                           f"!= world size({world_size}); {fix}")
     per_step = t.micro_batch_size * dp
     if t.global_batch_size % per_step:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
                           f"train.micro_batch_size({t.micro_batch_size}) * dp({dp}) = {per_step}")
     check_schedule(cfg, pp, micro_batches_per_step(t, dp), dp)
-    layout = Layout(tp=tp, pp=pp, dp=dp)
+    layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp)
     check_supported(cfg, layout)  # dp mode x layout x dtype refusals
     return layout
+
+
+def check_context_parallel(cfg: Config) -> None:
+    """parallel.cp against the sequence (2 cp equal chunks: engine/parallel/cp/layout.py) and, for all_to_all, the
+    heads (each cp rank takes num_heads / (cp tp) whole heads, and as many kv heads: no kv-head replication)."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    if p.cp == 1:
+        return
+    if t.seq_len % (2 * p.cp):
+        raise ConfigError(f"parallel.cp={p.cp} needs train.seq_len={t.seq_len} divisible by 2 * cp = {2 * p.cp} "
+                          f"(each cp rank holds two of 2 cp equal chunks)")
+    if p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
+        raise ConfigError(f"parallel.sequence_parallel=true with parallel.cp={p.cp} needs train.seq_len / cp = "
+                          f"{t.seq_len // p.cp} divisible by parallel.tp={p.tp}")
+    if p.cp_mode == "all_to_all" and (m.num_heads % (p.cp * p.tp) or m.num_kv_heads % (p.cp * p.tp)):
+        raise ConfigError(f"parallel.cp_mode=all_to_all needs model.num_heads={m.num_heads} and model.num_kv_heads="
+                          f"{m.num_kv_heads} divisible by cp * tp = {p.cp} * {p.tp} = {p.cp * p.tp}; use "
+                          f"cp_mode=ring or a smaller cp")
+    if p.cp_mode == "ring" and importlib.util.find_spec("engine.parallel.cp.ring") is None:
+        raise ConfigError(f"parallel.cp_mode=ring (parallel.cp={p.cp}) is not built yet in this tree; use "
+                          f"cp_mode=all_to_all")
 
 
 def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:

@@ -126,7 +126,7 @@ class TorchOptimizerMixin:
         ctx = self.ctx
         exclude = counted_elsewhere(self.module, self.cfg, ctx)
         norm = clip_gradients(self.module, self.cfg.train.grad_clip, ctx.tp_rank, ctx.mp_group, exclude,
-                              dp_group=ctx.dp_group if self.sharded_grads else None, device=ctx.device)
+                              dp_group=ctx.grad_group if self.sharded_grads else None, device=ctx.device)
         if math.isfinite(norm):
             set_lr(self.optimizer, lr)
             self.optimizer.step()

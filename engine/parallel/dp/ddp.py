@@ -61,10 +61,10 @@ def comm_hook(cfg: Config, ctx):
         return None
     if p.grad_compression == "bf16":
         native = ctx.backend == "nccl"  # torch's own hook checks for it
-        return ctx.dp_group, default_hooks.bf16_compress_hook if native else cast_hook(torch.bfloat16)
+        return ctx.grad_group, default_hooks.bf16_compress_hook if native else cast_hook(torch.bfloat16)
     if p.grad_compression == "fp16":
-        return ctx.dp_group, default_hooks.fp16_compress_hook
-    state = powerSGD_hook.PowerSGDState(process_group=ctx.dp_group, matrix_approximation_rank=p.powersgd_rank,
+        return ctx.grad_group, default_hooks.fp16_compress_hook
+    state = powerSGD_hook.PowerSGDState(process_group=ctx.grad_group, matrix_approximation_rank=p.powersgd_rank,
                                         start_powerSGD_iter=p.powersgd_warmup_steps, random_seed=cfg.train.seed)
     return state, powerSGD_hook.powerSGD_hook if ctx.backend == "nccl" else one_bucket_at_a_time(
         powerSGD_hook.powerSGD_hook)
@@ -110,9 +110,9 @@ class DDP(TorchOptimizerMixin, DataParallel):
         # is nothing to reduce: no wrapper (its buckets would copy every gradient and its hooks run for nothing).
         self.ddps = [DistributedDataParallel(
             chunk, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-            process_group=ctx.dp_group, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True,
+            process_group=ctx.grad_group, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True,
             init_sync=False, **_no_buffer_sync())
-            for chunk in self.chunks] if ctx.dp > 1 else []
+            for chunk in self.chunks] if ctx.grad_size > 1 else []
         for ddp in self.ddps:  # a hook state per chunk: PowerSGD keys its error feedback by bucket index
             hook = comm_hook(cfg, ctx)
             if hook is not None:
@@ -137,9 +137,9 @@ class DDP(TorchOptimizerMixin, DataParallel):
     def reduce_gradients(self) -> None:
         """Average over dp the gradients of every chunk whose reducer did not run in this step's backward."""
         for chunk, ddp in enumerate(self.ddps):
-            if chunk not in self.armed and self.ctx.dp > 1:
+            if chunk not in self.armed and self.ctx.grad_size > 1:
                 all_reduce_mean([p.grad for p in ddp.module.parameters() if p.grad is not None],
-                                self.ctx.dp_group, self.cfg.parallel.bucket_mb)
+                                self.ctx.grad_group, self.cfg.parallel.bucket_mb)
         self.armed.clear()
 
     def skip(self) -> None:

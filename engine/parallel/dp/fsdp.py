@@ -45,7 +45,7 @@ class FSDP(TorchOptimizerMixin, DataParallel):
         # Pinned host memory only where there is a CUDA device to copy to and from (pinning needs CUDA).
         offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") \
             if cfg.parallel.offload == "optimizer_and_params" else None
-        self.module = apply_fsdp(model, ctx.mesh["dp"], reshard_after_forward(cfg, ctx.pp), cfg.train.dtype == "bf16",
+        self.module = apply_fsdp(model, ctx.grad_mesh, reshard_after_forward(cfg, ctx.pp), cfg.train.dtype == "bf16",
                                  offload)
         self._build_optimizer()  # on the host shards under offload: torch's foreach AdamW steps there
 

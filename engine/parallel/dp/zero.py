@@ -50,8 +50,9 @@ def ds_config(cfg: Config, ctx, base: dict | None = None) -> dict:
     c = copy.deepcopy(base) if base is not None else load_base_config(stage, cfg.parallel.ds_config or None)
     c["train_micro_batch_size_per_gpu"] = t.micro_batch_size
     c["gradient_accumulation_steps"] = micro_batches_per_step(t, ctx.dp)
-    # DeepSpeed checks train_batch_size = micro * accumulation * dp; support.resolve_layout checked it divides.
-    c["train_batch_size"] = t.global_batch_size
+    # DeepSpeed checks train_batch_size = micro * accumulation * its dp size, which is dp x cp (ctx's mpu): the cp
+    # ranks of a dp rank run the same rows (other tokens), so they count as cp copies; resolve_layout checked it.
+    c["train_batch_size"] = t.global_batch_size * getattr(ctx, "cp", 1)
     c["managed_gradient_accumulation"] = False  # the trainer owns the boundary: m backwards, then one step()
     c["gradient_clipping"] = float(t.grad_clip)
     c["zero_allow_untested_optimizer"] = True  # torch.optim.AdamW as client optimizer (no FusedAdam build)
