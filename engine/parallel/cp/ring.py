@@ -1,0 +1,152 @@
+"""Ring attention over the context-parallel group (Liu et al. 2023, "Ring Attention with Blockwise Transformers for
+Near-Infinite Context"; the load-balanced causal form of Megatron-Core's context parallelism and Llama 3, Dubey et al.
+2024, Sec. 3.3.2).
+
+Each cp rank holds L = s / cp tokens of the sequence (its two layout chunks, engine/parallel/cp/layout.py) of q, k
+and v. Forward: the K/V blocks rotate around the ring for cp steps (step t: rank r holds the block of rank
+(r - t) mod cp, so its global token indices are known without sending them); each step attends this rank's queries
+to the block under the mask of global indices, skipping the parts it fully masks, and merges by the online softmax
+(ring_block.py). Backward rotates K/V again with their dK/dV accumulators travelling beside them: after cp steps and
+one last hop every accumulator is back at the rank that owns those keys.
+
+Communication follows NCCL's point-to-point rules (tests/nccl_shim.py checks them): every step is ONE
+``batch_isend_irecv`` holding the step's sends to the next rank and receives from the previous one, in the same
+order on every rank (K/V, then dK/dV), posted before the step's compute so the transfer overlaps it, and every
+returned Work is waited on. Peers are the cp group's global ranks. K/V travel as one (2, b, nkv, L, hd) buffer in
+their own dtype with the nkv heads only (grouped-query attention is never repeated for the wire); dK/dV travel in
+fp32, and the output, lse and gradients accumulate in fp32 whatever the input dtype.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from engine.parallel.cp import ring_block as rb
+
+
+def _ring(group) -> tuple[int, int, int, int]:
+    """(cp, this rank's cp index, global rank of the next cp rank, of the previous one). group None: cp = 1."""
+    if group is None or dist.get_world_size(group) == 1:
+        return 1, 0, 0, 0
+    cp, r = dist.get_world_size(group), dist.get_rank(group)
+    return cp, r, dist.get_global_rank(group, (r + 1) % cp), dist.get_global_rank(group, (r - 1) % cp)
+
+
+def _exchange(sends: list[torch.Tensor], recvs: list[torch.Tensor], nxt: int, prv: int, group) -> list:
+    """One batch: every send to the next rank, then every receive from the previous one, in list order (the same
+    on every rank, so the per-pair message order matches). Returns the Works (NCCL: one for the whole batch)."""
+    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in sends]
+    ops += [dist.P2POp(dist.irecv, t, prv, group) for t in recvs]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+def _docs(doc_ids: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
+    """(b, s) document index of the whole sequence -> (b, L) of the tokens at global indices idx (L,)."""
+    return None if doc_ids is None else doc_ids.index_select(1, idx)
+
+
+class _RingAttention(torch.autograd.Function):
+    """softmax(q k^T / sqrt(hd) + M) v for this rank's queries against every rank's keys, M causal (and document)
+    by global token index."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, indices, doc_ids):
+        cp, r, nxt, prv = _ring(group)
+        b, nh, L, hd = q.shape
+        nkv = k.shape[1]
+        indices = indices.to(q.device)
+        doc_ids = None if doc_ids is None else doc_ids.to(q.device)
+        scale = 1.0 / math.sqrt(hd)
+        q5 = q.reshape(b, nkv, nh // nkv, L, hd).float()
+        kv = torch.stack((k, v))  # (2, b, nkv, L, hd): the wire buffer, in the input dtype
+        out = torch.zeros(q5.shape, dtype=torch.float32, device=q.device)  # (b, nkv, g, L, hd)
+        lse = torch.full(q5.shape[:-1], rb.NEG_INF, dtype=torch.float32, device=q.device)  # (b, nkv, g, L)
+        q_doc = _docs(doc_ids, indices[r])
+        for t in range(cp):
+            src = (r - t) % cp  # whose K/V this rank holds at step t
+            incoming = torch.empty_like(kv) if t < cp - 1 else None
+            works = _exchange([kv], [incoming], nxt, prv, group) if incoming is not None else []
+            for qs, ks, mask in rb.block_parts(indices[r], indices[src], q_doc, _docs(doc_ids, indices[src])):
+                o_blk, lse_blk = rb.forward_part(q5[..., qs, :], kv[0][:, :, ks].float(), kv[1][:, :, ks].float(),
+                                                 mask, scale)
+                rb.merge(out[..., qs, :], lse[..., qs], o_blk, lse_blk)
+            _wait(works)
+            kv = incoming
+        o = out.reshape(b, nh, L, hd).to(q.dtype)
+        ctx.save_for_backward(q, k, v, o, lse, indices, doc_ids)
+        ctx.group = group
+        return o
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, o, lse, indices, doc_ids = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(grad, q, k, v, o, lse, indices, doc_ids, ctx.group)
+        return dq, dk, dv, None, None, None
+
+
+def _ring_backward(grad, q, k, v, o, lse, indices, doc_ids, group) -> tuple[torch.Tensor, ...]:
+    """dq for this rank's queries and dk/dv for this rank's keys. Step t: K/V of rank src = (r - t) mod cp arrive
+    (sent at step t-1, as in forward) with that rank's dK/dV accumulator (2, b, nkv, L, hd) fp32, which the
+    previous rank finished at its step t-1; this rank adds its part and passes it on at step t+1. After step cp-1
+    the accumulator this rank holds belongs to rank r+1: one last hop hands it to its owner."""
+    cp, r, nxt, prv = _ring(group)
+    b, nh, L, hd = q.shape
+    nkv = k.shape[1]
+    scale = 1.0 / math.sqrt(hd)
+    shape5 = (b, nkv, nh // nkv, L, hd)
+    q5, do5 = q.reshape(shape5).float(), grad.reshape(shape5).float()
+    delta = (do5 * o.reshape(shape5).float()).sum(-1)  # D = rowsum(dO * O): (b, nkv, g, L)
+    dq = torch.zeros(shape5, dtype=torch.float32, device=q.device)
+    kv, done = torch.stack((k, v)), None  # done: the accumulator finished at the previous step, to pass on
+    q_doc = _docs(doc_ids, indices[r])
+    for t in range(cp):
+        src = (r - t) % cp
+        sends, recvs = [], []
+        incoming = torch.empty_like(kv) if t < cp - 1 else None
+        arriving = torch.empty_like(done) if done is not None else None
+        if incoming is not None:
+            sends, recvs = [kv], [incoming]
+        if arriving is not None:
+            sends, recvs = sends + [done], recvs + [arriving]
+        works = _exchange(sends, recvs, nxt, prv, group)
+        acc = torch.zeros((2, b, nkv, L, hd), dtype=torch.float32, device=q.device)  # dK, dV of src's keys
+        for qs, ks, mask in rb.block_parts(indices[r], indices[src], q_doc, _docs(doc_ids, indices[src])):
+            dq_p, dk_p, dv_p = rb.backward_part(q5[..., qs, :], kv[0][:, :, ks].float(), kv[1][:, :, ks].float(),
+                                                do5[..., qs, :], lse[..., qs], delta[..., qs], mask, scale)
+            dq[..., qs, :] += dq_p
+            acc[0][:, :, ks] += dk_p
+            acc[1][:, :, ks] += dv_p
+        _wait(works)
+        done = acc if arriving is None else acc.add_(arriving)
+        kv = incoming
+    if cp > 1:
+        mine = torch.empty_like(done)
+        _wait(_exchange([done], [mine], nxt, prv, group))
+        done = mine
+    return dq.reshape(b, nh, L, hd).to(q.dtype), done[0].to(k.dtype), done[1].to(v.dtype)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, indices: torch.Tensor,
+                   doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal (or document-masked) attention of this cp rank's tokens against the whole sequence, by ring.
+
+    q (b, nh, L, hd), k and v (b, nkv, L, hd) with nh % nkv == 0: this rank's L = s / cp tokens in layout order;
+    group: the cp process group (None or size 1: plain local attention, no communication); indices (cp, L) int64:
+    ``layout.all_chunk_indices(s, cp)``, the global token index of every rank's tokens; doc_ids None (causal) or
+    (b, s) int64, the document of every token of the whole sequence (query i attends key j iff j <= i and both are
+    in one document). Returns o (b, nh, L, hd) in q's dtype: full attention's rows for this rank's tokens."""
+    b, nh, L, hd = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[2:] != (L, hd) or nh % k.shape[1]:
+        raise ValueError(f"ring_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected "
+                         f"q (b, nh, L, hd) and k, v (b, nkv, L, hd) with nh divisible by nkv")
+    if indices.dim() != 2 or indices.shape[1] != L:
+        raise ValueError(f"ring_attention: indices {tuple(indices.shape)}; expected (cp, {L}) from "
+                         f"layout.all_chunk_indices")
+    return _RingAttention.apply(q, k, v, group, indices, doc_ids)

@@ -1,0 +1,156 @@
+"""Ring attention over the cp group (engine/parallel/cp/ring.py) against full attention in one process.
+
+The parent computes SDPA on the whole sequence in fp64 (causal, or the block-causal document mask of
+engine/model/docmask.py; k/v repeated for grouped-query attention) and its gradients from a random upstream
+gradient; the cp ranks (tests/dist.py run_ranks, so under NCCL's point-to-point rules) each take their tokens with
+layout.take, run ring_attention and backward, and return o, dq, dk, dv, which must equal the reference's rows of
+those tokens. One spawn per cp size runs every case (causal, document mask, GQA nh=4 / nkv=2, bf16).
+
+Bounds, from correct runs (max |err| / max |ref| over o, dq, dk, dv): fp32 inputs measured up to 5.2e-7 at cp 1, 2
+and 4; bf16 inputs (compared against fp64 on the same bf16-rounded values) up to 4.6e-3, the same at every cp (bf16's
+unit roundoff is 2^-8 = 3.9e-3). Deliberate breaks that fail here: the online-softmax merge without the
+rescale of the old output, contiguous instead of head/tail indices in the masks, dK/dV not handed back to their
+owner after the ring (see the report of the ring branch), and computing fully masked parts (the count test).
+
+    python -m pytest -q tests/test_cp_ring.py
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from engine.model.docmask import block_causal_mask
+from engine.parallel.cp import layout
+from engine.parallel.cp import ring_block
+from engine.parallel.cp.ring import ring_attention
+from tests.dist import run_ranks
+
+FP32_BOUND, BF16_BOUND = 4e-6, 1.2e-2  # about 8x and 2.6x the measured worst errors above
+# (name, nh, nkv, dtype, documents): documents are (start of each document after the first) per batch row
+CASES = [
+    ("causal", 2, 2, torch.float32, None),
+    ("docs", 2, 2, torch.float32, [(3, 13, 14, 22), (9, 25)]),
+    ("gqa_docs", 4, 2, torch.float32, [(5, 17), (1, 2, 30)]),
+    ("bf16_gqa", 4, 2, torch.bfloat16, None),
+]
+B, S, HD = 2, 32, 8  # s = 32: chunks of 4 tokens at cp 4, so the document borders above cross chunk borders
+
+
+def _doc_ids(starts) -> torch.Tensor | None:
+    """[(starts of documents 1, 2, ...) per row] -> (B, S) int64 document index, or None."""
+    if starts is None:
+        return None
+    ids = torch.zeros(B, S, dtype=torch.int64)
+    for row, cuts in enumerate(starts):
+        for cut in cuts:
+            ids[row, cut:] += 1
+    return ids
+
+
+def _reference(nh: int, nkv: int, dtype: torch.dtype, docs, seed: int) -> dict:
+    """Inputs (rounded to dtype, held in fp64) and full attention's output and gradients, fp64."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, n, S, HD, generator=gen).to(dtype).double().requires_grad_() for n in (nh, nkv, nkv))
+    up = torch.randn(B, nh, S, HD, generator=gen).to(dtype).double()
+    doc_ids = _doc_ids(docs)
+    rep = nh // nkv  # head h reads kv head h // rep
+    mask = None if doc_ids is None else block_causal_mask(doc_ids)
+    o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                       attn_mask=mask, is_causal=mask is None)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), up)
+    return {"q": q.detach(), "k": k.detach(), "v": v.detach(), "up": up, "doc_ids": doc_ids, "dtype": dtype,
+            "want": (o.detach(), dq, dk, dv)}
+
+
+def _ring_run(case: dict, group, cp: int, r: int) -> tuple[torch.Tensor, ...]:
+    """This cp rank's o, dq, dk, dv (fp64) from ring attention over its tokens."""
+    def mine(x):
+        return layout.take(x, S, cp, r, dim=2).to(case["dtype"])
+
+    q, k, v = (mine(case[n]).requires_grad_() for n in "qkv")
+    o = ring_attention(q, k, v, group, layout.all_chunk_indices(S, cp), case["doc_ids"])
+    o.backward(mine(case["up"]))
+    return tuple(t.double() for t in (o.detach(), q.grad, k.grad, v.grad))
+
+
+def _rank_cases(cases: list) -> list:
+    cp, r = dist.get_world_size(), dist.get_rank()
+    return [_ring_run(case, dist.group.WORLD, cp, r) for case in cases]
+
+
+def _errors(got: tuple, want: tuple, cp: int, r: int) -> list[float]:
+    """max |err| / max |ref| of o, dq, dk, dv against the reference's rows of rank r's tokens."""
+    return [((g - layout.take(w, S, cp, r, dim=2)).abs().max() / w.abs().max()).item() for g, w in zip(got, want)]
+
+
+def _check(cases: list, results: list, cp: int) -> None:
+    for i, (name, *_rest) in enumerate(CASES):
+        bound = BF16_BOUND if cases[i]["dtype"] == torch.bfloat16 else FP32_BOUND
+        for r, per_rank in enumerate(results):
+            errs = _errors(per_rank[i], cases[i]["want"], cp, r)
+            assert max(errs) < bound, f"{name} cp={cp} rank {r}: o, dq, dk, dv errors {errs} (bound {bound})"
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_equals_full_attention(cp):
+    cases = [_reference(nh, nkv, dtype, docs, seed) for seed, (_, nh, nkv, dtype, docs) in enumerate(CASES)]
+    _check(cases, run_ranks(_rank_cases, cp, cases, timeout_s=300), cp)
+
+
+def test_cp1_is_local_attention_without_a_group():
+    cases = [_reference(nh, nkv, dtype, docs, seed) for seed, (_, nh, nkv, dtype, docs) in enumerate(CASES)]
+    _check(cases, [[_ring_run(case, None, 1, 0) for case in cases]], 1)
+
+
+def _rank_subgroups(case: dict) -> tuple:
+    """World 4 as two cp groups of 2 whose members are not neighbours: {0, 2} and {1, 3}."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    group = groups[dist.get_rank() % 2]
+    return _ring_run(case, group, 2, dist.get_rank(group))
+
+
+def test_ring_sends_to_the_cp_groups_global_ranks():
+    case = _reference(4, 2, torch.float32, [(5, 17), (1, 2, 30)], 7)
+    for rank, got in enumerate(run_ranks(_rank_subgroups, 4, case, timeout_s=300)):
+        errs = _errors(got, case["want"], 2, rank // 2)
+        assert max(errs) < FP32_BOUND, f"rank {rank}: errors {errs}"
+
+
+def _rank_count(case: dict) -> tuple[int, int]:
+    """(forward, backward) parts this rank computed."""
+    counts = {"fwd": 0, "bwd": 0}
+    fwd, bwd = ring_block.forward_part, ring_block.backward_part
+
+    def count(key, fn):
+        def wrapped(*args):
+            counts[key] += 1
+            return fn(*args)
+        return wrapped
+
+    ring_block.forward_part, ring_block.backward_part = count("fwd", fwd), count("bwd", bwd)
+    _ring_run(case, dist.group.WORLD, dist.get_world_size(), dist.get_rank())
+    return counts["fwd"], counts["bwd"]
+
+
+def test_fully_masked_parts_are_skipped_and_work_is_balanced():
+    """Causal over 2 cp chunks: chunk pair (i, j) has work iff j <= i, so 2cp(2cp+1)/2 of the (2cp)^2 parts are
+    computed, the same number on every rank (the head/tail split), once forward and once backward."""
+    cp = 4
+    case = _reference(2, 2, torch.float32, None, 3)
+    counts = run_ranks(_rank_count, cp, case, timeout_s=300)
+    n = 2 * cp
+    assert sum(f for f, _ in counts) == n * (n + 1) // 2, counts
+    assert len(set(counts)) == 1 and counts[0][0] == counts[0][1], counts
+
+
+def test_block_parts_skips_a_key_chunk_after_the_query_chunk():
+    rows = layout.all_chunk_indices(8, 2)  # rank 0: chunks 0 and 3 (tokens 0,1 and 6,7); rank 1: chunks 1 and 2
+    parts = ring_block.block_parts(rows[0], rows[1], None, None)
+    assert [(p[0].start, p[1].start) for p in parts] == [(2, 0), (2, 2)]  # only chunk 3's queries see rank 1's keys
+    assert all(bool(p[2].all()) for p in parts)
+    diagonal = ring_block.block_parts(rows[1], rows[1], None, None)[0]  # chunk 1 against itself: causal
+    assert diagonal[2].reshape(2, 2).tolist() == [[True, False], [True, True]]
+    docs = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1]])  # chunk 3 a document of its own: rank 1's keys are not seen
+    assert ring_block.block_parts(rows[0], rows[1], docs[:, rows[0]], docs[:, rows[1]]) == []
