@@ -19,11 +19,15 @@ fp32, and the output, lse and gradients accumulate in fp32 whatever the input dt
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from engine.parallel.cp import ring_block as rb
+from engine.parallel.cp import ring_fused as rf
+
+KERNELS = ("auto", "math")  # auto: the fused kernel where it applies (ring_fused.py), else math; math: always math
 
 
 def _ring(group) -> tuple[int, int, int, int]:
@@ -52,19 +56,63 @@ def _docs(doc_ids: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | Non
     return None if doc_ids is None else doc_ids.index_select(1, idx)
 
 
+@dataclass
+class _Queries:
+    """This rank's side of every part: q (b, nh, L, hd) in its dtype and q5 (b, nkv, g, L, hd) fp32; backward adds
+    do / do5 (the same shapes), o (b, nh, L, hd) the output, lse (b, nkv, g, L) and delta = rowsum(dO * O)."""
+    q: torch.Tensor
+    q5: torch.Tensor
+    scale: float
+    fused: bool
+    do: torch.Tensor | None = None
+    do5: torch.Tensor | None = None
+    o: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    delta: torch.Tensor | None = None
+
+
+def _kind(side: _Queries, mask: torch.Tensor) -> str:
+    kind = rf.part_kind(mask) if side.fused else rf.MASKED
+    return kind if rf.runs_fused(side.q.device, kind) else rf.MASKED
+
+
+def attend_part(side: _Queries, kv: torch.Tensor, qs: slice, ks: slice,
+                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One part's (o (b, nkv, g, cq, hd), lse (b, nkv, g, cq)) fp32, by the fused kernel or the math."""
+    kind = _kind(side, mask)
+    if kind == rf.MASKED:
+        return rb.forward_part(side.q5[..., qs, :], kv[0][:, :, ks].float(), kv[1][:, :, ks].float(), mask,
+                               side.scale)
+    o, lse = rf.forward_part(side.q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], kind, side.scale)
+    shape = side.q5[..., qs, :].shape
+    return o.reshape(shape), lse.reshape(shape[:-1])
+
+
+def grad_part(side: _Queries, kv: torch.Tensor, qs: slice, ks: slice, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One part's (dq (b, nkv, g, cq, hd), dk, dv (b, nkv, ck, hd)) fp32, by the fused kernel or the math."""
+    kind = _kind(side, mask)
+    if kind == rf.MASKED:
+        return rb.backward_part(side.q5[..., qs, :], kv[0][:, :, ks].float(), kv[1][:, :, ks].float(),
+                                side.do5[..., qs, :], side.lse[..., qs], side.delta[..., qs], mask, side.scale)
+    b, nh = side.q.shape[:2]
+    dq, dk, dv = rf.backward_part(side.do[:, :, qs], side.q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
+                                  side.o[:, :, qs], side.lse.reshape(b, nh, -1)[..., qs], kind, side.scale)
+    return dq.reshape(side.q5[..., qs, :].shape), dk, dv
+
+
 class _RingAttention(torch.autograd.Function):
     """softmax(q k^T / sqrt(hd) + M) v for this rank's queries against every rank's keys, M causal (and document)
     by global token index."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, indices, doc_ids):
+    def forward(ctx, q, k, v, group, indices, doc_ids, kernel):
         cp, r, nxt, prv = _ring(group)
         b, nh, L, hd = q.shape
         nkv = k.shape[1]
         indices = indices.to(q.device)
         doc_ids = None if doc_ids is None else doc_ids.to(q.device)
-        scale = 1.0 / math.sqrt(hd)
         q5 = q.reshape(b, nkv, nh // nkv, L, hd).float()
+        side = _Queries(q, q5, 1.0 / math.sqrt(hd), kernel == "auto")
         kv = torch.stack((k, v))  # (2, b, nkv, L, hd): the wire buffer, in the input dtype
         out = torch.zeros(q5.shape, dtype=torch.float32, device=q.device)  # (b, nkv, g, L, hd)
         lse = torch.full(q5.shape[:-1], rb.NEG_INF, dtype=torch.float32, device=q.device)  # (b, nkv, g, L)
@@ -74,24 +122,23 @@ class _RingAttention(torch.autograd.Function):
             incoming = torch.empty_like(kv) if t < cp - 1 else None
             works = _exchange([kv], [incoming], nxt, prv, group) if incoming is not None else []
             for qs, ks, mask in rb.block_parts(indices[r], indices[src], q_doc, _docs(doc_ids, indices[src])):
-                o_blk, lse_blk = rb.forward_part(q5[..., qs, :], kv[0][:, :, ks].float(), kv[1][:, :, ks].float(),
-                                                 mask, scale)
+                o_blk, lse_blk = attend_part(side, kv, qs, ks, mask)
                 rb.merge(out[..., qs, :], lse[..., qs], o_blk, lse_blk)
             _wait(works)
             kv = incoming
         o = out.reshape(b, nh, L, hd).to(q.dtype)
         ctx.save_for_backward(q, k, v, o, lse, indices, doc_ids)
-        ctx.group = group
+        ctx.group, ctx.fused = group, side.fused
         return o
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, o, lse, indices, doc_ids = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(grad, q, k, v, o, lse, indices, doc_ids, ctx.group)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = _ring_backward(grad, q, k, v, o, lse, indices, doc_ids, ctx.group, ctx.fused)
+        return dq, dk, dv, None, None, None, None
 
 
-def _ring_backward(grad, q, k, v, o, lse, indices, doc_ids, group) -> tuple[torch.Tensor, ...]:
+def _ring_backward(grad, q, k, v, o, lse, indices, doc_ids, group, fused: bool) -> tuple[torch.Tensor, ...]:
     """dq for this rank's queries and dk/dv for this rank's keys. Step t: K/V of rank src = (r - t) mod cp arrive
     (sent at step t-1, as in forward) with that rank's dK/dV accumulator (2, b, nkv, L, hd) fp32, which the
     previous rank finished at its step t-1; this rank adds its part and passes it on at step t+1. After step cp-1
@@ -99,10 +146,11 @@ def _ring_backward(grad, q, k, v, o, lse, indices, doc_ids, group) -> tuple[torc
     cp, r, nxt, prv = _ring(group)
     b, nh, L, hd = q.shape
     nkv = k.shape[1]
-    scale = 1.0 / math.sqrt(hd)
     shape5 = (b, nkv, nh // nkv, L, hd)
+    grad = grad.to(q.dtype)
     q5, do5 = q.reshape(shape5).float(), grad.reshape(shape5).float()
     delta = (do5 * o.reshape(shape5).float()).sum(-1)  # D = rowsum(dO * O): (b, nkv, g, L)
+    side = _Queries(q, q5, 1.0 / math.sqrt(hd), fused, grad, do5, o, lse, delta)
     dq = torch.zeros(shape5, dtype=torch.float32, device=q.device)
     kv, done = torch.stack((k, v)), None  # done: the accumulator finished at the previous step, to pass on
     q_doc = _docs(doc_ids, indices[r])
@@ -118,8 +166,7 @@ def _ring_backward(grad, q, k, v, o, lse, indices, doc_ids, group) -> tuple[torc
         works = _exchange(sends, recvs, nxt, prv, group)
         acc = torch.zeros((2, b, nkv, L, hd), dtype=torch.float32, device=q.device)  # dK, dV of src's keys
         for qs, ks, mask in rb.block_parts(indices[r], indices[src], q_doc, _docs(doc_ids, indices[src])):
-            dq_p, dk_p, dv_p = rb.backward_part(q5[..., qs, :], kv[0][:, :, ks].float(), kv[1][:, :, ks].float(),
-                                                do5[..., qs, :], lse[..., qs], delta[..., qs], mask, scale)
+            dq_p, dk_p, dv_p = grad_part(side, kv, qs, ks, mask)
             dq[..., qs, :] += dq_p
             acc[0][:, :, ks] += dk_p
             acc[1][:, :, ks] += dv_p
@@ -134,14 +181,16 @@ def _ring_backward(grad, q, k, v, o, lse, indices, doc_ids, group) -> tuple[torc
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, indices: torch.Tensor,
-                   doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                   doc_ids: torch.Tensor | None = None, kernel: str = "auto") -> torch.Tensor:
     """Causal (or document-masked) attention of this cp rank's tokens against the whole sequence, by ring.
 
     q (b, nh, L, hd), k and v (b, nkv, L, hd) with nh % nkv == 0: this rank's L = s / cp tokens in layout order;
     group: the cp process group (None or size 1: plain local attention, no communication); indices (cp, L) int64:
     ``layout.all_chunk_indices(s, cp)``, the global token index of every rank's tokens; doc_ids None (causal) or
     (b, s) int64, the document of every token of the whole sequence (query i attends key j iff j <= i and both are
-    in one document). Returns o (b, nh, L, hd) in q's dtype: full attention's rows for this rank's tokens."""
+    in one document); kernel "auto" (the fused per-part kernel where it applies, ring_fused.py) or "math" (always the
+explicit per-part math, ring_block.py). Returns o (b, nh, L, hd) in q's dtype: full attention's rows for this
+rank's tokens."""
     b, nh, L, hd = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[2:] != (L, hd) or nh % k.shape[1]:
         raise ValueError(f"ring_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected "
@@ -149,4 +198,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, ind
     if indices.dim() != 2 or indices.shape[1] != L:
         raise ValueError(f"ring_attention: indices {tuple(indices.shape)}; expected (cp, {L}) from "
                          f"layout.all_chunk_indices")
-    return _RingAttention.apply(q, k, v, group, indices, doc_ids)
+    if kernel not in KERNELS:
+        raise ValueError(f"ring_attention: kernel {kernel!r}; expected one of {', '.join(KERNELS)}")
+    return _RingAttention.apply(q, k, v, group, indices, doc_ids, kernel)
