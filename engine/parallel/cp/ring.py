@@ -56,6 +56,26 @@ def _docs(doc_ids: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | Non
     return None if doc_ids is None else doc_ids.index_select(1, idx)
 
 
+def plan(indices: torch.Tensor, doc_ids: torch.Tensor | None, r: int, device: torch.device,
+         fused: bool) -> list[list[tuple[slice, slice, torch.Tensor | None, str]]]:
+    """Per ring step t (K/V of rank (r - t) mod cp): the parts to compute, (query slice, key slice, mask on
+    ``device`` for the math path or None, kind: ring_fused.FULL / CAUSAL run fused, MASKED runs the math). Planned
+    on the host from the small index tensors, once per forward and kept for backward: no device sync per part."""
+    indices = indices.cpu()
+    doc_ids = None if doc_ids is None else doc_ids.cpu()
+    q_doc, cp = _docs(doc_ids, indices[r]), indices.shape[0]
+    steps = []
+    for t in range(cp):
+        src = (r - t) % cp
+        parts = []
+        for qs, ks, mask in rb.block_parts(indices[r], indices[src], q_doc, _docs(doc_ids, indices[src])):
+            kind = rf.part_kind(mask) if fused else rf.MASKED
+            kind = kind if rf.runs_fused(device, kind) else rf.MASKED
+            parts.append((qs, ks, mask.to(device) if kind == rf.MASKED else None, kind))
+        steps.append(parts)
+    return steps
+
+
 @dataclass
 class _Queries:
     """This rank's side of every part: q (b, nh, L, hd) in its dtype and q5 (b, nkv, g, L, hd) fp32; backward adds
@@ -63,7 +83,6 @@ class _Queries:
     q: torch.Tensor
     q5: torch.Tensor
     scale: float
-    fused: bool
     do: torch.Tensor | None = None
     do5: torch.Tensor | None = None
     o: torch.Tensor | None = None
@@ -71,15 +90,9 @@ class _Queries:
     delta: torch.Tensor | None = None
 
 
-def _kind(side: _Queries, mask: torch.Tensor) -> str:
-    kind = rf.part_kind(mask) if side.fused else rf.MASKED
-    return kind if rf.runs_fused(side.q.device, kind) else rf.MASKED
-
-
-def attend_part(side: _Queries, kv: torch.Tensor, qs: slice, ks: slice,
-                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_part(side: _Queries, kv: torch.Tensor, qs: slice, ks: slice, mask: torch.Tensor | None,
+                kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """One part's (o (b, nkv, g, cq, hd), lse (b, nkv, g, cq)) fp32, by the fused kernel or the math."""
-    kind = _kind(side, mask)
     if kind == rf.MASKED:
         return rb.forward_part(side.q5[..., qs, :], kv[0][:, :, ks].float(), kv[1][:, :, ks].float(), mask,
                                side.scale)
@@ -88,9 +101,9 @@ def attend_part(side: _Queries, kv: torch.Tensor, qs: slice, ks: slice,
     return o.reshape(shape), lse.reshape(shape[:-1])
 
 
-def grad_part(side: _Queries, kv: torch.Tensor, qs: slice, ks: slice, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def grad_part(side: _Queries, kv: torch.Tensor, qs: slice, ks: slice, mask: torch.Tensor | None,
+              kind: str) -> tuple[torch.Tensor, ...]:
     """One part's (dq (b, nkv, g, cq, hd), dk, dv (b, nkv, ck, hd)) fp32, by the fused kernel or the math."""
-    kind = _kind(side, mask)
     if kind == rf.MASKED:
         return rb.backward_part(side.q5[..., qs, :], kv[0][:, :, ks].float(), kv[1][:, :, ks].float(),
                                 side.do5[..., qs, :], side.lse[..., qs], side.delta[..., qs], mask, side.scale)
@@ -107,38 +120,37 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, indices, doc_ids, kernel):
         cp, r, nxt, prv = _ring(group)
+        if indices.shape[0] != cp:
+            raise ValueError(f"ring_attention: indices for {indices.shape[0]} cp ranks, but the cp group has {cp}")
         b, nh, L, hd = q.shape
         nkv = k.shape[1]
-        indices = indices.to(q.device)
-        doc_ids = None if doc_ids is None else doc_ids.to(q.device)
         q5 = q.reshape(b, nkv, nh // nkv, L, hd).float()
-        side = _Queries(q, q5, 1.0 / math.sqrt(hd), kernel == "auto")
+        side = _Queries(q, q5, 1.0 / math.sqrt(hd))
+        steps = plan(indices, doc_ids, r, q.device, kernel == "auto")
         kv = torch.stack((k, v))  # (2, b, nkv, L, hd): the wire buffer, in the input dtype
         out = torch.zeros(q5.shape, dtype=torch.float32, device=q.device)  # (b, nkv, g, L, hd)
         lse = torch.full(q5.shape[:-1], rb.NEG_INF, dtype=torch.float32, device=q.device)  # (b, nkv, g, L)
-        q_doc = _docs(doc_ids, indices[r])
-        for t in range(cp):
-            src = (r - t) % cp  # whose K/V this rank holds at step t
+        for t in range(cp):  # step t: this rank holds the K/V of rank (r - t) mod cp
             incoming = torch.empty_like(kv) if t < cp - 1 else None
             works = _exchange([kv], [incoming], nxt, prv, group) if incoming is not None else []
-            for qs, ks, mask in rb.block_parts(indices[r], indices[src], q_doc, _docs(doc_ids, indices[src])):
-                o_blk, lse_blk = attend_part(side, kv, qs, ks, mask)
+            for qs, ks, mask, kind in steps[t]:
+                o_blk, lse_blk = attend_part(side, kv, qs, ks, mask, kind)
                 rb.merge(out[..., qs, :], lse[..., qs], o_blk, lse_blk)
             _wait(works)
             kv = incoming
         o = out.reshape(b, nh, L, hd).to(q.dtype)
-        ctx.save_for_backward(q, k, v, o, lse, indices, doc_ids)
-        ctx.group, ctx.fused = group, side.fused
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.group, ctx.steps = group, steps
         return o
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, o, lse, indices, doc_ids = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(grad, q, k, v, o, lse, indices, doc_ids, ctx.group, ctx.fused)
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(grad, q, k, v, o, lse, ctx.steps, ctx.group)
         return dq, dk, dv, None, None, None, None
 
 
-def _ring_backward(grad, q, k, v, o, lse, indices, doc_ids, group, fused: bool) -> tuple[torch.Tensor, ...]:
+def _ring_backward(grad, q, k, v, o, lse, steps: list, group) -> tuple[torch.Tensor, ...]:
     """dq for this rank's queries and dk/dv for this rank's keys. Step t: K/V of rank src = (r - t) mod cp arrive
     (sent at step t-1, as in forward) with that rank's dK/dV accumulator (2, b, nkv, L, hd) fp32, which the
     previous rank finished at its step t-1; this rank adds its part and passes it on at step t+1. After step cp-1
@@ -150,12 +162,10 @@ def _ring_backward(grad, q, k, v, o, lse, indices, doc_ids, group, fused: bool) 
     grad = grad.to(q.dtype)
     q5, do5 = q.reshape(shape5).float(), grad.reshape(shape5).float()
     delta = (do5 * o.reshape(shape5).float()).sum(-1)  # D = rowsum(dO * O): (b, nkv, g, L)
-    side = _Queries(q, q5, 1.0 / math.sqrt(hd), fused, grad, do5, o, lse, delta)
+    side = _Queries(q, q5, 1.0 / math.sqrt(hd), grad, do5, o, lse, delta)
     dq = torch.zeros(shape5, dtype=torch.float32, device=q.device)
     kv, done = torch.stack((k, v)), None  # done: the accumulator finished at the previous step, to pass on
-    q_doc = _docs(doc_ids, indices[r])
     for t in range(cp):
-        src = (r - t) % cp
         sends, recvs = [], []
         incoming = torch.empty_like(kv) if t < cp - 1 else None
         arriving = torch.empty_like(done) if done is not None else None
@@ -164,9 +174,9 @@ def _ring_backward(grad, q, k, v, o, lse, indices, doc_ids, group, fused: bool) 
         if arriving is not None:
             sends, recvs = sends + [done], recvs + [arriving]
         works = _exchange(sends, recvs, nxt, prv, group)
-        acc = torch.zeros((2, b, nkv, L, hd), dtype=torch.float32, device=q.device)  # dK, dV of src's keys
-        for qs, ks, mask in rb.block_parts(indices[r], indices[src], q_doc, _docs(doc_ids, indices[src])):
-            dq_p, dk_p, dv_p = grad_part(side, kv, qs, ks, mask)
+        acc = torch.zeros((2, b, nkv, L, hd), dtype=torch.float32, device=q.device)  # dK, dV of the keys held at step t
+        for qs, ks, mask, kind in steps[t]:
+            dq_p, dk_p, dv_p = grad_part(side, kv, qs, ks, mask, kind)
             dq[..., qs, :] += dq_p
             acc[0][:, :, ks] += dk_p
             acc[1][:, :, ks] += dv_p
@@ -189,8 +199,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, ind
     ``layout.all_chunk_indices(s, cp)``, the global token index of every rank's tokens; doc_ids None (causal) or
     (b, s) int64, the document of every token of the whole sequence (query i attends key j iff j <= i and both are
     in one document); kernel "auto" (the fused per-part kernel where it applies, ring_fused.py) or "math" (always the
-explicit per-part math, ring_block.py). Returns o (b, nh, L, hd) in q's dtype: full attention's rows for this
-rank's tokens."""
+    explicit per-part math, ring_block.py). Returns o (b, nh, L, hd) in q's dtype: full attention's rows for this
+    rank's tokens."""
     b, nh, L, hd = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[2:] != (L, hd) or nh % k.shape[1]:
         raise ValueError(f"ring_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected "
