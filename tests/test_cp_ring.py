@@ -13,6 +13,7 @@ rescale of the old output, contiguous instead of head/tail indices in the masks,
 owner after the ring (see the report of the ring branch), and computing fully masked parts (the count test).
 
     python -m pytest -q tests/test_cp_ring.py
+    python -m tests.test_cp_ring         # prints the measured errors behind the bounds
 """
 from __future__ import annotations
 
@@ -159,3 +160,21 @@ def test_block_parts_skips_a_key_chunk_after_the_query_chunk():
     assert diagonal[2].reshape(2, 2).tolist() == [[True, False], [True, True]]
     docs = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1]])  # chunk 3 a document of its own: rank 1's keys are not seen
     assert ring_block.block_parts(rows[0], rows[1], docs[:, rows[0]], docs[:, rows[1]]) == []
+
+
+def main() -> None:
+    """Print the measured errors the bounds above come from: python -m tests.test_cp_ring"""
+    for cp in (1, 2, 4):
+        cases = [_reference(nh, nkv, dtype, docs, seed) for seed, (_, nh, nkv, dtype, docs) in enumerate(CASES)]
+        if cp == 1:
+            results = [{kernel: [_ring_run(c, None, 1, 0, kernel) for c in cases] for kernel in ring.KERNELS}]
+        else:
+            results = run_ranks(_rank_cases, cp, cases, timeout_s=300)
+        for kernel in ring.KERNELS:
+            for i, (name, *_rest) in enumerate(CASES):
+                worst = max(max(_errors(results[r][kernel][i], cases[i]["want"], cp, r)) for r in range(cp))
+                print(f"cp={cp} kernel={kernel:4} {name:9} max rel err {worst:.2e}")
+
+
+if __name__ == "__main__":
+    main()
