@@ -190,6 +190,14 @@ def _ring_backward(grad, q, k, v, o, lse, steps: list, group) -> tuple[torch.Ten
     return dq.reshape(b, nh, L, hd).to(q.dtype), done[0].to(k.dtype), done[1].to(v.dtype)
 
 
+@torch.compiler.disable
+def _ring_eager(q, k, v, group, indices, doc_ids, kernel) -> torch.Tensor:
+    # Eager even inside a torch.compile'd block (engine/model/compile.py), which breaks its graph here: traced, the
+    # point-to-point batches and the host-side plan (its .cpu() and bool() per part) are graph breaks inside an
+    # autograd.Function, and the compiler would reach into the communication layer.
+    return _RingAttention.apply(q, k, v, group, indices, doc_ids, kernel)
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, indices: torch.Tensor,
                    doc_ids: torch.Tensor | None = None, kernel: str = "auto") -> torch.Tensor:
     """Causal (or document-masked) attention of this cp rank's tokens against the whole sequence, by ring.
@@ -210,4 +218,4 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, ind
                          f"layout.all_chunk_indices")
     if kernel not in KERNELS:
         raise ValueError(f"ring_attention: kernel {kernel!r}; expected one of {', '.join(KERNELS)}")
-    return _RingAttention.apply(q, k, v, group, indices, doc_ids, kernel)
+    return _ring_eager(q, k, v, group, indices, doc_ids, kernel)
