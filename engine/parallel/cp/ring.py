@@ -56,11 +56,25 @@ def _docs(doc_ids: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | Non
     return None if doc_ids is None else doc_ids.index_select(1, idx)
 
 
-def plan(indices: torch.Tensor, doc_ids: torch.Tensor | None, r: int, device: torch.device,
-         fused: bool) -> list[list[tuple[slice, slice, torch.Tensor | None, str]]]:
-    """Per ring step t (K/V of rank (r - t) mod cp): the parts to compute, (query slice, key slice, mask on
-    ``device`` for the math path or None, kind: ring_fused.FULL / CAUSAL run fused, MASKED runs the math). Planned
-    on the host from the small index tensors, once per forward and kept for backward: no device sync per part."""
+@dataclass
+class Plan:
+    """Which parts of each ring step to compute (step t: the K/V of rank (r - t) mod cp), as (query slice, key
+    slice, kind: ring_fused.FULL / CAUSAL run fused, MASKED runs the math), planned on the host from the small index
+    tensors once per forward and kept for backward: no device sync per part. The math path's masks are rebuilt at
+    use from the host indices, never kept: a layer's saved state stays q, k, v, o and lse."""
+    indices: torch.Tensor  # (cp, L) int64, host
+    doc_ids: torch.Tensor | None  # (b, s) int64, host
+    r: int
+    steps: list[list[tuple[slice, slice, str]]]
+
+    def mask(self, t: int, qs: slice, ks: slice, device: torch.device) -> torch.Tensor:
+        """(b or 1, 1, 1, cq, ck) bool on ``device``: the part's mask (ring_block.part_mask)."""
+        q_idx, k_idx = self.indices[self.r][qs], self.indices[(self.r - t) % len(self.steps)][ks]
+        return rb.part_mask(q_idx, k_idx, _docs(self.doc_ids, q_idx), _docs(self.doc_ids, k_idx)).to(device)
+
+
+def plan(indices: torch.Tensor, doc_ids: torch.Tensor | None, r: int, device: torch.device, fused: bool) -> Plan:
+    """The Plan of cp rank r; ``fused``: FULL / CAUSAL parts run the fused kernel where it runs (else MASKED)."""
     indices = indices.cpu()
     doc_ids = None if doc_ids is None else doc_ids.cpu()
     q_doc, cp = _docs(doc_ids, indices[r]), indices.shape[0]
@@ -70,10 +84,9 @@ def plan(indices: torch.Tensor, doc_ids: torch.Tensor | None, r: int, device: to
         parts = []
         for qs, ks, mask in rb.block_parts(indices[r], indices[src], q_doc, _docs(doc_ids, indices[src])):
             kind = rf.part_kind(mask) if fused else rf.MASKED
-            kind = kind if rf.runs_fused(device, kind) else rf.MASKED
-            parts.append((qs, ks, mask.to(device) if kind == rf.MASKED else None, kind))
+            parts.append((qs, ks, kind if rf.runs_fused(device, kind) else rf.MASKED))
         steps.append(parts)
-    return steps
+    return Plan(indices, doc_ids, r, steps)
 
 
 @dataclass
@@ -126,31 +139,32 @@ class _RingAttention(torch.autograd.Function):
         nkv = k.shape[1]
         q5 = q.reshape(b, nkv, nh // nkv, L, hd).float()
         side = _Queries(q, q5, 1.0 / math.sqrt(hd))
-        steps = plan(indices, doc_ids, r, q.device, kernel == "auto")
+        parts = plan(indices, doc_ids, r, q.device, kernel == "auto")
         kv = torch.stack((k, v))  # (2, b, nkv, L, hd): the wire buffer, in the input dtype
         out = torch.zeros(q5.shape, dtype=torch.float32, device=q.device)  # (b, nkv, g, L, hd)
         lse = torch.full(q5.shape[:-1], rb.NEG_INF, dtype=torch.float32, device=q.device)  # (b, nkv, g, L)
         for t in range(cp):  # step t: this rank holds the K/V of rank (r - t) mod cp
             incoming = torch.empty_like(kv) if t < cp - 1 else None
             works = _exchange([kv], [incoming], nxt, prv, group) if incoming is not None else []
-            for qs, ks, mask, kind in steps[t]:
+            for qs, ks, kind in parts.steps[t]:
+                mask = parts.mask(t, qs, ks, q.device) if kind == rf.MASKED else None
                 o_blk, lse_blk = attend_part(side, kv, qs, ks, mask, kind)
                 rb.merge(out[..., qs, :], lse[..., qs], o_blk, lse_blk)
             _wait(works)
             kv = incoming
         o = out.reshape(b, nh, L, hd).to(q.dtype)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.group, ctx.steps = group, steps
+        ctx.group, ctx.plan = group, parts
         return o
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(grad, q, k, v, o, lse, ctx.steps, ctx.group)
+        dq, dk, dv = _ring_backward(grad, q, k, v, o, lse, ctx.plan, ctx.group)
         return dq, dk, dv, None, None, None, None
 
 
-def _ring_backward(grad, q, k, v, o, lse, steps: list, group) -> tuple[torch.Tensor, ...]:
+def _ring_backward(grad, q, k, v, o, lse, parts: Plan, group) -> tuple[torch.Tensor, ...]:
     """dq for this rank's queries and dk/dv for this rank's keys. Step t: K/V of rank src = (r - t) mod cp arrive
     (sent at step t-1, as in forward) with that rank's dK/dV accumulator (2, b, nkv, L, hd) fp32, which the
     previous rank finished at its step t-1; this rank adds its part and passes it on at step t+1. After step cp-1
@@ -175,7 +189,8 @@ def _ring_backward(grad, q, k, v, o, lse, steps: list, group) -> tuple[torch.Ten
             sends, recvs = sends + [done], recvs + [arriving]
         works = _exchange(sends, recvs, nxt, prv, group)
         acc = torch.zeros((2, b, nkv, L, hd), dtype=torch.float32, device=q.device)  # dK, dV of the keys held at step t
-        for qs, ks, mask, kind in steps[t]:
+        for qs, ks, kind in parts.steps[t]:
+            mask = parts.mask(t, qs, ks, q.device) if kind == rf.MASKED else None
             dq_p, dk_p, dv_p = grad_part(side, kv, qs, ks, mask, kind)
             dq[..., qs, :] += dq_p
             acc[0][:, :, ks] += dk_p
