@@ -9,11 +9,11 @@ per-part kernels (auto: CPU FlashAttention where a part allows it; math).
 
 Bounds, from correct runs (max |err| / max |ref| over o, dq, dk, dv): fp32 inputs measured up to 5.2e-7 at cp 1, 2
 and 4; bf16 inputs (compared against fp64 on the same bf16-rounded values) up to 5.3e-3 (bf16's unit roundoff is
-2^-8 = 3.9e-3). Deliberate breaks that fail here: the online-softmax merge without the rescale of the old
-output; contiguous instead of head/tail indices in the masks; dK/dV not handed back to their owner after the ring; the document mask ignored; is_causal dropped from the fused kernel (forward or
-backward); computing fully masked parts or never running the fused kernel (the count test); peers given as group
-ranks (the subgroup test); send and receive in separate batches (NCCL rules: deadlock); ring_attention traced by
-torch.compile (the compile test).
+2^-8 = 3.9e-3). Deliberate breaks that fail here: the online-softmax merge without the rescale of the old output;
+contiguous instead of head/tail indices in the masks; dK/dV not handed back to their owner after the ring; the
+document mask ignored; is_causal dropped from the fused kernel (forward or backward); computing fully masked parts
+or never running the fused kernel (the count test); peers given as group ranks (the subgroup test); send and receive
+in separate batches (NCCL rules: deadlock); ring_attention traced by torch.compile (the compile test).
 
     python -m pytest -q tests/test_cp_ring.py
     python -m tests.test_cp_ring         # prints the measured errors behind the bounds
