@@ -69,14 +69,17 @@ def _reference(nh: int, nkv: int, dtype: torch.dtype, docs, seed: int) -> dict:
 
 
 def _ring_run(case: dict, group, cp: int, r: int, kernel: str = "auto") -> tuple[torch.Tensor, ...]:
-    """This cp rank's o, dq, dk, dv (fp64) from ring attention over its tokens."""
+    """This cp rank's o, dq, dk, dv (fp64) from ring attention over its tokens. q, k, v are (b, h, L, hd) views of
+    (b, L, h, hd) tensors, as the model's attention hands them over (strided, not contiguous)."""
     def mine(x):
         return layout.take(x, S, cp, r, dim=2).to(case["dtype"])
 
-    q, k, v = (mine(case[n]).requires_grad_() for n in "qkv")
-    o = ring_attention(q, k, v, group, layout.all_chunk_indices(S, cp), case["doc_ids"], kernel)
+    q, k, v = (mine(case[n]).transpose(1, 2).contiguous().requires_grad_() for n in "qkv")  # (b, L, h, hd)
+    o = ring_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group, layout.all_chunk_indices(S, cp),
+                       case["doc_ids"], kernel)
     o.backward(mine(case["up"]))
-    return tuple(t.double() for t in (o.detach(), q.grad, k.grad, v.grad))
+    grads = (x.grad.transpose(1, 2) for x in (q, k, v))
+    return tuple(t.double() for t in (o.detach(), *grads))
 
 
 def _settled(result):

@@ -12,7 +12,8 @@ one last hop every accumulator is back at the rank that owns those keys.
 Communication follows NCCL's point-to-point rules (tests/nccl_shim.py checks them): every step is ONE
 ``batch_isend_irecv`` holding the step's sends to the next rank and receives from the previous one, in the same
 order on every rank (K/V, then dK/dV), posted before the step's compute so the transfer overlaps it, and every
-returned Work is waited on. Peers are the cp group's global ranks. K/V travel as one (2, b, nkv, L, hd) buffer in
+returned Work is waited on; every rank of the group takes part in every batch (under NCCL torch requires it of a
+group's first). Peers are the cp group's global ranks. K/V travel as one (2, b, nkv, L, hd) buffer in
 their own dtype with the nkv heads only (grouped-query attention is never repeated for the wire); dK/dV travel in
 fp32, and the output, lse and gradients accumulate in fp32 whatever the input dtype.
 """
