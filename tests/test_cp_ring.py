@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from engine.model.docmask import block_causal_mask
 from engine.parallel.cp import layout
-from engine.parallel.cp import ring, ring_block, ring_fused
+from engine.parallel.cp import ring, ring_fused, ring_plan
 from engine.parallel.cp.ring import ring_attention
 from tests.dist import run_ranks
 
@@ -167,13 +167,37 @@ def test_fully_masked_parts_are_skipped_and_work_is_balanced():
 
 def test_block_parts_skips_a_key_chunk_after_the_query_chunk():
     rows = layout.all_chunk_indices(8, 2)  # rank 0: chunks 0 and 3 (tokens 0,1 and 6,7); rank 1: chunks 1 and 2
-    parts = ring_block.block_parts(rows[0], rows[1], None, None)
-    assert [(p[0].start, p[1].start) for p in parts] == [(2, 0), (2, 2)]  # only chunk 3's queries see rank 1's keys
-    assert all(bool(p[2].all()) for p in parts)
-    diagonal = ring_block.block_parts(rows[1], rows[1], None, None)[0]  # chunk 1 against itself: causal
-    assert diagonal[2].reshape(2, 2).tolist() == [[True, False], [True, True]]
+    parts = ring_plan.block_parts(rows[0], rows[1], None, None)
+    # only chunk 3's queries see rank 1's keys, all of them
+    assert [(p[0].start, p[1].start, p[2]) for p in parts] == [(2, 0, ring_plan.FULL), (2, 2, ring_plan.FULL)]
+    assert [p[2] for p in ring_plan.block_parts(rows[1], rows[1], None, None)] == [
+        ring_plan.CAUSAL, ring_plan.FULL, ring_plan.CAUSAL]  # chunks 1 and 2 against themselves; 2 sees 1
     docs = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1]])  # chunk 3 a document of its own: rank 1's keys are not seen
-    assert ring_block.block_parts(rows[0], rows[1], docs[:, rows[0]], docs[:, rows[1]]) == []
+    for docs_sorted in (True, False):
+        assert ring_plan.block_parts(rows[0], rows[1], docs[:, rows[0]], docs[:, rows[1]], docs_sorted) == []
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_planned_kinds_equal_the_masks(cp):
+    """The O(1) kinds from chunk ends and sorted documents equal the kinds read off each part's full mask, for
+    random documents (borders inside and at chunk borders, several rows) and plain causal."""
+    gen, s = torch.Generator().manual_seed(cp), 8 * cp
+    rows = layout.all_chunk_indices(s, cp)
+    docs = [None, torch.zeros(1, s, dtype=torch.int64), (torch.arange(s) // 4).unsqueeze(0)]  # one doc, one a chunk
+    docs += [torch.cumsum(torch.rand(rows_, s, generator=gen) < p, 1) for rows_, p in ((3, 0.1), (2, 0.4))]
+    for doc_ids in docs:
+        for r in range(cp):
+            for src in range(cp):
+                q_idx, k_idx = rows[r], rows[src]
+                q_doc, k_doc = ring_plan.docs_at(doc_ids, q_idx), ring_plan.docs_at(doc_ids, k_idx)
+                want = []
+                for qs in (slice(0, 4), slice(4, 8)):
+                    for ks in (slice(0, 4), slice(4, 8)):
+                        kind = ring_plan.mask_kind(ring_plan.part_mask(
+                            q_idx[qs], k_idx[ks], None if q_doc is None else q_doc[:, qs],
+                            None if k_doc is None else k_doc[:, ks]))
+                        want += [] if kind is None else [(qs, ks, kind)]
+                assert ring_plan.block_parts(q_idx, k_idx, q_doc, k_doc, True) == want, (doc_ids, r, src)
 
 
 def _rank_compiled(case: dict) -> tuple:

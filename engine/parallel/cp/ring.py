@@ -3,11 +3,11 @@ Near-Infinite Context"; the load-balanced causal form of Megatron-Core's context
 2024, Sec. 3.3.2).
 
 Each cp rank holds L = s / cp tokens of the sequence (its two layout chunks, engine/parallel/cp/layout.py) of q, k
-and v. Forward: the K/V blocks rotate around the ring for cp steps (step t: rank r holds the block of rank
-(r - t) mod cp, so its global token indices are known without sending them); each step attends this rank's queries
-to the block under the mask of global indices, skipping the parts it fully masks, and merges by the online softmax
-(ring_block.py). Backward rotates K/V again with their dK/dV accumulators travelling beside them: after cp steps and
-one last hop every accumulator is back at the rank that owns those keys.
+and v. Forward: the K/V blocks rotate around the ring for cp steps (step t: rank r holds the block of rank (r - t)
+mod cp, so its global token indices are known without sending them); each step attends this rank's queries to the
+block under the mask of global indices, skipping the parts it fully masks, and merges by the online softmax
+(ring_block.py; which parts and how: ring_plan.py). Backward rotates K/V again with their dK/dV accumulators
+travelling beside them: after cp steps and one last hop every accumulator is back at the rank that owns those keys.
 
 Communication follows NCCL's point-to-point rules (tests/nccl_shim.py checks them): every step is ONE
 ``batch_isend_irecv`` holding the step's sends to the next rank and receives from the previous one, in the same
@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from engine.parallel.cp import ring_block as rb
 from engine.parallel.cp import ring_fused as rf
+from engine.parallel.cp.ring_plan import MASKED, Plan, plan
 
 KERNELS = ("auto", "math")  # auto: the fused kernel where it applies (ring_fused.py), else math; math: always math
 
@@ -52,44 +53,6 @@ def _wait(works: list) -> None:
         w.wait()
 
 
-def _docs(doc_ids: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
-    """(b, s) document index of the whole sequence -> (b, L) of the tokens at global indices idx (L,)."""
-    return None if doc_ids is None else doc_ids.index_select(1, idx)
-
-
-@dataclass
-class Plan:
-    """Which parts of each ring step to compute (step t: the K/V of rank (r - t) mod cp), as (query slice, key
-    slice, kind: ring_fused.FULL / CAUSAL run fused, MASKED runs the math), planned on the host from the small index
-    tensors once per forward and kept for backward: no device sync per part. The math path's masks are rebuilt at
-    use from the host indices, never kept: a layer's saved state stays q, k, v, o and lse."""
-    indices: torch.Tensor  # (cp, L) int64, host
-    doc_ids: torch.Tensor | None  # (b, s) int64, host
-    r: int
-    steps: list[list[tuple[slice, slice, str]]]
-
-    def mask(self, t: int, qs: slice, ks: slice, device: torch.device) -> torch.Tensor:
-        """(b or 1, 1, 1, cq, ck) bool on ``device``: the part's mask (ring_block.part_mask)."""
-        q_idx, k_idx = self.indices[self.r][qs], self.indices[(self.r - t) % len(self.steps)][ks]
-        return rb.part_mask(q_idx, k_idx, _docs(self.doc_ids, q_idx), _docs(self.doc_ids, k_idx)).to(device)
-
-
-def plan(indices: torch.Tensor, doc_ids: torch.Tensor | None, r: int, device: torch.device, fused: bool) -> Plan:
-    """The Plan of cp rank r; ``fused``: FULL / CAUSAL parts run the fused kernel where it runs (else MASKED)."""
-    indices = indices.cpu()
-    doc_ids = None if doc_ids is None else doc_ids.cpu()
-    q_doc, cp = _docs(doc_ids, indices[r]), indices.shape[0]
-    steps = []
-    for t in range(cp):
-        src = (r - t) % cp
-        parts = []
-        for qs, ks, mask in rb.block_parts(indices[r], indices[src], q_doc, _docs(doc_ids, indices[src])):
-            kind = rf.part_kind(mask) if fused else rf.MASKED
-            parts.append((qs, ks, kind if rf.runs_fused(device, kind) else rf.MASKED))
-        steps.append(parts)
-    return Plan(indices, doc_ids, r, steps)
-
-
 @dataclass
 class _Queries:
     """This rank's side of every part: q (b, nh, L, hd) in its dtype and q5 (b, nkv, g, L, hd) fp32; backward adds
@@ -107,7 +70,7 @@ class _Queries:
 def attend_part(side: _Queries, kv: torch.Tensor, qs: slice, ks: slice, mask: torch.Tensor | None,
                 kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """One part's (o (b, nkv, g, cq, hd), lse (b, nkv, g, cq)) fp32, by the fused kernel or the math."""
-    if kind == rf.MASKED:
+    if kind == MASKED:
         return rb.forward_part(side.q5[..., qs, :], kv[0][:, :, ks].float(), kv[1][:, :, ks].float(), mask,
                                side.scale)
     o, lse = rf.forward_part(side.q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], kind, side.scale)
@@ -118,7 +81,7 @@ def attend_part(side: _Queries, kv: torch.Tensor, qs: slice, ks: slice, mask: to
 def grad_part(side: _Queries, kv: torch.Tensor, qs: slice, ks: slice, mask: torch.Tensor | None,
               kind: str) -> tuple[torch.Tensor, ...]:
     """One part's (dq (b, nkv, g, cq, hd), dk, dv (b, nkv, ck, hd)) fp32, by the fused kernel or the math."""
-    if kind == rf.MASKED:
+    if kind == MASKED:
         return rb.backward_part(side.q5[..., qs, :], kv[0][:, :, ks].float(), kv[1][:, :, ks].float(),
                                 side.do5[..., qs, :], side.lse[..., qs], side.delta[..., qs], mask, side.scale)
     b, nh = side.q.shape[:2]
@@ -140,7 +103,7 @@ class _RingAttention(torch.autograd.Function):
         nkv = k.shape[1]
         q5 = q.reshape(b, nkv, nh // nkv, L, hd).float()
         side = _Queries(q, q5, 1.0 / math.sqrt(hd))
-        parts = plan(indices, doc_ids, r, q.device, kernel == "auto")
+        parts = plan(indices, doc_ids, r, rf.fused_kinds(q.device) if kernel == "auto" else ())
         kv = torch.stack((k, v))  # (2, b, nkv, L, hd): the wire buffer, in the input dtype
         out = torch.zeros(q5.shape, dtype=torch.float32, device=q.device)  # (b, nkv, g, L, hd)
         lse = torch.full(q5.shape[:-1], rb.NEG_INF, dtype=torch.float32, device=q.device)  # (b, nkv, g, L)
@@ -148,7 +111,7 @@ class _RingAttention(torch.autograd.Function):
             incoming = torch.empty_like(kv) if t < cp - 1 else None
             works = _exchange([kv], [incoming], nxt, prv, group) if incoming is not None else []
             for qs, ks, kind in parts.steps[t]:
-                mask = parts.mask(t, qs, ks, q.device) if kind == rf.MASKED else None
+                mask = parts.mask(t, qs, ks, q.device) if kind == MASKED else None
                 o_blk, lse_blk = attend_part(side, kv, qs, ks, mask, kind)
                 rb.merge(out[..., qs, :], lse[..., qs], o_blk, lse_blk)
             _wait(works)
@@ -191,7 +154,7 @@ def _ring_backward(grad, q, k, v, o, lse, parts: Plan, group) -> tuple[torch.Ten
         works = _exchange(sends, recvs, nxt, prv, group)
         acc = torch.zeros((2, b, nkv, L, hd), dtype=torch.float32, device=q.device)  # dK, dV of the keys held at step t
         for qs, ks, kind in parts.steps[t]:
-            mask = parts.mask(t, qs, ks, q.device) if kind == rf.MASKED else None
+            mask = parts.mask(t, qs, ks, q.device) if kind == MASKED else None
             dq_p, dk_p, dv_p = grad_part(side, kv, qs, ks, mask, kind)
             dq[..., qs, :] += dq_p
             acc[0][:, :, ks] += dk_p

@@ -1,5 +1,5 @@
-"""One block of ring attention: which parts of a (query tokens, key tokens) block the mask leaves anything in, and
-the exact attention of those parts, forward with its log-sum-exp and backward from the final log-sum-exp.
+"""One part of a ring-attention block (ring_plan.py says which) by explicit math: its exact attention, forward with
+its log-sum-exp, and backward from the final log-sum-exp.
 
 Forward, for a block of keys: S = q k^T * scale (masked to -inf), lse_blk = logsumexp_j S, o_blk = softmax(S) v.
 Blocks are merged by the online softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax";
@@ -17,39 +17,6 @@ from __future__ import annotations
 import torch
 
 NEG_INF = float("-inf")
-
-
-def part_mask(q_idx: torch.Tensor, k_idx: torch.Tensor, q_doc: torch.Tensor | None,
-              k_doc: torch.Tensor | None) -> torch.Tensor:
-    """q_idx (cq,), k_idx (ck,) global token indices, q_doc (b, cq) / k_doc (b, ck) their documents or None ->
-    (b or 1, 1, 1, cq, ck) bool, True: attend (query i sees key j iff j <= i, and both are in one document)."""
-    mask = k_idx.unsqueeze(0) <= q_idx.unsqueeze(1)  # (cq, ck)
-    if q_doc is not None:
-        return (mask & (q_doc.unsqueeze(2) == k_doc.unsqueeze(1)))[:, None, None]  # (b, 1, 1, cq, ck)
-    return mask[None, None, None]
-
-
-def block_parts(q_idx: torch.Tensor, k_idx: torch.Tensor, q_doc: torch.Tensor | None,
-                k_doc: torch.Tensor | None) -> list[tuple[slice, slice, torch.Tensor]]:
-    """The parts of one block that the mask leaves anything in, as (query slice, key slice, ``part_mask``).
-
-    q_idx, k_idx (L,) int64: global token index of the block's query / key tokens (engine/parallel/cp/layout.py);
-    q_doc, k_doc (b, L) document index of those tokens, or None (plain causal). A rank's L tokens are its two
-    layout chunks, so each side is cut in two halves: under the head/tail split a key chunk lying wholly after a
-    query chunk makes its part fully masked, and it is skipped (half of every off-diagonal block under causal
-    attention)."""
-    halves = 2 if len(q_idx) % 2 == 0 and len(k_idx) % 2 == 0 else 1
-    cq, ck = len(q_idx) // halves, len(k_idx) // halves
-    parts = []
-    for a in range(halves):
-        qs = slice(a * cq, (a + 1) * cq)
-        for c in range(halves):
-            ks = slice(c * ck, (c + 1) * ck)
-            mask = part_mask(q_idx[qs], k_idx[ks], None if q_doc is None else q_doc[:, qs],
-                             None if k_doc is None else k_doc[:, ks])
-            if bool(mask.any()):
-                parts.append((qs, ks, mask))
-    return parts
 
 
 def _scores(q5: torch.Tensor, k4: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

@@ -3,30 +3,21 @@ the part's log-sum-exp beside its output and whose backward takes the FINAL outp
 online-softmax merge and the ring backward (ring.py) use it exactly as they use the explicit math of ring_block.py.
 It never materialises the (c, c) scores and reads grouped-query k/v (nkv heads) natively.
 
-It runs a part whose mask needs no tensor: every key seen ("full") or causal within one chunk ("causal", the
-top-left-aligned triangle of ``is_causal``); a part cut by document borders, and every part on other devices, takes
-the math path (ring_block.py). CUDA's fused kernels (flash: 16-bit without a mask; efficient: lse padded to 32
-rows) are not wired in: no GPU was at hand to test them.
+It runs a part whose mask needs no tensor: every key seen (FULL) or causal within one chunk (CAUSAL, the
+top-left-aligned triangle of ``is_causal``); a part cut by document borders (MASKED), and every part on other
+devices, takes the math path (ring_block.py). CUDA's fused kernels (flash: 16-bit without a mask; efficient: lse
+padded to 32 rows) are not wired in: no GPU was at hand to test them.
 """
 from __future__ import annotations
 
 import torch
 
-FULL, CAUSAL, MASKED = "full", "causal", "masked"
+from engine.parallel.cp.ring_plan import CAUSAL, FULL
 
 
-def part_kind(mask: torch.Tensor) -> str:
-    """mask (b or 1, 1, 1, cq, ck) bool -> FULL, CAUSAL (mask is the lower triangle, diagonal included) or MASKED."""
-    if bool(mask.all()):
-        return FULL
-    cq, ck = mask.shape[-2:]
-    if cq == ck and bool((mask == torch.ones(cq, ck, dtype=torch.bool, device=mask.device).tril()).all()):
-        return CAUSAL
-    return MASKED
-
-
-def runs_fused(device: torch.device, kind: str) -> bool:
-    return device.type == "cpu" and kind != MASKED
+def fused_kinds(device: torch.device) -> tuple[str, ...]:
+    """The part kinds (ring_plan.py) this kernel runs on ``device``."""
+    return (FULL, CAUSAL) if device.type == "cpu" else ()
 
 
 def forward_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str,
