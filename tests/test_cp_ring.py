@@ -13,7 +13,8 @@ and 4; bf16 inputs (compared against fp64 on the same bf16-rounded values) up to
 contiguous instead of head/tail indices in the masks; dK/dV not handed back to their owner after the ring; the
 document mask ignored; is_causal dropped from the fused kernel (forward or backward); computing fully masked parts
 or never running the fused kernel (the count test); peers given as group ranks (the subgroup test); send and receive
-in separate batches (NCCL rules: deadlock); ring_attention traced by torch.compile (the compile test).
+in separate batches (NCCL rules: deadlock); ring_attention traced by torch.compile (the compile test); the plan's
+document-border check dropped or loosened (the planned-kinds test).
 
     python -m pytest -q tests/test_cp_ring.py
     python -m tests.test_cp_ring         # prints the measured errors behind the bounds
