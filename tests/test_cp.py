@@ -1,4 +1,5 @@
-"""Context parallelism (issue 25): cp_mode all_to_all (engine/parallel/cp/ulysses.py) and the cp inputs
+"""Context parallelism (issue 25): cp_mode all_to_all (engine/parallel/cp/ulysses.py) and ring
+(engine/parallel/cp/ring.py) in the model, and the cp inputs
 (engine/parallel/cp/inputs.py) against one process, at cp 2 and 4; the trainer at dp 2 x cp 2 against one
 process; the refusals of parallel.cp. The parity matrix (tests/parity/matrix.py) runs cp with every other factor.
 
@@ -10,7 +11,6 @@ chunks in the feed, or an all-to-all backward without the exchange moved a gradi
 """
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
@@ -38,9 +38,10 @@ def _rows() -> torch.Tensor:
     return rows
 
 
-def _loss_and_grads(cp: int, cp_rank: int, group, doc_mask: bool) -> tuple[torch.Tensor, dict]:
+def _loss_and_grads(cp: int, cp_rank: int, group, doc_mask: bool, mode: str = "all_to_all"
+                    ) -> tuple[torch.Tensor, dict]:
     model = model_lib.build(SHAPE, device="meta")
-    apply_context_parallel(model, "all_to_all", group, cp)
+    apply_context_parallel(model, mode, group, cp)
     materialize(model, torch.device("cpu"), seed=0, std=0.1)
     inputs, labels, extra = micro_batch_inputs([_rows()], 1, EOS if doc_mask else None, cp, cp_rank, S)
     loss = vocab_parallel_cross_entropy(model(inputs[0], **(extra[0] if extra else {})), labels[0], None)
@@ -48,10 +49,10 @@ def _loss_and_grads(cp: int, cp_rank: int, group, doc_mask: bool) -> tuple[torch
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _model_rank(doc_mask: bool) -> dict:
+def _model_rank(doc_mask: bool, mode: str) -> dict:
     """This cp rank's loss and gradients, averaged over cp as the dp x cp reduction does, against one process."""
     cp, rank = dist.get_world_size(), dist.get_rank()
-    loss, grads = _loss_and_grads(cp, rank, dist.group.WORLD, doc_mask)
+    loss, grads = _loss_and_grads(cp, rank, dist.group.WORLD, doc_mask, mode)
     want_loss, want = _loss_and_grads(1, 0, None, doc_mask)
     dist.all_reduce(loss)
     errs = {"loss": (abs(loss / cp - want_loss) / want_loss.abs()).item()}
@@ -61,10 +62,11 @@ def _model_rank(doc_mask: bool) -> dict:
     return errs
 
 
+@pytest.mark.parametrize("mode", ["all_to_all", "ring"])
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("doc_mask", [False, True], ids=["causal", "docmask"])
-def test_all_to_all_matches_one_process(cp, doc_mask):
-    for errs in run_ranks(_model_rank, cp, doc_mask):
+def test_cp_model_matches_one_process(cp, doc_mask, mode):
+    for errs in run_ranks(_model_rank, cp, doc_mask, mode):
         worst = max(errs, key=errs.get)
         assert errs[worst] <= REL, f"cp {cp}: {worst} off by {errs[worst]:.2e}"
 
@@ -78,13 +80,14 @@ def test_inputs_shift_before_split():
     assert torch.equal(extra[0]["position_ids"], inputs[0][0])
 
 
-def test_trainer_dp2_cp2_matches_one_process(tmp_path):
+@pytest.mark.parametrize("mode", ["all_to_all", "ring"])
+def test_trainer_dp2_cp2_matches_one_process(tmp_path, mode):
     """dp 2 x cp 2 with ddp through the real Trainer: the feed's rows, the gradient reduction over dp x cp and the
     reported loss against one process (the parity matrix's bounds)."""
     from tests.parity import runner
     from tests.parity.matrix import Combo
 
-    c = Combo(1, 1, 2, "ddp", "-", "fp32", False, False, False, cp=2, cp_mode="all_to_all")
+    c = Combo(1, 1, 2, "ddp", "-", "fp32", False, False, False, cp=2, cp_mode=mode)
     out = runner.run_combos([c], tmp_path)[c]
     assert out.failure is None, f"{c.name}: {out.failure} ({out.errors})"
 
@@ -127,13 +130,6 @@ def test_resume_across_cp_sizes(tmp_path):
     check_resumes(tmp_path, 4, {
         "ddp cp2 dp2": (cp2, [("cp1 dp4", heads, MOVED), ("cp4", cp4, MOVED)]),
         "fsdp cp2 dp2": ([*cp2, "--parallel.dp_mode", "fsdp"], [("ddp cp4", cp4, MOVED)])})
-
-
-def test_ring_is_refused_until_its_kernel_exists(tmp_path):
-    if importlib.util.find_spec("engine.parallel.cp.ring") is not None:
-        pytest.skip("engine/parallel/cp/ring.py exists: cp_mode ring runs (the parity matrix's ring combinations)")
-    with pytest.raises(ConfigError, match="parallel.cp_mode=ring \\(parallel.cp=2\\) is not built yet"):
-        _layout(tmp_path, 2, "--parallel.cp", "2")
 
 
 def _saved_rank(argv: list[str]) -> dict:

@@ -8,7 +8,6 @@ tests/parity/matrix.py and shown in the README ("What is proven").
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -96,9 +95,6 @@ def check_context_parallel(cfg: Config) -> None:
         raise ConfigError(f"parallel.cp_mode=all_to_all needs model.num_heads={m.num_heads} and model.num_kv_heads="
                           f"{m.num_kv_heads} divisible by cp * tp = {p.cp} * {p.tp} = {p.cp * p.tp}; use "
                           f"cp_mode=ring or a smaller cp")
-    if p.cp_mode == "ring" and importlib.util.find_spec("engine.parallel.cp.ring") is None:
-        raise ConfigError(f"parallel.cp_mode=ring (parallel.cp={p.cp}) is not built yet in this tree; use "
-                          f"cp_mode=all_to_all")
 
 
 def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:

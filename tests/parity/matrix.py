@@ -27,7 +27,6 @@ arithmetic in the same place, so a few layouts per mode show it is wired in; ``-
 from __future__ import annotations
 
 import functools
-import importlib.util
 import itertools
 from dataclasses import asdict, dataclass
 
@@ -149,20 +148,12 @@ SCHEDULE_DP = ("interleaved or zero_bubble with a dp mode other than ddp: FSDP a
 # runner.BASE has 8 heads and 4 kv heads: all_to_all gives each cp x tp rank whole heads of both.
 CP_HEADS = ("cp_mode all_to_all with cp x tp not dividing the kv heads (runner.BASE: 4): each rank of the "
             "all-to-all takes whole heads", "divisible by cp * tp")
-RING_NOT_BUILT = ("cp_mode ring in a tree without engine/parallel/cp/ring.py (its own branch, issue 25)",
-                  "is not built yet")
-
-
-def _ring_built() -> bool:
-    return importlib.util.find_spec("engine.parallel.cp.ring") is not None
 
 
 def refusal(c: Combo) -> tuple[str, str] | None:
     """(reason, words of the error) if the engine must refuse ``c``, else None."""
     if c.cp > 1 and c.cp_mode == "all_to_all" and 4 % (c.cp * c.tp):
         return CP_HEADS
-    if c.cp > 1 and c.cp_mode == "ring" and not _ring_built():
-        return RING_NOT_BUILT
     if c.schedule in ("interleaved", "zero_bubble") and c.dp_mode != "ddp":
         return SCHEDULE_DP
     if c.dp_mode.startswith("zero") and c.pp > 1:
