@@ -115,11 +115,6 @@ def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
 def check_supported(cfg: Config, layout) -> None:
     """Refuse, with the combination named, what this build cannot run. ``layout`` has ``tp``, ``pp``, ``dp``."""
     p = cfg.parallel
-    if p.schedule in ("interleaved", "zero_bubble") and p.dp_mode != "ddp":
-        when = {"interleaved": "each model chunk's last backward", "zero_bubble": "the last W, not the last B"}
-        raise ConfigError(f"parallel.schedule={p.schedule} with parallel.dp_mode={p.dp_mode} is not supported (the "
-                          f"gradient sync would have to follow {when[p.schedule]}); use dp_mode=ddp, or "
-                          f"schedule 1f1b with {p.dp_mode}")
     if cfg.parallel.dp_mode == "zero":
         check_zero_supported(cfg, layout)
     elif cfg.parallel.zero_stage:
@@ -151,3 +146,24 @@ def check_zero_supported(cfg: Config, ctx) -> None:
         raise ConfigError("parallel.dp_mode=zero with zero_stage=3 and parallel.pp>1 is not supported (DeepSpeed's "
                           "ZeRO-3 compares module traces across all ranks and hangs under pipeline stages); "
                           "use zero_stage 1 or 2, or dp_mode=fsdp")
+    check_zero_schedule(cfg)
+
+
+def check_zero_schedule(cfg: Config) -> None:
+    """ZeRO under the schedules that split the stage (interleaved) or its backward (zero_bubble): what DeepSpeed
+    0.19.8 cannot do, named (read from its source and measured by the parity matrix)."""
+    p, bf16 = cfg.parallel, cfg.train.dtype == "bf16"
+    if p.schedule == "interleaved":
+        raise ConfigError("parallel.schedule=interleaved with parallel.dp_mode=zero is not supported: "
+                          "DeepSpeedEngine.forward runs only the one module it wraps (self.module(*inputs), with its "
+                          "backward hooks on that output), not one model chunk of it; use dp_mode=ddp or fsdp, or "
+                          "schedule 1f1b or zero_bubble")
+    if p.schedule == "zero_bubble" and (p.zero_stage != 1 or bf16):
+        why = ("ZeRO-2 reduce-scatters each gradient in the hooks autograd fires as it accumulates "
+               "(DeepSpeedZeroOptimizer.reduce_ready_partitions_and_remove_grads)") if p.zero_stage != 1 else \
+            ("bf16 ZeRO-1 accumulates into fp32 param.grad_accum from the hooks autograd fires as it accumulates "
+             "(DeepSpeedZeroOptimizer._fill_param_grad_accum_attribute)")
+        raise ConfigError(f"parallel.schedule=zero_bubble with parallel.dp_mode=zero, zero_stage={p.zero_stage} and "
+                          f"train.dtype={cfg.train.dtype} is not supported: DeepSpeed's {why}, and W adds the linears' "
+                          f"weight gradients outside autograd, where no hook fires; use zero_stage=1 with "
+                          f"train.dtype=fp32, dp_mode=ddp or fsdp, or schedule 1f1b")

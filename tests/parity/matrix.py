@@ -123,20 +123,25 @@ ZERO3_PP = ("ZeRO-3 with pp > 1: DeepSpeed compares module traces across all ran
             "zero_stage=3 and parallel.pp>1 is not supported")
 
 
-SCHEDULE_DP = ("interleaved or zero_bubble with a dp mode other than ddp: FSDP and ZeRO would have to sync each "
-               "chunk's gradients after its last backward (interleaved) or after the last W (zero bubble)",
-               "is not supported (the gradient sync would have to follow")
+ZERO_INTERLEAVED = ("ZeRO under interleaved: DeepSpeedEngine.forward runs only the whole module it wraps, not one "
+                    "model chunk of it", "schedule=interleaved with parallel.dp_mode=zero is not supported")
+ZERO_ZB_HOOKS = ("ZeRO-2, or bf16 ZeRO-1, under zero_bubble: DeepSpeed reduces (ZeRO-2) or moves into its fp32 "
+                 "accumulator (bf16 ZeRO-1) each gradient in hooks autograd fires, and W adds the linears' weight "
+                 "gradients outside autograd", "schedule=zero_bubble with parallel.dp_mode=zero")
 
 
 def refusal(c: Combo) -> tuple[str, str] | None:
-    """(reason, words of the error) if the engine must refuse ``c``, else None."""
-    if c.schedule in ("interleaved", "zero_bubble") and c.dp_mode != "ddp":
-        return SCHEDULE_DP
+    """(reason, words of the error) if the engine must refuse ``c``, else None. FSDP (every variant) runs under
+    every schedule; so does fp32 ZeRO-1 but under interleaved."""
     if c.dp_mode.startswith("zero") and c.pp > 1:
         if c.tied and (c.dp_mode != "zero1" or c.dtype != "fp32"):
             return TIED_ZERO_PP
         if c.dp_mode.startswith("zero3"):
             return ZERO3_PP
+        if c.schedule == "interleaved":
+            return ZERO_INTERLEAVED
+        if c.schedule == "zero_bubble" and (c.dp_mode != "zero1" or c.dtype != "fp32"):
+            return ZERO_ZB_HOOKS
     return None
 
 
