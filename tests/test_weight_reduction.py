@@ -104,3 +104,28 @@ def test_same_collectives_in_the_same_order_on_dp_peers(orders, overlap):
         by_stage.setdefault(run["pp_rank"], []).append([e for e in run["events"] if e[0] == "all_reduce"])
     for stage, (a, b) in by_stage.items():
         assert a == b, f"stage {stage}: {a} != {b}"
+
+
+def test_bench_prints_both_variants_side_by_side(capsys):
+    """launch/bench/zb_dp.py (section d of launch/bench/schedules.py) on a tiny model: a row per stage and
+    variant, and the two variants' losses equal (they average the same gradients); no timing is asserted."""
+    from launch.bench import zb_dp
+
+    args = zb_dp.parse_args(["--steps", "1", "--layers", "2", "--hidden", "32", "--seq-len", "16",
+                             "--micro-batches", "2"])
+    with capsys.disabled():  # the forked ranks need the real stderr
+        ranks = zb_dp.measure(args)
+    zb_dp.print_table(ranks, args)
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in out if line.split()[:1] in (["0"], ["1"])]
+    assert [(r[0], r[1]) for r in rows] == [(s, v) for s in "01" for v in zb_dp.VARIANTS]
+    assert out[-1] == "largest loss difference between the variants: 0.00e+00"
+
+
+def test_bench_bad_arguments_are_one_line_exit_2(capsys):
+    from launch.bench import zb_dp
+
+    with pytest.raises(SystemExit) as e:
+        zb_dp.parse_args(["--dp", "1"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and "--dp >= 2" in err and "dp 1" in err
