@@ -133,8 +133,10 @@ def test_layout_resolves_dp():
      "parallel.schedule=zero_bubble with parallel.dp_mode=zero, zero_stage=2 and train.dtype=fp32 is not supported: "
      "DeepSpeed's ZeRO-2 reduce-scatters each gradient in the hooks autograd fires as it accumulates "
      "(DeepSpeedZeroOptimizer.reduce_ready_partitions_and_remove_grads)"),
-    ({"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "dp_mode": "zero", "zero_stage": 1}, 2,
-     "parallel.schedule=interleaved with parallel.dp_mode=zero is not supported"),
+    ({"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "dp_mode": "zero", "zero_stage": 2,
+      "offload": "optimizer"}, 2,
+     "parallel.schedule=interleaved with parallel.dp_mode=zero, zero_stage=2, the optimizer offloaded and "
+     "train.dtype=fp32 is not supported: DeepSpeed's fp32 ZeRO-Offload adds each gradient to its host accumulator"),
     ({"sequence_parallel": True}, 1, "parallel.sequence_parallel=true needs parallel.tp >= 2"),
 ])
 def test_layout_errors_name_every_factor(parallel, world, needle):

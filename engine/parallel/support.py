@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from engine.config import Config, ConfigError, TrainConfig
 from engine.parallel import schedule as sched
+from engine.parallel.dp.ds_json import offload_of
 from engine.parallel.mesh import AXES
 
 
@@ -150,14 +151,19 @@ def check_zero_supported(cfg: Config, ctx) -> None:
 
 
 def check_zero_schedule(cfg: Config) -> None:
-    """ZeRO under the schedules that split the stage (interleaved) or its backward (zero_bubble): what DeepSpeed
-    0.19.8 cannot do, named (read from its source and measured by the parity matrix)."""
+    """ZeRO under the schedules that split the stage (interleaved: engine/parallel/dp/zero.py ChunkRunner) or its
+    backward (zero_bubble): what DeepSpeed 0.19.8 cannot do, named (read from its source; the parity matrix
+    measured each refused case wrong and each accepted one right)."""
     p, bf16 = cfg.parallel, cfg.train.dtype == "bf16"
-    if p.schedule == "interleaved":
-        raise ConfigError("parallel.schedule=interleaved with parallel.dp_mode=zero is not supported: "
-                          "DeepSpeedEngine.forward runs only the one module it wraps (self.module(*inputs), with its "
-                          "backward hooks on that output), not one model chunk of it; use dp_mode=ddp or fsdp, or "
-                          "schedule 1f1b or zero_bubble")
+    if p.schedule == "interleaved" and p.zero_stage == 2 and not bf16 and offload_of(2, p.ds_config or None,
+                                                                                     p.offload)[0]:
+        raise ConfigError("parallel.schedule=interleaved with parallel.dp_mode=zero, zero_stage=2, the optimizer "
+                          "offloaded and train.dtype=fp32 is not supported: DeepSpeed's fp32 ZeRO-Offload adds each "
+                          "gradient to its host accumulator from the step's second backward on "
+                          "(DeepSpeedZeroOptimizer.async_accumulate_grad_in_cpu_via_gpu, micro_step_id > 0), which "
+                          "assumes every parameter had a gradient in the first; a later model chunk's first gradient "
+                          "then adds the previous step's; use train.dtype=bf16, zero_stage=1, offload=none, or "
+                          "schedule 1f1b")
     if p.schedule == "zero_bubble" and (p.zero_stage != 1 or bf16):
         why = ("ZeRO-2 reduce-scatters each gradient in the hooks autograd fires as it accumulates "
                "(DeepSpeedZeroOptimizer.reduce_ready_partitions_and_remove_grads)") if p.zero_stage != 1 else \

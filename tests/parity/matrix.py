@@ -123,8 +123,10 @@ ZERO3_PP = ("ZeRO-3 with pp > 1: DeepSpeed compares module traces across all ran
             "zero_stage=3 and parallel.pp>1 is not supported")
 
 
-ZERO_INTERLEAVED = ("ZeRO under interleaved: DeepSpeedEngine.forward runs only the whole module it wraps, not one "
-                    "model chunk of it", "schedule=interleaved with parallel.dp_mode=zero is not supported")
+ZERO2_OFFLOAD_INTERLEAVED = ("fp32 ZeRO-2 with the optimizer offloaded under interleaved: DeepSpeed adds each "
+                             "gradient to its host accumulator from the step's second backward on, assuming every "
+                             "parameter had one in the first (a later chunk's first gradient adds the last step's)",
+                             "the optimizer offloaded and train.dtype=fp32 is not supported")
 ZERO_ZB_HOOKS = ("ZeRO-2, or bf16 ZeRO-1, under zero_bubble: DeepSpeed reduces (ZeRO-2) or moves into its fp32 "
                  "accumulator (bf16 ZeRO-1) each gradient in hooks autograd fires, and W adds the linears' weight "
                  "gradients outside autograd", "schedule=zero_bubble with parallel.dp_mode=zero")
@@ -132,14 +134,14 @@ ZERO_ZB_HOOKS = ("ZeRO-2, or bf16 ZeRO-1, under zero_bubble: DeepSpeed reduces (
 
 def refusal(c: Combo) -> tuple[str, str] | None:
     """(reason, words of the error) if the engine must refuse ``c``, else None. FSDP (every variant) runs under
-    every schedule; so does fp32 ZeRO-1 but under interleaved."""
+    every schedule, ZeRO-1/2 under interleaved (but fp32 ZeRO-2 offload), fp32 ZeRO-1 under zero_bubble."""
     if c.dp_mode.startswith("zero") and c.pp > 1:
         if c.tied and (c.dp_mode != "zero1" or c.dtype != "fp32"):
             return TIED_ZERO_PP
         if c.dp_mode.startswith("zero3"):
             return ZERO3_PP
-        if c.schedule == "interleaved":
-            return ZERO_INTERLEAVED
+        if c.schedule == "interleaved" and c.dp_mode == "zero2-offload" and c.dtype == "fp32":
+            return ZERO2_OFFLOAD_INTERLEAVED
         if c.schedule == "zero_bubble" and (c.dp_mode != "zero1" or c.dtype != "fp32"):
             return ZERO_ZB_HOOKS
     return None
