@@ -77,6 +77,12 @@ class FSDP(TorchOptimizerMixin, DataParallel):
         state = private(root, "torch", "_get_fsdp_state")()
         for unit in private(private(state, "torch", "_state_ctx"), "torch", "all_states"):
             for group in private(unit, "torch", "_fsdp_param_groups"):
+                # Under bf16 compute a B's post-backward moved the gradients it had into fp32 accumulators, but a
+                # weight whose W's all ran after the last B (pp - 1 - stage of them, ZB-H1) still holds W's bf16
+                # sum: both into fp32, or the reduce-scatter refuses the mix (no-ops in fp32 and for the rest).
+                for param in private(group, "torch", "fsdp_params"):
+                    param.accumulate_unsharded_grad_if_needed()
+                    param.to_accumulated_grad_if_needed()
                 group.post_backward()  # reduce-scatters what the B's and W's accumulated unsharded
         private(state, "torch", "_root_post_backward_final_callback")()  # waits for them; states back to idle
 
