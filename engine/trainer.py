@@ -163,7 +163,7 @@ class Trainer:
         """Accumulate the gradient of this rank's share of the global batch; returns its mean loss."""
         backward = self.stats.timer.wrap("backward", self.dp.backward)
         loss = self.run_schedule(self.executor, local_batch, before_backward=self.before_backward,
-                                 backward=backward)
+                                 backward=backward, last_weight=self.dp.last_weight)
         self.sync_tied_embedding()
         return loss
 

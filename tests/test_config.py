@@ -130,11 +130,14 @@ def test_layout_resolves_dp():
      "parallel.pp_layers=[1, 3] is not supported with schedule=interleaved"),
     ({"pp": 2, "virtual_stages": 2}, 2, "virtual_stages=2 needs schedule 'interleaved'"),
     ({"virtual_stages": 2}, 1, "parallel.virtual_stages=2 needs parallel.schedule=interleaved and pp >= 2"),
-    ({"pp": 2, "schedule": "zero_bubble", "dp_mode": "fsdp"}, 2,
-     "parallel.schedule=zero_bubble with parallel.dp_mode=fsdp is not supported (the gradient sync would have to "
-     "follow the last W, not the last B); use dp_mode=ddp"),
-    ({"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "dp_mode": "zero", "zero_stage": 1}, 2,
-     "parallel.schedule=interleaved with parallel.dp_mode=zero is not supported"),
+    ({"pp": 2, "schedule": "zero_bubble", "dp_mode": "zero", "zero_stage": 2}, 2,
+     "parallel.schedule=zero_bubble with parallel.dp_mode=zero, zero_stage=2 and train.dtype=fp32 is not supported: "
+     "DeepSpeed's ZeRO-2 reduce-scatters each gradient in the hooks autograd fires as it accumulates "
+     "(DeepSpeedZeroOptimizer.reduce_ready_partitions_and_remove_grads)"),
+    ({"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "dp_mode": "zero", "zero_stage": 2,
+      "offload": "optimizer"}, 2,
+     "parallel.schedule=interleaved with parallel.dp_mode=zero, zero_stage=2, the optimizer offloaded and "
+     "train.dtype=fp32 is not supported: DeepSpeed's fp32 ZeRO-Offload adds each gradient to its host accumulator"),
     ({"sequence_parallel": True}, 1, "parallel.sequence_parallel=true needs parallel.tp >= 2"),
 ])
 def test_layout_errors_name_every_factor(parallel, world, needle):

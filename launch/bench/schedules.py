@@ -23,6 +23,9 @@ a) per stage: ``closed``, the bubble fraction of the papers' closed forms (1F1B 
 b) step time (makespan, barrier to barrier): medians, the median per step of the ratio to 1F1B's step next to
    it, and theory: the ratio (1 - bubble_1F1B) / (1 - bubble) of the closed forms, and the simulator's makespan.
 c) the measured compute times (thread CPU ms, mean over ranks of each op's median) fed to theory.
+d) zero bubble under ddp at the first --pp and dp = --dp (--dp 1 skips it): the dp reduction overlapped with the
+   W's (each bucket all-reduced as the chunk's last W completes it) vs exposed after the last W, the dp_comm phase
+   and the step time side by side (launch/bench/zb_dp.py, which runs it alone).
 
 With more ranks than free cores (pp=4 on 2 cores) the ranks take turns: wall-clock idle/wait then include time a
 neighbour was descheduled (it looks busy, its receiver idle), a stage descheduled mid-compute looks busy, and
@@ -52,6 +55,7 @@ from engine.parallel.schedule import bubble_fraction, max_in_flight, simulate, t
 from engine.parallel.tensor import vocab_parallel_cross_entropy  # noqa: E402
 from engine.parallel.virtual import model_chunks  # noqa: E402
 from engine.trainer import build_model  # noqa: E402
+from launch.bench import zb_dp  # noqa: E402
 from launch.bench.pipeline import add_model_args, batch, config, model_line, timed  # noqa: E402
 
 NAMES = ("1f1b", "interleaved", "zero_bubble")
@@ -65,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (the first measures memory)")
     p.add_argument("--virtual-stages", type=int, default=2, help="v of the interleaved schedule")
     add_model_args(p)
+    zb_dp.add_args(p)  # section d): zero bubble x ddp, the dp reduction overlapped vs exposed (--dp 1: skipped)
     args = p.parse_args(argv)
     for pp in args.pp:
         bad = [m for m in args.micro_batches if m < pp or m % pp]
@@ -255,6 +260,10 @@ def main(argv: list[str] | None = None) -> None:
     print_stages(results, args)
     print_steps(results, args)
     print_ops(results, args)
+    if args.dp > 1:  # the model's sizes, the first pp, the largest m; tiny.yaml's vocabulary (the corpus's)
+        zb = argparse.Namespace(pp=args.pp[0], dp=args.dp, micro_batches=max(args.micro_batches), steps=args.steps,
+                                layers=args.layers, hidden=args.hidden, seq_len=args.seq_len, bucket_mb=args.bucket_mb)
+        zb_dp.print_table(zb_dp.measure(zb), zb)
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
 
 

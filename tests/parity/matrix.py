@@ -140,9 +140,13 @@ ZERO3_PP = ("ZeRO-3 with pp > 1: DeepSpeed compares module traces across all ran
             "zero_stage=3 and parallel.pp>1 is not supported")
 
 
-SCHEDULE_DP = ("interleaved or zero_bubble with a dp mode other than ddp: FSDP and ZeRO would have to sync each "
-               "chunk's gradients after its last backward (interleaved) or after the last W (zero bubble)",
-               "is not supported (the gradient sync would have to follow")
+ZERO2_OFFLOAD_INTERLEAVED = ("fp32 ZeRO-2 with the optimizer offloaded under interleaved: DeepSpeed adds each "
+                             "gradient to its host accumulator from the step's second backward on, assuming every "
+                             "parameter had one in the first (a later chunk's first gradient adds the last step's)",
+                             "the optimizer offloaded and train.dtype=fp32 is not supported")
+ZERO_ZB_HOOKS = ("ZeRO-2, or bf16 ZeRO-1, under zero_bubble: DeepSpeed reduces (ZeRO-2) or moves into its fp32 "
+                 "accumulator (bf16 ZeRO-1) each gradient in hooks autograd fires, and W adds the linears' weight "
+                 "gradients outside autograd", "schedule=zero_bubble with parallel.dp_mode=zero")
 
 
 # runner.BASE has 8 heads and 4 kv heads: all_to_all gives each cp x tp rank whole heads of both.
@@ -151,16 +155,19 @@ CP_HEADS = ("cp_mode all_to_all with cp x tp not dividing the kv heads (runner.B
 
 
 def refusal(c: Combo) -> tuple[str, str] | None:
-    """(reason, words of the error) if the engine must refuse ``c``, else None."""
+    """(reason, words of the error) if the engine must refuse ``c``, else None. FSDP (every variant) runs under
+    every schedule, ZeRO-1/2 under interleaved (but fp32 ZeRO-2 offload), fp32 ZeRO-1 under zero_bubble."""
     if c.cp > 1 and c.cp_mode == "all_to_all" and 4 % (c.cp * c.tp):
         return CP_HEADS
-    if c.schedule in ("interleaved", "zero_bubble") and c.dp_mode != "ddp":
-        return SCHEDULE_DP
     if c.dp_mode.startswith("zero") and c.pp > 1:
         if c.tied and (c.dp_mode != "zero1" or c.dtype != "fp32"):
             return TIED_ZERO_PP
         if c.dp_mode.startswith("zero3"):
             return ZERO3_PP
+        if c.schedule == "interleaved" and c.dp_mode == "zero2-offload" and c.dtype == "fp32":
+            return ZERO2_OFFLOAD_INTERLEAVED
+        if c.schedule == "zero_bubble" and (c.dp_mode != "zero1" or c.dtype != "fp32"):
+            return ZERO_ZB_HOOKS
     return None
 
 

@@ -19,20 +19,22 @@ from engine.parallel.dp.registry import DpModeSpec, load
 
 _TORCH_STATE = ("engine.checkpoint.state:TorchState",)
 _PLAN = "engine.parallel.dp.plan_models:"
+_ALL_SYNCS = frozenset({LAST_BACKWARD, CHUNK_BACKWARD, LAST_W})
 
 MODES: dict[str, DpModeSpec] = {s.name: s for s in (  # parallel.dp_mode -> its DpModeSpec
-    # DDP's reducer follows any backward; under zero bubble its gradients are all-reduced after the last W.
+    # DDP's reducer follows any backward; under zero bubble each chunk's buckets are all-reduced as its last W
+    # completes them (ddp.py last_weight).
     DpModeSpec("ddp", "engine.parallel.dp.ddp:DDP", _TORCH_STATE, _PLAN + "DDPModel", keys=("grad_compression",),
-               refuse_key=checks.refuse_ddp_key, check=checks.check_ddp,
-               grad_syncs=frozenset({LAST_BACKWARD, CHUNK_BACKWARD, LAST_W})),
+               refuse_key=checks.refuse_ddp_key, check=checks.check_ddp, grad_syncs=_ALL_SYNCS),
+    # FSDP: each model chunk its own root, reduce-scattered after its last backward or, under zero bubble, its last W
     DpModeSpec("fsdp", "engine.parallel.dp.fsdp:FSDP", _TORCH_STATE, _PLAN + "FSDPModel", check=checks.check_fsdp,
-               offload=("none", "optimizer_and_params"), bf16_weights=True),
+               offload=("none", "optimizer_and_params"), bf16_weights=True, grad_syncs=_ALL_SYNCS),
     DpModeSpec("zero", "engine.parallel.dp.zero:ZeRO", ("engine.parallel.dp.zero_state:Zero12State",
                                                         "engine.parallel.dp.zero_state:Zero3State"),
                _PLAN + "ZeroModel", keys=("zero_stage", "ds_config"), refuse_key=checks.refuse_zero_key,
                check=checks.check_zero, check_layout=checks.check_zero_supported,
                offload=("none", "optimizer", "optimizer_and_params"), compile=False,  # compile: DeepSpeed's hooks
-               bf16_weights=True),
+               bf16_weights=True, grad_syncs=_ALL_SYNCS),  # what DeepSpeed cannot follow: checks.check_zero_schedule
 )}
 
 

@@ -9,6 +9,7 @@ calls these in this order every step and never asks which mode it is:
     dp = build(stage, cfg, ctx)                        # engine/parallel/dp/__init__.py: the registry
     for each micro-batch's backward:                   # run by the pipeline executor
         dp.before_backward(is_last, chunk); dp.backward(output, grad)
+    dp.last_weight(store, key, chunk)                  # zero bubble: each chunk's last W
     dp.all_reduce_grad(tied_weight, embed_group)       # pp > 1 with tied embeddings
     dp.reduce_gradients()                              # the exposed part of the dp reduction (often nothing)
     norm = dp.step(lr)                                 # or dp.skip() after a NaN loss
@@ -59,7 +60,12 @@ class DataParallel:
     def before_backward(self, is_last: bool, chunk: int = 0) -> None:
         """Called before each micro-batch's backward; ``is_last``: the step's last one of model chunk ``chunk``,
         where its gradients are reduced over dp (the others only accumulate). A schedule that defers weight
-        gradients never passes is_last=True: reduce_gradients, after the last W, then reduces everything."""
+        gradients never passes is_last=True: the chunk's gradients are complete after its last W (last_weight)."""
+
+    def last_weight(self, store, key, chunk: int = 0) -> None:
+        """Zero bubble: run model chunk ``chunk``'s last W (``store.flush(key)``, engine/parallel/weight_grad.py),
+        after which its gradients are complete; a mode that reduces per chunk starts that here."""
+        store.flush(key)
 
     def backward(self, output: torch.Tensor, grad: torch.Tensor | None) -> None:
         """Backward of one micro-batch: from the loss (grad None, last stage) or from the stage output (whose
