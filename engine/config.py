@@ -36,7 +36,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02  # N(0, init_std) for every linear and embedding weight, as HF Llama's _init_weights
     # What the supported families differ in (engine/model/families.py maps them to and from HF config.json).
-    family: str = "llama"  # llama | qwen2 | mistral: the HF architecture that export writes
+    family: str = "llama"  # llama | qwen2 | mistral | mixtral | qwen2_moe | olmoe: the HF architecture export writes
     attention_bias: bool = False  # bias on q/k/v (Qwen2); o_proj never has one here
     # RoPE frequency scaling, HF's rope_scaling/rope_parameters: none | linear | llama3 (Llama 3.1 and later)
     rope_scaling: str = "none"
@@ -44,9 +44,14 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0  # llama3 only
     rope_high_freq_factor: float = 4.0  # llama3 only
     rope_original_max_position_embeddings: int = 8192  # llama3 only: the context the model was pretrained at
-    # Mistral/Qwen2 sliding-window attention span (0: none). Only full attention is implemented, which equals
-    # the window while train.seq_len <= sliding_window; longer sequences are refused.
-    sliding_window: int = 0
+    sliding_window: int = 0  # Mistral/Qwen2 window (0: none); full attention equals it while seq_len <= window
+    num_experts: int = 0  # mixture of experts (mixtral | qwen2_moe | olmoe; engine/model/moe.py); 0: dense
+    experts_per_token: int = 2  # k: experts each token is routed to
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width; 0: intermediate_size
+    moe_layers: list[int] | str = "all"  # all | indices of the MoE layers (others dense; HF's mlp_only_layers ...)
+    moe_norm_topk_prob: bool = True  # softmax-then-top-k gating: renormalise the k weights to sum 1
+    moe_shared_expert_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert width (0: none)
+    moe_capacity_factor: float = 0.0  # 0: dropless; else at most ceil(cf * tokens * k / E) copies per expert
     init_from: str = ""  # a Hugging Face folder whose shape and weights start the run (engine/model/hf_init.py)
 
     @property
@@ -122,6 +127,8 @@ class TrainConfig:
     # (keep matmul outputs, recompute norms/attention/elementwise; engine/model/recompute.py). true/false: full/none.
     activation_checkpointing: str = "none"
     compile: bool = False  # torch.compile each decoder block (engine/model/compile.py)
+    moe_aux_loss_coef: float = 0.01  # MoE load-balancing loss weight (Switch Transformer; engine/model/moe.py)
+    moe_z_loss_coef: float = 0.0  # MoE router z-loss weight (ST-MoE)
     eval_every: int = 0  # validation loss every N steps (0: never); logged as eval_loss in metrics.jsonl
     eval_batches: int = 4  # global batches of the held-out split per evaluation
     out_dir: str = "runs/tiny"

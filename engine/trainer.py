@@ -23,6 +23,7 @@ from engine.checkpoint.parts import CheckpointParts, RunPosition
 from engine.config import Config, ConfigError
 from engine.data import dataset as data_lib
 from engine.data.feed import BatchFeed
+from engine.metrics import moe as moe_metrics
 from engine.metrics.logger import MetricsLogger
 from engine.metrics.stepstats import StepStats
 from engine.metrics.tensorboard import build_sinks
@@ -33,8 +34,7 @@ from engine.model.hf_init import adopt_shape, load_weights
 from engine.model.init import materialize
 from engine.model.recompute import apply_activation_checkpointing
 from engine.optim import lr_at
-from engine.parallel import dp as dp_lib
-from engine.parallel import tied
+from engine.parallel import dp as dp_lib, tied
 from engine.parallel.context import ParallelContext
 from engine.parallel.pipeline import PipelineExecutor, split_stage
 from engine.parallel.support import micro_batches_per_step, resolve_layout
@@ -76,6 +76,7 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.dp = dp_lib.build(build_model(cfg, ctx), cfg, ctx)  # gradient sync, the update, the rank's state
         self.model = self.dp.module  # the stage itself (names and parameters as a checkpoint sees them)
+        moe_metrics.weigh_losses(self.model, cfg, self.micro_batches)  # MoE aux/z losses' weight in backward
         self.tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer)
         if len(self.tokenizer) > cfg.model.vocab_size:
             raise ConfigError(f"the tokenizer has {len(self.tokenizer)} tokens but model.vocab_size="
@@ -209,7 +210,7 @@ class Trainer:
             loss = loss / ctx.dp
         # The loss is now the global-batch mean on every rank (pp and dp all-reduced; tp peers compute it
         # identically), so every rank takes the same decision.
-        loss_value = loss.item()
+        loss_value, moe = moe_metrics.step_loss(loss.item(), self.model, self.cfg, ctx, self.micro_batches)
         lr = lr_at(self.step, t)
         self.stats.before_update(self.dp.bytes_held)
         if not math.isfinite(loss_value):
@@ -224,7 +225,7 @@ class Trainer:
         lap = self.stats.clock.lap()  # under fit: from the previous step's record, data and logging included
         step_time = lap if lap is not None else time.perf_counter() - start
         record = {"step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                  "tokens_per_s": t.global_batch_size * t.seq_len / step_time, "step_time": step_time}
+                  "tokens_per_s": t.global_batch_size * t.seq_len / step_time, "step_time": step_time, **moe}
         if self.skipped_steps:
             record["skipped_steps"] = self.skipped_steps
         return self.stats.finish(record)
