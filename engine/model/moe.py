@@ -109,10 +109,12 @@ class Experts(nn.Module):
         if _grouped_mm_applies(x, self.gate_up_proj):
             return self._grouped(x, counts)
         out, at = [], 0
+        # unbind: one (E, ...) gradient buffer per weight in backward (indexing [e] would allocate one per expert)
+        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
         for e, n in enumerate(counts.tolist()):  # one host sync per layer; experts without tokens skipped
             if n:
-                gate, up = F.linear(x[at:at + n], self.gate_up_proj[e]).chunk(2, dim=-1)  # (n, ffn) each
-                out.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+                gate, up = F.linear(x[at:at + n], gate_up[e]).chunk(2, dim=-1)  # (n, ffn) each
+                out.append(F.linear(F.silu(gate) * up, down[e]))
             at += n
         return torch.cat(out) if out else x.new_zeros(0, x.shape[-1])
 
