@@ -114,16 +114,15 @@ def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
 
 def check_supported(cfg: Config, layout) -> None:
     """Refuse, with the combination named, what this build cannot run. ``layout`` has ``tp``, ``pp``, ``dp``."""
-    p = cfg.parallel
+    p, m = cfg.parallel, cfg.model
+    if layout.tp > 1 and m.num_experts:  # (OLMoE's whole-projection q/k norms would need a tp all-reduce too)
+        raise ConfigError(f"parallel.tp={layout.tp} with model.num_experts={m.num_experts} is not supported: the "
+                          f"experts and router are not tensor-parallel; use tp=1 (pp and dp work)")
     if p.schedule in ("interleaved", "zero_bubble") and p.dp_mode != "ddp":
         when = {"interleaved": "each model chunk's last backward", "zero_bubble": "the last W, not the last B"}
         raise ConfigError(f"parallel.schedule={p.schedule} with parallel.dp_mode={p.dp_mode} is not supported (the "
                           f"gradient sync would have to follow {when[p.schedule]}); use dp_mode=ddp, or "
                           f"schedule 1f1b with {p.dp_mode}")
-    m = cfg.model
-    if layout.tp > 1 and m.num_experts:  # (OLMoE's whole-projection q/k norms would need a tp all-reduce too)
-        raise ConfigError(f"parallel.tp={layout.tp} with model.num_experts={m.num_experts} is not supported: the "
-                          f"experts and router are not tensor-parallel; use tp=1 (pp and dp work)")
     if cfg.parallel.dp_mode == "zero":
         check_zero_supported(cfg, layout)
     elif cfg.parallel.zero_stage:

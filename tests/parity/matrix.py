@@ -11,6 +11,8 @@ One ``Combo`` is a point of the product of these factors (``FACTORS``):
     dtype: fp32 | bf16;  tied / untied embeddings;  activation checkpointing off / on
     clip: off (train.grad_clip 0) | on (a threshold below the gradient norm, so every step is clipped)
     sp: sequence parallelism off | on (only with tp > 1, where it applies; off at tp = 1)
+    model: dense | moe (runner.BASE as a Mixtral of 4 experts, top 2, aux and z losses on: MOE_ARGS; tp = 1 only,
+           the experts are not tensor-parallel)
 
 ``refusal(combo)`` states, independently of the engine's own checks, which combinations the engine must refuse and
 with which words; the tests check that the engine gives exactly that error, so an accidental refusal or an
@@ -32,7 +34,11 @@ SIZES = (1, 2, 4)
 DP_MODES = ("ddp", "fsdp-reshard", "fsdp-keep", "zero1", "zero2", "zero3")
 OFFLOAD_MODES = ("zero2-offload", "zero3-offload", "fsdp-offload")  # parallel.offload: optimizer, +params, +params
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero_bubble")
-FACTORS = ("tp", "pp", "dp", "dp_mode", "schedule", "dtype", "tied", "ac", "clip", "sp")
+FACTORS = ("tp", "pp", "dp", "dp_mode", "schedule", "dtype", "tied", "ac", "clip", "sp", "model")
+MODELS = ("dense", "moe")
+# The MoE model: BASE's shape with each MLP 4 Mixtral experts (top 2), the loss with its aux and z terms.
+MOE_ARGS = ["--model.family", "mixtral", "--model.num_experts", "4", "--model.experts_per_token", "2",
+            "--train.moe_aux_loss_coef", "0.01", "--train.moe_z_loss_coef", "0.001"]
 MAX_WORLD = 8
 
 
@@ -49,6 +55,7 @@ class Combo:
     clip: bool
     sp: bool = False  # parallel.sequence_parallel (tp > 1 only)
     layers: int = 4  # model.num_layers: runner.BASE's 4, or 8 where interleaving needs them (not a factor)
+    model: str = "dense"  # dense | moe (MOE_ARGS)
 
     @property
     def world(self) -> int:
@@ -59,7 +66,8 @@ class Combo:
         return (f"tp{self.tp}-pp{self.pp}-dp{self.dp}-{self.dp_mode}"
                 + (f"-{self.schedule}" if self.pp > 1 else "") + f"-{self.dtype}"
                 + ("-tied" if self.tied else "") + ("-ac" if self.ac else "") + ("-clip" if self.clip else "")
-                + ("-sp" if self.sp else "") + (f"-L{self.layers}" if self.layers != 4 else ""))
+                + ("-sp" if self.sp else "") + (f"-L{self.layers}" if self.layers != 4 else "")
+                + ("-moe" if self.model == "moe" else ""))
 
     def argv(self) -> list[str]:
         """The engine's command-line overrides for this combination (on top of runner.BASE)."""
@@ -83,7 +91,7 @@ class Combo:
             args += ["--parallel.dp_mode", "ddp"]
         if option == "offload":
             args += ["--parallel.offload", "optimizer" if mode == "zero2" else "optimizer_and_params"]
-        return args
+        return args + (MOE_ARGS if self.model == "moe" else [])
 
     def values(self) -> dict:
         """Factor -> value, leaving out a factor that does not matter for covering: the schedule at pp = 1, sequence
@@ -106,12 +114,12 @@ def layouts() -> list[tuple[int, int, int]]:
 
 def all_combos(clip: tuple[bool, ...] = (False, True)) -> list[Combo]:
     out = []
-    for (tp, pp, dp), mode, dtype, tied, ac, c in itertools.product(
-            layouts(), DP_MODES + OFFLOAD_MODES, ("fp32", "bf16"), (False, True), (False, True), clip):
+    for (tp, pp, dp), mode, dtype, tied, ac, c, model in itertools.product(
+            layouts(), DP_MODES + OFFLOAD_MODES, ("fp32", "bf16"), (False, True), (False, True), clip, MODELS):
         for schedule, sp in itertools.product(SCHEDULES if pp > 1 else ("-",), (False, True) if tp > 1
                                               else (False,)):
             layers = 8 if schedule == "interleaved" and pp == 4 else 4
-            out.append(Combo(tp, pp, dp, mode, schedule, dtype, tied, ac, c, sp, layers))
+            out.append(Combo(tp, pp, dp, mode, schedule, dtype, tied, ac, c, sp, layers, model))
     return sorted(out)
 
 
@@ -128,8 +136,14 @@ SCHEDULE_DP = ("interleaved or zero_bubble with a dp mode other than ddp: FSDP a
                "is not supported (the gradient sync would have to follow")
 
 
+MOE_TP = ("MoE with tp > 1: the experts and router are not tensor-parallel (ep = 1 in this build)",
+          "is not supported: the experts and router are not tensor-parallel")
+
+
 def refusal(c: Combo) -> tuple[str, str] | None:
     """(reason, words of the error) if the engine must refuse ``c``, else None."""
+    if c.model == "moe" and c.tp > 1:
+        return MOE_TP
     if c.schedule in ("interleaved", "zero_bubble") and c.dp_mode != "ddp":
         return SCHEDULE_DP
     if c.dp_mode.startswith("zero") and c.pp > 1:
@@ -205,7 +219,7 @@ def offload_slice() -> list[Combo]:
 def _key(c: Combo) -> tuple:
     return (c.world, c.tp, c.pp, c.dp, (DP_MODES + OFFLOAD_MODES).index(c.dp_mode),
             SCHEDULES.index(c.schedule) if c.pp > 1 else 0,
-            c.dtype == "bf16", c.tied, c.ac, c.clip, c.sp, c.layers)
+            c.dtype == "bf16", c.tied, c.ac, c.clip, c.sp, c.layers, MODELS.index(c.model))
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ def reference_of(c: Combo) -> Combo:
     """The single-process combination ``c`` is compared with: the plain trainer (ddp) with the same dtype,
     embeddings and clipping; for ZeRO bf16 on several ranks, the same ZeRO stage on one."""
     mode = c.dp_mode if _deepspeed_bf16(c) and c.world > 1 else "ddp"
-    return Combo(1, 1, 1, mode, "-", c.dtype, c.tied, False, c.clip, layers=c.layers)
+    return Combo(1, 1, 1, mode, "-", c.dtype, c.tied, False, c.clip, layers=c.layers, model=c.model)
 
 
 def tolerance(c: Combo) -> Tolerance:
