@@ -147,3 +147,26 @@ def test_mfu_counts_the_active_parameters():
                 continue
             active += p.numel() * (m.experts_per_token / m.num_experts if ".experts." in pname else 1)
         assert matmul_params(m) == round(active), name
+
+
+def test_stacked_experts_are_the_published_per_expert_tensors():
+    """part_blocks of the stacked weights: Mixtral's w1/w3/w2 of each expert under block_sparse_moe (the router its
+    gate), Qwen2-MoE/OLMoE's gate/up/down_proj under mlp; a slice of dim 0 (expert parallelism) keeps global names."""
+    from engine.model.fused import part_blocks
+
+    mixtral = moe.MoE(ModelConfig(family="mixtral", hidden_size=8, intermediate_size=4, num_heads=2,
+                                  num_kv_heads=2, num_experts=3))
+    prefix = "model.layers.5.mlp"
+    blocks = part_blocks(mixtral.experts, f"{prefix}.experts.gate_up_proj", torch.Size([3, 8, 8]))
+    assert [(n, at, tuple(s)) for n, at, s in blocks[:3]] == [
+        ("model.layers.5.block_sparse_moe.experts.0.w1.weight", 0, (4, 8)),
+        ("model.layers.5.block_sparse_moe.experts.0.w3.weight", 32, (4, 8)),
+        ("model.layers.5.block_sparse_moe.experts.1.w1.weight", 64, (4, 8))]
+    assert part_blocks(mixtral.gate, f"{prefix}.gate.weight", torch.Size([3, 8]))[0][0] == \
+        "model.layers.5.block_sparse_moe.gate.weight"
+    qwen = moe.MoE(ModelConfig(family="qwen2_moe", hidden_size=8, intermediate_size=4, num_heads=2,
+                               num_kv_heads=2, num_experts=4))
+    qwen.experts.first_expert = 2
+    down = part_blocks(qwen.experts, f"{prefix}.experts.down_proj", torch.Size([2, 8, 4]))
+    assert [(n, at) for n, at, _ in down] == [("model.layers.5.mlp.experts.2.down_proj.weight", 0),
+                                              ("model.layers.5.mlp.experts.3.down_proj.weight", 32)]

@@ -90,6 +90,7 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * ffn, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, ffn))
         self.family = family
+        self.first_expert = 0  # the global index of local expert 0 (expert parallelism keeps a slice of dim 0)
 
     def hf_blocks(self, name: str, local_shape: torch.Size) -> list[tuple[str, int, torch.Size]]:
         """The per-expert HF tensors of a stacked weight: expert e's gate and up rows (ffn, h) each, or its down
@@ -97,11 +98,12 @@ class Experts(nn.Module):
         module_path, _, attr = name.rpartition(".")  # '<mlp>.experts', 'gate_up_proj'
         block, (gate, up, down) = _disk(module_path.rpartition(".")[0], self.family)
         e_count, rows, cols = local_shape
-        per = rows * cols
+        per, first = rows * cols, self.first_expert
         if attr == "down_proj":
-            return [(f"{block}.experts.{e}.{down}.weight", e * per, torch.Size([rows, cols])) for e in range(e_count)]
+            return [(f"{block}.experts.{first + e}.{down}.weight", e * per, torch.Size([rows, cols]))
+                    for e in range(e_count)]
         half = torch.Size([rows // 2, cols])
-        return [(f"{block}.experts.{e}.{part}.weight", e * per + j * half.numel(), half)
+        return [(f"{block}.experts.{first + e}.{part}.weight", e * per + j * half.numel(), half)
                 for e in range(e_count) for j, part in enumerate((gate, up))]
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
