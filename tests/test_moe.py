@@ -170,3 +170,22 @@ def test_stacked_experts_are_the_published_per_expert_tensors():
     down = part_blocks(qwen.experts, f"{prefix}.experts.down_proj", torch.Size([2, 8, 4]))
     assert [(n, at) for n, at, _ in down] == [("model.layers.5.mlp.experts.2.down_proj.weight", 0),
                                               ("model.layers.5.mlp.experts.3.down_proj.weight", 32)]
+
+
+def test_plot_adds_the_moe_panels(tmp_path):
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
+    import plot
+
+    records = [{"step": s, "loss": 8 - s / 10, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0,
+                "moe_aux_loss": 2.0 + s / 100, "moe_z_loss": 4.0, "moe_tokens_per_expert_cv": 0.3} for s in (1, 2)]
+    fig = plot.plot({"moe": records}, tmp_path / "moe.png")
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert titles[-3:] == ["MoE load-balancing loss", "Tokens per expert", "Router z-loss"]
+    assert len(plot.plot({"dense": [{k: v for k, v in r.items() if not k.startswith("moe")} for r in records]},
+                         tmp_path / "dense.png").axes) == 6  # a dense run keeps the 2 x 3 grid
