@@ -103,3 +103,21 @@ def test_tensor_parallel_moe_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^parallel.tp=2 with model.num_experts=8 is not supported: the "
                                           r"experts and router are not tensor-parallel; use tp=1"):
         resolve_layout(cfg, 2)
+
+
+def test_what_the_moe_block_does_not_compute_is_refused_naming_the_key():
+    from engine.checkpoint.format import CheckpointError
+
+    mixtral = FAMILIES["mixtral"]().to_dict()
+    with pytest.raises(CheckpointError, match=r"^src: router_jitter_noise=0.1 is not supported by "
+                                              r"engine/model/moe.py \(0 only\)$"):
+        families.model_config({**mixtral, "router_jitter_noise": 0.1}, Path("src"))
+    olmoe = FAMILIES["olmoe"]().to_dict()
+    with pytest.raises(CheckpointError, match=r"^src: clip_qkv=8.0 is not supported"):
+        families.model_config({**olmoe, "clip_qkv": 8.0}, Path("src"))
+    with pytest.raises(ConfigError, match=r"^model.num_experts=0 with model.family=mixtral: MoE families"):
+        load(["--model.family", "mixtral"])
+    with pytest.raises(ConfigError, match=r"^model.experts_per_token=9 must be in \[1, model.num_experts=8\]"):
+        load(["--config", "configs/tiny-moe.yaml", "--model.experts_per_token", "9"])
+    with pytest.raises(ConfigError, match=r"^model.moe_layers=\[4\] must be all or a list of layer indices"):
+        load(["--config", "configs/tiny-moe.yaml", "--model.moe_layers", "[4]"])

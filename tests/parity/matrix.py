@@ -234,14 +234,15 @@ class Resume:
         return f"{self.source.name}->{self.target.name}"
 
 
-def _combo(tp=1, pp=1, dp=1, mode="ddp", schedule=None, dtype="fp32", tied=False, ac=False, clip=False) -> Combo:
-    return Combo(tp, pp, dp, mode, schedule or ("1f1b" if pp > 1 else "-"), dtype, tied, ac, clip)
+def _combo(tp=1, pp=1, dp=1, mode="ddp", schedule=None, dtype="fp32", tied=False, ac=False, clip=False,
+           model="dense") -> Combo:
+    return Combo(tp, pp, dp, mode, schedule or ("1f1b" if pp > 1 else "-"), dtype, tied, ac, clip, model=model)
 
 
 def resume_scenarios() -> list[Resume]:
     """One source per dp_mode family (ddp, fsdp, zero 1/2/3), each resumed at another layout and mode; gpipe, pp4,
     tp4, bf16 and tied embeddings appear on one side or the other; most run with clipping off. Two more move
-    between the interleaved (v=2) and zero-bubble schedules."""
+    between the interleaved (v=2) and zero-bubble schedules, and one moves the MoE model from zero1 x pp 2 to fsdp."""
     return [
         Resume(_combo(dp=2, mode="ddp", pp=2, schedule="gpipe"), _combo(tp=4, mode="fsdp-reshard")),
         Resume(_combo(pp=4, mode="ddp", tied=True, clip=True), _combo(tp=2, dp=2, mode="zero1", tied=True)),
@@ -255,5 +256,7 @@ def resume_scenarios() -> list[Resume]:
         # Checkpoints name layers globally, so the schedule and its virtual stages change freely on resume.
         Resume(_combo(pp=2, dp=2, schedule="interleaved", tied=True), _combo(pp=4, schedule="zero_bubble")),
         Resume(_combo(pp=4, schedule="zero_bubble"), _combo(pp=2, tp=2, schedule="interleaved")),
+        # The MoE model: stacked expert weights and their Adam moments, stored per expert, across pp and dp modes.
+        Resume(_combo(pp=2, dp=2, mode="zero1", model="moe"), _combo(dp=4, mode="fsdp-reshard", model="moe")),
     ]
 
