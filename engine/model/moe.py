@@ -182,32 +182,29 @@ class MoE(nn.Module):
         e = logits.shape[-1]
         order = torch.sort(idx.reshape(-1), stable=True).indices  # (T k,) copies grouped by expert, token order kept
         counts = torch.bincount(idx.reshape(-1), minlength=e)  # (E,)
-        kept, dropped = self._capacity(order, counts, idx.reshape(-1))
+        kept, kept_counts, dropped = self._capacity(order, counts, idx.reshape(-1))
         token = kept // self.k  # (N,) the token of each kept copy
-        y = self.experts(flat[token], counts if dropped is None else self._kept_counts(counts))
+        y = self.experts(flat[token], kept_counts)
         y = y * weights.reshape(-1)[kept, None].to(y.dtype)  # (N, h) weighted as HF does, after down_proj
         out = torch.zeros_like(flat).index_add_(0, token, y.to(flat.dtype))  # per token: experts in index order
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         out = out.reshape(b, s, h).to(x.dtype)
         if self.training and torch.is_grad_enabled():
-            out = self._aux_losses(out, logits, counts, 0 if dropped is None else dropped)
+            out = self._aux_losses(out, logits, counts, dropped)
         return out
 
     def _capacity(self, order: torch.Tensor, counts: torch.Tensor, flat_idx: torch.Tensor):
-        """The kept copies (indices into the T k copies, sorted by expert) and how many were dropped (None when
-        dropless)."""
+        """The kept copies (indices into the T k copies, sorted by expert), their counts per expert (E,), and how
+        many copies were dropped (0 when dropless)."""
         if not self.capacity_factor:
-            return order, None
+            return order, counts, 0
         total, e = flat_idx.numel(), counts.numel()
-        self._cap = math.ceil(self.capacity_factor * total / e)
+        capacity = math.ceil(self.capacity_factor * total / e)
         starts = counts.cumsum(0) - counts  # (E,) first sorted position of each expert
         position = torch.arange(total, device=order.device) - starts[flat_idx[order]]  # rank within its expert
-        keep = position < self._cap
-        return order[keep], int(total - keep.sum())
-
-    def _kept_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        return counts.clamp(max=self._cap)
+        keep = position < capacity
+        return order[keep], counts.clamp(max=capacity), int(total - keep.sum())
 
     def _aux_losses(self, out: torch.Tensor, logits: torch.Tensor, counts: torch.Tensor, dropped: int):
         """Attach the layer's coef-weighted aux and z losses to ``out``'s backward; record their values."""
