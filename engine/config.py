@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from engine.config_checks import validate
+from engine.config_yaml import UniqueKeyLoader
 from engine.config_types import coerce
 from engine.errors import ConfigError
 
@@ -37,7 +38,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02  # N(0, init_std) for every linear and embedding weight, as HF Llama's _init_weights
     # What the supported families differ in (engine/model/families.py maps them to and from HF config.json).
-    family: str = "llama"  # llama | qwen2 | mistral: the HF architecture that export writes
+    family: str = "llama"  # llama | qwen2 | mistral | mixtral | qwen2_moe | olmoe: the HF architecture export writes
     attention_bias: bool = False  # bias on q/k/v (Qwen2); o_proj never has one here
     # RoPE frequency scaling, HF's rope_scaling/rope_parameters: none | linear | llama3 (Llama 3.1 and later)
     rope_scaling: str = "none"
@@ -45,9 +46,14 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0  # llama3 only
     rope_high_freq_factor: float = 4.0  # llama3 only
     rope_original_max_position_embeddings: int = 8192  # llama3 only: the context the model was pretrained at
-    # Mistral/Qwen2 sliding-window attention span (0: none). Only full attention is implemented, which equals
-    # the window while train.seq_len <= sliding_window; longer sequences are refused.
-    sliding_window: int = 0
+    sliding_window: int = 0  # Mistral/Qwen2 window (0: none); full attention equals it while seq_len <= window
+    num_experts: int = 0  # mixture of experts (mixtral | qwen2_moe | olmoe; engine/model/moe.py); 0: dense
+    experts_per_token: int = 2  # k: experts each token is routed to
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width; 0: intermediate_size
+    moe_layers: list[int] | str = "all"  # all | indices of the MoE layers (others dense; HF's mlp_only_layers ...)
+    moe_norm_topk_prob: bool = True  # softmax-then-top-k gating: renormalise the k weights to sum 1
+    moe_shared_expert_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert width (0: none)
+    moe_capacity_factor: float = 0.0  # 0: dropless; else at most ceil(cf * tokens * k / E) copies per expert
     init_from: str = ""  # a Hugging Face folder whose shape and weights start the run (engine/model/hf_init.py)
 
     @property
@@ -127,6 +133,8 @@ class TrainConfig:
     # (keep matmul outputs, recompute norms/attention/elementwise; engine/model/recompute.py). true/false: full/none.
     activation_checkpointing: str = "none"
     compile: bool = False  # torch.compile each decoder block (engine/model/compile.py)
+    moe_aux_loss_coef: float = 0.01  # MoE load-balancing loss weight (Switch Transformer; engine/model/moe.py)
+    moe_z_loss_coef: float = 0.0  # MoE router z-loss weight (ST-MoE)
     eval_every: int = 0  # validation loss every N steps (0: never); logged as eval_loss in metrics.jsonl
     eval_batches: int = 4  # global batches of the held-out split per evaluation
     out_dir: str = "runs/tiny"
@@ -217,27 +225,6 @@ def _apply_mapping(cfg: Config, data, source: str) -> None:
             _set(cfg, f"{section}.{key}", value)
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a mapping key given twice (PyYAML keeps the last one silently)."""
-
-
-def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
-    """Construct a mapping after checking its own keys (not those a ``<<: *anchor`` merge brings in, which may be
-    overridden on purpose) for repeats; ConfigError naming the key and both lines."""
-    seen: dict = {}
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":
-            continue
-        key, line = loader.construct_object(key_node, deep=True), key_node.start_mark.line + 1
-        if key in seen:
-            raise ConfigError(f"key '{key}' is given twice (lines {seen[key]} and {line}); keep one")
-        seen[key] = line
-    return loader.construct_mapping(node, deep=True)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
-
-
 def load_yaml(path: str | Path, cfg: Config | None = None) -> Config:
     """Apply a YAML file on top of ``cfg`` (or the defaults)."""
     cfg = cfg or Config()
@@ -247,7 +234,7 @@ def load_yaml(path: str | Path, cfg: Config | None = None) -> Config:
     if not path.is_file():
         raise ConfigError(f"config file '{path}' does not exist")
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader)
     except ConfigError as e:
         raise ConfigError(f"config file '{path}': {e}") from None
     except UnicodeDecodeError as e:

@@ -71,6 +71,7 @@ def validate(cfg: Config) -> None:
     if cfg.train.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     _validate_families(cfg)
+    _validate_moe(cfg)
     if isinstance(cfg.parallel.pp_layers, str) and cfg.parallel.pp_layers != "auto":
         raise ConfigError(f"parallel.pp_layers={cfg.parallel.pp_layers!r} is not valid; use auto (balanced by "
                           f"cost), a list of layers per stage such as [3,5], or [] (even)")
@@ -147,3 +148,26 @@ def _validate_families(cfg: Config) -> None:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.sliding_window={m.sliding_window}; "
                           f"sliding-window attention is not implemented, so use train.seq_len <= "
                           f"{m.sliding_window}")
+
+
+def _validate_moe(cfg: Config) -> None:
+    """The mixture-of-experts keys (engine/model/moe.py): experts only in an MoE family, k <= E, the MoE layers."""
+    from engine.model.moe_families import MOE_FAMILIES  # families import torch-free, but lazily like choices()
+
+    m, t = cfg.model, cfg.train
+    if (m.num_experts > 0) != (m.family in MOE_FAMILIES) or m.num_experts < 0:
+        raise ConfigError(f"model.num_experts={m.num_experts} with model.family={m.family}: MoE families "
+                          f"({', '.join(MOE_FAMILIES)}) need num_experts >= 1, dense families 0")
+    if m.num_experts and not 1 <= m.experts_per_token <= m.num_experts:
+        raise ConfigError(f"model.experts_per_token={m.experts_per_token} must be in [1, model.num_experts="
+                          f"{m.num_experts}]")
+    layers = m.moe_layers
+    if layers != "all" and (isinstance(layers, str) or any(not 0 <= i < m.num_layers for i in layers)):
+        raise ConfigError(f"model.moe_layers={layers!r} must be all or a list of layer indices in [0, "
+                          f"{m.num_layers})")
+    for key in ("moe_intermediate_size", "moe_shared_expert_size", "moe_capacity_factor"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key}={getattr(m, key)} must be >= 0")
+    if t.moe_aux_loss_coef < 0 or t.moe_z_loss_coef < 0:
+        raise ConfigError(f"train.moe_aux_loss_coef={t.moe_aux_loss_coef} and train.moe_z_loss_coef="
+                          f"{t.moe_z_loss_coef} must be >= 0")

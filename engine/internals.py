@@ -44,3 +44,11 @@ def private(obj, lib: str, *names: str):
     raise UnsupportedVersion(f"{wanted} (a {lib} internal the engine reads) is missing in the installed {lib} "
                              f"{installed_version(lib)}; the engine is tested with {lib} {TESTED[lib]}: install "
                              f"{lib}=={TESTED[lib]} (deepspeed {TESTED['deepspeed']} with torch {TESTED['torch']})")
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass now (activation checkpointing's recomputed forward runs inside
+    one): torch's private ``_current_graph_task_id`` is -1 outside backward (torch 2.13)."""
+    import torch
+
+    return torch._C._current_graph_task_id() != -1

@@ -16,54 +16,30 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from engine.checkpoint.checkpointer import Checkpointer
 from engine.checkpoint.parts import CheckpointParts, RunPosition
 from engine.config import Config, ConfigError
 from engine.data import dataset as data_lib
 from engine.data.feed import BatchFeed
+from engine.metrics import moe as moe_metrics
 from engine.metrics.logger import MetricsLogger
 from engine.metrics.stepstats import StepStats
 from engine.metrics.tensorboard import build_sinks
-from engine.model import transformer as model_lib
-from engine.model.compile import apply_compile
 from engine.model.hf_init import adopt_shape, load_weights
-from engine.model.init import materialize
-from engine.model.recompute import apply_activation_checkpointing
 from engine.optim import lr_at
-from engine.parallel import dp as dp_lib
-from engine.parallel import tied
+from engine.parallel import dp as dp_lib, tied
 from engine.parallel.context import ParallelContext
-from engine.parallel.cp.apply import apply_context_parallel
 from engine.parallel.cp.inputs import micro_batch_inputs
-from engine.parallel.pipeline import PipelineExecutor, split_stage
+from engine.parallel.pipeline import PipelineExecutor
 from engine.parallel.support import micro_batches_per_step, resolve_layout
-from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
-from engine.planning.balance import describe as describe_split, layer_counts
-
-
-def wire_dtype(p2p_dtype: str, param_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of activations and their gradients between pipeline stages (parallel.p2p_dtype): the stage
-    output's own (the weights' dtype) under auto, bf16 when asked (train.dtype bf16, checked by the config)."""
-    return torch.bfloat16 if p2p_dtype == "bf16" else param_dtype
+from engine.parallel.tensor import vocab_parallel_cross_entropy
+from engine.planning.balance import describe as describe_split
+from engine.stage import build_executors, build_model  # noqa: F401 (build_model: launch/bench imports it here)
 
 
 class TrainingAborted(RuntimeError):
     """Training cannot usefully go on (train.max_bad_steps non-finite losses in a row)."""
-
-
-def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
-    """The local part of the model on ctx.device, initialised identically at every layout (before dp)."""
-    model = model_lib.build(cfg.model, device="meta")
-    split_stage(model, ctx.pp, ctx.pp_rank, layer_counts(cfg, ctx.pp), cfg.parallel.virtual_stages)
-    apply_tensor_parallel(model, ctx.tp_group, cfg.parallel.sequence_parallel)
-    apply_context_parallel(model, cfg.parallel.cp_mode, ctx.group("cp"), ctx.size("cp"))  # attention across cp
-    materialize(model, ctx.device, cfg.train.seed, cfg.model.init_std)
-    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
-    if cfg.train.compile:  # after activation checkpointing, before data parallelism (engine/model/compile.py)
-        apply_compile(model)
-    return model
 
 
 class Trainer:
@@ -78,6 +54,7 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.dp = dp_lib.build(build_model(cfg, ctx), cfg, ctx)  # gradient sync, the update, the rank's state
         self.model = self.dp.module  # the stage itself (names and parameters as a checkpoint sees them)
+        moe_metrics.weigh_losses(self.model, cfg, self.micro_batches)  # MoE aux/z losses' weight in backward
         self.tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer)
         if len(self.tokenizer) > cfg.model.vocab_size:
             raise ConfigError(f"the tokenizer has {len(self.tokenizer)} tokens but model.vocab_size="
@@ -87,19 +64,10 @@ class Trainer:
             print(self.feed.describe(), flush=True)
             if cfg.parallel.pp_layers == "auto" and ctx.pp > 1:  # the split chosen by cost (planning/balance.py)
                 print(describe_split(cfg, ctx.pp), flush=True)
-        # Between stages: (b, s/cp, h), or (b, s/(cp tp), h) under sequence parallelism (the residual stream is
-        # sharded), in parallel.p2p_dtype: the weights' dtype (auto), or bf16, half the p2p bytes of fp32 weights.
-        # A stage casts its input back to its weights' dtype (stage_forward; under ZeRO bf16 the weights are bf16).
-        p = cfg.parallel
-        self.param_dtype = next(self.model.parameters()).dtype
-        s_local = t.seq_len // ctx.size("cp") // (ctx.tp if p.sequence_parallel else 1)
-        shape, dtype = (t.micro_batch_size, s_local, cfg.model.hidden_size), wire_dtype(p.p2p_dtype, self.param_dtype)
         self.stats = StepStats(cfg, ctx)  # throughput, MFU, memory, time per phase (metrics.jsonl)
-        self.executor = PipelineExecutor(ctx, p.schedule, self.micro_batches, shape, dtype,
-                                         virtual_stages=p.virtual_stages, stage=self.model,
-                                         waiting=self.stats.timer.waiting)  # pp_wait: stalls on receives
-        self.eval_executor = PipelineExecutor(ctx, p.schedule, self.micro_batches, shape, dtype, forward_only=True,
-                                              virtual_stages=p.virtual_stages)
+        self.param_dtype = next(self.model.parameters()).dtype
+        self.executor, self.eval_executor = build_executors(cfg, ctx, self.model, self.micro_batches,
+                                                            self.stats.timer.waiting)
         self.step = 0
         # Callables observe(event) at "backward" (before each micro-batch's backward) and "update" (after the last
         # backward, before the update): measurements hook in here (launch/bench/measure.py).
@@ -210,7 +178,7 @@ class Trainer:
         loss = self.mean_over_data(self.forward_backward(local_batch))
         # The loss is now the global-batch mean on every rank (pp and dp all-reduced; tp peers compute it
         # identically), so every rank takes the same decision.
-        loss_value = loss.item()
+        loss_value, moe = moe_metrics.step_loss(loss.item(), self.model, self.cfg, ctx, self.micro_batches)
         lr = lr_at(self.step, t)
         self.stats.before_update(self.dp.bytes_held)
         if not math.isfinite(loss_value):
@@ -225,7 +193,7 @@ class Trainer:
         lap = self.stats.clock.lap()  # under fit: from the previous step's record, data and logging included
         step_time = lap if lap is not None else time.perf_counter() - start
         record = {"step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                  "tokens_per_s": t.global_batch_size * t.seq_len / step_time, "step_time": step_time}
+                  "tokens_per_s": t.global_batch_size * t.seq_len / step_time, "step_time": step_time, **moe}
         if self.skipped_steps:
             record["skipped_steps"] = self.skipped_steps
         return self.stats.finish(record)

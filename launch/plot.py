@@ -4,7 +4,8 @@
 
 Panels against the optimizer step: loss (solid: train, dashed with markers: eval), learning rate, gradient norm
 (log scale), throughput (tokens/s, all ranks together) and peak memory per rank (MiB; engine/metrics/stepstats.py says
-what it counts on CPU and on CUDA). One colour per run, named in the legend by its directory (or --names).
+what it counts on CPU and on CUDA); for a mixture of experts also its load-balancing loss, the CV of tokens per
+expert and the router z-loss. One colour per run, named in the legend by its directory (or --names).
 A step logged twice (an old run's records before the rolled-back ones were moved aside) counts once, the last.
 Needs matplotlib (in the dev extra). Bad input exits with status 2 and one line.
 """
@@ -21,6 +22,11 @@ PANELS = [  # (record key, title, y label, log scale)
     ("grad_norm", "Gradient norm (before clipping)", "global L2 norm", True),
     ("tokens_per_s", "Throughput", "tokens/s (all ranks)", False),
     ("peak_mem_bytes", "Peak memory (largest rank)", "MiB", False),
+]
+MOE_PANELS = [  # added when a run is a mixture of experts (engine/metrics/moe.py)
+    ("moe_aux_loss", "MoE load-balancing loss", "E sum_i f_i P_i (k: even)", False),
+    ("moe_tokens_per_expert_cv", "Tokens per expert", "CV over experts (0: even)", False),
+    ("moe_z_loss", "Router z-loss", "mean logsumexp^2", True),
 ]
 
 
@@ -62,13 +68,16 @@ def plot(runs: dict[str, list[dict]], output: Path):
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5), constrained_layout=True)
+    moe = any("moe_aux_loss" in r for records in runs.values() for r in records)
+    panels = PANELS + (MOE_PANELS if moe else [])
+    rows = -(-(len(panels) + 1) // 3)  # the panels and the legend cell, 3 a row
+    fig, axes = plt.subplots(rows, 3, figsize=(16, 4.25 * rows), constrained_layout=True)
     axes = axes.ravel()
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (name, records) in enumerate(runs.items()):
         color = colors[i % len(colors)]
         width = max(1.0, 2.8 - 0.8 * i)  # earlier runs thicker: equal curves (one model at two layouts) both show
-        for ax, (key, title, ylabel, log) in zip(axes, PANELS):
+        for ax, (key, title, ylabel, log) in zip(axes, panels):
             steps, values = _series(records, key)
             ax.plot(steps, values, color=color, linewidth=width, label=f"{name} (train)" if key == "loss" else name)
             if key == "loss":
@@ -79,9 +88,11 @@ def plot(runs: dict[str, list[dict]], output: Path):
             if log:
                 ax.set_yscale("log")
             ax.grid(alpha=0.3)
-    for ax in axes[:len(PANELS)]:
+    for ax in axes[:len(panels)]:
         ax.legend(fontsize=8)
-    legend = axes[len(PANELS)]  # the sixth cell: which run is which, with its final numbers
+    for ax in axes[len(panels) + 1:]:
+        ax.axis("off")
+    legend = axes[len(panels)]  # the cell after the panels: which run is which, with its final numbers
     legend.axis("off")
     lines = [f"{name}: {len(r)} steps, final loss {r[-1].get('loss', float('nan')):.3f}" for name, r in runs.items()]
     legend.text(0.0, 1.0, "Runs\n" + "\n".join(lines), va="top", family="monospace", fontsize=10)

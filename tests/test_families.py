@@ -53,11 +53,11 @@ def ids(seq: int = SEQ) -> torch.Tensor:
     return torch.randint(0, 4096, (2, seq), generator=torch.Generator().manual_seed(0))
 
 
-def hf_model(family: str) -> transformers.PreTrainedModel:
-    """A random model of the family with random biases and norm weights (HF initialises them to 0 and 1, which
-    would hide a bias that is dropped or a norm that is misplaced)."""
+def hf_model(family: str, families: dict | None = None) -> transformers.PreTrainedModel:
+    """A random model of the family (its config from ``families``, default FAMILIES) with random biases and norm
+    weights (HF initialises them to 0 and 1, which would hide a bias that is dropped or a norm that is misplaced)."""
     torch.manual_seed(1)
-    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()
+    model = transformers.AutoModelForCausalLM.from_config((families or FAMILIES)[family]()).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -172,7 +172,8 @@ def test_unsupported_architecture_is_one_line_exit_2(tmp_path):
     assert cli.returncode == 2
     assert cli.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'src'}: architecture GPT2LMHeadModel is not supported; import handles "
-        f"LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"]
+        f"LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
+        f"OlmoeForCausalLM"]
 
 
 def test_sequence_longer_than_sliding_window_is_refused():

@@ -127,6 +127,11 @@ SLOW_LAYOUTS["tiny-tp2-pp2-sp-zero-bubble"] = NEW_SCHEDULE_LAYOUTS["tiny-tp2-pp2
     4, SMALL + ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.sequence_parallel", "true",
                 "--parallel.schedule", "zero_bubble"])
 LAYOUTS.update(NEW_SCHEDULE_LAYOUTS)
+# The tiny MoE (configs/tiny-moe.yaml, 2 layers of 8 experts, top 2): expert weights, routing activations
+# (engine/planning/moe.py), at ep 1 in one process and over two pipeline stages.
+TINY_MOE = ["--config", "configs/tiny-moe.yaml", "--model.num_layers", "2", "--train.seq_len", "64",
+            "--train.micro_batch_size", "2", "--train.global_batch_size", "4", "--log.progress", "false"]
+LAYOUTS.update({"tiny-moe-single": (1, TINY_MOE), "tiny-moe-pp2": (2, TINY_MOE + ["--parallel.pp", "2"])})
 
 
 def _marks(name: str) -> list:

@@ -27,6 +27,9 @@ PUBLISHED = {  # total parameters of the published checkpoints (tied embeddings 
     "qwen2.5-7b": 7_615_616_512,
     "mistral-7b-v0.3": 7_248_023_552,
     "smollm2-135m": 134_515_008,
+    "mixtral-8x7b": 46_702_792_704,  # model card: 46.7B (experts of every layer counted; 12.9B active)
+    "qwen1.5-moe-a2.7b": 14_315_784_192,  # model card: 14.3B
+    "olmoe-1b-7b": 6_919_161_856,  # model card: 6.9B
 }
 
 

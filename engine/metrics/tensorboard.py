@@ -5,7 +5,8 @@
 ``log.wandb_project: NAME`` logs the same scalars to W&B (needs ``wandb``); the mode is ``offline`` unless
 ``WANDB_MODE`` says otherwise, so a run without network works and ``wandb sync`` uploads it later.
 Scalars, by the record's keys (engine/metrics/stepstats.py): loss, eval_loss, lr, grad_norm, tokens_per_s, tflops, mfu,
-peak_mem_bytes (as memory/peak_GiB), step_time and time/<phase> seconds. Only the rank that writes metrics.jsonl
+peak_mem_bytes (as memory/peak_GiB), step_time and time/<phase> seconds; an MoE model's lm_loss, aux and z losses,
+tokens per expert (min, max, CV) and dropped tokens. Only the rank that writes metrics.jsonl
 (rank 0) makes a sink.
 """
 from __future__ import annotations
@@ -17,7 +18,12 @@ from engine.config import ConfigError
 
 SCALARS = {"loss": "loss/train", "eval_loss": "loss/eval", "lr": "lr", "grad_norm": "grad_norm",
            "tokens_per_s": "throughput/tokens_per_s", "tflops": "throughput/tflops_per_device",
-           "mfu": "throughput/mfu", "step_time": "time/step_s", "skipped_steps": "skipped_steps"}
+           "mfu": "throughput/mfu", "step_time": "time/step_s", "skipped_steps": "skipped_steps",
+           # mixture of experts (engine/metrics/moe.py)
+           "lm_loss": "loss/lm", "moe_aux_loss": "moe/aux_loss", "moe_z_loss": "moe/z_loss",
+           "moe_tokens_per_expert_min": "moe/tokens_per_expert_min", "moe_tokens_per_expert_max":
+           "moe/tokens_per_expert_max", "moe_tokens_per_expert_cv": "moe/tokens_per_expert_cv",
+           "moe_dropped_tokens": "moe/dropped_tokens"}
 
 
 def scalars(record: dict) -> dict[str, float]:

@@ -21,10 +21,14 @@ from pathlib import Path
 
 from engine.config import ModelConfig
 from engine.errors import CheckpointError  # not checkpoint/format's import: the config checks read this torch-free
+from engine.model.moe_families import moe_hf_keys, moe_model_keys
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 FAMILIES = {arch: family for family, arch in ARCHITECTURES.items()}
-CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
+CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
+                  "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "olmoe": "OlmoeConfig"}
+QKV_BIAS = ("qwen2", "qwen2_moe")  # the families with q/k/v biases (and always with them)
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -58,9 +62,9 @@ def _rope(hf: dict, source: Path) -> dict:
 
 
 def _window(hf: dict, family: str) -> int:
-    if family == "qwen2":
+    if family in QKV_BIAS:
         return int(hf.get("sliding_window") or 0) if hf.get("use_sliding_window") else 0
-    return int(hf.get("sliding_window") or 0) if family == "mistral" else 0
+    return int(hf.get("sliding_window") or 0) if family in ("mistral", "mixtral") else 0
 
 
 def model_config(hf: dict, source: Path) -> ModelConfig:
@@ -72,7 +76,9 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
 
     family = family_of(hf, source)
     # Llama's attention_bias also puts a bias on o_proj, which Qwen2 (the family with q/k/v biases) lacks.
-    for key, ok in (("attention_bias", family == "qwen2" or not hf.get("attention_bias")),
+    for key, ok in (("attention_bias", family in QKV_BIAS or not hf.get("attention_bias")),
+                    ("qkv_bias", family not in QKV_BIAS or hf.get("qkv_bias", True)),
+                    ("clip_qkv", hf.get("clip_qkv") is None),
                     ("mlp_bias", not hf.get("mlp_bias")), ("hidden_act", hf.get("hidden_act", "silu") == "silu")):
         if not ok:
             raise CheckpointError(f"{source}: {key}={hf.get(key)!r} is not supported by engine/model/transformer.py for "
@@ -85,7 +91,7 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
                     max_seq_len=hf.get("max_position_embeddings", 2048),
                     norm_eps=float(hf.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(hf.get("tie_word_embeddings")),
                     init_std=float(hf.get("initializer_range", 0.02)), family=family,
-                    attention_bias=family == "qwen2", sliding_window=_window(hf, family), **_rope(hf, source))
+                    attention_bias=family in QKV_BIAS, sliding_window=_window(hf, family), **_rope(hf, source), **moe_model_keys(hf, family, source))
     if hf.get("head_dim") not in (None, m.head_dim):
         raise CheckpointError(f"{source}: head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads="
                               f"{m.head_dim}, which engine/model/transformer.py assumes")
@@ -106,7 +112,7 @@ def hf_config(m: ModelConfig, dtype: str = "fp32", tokenizer=None):
     """The transformers config (LlamaConfig, Qwen2Config or MistralConfig, by model.family) of our model."""
     import transformers
 
-    if m.attention_bias != (m.family == "qwen2"):
+    if m.attention_bias != (m.family in QKV_BIAS):
         raise CheckpointError(f"model.attention_bias={m.attention_bias} cannot be written as "
                               f"{ARCHITECTURES[m.family]}: only Qwen2 has q/k/v biases (and always has them)")
     special = {}
@@ -114,10 +120,11 @@ def hf_config(m: ModelConfig, dtype: str = "fp32", tokenizer=None):
         special = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                    if getattr(tokenizer, k, None) is not None}
     extra = {"attention_bias": False, "mlp_bias": False} if m.family == "llama" else {}
-    if m.family == "qwen2":
+    if m.family in QKV_BIAS:
         extra = {"use_sliding_window": bool(m.sliding_window), "sliding_window": m.sliding_window or None}
-    elif m.family == "mistral":
+    elif m.family in ("mistral", "mixtral"):
         extra = {"sliding_window": m.sliding_window or None}
+    extra.update(moe_hf_keys(m))
     cls = getattr(transformers, CONFIG_CLASSES[m.family])
     return cls(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
                num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,

@@ -54,9 +54,12 @@ def _part_names(name: str, parts: dict[str, int]) -> list[str]:
 
 def part_blocks(module: nn.Module, name: str, local_shape: torch.Size) -> list[tuple[str, int, torch.Size]]:
     """(Hugging Face name, flat offset in the local tensor, local shape) of each tensor the parameter ``name`` of
-    ``module`` holds: the parameter itself, or one row block per part of a fused linear."""
-    parts = getattr(module, "parts", None)
+    ``module`` holds: the parameter itself, one row block per part of a fused linear, or what the module's own
+    ``hf_blocks`` says (stacked experts: each expert's gate, up and down)."""
     local_shape = torch.Size(local_shape)
+    if hasattr(module, "hf_blocks"):  # a module naming its own HF tensors (engine/model/moe.py: per-expert ones)
+        return module.hf_blocks(name, local_shape)
+    parts = getattr(module, "parts", None)
     if not parts:
         return [(name, 0, local_shape)]
     total, out, at = sum(parts.values()), [], 0

@@ -15,6 +15,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.model.attention import DEFAULT_CORE, compute_dtype
 from engine.model.fused import FusedLinear, hf_state_dict_hooks, split_output
+from engine.model.moe import MoE, is_moe_layer
 from engine.model.recompute_run import run_block
 from engine.model.rope import rope_cos_sin
 
@@ -63,6 +64,10 @@ class Attention(nn.Module):
         # softmax(q k^T / sqrt(d) + M) v on the tokens this module holds; context parallelism swaps in a core that
         # attends across the cp group (engine/parallel/cp/apply.py). Not a submodule: it holds no parameters.
         self.core = DEFAULT_CORE
+        # OLMoE's q_norm (nh hd,) / k_norm (nkv hd,): over the whole projection, not per head (tp > 1 refused)
+        qk_norm = cfg.family == "olmoe"
+        self.q_norm = RMSNorm(cfg.num_heads * hd, cfg.norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(cfg.num_kv_heads * hd, cfg.norm_eps) if qk_norm else None
         hf_state_dict_hooks(self)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -73,7 +78,10 @@ class Attention(nn.Module):
         # too: under sequence parallelism x is (b, s/tp, h) and the projection gathers the whole sequence.
         qkv = self.qkv_proj(x)  # (b, s, (nh + 2 nkv) hd/tp)
         b, s = qkv.shape[:2]
-        q, k, v = (t.reshape(b, s, -1, self.head_dim).transpose(1, 2) for t in split_output(self.qkv_proj, qkv))
+        q, k, v = split_output(self.qkv_proj, qkv)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.reshape(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         # q (b, nh/tp, s, hd); k, v (b, nkv/tp, s, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # SDPA saves v for backward: a view would keep the whole fused (b, s, (nh + 2 nkv) hd/tp) output alive;
@@ -87,9 +95,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ffn: int | None = None):
         super().__init__()
-        ffn = cfg.intermediate_size
+        ffn = ffn or cfg.intermediate_size
         self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate_proj": ffn, "up_proj": ffn}, bias=False)
         self.down_proj = nn.Linear(ffn, cfg.hidden_size, bias=False)
         hf_state_dict_hooks(self)
@@ -101,14 +109,16 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)). ``recompute``: none | full | selective
-    activation checkpointing of the block (engine/model/recompute.py, recompute_run.py)."""
+    activation checkpointing of the block (engine/model/recompute.py, recompute_run.py). The MLP slot holds the MoE
+    block in the layers model.moe_layers names (engine/model/moe.py)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        shared = MLP(cfg, cfg.moe_shared_expert_size) if cfg.moe_shared_expert_size else None
+        self.mlp = MoE(cfg, shared) if is_moe_layer(cfg, index) else MLP(cfg)
         self.recompute = "none"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -128,7 +138,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.num_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_layers)})
         self.norm: nn.Module | None = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         # Sequence parallelism (set by engine/parallel/tensor.py) runs the layers on 1/sequence_shards of the tokens
         self.sequence_shards = 1

@@ -85,6 +85,9 @@ def check_context_parallel(cfg: Config) -> None:
     p, m, t = cfg.parallel, cfg.model, cfg.train
     if p.cp == 1:
         return
+    if m.num_experts:
+        raise ConfigError(f"parallel.cp={p.cp} with model.num_experts={m.num_experts} is not supported: the load-balancing "
+                          f"loss's statistics are per micro-batch and cp would split each; use cp=1 with MoE")
     if t.seq_len % (2 * p.cp):
         raise ConfigError(f"parallel.cp={p.cp} needs train.seq_len={t.seq_len} divisible by 2 * cp = {2 * p.cp} "
                           f"(each cp rank holds two of 2 cp equal chunks)")
@@ -137,7 +140,10 @@ def check_supported(cfg: Config, layout) -> None:
     """Refuse, with the combination named, what this build cannot run: a schedule whose gradient sync point the dp
     mode cannot follow (ScheduleSpec.grad_sync against DpModeSpec.grad_syncs), then the mode's own refusals.
     ``layout`` has ``tp``, ``pp``, ``dp``."""
-    p = cfg.parallel
+    p, m = cfg.parallel, cfg.model
+    if layout.tp > 1 and m.num_experts:  # (OLMoE's whole-projection q/k norms would need a tp all-reduce too)
+        raise ConfigError(f"parallel.tp={layout.tp} with model.num_experts={m.num_experts} is not supported: the "
+                          f"experts and router are not tensor-parallel; use tp=1 (pp and dp work)")
     schedule, mode = sched.SCHEDULES[p.schedule], dp_modes.spec(cfg)
     if schedule.grad_sync not in mode.grad_syncs:
         modes = " or ".join(name for name, s in dp_modes.MODES.items() if schedule.grad_sync in s.grad_syncs)

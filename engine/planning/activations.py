@@ -49,6 +49,7 @@ from engine.config import Config
 from engine.parallel import dp as dp_modes
 from engine.model.attention import EFFICIENT, EFFICIENT_REPEAT_KV, MATH, REPEATS_KV, attention_path
 from engine.parallel.cross_entropy import CHUNK_ELEMENTS
+from engine.planning.moe import expert_grad_buffer_bytes, mean_over_layers, mlp_params, routing_bytes_per_token, token_ffn_width
 
 
 def mode(cfg: Config) -> str:
@@ -73,7 +74,7 @@ def checkpointed_layer_bytes_per_token(cfg: Config, tp: int) -> float:
     """Bytes per token one layer keeps under activation checkpointing: its input, plus the matmul outputs with
     selective recomputation."""
     m = cfg.model
-    h, kvd, f = m.hidden_size, m.num_kv_heads * m.head_dim, m.intermediate_size
+    h, kvd, f = m.hidden_size, m.num_kv_heads * m.head_dim, mean_over_layers(m, token_ffn_width)
     kept = h * residual_bytes(cfg) / sequence_share(cfg, tp)
     if cfg.train.activation_checkpointing == "selective":
         kept += logit_bytes(cfg) * (2 * h + (h + 2 * kvd + 2 * f) / tp)
@@ -132,8 +133,10 @@ def document_mask_bytes(cfg: Config, num_layers: int) -> float:
 def layer_bytes_per_token(cfg: Config, tp: int) -> float:
     """Saved bytes per token of one decoder layer (without autocast's weight copies)."""
     m = cfg.model
-    h, kvd, a, f = m.hidden_size, m.num_kv_heads * m.head_dim, m.num_heads, m.intermediate_size
+    h, kvd, a, f = m.hidden_size, m.num_kv_heads * m.head_dim, m.num_heads, mean_over_layers(m, token_ffn_width)
     sp, attn = sequence_share(cfg, tp), attention_bytes_per_token(cfg, tp)
+    # MoE (f: the k experts' width a token has, engine/planning/moe.py): + copies, router logits, indices
+    attn += mean_over_layers(m, lambda m, i: routing_bytes_per_token(m, i, 4 if mode(cfg) == "fp32" else 2))
     if mode(cfg) == "fp32":
         return (24 * h + 8) / sp + (8 * h + 8 * kvd + 4 * a + 16 * f) / tp + attn
     # autocast: y cast to bf16 by qkv_proj and gate_up_proj; under sequence parallelism y itself (fp32) is kept
@@ -149,7 +152,7 @@ def weight_copy_bytes(cfg: Config, tp: int, num_layers: int, last_stage: bool) -
     h, hd = m.hidden_size, m.head_dim
     if sequence_share(cfg, tp) > 1:  # only the row-parallel linears' copies: o_proj and down_proj
         return 2.0 * num_layers * (h * m.num_heads * hd + h * m.intermediate_size) / tp
-    layer = 2 * h * m.num_heads * hd + 2 * h * m.num_kv_heads * hd + 3 * h * m.intermediate_size
+    layer = 2 * h * m.num_heads * hd + 2 * h * m.num_kv_heads * hd + mean_over_layers(m, mlp_params)
     head = m.vocab_size * h if last_stage else 0
     return 2.0 * (num_layers * layer + head) / tp
 
@@ -205,11 +208,12 @@ def micro_batch_bytes(cfg: Config, tp: int, pp: int, stage: int, num_layers: int
 def transient_bytes(cfg: Config, tp: int, last_stage: bool) -> float:
     """Short-lived buffers at the backward's peak, the largest of: on the last stage the logits' gradient ((b s, V/t)
     in their dtype, beside the saved logits) and the loss's fp32 temporaries (one or two of its chunks); the
-    gradients flowing back through one MLP (about four (b s, f/t) tensors); with activation checkpointing, one
+    gradients flowing back through one MLP (about four (b s, f/t) tensors; an MoE layer's also its experts'
+    stacked weight gradient, engine/planning/moe.py); with activation checkpointing, one
     layer of one micro-batch rebuilt for its backward."""
     t, m = cfg.train, cfg.model
     tokens = local_tokens(cfg)
-    out = tokens * 4 * m.intermediate_size / tp * residual_bytes(cfg)
+    out = tokens * 4 * mean_over_layers(m, token_ffn_width) / tp * residual_bytes(cfg) + expert_grad_buffer_bytes(m)
     if t.activation_checkpointing != "none":
         out += tokens * layer_bytes_per_token(cfg, tp) + weight_copy_bytes(cfg, tp, 1, False)
     if last_stage:

@@ -18,12 +18,15 @@ estimate_mfu likewise drops the position embedding). FLOPs spent recomputing act
 from __future__ import annotations
 
 from engine.config import ModelConfig
+from engine.planning.moe import mean_active_mlp
 
 
 def layer_matmul_params(cfg: ModelConfig) -> int:
-    """Weights of one decoder layer that enter a matmul: q, k, v, o and the three SwiGLU projections."""
+    """Weights of one decoder layer that enter a matmul: q, k, v, o and the three SwiGLU projections; with
+    mixture-of-experts layers the ACTIVE ones (router, k experts, shared expert) averaged over the layers
+    (engine/planning/moe.py)."""
     h, hd = cfg.hidden_size, cfg.head_dim
-    return 2 * h * cfg.num_heads * hd + 2 * h * cfg.num_kv_heads * hd + 3 * h * cfg.intermediate_size
+    return 2 * h * cfg.num_heads * hd + 2 * h * cfg.num_kv_heads * hd + round(mean_active_mlp(cfg))
 
 
 def matmul_params(cfg: ModelConfig) -> int:

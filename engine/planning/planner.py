@@ -42,6 +42,7 @@ from engine.parallel.dp.registry import load
 from engine.parallel.support import Layout, micro_batches_per_step, resolve_layout
 from engine.parallel.pipeline import stage_layer_ranges
 from engine.planning.balance import layer_counts
+from engine.planning.moe import mlp_params
 
 # bytes per parameter: (weights, gradients, optimizer state)
 PRECISIONS = {"mixed": (2, 2, 12), "fp32": (4, 4, 8),
@@ -69,31 +70,33 @@ def model_state_parts(params: int, dp: int, zero_stage: int, precision: str = "m
             params * k / (dp if zero_stage >= 1 else 1))
 
 
-def layer_params(m: ModelConfig, tp: int) -> tuple[int, int]:
-    """(tp-sharded, replicated) parameter counts of one decoder layer on one tp rank: q, k, v, o and gate, up,
-    down are split by tp (LAYER_PLAN in engine/parallel/tensor.py), with the q/k/v biases where the model has them
-    (model.attention_bias); the two RMSNorm weights are replicated."""
+def layer_params(m: ModelConfig, tp: int, index: int = 0) -> tuple[int, int]:
+    """(tp-sharded, replicated) parameter counts of decoder layer ``index`` on one tp rank: q, k, v, o and gate,
+    up, down are split by tp (LAYER_PLAN in engine/parallel/tensor.py), with the q/k/v biases where the model has
+    them (model.attention_bias); the two RMSNorm weights (and OLMoE's q/k norms) are replicated. An MoE layer's
+    experts, router and shared expert (engine/planning/moe.py) count as sharded; MoE runs at tp 1 only."""
     h, hd = m.hidden_size, m.head_dim
-    sharded = 2 * h * m.num_heads * hd + 2 * h * m.num_kv_heads * hd + 3 * h * m.intermediate_size
+    sharded = 2 * h * m.num_heads * hd + 2 * h * m.num_kv_heads * hd + mlp_params(m, index)
     if m.attention_bias:
         sharded += (m.num_heads + 2 * m.num_kv_heads) * hd
-    return sharded // tp, 2 * h
+    qk_norm = (m.num_heads + m.num_kv_heads) * hd if m.family == "olmoe" else 0
+    return sharded // tp, 2 * h + qk_norm
 
 
 def stage_params(cfg: Config, tp: int, pp: int, stage: int) -> dict[str, int]:
     """Parameters held by one tp rank of pipeline ``stage`` (before dp sharding): {"layers", "root"}, where root is
     the embedding / final norm / LM head that the stage holds (FSDP's root unit)."""
     m = cfg.model
-    sharded, replicated = layer_params(m, tp)
-    n_layers = len(stage_layer_ranges(m.num_layers, pp, layer_counts(cfg, pp))[stage])
+    indices = stage_layer_ranges(m.num_layers, pp, layer_counts(cfg, pp))[stage]
+    sizes = [sum(layer_params(m, tp, i)) for i in indices] or [sum(layer_params(m, tp))]
+    n_layers = len(indices)
     vocab = m.vocab_size * m.hidden_size // tp  # embedding or LM head: vocab rows split by tp
     root = 0
     if stage == 0:
         root += vocab
     if stage == pp - 1:
         root += m.hidden_size + (0 if m.tie_embeddings and pp == 1 else vocab)  # tied at pp=1: one tensor
-    return {"layers": n_layers * (sharded + replicated), "root": root, "num_layers": n_layers,
-            "layer": sharded + replicated}
+    return {"layers": sum(sizes) if n_layers else 0, "root": root, "num_layers": n_layers, "layer": max(sizes)}
 
 
 @dataclass

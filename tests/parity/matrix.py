@@ -12,6 +12,8 @@ One ``Combo`` is a point of the product of these factors (``FACTORS``):
     clip: off (train.grad_clip 0) | on (a threshold below the gradient norm, so every step is clipped)
     sp: sequence parallelism off | on (only with tp > 1, where it applies; off at tp = 1)
     cp in {1, 2, 4} (tp * pp * dp * cp <= 8), cp_mode: ring | all_to_all (only with cp > 1; "-" at cp = 1)
+    model: dense | moe (runner.BASE as a Mixtral of 4 experts, top 2, aux and z losses on: MOE_ARGS; tp = 1 only,
+           the experts are not tensor-parallel)
 
 ``refusal(combo)`` states, independently of the engine's own checks, which combinations the engine must refuse and
 with which words; the tests check that the engine gives exactly that error, so an accidental refusal or an
@@ -35,7 +37,11 @@ DP_MODES = ("ddp", "fsdp-reshard", "fsdp-keep", "zero1", "zero2", "zero3")
 OFFLOAD_MODES = ("zero2-offload", "zero3-offload", "fsdp-offload")  # parallel.offload: optimizer, +params, +params
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero_bubble")
 CP_MODES = ("ring", "all_to_all")
-FACTORS = ("tp", "pp", "dp", "dp_mode", "schedule", "dtype", "tied", "ac", "clip", "sp", "cp", "cp_mode")
+FACTORS = ("tp", "pp", "dp", "dp_mode", "schedule", "dtype", "tied", "ac", "clip", "sp", "cp", "cp_mode", "model")
+MODELS = ("dense", "moe")
+# The MoE model: BASE's shape with each MLP 4 Mixtral experts (top 2), the loss with its aux and z terms.
+MOE_ARGS = ["--model.family", "mixtral", "--model.num_experts", "4", "--model.experts_per_token", "2",
+            "--train.moe_aux_loss_coef", "0.01", "--train.moe_z_loss_coef", "0.001"]
 MAX_WORLD = 8
 
 
@@ -54,6 +60,7 @@ class Combo:
     layers: int = 4  # model.num_layers: runner.BASE's 4, or 8 where interleaving needs them (not a factor)
     cp: int = 1  # parallel.cp (context parallelism)
     cp_mode: str = "-"  # parallel.cp_mode when cp > 1
+    model: str = "dense"  # dense | moe (MOE_ARGS)
 
     @property
     def world(self) -> int:
@@ -65,7 +72,7 @@ class Combo:
                 + (f"-{self.schedule}" if self.pp > 1 else "") + f"-{self.dtype}"
                 + ("-tied" if self.tied else "") + ("-ac" if self.ac else "") + ("-clip" if self.clip else "")
                 + ("-sp" if self.sp else "") + (f"-L{self.layers}" if self.layers != 4 else "")
-                + (f"-cp{self.cp}-{self.cp_mode}" if self.cp > 1 else ""))
+                + (f"-cp{self.cp}-{self.cp_mode}" if self.cp > 1 else "") + ("-moe" if self.model == "moe" else ""))
 
     def argv(self) -> list[str]:
         """The engine's command-line overrides for this combination (on top of runner.BASE)."""
@@ -91,7 +98,7 @@ class Combo:
             args += ["--parallel.dp_mode", "ddp"]
         if option == "offload":
             args += ["--parallel.offload", "optimizer" if mode == "zero2" else "optimizer_and_params"]
-        return args
+        return args + (MOE_ARGS if self.model == "moe" else [])
 
     def values(self) -> dict:
         """Factor -> value, leaving out a factor that does not matter for covering: the schedule at pp = 1, sequence
@@ -122,13 +129,13 @@ def layouts() -> list[tuple[int, int, int, int]]:
 
 def all_combos(clip: tuple[bool, ...] = (False, True)) -> list[Combo]:
     out = []
-    for (tp, pp, dp, cp), mode, dtype, tied, ac, c in itertools.product(
-            layouts(), DP_MODES + OFFLOAD_MODES, ("fp32", "bf16"), (False, True), (False, True), clip):
+    for (tp, pp, dp, cp), mode, dtype, tied, ac, c, model in itertools.product(
+            layouts(), DP_MODES + OFFLOAD_MODES, ("fp32", "bf16"), (False, True), (False, True), clip, MODELS):
         for schedule, sp, cp_mode in itertools.product(SCHEDULES if pp > 1 else ("-",),
                                                        (False, True) if tp > 1 else (False,),
                                                        CP_MODES if cp > 1 else ("-",)):
             layers = 8 if schedule == "interleaved" and pp == 4 else 4
-            out.append(Combo(tp, pp, dp, mode, schedule, dtype, tied, ac, c, sp, layers, cp, cp_mode))
+            out.append(Combo(tp, pp, dp, mode, schedule, dtype, tied, ac, c, sp, layers, cp, cp_mode, model))
     return sorted(out)
 
 
@@ -154,11 +161,21 @@ CP_HEADS = ("cp_mode all_to_all with cp x tp not dividing the kv heads (runner.B
             "all-to-all takes whole heads", "divisible by cp * tp")
 
 
+MOE_TP = ("MoE with tp > 1: the experts and router are not tensor-parallel (ep = 1 in this build)",
+          "is not supported: the experts and router are not tensor-parallel")
+MOE_CP = ("MoE with cp > 1: the router's load-balancing statistics are per micro-batch, and cp splits one",
+          "is not supported: the load-balancing loss")
+
+
 def refusal(c: Combo) -> tuple[str, str] | None:
     """(reason, words of the error) if the engine must refuse ``c``, else None. FSDP (every variant) runs under
     every schedule, ZeRO-1/2 under interleaved (but fp32 ZeRO-2 offload), fp32 ZeRO-1 under zero_bubble."""
     if c.cp > 1 and c.cp_mode == "all_to_all" and 4 % (c.cp * c.tp):
         return CP_HEADS
+    if c.model == "moe" and c.tp > 1:
+        return MOE_TP
+    if c.model == "moe" and c.cp > 1:
+        return MOE_CP
     if c.dp_mode.startswith("zero") and c.pp > 1:
         if c.tied and (c.dp_mode != "zero1" or c.dtype != "fp32"):
             return TIED_ZERO_PP
@@ -240,7 +257,7 @@ def _key(c: Combo) -> tuple:
     return (c.world, c.tp, c.pp, c.dp, (DP_MODES + OFFLOAD_MODES).index(c.dp_mode),
             SCHEDULES.index(c.schedule) if c.pp > 1 else 0,
             c.dtype == "bf16", c.tied, c.ac, c.clip, c.sp, c.layers, c.cp, CP_MODES.index(c.cp_mode)
-            if c.cp > 1 else -1)
+            if c.cp > 1 else -1, MODELS.index(c.model))
 
 
 @dataclass(frozen=True)
@@ -255,14 +272,15 @@ class Resume:
         return f"{self.source.name}->{self.target.name}"
 
 
-def _combo(tp=1, pp=1, dp=1, mode="ddp", schedule=None, dtype="fp32", tied=False, ac=False, clip=False) -> Combo:
-    return Combo(tp, pp, dp, mode, schedule or ("1f1b" if pp > 1 else "-"), dtype, tied, ac, clip)
+def _combo(tp=1, pp=1, dp=1, mode="ddp", schedule=None, dtype="fp32", tied=False, ac=False, clip=False,
+           model="dense") -> Combo:
+    return Combo(tp, pp, dp, mode, schedule or ("1f1b" if pp > 1 else "-"), dtype, tied, ac, clip, model=model)
 
 
 def resume_scenarios() -> list[Resume]:
     """One source per dp_mode family (ddp, fsdp, zero 1/2/3), each resumed at another layout and mode; gpipe, pp4,
     tp4, bf16 and tied embeddings appear on one side or the other; most run with clipping off. Two more move
-    between the interleaved (v=2) and zero-bubble schedules."""
+    between the interleaved (v=2) and zero-bubble schedules, and one moves the MoE model from zero1 x pp 2 to fsdp."""
     return [
         Resume(_combo(dp=2, mode="ddp", pp=2, schedule="gpipe"), _combo(tp=4, mode="fsdp-reshard")),
         Resume(_combo(pp=4, mode="ddp", tied=True, clip=True), _combo(tp=2, dp=2, mode="zero1", tied=True)),
@@ -276,5 +294,7 @@ def resume_scenarios() -> list[Resume]:
         # Checkpoints name layers globally, so the schedule and its virtual stages change freely on resume.
         Resume(_combo(pp=2, dp=2, schedule="interleaved", tied=True), _combo(pp=4, schedule="zero_bubble")),
         Resume(_combo(pp=4, schedule="zero_bubble"), _combo(pp=2, tp=2, schedule="interleaved")),
+        # The MoE model: stacked expert weights and their Adam moments, stored per expert, across pp and dp modes.
+        Resume(_combo(pp=2, dp=2, mode="zero1", model="moe"), _combo(dp=4, mode="fsdp-reshard", model="moe")),
     ]
 

@@ -20,7 +20,7 @@ SAVE_AT = STEPS // 2
 
 def _plain(c: Combo) -> Combo:
     """The uninterrupted single-process run: the plain trainer with the run's dtype, embeddings and clipping."""
-    return Combo(1, 1, 1, "ddp", "-", c.dtype, c.tied, False, c.clip, layers=c.layers)
+    return Combo(1, 1, 1, "ddp", "-", c.dtype, c.tied, False, c.clip, layers=c.layers, model=c.model)
 
 
 def _target(s: Resume):

@@ -75,13 +75,22 @@ def reference_of(c: Combo) -> Combo:
     """The single-process combination ``c`` is compared with: the plain trainer (ddp) with the same dtype,
     embeddings and clipping; for ZeRO bf16 on several ranks, the same ZeRO stage on one."""
     mode = c.dp_mode if _deepspeed_bf16(c) and c.world > 1 else "ddp"
-    return Combo(1, 1, 1, mode, "-", c.dtype, c.tied, False, c.clip, layers=c.layers)
+    return Combo(1, 1, 1, mode, "-", c.dtype, c.tied, False, c.clip, layers=c.layers, model=c.model)
+
+
+# The MoE model under bf16: routing is discrete, and bf16 weights (FSDP's param_dtype) route 1-2 of 128 tokens per
+# layer to other experts than autocast does (measured at the initial weights), so those experts' updates differ
+# by whole tokens: FSDP bf16 at pp 2 measured params 2.29e-1 (loss 3.2e-4, grad norm 1.1e-2, within BF16). The
+# parameter bound widens to 3e-1; loss and grad norm, which catch the dp defects above, keep theirs.
+BF16_MOE = Tolerance(loss=BF16.loss, grad_norm=BF16.grad_norm, params=3e-1)
 
 
 def tolerance(c: Combo) -> Tolerance:
-    if c.dtype == "bf16" and c.dp_mode.startswith("fsdp") and c.layers > 4:
-        return FSDP_BF16_DEEP
-    return FP32 if c.dtype == "fp32" else BF16
+    if c.dtype == "fp32":
+        return FP32
+    if c.model == "moe":
+        return BF16_MOE
+    return FSDP_BF16_DEEP if c.dp_mode.startswith("fsdp") and c.layers > 4 else BF16
 
 
 def combo_argv(c: Combo, out_dir: str, *extra: str) -> list[str]:

@@ -1,0 +1,56 @@
+"""The step's mixture-of-experts metrics (engine/model/moe.py records them per layer and micro-batch):
+
+- ``moe_aux_loss`` / ``moe_z_loss``: the load-balancing and router z-losses of the step, each the mean over MoE
+  layers, micro-batches and dp ranks of the per-micro-batch value (what the gradient minimises, times its coef);
+- ``moe_tokens_per_expert_min`` / ``_max`` / ``_cv``: token copies each expert received in the step, summed over
+  MoE layers, micro-batches and dp ranks, and their coefficient of variation (std / mean over experts; 0 = even);
+- ``moe_dropped_tokens``: token copies over capacity (model.moe_capacity_factor), summed likewise; 0 when dropless.
+Sums over pipeline stages (each holds its own layers) and dp ranks: one all-reduce each of E + 3 numbers.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.config import Config
+from engine.model.moe import is_moe_layer, moe_blocks, set_loss_scale
+
+
+def weigh_losses(model: nn.Module, cfg: Config, micro_batches: int) -> None:
+    """Give the stage's MoE blocks the step's loss coefficients and micro-batch count (engine/model/moe.py
+    set_loss_scale), so their losses' gradients are those of the mean ``collect`` reports."""
+    set_loss_scale(model, cfg.model, cfg.train.moe_aux_loss_coef, cfg.train.moe_z_loss_coef, micro_batches)
+
+
+def collect(model: nn.Module, cfg: Config, ctx, micro_batches: int) -> dict:
+    """The step's MoE metrics, the same on every rank; clears the blocks' records. Collective over pp and dp."""
+    m = cfg.model
+    sums = torch.zeros(3 + m.num_experts, dtype=torch.float64, device=ctx.device)  # aux, z, dropped, counts (E,)
+    for block in moe_blocks(model):
+        for r in block.records:
+            sums[0] += r["aux"].double()
+            sums[1] += r["z"].double()
+            sums[2] += r["dropped"]
+            sums[3:] += r["counts"].double()
+        block.records.clear()
+    for size, group in ((ctx.pp, ctx.pp_group), (ctx.dp, ctx.dp_group)):
+        if size > 1:
+            dist.all_reduce(sums, group=group)
+    layers = sum(is_moe_layer(m, i) for i in range(m.num_layers))
+    mean_over = layers * micro_batches * ctx.dp
+    counts = sums[3:]
+    return {"moe_aux_loss": (sums[0] / mean_over).item(), "moe_z_loss": (sums[1] / mean_over).item(),
+            "moe_tokens_per_expert_min": int(counts.min()), "moe_tokens_per_expert_max": int(counts.max()),
+            "moe_tokens_per_expert_cv": (counts.std(unbiased=False) / counts.mean().clamp(min=1)).item(),
+            "moe_dropped_tokens": int(sums[2])}
+
+
+def step_loss(lm_loss: float, model: nn.Module, cfg: Config, ctx, micro_batches: int) -> tuple[float, dict]:
+    """The step's objective, the loss the gradient follows: cross-entropy + moe_aux_loss_coef * aux +
+    moe_z_loss_coef * z, and the MoE metrics with ``lm_loss`` (cross-entropy alone); (lm_loss, {}) when dense."""
+    if not cfg.model.num_experts:
+        return lm_loss, {}
+    moe = {**collect(model, cfg, ctx, micro_batches), "lm_loss": lm_loss}
+    t = cfg.train
+    return lm_loss + t.moe_aux_loss_coef * moe["moe_aux_loss"] + t.moe_z_loss_coef * moe["moe_z_loss"], moe

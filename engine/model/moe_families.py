@@ -1,0 +1,60 @@
+"""The MoE keys of the Hugging Face MoE families, both ways (engine/model/families.py calls these).
+
+| architecture          | experts, k                               | expert width            | MoE layers                                   | gating (engine/model/moe.py)            |
+|-----------------------|------------------------------------------|-------------------------|----------------------------------------------|-----------------------------------------|
+| `MixtralForCausalLM`  | num_local_experts, num_experts_per_tok   | intermediate_size       | all                                          | top-k logits, softmax over k            |
+| `Qwen2MoeForCausalLM` | num_experts, num_experts_per_tok         | moe_intermediate_size   | decoder_sparse_step, mlp_only_layers         | softmax, top-k, norm_topk_prob; shared  |
+| `OlmoeForCausalLM`    | num_experts, num_experts_per_tok         | intermediate_size       | all                                          | softmax, top-k, norm_topk_prob          |
+
+Qwen2-MoE adds a shared expert (shared_expert_intermediate_size) behind a sigmoid gate, and q/k/v biases.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.config import ModelConfig
+from engine.errors import CheckpointError  # torch-free: the config checks read the families
+
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "olmoe")
+
+
+def moe_model_keys(hf: dict, family: str, source: Path) -> dict:
+    """ModelConfig's MoE fields (and intermediate_size where the family's differs) from a config.json dict."""
+    if family not in MOE_FAMILIES:
+        return {}
+    if hf.get("router_jitter_noise"):
+        raise CheckpointError(f"{source}: router_jitter_noise={hf['router_jitter_noise']} is not supported by "
+                              f"engine/model/moe.py (0 only)")
+    experts = hf.get("num_local_experts" if family == "mixtral" else "num_experts")
+    if not experts:
+        raise CheckpointError(f"{source}: config.json of {family} has no expert count")
+    out = {"num_experts": int(experts), "experts_per_token": int(hf.get("num_experts_per_tok", 2)),
+           "moe_norm_topk_prob": family == "mixtral" or bool(hf.get("norm_topk_prob", False))}
+    if family == "qwen2_moe":
+        step, dense = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or [])
+        layers = [i for i in range(hf["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0]
+        out.update(moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                   moe_shared_expert_size=int(hf.get("shared_expert_intermediate_size") or 0),
+                   moe_layers="all" if len(layers) == hf["num_hidden_layers"] else layers)
+    return out
+
+
+def moe_hf_keys(m: ModelConfig) -> dict:
+    """The transformers config keys of our MoE fields (the inverse of moe_model_keys)."""
+    if m.family not in MOE_FAMILIES:
+        return {}
+    if m.family != "qwen2_moe" and (m.moe_layers != "all" or m.moe_shared_expert_size or
+                                    (m.moe_intermediate_size not in (0, m.intermediate_size))):
+        raise CheckpointError(f"model.family={m.family} has every layer MoE, no shared expert and experts of "
+                              f"intermediate_size; set model.moe_layers=all, moe_shared_expert_size=0, "
+                              f"moe_intermediate_size=0 or use family qwen2_moe")
+    k = {"num_experts_per_tok": m.experts_per_token, "output_router_logits": False}
+    if m.family == "mixtral":
+        return {**k, "num_local_experts": m.num_experts, "router_jitter_noise": 0.0}
+    k.update(num_experts=m.num_experts, norm_topk_prob=m.moe_norm_topk_prob)
+    if m.family == "olmoe":
+        return k
+    layers = range(m.num_layers) if m.moe_layers == "all" else m.moe_layers
+    return {**k, "moe_intermediate_size": m.moe_intermediate_size or m.intermediate_size,
+            "shared_expert_intermediate_size": m.moe_shared_expert_size, "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(m.num_layers) if i not in layers], "qkv_bias": True}

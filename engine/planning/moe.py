@@ -1,0 +1,73 @@
+"""Parameter and width counts of the MLP slot of each decoder layer, dense or mixture of experts (engine/model/moe.py),
+for the planner (weights, gradients, optimizer state, activations) and the FLOPs of MFU.
+
+A dense layer's MLP is SwiGLU, 3 h f weights. An MoE layer holds the router (E h), E experts (3 h f_e each) and
+Qwen2-MoE's shared expert (3 h f_s) with its gate (h); a token passes through the router, k experts and the shared
+expert, so its ACTIVE matmul weights are E h + k 3 h f_e + 3 h f_s + h (Mixtral 8x7B: 12.9B of 46.7B; the 6N of
+MFU counts these, as Mixtral's and DeepSeek's reports do).
+"""
+from __future__ import annotations
+
+from engine.config import ModelConfig
+from engine.model.moe import is_moe_layer
+
+
+def _expert_width(m: ModelConfig) -> int:
+    return m.moe_intermediate_size or m.intermediate_size
+
+
+def _shared(m: ModelConfig) -> int:
+    """The shared expert and its sigmoid gate (h -> 1)."""
+    return 3 * m.hidden_size * m.moe_shared_expert_size + m.hidden_size if m.moe_shared_expert_size else 0
+
+
+def mlp_params(m: ModelConfig, index: int) -> int:
+    """Weights of layer ``index``'s MLP slot: SwiGLU, or router + all experts + shared expert."""
+    h = m.hidden_size
+    if not is_moe_layer(m, index):
+        return 3 * h * m.intermediate_size
+    return m.num_experts * h + m.num_experts * 3 * h * _expert_width(m) + _shared(m)
+
+
+def mlp_active_params(m: ModelConfig, index: int) -> int:
+    """Matmul weights one token passes through in layer ``index``'s MLP slot (k of the E experts)."""
+    h = m.hidden_size
+    if not is_moe_layer(m, index):
+        return 3 * h * m.intermediate_size
+    return m.num_experts * h + m.experts_per_token * 3 * h * _expert_width(m) + _shared(m)
+
+
+def mean_active_mlp(m: ModelConfig) -> float:
+    """Active MLP matmul weights per layer, averaged over the layers (3 h f for a dense model)."""
+    return sum(mlp_active_params(m, i) for i in range(m.num_layers)) / m.num_layers
+
+
+def token_ffn_width(m: ModelConfig, index: int) -> int:
+    """The SwiGLU width one token's activations have in layer ``index``: f, or k f_e + f_s."""
+    if not is_moe_layer(m, index):
+        return m.intermediate_size
+    return m.experts_per_token * _expert_width(m) + m.moe_shared_expert_size
+
+
+def routing_bytes_per_token(m: ModelConfig, index: int, width: int) -> float:
+    """What an MoE layer saves per token beyond its SwiGLU activations: the k gathered input copies, the k expert
+    outputs before and after weighting (h each, in the compute dtype ``width``), the router logits and the fp32
+    softmax of the aux loss (E each), the gate weights and the sort's int64 indices (about 3 k)."""
+    if not is_moe_layer(m, index):
+        return 0.0
+    k, h = m.experts_per_token, m.hidden_size
+    return 3 * k * h * width + m.num_experts * (width + 4) + k * (4 + 8 + 8)
+
+
+def mean_over_layers(m: ModelConfig, count) -> float:
+    """``count(m, index)`` averaged over the decoder layers (the planner's per-layer figures are uniform)."""
+    return sum(count(m, i) for i in range(m.num_layers)) / m.num_layers
+
+
+def expert_grad_buffer_bytes(m: ModelConfig) -> float:
+    """The backward's gradients of one MoE layer's expert weights before they reach .grad: unbind's backward
+    (Experts.forward) holds the E per-expert gradients and their stacked (E, ...) copy at once, 2 x 4 E 3 h f_e
+    bytes in fp32 (measured on the tiny MoE: tests/test_planner.py); 0 for a dense model."""
+    if not m.num_experts:
+        return 0.0
+    return 2 * 4.0 * m.num_experts * 3 * m.hidden_size * _expert_width(m)

@@ -1,0 +1,123 @@
+"""Mixtral, Qwen2-MoE and OLMoE folders in and out (engine/model/moe.py, moe_families.py).
+
+For each family a tiny random model built by transformers 5 itself (nothing downloaded), whose save_pretrained
+writes the published per-expert tensor names (model.layers.0.block_sparse_moe.experts.0.w1.weight for Mixtral,
+mlp.experts.0.gate_proj.weight for the others):
+- at tp 1 our model computes its logits (rel <= 1e-5, fp32), from transformers' in-model (fused-expert) state dict;
+- imported with launch/convert.py, the engine at pp 2 gives the tp-1 logits, 4 training steps there (aux and z
+  losses on) equal 4 at one process; the pp-2 checkpoint exported loads in transformers with the engine's logits.
+Qwen2-MoE has a dense layer (mlp_only_layers) and a shared expert; OLMoE's q/k norms and all norms and biases are
+perturbed (HF initialises them to 1 and 0, which would hide a dropped one).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from engine.config import ConfigError, load
+from engine.model import families
+from engine.model import hf
+from engine.model import transformer as model_lib
+from tests.dist import run_ranks
+from tests import test_families as families_test
+from tests.test_families import ids, layout_logits, max_rel, train
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = dict(vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
+FAMILIES = {
+    "mixtral": lambda: transformers.MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2,
+                                                  sliding_window=None),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**SHAPE, num_experts=4, num_experts_per_tok=2,
+                                                     moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                                     mlp_only_layers=[0], norm_topk_prob=False),
+    "olmoe": lambda: transformers.OlmoeConfig(**SHAPE, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                              pad_token_id=0, eos_token_id=2),
+}
+TOL = 1e-5
+
+
+def hf_model(family: str) -> transformers.PreTrainedModel:
+    return families_test.hf_model(family, FAMILIES)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_engine_moe_computes_the_hf_logits(family):
+    source = hf_model(family)
+    m = families.model_config(source.config.to_dict(), Path(family))
+    assert m.family == family and m.num_experts == 4
+    assert m.moe_layers == ([1] if family == "qwen2_moe" else "all")
+    ours = model_lib.build(m, device="cpu").eval()
+    ours.load_state_dict(source.state_dict(), strict=True)
+    with torch.no_grad():
+        rel = max_rel(ours(ids()), source(ids()).logits)
+    assert rel <= TOL, f"{family}: logits differ by rel {rel:.2e}"
+
+
+def run(imported: Path, out: Path, *extra: str) -> list[str]:
+    return ["--config", str(imported / "config.yaml"), "--train.seq_len", "32", "--train.global_batch_size", "4",
+            "--train.micro_batch_size", "2", "--train.steps", "4", "--train.warmup_steps", "2",
+            "--train.moe_aux_loss_coef", "0.1", "--train.moe_z_loss_coef", "0.01",
+            "--log.progress", "false", "--train.out_dir", str(out), *extra]
+
+
+def phase(argv: list[str], ckpt: Path, trained: bool) -> dict:
+    """Rank function: logits at argv's layout, 4 steps saved to ckpt (and the trained logits when asked)."""
+    got = {"logits": layout_logits(argv, ids()), "loss": train([*argv, "--checkpoint.dir", str(ckpt)])}
+    if trained:
+        got["trained"] = layout_logits([*argv, "--checkpoint.resume", str(ckpt)], ids())
+    return got
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_import_pp2_train_export(family, tmp_path):
+    src, imported, exported = tmp_path / "src", tmp_path / "imported", tmp_path / "exported"
+    source = hf_model(family)
+    source.save_pretrained(str(src))
+    cli = subprocess.run([sys.executable, "launch/convert.py", "import", str(src), str(imported)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    with torch.no_grad():
+        want = source(ids()).logits
+    pp2 = run_ranks(phase, 2, run(imported, tmp_path / "o2", "--parallel.pp", "2"), tmp_path / "ck2", False)[1]
+    one = run_ranks(phase, 1, run(imported, tmp_path / "o1"), tmp_path / "ck1", True)[0]
+    assert max_rel(one["logits"], want) <= TOL and max_rel(pp2["logits"], want) <= TOL
+    assert len(one["loss"]) == 4 and pp2["loss"] == pytest.approx(one["loss"], rel=TOL)
+    hf.export(tmp_path / "ck2", exported)
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(exported)).eval()
+    assert type(back).__name__ == families.ARCHITECTURES[family]
+    with torch.no_grad():
+        assert max_rel(back(ids()).logits, one["trained"]) <= TOL
+    assert max_rel(one["trained"], one["logits"]) > 1e-3  # training moved the weights that came back
+
+
+def test_tensor_parallel_moe_is_refused_in_one_line(tmp_path):
+    from engine.parallel.support import resolve_layout
+
+    cfg = load(["--config", "configs/tiny-moe.yaml", "--parallel.tp", "2"])
+    with pytest.raises(ConfigError, match=r"^parallel.tp=2 with model.num_experts=8 is not supported: the "
+                                          r"experts and router are not tensor-parallel; use tp=1"):
+        resolve_layout(cfg, 2)
+
+
+def test_what_the_moe_block_does_not_compute_is_refused_naming_the_key():
+    from engine.checkpoint.format import CheckpointError
+
+    mixtral = FAMILIES["mixtral"]().to_dict()
+    with pytest.raises(CheckpointError, match=r"^src: router_jitter_noise=0.1 is not supported by "
+                                              r"engine/model/moe.py \(0 only\)$"):
+        families.model_config({**mixtral, "router_jitter_noise": 0.1}, Path("src"))
+    olmoe = FAMILIES["olmoe"]().to_dict()
+    with pytest.raises(CheckpointError, match=r"^src: clip_qkv=8.0 is not supported"):
+        families.model_config({**olmoe, "clip_qkv": 8.0}, Path("src"))
+    with pytest.raises(ConfigError, match=r"^model.num_experts=0 with model.family=mixtral: MoE families"):
+        load(["--model.family", "mixtral"])
+    with pytest.raises(ConfigError, match=r"^model.experts_per_token=9 must be in \[1, model.num_experts=8\]"):
+        load(["--config", "configs/tiny-moe.yaml", "--model.experts_per_token", "9"])
+    with pytest.raises(ConfigError, match=r"^model.moe_layers=\[4\] must be all or a list of layer indices"):
+        load(["--config", "configs/tiny-moe.yaml", "--model.moe_layers", "[4]"])
