@@ -119,17 +119,17 @@ def test_refusals(tmp_path, argv, words):
 
 
 def test_resume_across_cp_sizes(tmp_path):
-    """Checkpoints hold no cp state (cp shards no weight): 10 steps at cp 2 (ddp, and fsdp sharded over dp x cp),
-    saved, resumed at cp 1 (dp 4) and at cp 4 all_to_all, follow the uninterrupted run's losses (rel 1e-5, the
-    tolerance between layouts in tests/test_checkpoint.py)."""
+    """Checkpoints hold no cp state (cp shards no weight): steps at cp 2 ring (ddp, and fsdp sharded over dp x cp)
+    and cp 2 all_to_all, saved, resumed at cp 1 (dp 4) and at cp 4 all_to_all, follow the uninterrupted run's
+    losses (rel 1e-5, the tolerance between layouts in tests/test_checkpoint.py)."""
     from tests.test_checkpoint import MOVED, check_resumes
 
     heads = ["--model.num_kv_heads", "4"]  # all_to_all at cp 4 needs 4 kv heads (SMALL has 4 heads, 2 kv)
-    cp2 = [*heads, "--parallel.cp", "2", "--parallel.cp_mode", "all_to_all"]
+    ring2 = [*heads, "--parallel.cp", "2", "--parallel.cp_mode", "ring"]
     cp4 = [*heads, "--parallel.cp", "4", "--parallel.cp_mode", "all_to_all"]
     check_resumes(tmp_path, 4, {
-        "ddp cp2 dp2": (cp2, [("cp1 dp4", heads, MOVED), ("cp4", cp4, MOVED)]),
-        "fsdp cp2 dp2": ([*cp2, "--parallel.dp_mode", "fsdp"], [("ddp cp4", cp4, MOVED)])})
+        "ddp cp2 ring dp2": (ring2, [("cp1 dp4", heads, MOVED), ("cp4 all_to_all", cp4, MOVED)]),
+        "fsdp cp2 ring dp2": ([*ring2, "--parallel.dp_mode", "fsdp"], [("ddp cp4 all_to_all", cp4, MOVED)])})
 
 
 def _saved_rank(argv: list[str]) -> dict:
