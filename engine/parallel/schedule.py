@@ -9,10 +9,12 @@ simulated (engine/parallel/schedule_sim.py) and unit-tested without any processe
 - GPipe: Huang et al. 2019, "GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism".
 - interleaved: 1F1B over v model chunks per rank, Narayanan et al. 2021, Sec. 2.2.2 (schedule_interleaved.py).
 - zero_bubble: ZB-H1, Qi et al. 2023, "Zero Bubble Pipeline Parallelism", Sec. 3.1 (schedule_zb.py).
+- zbv: ZB-V, Qi et al. 2023, Sec. 6: two chunks per rank in a V, F/B/W split (schedule_zbv.py).
 
 1F1B and GPipe have the bubble fraction (p-1)/(m+p-1) of the makespan (Narayanan et al. 2021, Sec. 2.2.1); 1F1B
 keeps at most `pp - stage` activations alive instead of GPipe's m. Run `python -m engine.parallel.schedule --pp 4
---micro-batches 8` to print both, and add `--schedule interleaved --virtual-stages 2` or `--schedule zero_bubble`.
+--micro-batches 8` to print both, and add `--schedule interleaved --virtual-stages 2`, `--schedule zero_bubble` or
+`--schedule zbv`.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from engine.parallel.actions import forward_actions as _forward
 from engine.parallel.schedule_interleaved import interleaved_1f1b, interleaved_order
 from engine.parallel.schedule_sim import Timeline, bubble_fraction, render, simulate_actions
 from engine.parallel.schedule_zb import zb_h1
+from engine.parallel.schedule_zbv import zbv
 
 __all__ = ["Action", "Op", "SCHEDULES", "Timeline", "build", "bubble_fraction", "forward_only", "gpipe",
            "max_in_flight", "one_f_one_b", "render", "simulate", "simulate_actions"]
@@ -69,22 +72,40 @@ def gpipe(pp: int, micro_batches: int, stage: int) -> list[Action]:
     return actions
 
 
-def forward_only(pp: int, micro_batches: int, stage: int, virtual_stages: int = 1) -> list[Action]:
+def forward_only(pp: int, micro_batches: int, stage: int, virtual_stages: int = 1,
+                 vshape: bool = False) -> list[Action]:
     """Evaluation: every micro-batch forwarded (received from the previous virtual stage, sent to the next),
     nothing backwarded; with virtual stages in interleaved's order of (micro-batch, chunk). Each send and the
     next receive are consecutive, so they form one batch (actions.steps): Megatron's send_forward_recv_forward,
-    which NCCL's rendezvous sends cannot deadlock (schedule_sim)."""
+    which NCCL's rendezvous sends cannot deadlock (schedule_sim). ZB-V (``vshape``): every micro-batch down chunk 0,
+    then every one back up chunk 1 (the turn's outputs wait on rank pp-1, no graph is kept under no_grad)."""
+    if vshape:
+        return [a for c in (0, 1) for mb in range(micro_batches) for a in _forward(pp, stage, mb, c, 2, True)]
     if virtual_stages > 1:
         order = interleaved_order(pp, micro_batches, virtual_stages)
         return [a for mb, c in order for a in _forward(pp, stage, mb, c, virtual_stages)]
     return [a for mb in range(micro_batches) for a in _forward(pp, stage, mb)]
 
 
-SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe, "interleaved": interleaved_1f1b, "zero_bubble": zb_h1}
+SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe, "interleaved": interleaved_1f1b, "zero_bubble": zb_h1, "zbv": zbv}
+V_SHAPED = ("zbv",)  # the schedules whose two chunks per rank sit in a V (engine/parallel/actions.py)
+
+
+def vshape(schedule: str) -> bool:
+    """True if `schedule` places its chunks in a V (rank r: virtual stages r and 2pp-1-r)."""
+    return schedule in V_SHAPED
+
+
+def chunks_per_rank(schedule: str, virtual_stages: int) -> int:
+    """Model chunks each rank runs: parallel.virtual_stages under interleaved, 2 under zbv (implied), else 1."""
+    return 2 if vshape(schedule) else virtual_stages if schedule == "interleaved" else 1
 
 
 def _check_chunks(schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> None:
-    """Virtual stages are interleaved's alone; interleaved needs v >= 2 and Megatron's whole groups of pp."""
+    """Virtual stages are interleaved's alone (zbv's 2 are implied: 1 or 2 accepted); interleaved needs v >= 2 and
+    Megatron's whole groups of pp."""
+    if vshape(schedule) and virtual_stages in (1, 2):
+        return
     if schedule != "interleaved":
         if virtual_stages != 1:
             raise ValueError(f"virtual_stages={virtual_stages} needs schedule 'interleaved'; {schedule} runs one "
@@ -105,7 +126,7 @@ def build(schedule: str, pp: int, micro_batches: int, stage: int, virtual_stages
         raise ValueError(f"stage={stage} out of range for pp={pp}; valid: 0..{pp - 1}")
     if schedule == "interleaved":
         return interleaved_1f1b(pp, micro_batches, stage, virtual_stages)
-    return SCHEDULES[schedule](pp, micro_batches, stage)
+    return SCHEDULES[schedule](pp, micro_batches, stage)  # zbv: its 2 chunks are implied
 
 
 def check(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> None:
@@ -130,13 +151,16 @@ def simulate(schedule: str, pp: int, micro_batches: int, fwd_time: float = 1.0, 
     and bwd_weight_time); communication is free. Raises RuntimeError('deadlock: ...') naming each rank's blocked
     batch and what it waits for, and RuntimeError for any send/receive or F/B/W order that does not add up."""
     stages = [build(schedule, pp, micro_batches, s, virtual_stages) for s in range(pp)]
-    return simulate_actions(stages, fwd_time, bwd_time, schedule, bwd_input_time, bwd_weight_time)
+    return simulate_actions(stages, fwd_time, bwd_time, schedule, bwd_input_time, bwd_weight_time, vshape(schedule))
 
 
 def theory(schedule: str, pp: int, m: int, v: int, f: float, b: float, bi: float, w: float) -> tuple[str, float]:
     """(formula, value) of the bubble fraction of the makespan that the papers predict."""
     if schedule == "interleaved":  # Narayanan et al. 2021, Sec. 2.2.2: (p-1)/(v*m) of the ideal time
         return "(p-1)/(v*m+p-1)", (pp - 1) / (v * m + pp - 1)
+    if schedule == "zbv":  # torch's ZBV order leaves rank r idle r chunk F's at the start (simulated, F = B = W)
+        bubble = (pp - 1) * f
+        return "(p-1)F/(2m(F+B+W)+(p-1)F), F=B=W, m>=2p-1", bubble / (2 * m * (f + bi + w) + bubble)
     if schedule == "zero_bubble":  # Qi et al. 2023, Sec. 3.1: bubble (p-1)(F+B-W)
         bubble = (pp - 1) * (f + bi - w)
         return "(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W))", bubble / (m * (f + bi + w) + bubble)
@@ -148,8 +172,8 @@ def _print_schedule(name: str, args: argparse.Namespace, v: int) -> None:
     stages = [build(name, pp, m, s, v) for s in range(pp)]
     timeline = simulate(name, pp, m, args.fwd_time, args.bwd_time, v, args.bwd_input_time, args.bwd_weight_time)
     costs = (f"fwd={args.fwd_time:g} bwd_input={args.bwd_input_time:g} bwd_weight={args.bwd_weight_time:g}"
-             if name == "zero_bubble" else f"fwd={args.fwd_time:g} bwd={args.bwd_time:g}")
-    chunks = f" virtual_stages={v}" if name == "interleaved" else ""
+             if name in ("zero_bubble", "zbv") else f"fwd={args.fwd_time:g} bwd={args.bwd_time:g}")
+    chunks = f" virtual_stages={v}" if name == "interleaved" else " (2 chunks in a V)" if vshape(name) else ""
     print(f"== {name}: pp={pp}{chunks} micro_batches={m} {costs}")
     for s, actions in enumerate(stages):
         print(f"actions stage {s}: {' '.join(map(str, actions))}")
@@ -158,7 +182,8 @@ def _print_schedule(name: str, args: argparse.Namespace, v: int) -> None:
     print("bubble fraction per stage: " + " ".join(f"{b:.4f}" for b in bubble_fraction(timeline))
           + f"  (theory {formula} = {value:.4f})")
     unit = {"interleaved": f"  (chunk micro-batches, each 1/{v} of a stage's)",
-            "zero_bubble": "  (held until W)"}.get(name, "")
+            "zero_bubble": "  (held until W)", "zbv": "  (chunk micro-batches held until W, each 1/2 of a "
+            "stage's)"}.get(name, "")
     print("max activations in flight per stage: " + " ".join(map(str, timeline.peak_in_flight)) + unit)
     print()
 
@@ -172,8 +197,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="model chunks per stage, interleaved only (default: 2 for interleaved, else 1)")
     p.add_argument("--fwd-time", type=float, default=1.0, help="time of one forward on one stage (chunk)")
     p.add_argument("--bwd-time", type=float, default=2.0, help="time of one whole backward on one stage (chunk)")
-    p.add_argument("--bwd-input-time", type=float, default=1.0, help="zero_bubble: time of one B (input grad)")
-    p.add_argument("--bwd-weight-time", type=float, default=1.0, help="zero_bubble: time of one W (weight grad)")
+    p.add_argument("--bwd-input-time", type=float, default=1.0, help="zero_bubble, zbv: time of one B (input grad)")
+    p.add_argument("--bwd-weight-time", type=float, default=1.0, help="zero_bubble, zbv: time of one W (weight grad)")
     p.add_argument("--width", type=int, default=100, help="columns of the rendered timeline")
     args = p.parse_args(argv)
     names = ["1f1b", "gpipe"] if args.schedule == "both" else [args.schedule]
