@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 CHOICES = {
     "parallel.dp_mode": DP_MODES,  # the registry itself, so that a mode registered at run time is accepted
     "parallel.grad_compression": ("none", "bf16", "fp16", "powersgd"),
-    "parallel.schedule": ("1f1b", "gpipe", "interleaved", "zero_bubble"),
+    "parallel.schedule": ("1f1b", "gpipe", "interleaved", "zero_bubble", "zbv"),
     "parallel.backend": ("auto", "gloo", "nccl"),
     "parallel.p2p_dtype": ("auto", "bf16"),
     "parallel.reshard_after_forward": ("auto", "true", "false"),
@@ -117,9 +117,9 @@ def _validate_dp(cfg: Config) -> None:
     if p.grad_compression != "none" and p.dp_mode != "ddp":
         raise ConfigError(f"parallel.grad_compression={p.grad_compression} is a DDP communication hook and needs "
                           f"parallel.dp_mode=ddp (got {p.dp_mode}); use grad_compression=none")
-    if p.grad_compression != "none" and p.schedule == "zero_bubble":  # its reduction runs after the last W, unhooked
+    if p.grad_compression != "none" and p.schedule in ("zero_bubble", "zbv"):  # reduced after the last W, unhooked
         raise ConfigError(f"parallel.grad_compression={p.grad_compression} is not supported with parallel.schedule="
-                          f"zero_bubble (DDP's reducer does not run there: the gradients are all-reduced after the "
+                          f"{p.schedule} (DDP's reducer does not run there: the gradients are all-reduced after the "
                           f"last W); use grad_compression=none, or schedule 1f1b or interleaved")
     if p.bucket_mb <= 0:
         raise ConfigError(f"parallel.bucket_mb={p.bucket_mb} must be > 0 (DDP's gradient bucket size in MB)")

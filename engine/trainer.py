@@ -34,6 +34,7 @@ from engine.model.init import materialize
 from engine.model.recompute import apply_activation_checkpointing
 from engine.optim import lr_at
 from engine.parallel import dp as dp_lib
+from engine.parallel import schedule as sched
 from engine.parallel import tied
 from engine.parallel.context import ParallelContext
 from engine.parallel.pipeline import PipelineExecutor, split_stage
@@ -55,7 +56,7 @@ class TrainingAborted(RuntimeError):
 def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
     """The local part of the model on ctx.device, initialised identically at every layout (before dp)."""
     model = model_lib.build(cfg.model, device="meta")
-    split_stage(model, ctx.pp, ctx.pp_rank, layer_counts(cfg, ctx.pp), cfg.parallel.virtual_stages)
+    split_stage(model, ctx.pp, ctx.pp_rank, layer_counts(cfg, ctx.pp), *sched.chunking(cfg.parallel))
     apply_tensor_parallel(model, ctx.tp_group, cfg.parallel.sequence_parallel)
     materialize(model, ctx.device, cfg.train.seed, cfg.model.init_std)
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)

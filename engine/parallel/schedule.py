@@ -101,10 +101,17 @@ def chunks_per_rank(schedule: str, virtual_stages: int) -> int:
     return 2 if vshape(schedule) else virtual_stages if schedule == "interleaved" else 1
 
 
+def chunking(parallel) -> tuple[int, bool]:
+    """(model chunks per rank, placed in a V) of a ParallelConfig: how its stage is split (virtual.py)."""
+    return chunks_per_rank(parallel.schedule, parallel.virtual_stages), vshape(parallel.schedule)
+
+
 def _check_chunks(schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> None:
     """Virtual stages are interleaved's alone (zbv's 2 are implied: 1 or 2 accepted); interleaved needs v >= 2 and
     Megatron's whole groups of pp."""
-    if vshape(schedule) and virtual_stages in (1, 2):
+    if vshape(schedule):
+        if virtual_stages not in (1, 2):
+            raise ValueError(f"virtual_stages={virtual_stages}: {schedule} runs 2 chunks per rank, implied (1 or 2)")
         return
     if schedule != "interleaved":
         if virtual_stages != 1:

@@ -95,6 +95,8 @@ def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
         if p.pp_layers:
             raise ConfigError(f"parallel.pp_layers={p.pp_layers} is not supported with schedule=interleaved "
                               f"(layers split evenly into pp*virtual_stages chunks); leave pp_layers empty")
+    if sched.vshape(p.schedule):
+        check_vshape(cfg, pp)
     if pp > 1:
         try:
             sched.check(p.schedule, pp, micro_batches, p.virtual_stages)
@@ -112,11 +114,29 @@ def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
                           f"parallel.tp={p.tp}")
 
 
+def check_vshape(cfg: Config, pp: int) -> None:
+    """zbv: 2 chunks per rank in a V (engine/parallel/schedule_zbv.py), so pp >= 2, 2*pp equal layer chunks, no
+    uneven split; parallel.virtual_stages is implied (1 or 2 accepted)."""
+    p, layers = cfg.parallel, cfg.model.num_layers
+    if pp < 2:
+        raise ConfigError("parallel.schedule=zbv needs parallel.pp >= 2 (its V turns on the last rank); use 1f1b")
+    if layers % (2 * pp):
+        raise ConfigError(f"parallel.schedule=zbv splits model.num_layers={layers} into 2*pp={2 * pp} equal chunks; "
+                          f"choose pp so that 2*pp divides it")
+    if p.pp_layers:
+        raise ConfigError(f"parallel.pp_layers={p.pp_layers} is not supported with schedule=zbv (layers split "
+                          f"evenly into 2*pp chunks); leave pp_layers empty")
+    if p.virtual_stages not in (1, 2):
+        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} with schedule=zbv: its 2 chunks per rank are "
+                          f"implied; leave virtual_stages at 1 (or 2)")
+
+
 def check_supported(cfg: Config, layout) -> None:
     """Refuse, with the combination named, what this build cannot run. ``layout`` has ``tp``, ``pp``, ``dp``."""
     p = cfg.parallel
-    if p.schedule in ("interleaved", "zero_bubble") and p.dp_mode != "ddp":
-        when = {"interleaved": "each model chunk's last backward", "zero_bubble": "the last W, not the last B"}
+    if p.schedule in ("interleaved", "zero_bubble", "zbv") and p.dp_mode != "ddp":
+        when = {"interleaved": "each model chunk's last backward", "zero_bubble": "the last W, not the last B",
+                "zbv": "each of its 2 chunks' last W"}
         raise ConfigError(f"parallel.schedule={p.schedule} with parallel.dp_mode={p.dp_mode} is not supported (the "
                           f"gradient sync would have to follow {when[p.schedule]}); use dp_mode=ddp, or "
                           f"schedule 1f1b with {p.dp_mode}")

@@ -5,9 +5,9 @@ One ``Combo`` is a point of the product of these factors (``FACTORS``):
     tp, pp, dp in {1, 2, 4} with tp * pp * dp <= 8
     dp_mode: ddp | fsdp-reshard | fsdp-keep | zero1 | zero2 | zero3, and with host offload (parallel.offload):
              zero2-offload (optimizer) | zero3-offload | fsdp-offload (optimizer_and_params; fsdp resharding)
-    schedule: 1f1b | gpipe | interleaved (2 virtual stages) | zero_bubble (only with pp > 1; "-" at pp = 1, where
-              there is no schedule); interleaved at pp = 4 runs 8 layers (4 cannot split into 8 chunks), against
-              an 8-layer single process
+    schedule: 1f1b | gpipe | interleaved (2 virtual stages) | zero_bubble | zbv (ZB-V, 2 chunks per rank in a V)
+              (only with pp > 1; "-" at pp = 1, where there is no schedule); interleaved and zbv at pp = 4 run 8
+              layers (4 cannot split into 8 chunks), against an 8-layer single process
     dtype: fp32 | bf16;  tied / untied embeddings;  activation checkpointing off / on
     clip: off (train.grad_clip 0) | on (a threshold below the gradient norm, so every step is clipped)
     sp: sequence parallelism off | on (only with tp > 1, where it applies; off at tp = 1)
@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 SIZES = (1, 2, 4)
 DP_MODES = ("ddp", "fsdp-reshard", "fsdp-keep", "zero1", "zero2", "zero3")
 OFFLOAD_MODES = ("zero2-offload", "zero3-offload", "fsdp-offload")  # parallel.offload: optimizer, +params, +params
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero_bubble")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero_bubble", "zbv")
 FACTORS = ("tp", "pp", "dp", "dp_mode", "schedule", "dtype", "tied", "ac", "clip", "sp")
 MAX_WORLD = 8
 
@@ -110,7 +110,7 @@ def all_combos(clip: tuple[bool, ...] = (False, True)) -> list[Combo]:
             layouts(), DP_MODES + OFFLOAD_MODES, ("fp32", "bf16"), (False, True), (False, True), clip):
         for schedule, sp in itertools.product(SCHEDULES if pp > 1 else ("-",), (False, True) if tp > 1
                                               else (False,)):
-            layers = 8 if schedule == "interleaved" and pp == 4 else 4
+            layers = 8 if schedule in ("interleaved", "zbv") and pp == 4 else 4
             out.append(Combo(tp, pp, dp, mode, schedule, dtype, tied, ac, c, sp, layers))
     return sorted(out)
 
@@ -123,14 +123,14 @@ ZERO3_PP = ("ZeRO-3 with pp > 1: DeepSpeed compares module traces across all ran
             "zero_stage=3 and parallel.pp>1 is not supported")
 
 
-SCHEDULE_DP = ("interleaved or zero_bubble with a dp mode other than ddp: FSDP and ZeRO would have to sync each "
-               "chunk's gradients after its last backward (interleaved) or after the last W (zero bubble)",
+SCHEDULE_DP = ("interleaved, zero_bubble or zbv with a dp mode other than ddp: FSDP and ZeRO would have to sync "
+               "each chunk's gradients after its last backward (interleaved) or after its last W (zero bubble, zbv)",
                "is not supported (the gradient sync would have to follow")
 
 
 def refusal(c: Combo) -> tuple[str, str] | None:
     """(reason, words of the error) if the engine must refuse ``c``, else None."""
-    if c.schedule in ("interleaved", "zero_bubble") and c.dp_mode != "ddp":
+    if c.schedule in ("interleaved", "zero_bubble", "zbv") and c.dp_mode != "ddp":
         return SCHEDULE_DP
     if c.dp_mode.startswith("zero") and c.pp > 1:
         if c.tied and (c.dp_mode != "zero1" or c.dtype != "fp32"):

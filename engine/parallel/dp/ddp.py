@@ -33,6 +33,7 @@ from engine.checkpoint.state import TorchState
 from engine.config import Config
 from engine.internals import private
 from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin
+from engine.parallel.schedule import chunking
 from engine.parallel.virtual import model_chunks
 
 
@@ -104,7 +105,8 @@ class DDP(TorchOptimizerMixin, DataParallel):
     def __init__(self, model: nn.Module, cfg: Config, ctx):
         super().__init__(cfg, ctx)
         self.module = model
-        self.chunks = model_chunks(model, ctx.pp, ctx.pp_rank, cfg.parallel.virtual_stages)
+        self.chunks = model_chunks(model, ctx.pp, ctx.pp_rank, *chunking(cfg.parallel))
+        shared_by_chunks(self.chunks)
         # Every rank built the same weights and buffers (engine/model/init.py): no start-up broadcast, and no
         # buffer broadcast before each forward (a collective the pipeline schedule does not expect). At dp 1 there
         # is nothing to reduce: no wrapper (its buckets would copy every gradient and its hooks run for nothing).
@@ -136,10 +138,12 @@ class DDP(TorchOptimizerMixin, DataParallel):
 
     def reduce_gradients(self) -> None:
         """Average over dp the gradients of every chunk whose reducer did not run in this step's backward."""
+        seen: set[int] = set()  # a weight two chunks share (ZB-V's tied embedding) is reduced once
         for chunk, ddp in enumerate(self.ddps):
             if chunk not in self.armed and self.ctx.dp > 1:
-                all_reduce_mean([p.grad for p in ddp.module.parameters() if p.grad is not None],
-                                self.ctx.dp_group, self.cfg.parallel.bucket_mb)
+                grads = [p.grad for p in ddp.module.parameters() if p.grad is not None and id(p) not in seen]
+                seen.update(id(p) for p in ddp.module.parameters())
+                all_reduce_mean(grads, self.ctx.dp_group, self.cfg.parallel.bucket_mb)
         self.armed.clear()
 
     def skip(self) -> None:
@@ -148,6 +152,18 @@ class DDP(TorchOptimizerMixin, DataParallel):
 
     def checkpoint_state(self):
         return TorchState(self.module, self.optimizer, self.ctx, fsdp=False)
+
+
+def shared_by_chunks(chunks: list) -> None:
+    """Leave a parameter that an earlier chunk holds out of a later chunk's DDP: ZB-V's rank 0 holds the embedding
+    (chunk 0) and the LM head (chunk 1), one parameter when tied; two DDPs over it would both own its gradient."""
+    seen: set[int] = set()
+    for chunk in chunks[1:] if len(chunks) > 1 else []:
+        seen.update(id(p) for p in chunks[0].parameters())
+        names = [n for n, p in chunk.named_parameters() if id(p) in seen]
+        if names:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(chunk, names)
+        seen.update(id(p) for p in chunk.parameters())
 
 
 def all_reduce_mean(grads: list[torch.Tensor], group, bucket_mb: float) -> None:
