@@ -139,5 +139,5 @@ def test_virtual_stages_are_implied(v, ok):
     if ok:
         assert build("zbv", 4, 8, 0, v) == build("zbv", 4, 8, 0)
     else:
-        with pytest.raises(ValueError, match=r"virtual_stages=3 needs schedule 'interleaved'"):
+        with pytest.raises(ValueError, match=r"virtual_stages=3: zbv runs 2 chunks per rank, implied"):
             build("zbv", 4, 8, 0, v)
