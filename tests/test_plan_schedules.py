@@ -175,10 +175,11 @@ def test_interleaved_and_zero_bubble_plan_smaller_bubbles_than_1f1b():
 
 def test_long_steps_extend_the_simulation_exactly():
     costs = [(1.0, 2.0, 1.0, 1.0), (0.7, 1.9, 1.3, 0.6), (1.0, 4.0, 1.0, 3.0)]
-    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 3), ("zero_bubble", 1)):
+    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 3), ("zero_bubble", 1),
+                        ("zbv", 2)):
         for pp in (2, 3, 4):
             for f, b, bi, w in costs:
-                for m in range(pp * 4, pp * 8, pp if v > 1 else 3):
+                for m in range(pp * 4, pp * 8, pp if schedule == "interleaved" else 3):
                     got = schedules.makespan_and_idle(schedule, pp, m, v, f, b, bi, w)
                     full = sched.simulate(schedule, pp, m, f, b, v, bi, w)
                     assert got[0] == pytest.approx(full.makespan, rel=1e-12), (schedule, pp, m, v)
@@ -190,7 +191,7 @@ def test_search_offers_the_new_schedules_and_no_refused_combination():
     refused = []
     plans = search(cfg, 4, Hardware(), schedules.SEARCHED, refused)
     found = {(p.cfg.parallel.schedule, p.cfg.parallel.virtual_stages) for p in plans}
-    assert found == {("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zero_bubble", 1)}  # 12 layers: no v=4
+    assert found == {("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zero_bubble", 1), ("zbv", 2)}  # no v=4
     assert any("virtual_stages" in msg for _, msg in refused)
     for p in plans:
         c, layout = p.cfg, resolve_layout(p.cfg, 4)  # raises on a refused combination
@@ -201,6 +202,8 @@ def test_search_offers_the_new_schedules_and_no_refused_combination():
             assert c.parallel.schedule == "1f1b"
         if c.parallel.schedule == "interleaved":
             assert 12 % (layout.pp * v) == 0 and m % layout.pp == 0 and c.parallel.dp_mode == "ddp"
+        if c.parallel.schedule == "zbv":  # 2 chunks per rank in a V
+            assert 12 % (2 * layout.pp) == 0 and layout.pp >= 2 and c.parallel.dp_mode == "ddp"
         assert p.describe()["bubble_fraction"] == p.time.bubble_fraction
 
 

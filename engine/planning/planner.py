@@ -33,7 +33,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from engine.planning import activations as acts
-from engine.planning.schedules import activations_in_flight
+from engine.planning.schedules import activations_in_flight, head_stage, one_embedding
 from engine.config import Config, ModelConfig
 from engine.parallel.support import Layout, micro_batches_per_step, resolve_layout
 from engine.parallel.support import reshard_after_forward
@@ -88,8 +88,8 @@ def stage_params(cfg: Config, tp: int, pp: int, stage: int) -> dict[str, int]:
     root = 0
     if stage == 0:
         root += vocab
-    if stage == pp - 1:
-        root += m.hidden_size + (0 if m.tie_embeddings and pp == 1 else vocab)  # tied at pp=1: one tensor
+    if stage == head_stage(cfg, pp):  # tied at pp=1 or in zbv's V: one tensor
+        root += m.hidden_size + (0 if one_embedding(cfg, pp) else vocab)
     return {"layers": n_layers * (sharded + replicated), "root": root, "num_layers": n_layers,
             "layer": sharded + replicated}
 
@@ -180,7 +180,7 @@ def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True,
         # FSDP2 prefetches the next while freed activations make room). Without it every block stays gathered.
         blocks = params["layer"] if reshard_after_forward(cfg, layout.pp) else params["layers"]
         gathered = bytes_ * (params["root"] + blocks)
-    buffers = acts.transient_bytes(cfg, layout.tp, stage == layout.pp - 1)
+    buffers = acts.transient_bytes(cfg, layout.tp, stage == head_stage(cfg, layout.pp))
     if p.dp_mode == "zero":
         gathered, bucket = _zero_buffers(cfg, params)
         buffers += bucket
@@ -237,7 +237,7 @@ def _param_tensors(cfg: Config, layout: Layout, stage: int) -> int:
     if cfg.parallel.dp_mode == "zero":
         return 0  # DeepSpeed keeps one step counter per flat group
     p = stage_params(cfg, layout.tp, layout.pp, stage)
-    root = (stage == 0) + 2 * (stage == layout.pp - 1) - (cfg.model.tie_embeddings and layout.pp == 1)
+    root = (stage == 0) + 2 * (stage == head_stage(cfg, layout.pp)) - one_embedding(cfg, layout.pp)
     return (12 if cfg.model.attention_bias else 9) * p["num_layers"] + root
 
 

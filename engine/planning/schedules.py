@@ -32,35 +32,48 @@ from functools import lru_cache
 
 from engine.config import Config
 from engine.parallel import schedule as sched
-from engine.parallel.actions import Op
+from engine.parallel.actions import Op, virtual_stage
 from engine.parallel.pipeline import stage_layer_ranges
 from engine.planning import activations as acts
 from engine.planning.balance import layer_counts
 
-# What the planner searches when the config leaves the schedule open: 1F1B, interleaved with 2..4 virtual stages
-# and ZB-H1. GPipe is left out: the same makespan as 1F1B with m instead of pp - stage micro-batches held.
-SEARCHED = (("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("interleaved", 4), ("zero_bubble", 1))
+# What the planner searches when the config leaves the schedule open: 1F1B, interleaved with 2..4 virtual stages,
+# ZB-H1 and ZB-V. GPipe is left out: the same makespan as 1F1B with m instead of pp - stage micro-batches held.
+SEARCHED = (("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("interleaved", 4), ("zero_bubble", 1),
+            ("zbv", 2))
+ZERO_BUBBLE = ("zero_bubble", "zbv")  # the schedules that split B and W (and hold W state between them)
 
 
 def virtual_stages(cfg: Config) -> int:
-    """Model chunks per rank: parallel.virtual_stages under interleaved, else 1."""
-    return cfg.parallel.virtual_stages if cfg.parallel.schedule == "interleaved" else 1
+    """Model chunks per rank: parallel.virtual_stages under interleaved, 2 under zbv, else 1."""
+    return sched.chunks_per_rank(cfg.parallel.schedule, cfg.parallel.virtual_stages)
+
+
+def head_stage(cfg: Config, pp: int) -> int:
+    """The pipeline rank holding the final norm, LM head and loss: the last, or rank 0 in zbv's V."""
+    return 0 if sched.vshape(cfg.parallel.schedule) else pp - 1
+
+
+def one_embedding(cfg: Config, pp: int) -> bool:
+    """A tied embedding and LM head are one tensor: at pp = 1, or on rank 0 of zbv's V."""
+    return cfg.model.tie_embeddings and (pp == 1 or sched.vshape(cfg.parallel.schedule))
 
 
 def label(schedule: str, v: int) -> str:
-    """Short name for tables: 1f1b, gpipe, il-v2 (interleaved, 2 virtual stages), zb-h1."""
+    """Short name for tables: 1f1b, gpipe, il-v2 (interleaved, 2 virtual stages), zb-h1, zbv."""
     return {"interleaved": f"il-v{v}", "zero_bubble": "zb-h1"}.get(schedule, schedule)
 
 
 def rank_chunks(cfg: Config, pp: int, stage: int) -> list[tuple[int, int]]:
     """(virtual stage, layer count) of each model chunk rank ``stage`` holds, rank-local chunk c at index c.
     Interleaved: virtual stage g = c*pp + stage holds num_layers/(pp*v) layers (the split of
-    engine/parallel/virtual.py's chunk_layer_ranges); otherwise one chunk, the stage's layers."""
+    engine/parallel/virtual.py's chunk_layer_ranges), zbv: g = stage and 2pp-1-stage; otherwise one chunk, the
+    stage's layers."""
     v = virtual_stages(cfg)
     if v == 1:
         return [(stage, len(stage_layer_ranges(cfg.model.num_layers, pp, layer_counts(cfg, pp))[stage]))]
     n = cfg.model.num_layers // (pp * v)
-    return [(c * pp + stage, n) for c in range(v)]
+    return [(virtual_stage(pp, stage, c, sched.vshape(cfg.parallel.schedule)), n) for c in range(v)]
 
 
 def chunk_bytes(cfg: Config, tp: int, pp: int, stage: int) -> list[float]:
@@ -73,7 +86,7 @@ def chunk_bytes(cfg: Config, tp: int, pp: int, stage: int) -> list[float]:
 def w_state_bytes(cfg: Config, tp: int, pp: int, stage: int) -> list[float]:
     """Zero bubble: what one micro-batch holds from its B to its W besides its activations, per chunk (see the
     module docstring); 0 for the other schedules."""
-    if cfg.parallel.schedule != "zero_bubble":
+    if cfg.parallel.schedule not in ZERO_BUBBLE:
         return [0.0 for _ in rank_chunks(cfg, pp, stage)]
     m, t = cfg.model, cfg.train
     h, q, kvd, f = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.intermediate_size
@@ -166,4 +179,4 @@ def timeline(schedule: str, pp: int, micro_batches: int, v: int, fwd: float, bwd
     micro-batch on one virtual stage: fwd, bwd (whole backward), and zero bubble's bwd_input (B) and bwd_weight
     (W). Cached: layouts that differ only in their dp mode share their costs."""
     tables = [actions(schedule, pp, micro_batches, s, v) for s in range(pp)]
-    return sched.simulate_actions(tables, fwd, bwd, schedule, bwd_input, bwd_weight)
+    return sched.simulate_actions(tables, fwd, bwd, schedule, bwd_input, bwd_weight, sched.vshape(schedule))

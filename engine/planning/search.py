@@ -33,7 +33,7 @@ from engine.parallel.support import Layout, micro_batches_per_step, resolve_layo
 from engine.parallel.tensor import LAYER_PLAN
 from engine.parallel.support import check_supported, reshard_after_forward
 from engine.planning.planner import StageMemory, plan_memory, stage_params, with_layout
-from engine.planning.schedules import virtual_stages
+from engine.planning.schedules import head_stage, virtual_stages
 from engine.planning.balance import layer_counts
 
 
@@ -126,7 +126,7 @@ def stage_cost(cfg: Config, layout: Layout, hw: Hardware, stage: int) -> StageCo
     columns = len(LAYER_PLAN) - rows
     tp_bw, pp_bw = _bandwidth(hw, layout.tp), _bandwidth(hw, layout.world_size)
     params = stage_params(cfg, layout.tp, layout.pp, stage)
-    layers, first, last = params["num_layers"], stage == 0, stage == layout.pp - 1
+    layers, first, last = params["num_layers"], stage == 0, stage == head_stage(cfg, layout.pp)
     rate = hw.peak_tflops * 1e12 * hw.efficiency * layout.tp  # a tp rank does 1/tp of the stage's FLOPs
     compute = tokens * flops.stage_flops_per_token(m, t.seq_len, layers, last, t.activation_checkpointing) / rate
     fwd = tokens * flops.stage_flops_per_token(m, t.seq_len, layers, last) / 3 / rate
@@ -242,7 +242,7 @@ def layouts(cfg: Config, world_size: int, schedules: tuple[tuple[str, int], ...]
                 # interleaved splits the layers evenly into chunks; other pp keep no pp_layers of another pp
                 # (auto is a rule, not counts: it balances every pp)
                 same = pp == cfg.parallel.pp or cfg.parallel.pp_layers == "auto"
-                pp_layers = cfg.parallel.pp_layers if same and schedule != "interleaved" else []
+                pp_layers = cfg.parallel.pp_layers if same and schedule not in ("interleaved", "zbv") else []
                 for mbs in _divisors(gbs // dp):
                     for mode, stage, reshard, off in dp_modes(offload or cfg.parallel.offload, dp):
                         for ac in ("none", "full", "selective"):
