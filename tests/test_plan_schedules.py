@@ -12,7 +12,7 @@ import pytest
 
 from engine.config import load
 from engine.parallel import schedule as sched
-from engine.parallel.actions import Op
+from engine.parallel.actions import Op, virtual_stage
 from engine.parallel.pipeline import stage_layer_ranges
 from engine.parallel.schedule_interleaved import interleaved_order
 from engine.parallel.support import resolve_layout
@@ -51,14 +51,15 @@ def w_state(cfg, layers: int) -> float:
 def table_peak(cfg, pp: int, m: int, stage: int) -> float:
     """The most bytes the rank's action table keeps alive: the set of (micro-batch, chunk) pairs forwarded and not
     yet backwarded (BWD, or B under zero bubble), each at its own chunk's size, plus W states from B to W."""
-    v = cfg.parallel.virtual_stages
+    v, vshape = schedules.virtual_stages(cfg), sched.vshape(cfg.parallel.schedule)
     layers = cfg.model.num_layers // (pp * v) if v > 1 else len(stage_layer_ranges(cfg.model.num_layers, pp)[stage])
 
-    def size(chunk):  # the activations ledger of the chunk's layers, as virtual stage chunk*pp + stage of pp*v
-        return acts.micro_batch_bytes(cfg, 1, pp * v, chunk * pp + stage, layers)
+    def size(chunk):  # the activations ledger of the chunk's layers, as its virtual stage (chunk*pp + stage of
+        # pp*v; zbv: stage or 2pp-1-stage)
+        return acts.micro_batch_bytes(cfg, 1, pp * v, virtual_stage(pp, stage, chunk, vshape), layers)
 
     alive, waiting, peak = set(), set(), 0.0
-    for a in sched.build(cfg.parallel.schedule, pp, m, stage, v):
+    for a in sched.build(cfg.parallel.schedule, pp, m, stage, cfg.parallel.virtual_stages):
         pair = (a.mb, a.chunk)
         if a.op is Op.FWD:
             alive.add(pair)

@@ -4,38 +4,15 @@ and its planned bubble is the simulator's."""
 import pytest
 
 from engine.parallel import schedule as sched
-from engine.parallel.actions import Op, virtual_stage
 from engine.parallel.support import resolve_layout
-from engine.planning import activations as acts
 from engine.planning import schedules
 from engine.planning.planner import stage_memory, stage_params, with_layout
 from engine.planning.search import stage_cost, step_time
-from tests.test_plan_schedules import FREE_COMM, _model, w_state
+from tests.test_plan_schedules import FREE_COMM, _model, table_peak, w_state
 
 
 def zbv_cfg(pp: int, m: int, layers: int, **kw):
     return with_layout(_model(layers), pp=pp, dp=1, schedule="zbv", virtual_stages=1, global_batch_size=m, **kw)
-
-
-def v_table_peak(cfg, pp: int, m: int, stage: int) -> float:
-    """The most bytes rank `stage`'s zbv table keeps alive: each (micro-batch, chunk) from F to B at the size of its
-    virtual stage in the V (stage or 2pp-1-stage of 2pp), plus a W state per chunk micro-batch from B to W."""
-    layers = cfg.model.num_layers // (2 * pp)
-    alive, waiting, peak = set(), set(), 0.0
-    for a in sched.build("zbv", pp, m, stage):
-        pair = (a.mb, a.chunk)
-        if a.op is Op.FWD:
-            alive.add(pair)
-        elif a.op is Op.BWD_INPUT:
-            alive.remove(pair)
-            waiting.add(pair)
-        elif a.op is Op.BWD_WEIGHT:
-            waiting.remove(pair)
-        else:
-            continue
-        size = sum(acts.micro_batch_bytes(cfg, 1, 2 * pp, virtual_stage(pp, stage, c, True), layers) for _, c in alive)
-        peak = max(peak, size + len(waiting) * w_state(cfg, layers))
-    return peak
 
 
 @pytest.mark.parametrize("pp,m", [(2, 2), (2, 4), (2, 7), (3, 6), (4, 4), (4, 8), (4, 12)])
@@ -44,7 +21,7 @@ def test_activations_in_flight_are_the_v_tables(pp, m):
     for stage in range(pp):
         planned = stage_memory(cfg, pp, stage)
         assert planned.in_flight == sched.max_in_flight(sched.build("zbv", pp, m, stage)), stage
-        assert planned.activations == pytest.approx(v_table_peak(cfg, pp, m, stage), rel=1e-12), stage
+        assert planned.activations == pytest.approx(table_peak(cfg, pp, m, stage), rel=1e-12), stage
 
 
 @pytest.mark.parametrize("pp", [2, 4])
