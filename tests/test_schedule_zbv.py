@@ -141,3 +141,31 @@ def test_virtual_stages_are_implied(v, ok):
     else:
         with pytest.raises(ValueError, match=r"virtual_stages=3: zbv runs 2 chunks per rank, implied"):
             build("zbv", 4, 8, 0, v)
+
+
+def naive_zbv(pp: int, m: int, stage: int) -> list[Action]:
+    """torch's compute order with each receive right before its compute and each send right after it (the
+    placement of the other tables): the fixture showing why schedule_zbv places messages by a timed run."""
+    from engine.parallel.actions import backward_actions, forward_actions
+    from engine.parallel.schedule_zbv import zbv_order
+    out: list[Action] = []
+    for a in zbv_order(pp, m, stage):
+        if a.op is Op.FWD:
+            out += forward_actions(pp, stage, a.mb, a.chunk, 2, vshape=True)
+        elif a.op is Op.BWD_INPUT:
+            out += backward_actions(pp, stage, a.mb, a.chunk, 2, Op.BWD_INPUT, vshape=True)
+        else:
+            out.append(a)
+    return out
+
+
+def test_naive_placement_fails_under_nccl_rules():
+    """The same compute order with receives right before and sends right after each compute: at pp = 2, m = 4 the
+    channel 0 -> 1 carries chunk 0's forwards and chunk 1's backward gradients, posted in another order than rank
+    1 takes them; at m <= pp it deadlocks under rendezvous sends. The placed table finishes both."""
+    with pytest.raises(RuntimeError, match=r"stage 1 recvB0.1 matched sendF2 of stage 0: the two post in different"):
+        simulate_actions([naive_zbv(2, 4, s) for s in range(2)], vshape=True)
+    with pytest.raises(RuntimeError, match=r"^deadlock: "):
+        simulate_actions([naive_zbv(4, 4, s) for s in range(4)], vshape=True)
+    simulate("zbv", 2, 4)
+    simulate("zbv", 4, 4)
