@@ -227,7 +227,7 @@ def _combo(tp=1, pp=1, dp=1, mode="ddp", schedule=None, dtype="fp32", tied=False
 def resume_scenarios() -> list[Resume]:
     """One source per dp_mode family (ddp, fsdp, zero 1/2/3), each resumed at another layout and mode; gpipe, pp4,
     tp4, bf16 and tied embeddings appear on one side or the other; most run with clipping off. Two more move
-    between the interleaved (v=2) and zero-bubble schedules."""
+    between the interleaved (v=2) and zero-bubble schedules, one from zbv (tied) to 1f1b."""
     return [
         Resume(_combo(dp=2, mode="ddp", pp=2, schedule="gpipe"), _combo(tp=4, mode="fsdp-reshard")),
         Resume(_combo(pp=4, mode="ddp", tied=True, clip=True), _combo(tp=2, dp=2, mode="zero1", tied=True)),
@@ -241,5 +241,7 @@ def resume_scenarios() -> list[Resume]:
         # Checkpoints name layers globally, so the schedule and its virtual stages change freely on resume.
         Resume(_combo(pp=2, dp=2, schedule="interleaved", tied=True), _combo(pp=4, schedule="zero_bubble")),
         Resume(_combo(pp=4, schedule="zero_bubble"), _combo(pp=2, tp=2, schedule="interleaved")),
+        # zbv's V: a tied embedding is one parameter on rank 0, a copy on the last stage elsewhere
+        Resume(_combo(pp=2, dp=2, schedule="zbv", tied=True), _combo(pp=2, dp=2, schedule="1f1b", tied=True)),
     ]
 
