@@ -7,7 +7,7 @@
 
 Layouts are (tp, pp, dp, dp mode, micro-batch size, activation checkpointing, pipeline schedule); the config fixes
 the model, sequence length and dtype. The schedule is searched too (1f1b, interleaved with 2-4 virtual stages,
-zero_bubble: engine/planning/schedules.py SEARCHED) unless the config file or the command line sets
+zero_bubble, zbv: engine/planning/schedules.py SEARCHED) unless the config file or the command line sets
 parallel.schedule or parallel.virtual_stages, e.g. `--parallel.schedule interleaved --parallel.virtual_stages 2`.
 With `--parallel.pp_layers auto` every pp is planned with its balanced split (engine/planning/balance.py; the
 --json rows give each layout's pp_layers), else with the even one.
@@ -161,7 +161,7 @@ def main(argv: list[str]) -> int:
         raise ArgumentError(f"no layout fits in --device-memory={args.device_memory:g} GB; the smallest needs "
                             f"{best.peak_bytes / 1e9:.1f} GB ({best.describe()['dp_mode']}, tp={best.layout.tp}, "
                             f"pp={best.layout.pp}, micro-batch {best.cfg.train.micro_batch_size})")
-    what = ("schedules 1f1b, il-v2..4 (interleaved, v virtual stages), zb-h1 (zero_bubble)" if schedules
+    what = ("schedules 1f1b, il-v2..4 (interleaved, v virtual stages), zb-h1 (zero_bubble), zbv" if schedules
             else "schedule " + cfg.parallel.schedule
             + (f" with {cfg.parallel.virtual_stages} virtual stages" if cfg.parallel.schedule == "interleaved" else ""))
     print(f"{cfg.model.name}: seq_len {cfg.train.seq_len}, global batch {cfg.train.global_batch_size}, "
