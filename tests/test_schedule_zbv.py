@@ -169,3 +169,46 @@ def test_naive_placement_fails_under_nccl_rules():
         simulate_actions([naive_zbv(4, 4, s) for s in range(4)], vshape=True)
     simulate("zbv", 2, 4)
     simulate("zbv", 4, 4)
+
+
+# ---- parallel.schedule: zbv in the config: what it needs, refused in one line naming the value ----
+
+def _cfg(**parallel):
+    from engine.config import Config
+    cfg = Config()  # 4 layers
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
+    return cfg
+
+
+@pytest.mark.parametrize("parallel,world,needle", [
+    ({"pp": 1, "schedule": "zbv"}, 1, "parallel.schedule=zbv needs parallel.pp >= 2"),
+    ({"pp": 4, "schedule": "zbv"}, 4, "parallel.schedule=zbv splits model.num_layers=4 into 2*pp=8 equal chunks"),
+    ({"pp": 2, "schedule": "zbv", "pp_layers": [1, 3]}, 2,
+     "parallel.pp_layers=[1, 3] is not supported with schedule=zbv"),
+    ({"pp": 2, "schedule": "zbv", "virtual_stages": 3}, 2,
+     "parallel.virtual_stages=3 with schedule=zbv: its 2 chunks per rank are implied"),
+    ({"pp": 2, "schedule": "zbv", "dp_mode": "fsdp"}, 4, "parallel.schedule=zbv with parallel.dp_mode=fsdp is not "
+     "supported (the gradient sync would have to follow each of its 2 chunks' last W); use dp_mode=ddp"),
+])
+def test_config_refusals_name_the_value(parallel, world, needle):
+    from engine.config import ConfigError
+    from engine.parallel.support import resolve_layout
+    with pytest.raises(ConfigError) as e:
+        resolve_layout(_cfg(**parallel), world)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_config_accepts_zbv_with_implied_chunks_and_few_micro_batches():
+    from engine.parallel.support import resolve_layout
+    for v in (1, 2):
+        assert resolve_layout(_cfg(pp=2, schedule="zbv", virtual_stages=v), 2).pp == 2
+    cfg = _cfg(pp=2, schedule="zbv")
+    cfg.train.global_batch_size = cfg.train.micro_batch_size  # m = 1 < pp: torch runs it, so does the V
+    assert resolve_layout(cfg, 2).pp == 2
+
+
+def test_grad_compression_refused_with_zbv():
+    from engine.config import ConfigError, load
+    with pytest.raises(ConfigError, match=r"grad_compression=bf16 is not supported with parallel.schedule=zbv"):
+        load(["--parallel.schedule", "zbv", "--parallel.grad_compression", "bf16"])
