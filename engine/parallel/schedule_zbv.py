@@ -1,22 +1,25 @@
-"""Zero-bubble pipeline schedule ZB-V (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", Sec. 6, Fig. 8), in the
-order of torch.distributed.pipelining's ScheduleZBVZeroBubble.
+"""Zero-bubble pipeline schedule ZB-V (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", Sec. 6), in the order
+of torch.distributed.pipelining's ScheduleZBVZeroBubble.
 
 Each rank holds 2 model chunks placed in a V (engine/parallel/actions.py): rank r runs virtual stages r (chunk 0)
 and 2p-1-r (chunk 1), so a micro-batch goes down the ranks on chunk 0, turns on rank p-1 (a local hand-off) and
 comes back up on chunk 1 to rank 0, which holds the embedding and the loss. The backward is split into B (input
-gradient) and W (weight gradient) as in ZB-H1 (schedule_zb.py). With F = B = W the V's warmup fills every bubble:
-the paper's schedule has none, at the same peak activation memory as 1F1B (2p chunk micro-batches of half a
-stage each, Sec. 6), and the first and last chunk on one rank also puts embedding and head on one rank.
+gradient) and W (weight gradient) as in ZB-H1 (schedule_zb.py). Every rank holds at most 2p chunk micro-batches
+of half a stage each: 1F1B's peak (p stage micro-batches, on its first stage). With F = B = W per chunk this order
+leaves each rank idle (p-1) F (rank r starts r late and ends p-1-r early; simulated, tests/test_schedule_zbv.py):
+half of ZB-H1's (p-1)(F+B-W) on stages of twice the chunk; torch: zero bubble "only if time forward == time
+backward input == time backward weights", and other ratios leave more.
 
 Compute order (torch's ``_calculate_single_rank_operations``, with n = max(2p-1, m) and micro-batches >= m then
-dropped): rank r waits r slots, runs 2(p-r)-1 forwards of chunk 0, then r pairs (F chunk 1, F chunk 0), then p-r
+dropped; torch pads rank r with r idle slots first): rank r runs 2(p-r)-1 forwards of chunk 0, then r pairs (F chunk 1, F chunk 0), then p-r
 (F, B, W) of chunk 1; the steady state repeats F0 B0 W0 F1 B1 W1 (the F0 while chunk 0 has forwards left);
 the cooldown runs r pairs (B0, B1), p-r pairs (B0, W0), then the W's of chunk 1 and those of chunk 0 left over.
 
-Communication, as in the other tables: each receive right before the compute that needs it, each send right after
-the compute that produced it; consecutive comm actions form one batch (actions.steps). The simulator
-(schedule_sim, NCCL's rendezvous rules) finds this deadlock-free for every pp and m that build() accepts
-(tests/test_schedule_deadlock.py).
+Communication is placed from a run of that order (zbv below), not as the other tables place it (each receive
+right before its compute, each send right after): in the V, channel r -> r+1 carries both chunk 0's forwards and
+chunk 1's backward gradients, which that placement posts in different orders on the two ranks (and at m <= p it
+deadlocks under rendezvous sends). The simulator (schedule_sim, NCCL's rules) finds the placed tables complete for
+every pp and m that build() accepts (tests/test_schedule_zbv.py, tests/test_schedule_deadlock.py).
 """
 from __future__ import annotations
 
