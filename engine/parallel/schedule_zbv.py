@@ -11,9 +11,10 @@ half of ZB-H1's (p-1)(F+B-W) on stages of twice the chunk; torch: zero bubble "o
 backward input == time backward weights", and other ratios leave more.
 
 Compute order (torch's ``_calculate_single_rank_operations``, with n = max(2p-1, m) and micro-batches >= m then
-dropped; torch pads rank r with r idle slots first): rank r runs 2(p-r)-1 forwards of chunk 0, then r pairs (F chunk 1, F chunk 0), then p-r
-(F, B, W) of chunk 1; the steady state repeats F0 B0 W0 F1 B1 W1 (the F0 while chunk 0 has forwards left);
-the cooldown runs r pairs (B0, B1), p-r pairs (B0, W0), then the W's of chunk 1 and those of chunk 0 left over.
+dropped; torch pads rank r with r idle slots first): rank r runs 2(p-r)-1 forwards of chunk 0, then r pairs
+(F chunk 1, F chunk 0), then p-r (F, B, W) of chunk 1; the steady state repeats F0 B0 W0 F1 B1 W1 (the F0 while
+chunk 0 has forwards left); the cooldown runs r pairs (B0, B1), p-r pairs (B0, W0), then the W's of chunk 1 and
+those of chunk 0 left over.
 
 Communication is placed from a run of that order (zbv below), not as the other tables place it (each receive
 right before its compute, each send right after): in the V, channel r -> r+1 carries both chunk 0's forwards and
