@@ -212,3 +212,25 @@ def test_grad_compression_refused_with_zbv():
     from engine.config import ConfigError, load
     with pytest.raises(ConfigError, match=r"grad_compression=bf16 is not supported with parallel.schedule=zbv"):
         load(["--parallel.schedule", "zbv", "--parallel.grad_compression", "bf16"])
+
+
+# ---- The V's stage split (engine/parallel/virtual.py, pipeline.split_stage) ----
+
+def test_v_split_keeps_global_names_and_puts_embedding_and_head_on_rank_0():
+    """8 layers at pp = 2: rank 0 holds layers 0,1 (chunk 0) and 6,7 (chunk 1) with the embedding, the final norm
+    and the LM head (tied: one parameter); rank 1 holds 2,3 and 4,5 and neither."""
+    from engine.config import ModelConfig
+    from engine.model import transformer
+    from engine.parallel.pipeline import split_stage
+    from engine.parallel.virtual import chunk_layer_ranges, model_chunks
+    assert chunk_layer_ranges(8, 2, 2, vshape=True) == [[range(0, 2), range(6, 8)], [range(2, 4), range(4, 6)]]
+    cfg = ModelConfig(num_layers=8, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                      vocab_size=128, tie_embeddings=True)
+    stages = [split_stage(transformer.build(cfg, device="meta"), 2, r, None, 2, vshape=True) for r in range(2)]
+    assert [sorted(map(int, s.model.layers.keys())) for s in stages] == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert stages[0].lm_head.weight is stages[0].model.embed_tokens.weight and stages[0].model.norm is not None
+    assert stages[1].lm_head is None and stages[1].model.embed_tokens is None and stages[1].model.norm is None
+    first, last = model_chunks(stages[0], 2, 0, 2, vshape=True)
+    assert (first.embed_tokens, first.lm_head) == (stages[0].model.embed_tokens, None)
+    assert (last.embed_tokens, last.lm_head) == (None, stages[0].lm_head)
+    assert all(c.embed_tokens is None and c.lm_head is None for c in model_chunks(stages[1], 2, 1, 2, vshape=True))
