@@ -106,7 +106,6 @@ class DDP(TorchOptimizerMixin, DataParallel):
         super().__init__(cfg, ctx)
         self.module = model
         self.chunks = model_chunks(model, ctx.pp, ctx.pp_rank, *chunking(cfg.parallel))
-        shared_by_chunks(self.chunks)
         # Every rank built the same weights and buffers (engine/model/init.py): no start-up broadcast, and no
         # buffer broadcast before each forward (a collective the pipeline schedule does not expect). At dp 1 there
         # is nothing to reduce: no wrapper (its buckets would copy every gradient and its hooks run for nothing).
@@ -138,7 +137,10 @@ class DDP(TorchOptimizerMixin, DataParallel):
 
     def reduce_gradients(self) -> None:
         """Average over dp the gradients of every chunk whose reducer did not run in this step's backward."""
-        seen: set[int] = set()  # a weight two chunks share (ZB-V's tied embedding) is reduced once
+        # A weight two chunks share (ZB-V's tied embedding, rank 0's chunks 0 and 1) is reduced once, not twice.
+        # Both chunks' DDPs hold it, but no reducer runs under zbv (no backward completes a gradient), so
+        # neither owns its .grad: this reduction is the only one.
+        seen: set[int] = set()
         for chunk, ddp in enumerate(self.ddps):
             if chunk not in self.armed and self.ctx.dp > 1:
                 grads = [p.grad for p in ddp.module.parameters() if p.grad is not None and id(p) not in seen]
@@ -152,18 +154,6 @@ class DDP(TorchOptimizerMixin, DataParallel):
 
     def checkpoint_state(self):
         return TorchState(self.module, self.optimizer, self.ctx, fsdp=False)
-
-
-def shared_by_chunks(chunks: list) -> None:
-    """Leave a parameter that an earlier chunk holds out of a later chunk's DDP: ZB-V's rank 0 holds the embedding
-    (chunk 0) and the LM head (chunk 1), one parameter when tied; two DDPs over it would both own its gradient."""
-    seen: set[int] = set()
-    for chunk in chunks[1:] if len(chunks) > 1 else []:
-        seen.update(id(p) for p in chunks[0].parameters())
-        names = [n for n, p in chunk.named_parameters() if id(p) in seen]
-        if names:
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(chunk, names)
-        seen.update(id(p) for p in chunk.parameters())
 
 
 def all_reduce_mean(grads: list[torch.Tensor], group, bucket_mb: float) -> None:
