@@ -6,25 +6,33 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.errors import ConfigError
-from engine.parallel.dp import MODES as DP_MODES
-from engine.parallel.dp.ds_json import DEFAULTS as DS_STAGES, offload_of, read_user_config
+from engine.parallel import dp
+from engine.parallel.schedule import SCHEDULES
 
 if TYPE_CHECKING:
     from engine.config import Config
 
 CHOICES = {
-    "parallel.dp_mode": DP_MODES,  # the registry itself, so that a mode registered at run time is accepted
+    "parallel.dp_mode": dp.MODES,  # the registries themselves, so that a kind registered at run time is accepted
     "parallel.grad_compression": ("none", "bf16", "fp16", "powersgd"),
-    "parallel.schedule": ("1f1b", "gpipe", "interleaved", "zero_bubble", "zbv"),
+    "parallel.schedule": SCHEDULES,
     "parallel.backend": ("auto", "gloo", "nccl"),
     "parallel.p2p_dtype": ("auto", "bf16"),
     "parallel.reshard_after_forward": ("auto", "true", "false"),
     "parallel.offload": ("none", "optimizer", "optimizer_and_params"),
+    "parallel.cp_mode": ("ring", "all_to_all"),
     "train.dtype": ("fp32", "bf16"),
-    "train.activation_checkpointing": ("none", "full", "selective"),  # true/false read as full/none (config.py)
-    "model.family": ("llama", "qwen2", "mistral"),
     "model.rope_scaling": ("none", "linear", "llama3"),
 }
+
+
+def choices() -> dict:
+    """CHOICES and the registries of engine/model/, read when a config is checked: recompute.py MODES (true/false
+    read as full/none, config.py) and families.py ARCHITECTURES (imported here, not at module level: families
+    reads engine.config, which imports this module). Neither imports torch."""
+    from engine.model.families import ARCHITECTURES
+    from engine.model.recompute import MODES as RECOMPUTE_MODES
+    return {**CHOICES, "train.activation_checkpointing": RECOMPUTE_MODES, "model.family": ARCHITECTURES}
 
 
 def _positive(cfg: Config, keys: list[str]) -> None:
@@ -37,13 +45,14 @@ def _positive(cfg: Config, keys: list[str]) -> None:
 
 def validate(cfg: Config) -> None:
     """Checks that need no world size; the layout is checked by engine/parallel/support.py."""
-    for dotted, choices in CHOICES.items():
+    for dotted, valid in choices().items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
-        if value not in choices:
-            raise ConfigError(f"{dotted}={value!r} is not one of {', '.join(choices)}")
+        if value not in valid:
+            raise ConfigError(f"{dotted}={value!r} is not one of {', '.join(valid)}")
     _positive(cfg, ["model.vocab_size", "model.hidden_size", "model.intermediate_size", "model.num_layers",
                     "model.num_heads", "model.num_kv_heads", "model.rope_theta", "parallel.tp", "parallel.pp",
+                    "parallel.cp",
                     "parallel.timeout_s",
                     "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
                     "log.every", "train.eval_batches"])
@@ -100,52 +109,28 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_dp(cfg: Config) -> None:
-    """The keys that belong to one dp mode: a key of another mode set away from its default is refused rather than
-    silently ignored."""
-    p = cfg.parallel
-    if cfg.train.compile and p.dp_mode == "zero":  # untested: DeepSpeed's hooks on every module
-        raise ConfigError("train.compile=true is not supported with parallel.dp_mode=zero; use dp_mode ddp or fsdp, "
-                          "or train.compile=false")
-    _validate_offload(cfg)
-    if p.ds_config:
-        if p.dp_mode != "zero":
-            raise ConfigError(f"parallel.ds_config={p.ds_config!r} is read only with parallel.dp_mode=zero "
-                              f"(got {p.dp_mode}); remove it or set dp_mode=zero")
-        read_user_config(p.ds_config)  # a missing or bad file fails now, before any rank starts
-    if p.dp_mode == "zero" and p.zero_stage in DS_STAGES:
-        offload_of(p.zero_stage, p.ds_config or None, p.offload)  # the file and parallel.offload agree
-    if p.grad_compression != "none" and p.dp_mode != "ddp":
-        raise ConfigError(f"parallel.grad_compression={p.grad_compression} is a DDP communication hook and needs "
-                          f"parallel.dp_mode=ddp (got {p.dp_mode}); use grad_compression=none")
-    if p.grad_compression != "none" and p.schedule in ("zero_bubble", "zbv"):  # reduced after the last W, unhooked
-        raise ConfigError(f"parallel.grad_compression={p.grad_compression} is not supported with parallel.schedule="
-                          f"{p.schedule} (DDP's reducer does not run there: the gradients are all-reduced after the "
-                          f"last W); use grad_compression=none, or schedule 1f1b or interleaved")
+    """What the dp mode's DpModeSpec declares (engine/parallel/dp/__init__.py): whether it compiles and offloads,
+    the keys only another mode reads (set away from their default: refused rather than silently ignored), and its
+    own checks."""
+    from engine.config import ParallelConfig  # engine.config imports this module
+    p, mode = cfg.parallel, dp.spec(cfg)
+    if cfg.train.compile and not mode.compile:
+        compiled = " or ".join(name for name, s in dp.MODES.items() if s.compile)
+        raise ConfigError(f"train.compile=true is not supported with parallel.dp_mode={p.dp_mode}; use dp_mode "
+                          f"{compiled}, or train.compile=false")
+    if p.offload != "none" and mode.offload == ("none",):
+        honour = " or ".join(name for name, s in dp.MODES.items() if p.offload in s.offload)
+        raise ConfigError(f"parallel.offload={p.offload} needs parallel.dp_mode {honour} (got {p.dp_mode}); "
+                          f"use offload=none with {p.dp_mode}")
+    dp.check_owned_keys(cfg, ParallelConfig())
+    if mode.check is not None:
+        mode.check(cfg)
     if p.bucket_mb <= 0:
         raise ConfigError(f"parallel.bucket_mb={p.bucket_mb} must be > 0 (DDP's gradient bucket size in MB)")
     if p.powersgd_rank < 1:
         raise ConfigError(f"parallel.powersgd_rank={p.powersgd_rank} must be >= 1")
     if p.powersgd_warmup_steps < 2:  # PowerSGD's error feedback and warm start need two plain steps first (torch)
         raise ConfigError(f"parallel.powersgd_warmup_steps={p.powersgd_warmup_steps} must be >= 2")
-
-
-def _validate_offload(cfg: Config) -> None:
-    """parallel.offload against the dp mode: only zero and fsdp have an offload, ZeRO's parameter offload is
-    stage 3's, and FSDP2's CPUOffloadPolicy moves parameters, gradients and the step together."""
-    p = cfg.parallel
-    if p.offload == "none":
-        return
-    if p.dp_mode not in ("zero", "fsdp"):
-        raise ConfigError(f"parallel.offload={p.offload} needs parallel.dp_mode zero or fsdp (got {p.dp_mode}); "
-                          f"use offload=none with {p.dp_mode}")
-    if p.dp_mode == "fsdp" and p.offload != "optimizer_and_params":
-        raise ConfigError(f"parallel.offload={p.offload} with parallel.dp_mode=fsdp is not available (FSDP2's "
-                          f"CPUOffloadPolicy offloads parameters, gradients and the step together); use "
-                          f"offload=optimizer_and_params, or dp_mode=zero for the optimizer alone")
-    if p.dp_mode == "zero" and p.offload == "optimizer_and_params" and p.zero_stage != 3:
-        raise ConfigError(f"parallel.offload=optimizer_and_params needs parallel.zero_stage=3 (DeepSpeed offloads "
-                          f"parameters only in ZeRO-3; got zero_stage={p.zero_stage}); use offload=optimizer, or "
-                          f"zero_stage=3")
 
 
 def _validate_families(cfg: Config) -> None:

@@ -3,7 +3,8 @@
 Sharded checkpoints (engine/checkpoint/state.py) locate DeepSpeed's fp32 master partitions and Adam moments through its
 ZeRO optimizer's internals (``single_partition_of_fp32_groups``, ``param._hp_mapping``, ``ds_tensor``, ...);
 ZeRO.all_reduce_grad reads the gradient attribute DeepSpeed accumulates into; memory accounting
-(engine/metrics/memory.py) reads FSDP2's per-parameter records (``module._get_fsdp_state()._fsdp_param_groups``). None of
+(engine/metrics/memory.py) reads FSDP2's per-parameter records (``module._get_fsdp_state()._fsdp_param_groups``), and
+zero bubble's FSDP runs their ``post_backward`` by hand after a chunk's last W (engine/parallel/dp/fsdp.py). None of
 these is public API. They were read from the releases in ``TESTED``; a release that renames one fails through
 ``private`` with one line naming the attribute, the installed version and the tested one (a ConfigError: the
 launcher prints it and exits 2) instead of an AttributeError deep inside a save or a step.

@@ -28,15 +28,15 @@ from engine.metrics.stepstats import StepStats
 from engine.metrics.tensorboard import build_sinks
 from engine.model import transformer as model_lib
 from engine.model.compile import apply_compile
-from engine.model.docmask import document_layout
 from engine.model.hf_init import adopt_shape, load_weights
 from engine.model.init import materialize
 from engine.model.recompute import apply_activation_checkpointing
 from engine.optim import lr_at
 from engine.parallel import dp as dp_lib
-from engine.parallel import schedule as sched
-from engine.parallel import tied
+from engine.parallel import schedule as sched, tied
 from engine.parallel.context import ParallelContext
+from engine.parallel.cp.apply import apply_context_parallel
+from engine.parallel.cp.inputs import micro_batch_inputs
 from engine.parallel.pipeline import PipelineExecutor, split_stage
 from engine.parallel.support import micro_batches_per_step, resolve_layout
 from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
@@ -58,6 +58,7 @@ def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
     model = model_lib.build(cfg.model, device="meta")
     split_stage(model, ctx.pp, ctx.pp_rank, layer_counts(cfg, ctx.pp), *sched.chunking(cfg.parallel))
     apply_tensor_parallel(model, ctx.tp_group, cfg.parallel.sequence_parallel)
+    apply_context_parallel(model, cfg.parallel.cp_mode, ctx.group("cp"), ctx.size("cp"))  # attention across cp
     materialize(model, ctx.device, cfg.train.seed, cfg.model.init_std)
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if cfg.train.compile:  # after activation checkpointing, before data parallelism (engine/model/compile.py)
@@ -86,12 +87,12 @@ class Trainer:
             print(self.feed.describe(), flush=True)
             if cfg.parallel.pp_layers == "auto" and ctx.pp > 1:  # the split chosen by cost (planning/balance.py)
                 print(describe_split(cfg, ctx.pp), flush=True)
-        # Between stages: (b, s, h), or (b, s/tp, h) under sequence parallelism (the residual stream is sharded),
-        # in parallel.p2p_dtype: the weights' dtype (auto), or bf16, half the p2p bytes of fp32 weights. A stage
-        # casts its input back to its weights' dtype (stage_forward; under ZeRO bf16 the weights are bf16).
+        # Between stages: (b, s/cp, h), or (b, s/(cp tp), h) under sequence parallelism (the residual stream is
+        # sharded), in parallel.p2p_dtype: the weights' dtype (auto), or bf16, half the p2p bytes of fp32 weights.
+        # A stage casts its input back to its weights' dtype (stage_forward; under ZeRO bf16 the weights are bf16).
         p = cfg.parallel
         self.param_dtype = next(self.model.parameters()).dtype
-        s_local = t.seq_len // ctx.tp if p.sequence_parallel else t.seq_len
+        s_local = t.seq_len // ctx.size("cp") // (ctx.tp if p.sequence_parallel else 1)
         shape, dtype = (t.micro_batch_size, s_local, cfg.model.hidden_size), wire_dtype(p.p2p_dtype, self.param_dtype)
         self.stats = StepStats(cfg, ctx)  # throughput, MFU, memory, time per phase (metrics.jsonl)
         self.executor = PipelineExecutor(ctx, p.schedule, self.micro_batches, shape, dtype,
@@ -130,18 +131,16 @@ class Trainer:
         return self.dp.optimizer
 
     def run_schedule(self, executor: PipelineExecutor, local_batch: torch.Tensor | None, **kwargs) -> torch.Tensor:
-        """Run ``executor`` on this rank's share of a global batch (None on middle stages unless
-        data.document_mask). local_batch:
-        (B/dp, s+1) token ids. Each micro-batch's mean loss is divided by the number of micro-batches, so the sum
-        is the mean over this rank's tokens; returned (detached) on every stage via a pp all-reduce."""
+        """Run ``executor`` on this rank's share of a global batch (None on middle stages unless data.document_mask).
+        local_batch: (B/dp, s+1) token ids. Each micro-batch's mean loss is divided by the number of micro-batches,
+        so the sum is the mean over this rank's tokens; returned (detached) on every stage via a pp all-reduce."""
         ctx = self.ctx
         micro = [] if local_batch is None else \
             [m.to(ctx.device, non_blocking=True) for m in local_batch.split(self.cfg.train.micro_batch_size)]
-        inputs, labels = [m[:, :-1] for m in micro], [m[:, 1:] for m in micro]  # (mbs, s) each
-        extra = None
-        if self.cfg.data.document_mask:  # per micro-batch {position_ids, doc_ids}, (mbs, s) each
-            eos = self.tokenizer.eos_token_id
-            extra = [dict(zip(("position_ids", "doc_ids"), document_layout(x, eos))) for x in inputs]
+        # (mbs, s/cp) inputs and labels each, and the forward's RoPE positions and document ids (cp/inputs.py)
+        eos = self.tokenizer.eos_token_id if self.cfg.data.document_mask else None
+        inputs, labels, extra = micro_batch_inputs(micro, self.micro_batches, eos, ctx.size("cp"),
+                                                   ctx.axis_rank("cp"), self.cfg.train.seq_len, ctx.device)
 
         def loss_fn(logits: torch.Tensor, mb: int) -> torch.Tensor:
             return vocab_parallel_cross_entropy(logits, labels[mb], ctx.tp_group) / self.micro_batches
@@ -164,7 +163,7 @@ class Trainer:
         """Accumulate the gradient of this rank's share of the global batch; returns its mean loss."""
         backward = self.stats.timer.wrap("backward", self.dp.backward)
         loss = self.run_schedule(self.executor, local_batch, before_backward=self.before_backward,
-                                 backward=backward)
+                                 backward=backward, last_weight=self.dp.last_weight)
         self.sync_tied_embedding()
         return loss
 
@@ -178,11 +177,15 @@ class Trainer:
         self.stats.timer.discard()  # evaluation is not part of the next step's breakdown
         if not losses:
             return None
-        loss = torch.stack(losses).mean()
-        if self.ctx.dp > 1:
-            dist.all_reduce(loss, group=self.ctx.dp_group)
-            loss = loss / self.ctx.dp
-        return loss.item()
+        return self.mean_over_data(torch.stack(losses).mean()).item()
+
+    def mean_over_data(self, loss: torch.Tensor) -> torch.Tensor:
+        """A rank's mean loss -> the mean over dp x cp: each cp rank's mean is over the same number (s/cp) of its
+        row's tokens, so the cp mean is the whole sequence's."""
+        if self.ctx.grad_size > 1:
+            dist.all_reduce(loss, group=self.ctx.grad_group)
+            loss = loss / self.ctx.grad_size
+        return loss
 
     def before_backward(self, mb: int, is_last: bool, chunk: int = 0) -> None:
         """Before each micro-batch's backward: the dp mode reduces a chunk's gradients only in its last one."""
@@ -204,10 +207,7 @@ class Trainer:
         """One optimizer step on one global batch; returns the step's metrics (loss is the global-batch mean)."""
         ctx, t = self.ctx, self.cfg.train
         start = time.perf_counter()
-        loss = self.forward_backward(local_batch)
-        if ctx.dp > 1:
-            dist.all_reduce(loss, group=ctx.dp_group)
-            loss = loss / ctx.dp
+        loss = self.mean_over_data(self.forward_backward(local_batch))
         # The loss is now the global-batch mean on every rank (pp and dp all-reduced; tp peers compute it
         # identically), so every rank takes the same decision.
         loss_value = loss.item()

@@ -27,7 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from engine.config import ConfigError, load  # noqa: E402
+from engine.config import ConfigError, ParallelConfig, load  # noqa: E402
+from engine.parallel.schedule import SCHEDULES  # noqa: E402
 from engine.planning.flops import peak_tflops  # noqa: E402
 from engine.planning.schedules import SEARCHED, label  # noqa: E402
 from engine.planning.search import Hardware, search  # noqa: E402
@@ -114,7 +115,7 @@ def searched_schedules(args: argparse.Namespace, cfg) -> tuple | None:
     """None (plan the config's schedule) when the config file or the command line sets one, else SEARCHED."""
     given = [a.split("=")[0].lstrip("-") for a in config_argv(args)]
     if any(key in given for key in SCHEDULE_KEYS) or (cfg.parallel.schedule, cfg.parallel.virtual_stages) != \
-            ("1f1b", 1):
+            (ParallelConfig.schedule, ParallelConfig.virtual_stages):  # not the defaults
         return None
     return SEARCHED
 
@@ -146,8 +147,9 @@ def main(argv: list[str]) -> int:
     schedules, refused = searched_schedules(args, cfg), []
     plans = search(cfg, args.world_size, hw, schedules, refused)
     if not plans and schedules is None and refused:  # the schedule given: say why support.check_schedule refused it
-        # (interleaved: from a pipelined layout; its pp = 1 refusal only says that pp must be >= 2)
-        piped = [msg for layout, msg in refused if layout.pp > 1] if cfg.parallel.schedule == "interleaved" else []
+        # (a chunked one, interleaved or zbv: from a pipelined layout; its pp = 1 refusal only says pp must be >= 2)
+        spec = SCHEDULES[cfg.parallel.schedule]
+        piped = [msg for layout, msg in refused if layout.pp > 1] if spec.chunks or spec.vshape else []
         raise ArgumentError((piped or [msg for _, msg in refused])[0])
     if not plans:
         raise ArgumentError(f"no valid layout of {cfg.model.name} on --world-size={args.world_size} with global "
@@ -163,7 +165,8 @@ def main(argv: list[str]) -> int:
                             f"pp={best.layout.pp}, micro-batch {best.cfg.train.micro_batch_size})")
     what = ("schedules 1f1b, il-v2..4 (interleaved, v virtual stages), zb-h1 (zero_bubble), zbv" if schedules
             else "schedule " + cfg.parallel.schedule
-            + (f" with {cfg.parallel.virtual_stages} virtual stages" if cfg.parallel.schedule == "interleaved" else ""))
+            + (f" with {cfg.parallel.virtual_stages} virtual stages" if SCHEDULES[cfg.parallel.schedule].chunks
+               else ""))
     print(f"{cfg.model.name}: seq_len {cfg.train.seq_len}, global batch {cfg.train.global_batch_size}, "
           f"{cfg.train.dtype}, {what}; {args.world_size} devices of {args.device_memory:g} GB, "
           f"{hw.peak_tflops:g} TFLOP/s at {hw.efficiency:.0%}; {len(fitting)} of {len(plans)} valid layouts fit")

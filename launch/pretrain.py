@@ -32,7 +32,8 @@ def main(argv: list[str]) -> int:
     try:
         trainer = Trainer(cfg, ctx)
         if ctx.rank == 0:
-            print(f"layout tp={ctx.tp} pp={ctx.pp} dp={ctx.dp} on {ctx.world_size} x {ctx.device} ({ctx.backend}); "
+            cp = f" cp={ctx.size('cp')} ({cfg.parallel.cp_mode})" if ctx.size("cp") > 1 else ""
+            print(f"layout tp={ctx.tp} pp={ctx.pp} dp={ctx.dp}{cp} on {ctx.world_size} x {ctx.device} ({ctx.backend}); "
                   f"{trainer.micro_batches} micro-batches of {cfg.train.micro_batch_size} per step", flush=True)
         trainer.fit()
     except TrainingAborted as e:  # every rank takes the same decision (the loss is all-reduced)

@@ -26,7 +26,7 @@ def test_short_run_writes_metrics(tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["--parallel.tp", "3"], "parallel.tp=3 must divide model.num_heads=8"),
-    (["--parallel.tp", "2"], "tp(2) * pp(1) * dp(auto) != world size(1)"),
+    (["--parallel.tp", "2"], "tp(2) * pp(1) * cp(1) * dp(auto) != world size(1)"),
     (["--train.stepz", "3"], "unknown config key 'train.stepz'"),
     (["--config", "configs/missing.yaml"], "config file 'configs/missing.yaml' does not exist"),
     (["--data.paths", "[/nonexistent/corpus.txt]"], "/nonexistent/corpus.txt"),

@@ -113,12 +113,13 @@ def test_layout_resolves_dp():
 @pytest.mark.parametrize("parallel,world,needle", [
     ({"tp": 3}, 3, "parallel.tp=3 must divide model.num_heads=8 and model.num_kv_heads=4"),
     ({"tp": 8}, 8, "parallel.tp=8 must divide model.num_heads=8 and model.num_kv_heads=4"),
-    ({"tp": 2, "pp": 2, "dp": 3}, 8, "tp(2) * pp(2) * dp(3) != world size(8); set parallel.dp=2 or -1 (auto)"),
+    ({"tp": 2, "pp": 2, "dp": 3}, 8, "tp(2) * pp(2) * cp(1) * dp(3) != world size(8); set parallel.dp=2 or -1 (auto)"),
     # issue 23 item 6: dp set wrong was answered with "choose tp and pp"
-    ({"dp": 3}, 2, "tp(1) * pp(1) * dp(3) != world size(2); set parallel.dp=2 or -1 (auto)"),
-    ({"tp": 2, "dp": 2}, 3, "tp(2) * pp(1) * dp(2) != world size(3); choose tp and pp whose product divides 3, and "
-                            "dp=-1"),
-    ({"tp": 2}, 3, "tp(2) * pp(1) * dp(auto) != world size(3)"),
+    ({"dp": 3}, 2, "tp(1) * pp(1) * cp(1) * dp(3) != world size(2); set parallel.dp=2 or -1 (auto)"),
+    ({"tp": 2, "dp": 2}, 3, "tp(2) * pp(1) * cp(1) * dp(2) != world size(3); choose tp, pp and cp whose product "
+                            "divides 3, and dp=-1"),
+    ({"tp": 2}, 3, "tp(2) * pp(1) * cp(1) * dp(auto) != world size(3)"),
+    ({"cp": 2, "cp_mode": "all_to_all", "dp": 2}, 8, "tp(1) * pp(1) * cp(2) * dp(2) != world size(8); set parallel.dp=4"),
     ({"pp": 5}, 5, "parallel.pp=5 exceeds model.num_layers=4"),
     ({"pp": 2, "dp": 2}, 4, "parallel.schedule=1f1b with 1 micro-batches per step (global_batch_size 16 / (micro_batch_size 8 * dp 2)) and parallel.pp=2: 1f1b needs micro_batches >= pp"),
     ({"pp": 2, "schedule": "interleaved", "virtual_stages": 4}, 2,
@@ -129,11 +130,14 @@ def test_layout_resolves_dp():
      "parallel.pp_layers=[1, 3] is not supported with schedule=interleaved"),
     ({"pp": 2, "virtual_stages": 2}, 2, "virtual_stages=2 needs schedule 'interleaved'"),
     ({"virtual_stages": 2}, 1, "parallel.virtual_stages=2 needs parallel.schedule=interleaved and pp >= 2"),
-    ({"pp": 2, "schedule": "zero_bubble", "dp_mode": "fsdp"}, 2,
-     "parallel.schedule=zero_bubble with parallel.dp_mode=fsdp is not supported (the gradient sync would have to "
-     "follow the last W, not the last B); use dp_mode=ddp"),
-    ({"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "dp_mode": "zero", "zero_stage": 1}, 2,
-     "parallel.schedule=interleaved with parallel.dp_mode=zero is not supported"),
+    ({"pp": 2, "schedule": "zero_bubble", "dp_mode": "zero", "zero_stage": 2}, 2,
+     "parallel.schedule=zero_bubble with parallel.dp_mode=zero, zero_stage=2 and train.dtype=fp32 is not supported: "
+     "DeepSpeed's ZeRO-2 reduce-scatters each gradient in the hooks autograd fires as it accumulates "
+     "(DeepSpeedZeroOptimizer.reduce_ready_partitions_and_remove_grads)"),
+    ({"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "dp_mode": "zero", "zero_stage": 2,
+      "offload": "optimizer"}, 2,
+     "parallel.schedule=interleaved with parallel.dp_mode=zero, zero_stage=2, the optimizer offloaded and "
+     "train.dtype=fp32 is not supported: DeepSpeed's fp32 ZeRO-Offload adds each gradient to its host accumulator"),
     ({"sequence_parallel": True}, 1, "parallel.sequence_parallel=true needs parallel.tp >= 2"),
 ])
 def test_layout_errors_name_every_factor(parallel, world, needle):

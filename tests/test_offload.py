@@ -33,7 +33,8 @@ def _file(tmp_path, content: dict) -> str:
 
 
 @pytest.mark.parametrize("argv,words", [
-    (["--parallel.offload", "optimizer"], "needs parallel.dp_mode zero or fsdp (got ddp)"),
+    (["--parallel.offload", "optimizer"], "needs parallel.dp_mode zero (got ddp)"),  # the modes honouring it
+    (["--parallel.offload", "optimizer_and_params"], "needs parallel.dp_mode fsdp or zero (got ddp)"),
     (["--parallel.offload", "cpu"], "parallel.offload='cpu' is not one of none, optimizer, optimizer_and_params"),
     (["--parallel.dp_mode", "fsdp", "--parallel.offload", "optimizer"], "use offload=optimizer_and_params"),
     ([*ZERO, "2", "--parallel.offload", "optimizer_and_params"], "needs parallel.zero_stage=3"),

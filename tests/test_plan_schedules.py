@@ -51,7 +51,7 @@ def w_state(cfg, layers: int) -> float:
 def table_peak(cfg, pp: int, m: int, stage: int) -> float:
     """The most bytes the rank's action table keeps alive: the set of (micro-batch, chunk) pairs forwarded and not
     yet backwarded (BWD, or B under zero bubble), each at its own chunk's size, plus W states from B to W."""
-    v, vshape = schedules.virtual_stages(cfg), sched.vshape(cfg.parallel.schedule)
+    v, vshape = schedules.virtual_stages(cfg), sched.SCHEDULES[cfg.parallel.schedule].vshape
     layers = cfg.model.num_layers // (pp * v) if v > 1 else len(stage_layer_ranges(cfg.model.num_layers, pp)[stage])
 
     def size(chunk):  # the activations ledger of the chunk's layers, as its virtual stage (chunk*pp + stage of
@@ -202,10 +202,13 @@ def test_search_offers_the_new_schedules_and_no_refused_combination():
         if layout.pp == 1:
             assert c.parallel.schedule == "1f1b"
         if c.parallel.schedule == "interleaved":
-            assert 12 % (layout.pp * v) == 0 and m % layout.pp == 0 and c.parallel.dp_mode == "ddp"
-        if c.parallel.schedule == "zbv":  # 2 chunks per rank in a V
+            assert 12 % (layout.pp * v) == 0 and m % layout.pp == 0
+        if c.parallel.schedule == "zbv":  # 2 chunks per rank in a V, ddp alone (CHUNK_LAST_W)
             assert 12 % (2 * layout.pp) == 0 and layout.pp >= 2 and c.parallel.dp_mode == "ddp"
         assert p.describe()["bubble_fraction"] == p.time.bubble_fraction
+    # Issue 27: fsdp and zero run under the split schedules too, and the search offers them.
+    split = {p.cfg.parallel.dp_mode for p in plans if p.cfg.parallel.schedule != "1f1b"}
+    assert split >= {"ddp", "fsdp", "zero"}
 
 
 def _plan_main():
@@ -243,3 +246,21 @@ def test_plan_cli_bad_virtual_stages_exits_2_with_one_line():
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: parallel.virtual_stages=2 needs parallel.schedule=interleaved and pp >= 2"]
+
+
+@pytest.mark.parametrize("name", list(sched.SCHEDULES))
+def test_one_count_of_activations_in_flight(name):
+    """The simulator's peak_in_flight, the planner's InFlight.count, the held_states walk the planner prices and
+    engine.parallel.actions.max_in_flight are one count, for every registered schedule (issue 25)."""
+    spec = sched.SCHEDULES[name]
+    for pp in (2, 4):
+        for m in (pp, 2 * pp, 3 * pp):
+            v = spec.per_rank(2)  # chunks per rank: 2 with virtual stages or in a V, else 1
+            cfg = plan_cfg(name, pp, m, v, layers=pp * v * 2)
+            timeline = sched.simulate(name, pp, m, virtual_stages=v)
+            for stage in range(pp):
+                table = sched.build(name, pp, m, stage, v)
+                walked = max(sum(c) + sum(w) for c, w, _ in schedules.held_states(name, pp, m, stage, v))
+                planned = schedules.activations_in_flight(cfg, 1, pp, m, stage).count
+                counts = (sched.max_in_flight(table), timeline.peak_in_flight[stage], planned, walked)
+                assert len(set(counts)) == 1, f"{name} pp={pp} m={m} stage {stage}: {counts}"

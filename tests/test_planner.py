@@ -23,6 +23,22 @@ def test_zero_paper_7_5b_on_64_devices(stage, gb):
     assert model_state_bytes(7.5e9, 64, stage) / 1e9 == pytest.approx(gb, abs=0.05)
 
 
+def test_dp_mode_without_planner_model_is_refused_in_one_line(monkeypatch):
+    """A dp mode registered with no planner model (here: ddp's code under another name) is refused by the planner
+    and by the search's pricing, never priced as ddp (issue 25)."""
+    from engine.config import ConfigError
+    from engine.parallel import dp
+    from engine.parallel.dp.registry import DpModeSpec
+    from engine.planning.planner import plan_memory
+    from engine.planning.search import Hardware, step_time
+    monkeypatch.setitem(dp.MODES, "x", DpModeSpec("x", dp.MODES["ddp"].impl, dp.MODES["ddp"].state))
+    cfg = load(["--config", "configs/tiny.yaml", "--parallel.dp_mode", "x"])  # the config checks accept it
+    for plan in (lambda: plan_memory(cfg, 2), lambda: step_time(cfg, 2, Hardware())):
+        with pytest.raises(ConfigError, match="dp mode 'x' has no planner model; ") as e:
+            plan()
+        assert "\n" not in str(e.value)
+
+
 def test_fp32_and_errors():
     assert model_state_bytes(1000, 4, 0, "fp32") == 16000
     assert model_state_bytes(1000, 4, 3, "fp32") == 4000

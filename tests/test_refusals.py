@@ -210,3 +210,25 @@ def test_every_rank_refuses_a_bad_out_dir(tmp_path):
     (tmp_path / "file").write_text("x")
     errors = run_ranks(_claim_rank, 2, ["--train.out_dir", str(tmp_path / "file")], timeout_s=120)
     assert errors[0] == errors[1] and "train.out_dir" in errors[0] and "is not a directory" in errors[0]
+
+
+ZERO_PP = ["--config", "configs/tiny.yaml", "--parallel.pp", "2", "--parallel.dp", "2", "--parallel.dp_mode", "zero",
+           "--train.micro_batch_size", "1", "--train.global_batch_size", "8"]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--parallel.schedule", "zero_bubble", "--parallel.zero_stage", "2"],
+     "DeepSpeedZeroOptimizer.reduce_ready_partitions_and_remove_grads"),
+    (["--parallel.schedule", "zero_bubble", "--parallel.zero_stage", "1", "--train.dtype", "bf16"],
+     "DeepSpeedZeroOptimizer._fill_param_grad_accum_attribute"),
+    (["--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2", "--parallel.zero_stage", "2",
+      "--parallel.offload", "optimizer"], "DeepSpeedZeroOptimizer.async_accumulate_grad_in_cpu_via_gpu"),
+])
+def test_zero_under_split_schedules_names_deepspeeds_limit(argv, needle):
+    """Issue 27: the ZeRO x schedule combinations DeepSpeed cannot run are refused in one line that names the
+    DeepSpeed function whose assumption breaks and what to use instead (checked before any process group)."""
+    from engine.parallel.support import resolve_layout
+
+    with pytest.raises(ConfigError) as e:
+        resolve_layout(load([*ZERO_PP, *argv]), 4)
+    assert needle in str(e.value) and "\n" not in str(e.value) and "; use " in str(e.value)

@@ -34,7 +34,7 @@ def check_tables(pp: int, ms: list[int] | None = None) -> int:
     n = 0
     for name, m, v in tables(pp, ms):
         sched.simulate(name, pp, m, virtual_stages=v)
-        vshape = sched.vshape(name)  # zbv: chunks in a V, the turn a local hand-off
+        vshape = sched.SCHEDULES[name].vshape  # zbv: chunks in a V, the turn a local hand-off
         sched.simulate_actions([sched.forward_only(pp, m, s, v, vshape) for s in range(pp)], vshape=vshape)
         n += 1
     return n

@@ -129,7 +129,8 @@ def load_into(parts: CheckpointParts, path: Path, index: dict) -> RunPosition:
 
 def layout_of(cfg, ctx) -> dict:
     p = cfg.parallel
-    return {"tp": ctx.tp, "pp": ctx.pp, "dp": ctx.dp, "dp_mode": p.dp_mode, "zero_stage": p.zero_stage,
+    cp = {"cp": ctx.size("cp")} if ctx.size("cp") > 1 else {}  # absent at cp 1: a pre-cp checkpoint's layout
+    return {"tp": ctx.tp, "pp": ctx.pp, "dp": ctx.dp, **cp, "dp_mode": p.dp_mode, "zero_stage": p.zero_stage,
             "world_size": ctx.world_size}
 
 

@@ -26,6 +26,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from engine.errors import CheckpointError  # defined there (torch-free); most modules import it from here
+
 FORMAT, VERSION = "engine-checkpoint", 1
 INDEX = "index.json"
 # The process umask, read once at import (in the main thread: os.umask can only be read by setting it).
@@ -33,10 +35,6 @@ _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 MODEL_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                     "tie_embeddings", "attention_bias")
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be used; ``str(e)`` is one line naming the file and the problem."""
 
 
 def shard_name(rank: int) -> str:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable
 from torch import nn
 
 if TYPE_CHECKING:
+    from engine.checkpoint.state import CheckpointState
     from engine.config import Config
     from engine.parallel.context import ParallelContext
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 class CheckpointParts:
     """The state of one rank that a save reads and a load overwrites in place."""
     model: nn.Module  # this rank's stage: parameters as a checkpoint names them (a DataParallel's ``module``)
-    state: Callable[[], object]  # DataParallel.checkpoint_state: held/writes/get/set/prepare/finish/adam_step
+    state: Callable[[], CheckpointState]  # DataParallel.checkpoint_state (engine/checkpoint/state.py's protocol)
     cfg: Config
     ctx: ParallelContext
 

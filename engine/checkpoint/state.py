@@ -12,12 +12,15 @@ The state classes read and write those ranges:
 - ``TorchState`` (ddp, fsdp): the parameter itself or its FSDP2 DTensor shard (Shard(0): a row range of the
   block), and torch AdamW's per-parameter ``exp_avg``/``exp_avg_sq``/``step``.
 - ZeRO's own (``Zero12State``, ``Zero3State``) live with the rest of ZeRO in engine/parallel/dp/zero_state.py.
-Each dp mode hands its state object to the checkpointer (``DataParallel.checkpoint_state``).
+Each dp mode hands its state object to the checkpointer (``DataParallel.checkpoint_state``); every one follows
+``CheckpointState``, the protocol engine/checkpoint/ calls (each dp mode's DpModeSpec.state names its classes, and
+tests/test_checkpoint_state.py checks them against it).
 Adam's bias correction needs its step count, stored once in the index (every parameter steps every step).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -59,7 +62,39 @@ def step_tensor(group: dict, step: int, device) -> torch.Tensor:
     return torch.tensor(float(step), dtype=torch.float32, device=device if on_device else "cpu")
 
 
-class TorchState:
+@runtime_checkable
+class CheckpointState(Protocol):
+    """What engine/checkpoint/ asks of a dp mode's state (``DataParallel.checkpoint_state``) to save and load the
+    pieces of engine/checkpoint/format.py. Save: ``held`` and ``writes`` place the rank's ranges in each slot,
+    ``state_names`` and ``get`` read them, ``adam_step`` gives the step count. Load: ``prepare`` creates the Adam
+    state to overwrite, ``set`` writes each range, ``finish`` hands the values back to the optimizer."""
+
+    def held(self, p: nn.Parameter, numel: int) -> tuple[int, int]:
+        """The flat range [start, end) of the local parameter ``p`` (``numel`` elements) this rank holds."""
+
+    def writes(self, start: int, end: int) -> tuple[int, int]:
+        """Of the held range [start, end), the part this rank writes (replicas are written once)."""
+
+    def state_names(self, slot: Slot) -> list[str]:
+        """The optimizer states of ``slot`` shaped like it (Adam's exp_avg, exp_avg_sq), besides "param"."""
+
+    def get(self, slot: Slot, state: str) -> torch.Tensor:
+        """The held range of ``slot``'s ``state`` ("param" or an optimizer state), flat."""
+
+    def set(self, slot: Slot, state: str, value: torch.Tensor) -> None:
+        """Write ``value`` (flat, the held range) into ``slot``'s ``state``."""
+
+    def prepare(self, slots: list[Slot], names: list[str], step: int) -> None:
+        """Before ``set``: create the optimizer states ``names`` and the step count ``step`` to be overwritten."""
+
+    def finish(self) -> None:
+        """After every ``set``: make the optimizer use the values written (a copy back, or nothing)."""
+
+    def adam_step(self) -> int | None:
+        """Adam's step count, None before the first step."""
+
+
+class TorchState(CheckpointState):
     """ddp and fsdp: torch AdamW over plain (ddp) or FSDP2-sharded DTensor (fsdp) parameters."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx, fsdp: bool):
@@ -70,20 +105,20 @@ class TorchState:
         if not self.fsdp:
             return 0, numel
         rows = p.shape[0]  # FSDP2 chunks dim 0 like torch.chunk: ceil(rows / dp) rows per rank, the last fewer
-        per = -(-rows // self.ctx.dp)
-        first = min(self.ctx.dp_rank * per, rows)
+        per = -(-rows // self.ctx.grad_size)  # FSDP shards over dp x cp (ctx.grad_mesh)
+        first = min(self.ctx.grad_rank * per, rows)
         if _local(p).shape[0] != min(per, rows - first):
-            raise RuntimeError(f"unexpected FSDP shard of {tuple(p.shape)} on dp rank {self.ctx.dp_rank}: "
+            raise RuntimeError(f"unexpected FSDP shard of {tuple(p.shape)} on dp x cp rank {self.ctx.grad_rank}: "
                                f"{tuple(_local(p).shape)}")  # FSDP2 changed its sharding: a bug here
         row = numel // rows if rows else 0
         return first * row, (first + _local(p).shape[0]) * row
 
     def writes(self, start: int, end: int) -> tuple[int, int]:
-        """Replicas (ddp) split the block evenly over dp ranks; a shard (fsdp) is written by its holder."""
+        """Replicas (ddp) split the block evenly over dp x cp ranks; a shard (fsdp) is written by its holder."""
         if self.fsdp:
             return start, end
-        per = -(-(end - start) // self.ctx.dp)
-        lo = min(start + self.ctx.dp_rank * per, end)
+        per = -(-(end - start) // self.ctx.grad_size)  # the replicas: dp x cp ranks
+        lo = min(start + self.ctx.grad_rank * per, end)
         return lo, min(lo + per, end)
 
     def state_names(self, slot: Slot) -> list[str]:

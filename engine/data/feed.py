@@ -3,7 +3,9 @@
 Only the pipeline's first stage (token ids) and last stage (labels) need a batch; middle stages read nothing,
 unless data.document_mask is on: then every stage derives the document layout from the tokens.
 Within those stages only tp rank 0 opens the data; it broadcasts each batch to its tp peers, which must see the
-same tokens. Every rank counts consumed samples (``consumed_samples``, the run's one data position: the sampler
+same tokens. The batch is split over dp only: the cp ranks of a dp rank each read the same (B/dp, s+1) rows
+(context parallelism splits the sequence, not the batch; each keeps its tokens, engine/parallel/cp/inputs.py).
+Every rank counts consumed samples (``consumed_samples``, the run's one data position: the sampler
 holds none), so the position is known everywhere (checkpoints); ``seek`` moves it on resume.
 """
 from __future__ import annotations

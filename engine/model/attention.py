@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.model.docmask import block_causal_mask
+
 FLASH, EFFICIENT, EFFICIENT_REPEAT_KV = "flash", "efficient", "efficient_repeat_kv"
 CPU_FLASH, MATH = "cpu_flash", "math"
 REPEATS_KV = (EFFICIENT_REPEAT_KV, MATH)  # k/v saved with q's head count
@@ -71,3 +73,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         gqa = False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+
+
+class AttentionCore:
+    """What engine.model.transformer.Attention runs between its projections: ``attend`` over the sequence it holds.
+    Replaceable per module (``Attention.core``), so a parallel layout can attend across ranks without distributed
+    code in the model (engine/parallel/cp/apply.py). ``mask`` builds, once per forward from the document ids,
+    what every layer's call then takes."""
+
+    def mask(self, doc_ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """doc_ids None (causal) or (b, s) -> None or the (b, 1, s, s) additive block-causal mask in ``dtype``
+        (shared by the layers: one saved copy per micro-batch, ``additive_mask``)."""
+        return None if doc_ids is None else additive_mask(block_causal_mask(doc_ids), dtype)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+        return attend(q, k, v, mask)
+
+
+DEFAULT_CORE = AttentionCore()

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.checkpoint.format import CheckpointError
 from engine.config import ModelConfig
+from engine.errors import CheckpointError  # not checkpoint/format's import: the config checks read this torch-free
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 FAMILIES = {arch: family for family, arch in ARCHITECTURES.items()}

@@ -11,37 +11,18 @@ attention core because it stores much and costs little to redo. The saved bytes 
 engine/planning/activations.py.
 
 Blocks are not wrapped in another module (parameter names stay Hugging Face's): each DecoderLayer reads its
-``recompute`` attribute, so torch.compile of a block (engine/model/compile.py) sees the checkpoint inside it.
+``recompute`` attribute and runs engine/model/recompute_run.py's ``run_block``, so torch.compile of a block
+(engine/model/compile.py) sees the checkpoint inside it. This file, the modes and how they are set, imports no torch:
+the config checks read ``MODES`` (engine/config_checks.py) before torch is loaded.
 """
 from __future__ import annotations
 
-import torch
-from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
 
 MODES = ("none", "full", "selective")
-aten = torch.ops.aten
-# Outputs kept under selective: the GEMMs (F.linear lowers to mm on 2-D views, addmm with a bias).
-SAVED_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default}
-
-
-def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op in SAVED_OPS:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective_context():
-    return create_selective_checkpoint_contexts(_selective_policy)
-
-
-def run_block(block: nn.Module, mode: str, *args) -> torch.Tensor:
-    """``block._block(*args)`` with the recomputation ``mode`` in force while gradients are recorded."""
-    if mode == "none" or not torch.is_grad_enabled():
-        return block._block(*args)
-    if mode == "full":
-        return checkpoint(block._block, *args, use_reentrant=False)
-    return checkpoint(block._block, *args, use_reentrant=False, context_fn=_selective_context)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
@@ -50,4 +31,3 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         raise ValueError(f"activation checkpointing mode {mode!r} is not one of {', '.join(MODES)}")
     for layer in model.model.layers.values():
         layer.recompute = mode
-

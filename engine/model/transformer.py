@@ -13,10 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.model.attention import additive_mask, attend, compute_dtype
-from engine.model.docmask import block_causal_mask
+from engine.model.attention import DEFAULT_CORE, compute_dtype
 from engine.model.fused import FusedLinear, hf_state_dict_hooks, split_output
-from engine.model.recompute import run_block
+from engine.model.recompute_run import run_block
 from engine.model.rope import rope_cos_sin
 
 
@@ -61,12 +60,15 @@ class Attention(nn.Module):
         parts = {"q_proj": cfg.num_heads * hd, "k_proj": cfg.num_kv_heads * hd, "v_proj": cfg.num_kv_heads * hd}
         self.qkv_proj = FusedLinear(h, parts, bias=cfg.attention_bias)  # Qwen2: q/k/v biases, none on o_proj
         self.o_proj = nn.Linear(cfg.num_heads * hd, h, bias=False)
+        # softmax(q k^T / sqrt(d) + M) v on the tokens this module holds; context parallelism swaps in a core that
+        # attends across the cp group (engine/parallel/cp/apply.py). Not a submodule: it holds no parameters.
+        self.core = DEFAULT_CORE
         hf_state_dict_hooks(self)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """mask: None (causal) or a (b, 1, s, s) block-causal mask of packed documents, bool (True: attend) or
-        additive (0 / -inf, engine/model/attention.py additive_mask)."""
+        """mask: what ``self.core.mask`` built: None (causal) or, by default, a (b, 1, s, s) block-causal mask of
+        packed documents, bool (True: attend) or additive (0 / -inf, engine/model/attention.py additive_mask)."""
         # Head counts come from the (possibly tensor-parallel) projection: local heads = heads / tp. The length
         # too: under sequence parallelism x is (b, s/tp, h) and the projection gathers the whole sequence.
         qkv = self.qkv_proj(x)  # (b, s, (nh + 2 nkv) hd/tp)
@@ -77,7 +79,7 @@ class Attention(nn.Module):
         # SDPA saves v for backward: a view would keep the whole fused (b, s, (nh + 2 nkv) hd/tp) output alive;
         # its own copy (nkv hd/tp) keeps the saved bytes those of separate projections.
         v = v.contiguous()
-        o = attend(q, k, v, mask)  # the kernel for (device, dtype, mask, GQA): engine/model/attention.py
+        o = self.core(q, k, v, mask)  # default: the kernel for (device, dtype, mask, GQA), engine/model/attention.py
         o = o.transpose(1, 2).reshape(b, s, -1)  # (b, s, nh*hd/tp)
         return self.o_proj(o)  # (b, s, h)
 
@@ -99,7 +101,7 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h)). ``recompute``: none | full | selective
-    activation checkpointing of the block (engine/model/recompute.py)."""
+    activation checkpointing of the block (engine/model/recompute.py, recompute_run.py)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -152,8 +154,11 @@ def decode(cfg: ModelConfig, embed: nn.Module | None, layers, norm: nn.Module | 
     if position_ids is None:
         position_ids = torch.arange(h.shape[1] * sequence_shards, device=h.device)
     cos, sin = rope_cos_sin(cfg, position_ids, compute_dtype(h))
-    # (b, 1, s, s) additive mask in SDPA's dtype, shared by the layers (each would save its own copy of a bool one)
-    mask = None if doc_ids is None else additive_mask(block_causal_mask(doc_ids), compute_dtype(h))
+    # Built once, shared by the layers (by default a (b, 1, s, s) additive mask in SDPA's dtype: each layer would
+    # save its own copy of a bool one), by the layers' attention core, which may cover more than these tokens
+    layers = list(layers)
+    core = layers[0].self_attn.core if layers else DEFAULT_CORE
+    mask = core.mask(doc_ids, compute_dtype(h))
     for layer in layers:
         h = layer(h, cos, sin, mask)
     return norm(h) if norm is not None else h

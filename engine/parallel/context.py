@@ -83,7 +83,8 @@ class ParallelContext:
     """This rank's groups and coordinates in the named mesh (engine/parallel/mesh.py), asked for by axis name:
     ``group("tp")``, ``axis_rank("pp")``, ``size("dp")``, ``ranks_along("pp")``; besides the axes, two derived
     groups: "mp" (Megatron's model-parallel group, every axis but dp and cp) and "embed" (first and last stage of
-    each pipeline, which hold the two copies of a tied embedding / LM head; None when pp is 1)."""
+    each pipeline, which hold the two copies of a tied embedding / LM head; None when pp is 1), and "dp_cp" (the
+    data axes together: the ranks holding the same weights, over which gradients are reduced)."""
 
     def __init__(self, layout: Layout, mesh: DeviceMesh, device: torch.device, backend: str,
                  timeout: datetime.timedelta | None = None):
@@ -95,6 +96,11 @@ class ParallelContext:
         self._groups["mp"] = (_member_group(self.named_mesh.groups_spanning(MODEL_PARALLEL), self.rank, timeout)
                               if self.world_size > 1 else dist.group.WORLD)
         self._groups["embed"] = _member_group(self.named_mesh.ends_along("pp"), self.rank, timeout)
+        # "dp_cp": the ranks holding the same weights (dp replicas x cp ranks of other tokens), over which gradients
+        # are reduced and FSDP/ZeRO shard; its flattened mesh is FSDP's (ranks ordered dp-major, as ``grad_rank``).
+        self.grad_mesh = mesh["dp", "cp"]._flatten("dp_cp", backend_override=(backend, group_options(backend, timeout))
+                                                   if timeout is not None else None)
+        self._groups["dp_cp"] = self.grad_mesh.get_group()
 
     # ---- by name (every consumer; adding an axis adds a name, not a method) ------------------------------------
     def group(self, name: str):
@@ -133,6 +139,13 @@ class ParallelContext:
     mp_group = property(lambda self: self.group("mp"))
     embed_group = property(lambda self: self.group("embed"))
     stage_ranks = property(lambda self: self.ranks_along("pp"))  # global rank of each pp stage of this pipeline
+    cp = property(lambda self: self.size("cp"))
+    cp_rank = property(lambda self: self.axis_rank("cp"))
+    cp_group = property(lambda self: self.group("cp"))
+    # The gradient-reduction group dp x cp: its size, this rank's index in it (dp-major) and the group.
+    grad_size = property(lambda self: self.dp * self.cp)
+    grad_rank = property(lambda self: self.dp_rank * self.cp + self.cp_rank)
+    grad_group = property(lambda self: self.group("dp_cp"))
 
     @classmethod
     def from_config(cls, cfg: Config) -> "ParallelContext":
@@ -187,9 +200,11 @@ class ParallelContext:
                 f"backend={self.backend})")
 
     # ---- DeepSpeed / Megatron mpu interface ------------------------------------------------------------------
-    def get_data_parallel_group(self): return self.dp_group
-    def get_data_parallel_rank(self) -> int: return self.dp_rank
-    def get_data_parallel_world_size(self) -> int: return self.dp
+    # DeepSpeed's "data parallel" group is what it reduces gradients and partitions ZeRO state over: dp x cp (the cp
+    # ranks hold the same weights), as Megatron-Core's get_data_parallel_group(with_context_parallel=True).
+    def get_data_parallel_group(self): return self.grad_group
+    def get_data_parallel_rank(self) -> int: return self.grad_rank
+    def get_data_parallel_world_size(self) -> int: return self.grad_size
     def get_tensor_model_parallel_group(self): return self.tp_group
     def get_tensor_model_parallel_rank(self) -> int: return self.tp_rank
     def get_tensor_model_parallel_world_size(self) -> int: return self.tp
@@ -202,7 +217,7 @@ class ParallelContext:
     def get_model_parallel_group(self): return self.mp_group
     def get_model_parallel_rank(self) -> int: return self.ranks_spanning(MODEL_PARALLEL).index(self.rank)
     def get_model_parallel_world_size(self) -> int: return len(self.ranks_spanning(MODEL_PARALLEL))
-    def get_data_parallel_group_ranks(self) -> list[int]: return self.ranks_along("dp")
+    def get_data_parallel_group_ranks(self) -> list[int]: return self.ranks_spanning(("dp", "cp"))
     def get_tensor_model_parallel_src_rank(self) -> int: return self.ranks_along("tp")[0]
 
 

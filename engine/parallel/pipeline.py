@@ -29,7 +29,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from engine.parallel import schedule as sched
-from engine.parallel.actions import peer, steps, virtual_stage
+from engine.parallel.actions import Action, peer, steps, virtual_stage
 from engine.parallel.schedule import Op
 from engine.parallel.schedule_sim import simulate_actions
 from engine.parallel.virtual import chunk_layer_ranges
@@ -93,8 +93,9 @@ class PipelineExecutor:
     def __init__(self, ctx, schedule: str, micro_batches: int, act_shape: tuple[int, ...], act_dtype: torch.dtype,
                  forward_only: bool = False, virtual_stages: int = 1, stage: nn.Module | None = None,
                  waiting=contextlib.nullcontext):
-        self.vshape = sched.vshape(schedule)  # ZB-V: rank r runs virtual stages r and 2pp-1-r
-        self.ctx, self.micro_batches, self.v = ctx, micro_batches, sched.chunks_per_rank(schedule, virtual_stages)
+        spec = sched.SCHEDULES[schedule]
+        self.vshape = spec.vshape  # ZB-V: rank r runs virtual stages r and 2pp-1-r
+        self.ctx, self.micro_batches, self.v = ctx, micro_batches, spec.per_rank(virtual_stages)
         if forward_only:  # evaluation: run() must then be called under torch.no_grad()
             self.actions = sched.forward_only(ctx.pp, micro_batches, ctx.pp_rank, self.v, self.vshape)
         else:
@@ -114,6 +115,13 @@ class PipelineExecutor:
         # The last backward of each chunk, where the dp mode reduces that chunk's gradients. None at all when W's
         # follow the B's: then no backward completes a gradient, and the dp mode reduces after the step's last W.
         self.last_backward = {a.chunk: a.mb for a in self.actions if a.op == Op.BWD}
+        # The last W of each chunk: after it the chunk's gradients are complete (checked: no B of the chunk after
+        # it), and the dp mode may reduce them while the other chunks' W's still run.
+        self.last_weight = {a.chunk: a.mb for a in self.actions if a.op == Op.BWD_WEIGHT}
+        for chunk, mb in self.last_weight.items():
+            at = self.actions.index(Action(Op.BWD_WEIGHT, mb, chunk))
+            if any(a.op == Op.BWD_INPUT and a.chunk == chunk for a in self.actions[at:]):
+                raise ValueError(f"schedule {schedule}: a B of chunk {chunk} follows its last W (W{mb})")
         self.act_shape, self.act_dtype = act_shape, act_dtype
         # Time the last run() spent blocked on receives. It leaves out the idle tail after this stage's last
         # action, so the whole bubble is measured between barriers (launch/bench/pipeline.py).
@@ -178,7 +186,7 @@ class PipelineExecutor:
                 _free_storage(state["outputs"][(a.mb, a.chunk)])
 
     def _compute(self, a, state: dict, forwards: list, loss_fn, first_inputs, extra_inputs, before_backward,
-                 backward) -> torch.Tensor | None:
+                 backward, last_weight=None) -> torch.Tensor | None:
         """Run one compute action; returns the micro-batch loss on the last virtual stage's forward."""
         key, ctx = (a.mb, a.chunk), self.ctx
         g = virtual_stage(ctx.pp, ctx.pp_rank, a.chunk, self.vshape)
@@ -194,7 +202,10 @@ class PipelineExecutor:
             state["outputs"][key] = out
             return loss
         if a.op == Op.BWD_WEIGHT:  # W: the weight gradients that mb's B left for later
-            self.weight_grads.flush(key)
+            if last_weight is not None and self.last_weight[a.chunk] == a.mb:
+                last_weight(self.weight_grads, key, a.chunk)  # the dp mode flushes and starts its reduction
+            else:
+                self.weight_grads.flush(key)
             return None
         if before_backward is not None:
             before_backward(a.mb, is_last=self.last_backward.get(a.chunk) == a.mb, chunk=a.chunk)
@@ -207,7 +218,7 @@ class PipelineExecutor:
         return None
 
     def run(self, forward, loss_fn, first_inputs: list[torch.Tensor] | None, before_backward=None,
-            backward=None, extra_inputs: list[dict] | None = None) -> torch.Tensor:
+            backward=None, extra_inputs: list[dict] | None = None, last_weight=None) -> torch.Tensor:
         """Run every action of this rank for one step. ``forward``: the forward of each virtual stage (a list),
         or one callable when v == 1. first_inputs: the token micro-batches (first stage).
         ``extra_inputs[mb]``: keyword arguments of every stage's forward for micro-batch mb (document masking's
@@ -215,8 +226,9 @@ class PipelineExecutor:
         ``before_backward(mb, is_last, chunk)`` is called before each backward (data parallelism syncs a chunk's
         gradients only in its last one). ``backward(output, grad)`` replaces the plain autograd backward of a
         micro-batch (grad is None on the last stage, where output is the loss): the dp mode's
-        (DataParallel.backward). Returns the sum of the micro-batch losses on the last stage (a zero elsewhere),
-        detached."""
+        (DataParallel.backward). ``last_weight(store, key, chunk)`` replaces ``store.flush(key)`` for each chunk's
+        last W (DataParallel.last_weight: flush, and start reducing the chunk's gradients). Returns the sum of the
+        micro-batch losses on the last stage (a zero elsewhere), detached."""
         forwards = list(forward) if isinstance(forward, (list, tuple)) else [forward]
         state = {"inputs": {}, "outputs": {}, "grads": {}, "pending": []}
         self.wait_s = 0.0
@@ -226,7 +238,7 @@ class PipelineExecutor:
                 self._complete(self._post(list(step), state), state)
                 continue
             loss = self._compute(step, state, forwards, loss_fn, first_inputs, extra_inputs, before_backward,
-                                 backward)
+                                 backward, last_weight)
             if loss is not None:
                 total += loss.detach()
         for works, meta in state["pending"]:

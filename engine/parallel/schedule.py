@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import argparse
 
-from engine.parallel.actions import Action, Op, max_in_flight
+from engine.parallel.actions import LAST_BACKWARD, Action, Op, ScheduleSpec, max_in_flight
 from engine.parallel.actions import backward_actions as _backward
 from engine.parallel.actions import forward_actions as _forward
-from engine.parallel.schedule_interleaved import interleaved_1f1b, interleaved_order
+from engine.parallel.schedule_interleaved import INTERLEAVED, interleaved_order
 from engine.parallel.schedule_sim import Timeline, bubble_fraction, render, simulate_actions
-from engine.parallel.schedule_zb import zb_h1
-from engine.parallel.schedule_zbv import zbv
+from engine.parallel.schedule_zb import ZERO_BUBBLE
+from engine.parallel.schedule_zbv import ZBV
 
-__all__ = ["Action", "Op", "SCHEDULES", "Timeline", "build", "bubble_fraction", "forward_only", "gpipe",
-           "max_in_flight", "one_f_one_b", "render", "simulate", "simulate_actions"]
+__all__ = ["Action", "Op", "SCHEDULES", "ScheduleSpec", "Timeline", "build", "bubble_fraction", "forward_only",
+           "gpipe", "max_in_flight", "one_f_one_b", "render", "simulate", "simulate_actions"]
 
 
 def one_f_one_b(pp: int, micro_batches: int, stage: int) -> list[Action]:
@@ -87,42 +87,44 @@ def forward_only(pp: int, micro_batches: int, stage: int, virtual_stages: int = 
     return [a for mb in range(micro_batches) for a in _forward(pp, stage, mb)]
 
 
-SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe, "interleaved": interleaved_1f1b, "zero_bubble": zb_h1, "zbv": zbv}
-V_SHAPED = ("zbv",)  # the schedules whose two chunks per rank sit in a V (engine/parallel/actions.py)
+def flush_theory(pp: int, m: int, v: int, f: float, b: float, bi: float, w: float) -> tuple[str, float]:
+    """1F1B and GPipe: (p-1)/(m+p-1) of the makespan (Narayanan et al. 2021, Sec. 2.2.1)."""
+    return "(p-1)/(m+p-1)", (pp - 1) / (m + pp - 1)
 
 
-def vshape(schedule: str) -> bool:
-    """True if `schedule` places its chunks in a V (rank r: virtual stages r and 2pp-1-r)."""
-    return schedule in V_SHAPED
-
-
-def chunks_per_rank(schedule: str, virtual_stages: int) -> int:
-    """Model chunks each rank runs: parallel.virtual_stages under interleaved, 2 under zbv (implied), else 1."""
-    return 2 if vshape(schedule) else virtual_stages if schedule == "interleaved" else 1
+ONE_F_ONE_B = ScheduleSpec("1f1b", lambda pp, m, stage, v: one_f_one_b(pp, m, stage), LAST_BACKWARD, flush_theory,
+                           m_at_least_pp=True, searched=(1,))
+# Not searched by the planner: 1F1B's makespan with m instead of pp - stage micro-batches held.
+GPIPE = ScheduleSpec("gpipe", lambda pp, m, stage, v: gpipe(pp, m, stage), LAST_BACKWARD, flush_theory)
+# The registry: parallel.schedule -> its ScheduleSpec (engine/parallel/actions.py). A new schedule is its table
+# function and spec in a file of its own and one entry here (docs/architecture.md, "A new pipeline schedule").
+SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (ONE_F_ONE_B, GPIPE, INTERLEAVED, ZERO_BUBBLE, ZBV)}
 
 
 def chunking(parallel) -> tuple[int, bool]:
     """(model chunks per rank, placed in a V) of a ParallelConfig: how its stage is split (virtual.py)."""
-    return chunks_per_rank(parallel.schedule, parallel.virtual_stages), vshape(parallel.schedule)
+    spec = SCHEDULES[parallel.schedule]
+    return spec.per_rank(parallel.virtual_stages), spec.vshape
 
 
 def _check_chunks(schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> None:
-    """Virtual stages are interleaved's alone (zbv's 2 are implied: 1 or 2 accepted); interleaved needs v >= 2 and
-    Megatron's whole groups of pp."""
-    if vshape(schedule):
+    """Virtual stages belong to the schedules with chunks; those need v >= 2 and Megatron's whole groups of pp.
+    A V's 2 chunks are implied (virtual_stages 1 or 2 accepted)."""
+    if SCHEDULES[schedule].vshape:
         if virtual_stages not in (1, 2):
             raise ValueError(f"virtual_stages={virtual_stages}: {schedule} runs 2 chunks per rank, implied (1 or 2)")
         return
-    if schedule != "interleaved":
+    if not SCHEDULES[schedule].chunks:
         if virtual_stages != 1:
-            raise ValueError(f"virtual_stages={virtual_stages} needs schedule 'interleaved'; {schedule} runs one "
+            chunked = " or ".join(repr(n) for n, s in SCHEDULES.items() if s.chunks)
+            raise ValueError(f"virtual_stages={virtual_stages} needs schedule {chunked}; {schedule} runs one "
                              f"model chunk per stage (virtual_stages=1)")
         return
     if virtual_stages < 2:
-        raise ValueError(f"interleaved needs virtual_stages >= 2, got virtual_stages={virtual_stages} "
+        raise ValueError(f"{schedule} needs virtual_stages >= 2, got virtual_stages={virtual_stages} "
                          f"(one chunk per stage is 1f1b)")
     if micro_batches % pp:
-        raise ValueError(f"interleaved needs micro_batches to be a multiple of pp (Megatron's groups of pp "
+        raise ValueError(f"{schedule} needs micro_batches to be a multiple of pp (Megatron's groups of pp "
                          f"micro-batches), got micro_batches={micro_batches}, pp={pp}; valid: {pp}, {2 * pp}, ...")
 
 
@@ -131,9 +133,7 @@ def build(schedule: str, pp: int, micro_batches: int, stage: int, virtual_stages
     check(schedule, pp, micro_batches, virtual_stages)
     if not 0 <= stage < pp:
         raise ValueError(f"stage={stage} out of range for pp={pp}; valid: 0..{pp - 1}")
-    if schedule == "interleaved":
-        return interleaved_1f1b(pp, micro_batches, stage, virtual_stages)
-    return SCHEDULES[schedule](pp, micro_batches, stage)  # zbv: its 2 chunks are implied
+    return SCHEDULES[schedule].build(pp, micro_batches, stage, virtual_stages)
 
 
 def check(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> None:
@@ -145,7 +145,7 @@ def check(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -
         raise ValueError(f"pp must be >= 1, got pp={pp}")
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got micro_batches={micro_batches}")
-    if schedule in ("1f1b", "zero_bubble") and micro_batches < pp:
+    if SCHEDULES[schedule].m_at_least_pp and micro_batches < pp:
         raise ValueError(f"{schedule} needs micro_batches >= pp, got micro_batches={micro_batches} < pp={pp}")
     _check_chunks(schedule, pp, micro_batches, virtual_stages)
 
@@ -158,20 +158,13 @@ def simulate(schedule: str, pp: int, micro_batches: int, fwd_time: float = 1.0, 
     and bwd_weight_time); communication is free. Raises RuntimeError('deadlock: ...') naming each rank's blocked
     batch and what it waits for, and RuntimeError for any send/receive or F/B/W order that does not add up."""
     stages = [build(schedule, pp, micro_batches, s, virtual_stages) for s in range(pp)]
-    return simulate_actions(stages, fwd_time, bwd_time, schedule, bwd_input_time, bwd_weight_time, vshape(schedule))
+    return simulate_actions(stages, fwd_time, bwd_time, schedule, bwd_input_time, bwd_weight_time,
+                            SCHEDULES[schedule].vshape)
 
 
 def theory(schedule: str, pp: int, m: int, v: int, f: float, b: float, bi: float, w: float) -> tuple[str, float]:
-    """(formula, value) of the bubble fraction of the makespan that the papers predict."""
-    if schedule == "interleaved":  # Narayanan et al. 2021, Sec. 2.2.2: (p-1)/(v*m) of the ideal time
-        return "(p-1)/(v*m+p-1)", (pp - 1) / (v * m + pp - 1)
-    if schedule == "zbv":  # torch's ZBV order leaves rank r idle r chunk F's at the start (simulated, F = B = W)
-        bubble = (pp - 1) * f
-        return "(p-1)F/(2m(F+B+W)+(p-1)F), F=B=W, m>=2p-1", bubble / (2 * m * (f + bi + w) + bubble)
-    if schedule == "zero_bubble":  # Qi et al. 2023, Sec. 3.1: bubble (p-1)(F+B-W)
-        bubble = (pp - 1) * (f + bi - w)
-        return "(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W))", bubble / (m * (f + bi + w) + bubble)
-    return "(p-1)/(m+p-1)", (pp - 1) / (m + pp - 1)
+    """(formula, value) of the bubble fraction of the makespan that the papers predict (the schedule's own)."""
+    return SCHEDULES[schedule].theory(pp, m, v, f, b, bi, w)
 
 
 def _print_schedule(name: str, args: argparse.Namespace, v: int) -> None:
@@ -179,8 +172,9 @@ def _print_schedule(name: str, args: argparse.Namespace, v: int) -> None:
     stages = [build(name, pp, m, s, v) for s in range(pp)]
     timeline = simulate(name, pp, m, args.fwd_time, args.bwd_time, v, args.bwd_input_time, args.bwd_weight_time)
     costs = (f"fwd={args.fwd_time:g} bwd_input={args.bwd_input_time:g} bwd_weight={args.bwd_weight_time:g}"
-             if name in ("zero_bubble", "zbv") else f"fwd={args.fwd_time:g} bwd={args.bwd_time:g}")
-    chunks = f" virtual_stages={v}" if name == "interleaved" else " (2 chunks in a V)" if vshape(name) else ""
+             if SCHEDULES[name].split_w else f"fwd={args.fwd_time:g} bwd={args.bwd_time:g}")
+    spec = SCHEDULES[name]
+    chunks = f" virtual_stages={v}" if spec.chunks else " (2 chunks in a V)" if spec.vshape else ""
     print(f"== {name}: pp={pp}{chunks} micro_batches={m} {costs}")
     for s, actions in enumerate(stages):
         print(f"actions stage {s}: {' '.join(map(str, actions))}")
@@ -188,9 +182,7 @@ def _print_schedule(name: str, args: argparse.Namespace, v: int) -> None:
     formula, value = theory(name, pp, m, v, args.fwd_time, args.bwd_time, args.bwd_input_time, args.bwd_weight_time)
     print("bubble fraction per stage: " + " ".join(f"{b:.4f}" for b in bubble_fraction(timeline))
           + f"  (theory {formula} = {value:.4f})")
-    unit = {"interleaved": f"  (chunk micro-batches, each 1/{v} of a stage's)",
-            "zero_bubble": "  (held until W)", "zbv": "  (chunk micro-batches held until W, each 1/2 of a "
-            "stage's)"}.get(name, "")
+    unit = SCHEDULES[name].unit.replace("{v}", str(v))
     print("max activations in flight per stage: " + " ".join(map(str, timeline.peak_in_flight)) + unit)
     print()
 
@@ -201,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step")
     p.add_argument("--schedule", choices=[*SCHEDULES, "both"], default="both", help="both: 1f1b and gpipe")
     p.add_argument("--virtual-stages", type=int, default=None,
-                   help="model chunks per stage, interleaved only (default: 2 for interleaved, else 1)")
+                   help="model chunks per stage, chunked schedules only (default: 2 there, else 1)")
     p.add_argument("--fwd-time", type=float, default=1.0, help="time of one forward on one stage (chunk)")
     p.add_argument("--bwd-time", type=float, default=2.0, help="time of one whole backward on one stage (chunk)")
     p.add_argument("--bwd-input-time", type=float, default=1.0, help="zero_bubble, zbv: time of one B (input grad)")
@@ -210,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     names = ["1f1b", "gpipe"] if args.schedule == "both" else [args.schedule]
     for name in names:
-        v = args.virtual_stages if args.virtual_stages is not None else (2 if name == "interleaved" else 1)
+        v = args.virtual_stages if args.virtual_stages is not None else (2 if SCHEDULES[name].chunks else 1)
         try:
             build(name, args.pp, args.micro_batches, 0, v)  # check the arguments before printing anything
         except ValueError as e:

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.parallel.actions import DIRECTION, Action, Op, Step, locate, peer, steps, virtual_stage
+from engine.parallel.actions import DIRECTION, Action, Op, Step, locate, max_in_flight, peer, steps, virtual_stage
 
 # The computes each (micro-batch, chunk) must have run on a rank before the next one; complete runs.
 _BEFORE = {Op.FWD: (), Op.BWD: (Op.FWD,), Op.BWD_INPUT: (Op.FWD,), Op.BWD_WEIGHT: (Op.FWD, Op.BWD_INPUT)}
 _COMPLETE = ((Op.FWD, Op.BWD), (Op.FWD, Op.BWD_INPUT, Op.BWD_WEIGHT))
-_RELEASES = (Op.BWD, Op.BWD_WEIGHT)  # the computes after which a micro-batch's activations are freed
 _SENDER = {Op.RECV_FWD: Op.SEND_FWD, Op.RECV_BWD: Op.SEND_BWD}
 _SENDS = (Op.SEND_FWD, Op.SEND_BWD)
 
@@ -45,7 +44,8 @@ def _batch(actions: tuple[Action, ...]) -> str:
 @dataclass
 class Timeline:
     """Simulated run: intervals[s] = [(start, end, action)] of rank s's computes; idle[s] = makespan - busy;
-    peak_in_flight[s] = most (micro-batch, chunk) activations held at once (until BWD, or until W)."""
+    peak_in_flight[s] = most (micro-batch, chunk) activations held at once (until BWD, or until W;
+    engine.parallel.actions.max_in_flight)."""
     schedule: str
     pp: int
     micro_batches: int
@@ -78,7 +78,6 @@ class _Run:
         self.v = 1 + max((a.chunk for actions in stages for a in actions), default=0)
         self.pos, self.clock, self.comm_free = [0] * self.pp, [0.0] * self.pp, [0.0] * self.pp
         self.open: list[_Batch | None] = [None] * self.pp  # started, not yet completed
-        self.alive, self.peak = [0] * self.pp, [0] * self.pp
         # (sender, receiver) -> {"send": [(action, batch)], "recv": [...]}, in posting (= matching) order
         self.channels: dict[tuple[int, int], dict[str, list[tuple[Action, _Batch]]]] = {}
         self.received: set[tuple[int, str, int, int]] = set()  # (rank, direction, chunk, mb)
@@ -135,8 +134,6 @@ class _Run:
         end = self.clock[s] + self.cost[a.op]
         self.intervals[s].append((self.clock[s], end, a))
         self.clock[s] = end
-        self.alive[s] += (a.op is Op.FWD) - (a.op in _RELEASES)
-        self.peak[s] = max(self.peak[s], self.alive[s])
 
     def _start(self, s: int, actions: tuple[Action, ...]) -> None:
         """Start a batch on rank s (its previous batch has completed): claim each op's place in its channel."""
@@ -251,7 +248,8 @@ def simulate_actions(stages: list[list[Action]], fwd_time: float = 1.0, bwd_time
     makespan = max(max(run.clock, default=0.0), max(run.comm_free, default=0.0))
     idle = [makespan - sum(e - b for b, e, _ in iv) for iv in run.intervals]
     m = 1 + max((mb for _, _, mb in run.ran), default=-1)
-    return Timeline(schedule, run.pp, m, run.intervals, makespan, idle, run.v, run.peak)
+    # a rank computes in its table's order, so the table's count (actions.max_in_flight, the one count) is the run's
+    return Timeline(schedule, run.pp, m, run.intervals, makespan, idle, run.v, [max_in_flight(a) for a in stages])
 
 
 def bubble_fraction(timeline: Timeline) -> list[float]:

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from engine.config import Config, ConfigError, TrainConfig
+from engine.parallel import dp as dp_modes
 from engine.parallel import schedule as sched
 from engine.parallel.mesh import AXES
 
@@ -24,8 +25,7 @@ def micro_batches_per_step(t: TrainConfig, dp: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """Validated sizes of the parallel axes (engine/parallel/mesh.py AXES). cp stays 1 until context parallelism
-    exists (there is no parallel.cp key yet)."""
+    """Validated sizes of the parallel axes (engine/parallel/mesh.py AXES); cp: parallel.cp (context parallelism)."""
     tp: int
     pp: int
     dp: int
@@ -42,11 +42,11 @@ class Layout:
 
 
 def resolve_layout(cfg: Config, world_size: int) -> Layout:
-    """Check the (tp, pp, dp) layout against the world size and the model; every factor is named in the error."""
+    """Check the (tp, pp, dp, cp) layout against the world size and the model; every factor is named in the error."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    tp, pp = p.tp, p.pp
-    if tp < 1 or pp < 1:
-        raise ConfigError(f"parallel.tp={tp} and parallel.pp={pp} must be >= 1")
+    tp, pp, cp = p.tp, p.pp, p.cp
+    if tp < 1 or pp < 1 or cp < 1:
+        raise ConfigError(f"parallel.tp={tp}, parallel.pp={pp} and parallel.cp={cp} must be >= 1")
     # Model-shape checks come first: they hold whatever the world size.
     if m.num_heads % tp or m.num_kv_heads % tp:
         raise ConfigError(f"parallel.tp={tp} must divide model.num_heads={m.num_heads} and "
@@ -61,21 +61,40 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
     if counts and counts != "auto" and (len(counts) != pp or sum(counts) != m.num_layers or min(counts) < 1):
         raise ConfigError(f"parallel.pp_layers={counts} must list {pp} positive layer counts (one per stage) "
                           f"summing to model.num_layers={m.num_layers}")
-    dp = p.dp if p.dp != -1 else world_size // (tp * pp)
-    if dp < 1 or tp * pp * dp != world_size:
-        fits = world_size % (tp * pp) == 0  # then only an explicit dp is wrong: say so, not "change tp and pp"
-        fix = (f"set parallel.dp={world_size // (tp * pp)} or -1 (auto)" if fits and p.dp != -1 else
-               f"choose tp and pp whose product divides {world_size}" + (", and dp=-1" if p.dp != -1 else ""))
-        raise ConfigError(f"invalid layout: tp({tp}) * pp({pp}) * dp({p.dp if p.dp != -1 else 'auto'}) "
+    check_context_parallel(cfg)
+    dp = p.dp if p.dp != -1 else world_size // (tp * pp * cp)
+    if dp < 1 or tp * pp * cp * dp != world_size:
+        fits = world_size % (tp * pp * cp) == 0  # then only an explicit dp is wrong: say so, not "change tp and pp"
+        fix = (f"set parallel.dp={world_size // (tp * pp * cp)} or -1 (auto)" if fits and p.dp != -1 else
+               f"choose tp, pp and cp whose product divides {world_size}" + (", and dp=-1" if p.dp != -1 else ""))
+        raise ConfigError(f"invalid layout: tp({tp}) * pp({pp}) * cp({cp}) * dp({p.dp if p.dp != -1 else 'auto'}) "
                           f"!= world size({world_size}); {fix}")
     per_step = t.micro_batch_size * dp
     if t.global_batch_size % per_step:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
                           f"train.micro_batch_size({t.micro_batch_size}) * dp({dp}) = {per_step}")
     check_schedule(cfg, pp, micro_batches_per_step(t, dp), dp)
-    layout = Layout(tp=tp, pp=pp, dp=dp)
+    layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp)
     check_supported(cfg, layout)  # dp mode x layout x dtype refusals
     return layout
+
+
+def check_context_parallel(cfg: Config) -> None:
+    """parallel.cp against the sequence (2 cp equal chunks: engine/parallel/cp/layout.py) and, for all_to_all, the
+    heads (each cp rank takes num_heads / (cp tp) whole heads, and as many kv heads: no kv-head replication)."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    if p.cp == 1:
+        return
+    if t.seq_len % (2 * p.cp):
+        raise ConfigError(f"parallel.cp={p.cp} needs train.seq_len={t.seq_len} divisible by 2 * cp = {2 * p.cp} "
+                          f"(each cp rank holds two of 2 cp equal chunks)")
+    if p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
+        raise ConfigError(f"parallel.sequence_parallel=true with parallel.cp={p.cp} needs train.seq_len / cp = "
+                          f"{t.seq_len // p.cp} divisible by parallel.tp={p.tp}")
+    if p.cp_mode == "all_to_all" and (m.num_heads % (p.cp * p.tp) or m.num_kv_heads % (p.cp * p.tp)):
+        raise ConfigError(f"parallel.cp_mode=all_to_all needs model.num_heads={m.num_heads} and model.num_kv_heads="
+                          f"{m.num_kv_heads} divisible by cp * tp = {p.cp} * {p.tp} = {p.cp * p.tp}; use "
+                          f"cp_mode=ring or a smaller cp")
 
 
 def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
@@ -84,18 +103,19 @@ def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
     p, m, t = cfg.parallel, cfg.model, cfg.train
     if p.virtual_stages < 1:
         raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} must be >= 1")
-    if p.schedule == "interleaved":
+    spec = sched.SCHEDULES[p.schedule]
+    if spec.chunks:
         chunks = pp * p.virtual_stages
         if pp < 2:
-            raise ConfigError("parallel.schedule=interleaved needs parallel.pp >= 2 (with pp=1 there is no bubble "
+            raise ConfigError(f"parallel.schedule={p.schedule} needs parallel.pp >= 2 (with pp=1 there is no bubble "
                               "to shrink); use schedule 1f1b")
         if m.num_layers % chunks:
-            raise ConfigError(f"parallel.schedule=interleaved splits model.num_layers={m.num_layers} into pp*"
+            raise ConfigError(f"parallel.schedule={p.schedule} splits model.num_layers={m.num_layers} into pp*"
                               f"virtual_stages={chunks} equal chunks; choose virtual_stages so that it divides")
         if p.pp_layers:
-            raise ConfigError(f"parallel.pp_layers={p.pp_layers} is not supported with schedule=interleaved "
+            raise ConfigError(f"parallel.pp_layers={p.pp_layers} is not supported with schedule={p.schedule} "
                               f"(layers split evenly into pp*virtual_stages chunks); leave pp_layers empty")
-    if sched.vshape(p.schedule):
+    if spec.vshape:
         check_vshape(cfg, pp)
     if pp > 1:
         try:
@@ -105,7 +125,8 @@ def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
                               f"(global_batch_size {t.global_batch_size} / (micro_batch_size {t.micro_batch_size} * "
                               f"dp {dp})) and parallel.pp={pp}: {e}") from None
     elif p.virtual_stages != 1:
-        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule=interleaved and pp >= 2")
+        chunked = " or ".join(name for name, s in sched.SCHEDULES.items() if s.chunks)
+        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule={chunked} and pp >= 2")
     if p.sequence_parallel and p.tp < 2:
         raise ConfigError(f"parallel.sequence_parallel=true needs parallel.tp >= 2 (got tp={p.tp}): it shards the "
                           f"sequence over the tensor-parallel group; set sequence_parallel=false")
@@ -115,59 +136,40 @@ def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
 
 
 def check_vshape(cfg: Config, pp: int) -> None:
-    """zbv: 2 chunks per rank in a V (engine/parallel/schedule_zbv.py), so pp >= 2, 2*pp equal layer chunks, no
-    uneven split; parallel.virtual_stages is implied (1 or 2 accepted)."""
+    """A schedule with 2 chunks per rank in a V (ScheduleSpec.vshape: zbv, engine/parallel/schedule_zbv.py) needs
+    pp >= 2, 2*pp equal layer chunks, no uneven split; parallel.virtual_stages is implied (1 or 2 accepted)."""
     p, layers = cfg.parallel, cfg.model.num_layers
     if pp < 2:
-        raise ConfigError("parallel.schedule=zbv needs parallel.pp >= 2 (its V turns on the last rank); use 1f1b")
+        raise ConfigError(f"parallel.schedule={p.schedule} needs parallel.pp >= 2 (its V turns on the last rank); "
+                          f"use 1f1b")
     if layers % (2 * pp):
-        raise ConfigError(f"parallel.schedule=zbv splits model.num_layers={layers} into 2*pp={2 * pp} equal chunks; "
-                          f"choose pp so that 2*pp divides it")
+        raise ConfigError(f"parallel.schedule={p.schedule} splits model.num_layers={layers} into 2*pp={2 * pp} equal "
+                          f"chunks; choose pp so that 2*pp divides it")
     if p.pp_layers:
-        raise ConfigError(f"parallel.pp_layers={p.pp_layers} is not supported with schedule=zbv (layers split "
+        raise ConfigError(f"parallel.pp_layers={p.pp_layers} is not supported with schedule={p.schedule} (layers split "
                           f"evenly into 2*pp chunks); leave pp_layers empty")
     if p.virtual_stages not in (1, 2):
-        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} with schedule=zbv: its 2 chunks per rank are "
-                          f"implied; leave virtual_stages at 1 (or 2)")
+        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} with schedule={p.schedule}: its 2 chunks per "
+                          f"rank are implied; leave virtual_stages at 1 (or 2)")
 
 
 def check_supported(cfg: Config, layout) -> None:
-    """Refuse, with the combination named, what this build cannot run. ``layout`` has ``tp``, ``pp``, ``dp``."""
+    """Refuse, with the combination named, what this build cannot run: a schedule whose gradient sync point the dp
+    mode cannot follow (ScheduleSpec.grad_sync against DpModeSpec.grad_syncs), then the mode's own refusals.
+    ``layout`` has ``tp``, ``pp``, ``dp``."""
     p = cfg.parallel
-    if p.schedule in ("interleaved", "zero_bubble", "zbv") and p.dp_mode != "ddp":
-        when = {"interleaved": "each model chunk's last backward", "zero_bubble": "the last W, not the last B",
-                "zbv": "each of its 2 chunks' last W"}
+    schedule, mode = sched.SCHEDULES[p.schedule], dp_modes.spec(cfg)
+    if schedule.grad_sync not in mode.grad_syncs:
+        modes = " or ".join(name for name, s in dp_modes.MODES.items() if schedule.grad_sync in s.grad_syncs)
+        other = next((name for name, s in sched.SCHEDULES.items() if s.grad_sync in mode.grad_syncs), "none")
         raise ConfigError(f"parallel.schedule={p.schedule} with parallel.dp_mode={p.dp_mode} is not supported (the "
-                          f"gradient sync would have to follow {when[p.schedule]}); use dp_mode=ddp, or "
-                          f"schedule 1f1b with {p.dp_mode}")
-    if cfg.parallel.dp_mode == "zero":
-        check_zero_supported(cfg, layout)
-    elif cfg.parallel.zero_stage:
-        raise ConfigError(f"parallel.zero_stage={cfg.parallel.zero_stage} needs parallel.dp_mode=zero, not "
-                          f"{cfg.parallel.dp_mode}; fsdp shards like ZeRO-3 (reshard_after_forward=true)")
+                          f"gradient sync would have to follow {schedule.grad_sync}); use dp_mode={modes}, or "
+                          f"schedule {other} with {p.dp_mode}")
+    if mode.check_layout is not None:
+        mode.check_layout(cfg, layout)
 
 
 def reshard_after_forward(cfg: Config, pp: int) -> bool:
     """FSDP's parallel.reshard_after_forward: true, false, or auto. Under pp > 1 each weight would be gathered once
     per micro-batch forward and again per backward, so auto keeps it gathered from forward to backward there."""
     return {"true": True, "false": False, "auto": pp == 1}[cfg.parallel.reshard_after_forward]
-
-
-def check_zero_supported(cfg: Config, ctx) -> None:
-    """Refuse, naming the combination, what engine/parallel/dp/zero.py cannot run correctly."""
-    p = cfg.parallel
-    if p.zero_stage not in (1, 2, 3):
-        raise ConfigError(f"parallel.dp_mode=zero needs parallel.zero_stage 1, 2 or 3, got {p.zero_stage}")
-    if ctx.pp > 1 and cfg.model.tie_embeddings and (p.zero_stage != 1 or cfg.train.dtype != "fp32"):
-        raise ConfigError(f"parallel.dp_mode=zero with zero_stage={p.zero_stage}, train.dtype={cfg.train.dtype}, "
-                          "parallel.pp>1 and model.tie_embeddings=true is not supported: the first and last stage's "
-                          "embedding gradients must be summed before DeepSpeed reduces them, which only ZeRO-1 in "
-                          "fp32 allows (ZeRO-2/3 reduce-scatter during backward; bf16 ZeRO-1 moves them into its "
-                          "fp32 buffers); use zero_stage=1 with train.dtype=fp32, or dp_mode=ddp")
-    if ctx.pp > 1 and p.zero_stage == 3:
-        # Measured with DeepSpeed 0.19.8: ZeRO-3's parameter coordinator checks its module trace against rank 0 of
-        # the whole job (a world-group broadcast at the first forward), which stages holding different layers
-        # reach at different times: the job hangs.
-        raise ConfigError("parallel.dp_mode=zero with zero_stage=3 and parallel.pp>1 is not supported (DeepSpeed's "
-                          "ZeRO-3 compares module traces across all ranks and hangs under pipeline stages); "
-                          "use zero_stage 1 or 2, or dp_mode=fsdp")

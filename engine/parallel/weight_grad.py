@@ -44,7 +44,7 @@ The decision reads a flag of the store, not of the thread, so it holds on the au
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -94,15 +94,22 @@ class WeightGradStore:
         self._queues.setdefault(self._key, []).append(_Deferred(weight, bias, x, g, seq_group))
 
     @torch.no_grad()
-    def flush(self, key: Hashable) -> None:
+    def flush(self, key: Hashable, done: Callable[..., None] | None = None) -> None:
         """Run W for ``key``: add each queued g^T x (and sum g) to its parameter's ``.grad``, in B's order, then
-        drop x and g. A key with nothing queued is a no-op."""
+        drop x and g. A key with nothing queued is a no-op. ``done(weight, bias)`` is called after each linear's
+        gradients are added (bias None without one): the dp mode starts reducing them (dp/buckets.py)."""
         for item in self._queues.pop(key, ()):
             x = item.x if item.seq_group is None else gather_seq(item.x, item.seq_group)  # (b, s, in)
             g2 = item.g.reshape(-1, item.g.shape[-1])  # (T, out)
             _accumulate(item.weight, g2.t().mm(x.reshape(-1, x.shape[-1])))  # (out, in)
             if item.bias is not None:
                 _accumulate(item.bias, g2.sum(0))  # (out,)
+            if done is not None:
+                done(item.weight, item.bias)
+
+    def queued(self, key: Hashable) -> set[int]:
+        """ids of the parameters (weights and biases) whose gradients flush(key) will add to."""
+        return {id(p) for item in self._queues.get(key, ()) for p in (item.weight, item.bias) if p is not None}
 
     def pending(self) -> dict[Hashable, int]:
         """Key -> number of queued weight gradients, for the keys not yet flushed (empty when all are done)."""

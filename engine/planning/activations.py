@@ -36,21 +36,27 @@ backward (engine/parallel/comm.py; engine/parallel/weight_grad.py under zero bub
 of y is saved but y itself is (fp32, 2 x 4h: the 10h of casts become 8h), and only the row-parallel weights' bf16
 copies are saved. Unchanged: the token ids, the logits and the loss's per-token values, and under selective
 recomputation the o_proj/down_proj matmul outputs (b, s, h), which are the partial sums before the reduce-scatter.
+Context parallelism (parallel.cp): a rank holds b s / cp tokens (``local_tokens``), so every per-token term counts
+those; the document mask stays whole ((b, 1, s, s) on every cp rank). all_to_all (engine/parallel/cp/ulysses.py)
+runs attention on a/(t cp) whole heads of s tokens, the same saved bytes as a/t heads of s/cp tokens, plus o_proj's
+own copy of the output (a hd/t values a token) and 4 (s,) int64 reorder indices a layer (tests/test_cp.py).
 """
 from __future__ import annotations
 
 import torch
 
 from engine.config import Config
+from engine.parallel import dp as dp_modes
 from engine.model.attention import EFFICIENT, EFFICIENT_REPEAT_KV, MATH, REPEATS_KV, attention_path
 from engine.parallel.cross_entropy import CHUNK_ELEMENTS
 
 
 def mode(cfg: Config) -> str:
-    """Which ledger applies: fp32, autocast or bf16 (see the module docstring)."""
+    """Which ledger applies: fp32, autocast or bf16 (see the module docstring; bf16 where the dp mode computes on
+    bf16 weights, DpModeSpec.bf16_weights: fsdp's compute copy, DeepSpeed's bf16)."""
     if cfg.train.dtype != "bf16":
         return "fp32"
-    return "bf16" if cfg.parallel.dp_mode in ("fsdp", "zero") else "autocast"
+    return "bf16" if dp_modes.spec(cfg).bf16_weights else "autocast"
 
 
 def sequence_share(cfg: Config, tp: int) -> int:
@@ -98,11 +104,17 @@ def attention_bytes_per_token(cfg: Config, tp: int) -> float:
     a, qd, kvd = m.num_heads, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     width, path = logit_bytes(cfg), planned_attention_path(cfg)
     extra = 2 * (qd - kvd) / tp * width if path in REPEATS_KV else 0.0
+    if ulysses(cfg):  # o_proj's input is the output all-to-all's result, beside the (b, a/(t cp), s, hd) SDPA keeps
+        extra += qd / tp * width
     if path == MATH:
         return extra + a / tp * (s * width - 4)
     if cfg.data.document_mask and path in (EFFICIENT, EFFICIENT_REPEAT_KV) and s % 16:
         extra += -(-s // 16) * 16 * width
     return extra
+
+
+def ulysses(cfg: Config) -> bool:
+    return cfg.parallel.cp > 1 and cfg.parallel.cp_mode == "all_to_all"
 
 
 def document_mask_bytes(cfg: Config, num_layers: int) -> float:
@@ -158,10 +170,15 @@ def logit_bytes(cfg: Config) -> int:
     return 4 if mode(cfg) == "fp32" else 2
 
 
+def local_tokens(cfg: Config) -> int:
+    """Tokens of one micro-batch a rank holds: b s / cp (context parallelism splits the sequence)."""
+    return cfg.train.micro_batch_size * cfg.train.seq_len // cfg.parallel.cp
+
+
 def micro_batch_bytes(cfg: Config, tp: int, pp: int, stage: int, num_layers: int) -> float:
     """Bytes one micro-batch keeps alive on ``stage`` from its forward to its backward."""
     t = cfg.train
-    tokens, h = t.micro_batch_size * t.seq_len, cfg.model.hidden_size
+    tokens, h = local_tokens(cfg), cfg.model.hidden_size
     res = residual_bytes(cfg)
     last = stage == pp - 1
     per_token = 0.0
@@ -177,9 +194,11 @@ def micro_batch_bytes(cfg: Config, tp: int, pp: int, stage: int, num_layers: int
         per_token += h * res / sequence_share(cfg, tp)  # the received input: the first norm saves an fp32 copy
     # cos and sin tables in the compute dtype, built once per forward: (s, hd), or (b, s, hd) from the document
     # mask's per-row positions
-    rope = 2 * (t.micro_batch_size if cfg.data.document_mask else 1) * t.seq_len * cfg.model.head_dim \
-        * logit_bytes(cfg)
+    rope = 2 * (t.micro_batch_size if cfg.data.document_mask else 1) * t.seq_len // cfg.parallel.cp \
+        * cfg.model.head_dim * logit_bytes(cfg)
     copies = 0.0 if t.activation_checkpointing != "none" else weight_copy_bytes(cfg, tp, num_layers, last)
+    if ulysses(cfg) and t.activation_checkpointing == "none":  # per layer the 4 (s,) int64 token-order indices
+        copies += num_layers * 4 * 8 * t.seq_len  # index_select saves (engine/parallel/cp/layout.py)
     return tokens * per_token + rope + copies + document_mask_bytes(cfg, num_layers)
 
 
@@ -189,7 +208,7 @@ def transient_bytes(cfg: Config, tp: int, last_stage: bool) -> float:
     gradients flowing back through one MLP (about four (b s, f/t) tensors); with activation checkpointing, one
     layer of one micro-batch rebuilt for its backward."""
     t, m = cfg.train, cfg.model
-    tokens = t.micro_batch_size * t.seq_len
+    tokens = local_tokens(cfg)
     out = tokens * 4 * m.intermediate_size / tp * residual_bytes(cfg)
     if t.activation_checkpointing != "none":
         out += tokens * layer_bytes_per_token(cfg, tp) + weight_copy_bytes(cfg, tp, 1, False)

@@ -11,9 +11,10 @@ In fp32 training (as on CPU) weights and gradients take 4 bytes each and Adam's 
 - parameters: the stage's layers (engine.parallel.pipeline.stage_layer_ranges), the embedding on the first stage,
   final norm and LM head on the last (a tied head is a second copy there when pp > 1); linears and the vocab
   split by tp as engine/parallel/tensor.py's plan does, norms replicated.
-- state by dp mode: ddp = stage 0 and fsdp = stage 3 with fp32 weights, gradients and AdamW moments (bf16 is
-  autocast or FSDP's bf16 compute copy); under fsdp, gradients stay unsharded until the last micro-batch (no-sync
-  accumulation), and the gathered weights are extra: one block plus the root unit with reshard_after_forward, the
+- state by dp mode, from the mode's planner model (engine/parallel/dp/plan_models.py, named by its DpModeSpec; a
+  mode without one is refused, never priced as another): ddp = stage 0 and fsdp = stage 3 with fp32 weights,
+  gradients and AdamW moments (bf16 is autocast or FSDP's bf16 compute copy); under fsdp, gradients stay unsharded
+  until the last micro-batch (no-sync accumulation), and the gathered weights are extra: one block plus the root unit with reshard_after_forward, the
   whole stage without. zero k = stage k with DeepSpeed's fp32 master copy (K = 12; bf16 weights in bf16 runs).
 - activations: engine/planning/activations.py per micro-batch (per model chunk under interleaving), summed over
   what the schedule's action table keeps in flight on the stage (engine/planning/schedules.py: 1F1B keeps
@@ -31,13 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import lru_cache
 
 from engine.planning import activations as acts
 from engine.planning.schedules import activations_in_flight, head_stage, one_embedding
-from engine.config import Config, ModelConfig
+from engine.config import Config, ConfigError, ModelConfig
+from engine.parallel import dp as dp_modes
+from engine.parallel.dp.registry import load
 from engine.parallel.support import Layout, micro_batches_per_step, resolve_layout
-from engine.parallel.support import reshard_after_forward
-from engine.parallel.dp.ds_json import load_base_config, offload_of
 from engine.parallel.pipeline import stage_layer_ranges
 from engine.planning.balance import layer_counts
 
@@ -129,31 +131,24 @@ class StageMemory:
         return max(self.backward_peak, self.state + self.step_buffers)
 
 
-def _state(cfg: Config, layout: Layout, params: int, micro_batches: int) -> tuple[float, float, float]:
-    """(weights, grads, optimizer) bytes for ``params`` parameters on one rank under the config's dp mode."""
-    p, bf16 = cfg.parallel, cfg.train.dtype == "bf16"
-    if p.dp_mode == "zero":
-        return model_state_parts(params, layout.dp, p.zero_stage, "bf16_fp32_grads" if bf16 else "fp32_master")
-    stage = 3 if p.dp_mode == "fsdp" else 0
-    weights, grads, optimizer = model_state_parts(params, layout.dp, stage, "fp32")
-    if stage == 3 and micro_batches > 1:
-        grads = 4.0 * params  # accumulated unsharded (fp32 reduce dtype) until the last micro-batch's backward
-    return weights, grads, optimizer
+@lru_cache(maxsize=None)
+def _model(path: str):
+    return load(path)()
 
 
-def _step_buffers(cfg: Config, layout: Layout, params: dict, foreach: bool) -> float:
-    """Temporaries after the backward: torch AdamW's (foreach, as engine.optim runs it off CUDA: a sqrt buffer per
-    parameter group, ~4 bytes per local parameter, an upper bound for CUDA's fused kernel; the per-tensor loop:
-    ~2 of the largest tensor). DDP's gradients are views into its buckets (engine/parallel/dp/ddp.py), so its
-    reduction adds no buffer."""
-    p, m = cfg.parallel, cfg.model
-    if p.dp_mode == "zero":
-        return 0.0  # DeepSpeed's own buffers (reduce/all-gather buckets): _zero_buffers
-    shard = layout.dp if p.dp_mode == "fsdp" else 1
-    local = params["layers"] + params["root"]
-    largest = max(m.hidden_size * max(m.intermediate_size, m.num_heads * m.head_dim) // layout.tp,
-                  m.vocab_size * m.hidden_size // layout.tp if params["root"] > m.hidden_size else 0)
-    return 4.0 * local / shard if foreach else 8.0 * largest / shard
+def planner_model(name: str):
+    """The planner model of dp mode ``name`` (its DpModeSpec.planner); a mode without one is refused in one line."""
+    spec = dp_modes.MODES[name]
+    if spec.planner is None:
+        modelled = ", ".join(n for n, s in dp_modes.MODES.items() if s.planner)
+        raise ConfigError(f"dp mode '{name}' has no planner model; declare one (DpModeSpec.planner, "
+                          f"engine/parallel/dp/plan_models.py) or plan parallel.dp_mode {modelled}")
+    return _model(spec.planner)
+
+
+def dp_model(cfg: Config):
+    """planner_model of cfg's parallel.dp_mode."""
+    return planner_model(cfg.parallel.dp_mode)
 
 
 def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True,
@@ -163,28 +158,18 @@ def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True,
     passes the ``layout`` it has resolved). ``foreach``: AdamW's multi-tensor path (engine.optim's choice off
     CUDA); False: torch's per-tensor loop."""
     layout = layout or resolve_layout(cfg, world_size)
-    t, p = cfg.train, cfg.parallel
-    micro_batches = micro_batches_per_step(t, layout.dp)
+    micro_batches = micro_batches_per_step(cfg.train, layout.dp)
     params = stage_params(cfg, layout.tp, layout.pp, stage)
-    weights, grads, optimizer = _state(cfg, layout, params["layers"] + params["root"], micro_batches)
+    model, local = dp_model(cfg), params["layers"] + params["root"]
+    weights, grads, optimizer = model.state(cfg, layout, local, micro_batches)
     optimizer += 4 * _param_tensors(cfg, layout, stage)  # AdamW's fp32 `step` counter per parameter tensor
-    step_buffers = _step_buffers(cfg, layout, params, foreach)
-    weights, grads, optimizer, step_buffers, host = _offloaded(cfg, layout, params["layers"] + params["root"],
-                                                               (weights, grads, optimizer, step_buffers))
+    step_buffers = model.step_buffers(cfg, layout, params, foreach)
+    weights, grads, optimizer, step_buffers, host = model.offloaded(cfg, layout, local,
+                                                                    (weights, grads, optimizer, step_buffers))
     held = activations_in_flight(cfg, layout.tp, layout.pp, micro_batches, stage)
-    gathered = 0.0
-    if p.dp_mode == "fsdp" and (layout.dp > 1 or p.offload != "none"):  # offloaded: gathered from the host
-        bytes_ = 2 if t.dtype == "bf16" else 4
-        # The root unit (embedding, norm, head) is never resharded after forward; the blocks are, with
-        # reshard_after_forward: then one is gathered at the peak (the last one as the backward starts; later
-        # FSDP2 prefetches the next while freed activations make room). Without it every block stays gathered.
-        blocks = params["layer"] if reshard_after_forward(cfg, layout.pp) else params["layers"]
-        gathered = bytes_ * (params["root"] + blocks)
-    buffers = acts.transient_bytes(cfg, layout.tp, stage == head_stage(cfg, layout.pp))
-    if p.dp_mode == "zero":
-        gathered, bucket = _zero_buffers(cfg, params)
-        buffers += bucket
-    if p.dp_mode == "ddp":  # DDP's gradients are views into its buckets, held through the whole step
+    gathered, bucket = model.buffers(cfg, layout, params)
+    buffers = acts.transient_bytes(cfg, layout.tp, stage == head_stage(cfg, layout.pp)) + bucket
+    if model.grads_whole_step:  # DDP's gradients are views into its buckets, held through the whole step
         new_at_peak = gathered + buffers + grads + held.peak
     else:  # gradients appear in the first backward, before which at most `held.peak` is alive; afterwards up
         # to `held.peak_after_grads` is (1F1B: the same once past the warmup, if m is large enough; GPipe: one
@@ -194,47 +179,10 @@ def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True,
                        new_at_peak, held.w_state, host)
 
 
-def _offloaded(cfg: Config, layout: Layout, local: int, parts: tuple) -> tuple[float, ...]:
-    """(weights, grads, optimizer, step_buffers) left on the device, and the host bytes, under offload (see the
-    module docstring); ``parts`` as stage_memory computed them without offload, ``local`` parameters."""
-    p = cfg.parallel
-    weights, grads, optimizer, step_buffers = parts
-    if p.dp_mode == "fsdp" and p.offload == "optimizer_and_params":
-        sharded_grads = 4.0 * local / layout.dp
-        on_device = grads if grads > sharded_grads else 0.0  # the no-sync accumulation buffer (several micro-batches)
-        return 0.0, on_device, 0.0, 0.0, weights + sharded_grads + optimizer + step_buffers
-    if p.dp_mode != "zero" or p.zero_stage not in (1, 2, 3):
-        return weights, grads, optimizer, step_buffers, 0.0
-    opt, params = offload_of(p.zero_stage, p.ds_config or None, p.offload)
-    if not opt:
-        return weights, grads, optimizer, step_buffers, 0.0
-    host = optimizer + 4.0 * local / layout.dp  # fp32 master + moments, and the fp32 gradient partition
-    if p.zero_stage >= 2:
-        grads = 0.0  # reduced bucket by bucket (the bucket is in ``buffers``) into the host partition
-    if params:
-        host, weights = host + weights, 0.0
-    return weights, grads, 0.0, step_buffers, host
-
-
-def _zero_buffers(cfg: Config, params: dict) -> tuple[float, float]:
-    """DeepSpeed's (gathered weights, gradient bucket) bytes from its settings (engine/parallel/dp/ds_json.py, with
-    parallel.ds_config merged): a reduce bucket of reduce_bucket_size gradients (fp32 here) in stages 2 and 3;
-    under stage 3 the module being run plus the prefetch bucket of weights. Not measured on CPU: DeepSpeed's allocations happen inside its own engine."""
-    stage, local = cfg.parallel.zero_stage, params["layers"] + params["root"]
-    zero = load_base_config(stage, cfg.parallel.ds_config or None).get("zero_optimization", {})
-    bucket = 4.0 * min(local, int(zero.get("reduce_bucket_size", 5e8))) if stage >= 2 else 0.0
-    gathered = 0.0
-    if stage == 3:
-        w = 2 if cfg.train.dtype == "bf16" else 4
-        prefetch = int(zero.get("stage3_prefetch_bucket_size", 5e7))
-        gathered = w * min(local, params["layer"] + params["root"] + prefetch)
-    return gathered, bucket
-
-
 def _param_tensors(cfg: Config, layout: Layout, stage: int) -> int:
     """Number of parameter tensors on the stage (9 per layer, 12 with q/k/v biases; embedding, final norm, LM
     head)."""
-    if cfg.parallel.dp_mode == "zero":
+    if not dp_model(cfg).per_tensor_step:
         return 0  # DeepSpeed keeps one step counter per flat group
     p = stage_params(cfg, layout.tp, layout.pp, stage)
     root = (stage == 0) + 2 * (stage == head_stage(cfg, layout.pp)) - one_embedding(cfg, layout.pp)

@@ -15,7 +15,8 @@ Memory: walk the rank's action list (once per table: held_states) and price what
   for the fused q/k/v (h), the attention output (a hd/t), the norm output for the fused gate/up (h), the SwiGLU
   product (f/t); g: q, k, v (a hd/t, kvd/t,
   kvd/t), o and down (h each), gate and up (f/t each). The LM head is not split (its g would be logits-sized).
-The peak is taken after each compute, as engine.parallel.actions.max_in_flight counts pairs.
+The peak is taken after each compute; the count of pairs held is engine.parallel.actions.max_in_flight's, the one
+count the simulator reports too.
 
 Time: engine.parallel.schedule_sim's event simulation of the schedule with the planner's per-micro-batch costs
 of one virtual stage (engine/planning/search.py), so the bubble is whatever the schedule leaves, for 1F1B the
@@ -32,36 +33,34 @@ from functools import lru_cache
 
 from engine.config import Config
 from engine.parallel import schedule as sched
-from engine.parallel.actions import Op, virtual_stage
+from engine.parallel.actions import Op, max_in_flight, virtual_stage
 from engine.parallel.pipeline import stage_layer_ranges
 from engine.planning import activations as acts
 from engine.planning.balance import layer_counts
 
-# What the planner searches when the config leaves the schedule open: 1F1B, interleaved with 2..4 virtual stages,
-# ZB-H1 and ZB-V. GPipe is left out: the same makespan as 1F1B with m instead of pp - stage micro-batches held.
-SEARCHED = (("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("interleaved", 4), ("zero_bubble", 1),
-            ("zbv", 2))
-ZERO_BUBBLE = ("zero_bubble", "zbv")  # the schedules that split B and W (and hold W state between them)
+# What the planner searches when the config leaves the schedule open: each schedule's ScheduleSpec.searched virtual
+# stage counts (1F1B, interleaved with 2..4 virtual stages, ZB-H1 and ZB-V; GPipe declares none).
+SEARCHED = tuple((name, v) for name, spec in sched.SCHEDULES.items() for v in spec.searched)
 
 
 def virtual_stages(cfg: Config) -> int:
-    """Model chunks per rank: parallel.virtual_stages under interleaved, 2 under zbv, else 1."""
-    return sched.chunks_per_rank(cfg.parallel.schedule, cfg.parallel.virtual_stages)
+    """Model chunks per rank: parallel.virtual_stages under interleaved, 2 in zbv's V, else 1 (ScheduleSpec)."""
+    return sched.SCHEDULES[cfg.parallel.schedule].per_rank(cfg.parallel.virtual_stages)
 
 
 def head_stage(cfg: Config, pp: int) -> int:
     """The pipeline rank holding the final norm, LM head and loss: the last, or rank 0 in zbv's V."""
-    return 0 if sched.vshape(cfg.parallel.schedule) else pp - 1
+    return 0 if sched.SCHEDULES[cfg.parallel.schedule].vshape else pp - 1
 
 
 def one_embedding(cfg: Config, pp: int) -> bool:
     """A tied embedding and LM head are one tensor: at pp = 1, or on rank 0 of zbv's V."""
-    return cfg.model.tie_embeddings and (pp == 1 or sched.vshape(cfg.parallel.schedule))
+    return cfg.model.tie_embeddings and (pp == 1 or sched.SCHEDULES[cfg.parallel.schedule].vshape)
 
 
 def label(schedule: str, v: int) -> str:
-    """Short name for tables: 1f1b, gpipe, il-v2 (interleaved, 2 virtual stages), zb-h1, zbv."""
-    return {"interleaved": f"il-v{v}", "zero_bubble": "zb-h1"}.get(schedule, schedule)
+    """Short name for tables: 1f1b, gpipe, il-v2 (interleaved, 2 virtual stages), zb-h1, zbv (ScheduleSpec.short)."""
+    return sched.SCHEDULES[schedule].short(v)
 
 
 def rank_chunks(cfg: Config, pp: int, stage: int) -> list[tuple[int, int]]:
@@ -73,7 +72,7 @@ def rank_chunks(cfg: Config, pp: int, stage: int) -> list[tuple[int, int]]:
     if v == 1:
         return [(stage, len(stage_layer_ranges(cfg.model.num_layers, pp, layer_counts(cfg, pp))[stage]))]
     n = cfg.model.num_layers // (pp * v)
-    return [(virtual_stage(pp, stage, c, sched.vshape(cfg.parallel.schedule)), n) for c in range(v)]
+    return [(virtual_stage(pp, stage, c, sched.SCHEDULES[cfg.parallel.schedule].vshape), n) for c in range(v)]
 
 
 def chunk_bytes(cfg: Config, tp: int, pp: int, stage: int) -> list[float]:
@@ -86,7 +85,7 @@ def chunk_bytes(cfg: Config, tp: int, pp: int, stage: int) -> list[float]:
 def w_state_bytes(cfg: Config, tp: int, pp: int, stage: int) -> list[float]:
     """Zero bubble: what one micro-batch holds from its B to its W besides its activations, per chunk (see the
     module docstring); 0 for the other schedules."""
-    if cfg.parallel.schedule not in ZERO_BUBBLE:
+    if not sched.SCHEDULES[cfg.parallel.schedule].split_w:
         return [0.0 for _ in rank_chunks(cfg, pp, stage)]
     m, t = cfg.model, cfg.train
     h, q, kvd, f = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.intermediate_size
@@ -151,8 +150,7 @@ def activations_in_flight(cfg: Config, tp: int, pp: int, micro_batches: int, sta
             peak, w_at_peak = total, w_bytes
         if grads:
             after = max(after, total)
-    pairs = max(sum(counts) + sum(w_counts) for counts, w_counts, _ in held_states(*key))  # as max_in_flight
-    return InFlight(pairs, peak, after, w_at_peak)
+    return InFlight(max_in_flight(actions(*key)), peak, after, w_at_peak)
 
 
 SIMULATED_GROUPS = 2
@@ -179,4 +177,5 @@ def timeline(schedule: str, pp: int, micro_batches: int, v: int, fwd: float, bwd
     micro-batch on one virtual stage: fwd, bwd (whole backward), and zero bubble's bwd_input (B) and bwd_weight
     (W). Cached: layouts that differ only in their dp mode share their costs."""
     tables = [actions(schedule, pp, micro_batches, s, v) for s in range(pp)]
-    return sched.simulate_actions(tables, fwd, bwd, schedule, bwd_input, bwd_weight, sched.vshape(schedule))
+    return sched.simulate_actions(tables, fwd, bwd, schedule, bwd_input, bwd_weight,
+                                  sched.SCHEDULES[schedule].vshape)

@@ -31,8 +31,10 @@ from engine.planning.activations import sequence_share
 from engine.config import Config, ConfigError
 from engine.parallel.support import Layout, micro_batches_per_step, resolve_layout
 from engine.parallel.tensor import LAYER_PLAN
-from engine.parallel.support import check_supported, reshard_after_forward
-from engine.planning.planner import StageMemory, plan_memory, stage_params, with_layout
+from engine.parallel.support import check_supported
+from engine.parallel.dp import MODES as DP_MODE_SPECS
+from engine.parallel.schedule import SCHEDULES
+from engine.planning.planner import StageMemory, dp_model, plan_memory, planner_model, stage_params, with_layout
 from engine.planning.schedules import head_stage, virtual_stages
 from engine.planning.balance import layer_counts
 
@@ -64,37 +66,16 @@ class StepTime:
     bubble_fraction: float = 0.0  # idle / makespan of the simulated schedule (the stage idling most)
 
 
-def _ring(nbytes: float, n: int, passes: float, bw_gbps: float, latency_us: float) -> float:
+def ring_time(nbytes: float, n: int, passes: float, bw_gbps: float, latency_us: float) -> float:
     """Seconds for a ring collective moving ``passes`` * (n-1)/n of ``nbytes`` per rank (2 for all-reduce)."""
     if n <= 1:
         return 0.0
     return passes * (n - 1) / n * nbytes / (bw_gbps * 1e9) + passes * (n - 1) * latency_us * 1e-6
 
 
-def _bandwidth(hw: Hardware, span: int) -> float:
+def link_bandwidth(hw: Hardware, span: int) -> float:
     """The link a group of consecutive-rank ``span`` uses."""
     return hw.intra_node_gbps if span <= hw.gpus_per_node else hw.inter_node_gbps
-
-
-def _dp_comm(cfg: Config, layout: Layout, hw: Hardware, params: int, micro_batches: int,
-             compute_mb: float) -> float:
-    """Exposed data-parallel communication of one step (see the module docstring)."""
-    p, d = cfg.parallel, layout.dp
-    bw, lat = _bandwidth(hw, layout.tp * d), hw.latency_us
-    grads = 4.0 * params  # fp32 gradients (DeepSpeed bf16 accumulates in fp32 here too)
-    weights = (2.0 if cfg.train.dtype == "bf16" else 4.0) * params
-    if p.dp_mode == "ddp":  # buckets reduce during the last micro-batch's backward (~2/3 of its compute);
-        # the last bucket's all-reduce starts only when backward ends
-        bucket = min(grads, p.bucket_mb * 2**20)
-        return max(_ring(grads, d, 2, bw, lat) - 2.0 / 3.0 * compute_mb, _ring(bucket, d, 2, bw, lat))
-    if p.dp_mode == "fsdp":
-        gathers = 1 + reshard_after_forward(cfg, layout.pp)
-        hidden = max(0.0, gathers * _ring(weights, d, 1, bw, lat) - compute_mb)  # prefetch overlaps compute
-        return micro_batches * hidden + _ring(grads, d, 1, bw, lat)
-    stage = p.zero_stage
-    reduce = _ring(grads, d, 2, bw, lat) if stage == 1 else micro_batches * _ring(grads, d, 1, bw, lat)
-    gather = 2 * micro_batches * _ring(weights, d, 1, bw, lat) if stage == 3 else _ring(weights, d, 1, bw, lat)
-    return reduce + gather
 
 
 @dataclass
@@ -124,7 +105,7 @@ def stage_cost(cfg: Config, layout: Layout, hw: Hardware, stage: int) -> StageCo
     act = tokens * m.hidden_size * (2 if t.dtype == "bf16" else 4)  # one (mbs, s, h) activation
     rows = sum(style == "row" for style in LAYER_PLAN.values())
     columns = len(LAYER_PLAN) - rows
-    tp_bw, pp_bw = _bandwidth(hw, layout.tp), _bandwidth(hw, layout.world_size)
+    tp_bw, pp_bw = link_bandwidth(hw, layout.tp), link_bandwidth(hw, layout.world_size)
     params = stage_params(cfg, layout.tp, layout.pp, stage)
     layers, first, last = params["num_layers"], stage == 0, stage == head_stage(cfg, layout.pp)
     rate = hw.peak_tflops * 1e12 * hw.efficiency * layout.tp  # a tp rank does 1/tp of the stage's FLOPs
@@ -134,7 +115,7 @@ def stage_cost(cfg: Config, layout: Layout, hw: Hardware, stage: int) -> StageCo
     # Forward: rows + embedding all-reduces; backward: columns + the LM head's input (recomputation, full or
     # selective, repeats the forward ones: engine/model/recompute.py).
     recomputes = t.activation_checkpointing != "none"
-    ring = _ring(act, layout.tp, 2, tp_bw, hw.latency_us)
+    ring = ring_time(act, layout.tp, 2, tp_bw, hw.latency_us)
     tp_fwd, tp_bwd = (layers * rows + first) * ring, (layers * (rows * recomputes + columns) + last) * ring
     # one transfer each way per micro-batch and model chunk (v chunks under interleaving: v times the messages)
     sent = act / sequence_share(cfg, layout.tp)  # (b, s/tp, h) between stages under sequence parallelism
@@ -160,7 +141,8 @@ def step_time(cfg: Config, world_size: int, hw: Hardware, layout: Layout | None 
     micro_batches = micro_batches_per_step(t, layout.dp)
     worst = max((stage_cost(cfg, layout, hw, s) for s in range(layout.pp)), key=lambda c: c.total)
     makespan, idle = pipeline_time(cfg, layout, worst, micro_batches)
-    dp = _dp_comm(cfg, layout, hw, worst.params["layers"] + worst.params["root"], micro_batches, worst.compute)
+    dp = dp_model(cfg).dp_comm(cfg, layout, hw, worst.params["layers"] + worst.params["root"], micro_batches,
+                               worst.compute)  # the mode's exposed communication (engine/parallel/dp/plan_models.py)
     total = makespan + dp
     tokens_per_s = t.global_batch_size * t.seq_len / total
     mfu = flops.mfu(tokens_per_s / world_size, flops.flops_per_token(m, t.seq_len), hw.peak_tflops) or 0.0
@@ -183,9 +165,7 @@ class Candidate:
 
     def describe(self) -> dict:
         p, t = self.cfg.parallel, self.cfg.train
-        mode = p.dp_mode + (f"-{p.zero_stage}" if p.dp_mode == "zero" else "")
-        if p.dp_mode == "fsdp":
-            mode += "-reshard" if reshard_after_forward(self.cfg, self.layout.pp) else "-keep"
+        mode = dp_model(self.cfg).label(self.cfg, self.layout)
         mode += {"none": "", "optimizer": "+off-opt", "optimizer_and_params": "+off-all"}[p.offload]
         return {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "dp_mode": mode,
                 "schedule": p.schedule, "virtual_stages": p.virtual_stages,
@@ -205,21 +185,20 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-DP_MODES = [("ddp", 0, "auto"), ("fsdp", 0, "true"), ("fsdp", 0, "false"), ("zero", 1, "auto"),
-            ("zero", 2, "auto"), ("zero", 3, "auto")]
-# (dp mode, zero stage, reshard, parallel.offload) tried only where no layout fits without offload (or the config
-# asks for offload): on a GPU it trades host copies and a host Adam step for device memory.
-OFFLOAD_MODES = [("fsdp", 0, "true", "optimizer_and_params"), ("zero", 1, "auto", "optimizer"),
-                 ("zero", 2, "auto", "optimizer"), ("zero", 3, "auto", "optimizer"),
-                 ("zero", 3, "auto", "optimizer_and_params")]
-
-
 def dp_modes(offload: str, dp: int) -> list[tuple[str, int, str, str]]:
-    """The (dp mode, stage, reshard, offload) tried at ``dp`` ranks: no offload (only ddp at dp = 1, where sharding
-    over one rank changes nothing), or those of OFFLOAD_MODES with parallel.offload ``offload`` ("any": all)."""
-    if offload == "none":
-        return [(*m, "none") for m in (DP_MODES if dp > 1 else DP_MODES[:1])]
-    return [m for m in OFFLOAD_MODES if offload in ("any", m[3])]
+    """The (dp mode, zero stage, reshard, offload) tried at ``dp`` ranks: each registered mode with a planner model,
+    its variants (engine/parallel/dp/plan_models.py) with parallel.offload ``offload`` ("any": every offload but
+    none). Offload is tried only where no layout fits without it (or the config asks for it): on a GPU it trades
+    host copies and a host Adam step for device memory. At dp = 1 only modes that do not shard (sharding over one
+    rank changes nothing)."""
+    out = []
+    for name, spec in DP_MODE_SPECS.items():
+        model = planner_model(name) if spec.planner else None
+        if model is None or (dp == 1 and offload == "none" and model.shards):
+            continue
+        for wanted in (["optimizer", "optimizer_and_params"] if offload == "any" else [offload]):
+            out += [(name, *v) for v in model.variants(wanted)]
+    return out
 
 
 def layouts(cfg: Config, world_size: int, schedules: tuple[tuple[str, int], ...] | None = None,
@@ -239,10 +218,10 @@ def layouts(cfg: Config, world_size: int, schedules: tuple[tuple[str, int], ...]
             if gbs % dp:
                 continue
             for schedule, v in schedules[:1] if pp == 1 else schedules:
-                # interleaved splits the layers evenly into chunks; other pp keep no pp_layers of another pp
+                # chunked schedules (interleaved, zbv) split the layers evenly; other pp keep no pp_layers of another pp
                 # (auto is a rule, not counts: it balances every pp)
                 same = pp == cfg.parallel.pp or cfg.parallel.pp_layers == "auto"
-                pp_layers = cfg.parallel.pp_layers if same and schedule not in ("interleaved", "zbv") else []
+                pp_layers = cfg.parallel.pp_layers if same and SCHEDULES[schedule].per_rank(v) == 1 else []
                 for mbs in _divisors(gbs // dp):
                     for mode, stage, reshard, off in dp_modes(offload or cfg.parallel.offload, dp):
                         for ac in ("none", "full", "selective"):

@@ -4,7 +4,7 @@
 
 ``FlatAllReduce`` is the engine's ddp before torch DDP (git show e1100a7:engine/parallel/dp/fsdp.py): after the
 whole backward, one flat copy of the gradients per dtype (torch._utils._flatten_dense_tensors), all-reduce SUM,
-divide, copy back. It is registered as a dp mode at run time with one line (``MODES["flat"] = ...``): a new
+divide, copy back. It is registered as a dp mode at run time with one line (``MODES["flat"] = DpModeSpec(...)``): a new
 mode is this one class plus that line.
 
 Per dp size, every rank holds a flat trainer and a ddp trainer over the same process group, and four variants
@@ -40,6 +40,7 @@ from engine.cluster.spawn import run_ranks  # noqa: E402
 from engine.metrics.memory import LiveTensorBytes, storage_bytes  # noqa: E402
 from engine.optim import unique_params  # noqa: E402
 from engine.parallel.dp import MODES  # noqa: E402
+from engine.parallel.dp.registry import DpModeSpec  # noqa: E402
 from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin  # noqa: E402
 
 
@@ -75,7 +76,8 @@ class FlatAllReduce(TorchOptimizerMixin, DataParallel):
 
 
 def register() -> None:
-    MODES["flat"] = "launch.bench.dp_comm:FlatAllReduce"
+    # no planner model: launch/plan.py refuses to price it rather than pricing it as ddp
+    MODES["flat"] = DpModeSpec("flat", "launch.bench.dp_comm:FlatAllReduce", MODES["ddp"].state)
 
 
 def build(argv: list[str], mode: str):

@@ -23,6 +23,9 @@ a) per stage: ``closed``, the bubble fraction of the papers' closed forms (1F1B 
 b) step time (makespan, barrier to barrier): medians, the median per step of the ratio to 1F1B's step next to
    it, and theory: the ratio (1 - bubble_1F1B) / (1 - bubble) of the closed forms, and the simulator's makespan.
 c) the measured compute times (thread CPU ms, mean over ranks of each op's median) fed to theory.
+d) zero bubble under ddp at the first --pp and dp = --dp (--dp 1 skips it): the dp reduction overlapped with the
+   W's (each bucket all-reduced as the chunk's last W completes it) vs exposed after the last W, the dp_comm phase
+   and the step time side by side (launch/bench/zb_dp.py, which runs it alone).
 
 With more ranks than free cores (pp=4 on 2 cores) the ranks take turns: wall-clock idle/wait then include time a
 neighbour was descheduled (it looks busy, its receiver idle), a stage descheduled mid-compute looks busy, and
@@ -48,11 +51,11 @@ from engine.cluster.spawn import run_ranks  # noqa: E402
 from engine.metrics.memory import SavedActivations  # noqa: E402
 from engine.parallel.context import ParallelContext  # noqa: E402
 from engine.parallel.pipeline import PipelineExecutor, backward_from  # noqa: E402
-from engine.parallel.schedule import (bubble_fraction, chunks_per_rank, max_in_flight, simulate,  # noqa: E402
-                                      theory, vshape)
+from engine.parallel.schedule import SCHEDULES, bubble_fraction, max_in_flight, simulate, theory  # noqa: E402
 from engine.parallel.tensor import vocab_parallel_cross_entropy  # noqa: E402
 from engine.parallel.virtual import model_chunks  # noqa: E402
 from engine.trainer import build_model  # noqa: E402
+from launch.bench import zb_dp  # noqa: E402
 from launch.bench.pipeline import add_model_args, batch, config, model_line, timed  # noqa: E402
 
 NAMES = ("1f1b", "interleaved", "zero_bubble", "zbv")
@@ -66,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (the first measures memory)")
     p.add_argument("--virtual-stages", type=int, default=2, help="v of the interleaved schedule")
     add_model_args(p)
+    zb_dp.add_args(p)  # section d): zero bubble x ddp, the dp reduction overlapped vs exposed (--dp 1: skipped)
     args = p.parse_args(argv)
     for pp in args.pp:
         bad = [m for m in args.micro_batches if m < pp or m % pp]
@@ -82,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def chunks_of(name: str, args: argparse.Namespace) -> int:
-    return chunks_per_rank(name, args.virtual_stages)  # zbv: 2, in a V
+    return SCHEDULES[name].per_rank(args.virtual_stages)  # zbv: 2, in a V
 
 
 def rotated(names, i: int) -> list:
@@ -101,7 +105,8 @@ class Run:
         self.executor = PipelineExecutor(ctx, name, m, shape, torch.float32, virtual_stages=v, stage=stage)
         self.cpu: dict[str, list[float]] = {op: [] for op in ("F", "L", "B", "Bi", "W")}
         self.step_cpu, self.recording = 0.0, False
-        self.forwards = [self._timed("F", c) for c in model_chunks(stage, ctx.pp, ctx.pp_rank, v, vshape(name))]
+        chunks = model_chunks(stage, ctx.pp, ctx.pp_rank, v, SCHEDULES[name].vshape)
+        self.forwards = [self._timed("F", c) for c in chunks]
         store = self.executor.weight_grads
         if store is not None:  # W: the executor calls store.flush((mb, chunk))
             store.flush = self._timed("W", store.flush)
@@ -256,6 +261,10 @@ def main(argv: list[str] | None = None) -> None:
     print_stages(results, args)
     print_steps(results, args)
     print_ops(results, args)
+    if args.dp > 1:  # the model's sizes, the first pp, the largest m; tiny.yaml's vocabulary (the corpus's)
+        zb = argparse.Namespace(pp=args.pp[0], dp=args.dp, micro_batches=max(args.micro_batches), steps=args.steps,
+                                layers=args.layers, hidden=args.hidden, seq_len=args.seq_len, bucket_mb=args.bucket_mb)
+        zb_dp.print_table(zb_dp.measure(zb), zb)
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
 
 

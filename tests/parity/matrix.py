@@ -11,6 +11,7 @@ One ``Combo`` is a point of the product of these factors (``FACTORS``):
     dtype: fp32 | bf16;  tied / untied embeddings;  activation checkpointing off / on
     clip: off (train.grad_clip 0) | on (a threshold below the gradient norm, so every step is clipped)
     sp: sequence parallelism off | on (only with tp > 1, where it applies; off at tp = 1)
+    cp in {1, 2, 4} (tp * pp * dp * cp <= 8), cp_mode: ring | all_to_all (only with cp > 1; "-" at cp = 1)
 
 ``refusal(combo)`` states, independently of the engine's own checks, which combinations the engine must refuse and
 with which words; the tests check that the engine gives exactly that error, so an accidental refusal or an
@@ -25,6 +26,7 @@ arithmetic in the same place, so a few layouts per mode show it is wired in; ``-
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import asdict, dataclass
 
@@ -32,7 +34,8 @@ SIZES = (1, 2, 4)
 DP_MODES = ("ddp", "fsdp-reshard", "fsdp-keep", "zero1", "zero2", "zero3")
 OFFLOAD_MODES = ("zero2-offload", "zero3-offload", "fsdp-offload")  # parallel.offload: optimizer, +params, +params
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero_bubble", "zbv")
-FACTORS = ("tp", "pp", "dp", "dp_mode", "schedule", "dtype", "tied", "ac", "clip", "sp")
+CP_MODES = ("ring", "all_to_all")
+FACTORS = ("tp", "pp", "dp", "dp_mode", "schedule", "dtype", "tied", "ac", "clip", "sp", "cp", "cp_mode")
 MAX_WORLD = 8
 
 
@@ -49,17 +52,20 @@ class Combo:
     clip: bool
     sp: bool = False  # parallel.sequence_parallel (tp > 1 only)
     layers: int = 4  # model.num_layers: runner.BASE's 4, or 8 where interleaving needs them (not a factor)
+    cp: int = 1  # parallel.cp (context parallelism)
+    cp_mode: str = "-"  # parallel.cp_mode when cp > 1
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     @property
     def name(self) -> str:
         return (f"tp{self.tp}-pp{self.pp}-dp{self.dp}-{self.dp_mode}"
                 + (f"-{self.schedule}" if self.pp > 1 else "") + f"-{self.dtype}"
                 + ("-tied" if self.tied else "") + ("-ac" if self.ac else "") + ("-clip" if self.clip else "")
-                + ("-sp" if self.sp else "") + (f"-L{self.layers}" if self.layers != 4 else ""))
+                + ("-sp" if self.sp else "") + (f"-L{self.layers}" if self.layers != 4 else "")
+                + (f"-cp{self.cp}-{self.cp_mode}" if self.cp > 1 else ""))
 
     def argv(self) -> list[str]:
         """The engine's command-line overrides for this combination (on top of runner.BASE)."""
@@ -74,6 +80,8 @@ class Combo:
             args += ["--parallel.virtual_stages", "2"]
         if self.layers != 4:
             args += ["--model.num_layers", str(self.layers)]
+        if self.cp > 1:
+            args += ["--parallel.cp", str(self.cp), "--parallel.cp_mode", self.cp_mode]
         if mode == "fsdp":
             args += ["--parallel.dp_mode", "fsdp", "--parallel.reshard_after_forward",
                      "false" if option == "keep" else "true"]
@@ -97,21 +105,30 @@ class Combo:
             del v["sp"]
         if self.dp == 1:
             del v["dp_mode"]
+        # cp as on/off: its pairs with every other factor's values at cp 2 or 4 (the cheaper, as the greedy picks),
+        # and cp 4 itself once per cp_mode (_pairs): cp 2 and 4 differ only in layout arithmetic, which cp 4 with
+        # each mode exercises, and pairing each size with every dp mode would add a third to the CI's time.
+        v["cp"] = self.cp > 1
+        if self.cp == 1:
+            del v["cp_mode"]
         return v
 
 
-def layouts() -> list[tuple[int, int, int]]:
-    return [(tp, pp, dp) for tp, pp, dp in itertools.product(SIZES, SIZES, SIZES) if tp * pp * dp <= MAX_WORLD]
+def layouts() -> list[tuple[int, int, int, int]]:
+    """(tp, pp, dp, cp) within MAX_WORLD ranks."""
+    return [(tp, pp, dp, cp) for tp, pp, dp, cp in itertools.product(SIZES, SIZES, SIZES, SIZES)
+            if tp * pp * dp * cp <= MAX_WORLD]
 
 
 def all_combos(clip: tuple[bool, ...] = (False, True)) -> list[Combo]:
     out = []
-    for (tp, pp, dp), mode, dtype, tied, ac, c in itertools.product(
+    for (tp, pp, dp, cp), mode, dtype, tied, ac, c in itertools.product(
             layouts(), DP_MODES + OFFLOAD_MODES, ("fp32", "bf16"), (False, True), (False, True), clip):
-        for schedule, sp in itertools.product(SCHEDULES if pp > 1 else ("-",), (False, True) if tp > 1
-                                              else (False,)):
+        for schedule, sp, cp_mode in itertools.product(SCHEDULES if pp > 1 else ("-",),
+                                                       (False, True) if tp > 1 else (False,),
+                                                       CP_MODES if cp > 1 else ("-",)):
             layers = 8 if schedule in ("interleaved", "zbv") and pp == 4 else 4
-            out.append(Combo(tp, pp, dp, mode, schedule, dtype, tied, ac, c, sp, layers))
+            out.append(Combo(tp, pp, dp, mode, schedule, dtype, tied, ac, c, sp, layers, cp, cp_mode))
     return sorted(out)
 
 
@@ -123,20 +140,39 @@ ZERO3_PP = ("ZeRO-3 with pp > 1: DeepSpeed compares module traces across all ran
             "zero_stage=3 and parallel.pp>1 is not supported")
 
 
-SCHEDULE_DP = ("interleaved, zero_bubble or zbv with a dp mode other than ddp: FSDP and ZeRO would have to sync "
-               "each chunk's gradients after its last backward (interleaved) or after its last W (zero bubble, zbv)",
-               "is not supported (the gradient sync would have to follow")
+ZERO2_OFFLOAD_INTERLEAVED = ("fp32 ZeRO-2 with the optimizer offloaded under interleaved: DeepSpeed adds each "
+                             "gradient to its host accumulator from the step's second backward on, assuming every "
+                             "parameter had one in the first (a later chunk's first gradient adds the last step's)",
+                             "the optimizer offloaded and train.dtype=fp32 is not supported")
+ZERO_ZB_HOOKS = ("ZeRO-2, or bf16 ZeRO-1, under zero_bubble: DeepSpeed reduces (ZeRO-2) or moves into its fp32 "
+                 "accumulator (bf16 ZeRO-1) each gradient in hooks autograd fires, and W adds the linears' weight "
+                 "gradients outside autograd", "schedule=zero_bubble with parallel.dp_mode=zero")
+ZBV_DP = ("zbv with a dp mode other than ddp: FSDP and ZeRO do not follow its sync point, each of its 2 chunks' "
+          "last W (rank 0's chunks share a tied embedding)", "is not supported (the gradient sync would have to follow")
+
+
+# runner.BASE has 8 heads and 4 kv heads: all_to_all gives each cp x tp rank whole heads of both.
+CP_HEADS = ("cp_mode all_to_all with cp x tp not dividing the kv heads (runner.BASE: 4): each rank of the "
+            "all-to-all takes whole heads", "divisible by cp * tp")
 
 
 def refusal(c: Combo) -> tuple[str, str] | None:
-    """(reason, words of the error) if the engine must refuse ``c``, else None."""
-    if c.schedule in ("interleaved", "zero_bubble", "zbv") and c.dp_mode != "ddp":
-        return SCHEDULE_DP
+    """(reason, words of the error) if the engine must refuse ``c``, else None. FSDP (every variant) runs under
+    every schedule but zbv, ZeRO-1/2 under interleaved (but fp32 ZeRO-2 offload), fp32 ZeRO-1 under zero_bubble;
+    zbv runs ddp alone."""
+    if c.cp > 1 and c.cp_mode == "all_to_all" and 4 % (c.cp * c.tp):
+        return CP_HEADS
+    if c.schedule == "zbv" and c.dp_mode != "ddp":
+        return ZBV_DP
     if c.dp_mode.startswith("zero") and c.pp > 1:
         if c.tied and (c.dp_mode != "zero1" or c.dtype != "fp32"):
             return TIED_ZERO_PP
         if c.dp_mode.startswith("zero3"):
             return ZERO3_PP
+        if c.schedule == "interleaved" and c.dp_mode == "zero2-offload" and c.dtype == "fp32":
+            return ZERO2_OFFLOAD_INTERLEAVED
+        if c.schedule == "zero_bubble" and (c.dp_mode != "zero1" or c.dtype != "fp32"):
+            return ZERO_ZB_HOOKS
     return None
 
 
@@ -157,7 +193,8 @@ def cost(c: Combo) -> float:
         * (1.2 if c.ac else 1.0)
 
 
-def _pairs(c: Combo) -> set:
+@functools.lru_cache(maxsize=None)
+def _pairs(c: Combo) -> frozenset:
     """The pairs of factor values ``c`` covers, plus one known three-way interaction: a tied embedding split over
     pipeline stages under each dp mode (the last stage's copy is synced and left out of the norm by every mode
     its own way; a bug there passed the pairwise subset once, caught only by a resume test)."""
@@ -165,7 +202,9 @@ def _pairs(c: Combo) -> set:
     pairs = {(a, b) for a, b in itertools.combinations(items, 2)}
     if c.tied and c.pp > 1:
         pairs.add((("tied_across_stages", True), ("dp_mode", c.dp_mode)))
-    return pairs
+    if c.cp > 1:
+        pairs.add((("cp_mode", c.cp_mode), ("cp_size", c.cp)))
+    return frozenset(pairs)
 
 
 def covering_subset() -> list[Combo]:
@@ -205,7 +244,8 @@ def offload_slice() -> list[Combo]:
 def _key(c: Combo) -> tuple:
     return (c.world, c.tp, c.pp, c.dp, (DP_MODES + OFFLOAD_MODES).index(c.dp_mode),
             SCHEDULES.index(c.schedule) if c.pp > 1 else 0,
-            c.dtype == "bf16", c.tied, c.ac, c.clip, c.sp, c.layers)
+            c.dtype == "bf16", c.tied, c.ac, c.clip, c.sp, c.layers, c.cp, CP_MODES.index(c.cp_mode)
+            if c.cp > 1 else -1)
 
 
 @dataclass(frozen=True)

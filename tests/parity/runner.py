@@ -59,6 +59,14 @@ BF16 = Tolerance(loss=1e-3, grad_norm=3e-2, params=2e-1)
 # master weights 6.0e-2 of the update).
 
 
+# FSDP's bf16 is another recipe too (bf16 all-gathered weights, MixedPrecisionPolicy; fp32 reduce and shards),
+# compared with the autocast reference: its grad-norm error grows with depth. Measured at 8 layers (the interleaved
+# pp = 4 combinations, the matrix's only 8-layer ones) on correct runs with no pipeline code involved: plain FSDP at
+# dp 2 (pp 1) 3.84e-2, and the same 3.84e-2 under 1f1b at pp 2 and 4 and interleaved at pp 4, 4.24e-2 under
+# zero_bubble at pp 4 (loss 6.2e-4, params 6.5e-2); 4 layers: at most 5.8e-3. Bound at 8 layers: 6e-2.
+FSDP_BF16_DEEP = Tolerance(loss=1e-3, grad_norm=6e-2, params=2e-1)
+
+
 def _deepspeed_bf16(c: Combo) -> bool:
     return c.dtype == "bf16" and c.dp_mode.startswith("zero")
 
@@ -71,6 +79,8 @@ def reference_of(c: Combo) -> Combo:
 
 
 def tolerance(c: Combo) -> Tolerance:
+    if c.dtype == "bf16" and c.dp_mode.startswith("fsdp") and c.layers > 4:
+        return FSDP_BF16_DEEP
     return FP32 if c.dtype == "fp32" else BF16
 
 

@@ -9,11 +9,13 @@ calls these in this order every step and never asks which mode it is:
     dp = build(stage, cfg, ctx)                        # engine/parallel/dp/__init__.py: the registry
     for each micro-batch's backward:                   # run by the pipeline executor
         dp.before_backward(is_last, chunk); dp.backward(output, grad)
+    dp.last_weight(store, key, chunk)                  # zero bubble: each chunk's last W
     dp.all_reduce_grad(tied_weight, embed_group)       # pp > 1 with tied embeddings
     dp.reduce_gradients()                              # the exposed part of the dp reduction (often nothing)
     norm = dp.step(lr)                                 # or dp.skip() after a NaN loss
 
-A new mode is one file with a subclass and one line in the registry.
+A new mode is a subclass in a file of its own, its planner model and one DpModeSpec in the registry
+(docs/architecture.md, "A new dp mode", names every file).
 """
 from __future__ import annotations
 
@@ -58,7 +60,12 @@ class DataParallel:
     def before_backward(self, is_last: bool, chunk: int = 0) -> None:
         """Called before each micro-batch's backward; ``is_last``: the step's last one of model chunk ``chunk``,
         where its gradients are reduced over dp (the others only accumulate). A schedule that defers weight
-        gradients never passes is_last=True: reduce_gradients, after the last W, then reduces everything."""
+        gradients never passes is_last=True: the chunk's gradients are complete after its last W (last_weight)."""
+
+    def last_weight(self, store, key, chunk: int = 0) -> None:
+        """Zero bubble: run model chunk ``chunk``'s last W (``store.flush(key)``, engine/parallel/weight_grad.py),
+        after which its gradients are complete; a mode that reduces per chunk starts that here."""
+        store.flush(key)
 
     def backward(self, output: torch.Tensor, grad: torch.Tensor | None) -> None:
         """Backward of one micro-batch: from the loss (grad None, last stage) or from the stage output (whose
@@ -125,7 +132,7 @@ class TorchOptimizerMixin:
         ctx = self.ctx
         exclude = counted_elsewhere(self.module, self.cfg, ctx)
         norm = clip_gradients(self.module, self.cfg.train.grad_clip, ctx.tp_rank, ctx.mp_group, exclude,
-                              dp_group=ctx.dp_group if self.sharded_grads else None, device=ctx.device)
+                              dp_group=ctx.grad_group if self.sharded_grads else None, device=ctx.device)
         if math.isfinite(norm):
             set_lr(self.optimizer, lr)
             self.optimizer.step()

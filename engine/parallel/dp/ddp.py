@@ -22,6 +22,7 @@ uncompressed steps; tensors too small to gain stay uncompressed).
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,9 @@ from torch.nn.parallel import DistributedDataParallel
 from engine.checkpoint.state import TorchState
 from engine.config import Config
 from engine.internals import private
+from engine.parallel import tied
 from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin
+from engine.parallel.dp.buckets import ReadyBuckets, all_reduce_mean
 from engine.parallel.schedule import chunking
 from engine.parallel.virtual import model_chunks
 
@@ -62,10 +65,10 @@ def comm_hook(cfg: Config, ctx):
         return None
     if p.grad_compression == "bf16":
         native = ctx.backend == "nccl"  # torch's own hook checks for it
-        return ctx.dp_group, default_hooks.bf16_compress_hook if native else cast_hook(torch.bfloat16)
+        return ctx.grad_group, default_hooks.bf16_compress_hook if native else cast_hook(torch.bfloat16)
     if p.grad_compression == "fp16":
-        return ctx.dp_group, default_hooks.fp16_compress_hook
-    state = powerSGD_hook.PowerSGDState(process_group=ctx.dp_group, matrix_approximation_rank=p.powersgd_rank,
+        return ctx.grad_group, default_hooks.fp16_compress_hook
+    state = powerSGD_hook.PowerSGDState(process_group=ctx.grad_group, matrix_approximation_rank=p.powersgd_rank,
                                         start_powerSGD_iter=p.powersgd_warmup_steps, random_seed=cfg.train.seed)
     return state, powerSGD_hook.powerSGD_hook if ctx.backend == "nccl" else one_bucket_at_a_time(
         powerSGD_hook.powerSGD_hook)
@@ -97,9 +100,12 @@ class DDP(TorchOptimizerMixin, DataParallel):
     With virtual stages (interleaved schedule) each model chunk is its own DistributedDataParallel, armed before
     that chunk's last backward: a rank's chunks finish their gradients at different backwards (at dp 1 the chunks
     run unwrapped). Under a schedule that defers weight gradients (zero bubble) no backward finishes one, so no
-    reducer is armed and reduce_gradients all-reduces the gradients after the last W, in bucket_mb pieces
-    (exposed, not overlapped)."""
+    reducer is armed: each chunk's gradients are averaged in buckets launched during its last W as each bucket
+    completes (dp/buckets.py ReadyBuckets), overlapped with the rest of the W's; reduce_gradients waits for them.
+    ``overlap_weight_reduction = False`` keeps the older exposed path instead, one all-reduce per bucket after the
+    last W (launch/bench/schedules.py compares the two)."""
 
+    overlap_weight_reduction = True
     zero_grad_to_none = False  # keep the bucket views: accumulation writes into them
 
     def __init__(self, model: nn.Module, cfg: Config, ctx):
@@ -111,14 +117,22 @@ class DDP(TorchOptimizerMixin, DataParallel):
         # is nothing to reduce: no wrapper (its buckets would copy every gradient and its hooks run for nothing).
         self.ddps = [DistributedDataParallel(
             chunk, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-            process_group=ctx.dp_group, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True,
+            process_group=ctx.grad_group, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True,
             init_sync=False, **_no_buffer_sync())
-            for chunk in self.chunks] if ctx.dp > 1 else []
+            for chunk in self.chunks] if ctx.grad_size > 1 else []
         for ddp in self.ddps:  # a hook state per chunk: PowerSGD keys its error feedback by bucket index
             hook = comm_hook(cfg, ctx)
             if hook is not None:
                 ddp.register_comm_hook(*hook)
-        self.armed: set[int] = set()  # chunks whose reducer ran in this step's backward
+        self.armed: set[int] = set()  # chunks whose reducer ran in this step's backward, or whose W launched
+        self.launched: list[ReadyBuckets] = []  # zero bubble: the chunks' reductions started in their last W
+        # The stage's copy of a tied embedding is summed over the embedding group after the W's (the trainer's
+        # sync_tied_embedding): it is averaged over dp after that sum, in reduce_gradients, not in the W.
+        self.tied, self.tied_after_weights = tied.stage_copy(model, cfg, ctx), False
+        # A weight two chunks share (ZB-V's tied embedding: rank 0's chunk 0 embeds, its chunk 1 is the head) is
+        # complete only after both chunks' backwards, so no chunk's last W reduces it: reduce_gradients does, once.
+        held = Counter(id(p) for chunk in self.chunks for p in chunk.parameters())
+        self.shared = {i for i, n in held.items() if n > 1}
         self._build_optimizer()
 
     def forward(self, x, chunk: int = 0, **kwargs):
@@ -135,41 +149,51 @@ class DDP(TorchOptimizerMixin, DataParallel):
             private(self.ddps[chunk], "torch", "reducer").prepare_for_backward([])
             self.armed.add(chunk)
 
+    def last_weight(self, store, key, chunk: int = 0) -> None:
+        """Chunk ``chunk``'s last W, reducing its buckets as they complete: the parameters W does not add to
+        finished in B (norms, embedding) and are ready at once; the others as W adds their last gradient. Every
+        dp rank runs the same W's in the same order, so the buckets launch alike (ReadyBuckets keeps them in
+        order regardless)."""
+        if not self.ddps or not self.overlap_weight_reduction:
+            store.flush(key)
+            return
+        params = [p for p in reversed(list(self.chunks[chunk].parameters())) if p.requires_grad]  # DDP's order
+        if any(p is self.tied or id(p) in self.shared for p in params):
+            params = [p for p in params if p is not self.tied and id(p) not in self.shared]
+            self.tied_after_weights = True
+        buckets = ReadyBuckets(params, self.ctx.grad_group, self.cfg.parallel.bucket_mb)
+        queued = store.queued(key)
+        buckets.ready(*(p for p in params if id(p) not in queued))
+        store.flush(key, done=buckets.ready)
+        self.launched.append(buckets)
+        self.armed.add(chunk)
+
     def reduce_gradients(self) -> None:
-        """Average over dp the gradients of every chunk whose reducer did not run in this step's backward."""
-        # A weight two chunks share (ZB-V's tied embedding, rank 0's chunks 0 and 1) is reduced once, not twice.
-        # Both chunks' DDPs hold it, but no reducer runs under zbv (no backward completes a gradient), so
-        # neither owns its .grad: this reduction is the only one.
-        seen: set[int] = set()
+        """Finish the reductions the W's started, then average over dp the gradients of every chunk whose
+        reducer did not run in this step's backward (and the tied copy, after its sum over the embedding group)."""
+        for buckets in self.launched:
+            buckets.wait()
+        later = [self.tied] if self.tied is not None else []
+        later += [p for chunk in self.chunks for p in chunk.parameters() if id(p) in self.shared]
+        by_id = {id(p): p.grad for p in later if self.tied_after_weights and p.grad is not None}
         for chunk, ddp in enumerate(self.ddps):
-            if chunk not in self.armed and self.ctx.dp > 1:
-                grads = [p.grad for p in ddp.module.parameters() if p.grad is not None and id(p) not in seen]
-                seen.update(id(p) for p in ddp.module.parameters())
-                all_reduce_mean(grads, self.ctx.dp_group, self.cfg.parallel.bucket_mb)
+            if chunk not in self.armed and self.ctx.grad_size > 1:
+                by_id |= {id(p): p.grad for p in ddp.module.parameters() if p.grad is not None}
+        grads = list(by_id.values())  # keyed by parameter: a weight two chunks share is reduced once, not per chunk
+        if grads:
+            all_reduce_mean(grads, self.ctx.grad_group, self.cfg.parallel.bucket_mb)
         self.armed.clear()
+        self.launched.clear()
+        self.tied_after_weights = False
 
     def skip(self) -> None:
+        for buckets in self.launched:  # launched collectives must still complete, on every dp rank alike
+            buckets.wait()
         self.armed.clear()
+        self.launched.clear()
+        self.tied_after_weights = False
         super().skip()
 
     def checkpoint_state(self):
         return TorchState(self.module, self.optimizer, self.ctx, fsdp=False)
 
-
-def all_reduce_mean(grads: list[torch.Tensor], group, bucket_mb: float) -> None:
-    """Average ``grads`` over ``group`` in place, packed into flat buffers of about bucket_mb MB each (one
-    all-reduce per buffer instead of one per tensor)."""
-    size = dist.get_world_size(group)
-    limit = int(bucket_mb * 2**20)
-    buckets: list[list[torch.Tensor]] = [[]]
-    for g in grads:
-        if buckets[-1] and (sum(t.numel() * t.element_size() for t in buckets[-1]) >= limit
-                            or buckets[-1][0].dtype != g.dtype):
-            buckets.append([])
-        buckets[-1].append(g)
-    for bucket in (b for b in buckets if b):
-        flat = torch.cat([g.reshape(-1) for g in bucket])  # (sum of numels,)
-        dist.all_reduce(flat, group=group)
-        flat.div_(size)
-        for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
-            g.copy_(part.view_as(g))

@@ -14,29 +14,42 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from engine.checkpoint.state import TorchState
 from engine.config import Config
+from engine.internals import private
 from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin
 from engine.parallel.support import reshard_after_forward
+from engine.parallel.schedule import chunking
+from engine.parallel.virtual import model_chunks
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool, bf16: bool,
-               offload: OffloadPolicy | None = None) -> nn.Module:
+               offload: OffloadPolicy | None = None, roots: list[nn.Module] | None = None) -> nn.Module:
     """Shard the (materialised, identically initialised) stage over ``dp_mesh``, one FSDP unit per decoder layer.
     With ``bf16`` the gathered weights are bf16 and gradients are reduced in fp32 (MixedPrecisionPolicy);
-    ``offload``: CPUOffloadPolicy, or None to keep everything on the device."""
+    ``offload``: CPUOffloadPolicy, or None to keep everything on the device. ``roots``: the modules run as the
+    stage's virtual stages (engine/parallel/virtual.py model_chunks; default the stage itself), each a root unit
+    over its own layers, as torchtitan shards each pipeline model part separately."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
     kw = {"mp_policy": policy, "offload_policy": offload or OffloadPolicy()}
     for layer in model.model.layers.values():
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kw)
-    # The root unit holds the embedding, final norm and LM head; it is needed again right after forward (the
-    # backward starts there), so it is never resharded after forward.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, **kw)
+    # A root unit holds the embedding, final norm and LM head of its chunk; it is needed again right after
+    # forward (the backward starts there), so it is never resharded after forward.
+    for root in roots or [model]:
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, **kw)
     return model
 
 
 class FSDP(TorchOptimizerMixin, DataParallel):
     """The stage sharded over dp; gradients are reduce-scattered in the last micro-batch's backward only (they
-    accumulate unsharded before it, as DDP's no_sync does)."""
+    accumulate unsharded before it, as DDP's no_sync does).
+
+    Virtual stages (interleaved): each model chunk is a root unit of its own, whose gradients are reduce-scattered
+    in that chunk's last backward. Zero bubble: no backward completes a gradient (W adds the linears' weight
+    gradients later, outside autograd), so gradient sync stays off in every B and each chunk's units are reduced
+    by hand right after its last W (``last_weight``), as torch.distributed.pipelining's ``perform_reduce_grad``
+    (stage.py) does for FSDP after its last W: ``post_backward`` of every param group, then the root's final
+    callback."""
 
     sharded_grads = True
 
@@ -45,15 +58,38 @@ class FSDP(TorchOptimizerMixin, DataParallel):
         # Pinned host memory only where there is a CUDA device to copy to and from (pinning needs CUDA).
         offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") \
             if cfg.parallel.offload == "optimizer_and_params" else None
-        self.module = apply_fsdp(model, ctx.mesh["dp"], reshard_after_forward(cfg, ctx.pp), cfg.train.dtype == "bf16",
-                                 offload)
+        self.chunks = model_chunks(model, ctx.pp, ctx.pp_rank, *chunking(cfg.parallel))
+        self.module = apply_fsdp(model, ctx.grad_mesh, reshard_after_forward(cfg, ctx.pp), cfg.train.dtype == "bf16",
+                                 offload, self.chunks)
         self._build_optimizer()  # on the host shards under offload: torch's foreach AdamW steps there
 
+    def forward(self, x, chunk: int = 0, **kwargs):
+        with self.autocast():
+            return self.chunks[chunk](x, **kwargs)  # the stage itself without virtual stages
+
     def before_backward(self, is_last: bool, chunk: int = 0) -> None:
-        self.module.set_requires_gradient_sync(is_last)
+        self.chunks[chunk].set_requires_gradient_sync(is_last)
+
+    def last_weight(self, store, key, chunk: int = 0) -> None:
+        """The chunk's last W, then its reduce-scatter (every dp rank runs the same W's: the same order)."""
+        store.flush(key)
+        root = self.chunks[chunk]
+        root.set_requires_gradient_sync(True)
+        state = private(root, "torch", "_get_fsdp_state")()
+        for unit in private(private(state, "torch", "_state_ctx"), "torch", "all_states"):
+            for group in private(unit, "torch", "_fsdp_param_groups"):
+                # Under bf16 compute a B's post-backward moved the gradients it had into fp32 accumulators, but a
+                # weight whose W's all ran after the last B (pp - 1 - stage of them, ZB-H1) still holds W's bf16
+                # sum: both into fp32, or the reduce-scatter refuses the mix (no-ops in fp32 and for the rest).
+                for param in private(group, "torch", "fsdp_params"):
+                    param.accumulate_unsharded_grad_if_needed()
+                    param.to_accumulated_grad_if_needed()
+                group.post_backward()  # reduce-scatters what the B's and W's accumulated unsharded
+        private(state, "torch", "_root_post_backward_final_callback")()  # waits for them; states back to idle
 
     def checkpoint_state(self):
-        for module in self.module.modules():  # a forward-only pass (evaluation) can leave the root unsharded,
-            if isinstance(module, FSDPModule):  # with plain tensors in place of the sharded DTensor parameters
-                module.reshard()
+        for root in self.chunks:  # a forward-only pass (evaluation) can leave a root unsharded,
+            for module in root.modules():  # with plain tensors in place of the sharded DTensor parameters
+                if isinstance(module, FSDPModule):
+                    module.reshard()
         return TorchState(self.module, self.optimizer, self.ctx, fsdp=True)

@@ -40,6 +40,7 @@ from engine.parallel.shards import tp_dim
 from engine.parallel.support import micro_batches_per_step
 from engine.parallel.dp.zero_state import Zero3State, Zero12State, zero_bytes_held
 from engine.parallel.tied import counted_elsewhere, split_over_stages
+from engine.parallel.virtual import model_chunks
 
 
 def ds_config(cfg: Config, ctx, base: dict | None = None) -> dict:
@@ -50,8 +51,9 @@ def ds_config(cfg: Config, ctx, base: dict | None = None) -> dict:
     c = copy.deepcopy(base) if base is not None else load_base_config(stage, cfg.parallel.ds_config or None)
     c["train_micro_batch_size_per_gpu"] = t.micro_batch_size
     c["gradient_accumulation_steps"] = micro_batches_per_step(t, ctx.dp)
-    # DeepSpeed checks train_batch_size = micro * accumulation * dp; support.resolve_layout checked it divides.
-    c["train_batch_size"] = t.global_batch_size
+    # DeepSpeed checks train_batch_size = micro * accumulation * its dp size, which is dp x cp (ctx's mpu): the cp
+    # ranks of a dp rank run the same rows (other tokens), so they count as cp copies; resolve_layout checked it.
+    c["train_batch_size"] = t.global_batch_size * getattr(ctx, "cp", 1)
     c["managed_gradient_accumulation"] = False  # the trainer owns the boundary: m backwards, then one step()
     c["gradient_clipping"] = float(t.grad_clip)
     c["zero_allow_untested_optimizer"] = True  # torch.optim.AdamW as client optimizer (no FusedAdam build)
@@ -142,6 +144,20 @@ def _ensure_deepspeed_comm(backend: str) -> None:
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
+class ChunkRunner(nn.Module):
+    """The stage as DeepSpeed's one wrapped module under virtual stages: ``forward(x, chunk)`` runs model chunk
+    ``chunk`` (engine/parallel/virtual.py). Its only submodule is the stage (parameter names prefixed
+    ``stage.``); the chunks share the stage's modules and are kept out of the module tree."""
+
+    def __init__(self, stage: nn.Module, chunks: list[nn.Module]):
+        super().__init__()
+        self.stage = stage
+        self.__dict__["chunks"] = chunks  # not registered: their parameters are the stage's
+
+    def forward(self, x, chunk: int = 0, **kwargs):
+        return self.chunks[chunk](x, **kwargs)
+
+
 class ZeRO(DataParallel):
     """One pipeline stage under DeepSpeed ZeRO. DeepSpeed's forward registers the hooks its backward relies on;
     ``backward`` per micro-batch, ``step(lr)`` once per global batch."""
@@ -156,9 +172,13 @@ class ZeRO(DataParallel):
         self.offload = zero_offload(cfg)
         optimizer = offload_optimizer(model, cfg.train) if self.offload[0] else build_optimizer(model, cfg.train)
         self.config = config if config is not None else ds_config(cfg, ctx)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+        # Virtual stages: DeepSpeed's forward runs the one module it wraps, so it wraps one that runs a chunk.
+        self.chunked = cfg.parallel.virtual_stages > 1
+        wrapped = ChunkRunner(model, model_chunks(model, ctx.pp, ctx.pp_rank, cfg.parallel.virtual_stages)) \
+            if self.chunked else model
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=wrapped, optimizer=optimizer,
                                                                  config=self.config, mpu=ctx)
-        self.module = self.engine.module
+        self.module = self.engine.module.stage if self.chunked else self.engine.module
         self.stage = cfg.parallel.zero_stage
         # DeepSpeed releases without caller-owned accumulation (or a config asking for DeepSpeed's own) count
         # micro-steps; before_backward() then marks the boundary by hand.
@@ -169,6 +189,8 @@ class ZeRO(DataParallel):
                               "managed_gradient_accumulation=false (DeepSpeed >= 0.19.8 here)")
 
     def forward(self, x, chunk: int = 0, **kwargs):
+        if self.chunked:
+            kwargs["chunk"] = chunk
         return self.engine(x, **kwargs)  # under bf16 the weights themselves are bf16: no autocast
 
     def train(self, mode: bool = True) -> None:

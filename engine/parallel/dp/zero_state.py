@@ -5,7 +5,8 @@
   the parameter this rank owns (``lp_fragment_address``) and views of the master and moment fragments.
 - ``Zero3State``: ZeRO-3 partitions each parameter: dp rank r holds flat elements [r*ps, (r+1)*ps) (padded);
   read and written with ``deepspeed.utils.safe_{get,set}_local_{fp32_param,optimizer_state}``.
-Both follow engine/checkpoint/state.py's state protocol (held, writes, state_names, get, set, prepare, finish).
+Both follow engine/checkpoint/state.py's CheckpointState protocol (held, writes, state_names, get, set, prepare,
+finish, adam_step).
 """
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.checkpoint.state import Slot, step_tensor
+from engine.checkpoint.state import CheckpointState, Slot, step_tensor
 from engine.internals import private
 from engine.metrics.memory import storage_bytes
 
 
-class _ZeroState:
+class _ZeroState(CheckpointState):
     """What ZeRO-1/2 and ZeRO-3 share: a torch AdamW (``inner``) stepping flat fp32 partitions (``flats``)."""
     flats: list[torch.Tensor]
 

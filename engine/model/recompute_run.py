@@ -1,0 +1,31 @@
+"""The checkpointed forward of one decoder block under ``train.activation_checkpointing`` (the modes and what they
+keep: engine/model/recompute.py): full recomputes the whole block, selective keeps the GEMM outputs and recomputes
+the rest (torch.utils.checkpoint with a create_selective_checkpoint_contexts policy, as torchtitan does)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+aten = torch.ops.aten
+# Outputs kept under selective: the GEMMs (F.linear lowers to mm on 2-D views, addmm with a bias).
+SAVED_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default}
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if op in SAVED_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def run_block(block: nn.Module, mode: str, *args) -> torch.Tensor:
+    """``block._block(*args)`` with the recomputation ``mode`` in force while gradients are recorded."""
+    if mode == "none" or not torch.is_grad_enabled():
+        return block._block(*args)
+    if mode == "full":
+        return checkpoint(block._block, *args, use_reentrant=False)
+    return checkpoint(block._block, *args, use_reentrant=False, context_fn=_selective_context)

@@ -1,0 +1,172 @@
+"""Each dp mode's planner model: the bytes one rank holds per parameter (weights, gradients, optimizer state,
+sharded or not; Rajbhandari et al. 2020, "ZeRO", Sec. 5), what it gathers and buffers, what it offloads, its
+exposed communication per step, and the variants the layout search tries. Its DpModeSpec names its class
+(engine/parallel/dp/__init__.py); engine/planning/planner.py and search.py call these methods and never compare a
+mode's name; a mode without one is refused by the planner (planner.dp_model). The formulas are explained in those
+two modules' docstrings; this file only says which applies to which mode.
+
+Methods, each (cfg, layout, ...): ``state(params, micro_batches)`` -> (weights, grads, optimizer) bytes;
+``step_buffers(params, foreach)``: temporaries of the optimizer step; ``buffers(params)`` -> (gathered weights,
+gradient bucket); ``offloaded(local, parts)`` -> (weights, grads, optimizer, step_buffers, host);
+``dp_comm(hw, params, micro_batches, compute_mb)``: exposed seconds; ``label``: its name in tables. Attributes:
+``shards`` (sharding over one rank changes nothing, so the search tries only non-sharding modes at dp = 1),
+``grads_whole_step`` (gradients held from the first backward to the step), ``per_tensor_step`` (AdamW's fp32 step
+counter per parameter tensor), ``variants(offload)``: the (zero_stage, reshard_after_forward, offload) it is
+searched with.
+"""
+from __future__ import annotations
+
+from engine.parallel.dp.ds_json import load_base_config, offload_of
+from engine.parallel.support import reshard_after_forward
+from engine.planning.planner import model_state_parts
+from engine.planning.search import link_bandwidth, ring_time
+
+
+class TorchAdamWModel:
+    """What ddp and fsdp share: torch AdamW on fp32 weights, its foreach temporaries (a sqrt buffer per parameter
+    group, ~4 bytes per local parameter, an upper bound for CUDA's fused kernel; the per-tensor loop: ~2 of the
+    largest tensor), nothing offloaded, nothing gathered."""
+    shards, grads_whole_step, per_tensor_step = False, False, True
+
+    def step_buffers(self, cfg, layout, params: dict, foreach: bool) -> float:
+        m = cfg.model
+        shard = layout.dp if self.shards else 1
+        local = params["layers"] + params["root"]
+        largest = max(m.hidden_size * max(m.intermediate_size, m.num_heads * m.head_dim) // layout.tp,
+                      m.vocab_size * m.hidden_size // layout.tp if params["root"] > m.hidden_size else 0)
+        return 4.0 * local / shard if foreach else 8.0 * largest / shard
+
+    def buffers(self, cfg, layout, params: dict) -> tuple[float, float]:
+        return 0.0, 0.0
+
+    def offloaded(self, cfg, layout, local: int, parts: tuple) -> tuple[float, ...]:
+        return (*parts, 0.0)
+
+
+class DDPModel(TorchAdamWModel):
+    """ZeRO stage 0 in fp32; its gradients are views into DDP's buckets, held through the whole step, and its
+    reduction adds no buffer."""
+    grads_whole_step = True
+
+    def variants(self, offload: str) -> list[tuple[int, str, str]]:
+        return [(0, "auto", "none")] if offload == "none" else []
+
+    def label(self, cfg, layout) -> str:
+        return cfg.parallel.dp_mode
+
+    def state(self, cfg, layout, params: int, micro_batches: int) -> tuple[float, float, float]:
+        return model_state_parts(params, layout.dp, 0, "fp32")
+
+    def dp_comm(self, cfg, layout, hw, params: int, micro_batches: int, compute_mb: float) -> float:
+        """Buckets reduce during the last micro-batch's backward (~2/3 of its compute); the last bucket's all-reduce
+        starts only when backward ends."""
+        d, bw, lat = layout.dp, link_bandwidth(hw, layout.tp * layout.dp), hw.latency_us
+        grads = 4.0 * params
+        bucket = min(grads, cfg.parallel.bucket_mb * 2**20)
+        return max(ring_time(grads, d, 2, bw, lat) - 2.0 / 3.0 * compute_mb, ring_time(bucket, d, 2, bw, lat))
+
+
+class FSDPModel(TorchAdamWModel):
+    """ZeRO stage 3 in fp32, gradients unsharded until the last micro-batch (no-sync accumulation), the gathered
+    weights extra (one block plus the root unit with reshard_after_forward, the whole stage without);
+    CPUOffloadPolicy moves the sharded weights, gradients, AdamW state and its temporaries to the host."""
+    shards = True
+
+    def variants(self, offload: str) -> list[tuple[int, str, str]]:
+        return {"none": [(0, "true", "none"), (0, "false", "none")],
+                "optimizer_and_params": [(0, "true", "optimizer_and_params")]}.get(offload, [])
+
+    def label(self, cfg, layout) -> str:
+        return cfg.parallel.dp_mode + ("-reshard" if reshard_after_forward(cfg, layout.pp) else "-keep")
+
+    def state(self, cfg, layout, params: int, micro_batches: int) -> tuple[float, float, float]:
+        weights, grads, optimizer = model_state_parts(params, layout.dp, 3, "fp32")
+        if micro_batches > 1:
+            grads = 4.0 * params  # accumulated unsharded (fp32 reduce dtype) until the last micro-batch's backward
+        return weights, grads, optimizer
+
+    def buffers(self, cfg, layout, params: dict) -> tuple[float, float]:
+        if layout.dp == 1 and cfg.parallel.offload == "none":  # offloaded: gathered from the host even at dp 1
+            return 0.0, 0.0
+        # The root unit (embedding, norm, head) is never resharded after forward; the blocks are, with
+        # reshard_after_forward: then one is gathered at the peak (the last one as the backward starts; later
+        # FSDP2 prefetches the next while freed activations make room). Without it every block stays gathered.
+        blocks = params["layer"] if reshard_after_forward(cfg, layout.pp) else params["layers"]
+        return (2 if cfg.train.dtype == "bf16" else 4) * (params["root"] + blocks), 0.0
+
+    def offloaded(self, cfg, layout, local: int, parts: tuple) -> tuple[float, ...]:
+        weights, grads, optimizer, step_buffers = parts
+        if cfg.parallel.offload != "optimizer_and_params":
+            return (*parts, 0.0)
+        sharded_grads = 4.0 * local / layout.dp
+        on_device = grads if grads > sharded_grads else 0.0  # the no-sync accumulation buffer (several micro-batches)
+        return 0.0, on_device, 0.0, 0.0, weights + sharded_grads + optimizer + step_buffers
+
+    def dp_comm(self, cfg, layout, hw, params: int, micro_batches: int, compute_mb: float) -> float:
+        """An all-gather per micro-batch forward (and backward with resharding) that prefetch overlaps with compute,
+        and the last micro-batch's gradient reduce-scatter."""
+        d, bw, lat = layout.dp, link_bandwidth(hw, layout.tp * layout.dp), hw.latency_us
+        weights = (2.0 if cfg.train.dtype == "bf16" else 4.0) * params
+        gathers = 1 + reshard_after_forward(cfg, layout.pp)
+        hidden = max(0.0, gathers * ring_time(weights, d, 1, bw, lat) - compute_mb)
+        return micro_batches * hidden + ring_time(4.0 * params, d, 1, bw, lat)
+
+
+class ZeroModel:
+    """DeepSpeed ZeRO stage k with its fp32 master copy (K = 12; bf16 weights and fp32 gradients in bf16 runs),
+    one step counter per flat group, its own buckets (ds_json settings) and its offload (ZeRO-Offload)."""
+    shards, grads_whole_step, per_tensor_step = True, False, False
+
+    def variants(self, offload: str) -> list[tuple[int, str, str]]:
+        stages = {"none": (1, 2, 3), "optimizer": (1, 2, 3), "optimizer_and_params": (3,)}.get(offload, ())
+        return [(stage, "auto", offload) for stage in stages]
+
+    def label(self, cfg, layout) -> str:
+        return f"{cfg.parallel.dp_mode}-{cfg.parallel.zero_stage}"
+
+    def state(self, cfg, layout, params: int, micro_batches: int) -> tuple[float, float, float]:
+        precision = "bf16_fp32_grads" if cfg.train.dtype == "bf16" else "fp32_master"
+        return model_state_parts(params, layout.dp, cfg.parallel.zero_stage, precision)
+
+    def step_buffers(self, cfg, layout, params: dict, foreach: bool) -> float:
+        return 0.0  # DeepSpeed's own buffers (reduce/all-gather buckets): ``buffers``
+
+    def buffers(self, cfg, layout, params: dict) -> tuple[float, float]:
+        """(gathered weights, gradient bucket) from DeepSpeed's settings (parallel.ds_config merged): a reduce bucket
+        of reduce_bucket_size gradients (fp32 here) in stages 2 and 3; under stage 3 the module being run plus the
+        prefetch bucket of weights. Not measured on CPU: DeepSpeed allocates inside its own engine."""
+        stage, local = cfg.parallel.zero_stage, params["layers"] + params["root"]
+        zero = load_base_config(stage, cfg.parallel.ds_config or None).get("zero_optimization", {})
+        bucket = 4.0 * min(local, int(zero.get("reduce_bucket_size", 5e8))) if stage >= 2 else 0.0
+        gathered = 0.0
+        if stage == 3:
+            w = 2 if cfg.train.dtype == "bf16" else 4
+            prefetch = int(zero.get("stage3_prefetch_bucket_size", 5e7))
+            gathered = w * min(local, params["layer"] + params["root"] + prefetch)
+        return gathered, bucket
+
+    def offloaded(self, cfg, layout, local: int, parts: tuple) -> tuple[float, ...]:
+        """The host holds the fp32 master weights, Adam moments and fp32 gradient partition (K P / N + 4 P / N),
+        with offload_param also the 16-bit weight partition."""
+        p = cfg.parallel
+        weights, grads, optimizer, step_buffers = parts
+        if p.zero_stage not in (1, 2, 3):
+            return (*parts, 0.0)
+        opt, params = offload_of(p.zero_stage, p.ds_config or None, p.offload)
+        if not opt:
+            return (*parts, 0.0)
+        host = optimizer + 4.0 * local / layout.dp
+        if p.zero_stage >= 2:
+            grads = 0.0  # reduced bucket by bucket (the bucket is in ``buffers``) into the host partition
+        if params:
+            host, weights = host + weights, 0.0
+        return weights, grads, 0.0, step_buffers, host
+
+    def dp_comm(self, cfg, layout, hw, params: int, micro_batches: int, compute_mb: float) -> float:
+        """Stage 1 all-reduces gradients once, stage 2 reduce-scatters every micro-batch, stage 3 also all-gathers
+        weights forward and backward; stages 1-2 all-gather the updated weights (overlap_comm off)."""
+        d, bw, lat, stage = layout.dp, link_bandwidth(hw, layout.tp * layout.dp), hw.latency_us, cfg.parallel.zero_stage
+        grads, weights = 4.0 * params, (2.0 if cfg.train.dtype == "bf16" else 4.0) * params
+        reduce = ring_time(grads, d, 2, bw, lat) if stage == 1 else micro_batches * ring_time(grads, d, 1, bw, lat)
+        gather = ring_time(weights, d, 1, bw, lat) * (2 * micro_batches if stage == 3 else 1)
+        return reduce + gather
