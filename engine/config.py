@@ -88,6 +88,7 @@ class ParallelConfig:
     powersgd_warmup_steps: int = 10
     reshard_after_forward: str = "auto"  # fsdp: true (ZeRO-3) | false (keep gathered to backward) | auto (pp == 1)
     # 1f1b | gpipe | interleaved (virtual_stages model chunks per rank) | zero_bubble (ZB-H1; engine/parallel/schedule.py)
+    # | zbv (ZB-V: 2 chunks per rank in a V, implied; engine/parallel/schedule_zbv.py)
     schedule: str = "1f1b"
     virtual_stages: int = 1  # interleaved: model chunks per rank (>= 2); layers split into pp * virtual_stages chunks
     # Megatron's sequence parallelism (Korthikanti et al. 2022): norms and residual stream sharded over tp on the

@@ -14,6 +14,7 @@ from engine.model import transformer as model_lib
 from engine.model.compile import apply_compile
 from engine.model.init import materialize
 from engine.model.recompute import apply_activation_checkpointing
+from engine.parallel import schedule as sched
 from engine.parallel.context import ParallelContext
 from engine.parallel.cp.apply import apply_context_parallel
 from engine.parallel.pipeline import PipelineExecutor, split_stage
@@ -30,7 +31,7 @@ def wire_dtype(p2p_dtype: str, param_dtype: torch.dtype) -> torch.dtype:
 def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
     """The local part of the model on ctx.device, initialised identically at every layout (before dp)."""
     model = model_lib.build(cfg.model, device="meta")
-    split_stage(model, ctx.pp, ctx.pp_rank, layer_counts(cfg, ctx.pp), cfg.parallel.virtual_stages)
+    split_stage(model, ctx.pp, ctx.pp_rank, layer_counts(cfg, ctx.pp), *sched.chunking(cfg.parallel))
     apply_tensor_parallel(model, ctx.tp_group, cfg.parallel.sequence_parallel)
     apply_context_parallel(model, cfg.parallel.cp_mode, ctx.group("cp"), ctx.size("cp"))  # attention across cp
     materialize(model, ctx.device, cfg.train.seed, cfg.model.init_std)

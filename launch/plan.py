@@ -7,7 +7,7 @@
 
 Layouts are (tp, pp, dp, dp mode, micro-batch size, activation checkpointing, pipeline schedule); the config fixes
 the model, sequence length and dtype. The schedule is searched too (1f1b, interleaved with 2-4 virtual stages,
-zero_bubble: engine/planning/schedules.py SEARCHED) unless the config file or the command line sets
+zero_bubble, zbv: engine/planning/schedules.py SEARCHED) unless the config file or the command line sets
 parallel.schedule or parallel.virtual_stages, e.g. `--parallel.schedule interleaved --parallel.virtual_stages 2`.
 With `--parallel.pp_layers auto` every pp is planned with its balanced split (engine/planning/balance.py; the
 --json rows give each layout's pp_layers), else with the even one.
@@ -147,8 +147,9 @@ def main(argv: list[str]) -> int:
     schedules, refused = searched_schedules(args, cfg), []
     plans = search(cfg, args.world_size, hw, schedules, refused)
     if not plans and schedules is None and refused:  # the schedule given: say why support.check_schedule refused it
-        # (a chunked one, interleaved: from a pipelined layout; its pp = 1 refusal only says that pp must be >= 2)
-        piped = [msg for layout, msg in refused if layout.pp > 1] if SCHEDULES[cfg.parallel.schedule].chunks else []
+        # (a chunked one, interleaved or zbv: from a pipelined layout; its pp = 1 refusal only says pp must be >= 2)
+        spec = SCHEDULES[cfg.parallel.schedule]
+        piped = [msg for layout, msg in refused if layout.pp > 1] if spec.chunks or spec.vshape else []
         raise ArgumentError((piped or [msg for _, msg in refused])[0])
     if not plans:
         raise ArgumentError(f"no valid layout of {cfg.model.name} on --world-size={args.world_size} with global "
@@ -162,7 +163,7 @@ def main(argv: list[str]) -> int:
         raise ArgumentError(f"no layout fits in --device-memory={args.device_memory:g} GB; the smallest needs "
                             f"{best.peak_bytes / 1e9:.1f} GB ({best.describe()['dp_mode']}, tp={best.layout.tp}, "
                             f"pp={best.layout.pp}, micro-batch {best.cfg.train.micro_batch_size})")
-    what = ("schedules 1f1b, il-v2..4 (interleaved, v virtual stages), zb-h1 (zero_bubble)" if schedules
+    what = ("schedules 1f1b, il-v2..4 (interleaved, v virtual stages), zb-h1 (zero_bubble), zbv" if schedules
             else "schedule " + cfg.parallel.schedule
             + (f" with {cfg.parallel.virtual_stages} virtual stages" if SCHEDULES[cfg.parallel.schedule].chunks
                else ""))

@@ -38,6 +38,8 @@ def test_rotation_puts_each_schedule_in_each_position_once():
     ("interleaved", 2, {"F": 0.5, "B": 1.0}, 3 / 19),
     # ZB-H1, W <= min(F, B) (exact there, schedule_zb.py): bubble (p-1)(F+B-W) = 9 over m(F+B+W) = 40 of work
     ("zero_bubble", 1, {"F": 2.0, "Bi": 2.0, "W": 1.0}, 9 / 49),
+    # ZB-V at F = B = W per chunk: rank r starts r chunk-F's late, (p-1)F = 3 over 2m(F+B+W) = 48 of work
+    ("zbv", 2, {"F": 1.0, "Bi": 1.0, "W": 1.0}, 3 / 51),
 ])
 def test_theory_at_pp4_m8(name, v, ops, closed):
     """The closed forms of the papers, and the simulator fed with the same uniform times agrees with them on
@@ -46,7 +48,7 @@ def test_theory_at_pp4_m8(name, v, ops, closed):
     assert t["closed"] == pytest.approx(closed)
     assert t["sim"] == pytest.approx([closed] * 4)
     if name != "interleaved":
-        assert t["in_flight"] == ([4, 3, 2, 1] if name == "1f1b" else [4, 4, 4, 4])
+        assert t["in_flight"] == {"1f1b": [4, 3, 2, 1], "zbv": [8, 8, 8, 8]}.get(name, [4, 4, 4, 4])
 
 
 @pytest.fixture(scope="module")
@@ -70,18 +72,20 @@ def test_one_rank_pair_measures_every_schedule(measured):
             for s in got.values():
                 assert len(s["steps"]) == 1 and s["step"] > 0 and 0 <= s["wait"] <= 1
                 assert s["memory"][1] >= s["memory"][0] > 0
-                assert "F" in s["ops"] and set(s["ops"]) & {"B", "Bi"} and ("L" in s["ops"]) == (stage == 1)
+            for name, s in got.items():  # the loss on the rank of the last virtual stage (zbv: rank 0, its V)
+                assert "F" in s["ops"] and set(s["ops"]) & {"B", "Bi"}
+                assert ("L" in s["ops"]) == (stage == (0 if name == "zbv" else 1))
             assert "W" in got["zero_bubble"]["ops"] and "W" not in got["1f1b"]["ops"]
     last = ranks[1][4]["zero_bubble"]["memory"]
     assert last[1] > last[0]  # the x and g that W reads outlive B's saved tensors
 
 
 def test_tables_print_a_row_per_setting(measured, capsys):
-    """The three tables print a row per (m, schedule, stage), (m, schedule) and (m, schedule)."""
+    """The three tables print a row per (m, schedule, stage), (m, schedule) and (m, schedule)."""  # 2 stages
     args, ranks = measured
     results = {2: ranks}
     print_stages(results, args)
     print_steps(results, args)
     print_ops(results, args)
     lines = capsys.readouterr().out.splitlines()
-    assert sum(line.startswith(" 2   4") for line in lines) == 3 * 2 + 3 + 3
+    assert sum(line.startswith(" 2   4") for line in lines) == len(NAMES) * (2 + 1 + 1)

@@ -149,8 +149,8 @@ def test_send_of_another_shape_or_dtype_is_refused(monkeypatch):
     assert "(4,) torch.float32" in message and "expects (2,) torch.bfloat16" in message, message
 
 
-# Every schedule trained under the shim against one process. Interleaved with v chunks needs pp * v | layers.
-SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 3), ("zero_bubble", 1)]
+# Every schedule trained under the shim against one process. Interleaved with v chunks (zbv: 2) needs pp * v | layers.
+SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 3), ("zero_bubble", 1), ("zbv", 2)]
 CI = {(s, v, 2, 4) for s, v in SCHEDULES} | {("1f1b", 1, 4, 12)}
 CASES = [(s, v, pp, m) for s, v in SCHEDULES for pp in (2, 4) for m in (pp, 2 * pp, 3 * pp)]
 _references: dict = {}

@@ -16,6 +16,9 @@ The schedules with more than 1F1B's structure:
   W lag is num_1f1b_microbatches = rank, as ours. torch splits B and W on the autograd graph
   (stage_backward_input / stage_backward_weight); ours splits every linear (engine/parallel/weight_grad.py), so
   the two splits are independent implementations.
+- zbv against ``ScheduleZBVZeroBubble``: both sides run ZB-V's chunks in a V (virtual stages rank and 2pp-1-rank,
+  torch's "v" stage-to-rank map), so the loss is on rank 0; our turn is a local hand-off, torch's a stage-to-stage
+  copy on the same rank. m = 2 is below torch's 2pp-1 warmup (it drops the missing micro-batches, as we do).
 - Equal gradients do not show that both ran the same order (any order that runs each F, B, W once sums the same
   terms), so each rank also compares its compute order with the one torch's schedule computed (its
   ``pipeline_order``), and test_compute_order_matches_torch compares many (pp, v, m) without ranks. torch's
@@ -45,10 +48,11 @@ import torch
 
 pytest.importorskip("torch.distributed.pipelining")
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,  # noqa: E402
-                                         ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
+                                         ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                         ScheduleZBVZeroBubble)
 
 from engine.parallel import schedule as sched  # noqa: E402
-from engine.parallel.actions import COMPUTE_OPS, Op  # noqa: E402
+from engine.parallel.actions import COMPUTE_OPS, Op, virtual_stage  # noqa: E402
 
 from engine.config import load  # noqa: E402
 from engine.parallel.context import ParallelContext  # noqa: E402
@@ -64,25 +68,27 @@ SMALL = ["--config", "configs/tiny.yaml", "--model.num_layers", "4", "--model.hi
          "--model.intermediate_size", "128", "--model.num_heads", "4", "--model.num_kv_heads", "2",
          "--model.vocab_size", "512", "--train.seq_len", "32", "--train.micro_batch_size", str(MBS)]
 TORCH_SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved": ScheduleInterleaved1F1B,
-                   "zero_bubble": ScheduleInterleavedZeroBubble}
-MULTI = {"interleaved": 2, "zero_bubble": 1}  # torch's multi-stage schedules (a list of stages): our v for each
+                   "zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
+MULTI = {"interleaved": 2, "zero_bubble": 1, "zbv": 2}  # torch's multi-stage schedules (a list of stages): our v
 CASES = [pytest.param(pp, name, m, 1, id=f"{name}-pp{pp}-m{m}")
          for pp in (2, 4) for name in ("1f1b", "gpipe") for m in (4, 6, 8)]
 # interleaved needs m a multiple of pp; m = pp at pp = 4 is the case where warmup takes every forward
 CASES += [pytest.param(pp, name, m, MULTI[name], id=f"{name}-pp{pp}-m{m}") for name, cases in (
-    ("interleaved", ((2, 4), (2, 6), (4, 4), (4, 8))), ("zero_bubble", ((2, 4), (2, 6), (4, 6), (4, 8))))
+    ("interleaved", ((2, 4), (2, 6), (4, 4), (4, 8))), ("zero_bubble", ((2, 4), (2, 6), (4, 6), (4, 8))),
+    ("zbv", ((2, 2), (2, 4), (2, 6), (4, 8))))
     for pp, m in cases]
 TORCH_OP = {Op.FWD: "F", Op.BWD: "B", Op.BWD_INPUT: "I", Op.BWD_WEIGHT: "W"}  # torch's _ComputationType values
 
 
 def torch_schedule(chunks: list, cfg, ctx, name: str, m: int):
     """torch's PipelineStage around each of our chunk modules (static metadata) and its schedule with the same
-    loss. Chunk c of this rank is virtual stage c*pp + rank; with v == 1 the chunk is the stage module."""
+    loss. Chunk c of this rank is virtual stage c*pp + rank (zbv: in a V, rank and 2pp-1-rank); with v == 1 the
+    chunk is the stage module."""
     s, h, vocab = cfg.train.seq_len, cfg.model.hidden_size, cfg.model.vocab_size
     n = ctx.pp * len(chunks)
     stages = []
     for c, module in enumerate(chunks):
-        g = c * ctx.pp + ctx.pp_rank
+        g = virtual_stage(ctx.pp, ctx.pp_rank, c, sched.SCHEDULES[name].vshape)
         x = torch.zeros(MBS, s, dtype=torch.long) if g == 0 else torch.empty(MBS, s, h, requires_grad=True)
         y = torch.empty(MBS, s, vocab if g == n - 1 else h, requires_grad=True)
         stages.append(PipelineStage(module, g, n, ctx.device, input_args=x, output_args=y, group=ctx.pp_group))
@@ -90,9 +96,10 @@ def torch_schedule(chunks: list, cfg, ctx, name: str, m: int):
                                  vocab_parallel_cross_entropy(logits, target, ctx.tp_group), scale_grads=True)
 
 
-def compute_order(actions: list, pp: int, rank: int) -> list[str]:
+def compute_order(actions: list, pp: int, rank: int, vshape: bool = False) -> list[str]:
     """Our compute actions in torch's notation: "<virtual stage><F|B|I|W><micro-batch>"."""
-    return [f"{a.chunk * pp + rank}{TORCH_OP[a.op]}{a.mb}" for a in actions if a.op in COMPUTE_OPS]
+    return [f"{virtual_stage(pp, rank, a.chunk, vshape)}{TORCH_OP[a.op]}{a.mb}" for a in actions
+            if a.op in COMPUTE_OPS]
 
 
 def torch_compute_order(actions: list) -> list[str]:
@@ -128,8 +135,10 @@ def compare_on_rank(pp: int, name: str, m: int, v: int) -> dict:
     same_init = all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters()))
     executor = PipelineExecutor(ctx, name, m, (MBS, cfg.train.seq_len, cfg.model.hidden_size), torch.float32,
                                 virtual_stages=v, stage=ours)
-    forwards = model_chunks(ours, pp, ctx.pp_rank, v)
-    schedule = torch_schedule(model_chunks(theirs, pp, ctx.pp_rank, v), cfg, ctx, name, m)
+    vshape = sched.SCHEDULES[name].vshape  # zbv: rank 0 holds the first and the last virtual stage
+    loss_here = virtual_stage(pp, ctx.pp_rank, v - 1, vshape) == pp * v - 1
+    forwards = model_chunks(ours, pp, ctx.pp_rank, v, vshape)
+    schedule = torch_schedule(model_chunks(theirs, pp, ctx.pp_rank, v, vshape), cfg, ctx, name, m)
     deferred: list[int] = []
     linears = 0
     if executor.weight_grads is not None:
@@ -137,7 +146,7 @@ def compare_on_rank(pp: int, name: str, m: int, v: int) -> dict:
         linears = sum(getattr(mod, "weight_grad_store", None) is executor.weight_grads for mod in ours.modules())
     orders = None
     if name in MULTI:
-        orders = (compute_order(executor.actions, pp, ctx.pp_rank),
+        orders = (compute_order(executor.actions, pp, ctx.pp_rank, vshape),
                   torch_compute_order(schedule.pipeline_order[ctx.pp_rank]))
     gen = torch.Generator().manual_seed(cfg.train.seed)
     steps = []
@@ -150,7 +159,7 @@ def compare_on_rank(pp: int, name: str, m: int, v: int) -> dict:
             list(inputs.split(MBS)))
         losses: list[torch.Tensor] = []
         schedule.step(*([inputs] if ctx.is_first_stage else []),
-                      **({"target": labels, "losses": losses} if ctx.is_last_stage else {}))
+                      **({"target": labels, "losses": losses} if loss_here else {}))
         grads = {n: rel_err(a.grad, b.grad)
                  for (n, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters())}
         steps.append({"loss": (loss_ours.item(), torch.stack(losses).mean().item()) if losses else None,
@@ -158,7 +167,7 @@ def compare_on_rank(pp: int, name: str, m: int, v: int) -> dict:
         deferred.clear()
         ours.zero_grad(set_to_none=True)
         theirs.zero_grad(set_to_none=True)
-    return {"stage": ctx.pp_rank, "last": ctx.is_last_stage, "same_init": same_init, "steps": steps,
+    return {"stage": ctx.pp_rank, "last": loss_here, "same_init": same_init, "steps": steps,
             "orders": orders, "linears": linears}
 
 
@@ -175,7 +184,8 @@ def test_executor_matches_torch_pipelining(pp, name, m, v):
         for step, got in enumerate(r["steps"]):
             assert got["grads"], f"stage {stage} holds no parameters"
             # zero bubble: each of the m W's computed the weight gradients of every linear of the stage
-            want = [r["linears"]] * m if name == "zero_bubble" else []
+            # zbv: each of the 2m W's those of its chunk, half of them (the LM head is not split)
+            want = {"zero_bubble": [r["linears"]] * m, "zbv": [r["linears"] // 2] * (2 * m)}.get(name, [])
             assert r["linears"] or not want, f"stage {stage}: no linear layer defers its weight gradient"
             assert got["deferred"] == want, f"step {step} stage {stage}: gradients deferred per W {got['deferred']}"
             bad = {n: e for n, e in got["grads"].items() if not e <= REL}

@@ -12,7 +12,7 @@ import pytest
 
 from engine.config import load
 from engine.parallel import schedule as sched
-from engine.parallel.actions import Op
+from engine.parallel.actions import Op, virtual_stage
 from engine.parallel.pipeline import stage_layer_ranges
 from engine.parallel.schedule_interleaved import interleaved_order
 from engine.parallel.support import resolve_layout
@@ -51,14 +51,15 @@ def w_state(cfg, layers: int) -> float:
 def table_peak(cfg, pp: int, m: int, stage: int) -> float:
     """The most bytes the rank's action table keeps alive: the set of (micro-batch, chunk) pairs forwarded and not
     yet backwarded (BWD, or B under zero bubble), each at its own chunk's size, plus W states from B to W."""
-    v = cfg.parallel.virtual_stages
+    v, vshape = schedules.virtual_stages(cfg), sched.SCHEDULES[cfg.parallel.schedule].vshape
     layers = cfg.model.num_layers // (pp * v) if v > 1 else len(stage_layer_ranges(cfg.model.num_layers, pp)[stage])
 
-    def size(chunk):  # the activations ledger of the chunk's layers, as virtual stage chunk*pp + stage of pp*v
-        return acts.micro_batch_bytes(cfg, 1, pp * v, chunk * pp + stage, layers)
+    def size(chunk):  # the activations ledger of the chunk's layers, as its virtual stage (chunk*pp + stage of
+        # pp*v; zbv: stage or 2pp-1-stage)
+        return acts.micro_batch_bytes(cfg, 1, pp * v, virtual_stage(pp, stage, chunk, vshape), layers)
 
     alive, waiting, peak = set(), set(), 0.0
-    for a in sched.build(cfg.parallel.schedule, pp, m, stage, v):
+    for a in sched.build(cfg.parallel.schedule, pp, m, stage, cfg.parallel.virtual_stages):
         pair = (a.mb, a.chunk)
         if a.op is Op.FWD:
             alive.add(pair)
@@ -175,10 +176,11 @@ def test_interleaved_and_zero_bubble_plan_smaller_bubbles_than_1f1b():
 
 def test_long_steps_extend_the_simulation_exactly():
     costs = [(1.0, 2.0, 1.0, 1.0), (0.7, 1.9, 1.3, 0.6), (1.0, 4.0, 1.0, 3.0)]
-    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 3), ("zero_bubble", 1)):
+    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 3), ("zero_bubble", 1),
+                        ("zbv", 2)):
         for pp in (2, 3, 4):
             for f, b, bi, w in costs:
-                for m in range(pp * 4, pp * 8, pp if v > 1 else 3):
+                for m in range(pp * 4, pp * 8, pp if schedule == "interleaved" else 3):
                     got = schedules.makespan_and_idle(schedule, pp, m, v, f, b, bi, w)
                     full = sched.simulate(schedule, pp, m, f, b, v, bi, w)
                     assert got[0] == pytest.approx(full.makespan, rel=1e-12), (schedule, pp, m, v)
@@ -190,7 +192,7 @@ def test_search_offers_the_new_schedules_and_no_refused_combination():
     refused = []
     plans = search(cfg, 4, Hardware(), schedules.SEARCHED, refused)
     found = {(p.cfg.parallel.schedule, p.cfg.parallel.virtual_stages) for p in plans}
-    assert found == {("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zero_bubble", 1)}  # 12 layers: no v=4
+    assert found == {("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zero_bubble", 1), ("zbv", 2)}  # no v=4
     assert any("virtual_stages" in msg for _, msg in refused)
     for p in plans:
         c, layout = p.cfg, resolve_layout(p.cfg, 4)  # raises on a refused combination
@@ -201,6 +203,8 @@ def test_search_offers_the_new_schedules_and_no_refused_combination():
             assert c.parallel.schedule == "1f1b"
         if c.parallel.schedule == "interleaved":
             assert 12 % (layout.pp * v) == 0 and m % layout.pp == 0
+        if c.parallel.schedule == "zbv":  # 2 chunks per rank in a V, ddp alone (CHUNK_LAST_W)
+            assert 12 % (2 * layout.pp) == 0 and layout.pp >= 2 and c.parallel.dp_mode == "ddp"
         assert p.describe()["bubble_fraction"] == p.time.bubble_fraction
     # Issue 27: fsdp and zero run under the split schedules too, and the search offers them.
     split = {p.cfg.parallel.dp_mode for p in plans if p.cfg.parallel.schedule != "1f1b"}
@@ -251,7 +255,7 @@ def test_one_count_of_activations_in_flight(name):
     spec = sched.SCHEDULES[name]
     for pp in (2, 4):
         for m in (pp, 2 * pp, 3 * pp):
-            v = 2 if spec.chunks else 1
+            v = spec.per_rank(2)  # chunks per rank: 2 with virtual stages or in a V, else 1
             cfg = plan_cfg(name, pp, m, v, layers=pp * v * 2)
             timeline = sched.simulate(name, pp, m, virtual_stages=v)
             for stage in range(pp):

@@ -58,7 +58,9 @@ def order_rank(argv: list[str], overlap: bool) -> dict:
         if e[0] == "W":
             break
         after.append(e)
-    return {"pp_rank": ctx.pp_rank, "events": step + after, "micro_batches": trainer.micro_batches}
+    return {"pp_rank": ctx.pp_rank, "events": step + after, "micro_batches": trainer.micro_batches,
+            "embedding": cfg.model.vocab_size * cfg.model.hidden_size,
+            "params": sum(p.numel() for p in trainer.dp.module.parameters() if p.requires_grad)}
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +131,22 @@ def test_bench_bad_arguments_are_one_line_exit_2(capsys):
         zb_dp.parse_args(["--dp", "1"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2 and "--dp >= 2" in err and "dp 1" in err
+
+
+def test_zbv_reduces_a_weight_both_chunks_hold_once_after_both_last_ws(tmp_path):
+    """zbv with a tied embedding: rank 0's chunk 0 (embedding) and chunk 1 (LM head) hold one parameter, whose
+    gradient is complete only after both chunks' backwards. Chunk 1's last W comes before chunk 0's last B there, so
+    it must be in neither chunk's buckets: reduced once (the elements all-reduced are the stage's parameters), after
+    both chunks' last W's ended; the chunks' other buckets still launch during their last W."""
+    argv = [("zbv" if a == "zero_bubble" else a) for a in ZB]
+    argv += ["--model.tie_embeddings", "true", "--train.out_dir", str(tmp_path)]
+    for run in run_ranks(order_rank, 4, argv, True, timeout_s=300):
+        events, last = run["events"], run["micro_batches"] - 1
+        ends = [events.index(("W", (last, chunk), "end")) for chunk in (0, 1)]
+        reduces = [i for i, e in enumerate(events) if e[0] == "all_reduce"]
+        calls = [events.index(("last W", (last, chunk), "start")) for chunk in (0, 1)]
+        assert any(call < i < end for i in reduces for call, end in zip(calls, ends)), events
+        # once: the all-reduced elements are the stage's parameters, each counted once (a shared one too)
+        assert sum(events[i][1] for i in reduces) == run["params"], events
+        if run["pp_rank"] == 0:  # the shared embedding among the reductions after both chunks' last W's
+            assert sum(events[i][1] for i in reduces if i > max(ends)) >= run["embedding"], events

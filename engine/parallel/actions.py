@@ -48,27 +48,46 @@ class Action:
         return f"{_SHORT[self.op]}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
 
 
-def peer(pp: int, v: int, rank: int, a: Action) -> tuple[int, int] | None:
+def virtual_stage(pp: int, rank: int, chunk: int, vshape: bool = False) -> int:
+    """Global (virtual) stage of rank-local chunk `chunk`: chunk*pp + rank (interleaved), or in a V (ZB-V,
+    2 chunks) rank for chunk 0 and 2pp-1-rank for chunk 1."""
+    return (2 * pp - 1 - rank if chunk else rank) if vshape else chunk * pp + rank
+
+
+def locate(pp: int, g: int, vshape: bool = False) -> tuple[int, int]:
+    """(rank, chunk) holding virtual stage g: the inverse of virtual_stage."""
+    if vshape:
+        return (g, 0) if g < pp else (2 * pp - 1 - g, 1)
+    return g % pp, g // pp
+
+
+def peer(pp: int, v: int, rank: int, a: Action, vshape: bool = False) -> tuple[int, int] | None:
     """(rank, chunk) at the other end of comm action `a` run by `rank`, or None if there is none (a receive of
-    the forward on virtual stage 0, a send of the forward from the last virtual stage pp*v - 1, ...)."""
+    the forward on virtual stage 0, a send of the forward from the last virtual stage pp*v - 1, and in a V the
+    turn pp-1 -> pp, which stays on rank pp-1: a local hand-off, not a message)."""
     step, _ = DIRECTION[a.op]
-    g = a.chunk * pp + rank + step
-    return (g % pp, g // pp) if 0 <= g < pp * v else None
+    g = virtual_stage(pp, rank, a.chunk, vshape) + step
+    if not 0 <= g < pp * v:
+        return None
+    other = locate(pp, g, vshape)
+    return None if vshape and other[0] == rank else other
 
 
-def forward_actions(pp: int, stage: int, mb: int, chunk: int = 0, v: int = 1) -> list[Action]:
-    """FWD of (mb, chunk) wrapped in its receive (not on virtual stage 0) and send (not on the last one)."""
-    g, last = chunk * pp + stage, pp * v - 1
-    return ([Action(Op.RECV_FWD, mb, chunk)] if g > 0 else []) + [Action(Op.FWD, mb, chunk)] \
-        + ([Action(Op.SEND_FWD, mb, chunk)] if g < last else [])
+def forward_actions(pp: int, stage: int, mb: int, chunk: int = 0, v: int = 1, vshape: bool = False) -> list[Action]:
+    """FWD of (mb, chunk) wrapped in its receive (not on virtual stage 0) and send (not on the last one; in a V,
+    none at the turn, where the next virtual stage is on this rank)."""
+    fwd = Action(Op.FWD, mb, chunk)
+    recv, send = Action(Op.RECV_FWD, mb, chunk), Action(Op.SEND_FWD, mb, chunk)
+    return [a for a in (recv, fwd, send) if a is fwd or peer(pp, v, stage, a, vshape) is not None]
 
 
-def backward_actions(pp: int, stage: int, mb: int, chunk: int = 0, v: int = 1, op: Op = Op.BWD) -> list[Action]:
+def backward_actions(pp: int, stage: int, mb: int, chunk: int = 0, v: int = 1, op: Op = Op.BWD,
+                     vshape: bool = False) -> list[Action]:
     """BWD (or zero-bubble BWD_INPUT) of (mb, chunk) wrapped in its receive (not on the last virtual stage) and
-    send (not on virtual stage 0). A BWD_WEIGHT needs neither: nothing waits for it."""
-    g, last = chunk * pp + stage, pp * v - 1
-    return ([Action(Op.RECV_BWD, mb, chunk)] if g < last else []) + [Action(op, mb, chunk)] \
-        + ([Action(Op.SEND_BWD, mb, chunk)] if g > 0 else [])
+    send (not on virtual stage 0; in a V, neither at the turn). A BWD_WEIGHT needs neither: nothing waits for it."""
+    bwd = Action(op, mb, chunk)
+    recv, send = Action(Op.RECV_BWD, mb, chunk), Action(Op.SEND_BWD, mb, chunk)
+    return [a for a in (recv, bwd, send) if a is bwd or peer(pp, v, stage, a, vshape) is not None]
 
 
 RELEASES = (Op.BWD, Op.BWD_WEIGHT)  # the computes after which a micro-batch's activations are freed
@@ -90,6 +109,9 @@ def max_in_flight(actions: list[Action]) -> int:
 # follow (engine/parallel/dp/registry.py DpModeSpec.grad_syncs).
 LAST_BACKWARD, CHUNK_BACKWARD, LAST_W = "the last backward", "each model chunk's last backward", \
     "the last W, not the last B"
+# ZB-V: each of a rank's 2 chunks completes its gradients at its own last W, and rank 0's chunks share a tied
+# embedding, whose gradient is complete only after both (DDP reduces it once, after the step: dp/ddp.py).
+CHUNK_LAST_W = "each of its 2 chunks' last W"
 
 
 @dataclass(frozen=True)
@@ -99,7 +121,9 @@ class ScheduleSpec:
     of comparing its name. ``build(pp, micro_batches, stage, v)``: its action list. ``grad_sync``: when the dp
     gradient sync must run (a dp mode that cannot follow it is refused). ``m_at_least_pp``: needs micro_batches >=
     pp. ``chunks``: runs v >= 2 model chunks per rank (parallel.virtual_stages; micro_batches a multiple of pp,
-    layers split evenly into pp*v chunks). ``split_w``: splits the backward into B and W (W state held until W,
+    layers split evenly into pp*v chunks). ``vshape``: runs 2 chunks per rank placed in a V (rank r: virtual
+stages r and 2pp-1-r; parallel.virtual_stages implied, 1 or 2 accepted; layers split evenly into 2pp chunks; the
+last virtual stage, with the head, on rank 0). ``split_w``: splits the backward into B and W (W state held until W,
     gradients complete only after the last W). ``searched``: the virtual stage counts the planner tries (): not
     searched). ``label``: its short name in tables, "{v}" standing for v. ``theory(pp, m, v, f, b, bi, w)``: the
     papers' (formula, bubble fraction). ``unit``: what one in-flight count is, printed after the counts."""
@@ -109,10 +133,15 @@ class ScheduleSpec:
     theory: Callable[..., tuple[str, float]]
     m_at_least_pp: bool = False
     chunks: bool = False
+    vshape: bool = False
     split_w: bool = False
     searched: tuple[int, ...] = ()
     label: str = ""
     unit: str = ""
+
+    def per_rank(self, v: int) -> int:
+        """Model chunks each rank runs, given parallel.virtual_stages=v: v with chunks, 2 in a V, else 1."""
+        return 2 if self.vshape else v if self.chunks else 1
 
     def short(self, v: int) -> str:
         """Its label in tables: 1f1b, gpipe, il-v2 (interleaved, 2 virtual stages), zb-h1."""

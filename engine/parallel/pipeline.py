@@ -11,7 +11,9 @@ output has been sent, its storage is freed and only its autograd graph is kept (
 
 The same executor runs the interleaved schedule (each action names a model chunk; sends and receives go to the
 rank holding the neighbouring virtual stage, engine/parallel/virtual.py) and zero bubble (B runs the backward
-with every linear's weight gradient deferred to a WeightGradStore, W flushes it; engine/parallel/weight_grad.py).
+with every linear's weight gradient deferred to a WeightGradStore, W flushes it; engine/parallel/weight_grad.py),
+and ZB-V, whose two chunks per rank sit in a V: at its turn (virtual stage pp-1 to pp, both on rank pp-1) the
+output is handed over on the rank, as a detached copy in the wire dtype, and so is its gradient coming back.
 
     python -m engine.parallel.pipeline --pp 4 --micro-batches 8     # print every stage's timeline
 """
@@ -27,7 +29,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from engine.parallel import schedule as sched
-from engine.parallel.actions import Action, peer, steps
+from engine.parallel.actions import Action, peer, steps, virtual_stage
 from engine.parallel.schedule import Op
 from engine.parallel.schedule_sim import simulate_actions
 from engine.parallel.virtual import chunk_layer_ranges
@@ -44,14 +46,16 @@ def stage_layer_ranges(num_layers: int, pp: int, counts: list[int] | None = None
 
 
 def split_stage(model: nn.Module, pp: int, stage: int, counts: list[int] | None = None,
-                virtual_stages: int = 1) -> nn.Module:
+                virtual_stages: int = 1, vshape: bool = False) -> nn.Module:
     """Keep only this stage's part of a (meta-device) Llama, in place: its layers under their global names
     (``model.layers.7`` stays ``7``), the embedding on the first stage, the final norm and LM head on the last.
-    With virtual stages the rank keeps the layers of each of its chunks (engine/parallel/virtual.py)."""
+    With virtual stages the rank keeps the layers of each of its chunks (engine/parallel/virtual.py); in ZB-V's V
+    (``vshape``) the last virtual stage is on rank 0, which keeps the norm and LM head too."""
     if pp == 1:
         return model
     if virtual_stages > 1:
-        keep = [i for r in chunk_layer_ranges(len(model.model.layers), pp, virtual_stages)[stage] for i in r]
+        ranges = chunk_layer_ranges(len(model.model.layers), pp, virtual_stages, vshape)[stage]
+        keep = [i for r in ranges for i in r]
     else:
         keep = stage_layer_ranges(len(model.model.layers), pp, counts)[stage]
     for name in list(model.model.layers.keys()):
@@ -59,7 +63,7 @@ def split_stage(model: nn.Module, pp: int, stage: int, counts: list[int] | None 
             del model.model.layers[name]
     if stage != 0:
         model.model.embed_tokens = None
-    if stage != pp - 1:
+    if stage != (0 if vshape else pp - 1):
         model.model.norm = None
         model.lm_head = None
     return model
@@ -89,15 +93,17 @@ class PipelineExecutor:
     def __init__(self, ctx, schedule: str, micro_batches: int, act_shape: tuple[int, ...], act_dtype: torch.dtype,
                  forward_only: bool = False, virtual_stages: int = 1, stage: nn.Module | None = None,
                  waiting=contextlib.nullcontext):
-        self.ctx, self.micro_batches, self.v = ctx, micro_batches, virtual_stages
+        spec = sched.SCHEDULES[schedule]
+        self.vshape = spec.vshape  # ZB-V: rank r runs virtual stages r and 2pp-1-r
+        self.ctx, self.micro_batches, self.v = ctx, micro_batches, spec.per_rank(virtual_stages)
         if forward_only:  # evaluation: run() must then be called under torch.no_grad()
-            self.actions = sched.forward_only(ctx.pp, micro_batches, ctx.pp_rank, virtual_stages)
+            self.actions = sched.forward_only(ctx.pp, micro_batches, ctx.pp_rank, self.v, self.vshape)
         else:
             # Every rank's list, simulated against each other before anything runs: at pp = 2 forward activations
             # and backward gradients share a shape and meet in posting order, so two ranks posting in different
             # orders would silently swap them (at pp > 2, hang). The simulator refuses such a table.
             ranks = [sched.build(schedule, ctx.pp, micro_batches, r, virtual_stages) for r in range(ctx.pp)]
-            simulate_actions(ranks, schedule=schedule)
+            simulate_actions(ranks, schedule=schedule, vshape=self.vshape)
             self.actions = ranks[ctx.pp_rank]
         self.splits_weights = any(a.op == Op.BWD_WEIGHT for a in self.actions)
         self.weight_grads = None
@@ -129,7 +135,7 @@ class PipelineExecutor:
         v > 1 the last rank's chunk c sends on to rank 0's chunk c+1)."""
         ctx, ops, meta = self.ctx, [], []
         for a in actions:
-            other = ctx.stage_ranks[peer(ctx.pp, self.v, ctx.pp_rank, a)[0]]
+            other = ctx.stage_ranks[peer(ctx.pp, self.v, ctx.pp_rank, a, self.vshape)[0]]
             key = (a.mb, a.chunk)
             if a.op in (Op.RECV_FWD, Op.RECV_BWD):
                 t = torch.empty(self.act_shape, dtype=self.act_dtype, device=ctx.device)
@@ -183,13 +189,16 @@ class PipelineExecutor:
                  backward, last_weight=None) -> torch.Tensor | None:
         """Run one compute action; returns the micro-batch loss on the last virtual stage's forward."""
         key, ctx = (a.mb, a.chunk), self.ctx
-        first, last = ctx.is_first_stage and a.chunk == 0, ctx.is_last_stage and a.chunk == self.v - 1
+        g = virtual_stage(ctx.pp, ctx.pp_rank, a.chunk, self.vshape)
+        first, last = g == 0, g == ctx.pp * self.v - 1
         if a.op == Op.FWD:
             x = first_inputs[a.mb] if first else state["inputs"][key]
             out = forwards[a.chunk](x, **(extra_inputs[a.mb] if extra_inputs else {}))
             loss = None
             if last:
                 out = loss = loss_fn(out, a.mb)
+            elif self.vshape and g == ctx.pp - 1:  # the V's turn: chunk 1 of this rank takes it, as if received
+                state["inputs"][(a.mb, 1)] = out.detach().to(self.act_dtype).requires_grad_()
             state["outputs"][key] = out
             return loss
         if a.op == Op.BWD_WEIGHT:  # W: the weight gradients that mb's B left for later
@@ -204,6 +213,8 @@ class PipelineExecutor:
         deferring = self.weight_grads.defer(key) if a.op == Op.BWD_INPUT else contextlib.nullcontext()
         with deferring:
             (backward or backward_from)(state["outputs"].pop(key), state["grads"].pop(key, None))
+        if self.vshape and g == ctx.pp:  # back through the V's turn: chunk 0's output gradient, as if received
+            state["grads"][(a.mb, 0)] = state["inputs"].pop(key).grad.to(self.act_dtype)
         return None
 
     def run(self, forward, loss_fn, first_inputs: list[torch.Tensor] | None, before_backward=None,

@@ -9,10 +9,12 @@ simulated (engine/parallel/schedule_sim.py) and unit-tested without any processe
 - GPipe: Huang et al. 2019, "GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism".
 - interleaved: 1F1B over v model chunks per rank, Narayanan et al. 2021, Sec. 2.2.2 (schedule_interleaved.py).
 - zero_bubble: ZB-H1, Qi et al. 2023, "Zero Bubble Pipeline Parallelism", Sec. 3.1 (schedule_zb.py).
+- zbv: ZB-V, Qi et al. 2023, Sec. 6: two chunks per rank in a V, F/B/W split (schedule_zbv.py).
 
 1F1B and GPipe have the bubble fraction (p-1)/(m+p-1) of the makespan (Narayanan et al. 2021, Sec. 2.2.1); 1F1B
 keeps at most `pp - stage` activations alive instead of GPipe's m. Run `python -m engine.parallel.schedule --pp 4
---micro-batches 8` to print both, and add `--schedule interleaved --virtual-stages 2` or `--schedule zero_bubble`.
+--micro-batches 8` to print both, and add `--schedule interleaved --virtual-stages 2`, `--schedule zero_bubble` or
+`--schedule zbv`.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from engine.parallel.actions import forward_actions as _forward
 from engine.parallel.schedule_interleaved import INTERLEAVED, interleaved_order
 from engine.parallel.schedule_sim import Timeline, bubble_fraction, render, simulate_actions
 from engine.parallel.schedule_zb import ZERO_BUBBLE
+from engine.parallel.schedule_zbv import ZBV
 
 __all__ = ["Action", "Op", "SCHEDULES", "ScheduleSpec", "Timeline", "build", "bubble_fraction", "forward_only",
            "gpipe", "max_in_flight", "one_f_one_b", "render", "simulate", "simulate_actions"]
@@ -69,11 +72,15 @@ def gpipe(pp: int, micro_batches: int, stage: int) -> list[Action]:
     return actions
 
 
-def forward_only(pp: int, micro_batches: int, stage: int, virtual_stages: int = 1) -> list[Action]:
+def forward_only(pp: int, micro_batches: int, stage: int, virtual_stages: int = 1,
+                 vshape: bool = False) -> list[Action]:
     """Evaluation: every micro-batch forwarded (received from the previous virtual stage, sent to the next),
     nothing backwarded; with virtual stages in interleaved's order of (micro-batch, chunk). Each send and the
     next receive are consecutive, so they form one batch (actions.steps): Megatron's send_forward_recv_forward,
-    which NCCL's rendezvous sends cannot deadlock (schedule_sim)."""
+    which NCCL's rendezvous sends cannot deadlock (schedule_sim). ZB-V (``vshape``): every micro-batch down chunk 0,
+    then every one back up chunk 1 (the turn's outputs wait on rank pp-1, no graph is kept under no_grad)."""
+    if vshape:
+        return [a for c in (0, 1) for mb in range(micro_batches) for a in _forward(pp, stage, mb, c, 2, True)]
     if virtual_stages > 1:
         order = interleaved_order(pp, micro_batches, virtual_stages)
         return [a for mb, c in order for a in _forward(pp, stage, mb, c, virtual_stages)]
@@ -91,11 +98,22 @@ ONE_F_ONE_B = ScheduleSpec("1f1b", lambda pp, m, stage, v: one_f_one_b(pp, m, st
 GPIPE = ScheduleSpec("gpipe", lambda pp, m, stage, v: gpipe(pp, m, stage), LAST_BACKWARD, flush_theory)
 # The registry: parallel.schedule -> its ScheduleSpec (engine/parallel/actions.py). A new schedule is its table
 # function and spec in a file of its own and one entry here (docs/architecture.md, "A new pipeline schedule").
-SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (ONE_F_ONE_B, GPIPE, INTERLEAVED, ZERO_BUBBLE)}
+SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (ONE_F_ONE_B, GPIPE, INTERLEAVED, ZERO_BUBBLE, ZBV)}
+
+
+def chunking(parallel) -> tuple[int, bool]:
+    """(model chunks per rank, placed in a V) of a ParallelConfig: how its stage is split (virtual.py)."""
+    spec = SCHEDULES[parallel.schedule]
+    return spec.per_rank(parallel.virtual_stages), spec.vshape
 
 
 def _check_chunks(schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> None:
-    """Virtual stages belong to the schedules with chunks; those need v >= 2 and Megatron's whole groups of pp."""
+    """Virtual stages belong to the schedules with chunks; those need v >= 2 and Megatron's whole groups of pp.
+    A V's 2 chunks are implied (virtual_stages 1 or 2 accepted)."""
+    if SCHEDULES[schedule].vshape:
+        if virtual_stages not in (1, 2):
+            raise ValueError(f"virtual_stages={virtual_stages}: {schedule} runs 2 chunks per rank, implied (1 or 2)")
+        return
     if not SCHEDULES[schedule].chunks:
         if virtual_stages != 1:
             chunked = " or ".join(repr(n) for n, s in SCHEDULES.items() if s.chunks)
@@ -140,7 +158,8 @@ def simulate(schedule: str, pp: int, micro_batches: int, fwd_time: float = 1.0, 
     and bwd_weight_time); communication is free. Raises RuntimeError('deadlock: ...') naming each rank's blocked
     batch and what it waits for, and RuntimeError for any send/receive or F/B/W order that does not add up."""
     stages = [build(schedule, pp, micro_batches, s, virtual_stages) for s in range(pp)]
-    return simulate_actions(stages, fwd_time, bwd_time, schedule, bwd_input_time, bwd_weight_time)
+    return simulate_actions(stages, fwd_time, bwd_time, schedule, bwd_input_time, bwd_weight_time,
+                            SCHEDULES[schedule].vshape)
 
 
 def theory(schedule: str, pp: int, m: int, v: int, f: float, b: float, bi: float, w: float) -> tuple[str, float]:
@@ -154,7 +173,8 @@ def _print_schedule(name: str, args: argparse.Namespace, v: int) -> None:
     timeline = simulate(name, pp, m, args.fwd_time, args.bwd_time, v, args.bwd_input_time, args.bwd_weight_time)
     costs = (f"fwd={args.fwd_time:g} bwd_input={args.bwd_input_time:g} bwd_weight={args.bwd_weight_time:g}"
              if SCHEDULES[name].split_w else f"fwd={args.fwd_time:g} bwd={args.bwd_time:g}")
-    chunks = f" virtual_stages={v}" if SCHEDULES[name].chunks else ""
+    spec = SCHEDULES[name]
+    chunks = f" virtual_stages={v}" if spec.chunks else " (2 chunks in a V)" if spec.vshape else ""
     print(f"== {name}: pp={pp}{chunks} micro_batches={m} {costs}")
     for s, actions in enumerate(stages):
         print(f"actions stage {s}: {' '.join(map(str, actions))}")
@@ -176,8 +196,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="model chunks per stage, chunked schedules only (default: 2 there, else 1)")
     p.add_argument("--fwd-time", type=float, default=1.0, help="time of one forward on one stage (chunk)")
     p.add_argument("--bwd-time", type=float, default=2.0, help="time of one whole backward on one stage (chunk)")
-    p.add_argument("--bwd-input-time", type=float, default=1.0, help="zero_bubble: time of one B (input grad)")
-    p.add_argument("--bwd-weight-time", type=float, default=1.0, help="zero_bubble: time of one W (weight grad)")
+    p.add_argument("--bwd-input-time", type=float, default=1.0, help="zero_bubble, zbv: time of one B (input grad)")
+    p.add_argument("--bwd-weight-time", type=float, default=1.0, help="zero_bubble, zbv: time of one W (weight grad)")
     p.add_argument("--width", type=int, default=100, help="columns of the rendered timeline")
     args = p.parse_args(argv)
     names = ["1f1b", "gpipe"] if args.schedule == "both" else [args.schedule]

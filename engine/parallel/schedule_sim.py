@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.parallel.actions import DIRECTION, Action, Op, Step, max_in_flight, peer, steps
+from engine.parallel.actions import DIRECTION, Action, Op, Step, locate, max_in_flight, peer, steps, virtual_stage
 
 # The computes each (micro-batch, chunk) must have run on a rank before the next one; complete runs.
 _BEFORE = {Op.FWD: (), Op.BWD: (Op.FWD,), Op.BWD_INPUT: (Op.FWD,), Op.BWD_WEIGHT: (Op.FWD, Op.BWD_INPUT)}
@@ -72,9 +72,9 @@ class _Batch:
 class _Run:
     """The state of one simulated step: each rank's position, compute clock and open batch, the channels."""
 
-    def __init__(self, stages: list[list[Action]], cost: dict[Op, float]):
+    def __init__(self, stages: list[list[Action]], cost: dict[Op, float], vshape: bool = False):
         self.steps: list[list[Step]] = [steps(actions) for actions in stages]
-        self.cost, self.pp = cost, len(stages)
+        self.cost, self.pp, self.vshape = cost, len(stages), vshape
         self.v = 1 + max((a.chunk for actions in stages for a in actions), default=0)
         self.pos, self.clock, self.comm_free = [0] * self.pp, [0.0] * self.pp, [0.0] * self.pp
         self.open: list[_Batch | None] = [None] * self.pp  # started, not yet completed
@@ -105,7 +105,18 @@ class _Run:
             moved = True
 
     def _peer(self, s: int, a: Action) -> tuple[int, int] | None:
-        return peer(self.pp, self.v, s, a)
+        return peer(self.pp, self.v, s, a, self.vshape)
+
+    def _local_input(self, s: int, a: Action) -> bool | None:
+        """In a V, the turn's input is handed over on the rank: chunk 1's F of rank pp-1 reads chunk 0's output
+        and chunk 0's B reads chunk 1's input gradient. True if that compute has run, None off the turn."""
+        if not self.vshape or a.op is Op.BWD_WEIGHT:
+            g = -1
+        else:
+            g = virtual_stage(self.pp, s, a.chunk, True) + (-1 if a.op is Op.FWD else 1)
+        if not 0 <= g < 2 * self.pp or locate(self.pp, g, True)[0] != s:
+            return None
+        return a.op in self.ran.get((s, locate(self.pp, g, True)[1], a.mb), ())
 
     def _compute(self, s: int, a: Action) -> None:
         key = (s, a.chunk, a.mb)
@@ -117,6 +128,8 @@ class _Run:
             recv = Action(Op.RECV_FWD if a.op is Op.FWD else Op.RECV_BWD, a.mb, a.chunk)
             if self._peer(s, recv) and (s, DIRECTION[recv.op][1], a.chunk, a.mb) not in self.received:
                 raise RuntimeError(f"stage {s} runs {a} before receiving its input")
+            if self._local_input(s, a) is False:
+                raise RuntimeError(f"stage {s} runs {a} before the other chunk at the V's turn computed its input")
         self.ran[key] = done + (a.op,)
         end = self.clock[s] + self.cost[a.op]
         self.intervals[s].append((self.clock[s], end, a))
@@ -127,7 +140,7 @@ class _Run:
         b = _Batch(s, actions, max(self.clock[s], self.comm_free[s]), [])
         for a in actions:
             if self._peer(s, a) is None:
-                target = a.chunk * self.pp + s + DIRECTION[a.op][0]
+                target = virtual_stage(self.pp, s, a.chunk, self.vshape) + DIRECTION[a.op][0]
                 raise RuntimeError(f"stage {s} {a}: no virtual stage {target} (valid: 0..{self.pp * self.v - 1})")
             other = self._peer(s, a)[0]
             if a.op in _SENDS:
@@ -215,18 +228,20 @@ class _Run:
 
 
 def simulate_actions(stages: list[list[Action]], fwd_time: float = 1.0, bwd_time: float = 2.0,
-                     schedule: str = "custom", bwd_input_time: float = 1.0, bwd_weight_time: float = 1.0) -> Timeline:
+                     schedule: str = "custom", bwd_input_time: float = 1.0, bwd_weight_time: float = 1.0,
+                     vshape: bool = False) -> Timeline:
     """Run per-rank action lists against each other under NCCL's rules (module docstring) and check them.
 
     Costs: FWD fwd_time, BWD bwd_time (1F1B's F=1, B=2 by default), zero bubble's BWD_INPUT bwd_input_time and
     BWD_WEIGHT bwd_weight_time (F=B=W=1 by default). Raises RuntimeError for a deadlock (naming each blocked rank's
     open batch, each of its ops still unmatched and the peer's batch that would match it), a receive that meets
     another micro-batch's send, a send never received, a compute before its input arrived, and a (micro-batch,
-    chunk) whose computes on a rank are not exactly F then BWD, or F, B, W.
+    chunk) whose computes on a rank are not exactly F then BWD, or F, B, W. ``vshape``: the chunks sit in ZB-V's
+    V (engine/parallel/actions.py), whose turn is a local hand-off checked for order instead of a message.
     Ranks are advanced in turn until none can move; the times depend only on the dependencies.
     """
     cost = {Op.FWD: fwd_time, Op.BWD: bwd_time, Op.BWD_INPUT: bwd_input_time, Op.BWD_WEIGHT: bwd_weight_time}
-    run = _Run(stages, cost)
+    run = _Run(stages, cost, vshape)
     while any([run.advance(s) for s in range(run.pp)]):  # a list: advance every rank each round
         pass
     run.check_complete()

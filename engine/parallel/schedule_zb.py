@@ -11,8 +11,8 @@ torch.distributed.pipelining's ZB1P (ScheduleInterleavedZeroBubble with one stag
 num_1f1b_microbatches = rank).
 
 Not here: ZB-H2 (Fig. 3 bottom: no bubble, but about twice 1F1B's activations and, to keep the optimizer step
-out of the critical path, its post-update validation of Sec. 4) and ZB-V (two chunks per rank placed in a V,
-r and 2p-1-r, unlike interleaving's r and r+p). Both need executor, optimizer or layout changes beyond a table.
+out of the critical path, its post-update validation of Sec. 4). ZB-V (two chunks per rank placed in a V, r and
+2p-1-r, unlike interleaving's r and r+p) is schedule_zbv.py.
 """
 from __future__ import annotations
 

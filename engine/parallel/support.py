@@ -118,6 +118,8 @@ def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
         if p.pp_layers:
             raise ConfigError(f"parallel.pp_layers={p.pp_layers} is not supported with schedule={p.schedule} "
                               f"(layers split evenly into pp*virtual_stages chunks); leave pp_layers empty")
+    if spec.vshape:
+        check_vshape(cfg, pp)
     if pp > 1:
         try:
             sched.check(p.schedule, pp, micro_batches, p.virtual_stages)
@@ -134,6 +136,24 @@ def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
     if p.sequence_parallel and t.seq_len % p.tp:
         raise ConfigError(f"parallel.sequence_parallel=true needs train.seq_len={t.seq_len} divisible by "
                           f"parallel.tp={p.tp}")
+
+
+def check_vshape(cfg: Config, pp: int) -> None:
+    """A schedule with 2 chunks per rank in a V (ScheduleSpec.vshape: zbv, engine/parallel/schedule_zbv.py) needs
+    pp >= 2, 2*pp equal layer chunks, no uneven split; parallel.virtual_stages is implied (1 or 2 accepted)."""
+    p, layers = cfg.parallel, cfg.model.num_layers
+    if pp < 2:
+        raise ConfigError(f"parallel.schedule={p.schedule} needs parallel.pp >= 2 (its V turns on the last rank); "
+                          f"use 1f1b")
+    if layers % (2 * pp):
+        raise ConfigError(f"parallel.schedule={p.schedule} splits model.num_layers={layers} into 2*pp={2 * pp} equal "
+                          f"chunks; choose pp so that 2*pp divides it")
+    if p.pp_layers:
+        raise ConfigError(f"parallel.pp_layers={p.pp_layers} is not supported with schedule={p.schedule} (layers split "
+                          f"evenly into 2*pp chunks); leave pp_layers empty")
+    if p.virtual_stages not in (1, 2):
+        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} with schedule={p.schedule}: its 2 chunks per "
+                          f"rank are implied; leave virtual_stages at 1 (or 2)")
 
 
 def check_supported(cfg: Config, layout) -> None:

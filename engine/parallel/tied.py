@@ -11,11 +11,13 @@ from __future__ import annotations
 from torch import nn
 
 from engine.config import Config
+from engine.parallel.schedule import SCHEDULES
 
 
 def split_over_stages(cfg: Config, ctx) -> bool:
-    """True when the tied weight exists on two stages."""
-    return cfg.model.tie_embeddings and ctx.pp > 1
+    """True when the tied weight exists on two stages: pp > 1, unless the schedule places its chunks in a V
+    (zbv), whose rank 0 holds both the embedding and the LM head, one parameter as at pp = 1."""
+    return cfg.model.tie_embeddings and ctx.pp > 1 and not SCHEDULES[cfg.parallel.schedule].vshape
 
 
 def stage_copy(model: nn.Module, cfg: Config, ctx) -> nn.Parameter | None:

@@ -8,19 +8,25 @@ sits on rank 0 (it belongs to chunk 0) and the final norm and LM head on rank pp
 ``ModelChunk`` is a view of one chunk's part of that module, which the executor runs as one virtual stage.
 
 Example, 8 layers, pp=2, v=2: rank 0 holds layers 0,1 (chunk 0) and 4,5 (chunk 1); rank 1 holds 2,3 and 6,7.
+
+ZB-V (``vshape``; engine/parallel/schedule_zbv.py) places its 2 chunks in a V: rank r holds virtual stages r and
+2pp-1-r, so rank 0 holds the embedding (chunk 0) and the final norm, LM head and loss (chunk 1). With 8 layers at
+pp=2: rank 0 holds 0,1 and 6,7; rank 1 holds 2,3 and 4,5. A tied embedding is then one parameter on one rank.
 """
 from __future__ import annotations
 
 from torch import nn
 
 from engine.model.transformer import decode
+from engine.parallel.actions import virtual_stage
 
 
-def chunk_layer_ranges(num_layers: int, pp: int, v: int) -> list[list[range]]:
-    """[rank][chunk] -> global layer indices: virtual stage g = chunk*pp + rank holds layers [g*n, (g+1)*n),
-    n = num_layers / (pp*v) (support.check_schedule has checked that it divides)."""
+def chunk_layer_ranges(num_layers: int, pp: int, v: int, vshape: bool = False) -> list[list[range]]:
+    """[rank][chunk] -> global layer indices: virtual stage g (chunk*pp + rank, or in a V r and 2pp-1-r) holds
+    layers [g*n, (g+1)*n), n = num_layers / (pp*v) (support.check_schedule has checked that it divides)."""
     n = num_layers // (pp * v)
-    return [[range((c * pp + r) * n, (c * pp + r + 1) * n) for c in range(v)] for r in range(pp)]
+    stages = [[virtual_stage(pp, r, c, vshape) for c in range(v)] for r in range(pp)]
+    return [[range(g * n, (g + 1) * n) for g in row] for row in stages]
 
 
 class ModelChunk(nn.Module):
@@ -44,11 +50,11 @@ class ModelChunk(nn.Module):
         return self.lm_head(h) if self.lm_head is not None else h
 
 
-def model_chunks(stage: nn.Module, pp: int, rank: int, v: int) -> list[nn.Module]:
+def model_chunks(stage: nn.Module, pp: int, rank: int, v: int, vshape: bool = False) -> list[nn.Module]:
     """The modules the executor runs as this rank's virtual stages: the stage module itself when v == 1, else
-    one ModelChunk per chunk."""
+    one ModelChunk per chunk (``vshape``: ZB-V's placement)."""
     if v == 1:
         return [stage]
-    ranges = chunk_layer_ranges(stage.cfg.num_layers, pp, v)[rank]
-    return [ModelChunk(stage, r, first=rank == 0 and c == 0, last=rank == pp - 1 and c == v - 1)
-            for c, r in enumerate(ranges)]
+    ranges = chunk_layer_ranges(stage.cfg.num_layers, pp, v, vshape)[rank]
+    stages = [virtual_stage(pp, rank, c, vshape) for c in range(v)]
+    return [ModelChunk(stage, r, first=g == 0, last=g == pp * v - 1) for g, r in zip(stages, ranges)]

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from engine.planning import activations as acts
-from engine.planning.schedules import activations_in_flight
+from engine.planning.schedules import activations_in_flight, head_stage, one_embedding
 from engine.config import Config, ConfigError, ModelConfig
 from engine.parallel import dp as dp_modes
 from engine.parallel.dp.registry import load
@@ -94,8 +94,8 @@ def stage_params(cfg: Config, tp: int, pp: int, stage: int) -> dict[str, int]:
     root = 0
     if stage == 0:
         root += vocab
-    if stage == pp - 1:
-        root += m.hidden_size + (0 if m.tie_embeddings and pp == 1 else vocab)  # tied at pp=1: one tensor
+    if stage == head_stage(cfg, pp):  # tied at pp=1 or in zbv's V: one tensor
+        root += m.hidden_size + (0 if one_embedding(cfg, pp) else vocab)
     return {"layers": sum(sizes) if n_layers else 0, "root": root, "num_layers": n_layers, "layer": max(sizes)}
 
 
@@ -171,7 +171,7 @@ def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True,
                                                                     (weights, grads, optimizer, step_buffers))
     held = activations_in_flight(cfg, layout.tp, layout.pp, micro_batches, stage)
     gathered, bucket = model.buffers(cfg, layout, params)
-    buffers = acts.transient_bytes(cfg, layout.tp, stage == layout.pp - 1) + bucket
+    buffers = acts.transient_bytes(cfg, layout.tp, stage == head_stage(cfg, layout.pp)) + bucket
     if model.grads_whole_step:  # DDP's gradients are views into its buckets, held through the whole step
         new_at_peak = gathered + buffers + grads + held.peak
     else:  # gradients appear in the first backward, before which at most `held.peak` is alive; afterwards up
@@ -188,7 +188,7 @@ def _param_tensors(cfg: Config, layout: Layout, stage: int) -> int:
     if not dp_model(cfg).per_tensor_step:
         return 0  # DeepSpeed keeps one step counter per flat group
     p = stage_params(cfg, layout.tp, layout.pp, stage)
-    root = (stage == 0) + 2 * (stage == layout.pp - 1) - (cfg.model.tie_embeddings and layout.pp == 1)
+    root = (stage == 0) + 2 * (stage == head_stage(cfg, layout.pp)) - one_embedding(cfg, layout.pp)
     return (12 if cfg.model.attention_bias else 9) * p["num_layers"] + root
 
 

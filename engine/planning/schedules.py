@@ -33,35 +33,46 @@ from functools import lru_cache
 
 from engine.config import Config
 from engine.parallel import schedule as sched
-from engine.parallel.actions import Op, max_in_flight
+from engine.parallel.actions import Op, max_in_flight, virtual_stage
 from engine.parallel.pipeline import stage_layer_ranges
 from engine.planning import activations as acts
 from engine.planning.balance import layer_counts
 
 # What the planner searches when the config leaves the schedule open: each schedule's ScheduleSpec.searched virtual
-# stage counts (1F1B, interleaved with 2..4 virtual stages and ZB-H1; GPipe declares none).
+# stage counts (1F1B, interleaved with 2..4 virtual stages, ZB-H1 and ZB-V; GPipe declares none).
 SEARCHED = tuple((name, v) for name, spec in sched.SCHEDULES.items() for v in spec.searched)
 
 
 def virtual_stages(cfg: Config) -> int:
-    """Model chunks per rank: parallel.virtual_stages under a schedule with chunks (interleaved), else 1."""
-    return cfg.parallel.virtual_stages if sched.SCHEDULES[cfg.parallel.schedule].chunks else 1
+    """Model chunks per rank: parallel.virtual_stages under interleaved, 2 in zbv's V, else 1 (ScheduleSpec)."""
+    return sched.SCHEDULES[cfg.parallel.schedule].per_rank(cfg.parallel.virtual_stages)
+
+
+def head_stage(cfg: Config, pp: int) -> int:
+    """The pipeline rank holding the final norm, LM head and loss: the last, or rank 0 in zbv's V."""
+    return 0 if sched.SCHEDULES[cfg.parallel.schedule].vshape else pp - 1
+
+
+def one_embedding(cfg: Config, pp: int) -> bool:
+    """A tied embedding and LM head are one tensor: at pp = 1, or on rank 0 of zbv's V."""
+    return cfg.model.tie_embeddings and (pp == 1 or sched.SCHEDULES[cfg.parallel.schedule].vshape)
 
 
 def label(schedule: str, v: int) -> str:
-    """Short name for tables: 1f1b, gpipe, il-v2 (interleaved, 2 virtual stages), zb-h1 (ScheduleSpec.short)."""
+    """Short name for tables: 1f1b, gpipe, il-v2 (interleaved, 2 virtual stages), zb-h1, zbv (ScheduleSpec.short)."""
     return sched.SCHEDULES[schedule].short(v)
 
 
 def rank_chunks(cfg: Config, pp: int, stage: int) -> list[tuple[int, int]]:
     """(virtual stage, layer count) of each model chunk rank ``stage`` holds, rank-local chunk c at index c.
     Interleaved: virtual stage g = c*pp + stage holds num_layers/(pp*v) layers (the split of
-    engine/parallel/virtual.py's chunk_layer_ranges); otherwise one chunk, the stage's layers."""
+    engine/parallel/virtual.py's chunk_layer_ranges), zbv: g = stage and 2pp-1-stage; otherwise one chunk, the
+    stage's layers."""
     v = virtual_stages(cfg)
     if v == 1:
         return [(stage, len(stage_layer_ranges(cfg.model.num_layers, pp, layer_counts(cfg, pp))[stage]))]
     n = cfg.model.num_layers // (pp * v)
-    return [(c * pp + stage, n) for c in range(v)]
+    return [(virtual_stage(pp, stage, c, sched.SCHEDULES[cfg.parallel.schedule].vshape), n) for c in range(v)]
 
 
 def chunk_bytes(cfg: Config, tp: int, pp: int, stage: int) -> list[float]:
@@ -166,4 +177,5 @@ def timeline(schedule: str, pp: int, micro_batches: int, v: int, fwd: float, bwd
     micro-batch on one virtual stage: fwd, bwd (whole backward), and zero bubble's bwd_input (B) and bwd_weight
     (W). Cached: layouts that differ only in their dp mode share their costs."""
     tables = [actions(schedule, pp, micro_batches, s, v) for s in range(pp)]
-    return sched.simulate_actions(tables, fwd, bwd, schedule, bwd_input, bwd_weight)
+    return sched.simulate_actions(tables, fwd, bwd, schedule, bwd_input, bwd_weight,
+                                  sched.SCHEDULES[schedule].vshape)

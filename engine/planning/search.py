@@ -35,7 +35,7 @@ from engine.parallel.support import check_supported
 from engine.parallel.dp import MODES as DP_MODE_SPECS
 from engine.parallel.schedule import SCHEDULES
 from engine.planning.planner import StageMemory, dp_model, plan_memory, planner_model, stage_params, with_layout
-from engine.planning.schedules import virtual_stages
+from engine.planning.schedules import head_stage, virtual_stages
 from engine.planning.balance import layer_counts
 
 
@@ -107,7 +107,7 @@ def stage_cost(cfg: Config, layout: Layout, hw: Hardware, stage: int) -> StageCo
     columns = len(LAYER_PLAN) - rows
     tp_bw, pp_bw = link_bandwidth(hw, layout.tp), link_bandwidth(hw, layout.world_size)
     params = stage_params(cfg, layout.tp, layout.pp, stage)
-    layers, first, last = params["num_layers"], stage == 0, stage == layout.pp - 1
+    layers, first, last = params["num_layers"], stage == 0, stage == head_stage(cfg, layout.pp)
     rate = hw.peak_tflops * 1e12 * hw.efficiency * layout.tp  # a tp rank does 1/tp of the stage's FLOPs
     compute = tokens * flops.stage_flops_per_token(m, t.seq_len, layers, last, t.activation_checkpointing) / rate
     fwd = tokens * flops.stage_flops_per_token(m, t.seq_len, layers, last) / 3 / rate
@@ -218,10 +218,10 @@ def layouts(cfg: Config, world_size: int, schedules: tuple[tuple[str, int], ...]
             if gbs % dp:
                 continue
             for schedule, v in schedules[:1] if pp == 1 else schedules:
-                # chunked schedules (interleaved) split the layers evenly; other pp keep no pp_layers of another pp
+                # chunked schedules (interleaved, zbv) split the layers evenly; other pp keep no pp_layers of another pp
                 # (auto is a rule, not counts: it balances every pp)
                 same = pp == cfg.parallel.pp or cfg.parallel.pp_layers == "auto"
-                pp_layers = cfg.parallel.pp_layers if same and not SCHEDULES[schedule].chunks else []
+                pp_layers = cfg.parallel.pp_layers if same and SCHEDULES[schedule].per_rank(v) == 1 else []
                 for mbs in _divisors(gbs // dp):
                     for mode, stage, reshard, off in dp_modes(offload or cfg.parallel.offload, dp):
                         for ac in ("none", "full", "selective"):

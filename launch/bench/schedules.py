@@ -1,5 +1,5 @@
-"""Benchmark of the pipeline schedules side by side: 1F1B, interleaved 1F1B and zero bubble (ZB-H1), measured
-against theory.
+"""Benchmark of the pipeline schedules side by side: 1F1B, interleaved 1F1B, zero bubble (ZB-H1) and ZB-V,
+measured against theory.
 
     nice -n 5 python launch/bench/schedules.py [--pp 2 4] [--micro-batches 4 8 16] [--steps 4] [--virtual-stages 2]
 
@@ -51,14 +51,14 @@ from engine.cluster.spawn import run_ranks  # noqa: E402
 from engine.metrics.memory import SavedActivations  # noqa: E402
 from engine.parallel.context import ParallelContext  # noqa: E402
 from engine.parallel.pipeline import PipelineExecutor, backward_from  # noqa: E402
-from engine.parallel.schedule import bubble_fraction, max_in_flight, simulate, theory  # noqa: E402
+from engine.parallel.schedule import SCHEDULES, bubble_fraction, max_in_flight, simulate, theory  # noqa: E402
 from engine.parallel.tensor import vocab_parallel_cross_entropy  # noqa: E402
 from engine.parallel.virtual import model_chunks  # noqa: E402
 from engine.trainer import build_model  # noqa: E402
 from launch.bench import zb_dp  # noqa: E402
 from launch.bench.pipeline import add_model_args, batch, config, model_line, timed  # noqa: E402
 
-NAMES = ("1f1b", "interleaved", "zero_bubble")
+NAMES = ("1f1b", "interleaved", "zero_bubble", "zbv")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def chunks_of(name: str, args: argparse.Namespace) -> int:
-    return args.virtual_stages if name == "interleaved" else 1
+    return SCHEDULES[name].per_rank(args.virtual_stages)  # zbv: 2, in a V
 
 
 def rotated(names, i: int) -> list:
@@ -105,7 +105,8 @@ class Run:
         self.executor = PipelineExecutor(ctx, name, m, shape, torch.float32, virtual_stages=v, stage=stage)
         self.cpu: dict[str, list[float]] = {op: [] for op in ("F", "L", "B", "Bi", "W")}
         self.step_cpu, self.recording = 0.0, False
-        self.forwards = [self._timed("F", c) for c in model_chunks(stage, ctx.pp, ctx.pp_rank, v)]
+        chunks = model_chunks(stage, ctx.pp, ctx.pp_rank, v, SCHEDULES[name].vshape)
+        self.forwards = [self._timed("F", c) for c in chunks]
         store = self.executor.weight_grads
         if store is not None:  # W: the executor calls store.flush((mb, chunk))
             store.flush = self._timed("W", store.flush)

@@ -5,9 +5,9 @@ One ``Combo`` is a point of the product of these factors (``FACTORS``):
     tp, pp, dp in {1, 2, 4} with tp * pp * dp <= 8
     dp_mode: ddp | fsdp-reshard | fsdp-keep | zero1 | zero2 | zero3, and with host offload (parallel.offload):
              zero2-offload (optimizer) | zero3-offload | fsdp-offload (optimizer_and_params; fsdp resharding)
-    schedule: 1f1b | gpipe | interleaved (2 virtual stages) | zero_bubble (only with pp > 1; "-" at pp = 1, where
-              there is no schedule); interleaved at pp = 4 runs 8 layers (4 cannot split into 8 chunks), against
-              an 8-layer single process
+    schedule: 1f1b | gpipe | interleaved (2 virtual stages) | zero_bubble | zbv (ZB-V, 2 chunks per rank in a V)
+              (only with pp > 1; "-" at pp = 1, where there is no schedule); interleaved and zbv at pp = 4 run 8
+              layers (4 cannot split into 8 chunks), against an 8-layer single process
     dtype: fp32 | bf16;  tied / untied embeddings;  activation checkpointing off / on
     clip: off (train.grad_clip 0) | on (a threshold below the gradient norm, so every step is clipped)
     sp: sequence parallelism off | on (only with tp > 1, where it applies; off at tp = 1)
@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 SIZES = (1, 2, 4)
 DP_MODES = ("ddp", "fsdp-reshard", "fsdp-keep", "zero1", "zero2", "zero3")
 OFFLOAD_MODES = ("zero2-offload", "zero3-offload", "fsdp-offload")  # parallel.offload: optimizer, +params, +params
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero_bubble")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero_bubble", "zbv")
 CP_MODES = ("ring", "all_to_all")
 FACTORS = ("tp", "pp", "dp", "dp_mode", "schedule", "dtype", "tied", "ac", "clip", "sp", "cp", "cp_mode", "model")
 MODELS = ("dense", "moe")
@@ -134,7 +134,7 @@ def all_combos(clip: tuple[bool, ...] = (False, True)) -> list[Combo]:
         for schedule, sp, cp_mode in itertools.product(SCHEDULES if pp > 1 else ("-",),
                                                        (False, True) if tp > 1 else (False,),
                                                        CP_MODES if cp > 1 else ("-",)):
-            layers = 8 if schedule == "interleaved" and pp == 4 else 4
+            layers = 8 if schedule in ("interleaved", "zbv") and pp == 4 else 4
             out.append(Combo(tp, pp, dp, mode, schedule, dtype, tied, ac, c, sp, layers, cp, cp_mode, model))
     return sorted(out)
 
@@ -154,6 +154,8 @@ ZERO2_OFFLOAD_INTERLEAVED = ("fp32 ZeRO-2 with the optimizer offloaded under int
 ZERO_ZB_HOOKS = ("ZeRO-2, or bf16 ZeRO-1, under zero_bubble: DeepSpeed reduces (ZeRO-2) or moves into its fp32 "
                  "accumulator (bf16 ZeRO-1) each gradient in hooks autograd fires, and W adds the linears' weight "
                  "gradients outside autograd", "schedule=zero_bubble with parallel.dp_mode=zero")
+ZBV_DP = ("zbv with a dp mode other than ddp: FSDP and ZeRO do not follow its sync point, each of its 2 chunks' "
+          "last W (rank 0's chunks share a tied embedding)", "is not supported (the gradient sync would have to follow")
 
 
 # runner.BASE has 8 heads and 4 kv heads: all_to_all gives each cp x tp rank whole heads of both.
@@ -169,13 +171,16 @@ MOE_CP = ("MoE with cp > 1: the router's load-balancing statistics are per micro
 
 def refusal(c: Combo) -> tuple[str, str] | None:
     """(reason, words of the error) if the engine must refuse ``c``, else None. FSDP (every variant) runs under
-    every schedule, ZeRO-1/2 under interleaved (but fp32 ZeRO-2 offload), fp32 ZeRO-1 under zero_bubble."""
+    every schedule but zbv, ZeRO-1/2 under interleaved (but fp32 ZeRO-2 offload), fp32 ZeRO-1 under zero_bubble;
+    zbv runs ddp alone."""
     if c.cp > 1 and c.cp_mode == "all_to_all" and 4 % (c.cp * c.tp):
         return CP_HEADS
     if c.model == "moe" and c.tp > 1:
         return MOE_TP
     if c.model == "moe" and c.cp > 1:
         return MOE_CP
+    if c.schedule == "zbv" and c.dp_mode != "ddp":
+        return ZBV_DP
     if c.dp_mode.startswith("zero") and c.pp > 1:
         if c.tied and (c.dp_mode != "zero1" or c.dtype != "fp32"):
             return TIED_ZERO_PP
@@ -280,7 +285,8 @@ def _combo(tp=1, pp=1, dp=1, mode="ddp", schedule=None, dtype="fp32", tied=False
 def resume_scenarios() -> list[Resume]:
     """One source per dp_mode family (ddp, fsdp, zero 1/2/3), each resumed at another layout and mode; gpipe, pp4,
     tp4, bf16 and tied embeddings appear on one side or the other; most run with clipping off. Two more move
-    between the interleaved (v=2) and zero-bubble schedules, and one moves the MoE model from zero1 x pp 2 to fsdp."""
+    between the interleaved (v=2) and zero-bubble schedules, one from zbv (tied) to 1f1b, and one moves the MoE model
+    from zero1 x pp 2 to fsdp."""
     return [
         Resume(_combo(dp=2, mode="ddp", pp=2, schedule="gpipe"), _combo(tp=4, mode="fsdp-reshard")),
         Resume(_combo(pp=4, mode="ddp", tied=True, clip=True), _combo(tp=2, dp=2, mode="zero1", tied=True)),
@@ -296,5 +302,7 @@ def resume_scenarios() -> list[Resume]:
         Resume(_combo(pp=4, schedule="zero_bubble"), _combo(pp=2, tp=2, schedule="interleaved")),
         # The MoE model: stacked expert weights and their Adam moments, stored per expert, across pp and dp modes.
         Resume(_combo(pp=2, dp=2, mode="zero1", model="moe"), _combo(dp=4, mode="fsdp-reshard", model="moe")),
+        # zbv's V: a tied embedding is one parameter on rank 0, a copy on the last stage elsewhere
+        Resume(_combo(pp=2, dp=2, schedule="zbv", tied=True), _combo(pp=2, dp=2, schedule="1f1b", tied=True)),
     ]
 

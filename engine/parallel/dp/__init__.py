@@ -13,7 +13,7 @@ entry here (docs/architecture.md, "A new dp mode", names every file). No torch: 
 from __future__ import annotations
 
 from engine.errors import ConfigError
-from engine.parallel.actions import CHUNK_BACKWARD, LAST_BACKWARD, LAST_W
+from engine.parallel.actions import CHUNK_BACKWARD, CHUNK_LAST_W, LAST_BACKWARD, LAST_W
 from engine.parallel.dp import checks
 from engine.parallel.dp.registry import DpModeSpec, load
 
@@ -22,11 +22,12 @@ _PLAN = "engine.parallel.dp.plan_models:"
 _ALL_SYNCS = frozenset({LAST_BACKWARD, CHUNK_BACKWARD, LAST_W})
 
 MODES: dict[str, DpModeSpec] = {s.name: s for s in (  # parallel.dp_mode -> its DpModeSpec
-    # DDP's reducer follows any backward; under zero bubble each chunk's buckets are all-reduced as its last W
-    # completes them (ddp.py last_weight).
+    # DDP's reducer follows any backward; under zero bubble (and ZB-V, per chunk) each chunk's buckets are
+    # all-reduced as its last W completes them, a weight two chunks share once after the step (ddp.py last_weight).
     DpModeSpec("ddp", "engine.parallel.dp.ddp:DDP", _TORCH_STATE, _PLAN + "DDPModel", keys=("grad_compression",),
-               refuse_key=checks.refuse_ddp_key, check=checks.check_ddp, grad_syncs=_ALL_SYNCS),
-    # FSDP: each model chunk its own root, reduce-scattered after its last backward or, under zero bubble, its last W
+               refuse_key=checks.refuse_ddp_key, check=checks.check_ddp, grad_syncs=_ALL_SYNCS | {CHUNK_LAST_W}),
+    # FSDP: each model chunk its own root, reduce-scattered after its last backward or, under zero bubble, its last W.
+    # Not CHUNK_LAST_W (zbv): untried there, and rank 0's two roots would share a tied embedding.
     DpModeSpec("fsdp", "engine.parallel.dp.fsdp:FSDP", _TORCH_STATE, _PLAN + "FSDPModel", check=checks.check_fsdp,
                offload=("none", "optimizer_and_params"), bf16_weights=True, grad_syncs=_ALL_SYNCS),
     DpModeSpec("zero", "engine.parallel.dp.zero:ZeRO", ("engine.parallel.dp.zero_state:Zero12State",

@@ -22,6 +22,7 @@ uncompressed steps; tensors too small to gain stay uncompressed).
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from engine.internals import private
 from engine.parallel import tied
 from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin
 from engine.parallel.dp.buckets import ReadyBuckets, all_reduce_mean
+from engine.parallel.schedule import chunking
 from engine.parallel.virtual import model_chunks
 
 
@@ -109,7 +111,7 @@ class DDP(TorchOptimizerMixin, DataParallel):
     def __init__(self, model: nn.Module, cfg: Config, ctx):
         super().__init__(cfg, ctx)
         self.module = model
-        self.chunks = model_chunks(model, ctx.pp, ctx.pp_rank, cfg.parallel.virtual_stages)
+        self.chunks = model_chunks(model, ctx.pp, ctx.pp_rank, *chunking(cfg.parallel))
         # Every rank built the same weights and buffers (engine/model/init.py): no start-up broadcast, and no
         # buffer broadcast before each forward (a collective the pipeline schedule does not expect). At dp 1 there
         # is nothing to reduce: no wrapper (its buckets would copy every gradient and its hooks run for nothing).
@@ -127,6 +129,10 @@ class DDP(TorchOptimizerMixin, DataParallel):
         # The stage's copy of a tied embedding is summed over the embedding group after the W's (the trainer's
         # sync_tied_embedding): it is averaged over dp after that sum, in reduce_gradients, not in the W.
         self.tied, self.tied_after_weights = tied.stage_copy(model, cfg, ctx), False
+        # A weight two chunks share (ZB-V's tied embedding: rank 0's chunk 0 embeds, its chunk 1 is the head) is
+        # complete only after both chunks' backwards, so no chunk's last W reduces it: reduce_gradients does, once.
+        held = Counter(id(p) for chunk in self.chunks for p in chunk.parameters())
+        self.shared = {i for i, n in held.items() if n > 1}
         self._build_optimizer()
 
     def forward(self, x, chunk: int = 0, **kwargs):
@@ -152,8 +158,8 @@ class DDP(TorchOptimizerMixin, DataParallel):
             store.flush(key)
             return
         params = [p for p in reversed(list(self.chunks[chunk].parameters())) if p.requires_grad]  # DDP's order
-        if any(p is self.tied for p in params):
-            params = [p for p in params if p is not self.tied]
+        if any(p is self.tied or id(p) in self.shared for p in params):
+            params = [p for p in params if p is not self.tied and id(p) not in self.shared]
             self.tied_after_weights = True
         buckets = ReadyBuckets(params, self.ctx.grad_group, self.cfg.parallel.bucket_mb)
         queued = store.queued(key)
@@ -167,10 +173,13 @@ class DDP(TorchOptimizerMixin, DataParallel):
         reducer did not run in this step's backward (and the tied copy, after its sum over the embedding group)."""
         for buckets in self.launched:
             buckets.wait()
-        grads = [self.tied.grad] if self.tied_after_weights and self.tied.grad is not None else []
+        later = [self.tied] if self.tied is not None else []
+        later += [p for chunk in self.chunks for p in chunk.parameters() if id(p) in self.shared]
+        by_id = {id(p): p.grad for p in later if self.tied_after_weights and p.grad is not None}
         for chunk, ddp in enumerate(self.ddps):
             if chunk not in self.armed and self.ctx.grad_size > 1:
-                grads += [p.grad for p in ddp.module.parameters() if p.grad is not None]
+                by_id |= {id(p): p.grad for p in ddp.module.parameters() if p.grad is not None}
+        grads = list(by_id.values())  # keyed by parameter: a weight two chunks share is reduced once, not per chunk
         if grads:
             all_reduce_mean(grads, self.ctx.grad_group, self.cfg.parallel.bucket_mb)
         self.armed.clear()

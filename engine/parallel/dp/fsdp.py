@@ -17,6 +17,7 @@ from engine.config import Config
 from engine.internals import private
 from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin
 from engine.parallel.support import reshard_after_forward
+from engine.parallel.schedule import chunking
 from engine.parallel.virtual import model_chunks
 
 
@@ -57,7 +58,7 @@ class FSDP(TorchOptimizerMixin, DataParallel):
         # Pinned host memory only where there is a CUDA device to copy to and from (pinning needs CUDA).
         offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") \
             if cfg.parallel.offload == "optimizer_and_params" else None
-        self.chunks = model_chunks(model, ctx.pp, ctx.pp_rank, cfg.parallel.virtual_stages)
+        self.chunks = model_chunks(model, ctx.pp, ctx.pp_rank, *chunking(cfg.parallel))
         self.module = apply_fsdp(model, ctx.grad_mesh, reshard_after_forward(cfg, ctx.pp), cfg.train.dtype == "bf16",
                                  offload, self.chunks)
         self._build_optimizer()  # on the host shards under offload: torch's foreach AdamW steps there
