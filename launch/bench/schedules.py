@@ -26,6 +26,9 @@ c) the measured compute times (thread CPU ms, mean over ranks of each op's media
 d) zero bubble under ddp at the first --pp and dp = --dp (--dp 1 skips it): the dp reduction overlapped with the
    W's (each bucket all-reduced as the chunk's last W completes it) vs exposed after the last W, the dp_comm phase
    and the step time side by side (launch/bench/zb_dp.py, which runs it alone).
+e) parallel.pp_layers auto against the even split under 1F1B at each --pp and the largest m: the slowest stage's
+   compute and the step time side by side (launch/bench/stage_balance.py, which runs it alone; tiny.yaml's
+   vocabulary of 4096, so that the LM head weighs what it does in tiny; --no-balance skips it).
 
 With more ranks than free cores (pp=4 on 2 cores) the ranks take turns: wall-clock idle/wait then include time a
 neighbour was descheduled (it looks busy, its receiver idle), a stage descheduled mid-compute looks busy, and
@@ -70,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--virtual-stages", type=int, default=2, help="v of the interleaved schedule")
     add_model_args(p)
     zb_dp.add_args(p)  # section d): zero bubble x ddp, the dp reduction overlapped vs exposed (--dp 1: skipped)
+    p.add_argument("--no-balance", action="store_true", help="skip section e) (pp_layers auto vs even)")
     args = p.parse_args(argv)
     for pp in args.pp:
         bad = [m for m in args.micro_batches if m < pp or m % pp]
@@ -265,6 +269,14 @@ def main(argv: list[str] | None = None) -> None:
         zb = argparse.Namespace(pp=args.pp[0], dp=args.dp, micro_batches=max(args.micro_batches), steps=args.steps,
                                 layers=args.layers, hidden=args.hidden, seq_len=args.seq_len, bucket_mb=args.bucket_mb)
         zb_dp.print_table(zb_dp.measure(zb), zb)
+    if not args.no_balance:
+        from launch.bench import stage_balance  # imported here: it builds on this module's Run
+
+        print("\ne) parallel.pp_layers auto vs even (1F1B; launch/bench/stage_balance.py):")
+        stage_balance.main(["--pp", *map(str, args.pp), "--micro-batches", str(max(args.micro_batches)),
+                            "--steps", str(args.steps), "--warmup", str(args.warmup), "--layers", str(args.layers),
+                            "--hidden", str(args.hidden), "--ffn", str(args.ffn), "--seq-len", str(args.seq_len),
+                            "--micro-batch-size", str(args.micro_batch_size)])
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
 
 
