@@ -65,6 +65,7 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     dp: int = -1  # -1: world_size // (tp * pp)
+    ep: int = 1  # expert parallelism: experts split over ep consecutive dp ranks (MoE models; engine/parallel/ep/)
     dp_mode: str = "ddp"  # ddp | fsdp | zero
     zero_stage: int = 0  # 1..3 with dp_mode=zero
     # dp_mode=zero: a DeepSpeed JSON file merged over the built-in defaults (buckets, overlap, ZeRO-3 thresholds;

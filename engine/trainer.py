@@ -36,6 +36,7 @@ from engine.model.recompute import apply_activation_checkpointing
 from engine.optim import lr_at
 from engine.parallel import dp as dp_lib, tied
 from engine.parallel.context import ParallelContext
+from engine.parallel.ep import apply_expert_parallel
 from engine.parallel.pipeline import PipelineExecutor, split_stage
 from engine.parallel.support import micro_batches_per_step, resolve_layout
 from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
@@ -57,6 +58,7 @@ def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
     model = model_lib.build(cfg.model, device="meta")
     split_stage(model, ctx.pp, ctx.pp_rank, layer_counts(cfg, ctx.pp), cfg.parallel.virtual_stages)
     apply_tensor_parallel(model, ctx.tp_group, cfg.parallel.sequence_parallel)
+    apply_expert_parallel(model, ctx)  # this rank's experts (a slice of dim 0), all-to-all dispatch
     materialize(model, ctx.device, cfg.train.seed, cfg.model.init_std)
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if cfg.train.compile:  # after activation checkpointing, before data parallelism (engine/model/compile.py)

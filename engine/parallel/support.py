@@ -30,6 +30,7 @@ class Layout:
     pp: int
     dp: int
     cp: int = 1
+    ep: int = 1  # expert parallelism: a split of dp (engine/parallel/mesh.py split_along), not a mesh axis
 
     @property
     def axes(self) -> tuple[tuple[str, int], ...]:
@@ -73,9 +74,26 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
                           f"train.micro_batch_size({t.micro_batch_size}) * dp({dp}) = {per_step}")
     check_schedule(cfg, pp, micro_batches_per_step(t, dp), dp)
-    layout = Layout(tp=tp, pp=pp, dp=dp)
+    check_expert_parallel(cfg, dp)
+    layout = Layout(tp=tp, pp=pp, dp=dp, ep=p.ep)
     check_supported(cfg, layout)  # dp mode x layout x dtype refusals
     return layout
+
+
+def check_expert_parallel(cfg: Config, dp: int) -> None:
+    """parallel.ep against dp, the experts and the dp mode (engine/parallel/ep/)."""
+    ep, experts, mode = cfg.parallel.ep, cfg.model.num_experts, cfg.parallel.dp_mode
+    if ep == 1:
+        return
+    if not experts:
+        raise ConfigError(f"parallel.ep={ep} needs an MoE model (model.num_experts > 0); use ep=1 for a dense model")
+    if dp % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide dp={dp} (ep groups are carved out of the dp ranks)")
+    if experts % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide model.num_experts={experts}")
+    if mode != "ddp":
+        raise ConfigError(f"parallel.ep={ep} with parallel.dp_mode={mode} is not supported (only ddp reduces expert "
+                          f"gradients over the expert-dp group in this build); use dp_mode=ddp or ep=1")
 
 
 def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:

@@ -33,6 +33,7 @@ from engine.checkpoint.state import TorchState
 from engine.config import Config
 from engine.internals import private
 from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin
+from engine.parallel.ep import expert_parameters, reduce_expert_gradients
 from engine.parallel.virtual import model_chunks
 
 
@@ -108,6 +109,10 @@ class DDP(TorchOptimizerMixin, DataParallel):
         # Every rank built the same weights and buffers (engine/model/init.py): no start-up broadcast, and no
         # buffer broadcast before each forward (a collective the pipeline schedule does not expect). At dp 1 there
         # is nothing to reduce: no wrapper (its buckets would copy every gradient and its hooks run for nothing).
+        # Expert-parallel weights stay out of DDP: reduced over the expert-dp group (reduce_gradients)
+        for chunk in self.chunks:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                chunk, [name for name, _ in expert_parameters(chunk)])
         self.ddps = [DistributedDataParallel(
             chunk, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
             process_group=ctx.dp_group, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True,
@@ -140,6 +145,7 @@ class DDP(TorchOptimizerMixin, DataParallel):
             if chunk not in self.armed and self.ctx.dp > 1:
                 all_reduce_mean([p.grad for p in ddp.module.parameters() if p.grad is not None],
                                 self.ctx.dp_group, self.cfg.parallel.bucket_mb)
+        reduce_expert_gradients(self.module, self.ctx)
         self.armed.clear()
 
     def skip(self) -> None:
