@@ -83,7 +83,10 @@ BASE = [*runner.BASE, *MOE_ARGS, "--train.grad_clip", "0"]
 EP_RUNS = {2: [["--parallel.dp", "2", "--parallel.ep", "2"]],
            4: [["--parallel.dp", "4", "--parallel.ep", "2"], ["--parallel.dp", "4", "--parallel.ep", "4"],
                ["--parallel.pp", "2", "--parallel.dp", "2", "--parallel.ep", "2",
-                "--train.activation_checkpointing", "true"]]}
+                "--train.activation_checkpointing", "true"],
+               # zero bubble: no DDP reducer armed; the dp all-reduce after the last W must leave the experts out
+               ["--parallel.pp", "2", "--parallel.dp", "2", "--parallel.ep", "2", "--parallel.schedule",
+                "zero_bubble"]]}
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ One ``Combo`` is a point of the product of these factors (``FACTORS``):
     sp: sequence parallelism off | on (only with tp > 1, where it applies; off at tp = 1)
     model: dense | moe (runner.BASE as a Mixtral of 4 experts, top 2, aux and z losses on: MOE_ARGS; tp = 1 only,
            the experts are not tensor-parallel)
+    ep: 1 | 2 | 4 (parallel.ep, expert parallelism: moe only, ep dividing dp; ep > 1 with ddp only, EP_DP_MODE)
 
 ``refusal(combo)`` states, independently of the engine's own checks, which combinations the engine must refuse and
 with which words; the tests check that the engine gives exactly that error, so an accidental refusal or an
@@ -34,7 +35,7 @@ SIZES = (1, 2, 4)
 DP_MODES = ("ddp", "fsdp-reshard", "fsdp-keep", "zero1", "zero2", "zero3")
 OFFLOAD_MODES = ("zero2-offload", "zero3-offload", "fsdp-offload")  # parallel.offload: optimizer, +params, +params
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero_bubble")
-FACTORS = ("tp", "pp", "dp", "dp_mode", "schedule", "dtype", "tied", "ac", "clip", "sp", "model")
+FACTORS = ("tp", "pp", "dp", "dp_mode", "schedule", "dtype", "tied", "ac", "clip", "sp", "model", "ep")
 MODELS = ("dense", "moe")
 # The MoE model: BASE's shape with each MLP 4 Mixtral experts (top 2), the loss with its aux and z terms.
 MOE_ARGS = ["--model.family", "mixtral", "--model.num_experts", "4", "--model.experts_per_token", "2",
@@ -56,6 +57,7 @@ class Combo:
     sp: bool = False  # parallel.sequence_parallel (tp > 1 only)
     layers: int = 4  # model.num_layers: runner.BASE's 4, or 8 where interleaving needs them (not a factor)
     model: str = "dense"  # dense | moe (MOE_ARGS)
+    ep: int = 1  # parallel.ep (moe only; divides dp)
 
     @property
     def world(self) -> int:
@@ -67,7 +69,7 @@ class Combo:
                 + (f"-{self.schedule}" if self.pp > 1 else "") + f"-{self.dtype}"
                 + ("-tied" if self.tied else "") + ("-ac" if self.ac else "") + ("-clip" if self.clip else "")
                 + ("-sp" if self.sp else "") + (f"-L{self.layers}" if self.layers != 4 else "")
-                + ("-moe" if self.model == "moe" else ""))
+                + ("-moe" if self.model == "moe" else "") + (f"-ep{self.ep}" if self.ep > 1 else ""))
 
     def argv(self) -> list[str]:
         """The engine's command-line overrides for this combination (on top of runner.BASE)."""
@@ -91,6 +93,8 @@ class Combo:
             args += ["--parallel.dp_mode", "ddp"]
         if option == "offload":
             args += ["--parallel.offload", "optimizer" if mode == "zero2" else "optimizer_and_params"]
+        if self.ep > 1:
+            args += ["--parallel.ep", str(self.ep)]
         return args + (MOE_ARGS if self.model == "moe" else [])
 
     def values(self) -> dict:
@@ -119,7 +123,8 @@ def all_combos(clip: tuple[bool, ...] = (False, True)) -> list[Combo]:
         for schedule, sp in itertools.product(SCHEDULES if pp > 1 else ("-",), (False, True) if tp > 1
                                               else (False,)):
             layers = 8 if schedule == "interleaved" and pp == 4 else 4
-            out.append(Combo(tp, pp, dp, mode, schedule, dtype, tied, ac, c, sp, layers, model))
+            for ep in (e for e in SIZES if dp % e == 0) if model == "moe" else (1,):
+                out.append(Combo(tp, pp, dp, mode, schedule, dtype, tied, ac, c, sp, layers, model, ep))
     return sorted(out)
 
 
@@ -140,8 +145,14 @@ MOE_TP = ("MoE with tp > 1: the experts and router are not tensor-parallel (ep =
           "is not supported: the experts and router are not tensor-parallel")
 
 
+EP_DP_MODE = ("ep > 1 with fsdp or zero: only ddp reduces the expert gradients over the expert-dp group in this "
+              "build", "is not supported (only ddp reduces expert gradients over the expert-dp group")
+
+
 def refusal(c: Combo) -> tuple[str, str] | None:
     """(reason, words of the error) if the engine must refuse ``c``, else None."""
+    if c.ep > 1 and c.dp_mode != "ddp":
+        return EP_DP_MODE
     if c.model == "moe" and c.tp > 1:
         return MOE_TP
     if c.schedule in ("interleaved", "zero_bubble") and c.dp_mode != "ddp":
@@ -219,7 +230,7 @@ def offload_slice() -> list[Combo]:
 def _key(c: Combo) -> tuple:
     return (c.world, c.tp, c.pp, c.dp, (DP_MODES + OFFLOAD_MODES).index(c.dp_mode),
             SCHEDULES.index(c.schedule) if c.pp > 1 else 0,
-            c.dtype == "bf16", c.tied, c.ac, c.clip, c.sp, c.layers, MODELS.index(c.model))
+            c.dtype == "bf16", c.tied, c.ac, c.clip, c.sp, c.layers, MODELS.index(c.model), c.ep)
 
 
 @dataclass(frozen=True)

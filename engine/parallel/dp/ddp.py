@@ -141,10 +141,11 @@ class DDP(TorchOptimizerMixin, DataParallel):
 
     def reduce_gradients(self) -> None:
         """Average over dp the gradients of every chunk whose reducer did not run in this step's backward."""
+        experts = {id(p) for _, p in expert_parameters(self.module)}  # reduced over expert-dp below
         for chunk, ddp in enumerate(self.ddps):
             if chunk not in self.armed and self.ctx.dp > 1:
-                all_reduce_mean([p.grad for p in ddp.module.parameters() if p.grad is not None],
-                                self.ctx.dp_group, self.cfg.parallel.bucket_mb)
+                all_reduce_mean([p.grad for p in ddp.module.parameters() if p.grad is not None
+                                 and id(p) not in experts], self.ctx.dp_group, self.cfg.parallel.bucket_mb)
         reduce_expert_gradients(self.module, self.ctx)
         self.armed.clear()
 

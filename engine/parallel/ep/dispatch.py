@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engine.model.moe import Experts
+from engine.model.moe import Experts, _grouped_mm_applies
 
 
 class AllToAll(torch.autograd.Function):
@@ -58,9 +58,17 @@ class ExpertParallelExperts(Experts):
                                             recv.reshape(-1))  # (M,)
         order = torch.sort(expert_of, stable=True).indices
         mine = arrived[order]
-        # (M, h) in expert order. No copy arrived: the (0, h) input itself, so that backward still runs both
-        # all-to-alls here (the loop's empty output has no graph) as it does on the ranks that got tokens
-        y = super().forward(mine, recv.sum(0)) if mine.shape[0] else mine
+        # (M, h) in expert order. No copy arrived: the (0, h) input itself in the dtype the experts would give, so
+        # that backward still runs both all-to-alls here (the loop's empty output has no graph) and every rank
+        # sends one dtype
+        y = super().forward(mine, recv.sum(0)) if mine.shape[0] else mine.to(self._out_dtype(mine))
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         return AllToAll.apply(y[back], send_splits, recv_splits, self.ep_group)  # (N, h) in x's order
+
+    def _out_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """What Experts.forward returns: the autocast dtype from the loop's linears, x's from the grouped GEMM."""
+        device = x.device.type
+        if torch.is_autocast_enabled(device) and not _grouped_mm_applies(x, self.gate_up_proj):
+            return torch.get_autocast_dtype(device)
+        return x.dtype
