@@ -1,11 +1,10 @@
 """The training loop: build the parallel model, split each global batch into micro-batches, step the optimizer.
 
 Order of construction (docs/architecture.md): meta-device model -> keep this pipeline stage's layers -> tensor
-parallel -> materialise and initialise on the device (identical weights at every layout) -> activation
-checkpointing -> data parallel (parallel.dp_mode: DDP, FSDP2 or DeepSpeed ZeRO, which also builds the optimizer;
-engine/parallel/dp/). The trainer never asks which dp mode it runs. One optimizer step consumes one
-global batch of ``global_batch_size`` sequences: each dp rank takes ``global_batch_size / dp`` of them and runs
-them as ``micro_batches`` forward/backward passes of ``micro_batch_size`` (gradient accumulation, as Megatron).
+parallel -> expert parallel -> materialise and initialise on the device (the same weights at every layout) ->
+activation checkpointing -> data parallel (parallel.dp_mode: DDP, FSDP2 or ZeRO, engine/parallel/dp/; the trainer
+never asks which). A step consumes one global batch of ``global_batch_size`` sequences: each dp rank runs its share
+as ``micro_batches`` forward/backward passes of ``micro_batch_size`` (gradient accumulation, as Megatron).
 """
 from __future__ import annotations
 
@@ -34,9 +33,8 @@ from engine.model.hf_init import adopt_shape, load_weights
 from engine.model.init import materialize
 from engine.model.recompute import apply_activation_checkpointing
 from engine.optim import lr_at
-from engine.parallel import dp as dp_lib, tied
+from engine.parallel import dp as dp_lib, ep, tied
 from engine.parallel.context import ParallelContext
-from engine.parallel.ep import apply_expert_parallel
 from engine.parallel.pipeline import PipelineExecutor, split_stage
 from engine.parallel.support import micro_batches_per_step, resolve_layout
 from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
@@ -58,7 +56,7 @@ def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
     model = model_lib.build(cfg.model, device="meta")
     split_stage(model, ctx.pp, ctx.pp_rank, layer_counts(cfg, ctx.pp), cfg.parallel.virtual_stages)
     apply_tensor_parallel(model, ctx.tp_group, cfg.parallel.sequence_parallel)
-    apply_expert_parallel(model, ctx)  # this rank's experts (a slice of dim 0), all-to-all dispatch
+    ep.apply_expert_parallel(model, ctx)  # this rank's experts (a slice of dim 0), all-to-all dispatch
     materialize(model, ctx.device, cfg.train.seed, cfg.model.init_std)
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     if cfg.train.compile:  # after activation checkpointing, before data parallelism (engine/model/compile.py)
