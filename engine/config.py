@@ -71,11 +71,10 @@ class ParallelConfig:
     # cp_mode ring (K/V blocks rotate, online softmax) | all_to_all (Ulysses: sequence <-> heads around attention)
     cp: int = 1
     cp_mode: str = "ring"
+    ep: int = 1  # expert parallelism: experts split over ep consecutive dp ranks (MoE models; engine/parallel/ep/)
     dp_mode: str = "ddp"  # ddp | fsdp | zero
     zero_stage: int = 0  # 1..3 with dp_mode=zero
-    # dp_mode=zero: a DeepSpeed JSON file merged over the built-in defaults (buckets, overlap, ZeRO-3 thresholds;
-    # engine/parallel/dp/ds_json.py); '' = the defaults alone
-    ds_config: str = ""
+    ds_config: str = ""  # zero: a DeepSpeed JSON merged over the defaults (engine/parallel/dp/ds_json.py); '' none
     # Optimizer / parameter offload to host memory (ZeRO-Offload, Ren et al. 2021): none | optimizer (zero: fp32
     # master weights, gradient partition and Adam state on the host, the update there) | optimizer_and_params
     # (also the weights: zero stage 3's offload_param, or fsdp's CPUOffloadPolicy)

@@ -52,8 +52,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{dotted}={value!r} is not one of {', '.join(valid)}")
     _positive(cfg, ["model.vocab_size", "model.hidden_size", "model.intermediate_size", "model.num_layers",
                     "model.num_heads", "model.num_kv_heads", "model.rope_theta", "parallel.tp", "parallel.pp",
-                    "parallel.cp",
-                    "parallel.timeout_s",
+                    "parallel.cp", "parallel.ep", "parallel.timeout_s",
                     "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
                     "log.every", "train.eval_batches"])
     if cfg.parallel.p2p_dtype == "bf16" and cfg.train.dtype != "bf16":

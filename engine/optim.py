@@ -70,7 +70,7 @@ def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = (), dp_group=None,
-                     device=None) -> torch.Tensor:
+                     device=None, experts: tuple = (), ep_group=None) -> torch.Tensor:
     """L2 norm of the whole model's gradient across tensor- and pipeline-parallel ranks.
 
     Sharded parameters (those a module lists in ``tp_dims``) contribute their local shard on every tp rank;
@@ -78,13 +78,18 @@ def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = (),
     ``group`` spans all ranks holding different parts of the model (tp x pp); dp replicas are not summed.
     ``exclude``: parameters counted elsewhere (the last stage's copy of a tied embedding).
     ``dp_group``: set when gradients are sharded over dp (FSDP); each rank then holds a different part.
+    ``experts``: expert-parallel weights (engine/parallel/ep/), each ep rank holding other experts: their squares
+    are summed over ``ep_group`` (counted on tp rank 0: experts are replicated over tp).
     ``device``: where the norm is reduced (the context's device: NCCL reduces only device tensors, and under FSDP's
     CPU offload the gradients are on the host); default the parameters' device.
     """
-    sharded, replicated = [], []
-    skip = {id(p) for p in exclude}
+    sharded, replicated, expert = [], [], []
+    skip, expert_ids = {id(p) for p in exclude}, {id(p) for p in experts}
     for module, attr, p in unique_params(model):
         if p.grad is None or id(p) in skip:
+            continue
+        if id(p) in expert_ids:
+            expert.append(_local(p.grad).detach())
             continue
         is_sharded = tp_dim(module, attr) is not None
         (sharded if is_sharded else replicated).append(_local(p.grad).detach())
@@ -94,6 +99,10 @@ def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = (),
         total = total + sum_of_squares(sharded).to(device)
     if replicated and tp_rank == 0:
         total = total + sum_of_squares(replicated).to(device)
+    if ep_group is not None:  # every ep rank joins, with or without expert gradients
+        spread = sum_of_squares(expert).to(device) if expert and tp_rank == 0 else torch.zeros_like(total)
+        dist.all_reduce(spread, group=ep_group)
+        total = total + spread
     for g in (group, dp_group):
         if g is not None and dist.get_world_size(g) > 1:
             dist.all_reduce(total, group=g)
@@ -102,10 +111,10 @@ def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = (),
 
 @torch.no_grad()
 def clip_gradients(model: nn.Module, max_norm: float, tp_rank: int, group, exclude: tuple = (),
-                   dp_group=None, device=None) -> float:
+                   dp_group=None, device=None, experts: tuple = (), ep_group=None) -> float:
     """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_ does, but with
     the norm of the whole distributed model. Returns the norm before clipping; max_norm <= 0 only measures."""
-    norm = global_grad_norm(model, tp_rank, group, exclude, dp_group, device)
+    norm = global_grad_norm(model, tp_rank, group, exclude, dp_group, device, experts, ep_group)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         grads = [_local(p.grad) for _, _, p in unique_params(model) if p.grad is not None]

@@ -1,7 +1,7 @@
 """The stage a rank trains, built in the documented order, and the pipeline executors that run it.
 
 Order of construction (docs/architecture.md, "The order in which parallelism is applied"): meta-device model ->
-this pipeline stage's layers -> tensor parallel -> context parallel attention -> materialise and initialise ->
+this pipeline stage's layers -> tensor parallel -> expert parallel -> context parallel attention -> materialise and initialise ->
 activation checkpointing -> compile; data parallelism wraps the result (engine/parallel/dp/, in the trainer).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from engine.model import transformer as model_lib
 from engine.model.compile import apply_compile
 from engine.model.init import materialize
 from engine.model.recompute import apply_activation_checkpointing
-from engine.parallel import schedule as sched
+from engine.parallel import ep, schedule as sched
 from engine.parallel.context import ParallelContext
 from engine.parallel.cp.apply import apply_context_parallel
 from engine.parallel.pipeline import PipelineExecutor, split_stage
@@ -33,6 +33,7 @@ def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
     model = model_lib.build(cfg.model, device="meta")
     split_stage(model, ctx.pp, ctx.pp_rank, layer_counts(cfg, ctx.pp), *sched.chunking(cfg.parallel))
     apply_tensor_parallel(model, ctx.tp_group, cfg.parallel.sequence_parallel)
+    ep.apply_expert_parallel(model, ctx)  # this rank's experts (a slice of dim 0), all-to-all dispatch
     apply_context_parallel(model, cfg.parallel.cp_mode, ctx.group("cp"), ctx.size("cp"))  # attention across cp
     materialize(model, ctx.device, cfg.train.seed, cfg.model.init_std)
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)

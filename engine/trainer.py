@@ -1,11 +1,10 @@
 """The training loop: build the parallel model, split each global batch into micro-batches, step the optimizer.
 
 Order of construction (docs/architecture.md): meta-device model -> keep this pipeline stage's layers -> tensor
-parallel -> materialise and initialise on the device (identical weights at every layout) -> activation
-checkpointing -> data parallel (parallel.dp_mode: DDP, FSDP2 or DeepSpeed ZeRO, which also builds the optimizer;
-engine/parallel/dp/). The trainer never asks which dp mode it runs. One optimizer step consumes one
-global batch of ``global_batch_size`` sequences: each dp rank takes ``global_batch_size / dp`` of them and runs
-them as ``micro_batches`` forward/backward passes of ``micro_batch_size`` (gradient accumulation, as Megatron).
+parallel -> expert parallel -> materialise and initialise on the device (the same weights at every layout) ->
+activation checkpointing -> data parallel (parallel.dp_mode: DDP, FSDP2 or ZeRO, engine/parallel/dp/; the trainer
+never asks which). A step consumes one global batch of ``global_batch_size`` sequences: each dp rank runs its share
+as ``micro_batches`` forward/backward passes of ``micro_batch_size`` (gradient accumulation, as Megatron).
 """
 from __future__ import annotations
 

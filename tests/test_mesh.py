@@ -103,3 +103,36 @@ def test_context_groups_by_name_at_world_8():
             c = want["coords"]
             assert got.pop("shortcuts") == (c["tp"], c["pp"], c["dp"], tp, pp, dp), (tp, pp, dp, rank)
             assert got == want, (tp, pp, dp, rank)
+
+
+@pytest.mark.parametrize("tp,pp,dp,ep", [(1, 1, 4, 2), (2, 2, 2, 2), (1, 2, 4, 4), (2, 1, 4, 1), (1, 1, 8, 2)])
+def test_ep_groups_are_consecutive_dp_ranks_and_expert_dp_the_strided_rest(tp, pp, dp, ep):
+    """Expert parallelism splits dp as Megatron's expert-data-parallel groups do: dp index = edp index * ep + ep
+    index, so an ep group is ep consecutive dp ranks and its expert-dp group the dp ranks at the same ep index."""
+    mesh = Mesh(Layout(tp=tp, pp=pp, dp=dp).axes)
+    grid = torch.arange(mesh.world_size).reshape(pp, dp // ep, ep, tp)  # (pp, edp, ep, tp): the positional split
+    want_ep = sorted(grid.movedim(2, -1).reshape(-1, ep).tolist())
+    want_edp = sorted(grid.movedim(1, -1).reshape(-1, dp // ep).tolist())
+    assert mesh.split_groups("dp", ep) == (want_ep, want_edp)
+    for rank in range(mesh.world_size):
+        group, strided = mesh.split_along("dp", ep, rank)
+        assert group in want_ep and strided in want_edp and rank in group and rank in strided
+    with pytest.raises(ValueError, match="3 does not divide the dp size"):
+        mesh.split_along("dp", 3, 0)
+
+
+def _ep_context(ep: int) -> dict:
+    cfg = Config()
+    cfg.model.family, cfg.model.num_experts, cfg.model.experts_per_token = "mixtral", 4, 2
+    cfg.parallel.ep, cfg.train.micro_batch_size, cfg.train.global_batch_size = ep, 1, 8
+    ctx = ParallelContext.from_config(cfg)
+    ranks = {n: None if ctx.group(n) is None else dist.get_process_group_ranks(ctx.group(n)) for n in ("ep", "edp")}
+    return {**ranks, "sizes": (ctx.size("ep"), ctx.size("edp")), "at": (ctx.axis_rank("ep"), ctx.axis_rank("edp")),
+            "along": (ctx.ranks_along("ep"), ctx.ranks_along("edp"))}
+
+
+def test_context_builds_ep_and_expert_dp_groups_at_world_4():
+    for rank, got in enumerate(run_ranks(_ep_context, 4, 2, timeout_s=300)):
+        ep_group, edp_group = [rank // 2 * 2, rank // 2 * 2 + 1], [rank % 2, rank % 2 + 2]
+        assert got == {"ep": ep_group, "edp": edp_group, "sizes": (2, 2), "at": (rank % 2, rank // 2),
+                       "along": (ep_group, edp_group)}, rank

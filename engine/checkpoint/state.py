@@ -27,6 +27,7 @@ from torch import nn
 
 from engine.model.fused import part_blocks
 from engine.model.init import full_shape
+from engine.parallel.ep import expert_parameters
 from engine.parallel.shards import local as _local, tp_dim
 
 TIED_COPY, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
@@ -72,8 +73,9 @@ class CheckpointState(Protocol):
     def held(self, p: nn.Parameter, numel: int) -> tuple[int, int]:
         """The flat range [start, end) of the local parameter ``p`` (``numel`` elements) this rank holds."""
 
-    def writes(self, start: int, end: int) -> tuple[int, int]:
-        """Of the held range [start, end), the part this rank writes (replicas are written once)."""
+    def writes(self, start: int, end: int, param: nn.Parameter | None = None) -> tuple[int, int]:
+        """Of the held range [start, end) of ``param``, the part this rank writes (replicas are written once; an
+        expert-parallel weight's replicas are its expert-dp ranks)."""
 
     def state_names(self, slot: Slot) -> list[str]:
         """The optimizer states of ``slot`` shaped like it (Adam's exp_avg, exp_avg_sq), besides "param"."""
@@ -100,6 +102,7 @@ class TorchState(CheckpointState):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx, fsdp: bool):
         self.model, self.optimizer, self.ctx, self.fsdp = model, optimizer, ctx, fsdp
         self.group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        self.experts = {id(p) for _, p in expert_parameters(model)}
 
     def held(self, p: nn.Parameter, numel: int) -> tuple[int, int]:
         if not self.fsdp:
@@ -113,12 +116,16 @@ class TorchState(CheckpointState):
         row = numel // rows if rows else 0
         return first * row, (first + _local(p).shape[0]) * row
 
-    def writes(self, start: int, end: int) -> tuple[int, int]:
-        """Replicas (ddp) split the block evenly over dp x cp ranks; a shard (fsdp) is written by its holder."""
+    def writes(self, start: int, end: int, param: nn.Parameter | None = None) -> tuple[int, int]:
+        """Replicas (ddp) split the block evenly over dp x cp ranks (an expert-parallel weight: over its expert-dp
+        ranks, the dp ranks holding the same experts); a shard (fsdp) is written by its holder."""
         if self.fsdp:
             return start, end
-        per = -(-(end - start) // self.ctx.grad_size)  # the replicas: dp x cp ranks
-        lo = min(start + self.ctx.grad_rank * per, end)
+        expert = param is not None and id(param) in self.experts
+        size, rank = (self.ctx.size("edp"), self.ctx.axis_rank("edp")) if expert else \
+            (self.ctx.grad_size, self.ctx.grad_rank)  # the replicas: dp x cp ranks
+        per = -(-(end - start) // size)
+        lo = min(start + rank * per, end)
         return lo, min(lo + per, end)
 
     def state_names(self, slot: Slot) -> list[str]:
@@ -187,7 +194,7 @@ def slots(model: nn.Module, access, ctx, tie_embeddings: bool) -> list[Slot]:
         start, end = access.held(p, numel)
         tied_copy = tie_embeddings and name == TIED_COPY and ctx.pp > 1
         written = not tied_copy and (dim is not None or ctx.tp_rank == 0)  # replicated over tp: once
-        write = access.writes(start, end) if written else None
+        write = access.writes(start, end, p) if written else None
         write = write if write and write[0] < write[1] else None
         parts = _parts(module, EMBEDDING if tied_copy else name, attr, local_shape, dim, start, end, write)
         out.append(Slot(name, p, dim, size if dim is not None else 1, rank, start, end, write, parts))

@@ -101,27 +101,39 @@ class ParallelContext:
         self.grad_mesh = mesh["dp", "cp"]._flatten("dp_cp", backend_override=(backend, group_options(backend, timeout))
                                                    if timeout is not None else None)
         self._groups["dp_cp"] = self.grad_mesh.get_group()
+        # Expert parallelism (engine/parallel/ep/): dp split into ep groups of consecutive dp ranks and expert-dp
+        # groups (dp / ep ranks holding the same experts), Megatron's expert-data-parallel layout. Their own groups
+        # even where one equals dp: the all-to-all runs during backward, beside DDP's asynchronous dp all-reduces,
+        # and two collectives in flight on one gloo group can pair up in different orders on different ranks.
+        ep = getattr(layout, "ep", 1)
+        self._split = dict(zip(("ep", "edp"), self.named_mesh.split_along("dp", ep, self.rank)))
+        for name, lists in zip(("ep", "edp"), self.named_mesh.split_groups("dp", ep)):
+            self._groups[name] = (self.group("dp") if ep == 1 and name == "edp" else
+                                  _member_group(lists, self.rank, timeout) if len(lists[0]) > 1 else None)
 
     # ---- by name (every consumer; adding an axis adds a name, not a method) ------------------------------------
     def group(self, name: str):
-        """The process group of axis ``name`` (pp, dp, cp, tp) or of a derived group (mp, embed)."""
+        """The process group of axis ``name`` (pp, dp, cp, tp) or of a derived group (mp, embed, ep, edp; ep and edp
+        are None at size 1)."""
         if name not in self._groups:
             raise KeyError(f"no group {name!r}; the groups are {', '.join(self._groups)}")
         return self._groups[name]
 
     def axis_rank(self, axis: str) -> int:
-        """This rank's index along ``axis`` (``ctx.rank`` stays the global rank)."""
+        """This rank's index along ``axis`` (``ctx.rank`` stays the global rank), or in the ep / edp group."""
+        if axis in self._split:
+            return self._split[axis].index(self.rank)
         self.named_mesh.size(axis)  # an unknown name fails naming the valid ones
         return self._coords[axis]
 
     def size(self, axis: str) -> int:
-        return self.named_mesh.size(axis)
+        return len(self._split[axis]) if axis in self._split else self.named_mesh.size(axis)
 
     def coords(self) -> dict[str, int]:
         return dict(self._coords)
 
     def ranks_along(self, axis: str) -> list[int]:
-        return self.named_mesh.ranks_along(axis, self.rank)
+        return list(self._split[axis]) if axis in self._split else self.named_mesh.ranks_along(axis, self.rank)
 
     def ranks_spanning(self, axes: tuple[str, ...]) -> list[int]:
         return self.named_mesh.ranks_spanning(axes, self.rank)

@@ -8,8 +8,9 @@ fastest-varying (Megatron-Core's order, tp innermost so tensor-parallel peers sh
     rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 which is ``torch.arange(world).reshape(pp, dp, cp, tp)``, the grid ``init_device_mesh`` builds from the same sizes.
-cp (context parallelism) has size 1 until it exists: it then changes no rank. An expert-parallel axis (ep) would
-be one more name here and a size in ``Layout`` (docs/architecture.md, "Adding a parallel axis").
+cp (context parallelism) has size 1 until it exists: it then changes no rank. Expert parallelism (ep) is not an axis
+but a split of dp, as Megatron's expert-data-parallel groups are: dp index d = edp_index * ep + ep_index, so an ep
+group is ep consecutive dp ranks (``split_along``) and the expert-dp group the dp ranks with the same ep index.
 
 Pure rank arithmetic, no process groups: engine/parallel/context.py creates the groups from these rank lists.
 """
@@ -97,3 +98,25 @@ class Mesh:
         if self.size(axis) == 1:
             return []
         return [[line[0], line[-1]] for line in self.groups_spanning((axis,))]
+
+    def split_along(self, axis: str, inner: int, rank: int) -> tuple[list[int], list[int]]:
+        """``rank``'s line along ``axis`` cut into blocks of ``inner`` consecutive indices: (its block, the ranks at
+        its offset in every block). Along dp with inner = ep: (the ep group, the expert-dp group)."""
+        line = self.ranks_along(axis, rank)
+        if inner < 1 or len(line) % inner:
+            raise ValueError(f"{inner} does not divide the {axis} size {len(line)}")
+        at = line.index(rank)
+        block = at // inner * inner
+        return line[block:block + inner], line[at % inner::inner]
+
+    def split_groups(self, axis: str, inner: int) -> tuple[list[list[int]], list[list[int]]]:
+        """Every group of ``split_along`` (inner blocks, strided), each list ordered by first rank: the order in which
+        every rank must create them."""
+        blocks, strided = [], []
+        for rank in range(self.world_size):
+            a, b = self.split_along(axis, inner, rank)
+            if a not in blocks:
+                blocks.append(a)
+            if b not in strided:
+                strided.append(b)
+        return sorted(blocks), sorted(strided)

@@ -30,6 +30,7 @@ class Layout:
     pp: int
     dp: int
     cp: int = 1
+    ep: int = 1  # expert parallelism: a split of dp (engine/parallel/mesh.py split_along), not a mesh axis
 
     @property
     def axes(self) -> tuple[tuple[str, int], ...]:
@@ -74,7 +75,8 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
                           f"train.micro_batch_size({t.micro_batch_size}) * dp({dp}) = {per_step}")
     check_schedule(cfg, pp, micro_batches_per_step(t, dp), dp)
-    layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp)
+    check_expert_parallel(cfg, dp)
+    layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=p.ep)
     check_supported(cfg, layout)  # dp mode x layout x dtype refusals
     return layout
 
@@ -86,8 +88,8 @@ def check_context_parallel(cfg: Config) -> None:
     if p.cp == 1:
         return
     if m.num_experts:
-        raise ConfigError(f"parallel.cp={p.cp} with model.num_experts={m.num_experts} is not supported: the load-balancing "
-                          f"loss's statistics are per micro-batch and cp would split each; use cp=1 with MoE")
+        raise ConfigError(f"parallel.cp={p.cp} with model.num_experts={m.num_experts} is not supported: the "
+                          f"load-balancing loss's statistics are per micro-batch and cp would split each; use cp=1 with MoE")
     if t.seq_len % (2 * p.cp):
         raise ConfigError(f"parallel.cp={p.cp} needs train.seq_len={t.seq_len} divisible by 2 * cp = {2 * p.cp} "
                           f"(each cp rank holds two of 2 cp equal chunks)")
@@ -98,6 +100,23 @@ def check_context_parallel(cfg: Config) -> None:
         raise ConfigError(f"parallel.cp_mode=all_to_all needs model.num_heads={m.num_heads} and model.num_kv_heads="
                           f"{m.num_kv_heads} divisible by cp * tp = {p.cp} * {p.tp} = {p.cp * p.tp}; use "
                           f"cp_mode=ring or a smaller cp")
+
+
+def check_expert_parallel(cfg: Config, dp: int) -> None:
+    """parallel.ep against dp, the experts and the dp mode (engine/parallel/ep/)."""
+    ep, experts, mode = cfg.parallel.ep, cfg.model.num_experts, cfg.parallel.dp_mode
+    able = " or ".join(name for name, s in dp_modes.MODES.items() if s.expert_parallel)
+    if ep == 1:
+        return
+    if not experts:
+        raise ConfigError(f"parallel.ep={ep} needs an MoE model (model.num_experts > 0); use ep=1 for a dense model")
+    if dp % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide dp={dp} (ep groups are carved out of the dp ranks)")
+    if experts % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide model.num_experts={experts}")
+    if not dp_modes.spec(cfg).expert_parallel:
+        raise ConfigError(f"parallel.ep={ep} with parallel.dp_mode={mode} is not supported (only {able} reduces "
+                          f"expert gradients over the expert-dp group in this build); use dp_mode={able} or ep=1")
 
 
 def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:

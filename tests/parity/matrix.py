@@ -14,6 +14,7 @@ One ``Combo`` is a point of the product of these factors (``FACTORS``):
     cp in {1, 2, 4} (tp * pp * dp * cp <= 8), cp_mode: ring | all_to_all (only with cp > 1; "-" at cp = 1)
     model: dense | moe (runner.BASE as a Mixtral of 4 experts, top 2, aux and z losses on: MOE_ARGS; tp = 1 only,
            the experts are not tensor-parallel)
+    ep: 1 | 2 | 4 (parallel.ep, expert parallelism: moe only, ep dividing dp; ep > 1 with ddp only, EP_DP_MODE)
 
 ``refusal(combo)`` states, independently of the engine's own checks, which combinations the engine must refuse and
 with which words; the tests check that the engine gives exactly that error, so an accidental refusal or an
@@ -37,7 +38,7 @@ DP_MODES = ("ddp", "fsdp-reshard", "fsdp-keep", "zero1", "zero2", "zero3")
 OFFLOAD_MODES = ("zero2-offload", "zero3-offload", "fsdp-offload")  # parallel.offload: optimizer, +params, +params
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero_bubble", "zbv")
 CP_MODES = ("ring", "all_to_all")
-FACTORS = ("tp", "pp", "dp", "dp_mode", "schedule", "dtype", "tied", "ac", "clip", "sp", "cp", "cp_mode", "model")
+FACTORS = ("tp", "pp", "dp", "dp_mode", "schedule", "dtype", "tied", "ac", "clip", "sp", "cp", "cp_mode", "model", "ep")
 MODELS = ("dense", "moe")
 # The MoE model: BASE's shape with each MLP 4 Mixtral experts (top 2), the loss with its aux and z terms.
 MOE_ARGS = ["--model.family", "mixtral", "--model.num_experts", "4", "--model.experts_per_token", "2",
@@ -61,6 +62,7 @@ class Combo:
     cp: int = 1  # parallel.cp (context parallelism)
     cp_mode: str = "-"  # parallel.cp_mode when cp > 1
     model: str = "dense"  # dense | moe (MOE_ARGS)
+    ep: int = 1  # parallel.ep (moe only; divides dp)
 
     @property
     def world(self) -> int:
@@ -72,7 +74,8 @@ class Combo:
                 + (f"-{self.schedule}" if self.pp > 1 else "") + f"-{self.dtype}"
                 + ("-tied" if self.tied else "") + ("-ac" if self.ac else "") + ("-clip" if self.clip else "")
                 + ("-sp" if self.sp else "") + (f"-L{self.layers}" if self.layers != 4 else "")
-                + (f"-cp{self.cp}-{self.cp_mode}" if self.cp > 1 else "") + ("-moe" if self.model == "moe" else ""))
+                + (f"-cp{self.cp}-{self.cp_mode}" if self.cp > 1 else "") + ("-moe" if self.model == "moe" else "")
+                + (f"-ep{self.ep}" if self.ep > 1 else ""))
 
     def argv(self) -> list[str]:
         """The engine's command-line overrides for this combination (on top of runner.BASE)."""
@@ -98,6 +101,8 @@ class Combo:
             args += ["--parallel.dp_mode", "ddp"]
         if option == "offload":
             args += ["--parallel.offload", "optimizer" if mode == "zero2" else "optimizer_and_params"]
+        if self.ep > 1:
+            args += ["--parallel.ep", str(self.ep)]
         return args + (MOE_ARGS if self.model == "moe" else [])
 
     def values(self) -> dict:
@@ -135,7 +140,8 @@ def all_combos(clip: tuple[bool, ...] = (False, True)) -> list[Combo]:
                                                        (False, True) if tp > 1 else (False,),
                                                        CP_MODES if cp > 1 else ("-",)):
             layers = 8 if schedule in ("interleaved", "zbv") and pp == 4 else 4
-            out.append(Combo(tp, pp, dp, mode, schedule, dtype, tied, ac, c, sp, layers, cp, cp_mode, model))
+            for ep in (e for e in SIZES if dp % e == 0) if model == "moe" else (1,):
+                out.append(Combo(tp, pp, dp, mode, schedule, dtype, tied, ac, c, sp, layers, cp, cp_mode, model, ep))
     return sorted(out)
 
 
@@ -169,16 +175,22 @@ MOE_CP = ("MoE with cp > 1: the router's load-balancing statistics are per micro
           "is not supported: the load-balancing loss")
 
 
+EP_DP_MODE = ("ep > 1 with fsdp or zero: only ddp reduces the expert gradients over the expert-dp group in this "
+              "build", "is not supported (only ddp reduces expert gradients over the expert-dp group")
+
+
 def refusal(c: Combo) -> tuple[str, str] | None:
     """(reason, words of the error) if the engine must refuse ``c``, else None. FSDP (every variant) runs under
     every schedule but zbv, ZeRO-1/2 under interleaved (but fp32 ZeRO-2 offload), fp32 ZeRO-1 under zero_bubble;
     zbv runs ddp alone."""
-    if c.cp > 1 and c.cp_mode == "all_to_all" and 4 % (c.cp * c.tp):
-        return CP_HEADS
-    if c.model == "moe" and c.tp > 1:
-        return MOE_TP
     if c.model == "moe" and c.cp > 1:
         return MOE_CP
+    if c.cp > 1 and c.cp_mode == "all_to_all" and 4 % (c.cp * c.tp):
+        return CP_HEADS
+    if c.ep > 1 and c.dp_mode != "ddp":
+        return EP_DP_MODE
+    if c.model == "moe" and c.tp > 1:
+        return MOE_TP
     if c.schedule == "zbv" and c.dp_mode != "ddp":
         return ZBV_DP
     if c.dp_mode.startswith("zero") and c.pp > 1:
@@ -262,7 +274,7 @@ def _key(c: Combo) -> tuple:
     return (c.world, c.tp, c.pp, c.dp, (DP_MODES + OFFLOAD_MODES).index(c.dp_mode),
             SCHEDULES.index(c.schedule) if c.pp > 1 else 0,
             c.dtype == "bf16", c.tied, c.ac, c.clip, c.sp, c.layers, c.cp, CP_MODES.index(c.cp_mode)
-            if c.cp > 1 else -1, MODELS.index(c.model))
+            if c.cp > 1 else -1, MODELS.index(c.model), c.ep)
 
 
 @dataclass(frozen=True)

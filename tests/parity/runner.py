@@ -16,8 +16,6 @@ import time
 import warnings
 from dataclasses import dataclass
 
-import torch
-
 from engine.config import ConfigError, load
 from engine.model.fused import by_hf_name
 from engine.parallel.context import ParallelContext

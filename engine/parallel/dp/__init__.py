@@ -25,7 +25,8 @@ MODES: dict[str, DpModeSpec] = {s.name: s for s in (  # parallel.dp_mode -> its 
     # DDP's reducer follows any backward; under zero bubble (and ZB-V, per chunk) each chunk's buckets are
     # all-reduced as its last W completes them, a weight two chunks share once after the step (ddp.py last_weight).
     DpModeSpec("ddp", "engine.parallel.dp.ddp:DDP", _TORCH_STATE, _PLAN + "DDPModel", keys=("grad_compression",),
-               refuse_key=checks.refuse_ddp_key, check=checks.check_ddp, grad_syncs=_ALL_SYNCS | {CHUNK_LAST_W}),
+               refuse_key=checks.refuse_ddp_key, check=checks.check_ddp, grad_syncs=_ALL_SYNCS | {CHUNK_LAST_W},
+               expert_parallel=True),
     # FSDP: each model chunk its own root, reduce-scattered after its last backward or, under zero bubble, its last W.
     # Not CHUNK_LAST_W (zbv): untried there, and rank 0's two roots would share a tied embedding.
     DpModeSpec("fsdp", "engine.parallel.dp.fsdp:FSDP", _TORCH_STATE, _PLAN + "FSDPModel", check=checks.check_fsdp,

@@ -29,6 +29,7 @@ from torch import nn
 from engine.config import Config
 from engine.metrics.memory import tensor_bytes_held
 from engine.optim import build_optimizer, clip_gradients, set_lr
+from engine.parallel.ep import expert_parameters
 from engine.parallel.pipeline import backward_from
 from engine.parallel.shards import local
 from engine.parallel.tied import counted_elsewhere
@@ -132,7 +133,8 @@ class TorchOptimizerMixin:
         ctx = self.ctx
         exclude = counted_elsewhere(self.module, self.cfg, ctx)
         norm = clip_gradients(self.module, self.cfg.train.grad_clip, ctx.tp_rank, ctx.mp_group, exclude,
-                              dp_group=ctx.grad_group if self.sharded_grads else None, device=ctx.device)
+                              dp_group=ctx.grad_group if self.sharded_grads else None, device=ctx.device,
+                              experts=tuple(p for _, p in expert_parameters(self.module)), ep_group=ctx.group("ep"))
         if math.isfinite(norm):
             set_lr(self.optimizer, lr)
             self.optimizer.step()

@@ -37,6 +37,7 @@ from engine.parallel import tied
 from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin
 from engine.parallel.dp.buckets import ReadyBuckets, all_reduce_mean
 from engine.parallel.schedule import chunking
+from engine.parallel.ep import expert_parameters, reduce_expert_gradients
 from engine.parallel.virtual import model_chunks
 
 
@@ -115,6 +116,10 @@ class DDP(TorchOptimizerMixin, DataParallel):
         # Every rank built the same weights and buffers (engine/model/init.py): no start-up broadcast, and no
         # buffer broadcast before each forward (a collective the pipeline schedule does not expect). At dp 1 there
         # is nothing to reduce: no wrapper (its buckets would copy every gradient and its hooks run for nothing).
+        # Expert-parallel weights stay out of DDP: reduced over the expert-dp group (reduce_gradients)
+        for chunk in self.chunks:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                chunk, [name for name, _ in expert_parameters(chunk)])
         self.ddps = [DistributedDataParallel(
             chunk, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
             process_group=ctx.grad_group, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True,
@@ -157,7 +162,9 @@ class DDP(TorchOptimizerMixin, DataParallel):
         if not self.ddps or not self.overlap_weight_reduction:
             store.flush(key)
             return
-        params = [p for p in reversed(list(self.chunks[chunk].parameters())) if p.requires_grad]  # DDP's order
+        experts = {id(p) for _, p in expert_parameters(self.chunks[chunk])}  # reduced over expert-dp, not here
+        params = [p for p in reversed(list(self.chunks[chunk].parameters()))  # DDP's order
+                  if p.requires_grad and id(p) not in experts]
         if any(p is self.tied or id(p) in self.shared for p in params):
             params = [p for p in params if p is not self.tied and id(p) not in self.shared]
             self.tied_after_weights = True
@@ -179,9 +186,12 @@ class DDP(TorchOptimizerMixin, DataParallel):
         for chunk, ddp in enumerate(self.ddps):
             if chunk not in self.armed and self.ctx.grad_size > 1:
                 by_id |= {id(p): p.grad for p in ddp.module.parameters() if p.grad is not None}
-        grads = list(by_id.values())  # keyed by parameter: a weight two chunks share is reduced once, not per chunk
+        experts = {id(p) for _, p in expert_parameters(self.module)}  # reduced over expert-dp below
+        # keyed by parameter: a weight two chunks share is reduced once, not per chunk
+        grads = [g for key, g in by_id.items() if key not in experts]
         if grads:
             all_reduce_mean(grads, self.ctx.grad_group, self.cfg.parallel.bucket_mb)
+        reduce_expert_gradients(self.module, self.ctx)
         self.armed.clear()
         self.launched.clear()
         self.tied_after_weights = False

@@ -24,8 +24,10 @@ class DpModeSpec:
     ``check``: its own world-size-free checks of cfg (engine/config_checks.py calls it), ``check_layout``: its
     refusals of (cfg, layout) (engine/parallel/support.py calls it). ``grad_syncs``: the sync points it can follow
     (engine/parallel/actions.py: a schedule needing another is refused). ``offload``: the parallel.offload values
-    it honours. ``compile``: whether train.compile runs under it. ``bf16_weights``: train.dtype=bf16 computes on bf16 weights (else autocast
-    over fp32 weights: engine/planning/activations.py picks its ledger by this)."""
+    it honours. ``compile``: whether train.compile runs under it. ``expert_parallel``: whether it reduces expert
+    gradients over the expert-dp group (parallel.ep > 1, engine/parallel/ep/). ``bf16_weights``: train.dtype=bf16
+    computes on bf16 weights (else autocast over fp32 weights: engine/planning/activations.py picks its ledger by
+    this)."""
     name: str
     impl: str
     state: tuple[str, ...]
@@ -37,6 +39,7 @@ class DpModeSpec:
     grad_syncs: frozenset[str] = field(default_factory=lambda: frozenset({LAST_BACKWARD}))
     offload: tuple[str, ...] = ("none",)
     compile: bool = True
+    expert_parallel: bool = False
     bf16_weights: bool = False
 
 

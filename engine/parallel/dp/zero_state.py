@@ -27,7 +27,7 @@ class _ZeroState(CheckpointState):
         self.opt = zero.engine.optimizer  # DeepSpeed's ZeRO optimizer wrapping our AdamW
         self.inner = private(self.opt, "deepspeed", "optimizer")
 
-    def writes(self, start: int, end: int) -> tuple[int, int]:
+    def writes(self, start: int, end: int, param: nn.Parameter | None = None) -> tuple[int, int]:
         return start, end
 
     def _moments(self, flat: torch.Tensor) -> list[str]:

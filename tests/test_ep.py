@@ -1,0 +1,142 @@
+"""Expert parallelism (parallel.ep, engine/parallel/ep/):
+
+- the all-to-all Function alone: rows reach the rank they are sent to with variable (and zero) split sizes, and
+  backward sends each row's gradient back to where the row came from (the forward's splits swapped);
+- ``ExpertParallelExperts`` on two ranks equals the whole ``Experts`` run on each rank's tokens, outputs and the
+  gradients summed over the ranks, with a rank whose experts get no token;
+- the engine at ep 2 and 4 (dp 2 and 4, pp 2 with activation checkpointing) equals one process: loss with the aux
+  and z losses, grad norm with clipping off, every parameter (tests/parity/runner.py, fp32 bounds);
+- a checkpoint resumed across ep sizes 2 -> 1 -> 4 continues the uninterrupted single-process run;
+- what is not built is refused in one line.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine.config import ConfigError, load
+from engine.model.moe import Experts
+from engine.parallel.ep.dispatch import AllToAll, ExpertParallelExperts
+from engine.parallel.support import resolve_layout
+from tests.dist import run_ranks
+from tests.parity import runner
+from tests.parity.matrix import MOE_ARGS
+
+H = 6
+
+
+def _exchange() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sends = [(rank + 2 * q) % 3 for q in range(world)]  # rows to each rank: 0, 1 or 2 (some ranks send none)
+    recvs = [(r + 2 * rank) % 3 for r in range(world)]
+    # row j to rank q carries (source, destination, j)
+    x = torch.tensor([[rank, q, j] + [0.5] * (H - 3) for q in range(world) for j in range(sends[q])],
+                     dtype=torch.float64).reshape(-1, H).requires_grad_()
+    out = AllToAll.apply(x, recvs, sends, dist.group.WORLD)
+    (out * (2 * out.detach() + 1)).sum().backward()  # d/d(out) = 2 out + 1: each row's own values
+    return {"out": out.detach(), "grad": x.grad, "x": x.detach(), "recvs": recvs}
+
+
+def test_all_to_all_sends_rows_by_variable_splits_and_backward_returns_them():
+    for rank, got in enumerate(run_ranks(_exchange, 3, timeout_s=300)):
+        want = [[r, rank, j] for r in range(3) for j in range(got["recvs"][r])]
+        assert got["out"][:, :3].tolist() == want, rank
+        assert torch.equal(got["grad"], 2 * got["x"] + 1), rank  # the gradient of each row came back to it
+
+
+def _experts(ep_counts: list[list[int]]) -> dict:
+    """Rank r routes counts ep_counts[r] (E,) copies; returns EP and whole-experts outputs and gradients."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    full = Experts(4, H, 5, "mixtral").double()
+    torch.nn.init.normal_(full.gate_up_proj)
+    torch.nn.init.normal_(full.down_proj)
+    counts = torch.tensor(ep_counts[rank])
+    x = torch.randn(int(counts.sum()), H, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    part = Experts(2, H, 5, "mixtral").double()
+    with torch.no_grad():
+        part.gate_up_proj.copy_(full.gate_up_proj[2 * rank:2 * rank + 2])
+        part.down_proj.copy_(full.down_proj[2 * rank:2 * rank + 2])
+    part.__class__, part.ep_group, part.ep_size, part.first_expert = ExpertParallelExperts, dist.group.WORLD, 2, 2 * rank
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    ys = [full(xs[0], counts), part(xs[1], counts)]
+    for y in ys:
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+    grads = [full.gate_up_proj.grad.clone(), full.down_proj.grad.clone()]
+    for g in grads:
+        dist.all_reduce(g)  # the whole experts' gradient summed over the ranks' tokens
+    mine = [g[2 * rank:2 * rank + 2] for g in grads]
+    got = [torch.zeros_like(m) if p.grad is None else p.grad for m, p in zip(mine, (part.gate_up_proj, part.down_proj))]
+    return {"y": (ys[0] - ys[1]).abs().max().item(), "x_grad": (xs[0].grad - xs[1].grad).abs().max().item(),
+            "w_grad": max((a - b).abs().max().item() for a, b in zip(mine, got))}
+
+
+@pytest.mark.parametrize("counts", [[[3, 0, 2, 5], [1, 4, 0, 2]], [[3, 2, 0, 0], [1, 4, 0, 0]]],
+                         ids=["uneven", "rank1-experts-idle"])
+def test_expert_parallel_experts_equal_the_whole_experts(counts):
+    for rank, got in enumerate(run_ranks(_experts, 2, counts, timeout_s=300)):
+        assert got["y"] < 1e-12 and got["x_grad"] < 1e-12 and got["w_grad"] < 1e-12, (rank, got)
+
+
+BASE = [*runner.BASE, *MOE_ARGS, "--train.grad_clip", "0"]
+EP_RUNS = {2: [["--parallel.dp", "2", "--parallel.ep", "2"]],
+           4: [["--parallel.dp", "4", "--parallel.ep", "2"], ["--parallel.dp", "4", "--parallel.ep", "4"],
+               ["--parallel.pp", "2", "--parallel.dp", "2", "--parallel.ep", "2",
+                "--train.activation_checkpointing", "true"],
+               # zero bubble: no DDP reducer armed; the dp all-reduce after the last W must leave the experts out
+               ["--parallel.pp", "2", "--parallel.dp", "2", "--parallel.ep", "2", "--parallel.schedule",
+                "zero_bubble"]]}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return runner.run_group(1, [[*BASE, "--train.out_dir", str(tmp_path_factory.mktemp("ref"))]], want_init=True)[0][0]
+
+
+@pytest.mark.parametrize("world", sorted(EP_RUNS))
+def test_engine_at_ep_equals_one_process(world, reference, tmp_path):
+    runs = runner.run_group(world, [[*BASE, *extra, "--train.out_dir", str(tmp_path / str(i))]
+                                    for i, extra in enumerate(EP_RUNS[world])])
+    for extra, run in zip(EP_RUNS[world], runs):
+        assert "error" not in run[0], run[0]
+        errors = runner.compare(run, reference)
+        assert runner.verdict(errors, runner.FP32) is None, (extra, errors)
+
+
+def test_resume_across_ep_2_1_4_matches_the_uninterrupted_run(reference, tmp_path):
+    """Save every step at ep 2 (dp 2), resume step 1 at ep 1 (dp 2), resume that run's step 2 at ep 4 (dp 4)."""
+    def hop(world, extra, name, resume):
+        argv = [*BASE, *extra, "--train.out_dir", str(tmp_path / f"{name}-out"), "--checkpoint.dir",
+                str(tmp_path / name), "--checkpoint.every", "1", "--checkpoint.keep", "0", "--checkpoint.resume", resume]
+        run = runner.run_group(world, [argv])[0]
+        assert "error" not in run[0], run[0]
+        return run
+    hop(2, ["--parallel.dp", "2", "--parallel.ep", "2"], "a", "none")
+    b = hop(2, ["--parallel.dp", "2"], "b", str(tmp_path / "a" / "step_000001"))
+    c = hop(4, ["--parallel.dp", "4", "--parallel.ep", "4"], "c", str(tmp_path / "b" / "step_000002"))
+    for run, offset in ((b, 1), (c, 2)):
+        errors = runner.compare(run, reference, offset)
+        assert runner.verdict(errors, runner.FP32) is None, (offset, errors)
+
+
+@pytest.mark.parametrize("extra,world,words", [
+    (["--model.family", "llama", "--model.num_experts", "0", "--parallel.ep", "2"], 2,
+     "parallel.ep=2 needs an MoE model"),
+    (["--parallel.ep", "4"], 2, "parallel.ep=4 must divide dp=2"),
+    (["--parallel.ep", "3", "--model.num_experts", "6"], 3, None),
+    (["--parallel.ep", "2", "--model.num_experts", "6"], 4, None),
+    (["--parallel.ep", "4", "--model.num_experts", "6"], 4, "parallel.ep=4 must divide model.num_experts=6"),
+    (["--parallel.ep", "2", "--parallel.dp_mode", "fsdp"], 2, "parallel.ep=2 with parallel.dp_mode=fsdp is not"),
+    (["--parallel.ep", "2", "--parallel.dp_mode", "zero", "--parallel.zero_stage", "1"], 2,
+     "parallel.ep=2 with parallel.dp_mode=zero is not supported"),
+    (["--parallel.ep", "0"], 2, "parallel.ep=0"),
+])
+def test_refusals_name_the_value(extra, world, words):
+    argv = [*BASE, "--train.global_batch_size", "24", *extra]
+    try:
+        resolve_layout(load(argv), world)
+    except ConfigError as e:
+        assert words is not None and words in str(e) and "\n" not in str(e), str(e)
+    else:
+        assert words is None, f"accepted: {extra}"
