@@ -203,8 +203,8 @@ def test_search_offers_the_new_schedules_and_no_refused_combination():
             assert c.parallel.schedule == "1f1b"
         if c.parallel.schedule == "interleaved":
             assert 12 % (layout.pp * v) == 0 and m % layout.pp == 0
-        if c.parallel.schedule == "zbv":  # 2 chunks per rank in a V, ddp alone (CHUNK_LAST_W)
-            assert 12 % (2 * layout.pp) == 0 and layout.pp >= 2 and c.parallel.dp_mode == "ddp"
+        if c.parallel.schedule == "zbv":  # 2 chunks per rank in a V, ddp or fsdp (CHUNK_LAST_W)
+            assert 12 % (2 * layout.pp) == 0 and layout.pp >= 2 and c.parallel.dp_mode in ("ddp", "fsdp")
         assert p.describe()["bubble_fraction"] == p.time.bubble_fraction
     # Issue 27: fsdp and zero run under the split schedules too, and the search offers them.
     split = {p.cfg.parallel.dp_mode for p in plans if p.cfg.parallel.schedule != "1f1b"}

@@ -188,8 +188,9 @@ def _cfg(**parallel):
      "parallel.pp_layers=[1, 3] is not supported with schedule=zbv"),
     ({"pp": 2, "schedule": "zbv", "virtual_stages": 3}, 2,
      "parallel.virtual_stages=3 with schedule=zbv: its 2 chunks per rank are implied"),
-    ({"pp": 2, "schedule": "zbv", "dp_mode": "fsdp"}, 4, "parallel.schedule=zbv with parallel.dp_mode=fsdp is not "
-     "supported (the gradient sync would have to follow each of its 2 chunks' last W); use dp_mode=ddp"),
+    ({"pp": 2, "schedule": "zbv", "dp_mode": "zero", "zero_stage": 1}, 4, "parallel.schedule=zbv with "
+     "parallel.dp_mode=zero is not supported (the gradient sync would have to follow each of its 2 chunks' last W); "
+     "use dp_mode=ddp or fsdp"),
 ])
 def test_config_refusals_name_the_value(parallel, world, needle):
     from engine.config import ConfigError
@@ -197,6 +198,20 @@ def test_config_refusals_name_the_value(parallel, world, needle):
     with pytest.raises(ConfigError) as e:
         resolve_layout(_cfg(**parallel), world)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fsdp_runs_zbv_untied_and_refuses_a_tied_embedding():
+    """FSDP follows zbv's sync point (each chunk reduce-scattered after its last W; parity measured equal untied),
+    but rank 0's two chunks, each an FSDP root unit, cannot both hold a tied embedding: one line, naming it."""
+    from engine.config import ConfigError
+    from engine.parallel.support import resolve_layout
+    assert resolve_layout(_cfg(pp=2, schedule="zbv", dp_mode="fsdp"), 4).dp == 2
+    cfg = _cfg(pp=2, schedule="zbv", dp_mode="fsdp")
+    cfg.model.tie_embeddings = True
+    with pytest.raises(ConfigError) as e:
+        resolve_layout(cfg, 4)
+    assert "parallel.dp_mode=fsdp with parallel.schedule=zbv and model.tie_embeddings=true is not supported" \
+        in str(e.value) and "\n" not in str(e.value)
 
 
 def test_config_accepts_zbv_with_implied_chunks_and_few_micro_batches():

@@ -160,8 +160,10 @@ ZERO2_OFFLOAD_INTERLEAVED = ("fp32 ZeRO-2 with the optimizer offloaded under int
 ZERO_ZB_HOOKS = ("ZeRO-2, or bf16 ZeRO-1, under zero_bubble: DeepSpeed reduces (ZeRO-2) or moves into its fp32 "
                  "accumulator (bf16 ZeRO-1) each gradient in hooks autograd fires, and W adds the linears' weight "
                  "gradients outside autograd", "schedule=zero_bubble with parallel.dp_mode=zero")
-ZBV_DP = ("zbv with a dp mode other than ddp: FSDP and ZeRO do not follow its sync point, each of its 2 chunks' "
-          "last W (rank 0's chunks share a tied embedding)", "is not supported (the gradient sync would have to follow")
+ZBV_ZERO = ("ZeRO under zbv: it does not declare zbv's sync point, each of its 2 chunks' last W",
+            "is not supported (the gradient sync would have to follow")
+ZBV_FSDP_TIED = ("FSDP under zbv with a tied embedding: rank 0's two chunks are two FSDP root units holding the "
+                 "one tied weight (measured wrong)", "and model.tie_embeddings=true is not supported: rank 0's")
 
 
 # runner.BASE has 8 heads and 4 kv heads: all_to_all gives each cp x tp rank whole heads of both.
@@ -181,8 +183,8 @@ EP_DP_MODE = ("ep > 1 with fsdp or zero: only ddp reduces the expert gradients o
 
 def refusal(c: Combo) -> tuple[str, str] | None:
     """(reason, words of the error) if the engine must refuse ``c``, else None. FSDP (every variant) runs under
-    every schedule but zbv, ZeRO-1/2 under interleaved (but fp32 ZeRO-2 offload), fp32 ZeRO-1 under zero_bubble;
-    zbv runs ddp alone."""
+    every schedule (under zbv untied), ZeRO-1/2 under interleaved (but fp32 ZeRO-2 offload), fp32 ZeRO-1 under
+    zero_bubble, and none under zbv."""
     if c.model == "moe" and c.cp > 1:
         return MOE_CP
     if c.cp > 1 and c.cp_mode == "all_to_all" and 4 % (c.cp * c.tp):
@@ -191,8 +193,10 @@ def refusal(c: Combo) -> tuple[str, str] | None:
         return EP_DP_MODE
     if c.model == "moe" and c.tp > 1:
         return MOE_TP
-    if c.schedule == "zbv" and c.dp_mode != "ddp":
-        return ZBV_DP
+    if c.schedule == "zbv" and c.dp_mode.startswith("zero"):
+        return ZBV_ZERO
+    if c.schedule == "zbv" and c.dp_mode.startswith("fsdp") and c.tied:
+        return ZBV_FSDP_TIED
     if c.dp_mode.startswith("zero") and c.pp > 1:
         if c.tied and (c.dp_mode != "zero1" or c.dtype != "fp32"):
             return TIED_ZERO_PP

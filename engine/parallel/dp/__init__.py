@@ -27,10 +27,11 @@ MODES: dict[str, DpModeSpec] = {s.name: s for s in (  # parallel.dp_mode -> its 
     DpModeSpec("ddp", "engine.parallel.dp.ddp:DDP", _TORCH_STATE, _PLAN + "DDPModel", keys=("grad_compression",),
                refuse_key=checks.refuse_ddp_key, check=checks.check_ddp, grad_syncs=_ALL_SYNCS | {CHUNK_LAST_W},
                expert_parallel=True),
-    # FSDP: each model chunk its own root, reduce-scattered after its last backward or, under zero bubble, its last W.
-    # Not CHUNK_LAST_W (zbv): untried there, and rank 0's two roots would share a tied embedding.
+    # FSDP: each model chunk its own root, reduce-scattered after its last backward or, under zero bubble and zbv,
+    # its last W (zbv with a tied embedding refused: checks.check_fsdp_layout)
     DpModeSpec("fsdp", "engine.parallel.dp.fsdp:FSDP", _TORCH_STATE, _PLAN + "FSDPModel", check=checks.check_fsdp,
-               offload=("none", "optimizer_and_params"), bf16_weights=True, grad_syncs=_ALL_SYNCS),
+               check_layout=checks.check_fsdp_layout, offload=("none", "optimizer_and_params"), bf16_weights=True,
+               grad_syncs=_ALL_SYNCS | {CHUNK_LAST_W}),
     DpModeSpec("zero", "engine.parallel.dp.zero:ZeRO", ("engine.parallel.dp.zero_state:Zero12State",
                                                         "engine.parallel.dp.zero_state:Zero3State"),
                _PLAN + "ZeroModel", keys=("zero_stage", "ds_config"), refuse_key=checks.refuse_zero_key,
