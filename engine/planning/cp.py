@@ -6,8 +6,8 @@ heads a/t (queries) and n_kv/t (keys and values) of hd values each, w bytes in t
   k and v, B = 2 b n_kv L hd w / t bytes. Forward: cp - 1 blocks sent (and received) per layer, each step holding
   the current block and the incoming one (2 B on the wire at once). Backward: the blocks rotate again (cp - 1) and
   the dK/dV accumulators travel beside them in fp32 (cp hops: cp - 1 in the loop and the last one home), so a step
-  holds the two K/V blocks, the accumulator it passes on and the one arriving (2 B + 2 B32, B32 = B 4 / w), plus the
-  one it is filling (B32).
+  posts the two K/V blocks, the accumulator it passes on and the one arriving (2 B + 2 B32, B32 = B 4 / w; at cp 2
+  no step has both), and fills one more accumulator (B32).
 - all_to_all (engine/parallel/cp/ulysses.py; Jacobs et al. 2023, "DeepSpeed Ulysses"): q and the output
   (b, L, a/t, hd) and k, v (b, L, n_kv/t, hd) are exchanged sequence <-> heads, each moving (cp - 1)/cp of itself;
   the backward moves their gradients, the same bytes again.
@@ -33,7 +33,9 @@ def ring_wire_bytes(cfg: Config, tp: int) -> tuple[float, float]:
     if cfg.parallel.cp == 1 or cfg.parallel.cp_mode != "ring":
         return 0.0, 0.0
     block, fp32 = _block_bytes(cfg, tp, logit_bytes(cfg)), _block_bytes(cfg, tp, 4)
-    return 2 * block, 2 * block + 2 * fp32
+    # backward: from step 1 on the finished accumulator goes out as the next one arrives; K/V rotate until step
+    # cp - 2, so both are in one batch only where cp > 2
+    return 2 * block, 2 * fp32 + (2 * block if cfg.parallel.cp > 2 else 0)
 
 
 def buffer_bytes(cfg: Config, tp: int) -> float:
