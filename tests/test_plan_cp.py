@@ -83,3 +83,17 @@ def test_long_sequences_choose_cp_short_ones_do_not():
     assert short[0].fits and short[0].layout.cp == 1
     with_cp = [p for p in short if p.fits and p.layout.cp > 1]
     assert with_cp and all(p.time.cp_comm > 0 for p in with_cp)
+
+
+def test_cp_halves_the_compute_and_prices_the_all_to_all():
+    """tiny (4 layers, 8 heads, 4 kv heads of 32, fp32) at cp 2: each rank computes on half the tokens, and
+    all_to_all moves q, o (8 heads) and k, v (4) of its (4, 64) tokens, half of each, forward and backward, per layer
+    and micro-batch (4 of them), on a 100 GB/s link with no latency."""
+    from tests.test_plan_search import HW, tiny
+    from engine.planning.search import step_time
+
+    one = step_time(tiny(), 1, HW)
+    two = step_time(tiny(cp=2, cp_mode="all_to_all", dp=1), 2, HW)
+    assert two.compute == pytest.approx(one.compute / 2)
+    per_layer = 2 * (8 + 4) * 32 * 4 * 64 * 4 / 2
+    assert two.cp_comm == pytest.approx(4 * 4 * 2 * per_layer / 100e9)
