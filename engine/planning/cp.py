@@ -19,7 +19,7 @@ attention). The cp group spans cp tp consecutive ranks (engine/parallel/mesh.py:
 from __future__ import annotations
 
 from engine.config import Config
-from engine.planning.activations import logit_bytes
+from engine.planning.activations import logit_bytes, ring
 
 
 def _block_bytes(cfg: Config, tp: int, width: int) -> float:
@@ -30,7 +30,7 @@ def _block_bytes(cfg: Config, tp: int, width: int) -> float:
 
 def ring_wire_bytes(cfg: Config, tp: int) -> tuple[float, float]:
     """(forward, backward) bytes of the ring's send and receive buffers posted at once in one step of one layer."""
-    if cfg.parallel.cp == 1 or cfg.parallel.cp_mode != "ring":
+    if not ring(cfg):
         return 0.0, 0.0
     block, fp32 = _block_bytes(cfg, tp, logit_bytes(cfg)), _block_bytes(cfg, tp, 4)
     # backward: from step 1 on the finished accumulator goes out as the next one arrives; K/V rotate until step
@@ -50,7 +50,7 @@ def bytes_per_layer(cfg: Config, tp: int) -> tuple[float, float]:
     cp = p.cp
     if cp == 1:
         return 0.0, 0.0
-    if p.cp_mode == "ring":
+    if ring(cfg):
         return (cp - 1) * _block_bytes(cfg, tp, logit_bytes(cfg)), \
             (cp - 1) * _block_bytes(cfg, tp, logit_bytes(cfg)) + cp * _block_bytes(cfg, tp, 4)
     local = t.micro_batch_size * t.seq_len / cp * m.head_dim * logit_bytes(cfg)
@@ -67,7 +67,7 @@ def comm_time(cfg: Config, tp: int, rate: float, bw_gbps: float, latency_us: flo
         return 0.0, 0.0
     fwd, bwd = bytes_per_layer(cfg, tp)
     lat = latency_us * 1e-6
-    if p.cp_mode != "ring":
+    if not ring(cfg):
         return fwd / (bw_gbps * 1e9) + (cp - 1) * lat, bwd / (bw_gbps * 1e9) + (cp - 1) * lat
     # per ring step: 1/cp of the layer's causal attention on this rank's s/cp queries
     attn = t.micro_batch_size * t.seq_len / cp * 4 * m.num_heads / tp * m.head_dim * t.seq_len / 2 / rate / cp

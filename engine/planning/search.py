@@ -149,8 +149,9 @@ def step_time(cfg: Config, world_size: int, hw: Hardware, layout: Layout | None 
     micro_batches = micro_batches_per_step(t, layout.dp)
     worst = max((stage_cost(cfg, layout, hw, s) for s in range(layout.pp)), key=lambda c: c.total)
     makespan, idle = pipeline_time(cfg, layout, worst, micro_batches)
+    # the mode's exposed communication (engine/parallel/dp/plan_models.py), over dp x cp
     dp = dp_model(cfg).dp_comm(cfg, data_layout(layout), hw, worst.params["layers"] + worst.params["root"],
-                               micro_batches, worst.compute)  # the mode's exposed communication (engine/parallel/dp/plan_models.py)
+                               micro_batches, worst.compute)
     total = makespan + dp
     tokens_per_s = t.global_batch_size * t.seq_len / total
     mfu = flops.mfu(tokens_per_s / world_size, flops.flops_per_token(m, t.seq_len), hw.peak_tflops) or 0.0
