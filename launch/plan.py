@@ -123,6 +123,8 @@ def searched_schedules(args: argparse.Namespace, cfg) -> tuple | None:
 
 def cell(row: dict, key: str, fmt: str) -> str:
     value = row[key]
+    if key == "cp_mode":  # no mode at cp 1: a dash keeps the columns split-able
+        return value or "-"
     if key == "schedule":
         return label(value, row["virtual_stages"])
     if key == "activation_gb_per_stage":  # stage 0 first

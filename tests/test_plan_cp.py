@@ -1,58 +1,16 @@
 """Context parallelism in the planner (engine/planning/cp.py) and the layout search: the bytes each cp mode moves and
-the ring's wire buffers against what the engine's ring and all-to-all send on CPU, and the search choosing cp for
+the ring's wire buffers against what the engine's ring and all-to-all send on CPU (launch/bench/cp.py's rank
+function counts them), and the search choosing cp for
 long sequences only."""
 import pytest
-import torch
-import torch.distributed as dist
 
 from engine.config import load
-from engine.planning import cp as cp_plan
 from engine.planning.search import Hardware, search
+from launch.bench.cp import micro_batch
 from tests.dist import run_ranks
 
 ARGV = ["--config", "configs/tiny.yaml", "--model.num_layers", "2", "--train.seq_len", "64",
         "--train.micro_batch_size", "2"]
-
-
-def _sent_rank(argv: list[str]) -> dict:
-    """Bytes this cp rank sends in one forward and one backward of the model (every layer), and the largest set of
-    ring buffers posted in one batch, by wrapping the two collectives the cp cores use; the planner's figures."""
-    from engine.model import transformer as model_lib
-    from engine.model.init import materialize
-    from engine.parallel.cp.apply import apply_context_parallel
-    from engine.parallel.cp.inputs import micro_batch_inputs
-    from engine.parallel.cross_entropy import vocab_parallel_cross_entropy
-
-    cfg = load(argv)
-    cp, rank = cfg.parallel.cp, dist.get_rank()
-    seen = {"sent": 0.0, "wire": 0.0}
-    batch, a2a = dist.batch_isend_irecv, dist.all_to_all_single
-
-    def batch_spy(ops):
-        nbytes = [op.tensor.numel() * op.tensor.element_size() for op in ops]
-        seen["sent"] += sum(n for op, n in zip(ops, nbytes) if op.op is dist.isend)
-        seen["wire"] = max(seen["wire"], sum(nbytes))
-        return batch(ops)
-
-    def a2a_spy(out, x, **kw):
-        seen["sent"] += x.numel() * x.element_size() * (cp - 1) / cp  # the own block stays
-        return a2a(out, x, **kw)
-
-    dist.batch_isend_irecv, dist.all_to_all_single = batch_spy, a2a_spy
-    try:
-        model = model_lib.build(cfg.model, device="meta")
-        apply_context_parallel(model, cfg.parallel.cp_mode, dist.group.WORLD, cp)
-        materialize(model, torch.device("cpu"), seed=0, std=0.02)
-        rows = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
-                             generator=torch.Generator().manual_seed(0))
-        inputs, labels, extra = micro_batch_inputs([rows], 1, None, cp, rank, cfg.train.seq_len)
-        with torch.autocast("cpu", torch.bfloat16, enabled=cfg.train.dtype == "bf16"):
-            loss = vocab_parallel_cross_entropy(model(inputs[0], **(extra[0] if extra else {})), labels[0], None)
-        loss.backward()
-    finally:
-        dist.batch_isend_irecv, dist.all_to_all_single = batch, a2a
-    fwd, bwd = cp_plan.bytes_per_layer(cfg, 1)
-    return {**seen, "planned": cfg.model.num_layers * (fwd + bwd), "planned_wire": max(cp_plan.ring_wire_bytes(cfg, 1))}
 
 
 @pytest.mark.parametrize("mode,cp,extra", [("ring", 2, []), ("ring", 4, []), ("ring", 2, ["--train.dtype", "bf16"]),
@@ -61,8 +19,8 @@ def test_planned_cp_bytes_are_what_the_engine_sends(mode, cp, extra):
     """Every byte the ring (K/V blocks forward and backward, dK/dV accumulators in fp32) and all_to_all (q, k, v, o and
     their gradients) send is counted by the planner, and the ring's buffers posted at once are its wire bytes."""
     argv = [*ARGV, "--parallel.cp", str(cp), "--parallel.cp_mode", mode, *extra]
-    for got in run_ranks(_sent_rank, cp, argv, threads=1):
-        assert got["sent"] == got["planned"] > 0, got
+    for got in run_ranks(micro_batch, cp, argv, threads=1):
+        assert got["sent"] == got["planned_sent"] > 0, got
         assert got["wire"] == got["planned_wire"], got  # all_to_all: 0 == 0 (no ring buffers)
 
 

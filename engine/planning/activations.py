@@ -40,8 +40,8 @@ Context parallelism (parallel.cp): a rank holds b s / cp tokens (``local_tokens`
 those; the document mask stays whole ((b, 1, s, s) on every cp rank; the ring keeps none: it masks each K/V block
 from the (b, s) document ids). Both keep o_proj's own copy of the attention output (a hd/t values a token).
 all_to_all (engine/parallel/cp/ulysses.py) runs attention on a/(t cp) whole heads of s tokens, the same saved
-bytes as a/t heads of s/cp tokens, plus 4 (s,) int64 reorder indices a layer; the ring saves q, k, v (n_kv heads, never repeated), its output and the fp32 lse
-(engine/parallel/cp/ring.py) (tests/test_cp.py).
+bytes as a/t heads of s/cp tokens, plus 4 (s,) int64 reorder indices a layer; the ring saves q, k, v (n_kv heads,
+never repeated), its output and the fp32 lse (engine/parallel/cp/ring.py) (tests/test_cp.py).
 """
 from __future__ import annotations
 
