@@ -1,6 +1,6 @@
 """Benchmark: context parallelism (engine/parallel/cp/), measured beside the planner (engine/planning/).
 
-    python launch/bench/cp.py [--config configs/tiny.yaml] [--seq-lens 256 512 1024] [--cp 1 2 4] [--repeats 3]
+    python launch/bench/cp.py [--config configs/tiny.yaml] [--seq-lens 128 256 512] [--cp 1 2 4] [--repeats 3]
         [--set section.key=value ...]
 
 For each sequence length, cp size and cp mode (ring, all_to_all; cp 1 once) forked gloo ranks
@@ -111,7 +111,7 @@ def cases(cps: list[int]) -> list[tuple[int, str]]:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="configs/tiny.yaml")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[256, 512, 1024])
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[128, 256, 512])
     p.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
