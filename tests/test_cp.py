@@ -153,8 +153,13 @@ def _saved_rank(argv: list[str]) -> dict:
     return {"saved": tracker.peak, "planned": acts.micro_batch_bytes(cfg, 1, 1, 0, cfg.model.num_layers)}
 
 
+RING = ["--parallel.cp_mode", "ring"]
+
+
 @pytest.mark.parametrize("cp,extra", [(1, []), (2, []), (4, []), (1, ["--data.document_mask", "true"]),
-                                      (2, ["--data.document_mask", "true"]), (2, ["--train.dtype", "bf16"])])
+                                      (2, ["--data.document_mask", "true"]), (2, ["--train.dtype", "bf16"]),
+                                      (2, RING), (4, RING), (2, [*RING, "--data.document_mask", "true"]),
+                                      (2, [*RING, "--train.dtype", "bf16"])])
 def test_saved_activations_per_rank_match_the_planner(cp, extra):
     """all_to_all keeps the activations of s/cp tokens per rank (attention: the same bytes as whole heads of s
     tokens), the document mask whole; the planner's ledger (engine/planning/activations.py) says so."""

@@ -51,9 +51,10 @@ def test_ddp_gradient_all_reduce():
 def test_layouts_are_the_valid_ones():
     # world 2, global batch 4, x 3 checkpointing modes (none, full, selective): (tp, pp, dp) = (1, 1, 2):
     # micro-batch 1 or 2, 6 dp modes: 36; (1, 2, 1): 1f1b needs 4 / mbs >= 2 micro-batches, so mbs 1 or 2, ddp
-    # only at dp = 1: 6; (2, 1, 1): mbs 1, 2, 4: 9. tp = 4 needs 4 ranks; no layout leaves pp_layers from another pp.
+    # only at dp = 1: 6; (2, 1, 1): mbs 1, 2, 4: 9; cp 2 (dp 1, but the state shards over dp x cp = 2): mbs 1, 2, 4,
+    # 6 dp modes, ring and all_to_all: 108. tp = 4 needs 4 ranks; no layout leaves pp_layers from another pp.
     found = list(layouts(tiny(global_batch_size=4), 2))
-    assert len(found) == 51
+    assert len(found) == 159
     modes = {(c.parallel.dp_mode, c.parallel.zero_stage, c.parallel.reshard_after_forward) for c, _ in found}
     assert len(modes) == 6
     found8 = [layout for _, layout in layouts(tiny(), 8)]
@@ -84,7 +85,7 @@ def test_cli_table_json_and_errors(capsys):
     cli = _plan_module()
     assert cli.main(["--config", "configs/tiny.yaml", "--world-size", "4", "--device-memory", "1", "--top", "5"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].split()[:4] == ["tp", "pp", "dp", "dp"] and len(lines) == 2 + 5
+    assert lines[1].split()[:6] == ["tp", "pp", "dp", "cp", "cp", "mode"] and len(lines) == 2 + 5
     assert cli.main(["--config", "configs/tiny.yaml", "--world-size", "4", "--device-memory", "1", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     # the config leaves the schedule open: every schedule is searched

@@ -37,9 +37,11 @@ of y is saved but y itself is (fp32, 2 x 4h: the 10h of casts become 8h), and on
 copies are saved. Unchanged: the token ids, the logits and the loss's per-token values, and under selective
 recomputation the o_proj/down_proj matmul outputs (b, s, h), which are the partial sums before the reduce-scatter.
 Context parallelism (parallel.cp): a rank holds b s / cp tokens (``local_tokens``), so every per-token term counts
-those; the document mask stays whole ((b, 1, s, s) on every cp rank). all_to_all (engine/parallel/cp/ulysses.py)
-runs attention on a/(t cp) whole heads of s tokens, the same saved bytes as a/t heads of s/cp tokens, plus o_proj's
-own copy of the output (a hd/t values a token) and 4 (s,) int64 reorder indices a layer (tests/test_cp.py).
+those; the document mask stays whole ((b, 1, s, s) on every cp rank; the ring keeps none: it masks each K/V block
+from the (b, s) document ids). Both keep o_proj's own copy of the attention output (a hd/t values a token).
+all_to_all (engine/parallel/cp/ulysses.py) runs attention on a/(t cp) whole heads of s tokens, the same saved
+bytes as a/t heads of s/cp tokens, plus 4 (s,) int64 reorder indices a layer; the ring saves q, k, v (n_kv heads,
+never repeated), its output and the fp32 lse (engine/parallel/cp/ring.py) (tests/test_cp.py).
 """
 from __future__ import annotations
 
@@ -105,8 +107,11 @@ def attention_bytes_per_token(cfg: Config, tp: int) -> float:
     a, qd, kvd = m.num_heads, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     width, path = logit_bytes(cfg), planned_attention_path(cfg)
     extra = 2 * (qd - kvd) / tp * width if path in REPEATS_KV else 0.0
-    if ulysses(cfg):  # o_proj's input is the output all-to-all's result, beside the (b, a/(t cp), s, hd) SDPA keeps
+    if cfg.parallel.cp > 1:  # o_proj's input is a copy (ring: the (b, a/t, s/cp, hd) output made contiguous
+        # as (b, s/cp, a hd/t); all_to_all: the output all-to-all's result) beside the output the core keeps
         extra += qd / tp * width
+    if ring(cfg):  # ring.py saves its own q, k, v (n_kv heads), output and lse whatever the kernel path
+        return extra
     if path == MATH:
         return extra + a / tp * (s * width - 4)
     if cfg.data.document_mask and path in (EFFICIENT, EFFICIENT_REPEAT_KV) and s % 16:
@@ -118,6 +123,10 @@ def ulysses(cfg: Config) -> bool:
     return cfg.parallel.cp > 1 and cfg.parallel.cp_mode == "all_to_all"
 
 
+def ring(cfg: Config) -> bool:
+    return cfg.parallel.cp > 1 and cfg.parallel.cp_mode == "ring"
+
+
 def document_mask_bytes(cfg: Config, num_layers: int) -> float:
     """The (b, 1, s, s) additive document mask decode() builds once per micro-batch in the kernel's dtype
     (engine/model/attention.py additive_mask), kept while the fused kernels save it (not when the CUDA efficient
@@ -125,7 +134,7 @@ def document_mask_bytes(cfg: Config, num_layers: int) -> float:
     t, path = cfg.train, planned_attention_path(cfg)
     own_copies = path in (EFFICIENT, EFFICIENT_REPEAT_KV) and t.seq_len % 16
     kept = t.activation_checkpointing != "none" or (path != MATH and not own_copies)
-    if not cfg.data.document_mask or num_layers == 0 or not kept:
+    if not cfg.data.document_mask or num_layers == 0 or not kept or ring(cfg):  # ring: masks from the doc ids
         return 0.0
     return t.micro_batch_size * t.seq_len ** 2 * logit_bytes(cfg)
 

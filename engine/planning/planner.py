@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from engine.planning import activations as acts
+from engine.planning import cp as cp_plan
 from engine.planning.schedules import activations_in_flight, head_stage, one_embedding
 from engine.config import Config, ConfigError, ModelConfig
 from engine.parallel import dp as dp_modes
@@ -134,6 +135,12 @@ class StageMemory:
         return max(self.backward_peak, self.state + self.step_buffers)
 
 
+def data_layout(layout: Layout) -> Layout:
+    """``layout`` as the dp mode's planner model sees it: cp ranks hold the same weights, so the gradients are
+    reduced and the state sharded over dp x cp (engine/parallel/context.py grad_mesh)."""
+    return dataclasses.replace(layout, dp=layout.dp * layout.cp, cp=1)
+
+
 @lru_cache(maxsize=None)
 def _model(path: str):
     return load(path)()
@@ -163,6 +170,7 @@ def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True,
     layout = layout or resolve_layout(cfg, world_size)
     micro_batches = micro_batches_per_step(cfg.train, layout.dp)
     params = stage_params(cfg, layout.tp, layout.pp, stage)
+    layout = data_layout(layout)  # the dp models shard and reduce over dp x cp
     model, local = dp_model(cfg), params["layers"] + params["root"]
     weights, grads, optimizer = model.state(cfg, layout, local, micro_batches)
     optimizer += 4 * _param_tensors(cfg, layout, stage)  # AdamW's fp32 `step` counter per parameter tensor
@@ -172,6 +180,7 @@ def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True,
     held = activations_in_flight(cfg, layout.tp, layout.pp, micro_batches, stage)
     gathered, bucket = model.buffers(cfg, layout, params)
     buffers = acts.transient_bytes(cfg, layout.tp, stage == head_stage(cfg, layout.pp)) + bucket
+    buffers += cp_plan.buffer_bytes(cfg, layout.tp)  # the ring's K/V blocks and dK/dV accumulators
     if model.grads_whole_step:  # DDP's gradients are views into its buckets, held through the whole step
         new_at_peak = gathered + buffers + grads + held.peak
     else:  # gradients appear in the first backward, before which at most `held.peak` is alive; afterwards up

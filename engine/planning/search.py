@@ -29,12 +29,15 @@ from dataclasses import dataclass, field
 from engine.planning import flops, schedules
 from engine.planning.activations import sequence_share
 from engine.config import Config, ConfigError
+from engine.config_checks import CHOICES
 from engine.parallel.support import Layout, micro_batches_per_step, resolve_layout
 from engine.parallel.tensor import LAYER_PLAN
 from engine.parallel.support import check_supported
 from engine.parallel.dp import MODES as DP_MODE_SPECS
 from engine.parallel.schedule import SCHEDULES
-from engine.planning.planner import StageMemory, dp_model, plan_memory, planner_model, stage_params, with_layout
+from engine.planning import cp as cp_plan
+from engine.planning.planner import (StageMemory, data_layout, dp_model, plan_memory, planner_model, stage_params,
+                                     with_layout)
 from engine.planning.schedules import head_stage, virtual_stages
 from engine.planning.balance import layer_counts
 
@@ -64,6 +67,7 @@ class StepTime:
     tokens_per_s: float
     mfu: float
     bubble_fraction: float = 0.0  # idle / makespan of the simulated schedule (the stage idling most)
+    cp_comm: float = 0.0  # exposed context-parallel communication (engine/planning/cp.py), whole step
 
 
 def ring_time(nbytes: float, n: int, passes: float, bw_gbps: float, latency_us: float) -> float:
@@ -90,6 +94,7 @@ class StageCost:
     tp_comm: float
     pp_comm: float
     params: dict
+    cp_comm: float = 0.0
 
     @property
     def total(self) -> float:
@@ -101,7 +106,7 @@ def stage_cost(cfg: Config, layout: Layout, hw: Hardware, stage: int) -> StageCo
     weight per token, engine.planning.flops.weight_grad_flops_per_token): about half the backward, as Qi et al.
     2023 take it (B = W); B is the rest (input gradients, attention's backward, recomputation)."""
     t, m = cfg.train, cfg.model
-    tokens = t.micro_batch_size * t.seq_len
+    tokens = t.micro_batch_size * t.seq_len // layout.cp  # a cp rank computes on s/cp tokens (balanced causal work)
     act = tokens * m.hidden_size * (2 if t.dtype == "bf16" else 4)  # one (mbs, s, h) activation
     rows = sum(style == "row" for style in LAYER_PLAN.values())
     columns = len(LAYER_PLAN) - rows
@@ -109,6 +114,9 @@ def stage_cost(cfg: Config, layout: Layout, hw: Hardware, stage: int) -> StageCo
     params = stage_params(cfg, layout.tp, layout.pp, stage)
     layers, first, last = params["num_layers"], stage == 0, stage == head_stage(cfg, layout.pp)
     rate = hw.peak_tflops * 1e12 * hw.efficiency * layout.tp  # a tp rank does 1/tp of the stage's FLOPs
+    cp_fwd, cp_bwd = (layers * x for x in cp_plan.comm_time(cfg, layout.tp, rate / layout.tp,
+                                                             link_bandwidth(hw, layout.cp * layout.tp),
+                                                             hw.latency_us))
     compute = tokens * flops.stage_flops_per_token(m, t.seq_len, layers, last, t.activation_checkpointing) / rate
     fwd = tokens * flops.stage_flops_per_token(m, t.seq_len, layers, last) / 3 / rate
     weight = tokens * flops.weight_grad_flops_per_token(m, layers, last) / rate
@@ -120,8 +128,8 @@ def stage_cost(cfg: Config, layout: Layout, hw: Hardware, stage: int) -> StageCo
     # one transfer each way per micro-batch and model chunk (v chunks under interleaving: v times the messages)
     sent = act / sequence_share(cfg, layout.tp)  # (b, s/tp, h) between stages under sequence parallelism
     p2p = 0.0 if layout.pp == 1 else virtual_stages(cfg) * (sent / (pp_bw * 1e9) + hw.latency_us * 1e-6)
-    return StageCost(fwd + tp_fwd + p2p, compute - fwd - weight + tp_bwd + p2p, weight, compute, tp_fwd + tp_bwd,
-                     2 * p2p, params)
+    return StageCost(fwd + tp_fwd + p2p + cp_fwd, compute - fwd - weight + tp_bwd + p2p + cp_bwd, weight, compute,
+                     tp_fwd + tp_bwd, 2 * p2p, params, cp_fwd + cp_bwd)
 
 
 def pipeline_time(cfg: Config, layout: Layout, cost: StageCost, micro_batches: int) -> tuple[float, list[float]]:
@@ -141,13 +149,14 @@ def step_time(cfg: Config, world_size: int, hw: Hardware, layout: Layout | None 
     micro_batches = micro_batches_per_step(t, layout.dp)
     worst = max((stage_cost(cfg, layout, hw, s) for s in range(layout.pp)), key=lambda c: c.total)
     makespan, idle = pipeline_time(cfg, layout, worst, micro_batches)
-    dp = dp_model(cfg).dp_comm(cfg, layout, hw, worst.params["layers"] + worst.params["root"], micro_batches,
-                               worst.compute)  # the mode's exposed communication (engine/parallel/dp/plan_models.py)
+    # the mode's exposed communication (engine/parallel/dp/plan_models.py), over dp x cp
+    dp = dp_model(cfg).dp_comm(cfg, data_layout(layout), hw, worst.params["layers"] + worst.params["root"],
+                               micro_batches, worst.compute)
     total = makespan + dp
     tokens_per_s = t.global_batch_size * t.seq_len / total
     mfu = flops.mfu(tokens_per_s / world_size, flops.flops_per_token(m, t.seq_len), hw.peak_tflops) or 0.0
     return StepTime(micro_batches * worst.compute, micro_batches * worst.tp_comm, micro_batches * worst.pp_comm,
-                    max(idle), dp, total, tokens_per_s, mfu, max(idle) / makespan)
+                    max(idle), dp, total, tokens_per_s, mfu, max(idle) / makespan, micro_batches * worst.cp_comm)
 
 
 @dataclass
@@ -165,9 +174,10 @@ class Candidate:
 
     def describe(self) -> dict:
         p, t = self.cfg.parallel, self.cfg.train
-        mode = dp_model(self.cfg).label(self.cfg, self.layout)
+        mode = dp_model(self.cfg).label(self.cfg, data_layout(self.layout))
         mode += {"none": "", "optimizer": "+off-opt", "optimizer_and_params": "+off-all"}[p.offload]
-        return {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "dp_mode": mode,
+        return {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "cp": self.layout.cp,
+                "cp_mode": p.cp_mode if self.layout.cp > 1 else "", "dp_mode": mode,
                 "schedule": p.schedule, "virtual_stages": p.virtual_stages,
                 "pp_layers": layer_counts(self.cfg, self.layout.pp),
                 "micro_batch_size": t.micro_batch_size,
@@ -178,7 +188,8 @@ class Candidate:
                 "bubble_s": self.time.bubble, "bubble_fraction": self.time.bubble_fraction,
                 "activation_gb_per_stage": [s.activations / 1e9 for s in self.memory],
                 "in_flight_per_stage": [s.in_flight for s in self.memory], "tp_comm_s": self.time.tp_comm,
-                "pp_comm_s": self.time.pp_comm, "dp_comm_s": self.time.dp_comm, "fits": self.fits}
+                "pp_comm_s": self.time.pp_comm, "dp_comm_s": self.time.dp_comm, "cp_comm_s": self.time.cp_comm,
+                "fits": self.fits}
 
 
 def _divisors(n: int) -> list[int]:
@@ -201,10 +212,23 @@ def dp_modes(offload: str, dp: int) -> list[tuple[str, int, str, str]]:
     return out
 
 
+def _axes(cfg: Config, world_size: int):
+    """(tp, pp, cp, cp mode) to try: cp a power of two (each rank takes 2 of 2 cp chunks, so seq_len must split),
+    both cp modes where cp > 1 (all_to_all only where the heads divide: resolve_layout refuses the rest), the
+    config's cp_mode at cp = 1 where no mode applies."""
+    for tp in _divisors(world_size):
+        for pp in _divisors(world_size // tp):
+            for cp in _divisors(world_size // (tp * pp)):
+                if cp & (cp - 1) or cfg.train.seq_len % (2 * cp):
+                    continue
+                for mode in CHOICES["parallel.cp_mode"] if cp > 1 else (cfg.parallel.cp_mode,):
+                    yield tp, pp, cp, mode
+
+
 def layouts(cfg: Config, world_size: int, schedules: tuple[tuple[str, int], ...] | None = None,
             refused: list[tuple[Layout, str]] | None = None, offload: str | None = None):
-    """Every valid (tp, pp, dp, dp mode, micro-batch size, activation checkpointing, schedule) of ``cfg`` on
-    ``world_size`` ranks, as configs. ``schedules``: (schedule, virtual stages) pairs to try (default: the
+    """Every valid (tp, pp, dp, cp, cp mode, dp mode, micro-batch size, activation checkpointing, schedule) of
+    ``cfg`` on ``world_size`` ranks, as configs. ``schedules``: (schedule, virtual stages) pairs to try (default: the
     config's; engine.planning.schedules.SEARCHED is every one), the first alone at pp = 1 where no pipeline
     runs. Validity is engine.parallel.support.resolve_layout's ((tp, pp, dp), message of each refusal go to
     ``refused``); at
@@ -212,32 +236,32 @@ def layouts(cfg: Config, world_size: int, schedules: tuple[tuple[str, int], ...]
     parallel.offload)."""
     gbs = cfg.train.global_batch_size
     schedules = schedules or ((cfg.parallel.schedule, cfg.parallel.virtual_stages),)
-    for tp in _divisors(world_size):
-        for pp in _divisors(world_size // tp):
-            dp = world_size // (tp * pp)
-            if gbs % dp:
-                continue
-            for schedule, v in schedules[:1] if pp == 1 else schedules:
-                # chunked schedules (interleaved, zbv) split the layers evenly; other pp keep no pp_layers of another pp
-                # (auto is a rule, not counts: it balances every pp)
-                same = pp == cfg.parallel.pp or cfg.parallel.pp_layers == "auto"
-                pp_layers = cfg.parallel.pp_layers if same and SCHEDULES[schedule].per_rank(v) == 1 else []
-                for mbs in _divisors(gbs // dp):
-                    for mode, stage, reshard, off in dp_modes(offload or cfg.parallel.offload, dp):
-                        for ac in ("none", "full", "selective"):
-                            c = with_layout(cfg, tp=tp, pp=pp, dp=dp, dp_mode=mode, zero_stage=stage,
-                                            reshard_after_forward=reshard, offload=off, pp_layers=pp_layers,
-                                            micro_batch_size=mbs, activation_checkpointing=ac, schedule=schedule,
-                                            virtual_stages=v)
-                            try:
-                                # the dp-mode refusals first: resolve_layout's schedule check builds a table
-                                check_supported(c, Layout(tp=tp, pp=pp, dp=dp))
-                                layout = resolve_layout(c, world_size)  # refuses unsupported combinations too
-                            except ConfigError as e:
-                                if refused is not None:
-                                    refused.append((Layout(tp=tp, pp=pp, dp=dp), str(e)))
-                                continue
-                            yield c, layout
+    for tp, pp, cp, cp_mode in _axes(cfg, world_size):
+        dp = world_size // (tp * pp * cp)
+        if gbs % dp:
+            continue
+        for schedule, v in schedules[:1] if pp == 1 else schedules:
+            # chunked schedules (interleaved, zbv) split the layers evenly; other pp keep no pp_layers of another pp
+            # (auto is a rule, not counts: it balances every pp)
+            same = pp == cfg.parallel.pp or cfg.parallel.pp_layers == "auto"
+            pp_layers = cfg.parallel.pp_layers if same and SCHEDULES[schedule].per_rank(v) == 1 else []
+            for mbs in _divisors(gbs // dp):
+                for mode, stage, reshard, off in dp_modes(offload or cfg.parallel.offload, dp * cp):
+                    for ac in ("none", "full", "selective"):
+                        c = with_layout(cfg, tp=tp, pp=pp, dp=dp, cp=cp, cp_mode=cp_mode, dp_mode=mode,
+                                        zero_stage=stage, reshard_after_forward=reshard, offload=off,
+                                        pp_layers=pp_layers,
+                                        micro_batch_size=mbs, activation_checkpointing=ac, schedule=schedule,
+                                        virtual_stages=v)
+                        try:
+                            # the dp-mode refusals first: resolve_layout's schedule check builds a table
+                            check_supported(c, Layout(tp=tp, pp=pp, dp=dp, cp=cp))
+                            layout = resolve_layout(c, world_size)  # refuses unsupported combinations too
+                        except ConfigError as e:
+                            if refused is not None:
+                                refused.append((Layout(tp=tp, pp=pp, dp=dp, cp=cp), str(e)))
+                            continue
+                        yield c, layout
 
 
 def search(cfg: Config, world_size: int, hw: Hardware, schedules: tuple[tuple[str, int], ...] | None = None,
