@@ -43,39 +43,27 @@ def heads_to_seq(x: torch.Tensor, cp: int, group) -> torch.Tensor:
     return got.transpose(0, 1).reshape(b, cp * part, s // cp, hd)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """seq_to_heads forward; its gradient goes back by heads_to_seq (the inverse permutation)."""
+class _Relayout(torch.autograd.Function):
+    """seq_to_heads (``to_heads``) or heads_to_seq forward; the gradient goes back by the other, the inverse
+    permutation."""
 
     @staticmethod
-    def forward(ctx, x, cp, group):
-        ctx.cp, ctx.group = cp, group
-        return seq_to_heads(x, cp, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return heads_to_seq(grad, ctx.cp, ctx.group), None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    """heads_to_seq forward; its gradient goes back by seq_to_heads."""
-
-    @staticmethod
-    def forward(ctx, x, cp, group):
-        ctx.cp, ctx.group = cp, group
-        return heads_to_seq(x, cp, group)
+    def forward(ctx, x, to_heads: bool, cp, group):
+        ctx.to_heads, ctx.cp, ctx.group = to_heads, cp, group
+        return (seq_to_heads if to_heads else heads_to_seq)(x, cp, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return seq_to_heads(grad, ctx.cp, ctx.group), None, None
+        return (heads_to_seq if ctx.to_heads else seq_to_heads)(grad, ctx.cp, ctx.group), None, None, None
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, cp: int, group) -> torch.Tensor:
     """q (b, nh, L, hd), k/v (b, nkv, L, hd): this cp rank's L = s/cp tokens in layout order; mask None (causal)
     or the whole sequence's (b, 1, s, s) -> (b, nh, L, hd)."""
     seq_len = q.shape[2] * cp
-    q, k, v = (layout.to_natural_order(_SeqToHeads.apply(t, cp, group), seq_len, cp, dim=2) for t in (q, k, v))
+    q, k, v = (layout.to_natural_order(_Relayout.apply(t, True, cp, group), seq_len, cp, dim=2) for t in (q, k, v))
     o = attend(q, k, v, mask)  # (b, nh/cp, s, hd): whole heads, the one-process attention
-    return _HeadsToSeq.apply(layout.to_gathered_order(o, seq_len, cp, dim=2), cp, group)
+    return _Relayout.apply(layout.to_gathered_order(o, seq_len, cp, dim=2), False, cp, group)
 
 
 class UlyssesCore(AttentionCore):
