@@ -138,6 +138,8 @@ class DDP(TorchOptimizerMixin, DataParallel):
         # complete only after both chunks' backwards, so no chunk's last W reduces it: reduce_gradients does, once.
         held = Counter(id(p) for chunk in self.chunks for p in chunk.parameters())
         self.shared = {i for i, n in held.items() if n > 1}
+        # Expert-parallel weights: reduced over the expert-dp group (reduce_expert_gradients), never in dp buckets
+        self.experts = {id(p) for _, p in expert_parameters(model)}
         self._build_optimizer()
 
     def forward(self, x, chunk: int = 0, **kwargs):
@@ -162,9 +164,8 @@ class DDP(TorchOptimizerMixin, DataParallel):
         if not self.ddps or not self.overlap_weight_reduction:
             store.flush(key)
             return
-        experts = {id(p) for _, p in expert_parameters(self.chunks[chunk])}  # reduced over expert-dp, not here
         params = [p for p in reversed(list(self.chunks[chunk].parameters()))  # DDP's order
-                  if p.requires_grad and id(p) not in experts]
+                  if p.requires_grad and id(p) not in self.experts]
         if any(p is self.tied or id(p) in self.shared for p in params):
             params = [p for p in params if p is not self.tied and id(p) not in self.shared]
             self.tied_after_weights = True
@@ -186,9 +187,8 @@ class DDP(TorchOptimizerMixin, DataParallel):
         for chunk, ddp in enumerate(self.ddps):
             if chunk not in self.armed and self.ctx.grad_size > 1:
                 by_id |= {id(p): p.grad for p in ddp.module.parameters() if p.grad is not None}
-        experts = {id(p) for _, p in expert_parameters(self.module)}  # reduced over expert-dp below
-        # keyed by parameter: a weight two chunks share is reduced once, not per chunk
-        grads = [g for key, g in by_id.items() if key not in experts]
+        # keyed by parameter: a weight two chunks share is reduced once, not per chunk; experts below
+        grads = [g for key, g in by_id.items() if key not in self.experts]
         if grads:
             all_reduce_mean(grads, self.ctx.grad_group, self.cfg.parallel.bucket_mb)
         reduce_expert_gradients(self.module, self.ctx)
