@@ -33,14 +33,15 @@ from engine.planning.flops import peak_tflops  # noqa: E402
 from engine.planning.schedules import SEARCHED, label  # noqa: E402
 from engine.planning.search import Hardware, search  # noqa: E402
 
-COLUMNS = [("tp", "{}"), ("pp", "{}"), ("dp", "{}"), ("cp", "{}"), ("cp_mode", "{}"), ("dp_mode", "{}"),
+COLUMNS = [("tp", "{}"), ("pp", "{}"), ("dp", "{}"), ("cp", "{}"), ("cp_mode", "{}"), ("ep", "{}"),
+           ("dp_mode", "{}"),
            ("schedule", "{}"), ("micro_batch_size", "{}"), ("micro_batches", "{}"), ("activation_checkpointing", "{}"),
            ("peak_memory_gb", "{:.2f}"), ("step_s", "{:.3f}"), ("tokens_per_s", "{:,.0f}"), ("mfu", "{:.1%}"),
            ("bubble_fraction", "{:.1%}"), ("activation_gb_per_stage", "{}"), ("tp_comm_s", "{:.3f}"),
            ("pp_comm_s", "{:.3f}"), ("dp_comm_s", "{:.3f}"), ("cp_comm_s", "{:.3f}"),
-           ("host_gb", "{:.2f}")]
-HEADER = ["tp", "pp", "dp", "cp", "cp mode", "dp mode", "schedule", "mbs", "m", "ac", "mem GB", "step s", "tokens/s",
-          "MFU", "bubble", "act GB/stage", "tp s", "pp s", "dp s", "cp s", "host GB"]
+           ("ep_comm_s", "{:.3f}"), ("host_gb", "{:.2f}")]
+HEADER = ["tp", "pp", "dp", "cp", "cp mode", "ep", "dp mode", "schedule", "mbs", "m", "ac", "mem GB", "step s",
+          "tokens/s", "MFU", "bubble", "act GB/stage", "tp s", "pp s", "dp s", "cp s", "ep s", "host GB"]
 SCHEDULE_KEYS = ("parallel.schedule", "parallel.virtual_stages")
 
 
