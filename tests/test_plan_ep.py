@@ -51,7 +51,8 @@ def test_fsdp_shards_experts_over_expert_dp(ep):
 def test_all_to_all_bytes_and_time():
     """No all-to-all at ep 1; at ep > 1 a rank sends (T k (ep-1)/ep) h values per exchange (dispatch, combine, and
     their gradients) plus the (ep, E/ep) int64 counts, and recomputation repeats the forward's; the step's ep time
-    is those bytes at the busiest rank's margin over the link, per MoE layer and micro-batch."""
+    is those bytes at the busiest rank's margin over the link, per MoE layer and micro-batch, and its compute the
+    busiest rank's extra expert rows."""
     cfg = with_layout(load(TINY_MOE), global_batch_size=16)
     assert ep_plan.a2a_bytes_per_layer(cfg, 1) == (0.0, 0.0)
     m, t = cfg.model, cfg.train
@@ -68,6 +69,10 @@ def test_all_to_all_bytes_and_time():
     fwd, bwd = ep_plan.a2a_bytes_per_layer(cfg, 2)
     micro_batches = 16 // (2 * 8)
     assert st.ep_comm == pytest.approx(2 * micro_batches * ep_plan.EP_IMBALANCE * (fwd + bwd) / 100e9)
+    # the busiest rank's experts compute EP_IMBALANCE x the mean copies: 6 FLOPs a weight, k 3 h f of them a copy
+    extra = (ep_plan.EP_IMBALANCE - 1) * t.micro_batch_size * t.seq_len * m.experts_per_token * 3 * m.hidden_size \
+        * m.intermediate_size * 6 * 2 * micro_batches
+    assert st.compute - step_time(cfg, 8, hw).compute == pytest.approx(extra / (100e12 * 0.5))
 
 
 def _bench_rank(argv):

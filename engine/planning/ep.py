@@ -18,8 +18,9 @@ in the backward. The exchanges sit between the router and the experts, so nothin
 exposed, on the link the ep group spans.
 
 Imbalance: the router does not spread the copies evenly; the busiest ep rank receives ``EP_IMBALANCE`` times the
-mean, and that rank sets the exchange time (it receives the most) and holds the most expert activations
-(engine/planning/moe.py expert_rows). The margin is engine/planning/moe.py's EP_IMBALANCE, launch/bench/moe.py's
+mean, and that rank sets the exchange time (it receives the most), holds the most expert activations
+(engine/planning/moe.py expert_rows) and computes the most expert FLOPs, which the others wait for at the combine
+(``straggler_weights``). The margin is engine/planning/moe.py's EP_IMBALANCE, launch/bench/moe.py's
 measured ``rows/rank max/mean``.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ from engine.config import Config, ModelConfig
 from engine.model.moe import is_moe_layer
 from engine.parallel.support import Layout
 from engine.planning.activations import device_type, local_tokens, logit_bytes, mode, residual_bytes
-from engine.planning.moe import EP_IMBALANCE
+from engine.planning.moe import EP_IMBALANCE, expert_rows
 
 def expert_layout(layout: Layout) -> Layout:
     """``layout`` as the dp mode's planner model sees the experts: their state is reduced and sharded over the
@@ -69,6 +70,15 @@ def a2a_time_per_layer(cfg: Config, ep: int, bw_gbps: float, latency_us: float,
     exchanges = 3 if cfg.train.activation_checkpointing == "none" else 6  # forward: counts, dispatch, combine
     lat = latency_us * 1e-6 * (ep - 1)
     return imbalance * fwd / (bw_gbps * 1e9) + 3 * lat, imbalance * bwd / (bw_gbps * 1e9) + (exchanges - 1) * lat
+
+
+def straggler_weights(cfg: Config, ep: int) -> float:
+    """Expert matmul weights per token and MoE layer that the busiest ep rank passes beyond the mean: its experts
+    compute EP_IMBALANCE times the mean copies, k 3 h f_e weights each, and the other ranks wait for them at the
+    combine (0 at ep = 1, where each rank computes its own copies)."""
+    m = cfg.model
+    return (expert_rows(ep) - 1) * m.experts_per_token * 3 * m.hidden_size * (m.moe_intermediate_size
+                                                                                 or m.intermediate_size)
 
 
 def ep_span(layout: Layout) -> int:

@@ -123,6 +123,10 @@ def stage_cost(cfg: Config, layout: Layout, hw: Hardware, stage: int) -> StageCo
     compute = tokens * flops.stage_flops_per_token(m, t.seq_len, layers, last, t.activation_checkpointing) / rate
     fwd = tokens * flops.stage_flops_per_token(m, t.seq_len, layers, last) / 3 / rate
     weight = tokens * flops.weight_grad_flops_per_token(m, layers, last) / rate
+    # the busiest ep rank's extra expert rows: 2 FLOPs a weight forward, 2 B, 2 W (+ 2 recomputed under full)
+    wait = tokens * moe * ep_plan.straggler_weights(cfg, layout.ep) / rate
+    compute, fwd, weight = compute + wait * (6 + 2 * (t.activation_checkpointing == "full")), fwd + 2 * wait, \
+        weight + 2 * wait
     # Forward: rows + embedding all-reduces; backward: columns + the LM head's input (recomputation, full or
     # selective, repeats the forward ones: engine/model/recompute.py).
     recomputes = t.activation_checkpointing != "none"
