@@ -5,7 +5,8 @@
         [--gpus-per-node 8] [--intra-node-gbps 450] [--inter-node-gbps 50] [--set section.key=value ...]
         [--section.key value ...]
 
-Layouts are (tp, pp, dp, cp, cp mode, dp mode, micro-batch size, activation checkpointing, pipeline schedule); the config fixes
+Layouts are (tp, pp, dp, cp, cp mode, ep, dp mode, micro-batch size, activation checkpointing, pipeline schedule; ep:
+expert parallelism for an MoE model, engine/planning/ep.py, its all-to-all time in "ep s"); the config fixes
 the model, sequence length and dtype. The schedule is searched too (1f1b, interleaved with 2-4 virtual stages,
 zero_bubble, zbv: engine/planning/schedules.py SEARCHED) unless the config file or the command line sets
 parallel.schedule or parallel.virtual_stages, e.g. `--parallel.schedule interleaved --parallel.virtual_stages 2`.

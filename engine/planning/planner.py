@@ -16,6 +16,9 @@ In fp32 training (as on CPU) weights and gradients take 4 bytes each and Adam's 
   gradients and AdamW moments (bf16 is autocast or FSDP's bf16 compute copy); under fsdp, gradients stay unsharded
   until the last micro-batch (no-sync accumulation), and the gathered weights are extra: one block plus the root unit with reshard_after_forward, the
   whole stage without. zero k = stage k with DeepSpeed's fp32 master copy (K = 12; bf16 weights in bf16 runs).
+- expert parallelism (parallel.ep): a rank holds E/ep experts of each MoE layer (stage_params "experts"), their
+  state priced by the same dp-mode model over the expert-dp group of dp cp / ep ranks (``state_groups``,
+  engine/planning/ep.py), the dense weights over dp cp as above.
 - activations: engine/planning/activations.py per micro-batch (per model chunk under interleaving), summed over
   what the schedule's action table keeps in flight on the stage (engine/planning/schedules.py: 1F1B keeps
   min(pp - stage, m), GPipe m, interleaved warmup + 1 chunks, ZB-H1 1F1B's until B, then W states until W).
