@@ -20,7 +20,9 @@ all-reduce, overlapped with the last micro-batch's backward except the last buck
 reshard_after_forward) that overlaps compute, and the gradient reduce-scatter of the last micro-batch; zero k
 (DeepSpeed, overlap_comm off in engine/parallel/dp/ds_json.py): stage 1 all-reduces gradients once, stage 2
 reduce-scatters every micro-batch, stage 3 also all-gathers weights forward and backward, and stages 1-2
-all-gather the updated weights. Not modelled: the optimizer update, data loading, kernel launch overheads.
+all-gather the updated weights; ep (engine/planning/ep.py): the token all-to-alls, exposed, the busiest ep rank's
+extra expert rows, and the experts' own reduction over expert-dp (after the backward under ddp). Not modelled: the
+optimizer update, data loading, kernel launch overheads.
 """
 from __future__ import annotations
 
