@@ -142,3 +142,16 @@ def test_live_bytes_do_not_count_views_of_a_list_return():
         views = [*weight.unbind(0), *weight.split(1), *weight.chunk(2)]
         fresh = weight * 2
     assert views and live.peak == fresh.numel() * 4
+
+
+def test_zero_with_ep_is_refused_by_the_planner_in_one_line():
+    """zero does not reduce expert gradients over expert-dp: the planner refuses it (resolve_layout's check) rather
+    than pricing its buckets over the wrong group, and the search never offers it."""
+    from engine.config import ConfigError
+    cfg = with_layout(load(TINY_MOE), dp_mode="zero", zero_stage=1, ep=2, global_batch_size=16)
+    with pytest.raises(ConfigError, match="parallel.ep=2 with parallel.dp_mode=zero is not supported") as e:
+        stage_memory(cfg, 8, 0)
+    assert "\n" not in str(e.value)
+    offered = search(with_layout(load(TINY_MOE), global_batch_size=16), 4, Hardware())
+    assert {p.layout.ep for p in offered} == {1, 2, 4}
+    assert not any(p.layout.ep > 1 and p.cfg.parallel.dp_mode == "zero" for p in offered)
