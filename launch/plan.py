@@ -5,7 +5,8 @@
         [--gpus-per-node 8] [--intra-node-gbps 450] [--inter-node-gbps 50] [--set section.key=value ...]
         [--section.key value ...]
 
-Layouts are (tp, pp, dp, cp, cp mode, dp mode, micro-batch size, activation checkpointing, pipeline schedule); the config fixes
+Layouts are (tp, pp, dp, cp, cp mode, ep, dp mode, micro-batch size, activation checkpointing, pipeline schedule; ep:
+expert parallelism for an MoE model, engine/planning/ep.py, its all-to-all time in "ep s"); the config fixes
 the model, sequence length and dtype. The schedule is searched too (1f1b, interleaved with 2-4 virtual stages,
 zero_bubble, zbv: engine/planning/schedules.py SEARCHED) unless the config file or the command line sets
 parallel.schedule or parallel.virtual_stages, e.g. `--parallel.schedule interleaved --parallel.virtual_stages 2`.
@@ -33,14 +34,15 @@ from engine.planning.flops import peak_tflops  # noqa: E402
 from engine.planning.schedules import SEARCHED, label  # noqa: E402
 from engine.planning.search import Hardware, search  # noqa: E402
 
-COLUMNS = [("tp", "{}"), ("pp", "{}"), ("dp", "{}"), ("cp", "{}"), ("cp_mode", "{}"), ("dp_mode", "{}"),
+COLUMNS = [("tp", "{}"), ("pp", "{}"), ("dp", "{}"), ("cp", "{}"), ("cp_mode", "{}"), ("ep", "{}"),
+           ("dp_mode", "{}"),
            ("schedule", "{}"), ("micro_batch_size", "{}"), ("micro_batches", "{}"), ("activation_checkpointing", "{}"),
            ("peak_memory_gb", "{:.2f}"), ("step_s", "{:.3f}"), ("tokens_per_s", "{:,.0f}"), ("mfu", "{:.1%}"),
            ("bubble_fraction", "{:.1%}"), ("activation_gb_per_stage", "{}"), ("tp_comm_s", "{:.3f}"),
            ("pp_comm_s", "{:.3f}"), ("dp_comm_s", "{:.3f}"), ("cp_comm_s", "{:.3f}"),
-           ("host_gb", "{:.2f}")]
-HEADER = ["tp", "pp", "dp", "cp", "cp mode", "dp mode", "schedule", "mbs", "m", "ac", "mem GB", "step s", "tokens/s",
-          "MFU", "bubble", "act GB/stage", "tp s", "pp s", "dp s", "cp s", "host GB"]
+           ("ep_comm_s", "{:.3f}"), ("host_gb", "{:.2f}")]
+HEADER = ["tp", "pp", "dp", "cp", "cp mode", "ep", "dp mode", "schedule", "mbs", "m", "ac", "mem GB", "step s",
+          "tokens/s", "MFU", "bubble", "act GB/stage", "tp s", "pp s", "dp s", "cp s", "ep s", "host GB"]
 SCHEDULE_KEYS = ("parallel.schedule", "parallel.virtual_stages")
 
 

@@ -148,8 +148,11 @@ class LiveTensorBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         returns = func._schema.returns
         outputs = out if isinstance(out, (tuple, list)) else (out,)
+        # a list return (unbind, split, chunk: "Tensor(a)[]") is one schema return for all its tensors: every one
+        # aliases the input (unbinding a parameter made before this mode would count its storage as allocated)
+        listed = len(returns) == 1 and isinstance(out, list)
         for i, t in enumerate(outputs):
-            aliased = i < len(returns) and returns[i].alias_info is not None
+            aliased = (listed or i < len(returns)) and returns[0 if listed else i].alias_info is not None
             if isinstance(t, torch.Tensor) and not aliased:
                 for storage in _storages(t):
                     self._track(storage)

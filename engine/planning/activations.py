@@ -72,11 +72,17 @@ def residual_bytes(cfg: Config) -> int:
     return 2 if mode(cfg) == "bf16" else 4
 
 
+def ffn_width(cfg: Config) -> float:
+    """The SwiGLU width of a token's activations, averaged over the layers (engine/planning/moe.py token_ffn_width:
+    under expert parallelism the busiest rank's)."""
+    return mean_over_layers(cfg.model, lambda m, i: token_ffn_width(m, i, cfg.parallel.ep))
+
+
 def checkpointed_layer_bytes_per_token(cfg: Config, tp: int) -> float:
     """Bytes per token one layer keeps under activation checkpointing: its input, plus the matmul outputs with
     selective recomputation."""
     m = cfg.model
-    h, kvd, f = m.hidden_size, m.num_kv_heads * m.head_dim, mean_over_layers(m, token_ffn_width)
+    h, kvd, f = m.hidden_size, m.num_kv_heads * m.head_dim, ffn_width(cfg)
     kept = h * residual_bytes(cfg) / sequence_share(cfg, tp)
     if cfg.train.activation_checkpointing == "selective":
         kept += logit_bytes(cfg) * (2 * h + (h + 2 * kvd + 2 * f) / tp)
@@ -142,10 +148,10 @@ def document_mask_bytes(cfg: Config, num_layers: int) -> float:
 def layer_bytes_per_token(cfg: Config, tp: int) -> float:
     """Saved bytes per token of one decoder layer (without autocast's weight copies)."""
     m = cfg.model
-    h, kvd, a, f = m.hidden_size, m.num_kv_heads * m.head_dim, m.num_heads, mean_over_layers(m, token_ffn_width)
+    h, kvd, a, f = m.hidden_size, m.num_kv_heads * m.head_dim, m.num_heads, ffn_width(cfg)
     sp, attn = sequence_share(cfg, tp), attention_bytes_per_token(cfg, tp)
     # MoE (f: the k experts' width a token has, engine/planning/moe.py): + copies, router logits, indices
-    attn += mean_over_layers(m, lambda m, i: routing_bytes_per_token(m, i, 4 if mode(cfg) == "fp32" else 2))
+    attn += mean_over_layers(m, lambda m, i: routing_bytes_per_token(m, i, logit_bytes(cfg), cfg.parallel.ep))
     if mode(cfg) == "fp32":
         return (24 * h + 8) / sp + (8 * h + 8 * kvd + 4 * a + 16 * f) / tp + attn
     # autocast: y cast to bf16 by qkv_proj and gate_up_proj; under sequence parallelism y itself (fp32) is kept
@@ -222,7 +228,7 @@ def transient_bytes(cfg: Config, tp: int, last_stage: bool) -> float:
     layer of one micro-batch rebuilt for its backward."""
     t, m = cfg.train, cfg.model
     tokens = local_tokens(cfg)
-    out = tokens * 4 * mean_over_layers(m, token_ffn_width) / tp * residual_bytes(cfg) + expert_grad_buffer_bytes(m)
+    out = tokens * 4 * ffn_width(cfg) / tp * residual_bytes(cfg) + expert_grad_buffer_bytes(m, cfg.parallel.ep)
     if t.activation_checkpointing != "none":
         out += tokens * layer_bytes_per_token(cfg, tp) + weight_copy_bytes(cfg, tp, 1, False)
     if last_stage:

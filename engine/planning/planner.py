@@ -16,6 +16,9 @@ In fp32 training (as on CPU) weights and gradients take 4 bytes each and Adam's 
   gradients and AdamW moments (bf16 is autocast or FSDP's bf16 compute copy); under fsdp, gradients stay unsharded
   until the last micro-batch (no-sync accumulation), and the gathered weights are extra: one block plus the root unit with reshard_after_forward, the
   whole stage without. zero k = stage k with DeepSpeed's fp32 master copy (K = 12; bf16 weights in bf16 runs).
+- expert parallelism (parallel.ep): a rank holds E/ep experts of each MoE layer (stage_params "experts"), their
+  state priced by the same dp-mode model over the expert-dp group of dp cp / ep ranks (``state_groups``,
+  engine/planning/ep.py), the dense weights over dp cp as above.
 - activations: engine/planning/activations.py per micro-batch (per model chunk under interleaving), summed over
   what the schedule's action table keeps in flight on the stage (engine/planning/schedules.py: 1F1B keeps
   min(pp - stage, m), GPipe m, interleaved warmup + 1 chunks, ZB-H1 1F1B's until B, then W states until W).
@@ -36,6 +39,7 @@ from functools import lru_cache
 
 from engine.planning import activations as acts
 from engine.planning import cp as cp_plan
+from engine.planning import ep as ep_plan
 from engine.planning.schedules import activations_in_flight, head_stage, one_embedding
 from engine.config import Config, ConfigError, ModelConfig
 from engine.parallel import dp as dp_modes
@@ -43,7 +47,7 @@ from engine.parallel.dp.registry import load
 from engine.parallel.support import Layout, micro_batches_per_step, resolve_layout
 from engine.parallel.pipeline import stage_layer_ranges
 from engine.planning.balance import layer_counts
-from engine.planning.moe import mlp_params
+from engine.planning.moe import expert_params, mlp_params
 
 # bytes per parameter: (weights, gradients, optimizer state)
 PRECISIONS = {"mixed": (2, 2, 12), "fp32": (4, 4, 8),
@@ -86,10 +90,14 @@ def layer_params(m: ModelConfig, tp: int, index: int = 0) -> tuple[int, int]:
 
 def stage_params(cfg: Config, tp: int, pp: int, stage: int) -> dict[str, int]:
     """Parameters held by one tp rank of pipeline ``stage`` (before dp sharding): {"layers", "root"}, where root is
-    the embedding / final norm / LM head that the stage holds (FSDP's root unit)."""
-    m = cfg.model
+    the embedding / final norm / LM head that the stage holds (FSDP's root unit); "layer" the largest layer.
+    "layers" and "layer" count this rank's E/ep experts (parallel.ep), "experts" and "expert_layer" those alone."""
+    m, ep = cfg.model, cfg.parallel.ep
     indices = stage_layer_ranges(m.num_layers, pp, layer_counts(cfg, pp))[stage]
-    sizes = [sum(layer_params(m, tp, i)) for i in indices] or [sum(layer_params(m, tp))]
+    experts = [expert_params(m, i) // tp // ep for i in indices] or [0]  # this rank's slice of each layer's experts
+    # a layer's weights with all E experts, less the (ep - 1)/ep of them held elsewhere
+    sizes = [sum(layer_params(m, tp, i)) - expert_params(m, i) // tp + e for i, e in zip(indices, experts)] \
+        or [sum(layer_params(m, tp))]
     n_layers = len(indices)
     vocab = m.vocab_size * m.hidden_size // tp  # embedding or LM head: vocab rows split by tp
     root = 0
@@ -97,7 +105,8 @@ def stage_params(cfg: Config, tp: int, pp: int, stage: int) -> dict[str, int]:
         root += vocab
     if stage == head_stage(cfg, pp):  # tied at pp=1 or in zbv's V: one tensor
         root += m.hidden_size + (0 if one_embedding(cfg, pp) else vocab)
-    return {"layers": sum(sizes) if n_layers else 0, "root": root, "num_layers": n_layers, "layer": max(sizes)}
+    return {"layers": sum(sizes) if n_layers else 0, "root": root, "num_layers": n_layers, "layer": max(sizes),
+            "experts": sum(experts) if n_layers else 0, "expert_layer": max(experts)}
 
 
 @dataclass
@@ -136,9 +145,10 @@ class StageMemory:
 
 
 def data_layout(layout: Layout) -> Layout:
-    """``layout`` as the dp mode's planner model sees it: cp ranks hold the same weights, so the gradients are
-    reduced and the state sharded over dp x cp (engine/parallel/context.py grad_mesh)."""
-    return dataclasses.replace(layout, dp=layout.dp * layout.cp, cp=1)
+    """``layout`` as the dp mode's planner model sees the dense weights: cp ranks hold the same weights, so the
+    gradients are reduced and the state sharded over dp x cp (engine/parallel/context.py grad_mesh), consecutive
+    groups of tp ranks (ep = 1: no stride; engine/parallel/dp/plan_models.py group_span)."""
+    return dataclasses.replace(layout, dp=layout.dp * layout.cp, cp=1, ep=1)
 
 
 @lru_cache(maxsize=None)
@@ -170,15 +180,16 @@ def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True,
     layout = layout or resolve_layout(cfg, world_size)
     micro_batches = micro_batches_per_step(cfg.train, layout.dp)
     params = stage_params(cfg, layout.tp, layout.pp, stage)
-    layout = data_layout(layout)  # the dp models shard and reduce over dp x cp
-    model, local = dp_model(cfg), params["layers"] + params["root"]
-    weights, grads, optimizer = model.state(cfg, layout, local, micro_batches)
-    optimizer += 4 * _param_tensors(cfg, layout, stage)  # AdamW's fp32 `step` counter per parameter tensor
-    step_buffers = model.step_buffers(cfg, layout, params, foreach)
-    weights, grads, optimizer, step_buffers, host = model.offloaded(cfg, layout, local,
-                                                                    (weights, grads, optimizer, step_buffers))
+    model, groups = dp_model(cfg), state_groups(layout, params)
+    counters = 4 * _param_tensors(cfg, layout, stage)  # AdamW's fp32 `step` per parameter tensor (dense group's)
+    parts = [_group_state(cfg, model, lay, p, micro_batches, foreach, counters if i == 0 else 0)
+             for i, (lay, p) in enumerate(groups)]
+    # (weights, grads, optimizer, step_buffers, host, gathered, bucket) summed over the dense and expert groups;
+    # the per-tensor AdamW loop's temporaries are one tensor's, the largest of either group's
+    weights, grads, optimizer, step_buffers, host, gathered, bucket = (sum(x) for x in zip(*parts))
+    if not foreach:
+        step_buffers = max(p[3] for p in parts)
     held = activations_in_flight(cfg, layout.tp, layout.pp, micro_batches, stage)
-    gathered, bucket = model.buffers(cfg, layout, params)
     buffers = acts.transient_bytes(cfg, layout.tp, stage == head_stage(cfg, layout.pp)) + bucket
     buffers += cp_plan.buffer_bytes(cfg, layout.tp)  # the ring's K/V blocks and dK/dV accumulators
     if model.grads_whole_step:  # DDP's gradients are views into its buckets, held through the whole step
@@ -189,6 +200,32 @@ def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True,
         new_at_peak = gathered + buffers + max(held.peak, grads + held.peak_after_grads)
     return StageMemory(stage, weights, grads, optimizer, held.peak, gathered, buffers, step_buffers, held.count,
                        new_at_peak, held.w_state, host)
+
+
+def state_groups(layout: Layout, params: dict) -> list[tuple[Layout, dict]]:
+    """(layout, parameters) of each group the dp mode reduces and shards separately: the dense weights over dp x cp
+    (``data_layout``) and, under expert parallelism, this rank's E/ep experts over the expert-dp group
+    (engine/planning/ep.py expert_layout). At ep = 1 the experts are dense weights."""
+    dense = data_layout(layout)
+    if layout.ep == 1 or not params["experts"]:
+        return [(dense, params)]
+    experts = {"layers": params["experts"], "root": 0, "layer": params["expert_layer"],
+               "num_layers": params["num_layers"], "experts": 0, "expert_layer": 0}
+    rest = {**params, "layers": params["layers"] - params["experts"],
+            "layer": params["layer"] - params["expert_layer"], "experts": 0, "expert_layer": 0}
+    return [(dense, rest), (ep_plan.expert_layout(layout), experts)]
+
+
+def _group_state(cfg: Config, model, layout: Layout, params: dict, micro_batches: int,
+                 foreach: bool, counters: float) -> tuple[float, ...]:
+    """(weights, grads, optimizer, step_buffers, host, gathered, bucket) of one state group under the dp mode's
+    planner model, ``counters`` bytes of optimizer state added before offloading."""
+    local = params["layers"] + params["root"]
+    weights, grads, optimizer = model.state(cfg, layout, local, micro_batches)
+    state = weights, grads, optimizer + counters
+    step_buffers = model.step_buffers(cfg, layout, params, foreach)
+    on_device = model.offloaded(cfg, layout, local, (*state, step_buffers))
+    return (*on_device, *model.buffers(cfg, layout, params))
 
 
 def _param_tensors(cfg: Config, layout: Layout, stage: int) -> int:

@@ -20,7 +20,9 @@ all-reduce, overlapped with the last micro-batch's backward except the last buck
 reshard_after_forward) that overlaps compute, and the gradient reduce-scatter of the last micro-batch; zero k
 (DeepSpeed, overlap_comm off in engine/parallel/dp/ds_json.py): stage 1 all-reduces gradients once, stage 2
 reduce-scatters every micro-batch, stage 3 also all-gathers weights forward and backward, and stages 1-2
-all-gather the updated weights. Not modelled: the optimizer update, data loading, kernel launch overheads.
+all-gather the updated weights; ep (engine/planning/ep.py): the token all-to-alls, exposed, the busiest ep rank's
+extra expert rows, and the experts' own reduction over expert-dp (after the backward under ddp). Not modelled: the
+optimizer update, data loading, kernel launch overheads.
 """
 from __future__ import annotations
 
@@ -28,18 +30,16 @@ from dataclasses import dataclass, field
 
 from engine.planning import flops, schedules
 from engine.planning.activations import sequence_share
-from engine.config import Config, ConfigError
-from engine.config_checks import CHOICES
+from engine.config import Config
 from engine.parallel.support import Layout, micro_batches_per_step, resolve_layout
+from engine.parallel.pipeline import stage_layer_ranges
 from engine.parallel.tensor import LAYER_PLAN
-from engine.parallel.support import check_supported
-from engine.parallel.dp import MODES as DP_MODE_SPECS
-from engine.parallel.schedule import SCHEDULES
 from engine.planning import cp as cp_plan
-from engine.planning.planner import (StageMemory, data_layout, dp_model, plan_memory, planner_model, stage_params,
-                                     with_layout)
+from engine.planning import ep as ep_plan
+from engine.planning.planner import StageMemory, data_layout, dp_model, plan_memory, stage_params, state_groups
 from engine.planning.schedules import head_stage, virtual_stages
 from engine.planning.balance import layer_counts
+from engine.planning.layouts import layouts
 
 
 @dataclass
@@ -68,6 +68,7 @@ class StepTime:
     mfu: float
     bubble_fraction: float = 0.0  # idle / makespan of the simulated schedule (the stage idling most)
     cp_comm: float = 0.0  # exposed context-parallel communication (engine/planning/cp.py), whole step
+    ep_comm: float = 0.0  # expert parallelism's all-to-alls (engine/planning/ep.py), whole step, exposed
 
 
 def ring_time(nbytes: float, n: int, passes: float, bw_gbps: float, latency_us: float) -> float:
@@ -95,6 +96,7 @@ class StageCost:
     pp_comm: float
     params: dict
     cp_comm: float = 0.0
+    ep_comm: float = 0.0
 
     @property
     def total(self) -> float:
@@ -117,9 +119,16 @@ def stage_cost(cfg: Config, layout: Layout, hw: Hardware, stage: int) -> StageCo
     cp_fwd, cp_bwd = (layers * x for x in cp_plan.comm_time(cfg, layout.tp, rate / layout.tp,
                                                              link_bandwidth(hw, layout.cp * layout.tp),
                                                              hw.latency_us))
+    moe = ep_plan.moe_layers(m, stage_layer_ranges(m.num_layers, layout.pp, layer_counts(cfg, layout.pp))[stage])
+    ep_fwd, ep_bwd = (moe * x for x in ep_plan.a2a_time_per_layer(
+        cfg, layout.ep, link_bandwidth(hw, ep_plan.ep_span(layout)), hw.latency_us))
     compute = tokens * flops.stage_flops_per_token(m, t.seq_len, layers, last, t.activation_checkpointing) / rate
     fwd = tokens * flops.stage_flops_per_token(m, t.seq_len, layers, last) / 3 / rate
     weight = tokens * flops.weight_grad_flops_per_token(m, layers, last) / rate
+    # the busiest ep rank's extra expert rows: 2 FLOPs a weight forward, 2 B, 2 W (+ 2 recomputed under full)
+    wait = tokens * moe * ep_plan.straggler_weights(cfg, layout.ep) / rate
+    compute, fwd, weight = compute + wait * (6 + 2 * (t.activation_checkpointing == "full")), fwd + 2 * wait, \
+        weight + 2 * wait
     # Forward: rows + embedding all-reduces; backward: columns + the LM head's input (recomputation, full or
     # selective, repeats the forward ones: engine/model/recompute.py).
     recomputes = t.activation_checkpointing != "none"
@@ -128,8 +137,8 @@ def stage_cost(cfg: Config, layout: Layout, hw: Hardware, stage: int) -> StageCo
     # one transfer each way per micro-batch and model chunk (v chunks under interleaving: v times the messages)
     sent = act / sequence_share(cfg, layout.tp)  # (b, s/tp, h) between stages under sequence parallelism
     p2p = 0.0 if layout.pp == 1 else virtual_stages(cfg) * (sent / (pp_bw * 1e9) + hw.latency_us * 1e-6)
-    return StageCost(fwd + tp_fwd + p2p + cp_fwd, compute - fwd - weight + tp_bwd + p2p + cp_bwd, weight, compute,
-                     tp_fwd + tp_bwd, 2 * p2p, params, cp_fwd + cp_bwd)
+    return StageCost(fwd + tp_fwd + p2p + cp_fwd + ep_fwd, compute - fwd - weight + tp_bwd + p2p + cp_bwd + ep_bwd,
+                     weight, compute, tp_fwd + tp_bwd, 2 * p2p, params, cp_fwd + cp_bwd, ep_fwd + ep_bwd)
 
 
 def pipeline_time(cfg: Config, layout: Layout, cost: StageCost, micro_batches: int) -> tuple[float, list[float]]:
@@ -149,14 +158,18 @@ def step_time(cfg: Config, world_size: int, hw: Hardware, layout: Layout | None 
     micro_batches = micro_batches_per_step(t, layout.dp)
     worst = max((stage_cost(cfg, layout, hw, s) for s in range(layout.pp)), key=lambda c: c.total)
     makespan, idle = pipeline_time(cfg, layout, worst, micro_batches)
-    # the mode's exposed communication (engine/parallel/dp/plan_models.py), over dp x cp
-    dp = dp_model(cfg).dp_comm(cfg, data_layout(layout), hw, worst.params["layers"] + worst.params["root"],
-                               micro_batches, worst.compute)
+    # the mode's exposed communication (engine/parallel/dp/plan_models.py), over dp x cp and, under expert
+    # parallelism, the experts' over expert-dp
+    model = dp_model(cfg)
+    dp = sum(model.dp_comm(cfg, lay, hw, p["layers"] + p["root"], micro_batches,
+                           worst.compute if i == 0 or model.experts_overlap else 0.0)
+             for i, (lay, p) in enumerate(state_groups(layout, worst.params)))
     total = makespan + dp
     tokens_per_s = t.global_batch_size * t.seq_len / total
     mfu = flops.mfu(tokens_per_s / world_size, flops.flops_per_token(m, t.seq_len), hw.peak_tflops) or 0.0
     return StepTime(micro_batches * worst.compute, micro_batches * worst.tp_comm, micro_batches * worst.pp_comm,
-                    max(idle), dp, total, tokens_per_s, mfu, max(idle) / makespan, micro_batches * worst.cp_comm)
+                    max(idle), dp, total, tokens_per_s, mfu, max(idle) / makespan, micro_batches * worst.cp_comm,
+                    micro_batches * worst.ep_comm)
 
 
 @dataclass
@@ -177,7 +190,7 @@ class Candidate:
         mode = dp_model(self.cfg).label(self.cfg, data_layout(self.layout))
         mode += {"none": "", "optimizer": "+off-opt", "optimizer_and_params": "+off-all"}[p.offload]
         return {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "cp": self.layout.cp,
-                "cp_mode": p.cp_mode if self.layout.cp > 1 else "", "dp_mode": mode,
+                "ep": self.layout.ep, "cp_mode": p.cp_mode if self.layout.cp > 1 else "", "dp_mode": mode,
                 "schedule": p.schedule, "virtual_stages": p.virtual_stages,
                 "pp_layers": layer_counts(self.cfg, self.layout.pp),
                 "micro_batch_size": t.micro_batch_size,
@@ -189,79 +202,7 @@ class Candidate:
                 "activation_gb_per_stage": [s.activations / 1e9 for s in self.memory],
                 "in_flight_per_stage": [s.in_flight for s in self.memory], "tp_comm_s": self.time.tp_comm,
                 "pp_comm_s": self.time.pp_comm, "dp_comm_s": self.time.dp_comm, "cp_comm_s": self.time.cp_comm,
-                "fits": self.fits}
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def dp_modes(offload: str, dp: int) -> list[tuple[str, int, str, str]]:
-    """The (dp mode, zero stage, reshard, offload) tried at ``dp`` ranks: each registered mode with a planner model,
-    its variants (engine/parallel/dp/plan_models.py) with parallel.offload ``offload`` ("any": every offload but
-    none). Offload is tried only where no layout fits without it (or the config asks for it): on a GPU it trades
-    host copies and a host Adam step for device memory. At dp = 1 only modes that do not shard (sharding over one
-    rank changes nothing)."""
-    out = []
-    for name, spec in DP_MODE_SPECS.items():
-        model = planner_model(name) if spec.planner else None
-        if model is None or (dp == 1 and offload == "none" and model.shards):
-            continue
-        for wanted in (["optimizer", "optimizer_and_params"] if offload == "any" else [offload]):
-            out += [(name, *v) for v in model.variants(wanted)]
-    return out
-
-
-def _axes(cfg: Config, world_size: int):
-    """(tp, pp, cp, cp mode) to try: cp a power of two (each rank takes 2 of 2 cp chunks, so seq_len must split),
-    both cp modes where cp > 1 (all_to_all only where the heads divide: resolve_layout refuses the rest), the
-    config's cp_mode at cp = 1 where no mode applies."""
-    for tp in _divisors(world_size):
-        for pp in _divisors(world_size // tp):
-            for cp in _divisors(world_size // (tp * pp)):
-                if cp & (cp - 1) or cfg.train.seq_len % (2 * cp):
-                    continue
-                for mode in CHOICES["parallel.cp_mode"] if cp > 1 else (cfg.parallel.cp_mode,):
-                    yield tp, pp, cp, mode
-
-
-def layouts(cfg: Config, world_size: int, schedules: tuple[tuple[str, int], ...] | None = None,
-            refused: list[tuple[Layout, str]] | None = None, offload: str | None = None):
-    """Every valid (tp, pp, dp, cp, cp mode, dp mode, micro-batch size, activation checkpointing, schedule) of
-    ``cfg`` on ``world_size`` ranks, as configs. ``schedules``: (schedule, virtual stages) pairs to try (default: the
-    config's; engine.planning.schedules.SEARCHED is every one), the first alone at pp = 1 where no pipeline
-    runs. Validity is engine.parallel.support.resolve_layout's ((tp, pp, dp), message of each refusal go to
-    ``refused``); at
-    dp = 1 only ddp (sharding over one rank changes nothing). ``offload``: dp_modes' (default the config's
-    parallel.offload)."""
-    gbs = cfg.train.global_batch_size
-    schedules = schedules or ((cfg.parallel.schedule, cfg.parallel.virtual_stages),)
-    for tp, pp, cp, cp_mode in _axes(cfg, world_size):
-        dp = world_size // (tp * pp * cp)
-        if gbs % dp:
-            continue
-        for schedule, v in schedules[:1] if pp == 1 else schedules:
-            # chunked schedules (interleaved, zbv) split the layers evenly; other pp keep no pp_layers of another pp
-            # (auto is a rule, not counts: it balances every pp)
-            same = pp == cfg.parallel.pp or cfg.parallel.pp_layers == "auto"
-            pp_layers = cfg.parallel.pp_layers if same and SCHEDULES[schedule].per_rank(v) == 1 else []
-            for mbs in _divisors(gbs // dp):
-                for mode, stage, reshard, off in dp_modes(offload or cfg.parallel.offload, dp * cp):
-                    for ac in ("none", "full", "selective"):
-                        c = with_layout(cfg, tp=tp, pp=pp, dp=dp, cp=cp, cp_mode=cp_mode, dp_mode=mode,
-                                        zero_stage=stage, reshard_after_forward=reshard, offload=off,
-                                        pp_layers=pp_layers,
-                                        micro_batch_size=mbs, activation_checkpointing=ac, schedule=schedule,
-                                        virtual_stages=v)
-                        try:
-                            # the dp-mode refusals first: resolve_layout's schedule check builds a table
-                            check_supported(c, Layout(tp=tp, pp=pp, dp=dp, cp=cp))
-                            layout = resolve_layout(c, world_size)  # refuses unsupported combinations too
-                        except ConfigError as e:
-                            if refused is not None:
-                                refused.append((Layout(tp=tp, pp=pp, dp=dp, cp=cp), str(e)))
-                            continue
-                        yield c, layout
+                "ep_comm_s": self.time.ep_comm, "fits": self.fits}
 
 
 def search(cfg: Config, world_size: int, hw: Hardware, schedules: tuple[tuple[str, int], ...] | None = None,

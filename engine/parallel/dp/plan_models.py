@@ -12,7 +12,9 @@ gradient bucket); ``offloaded(local, parts)`` -> (weights, grads, optimizer, ste
 ``shards`` (sharding over one rank changes nothing, so the search tries only non-sharding modes at dp = 1),
 ``grads_whole_step`` (gradients held from the first backward to the step), ``per_tensor_step`` (AdamW's fp32 step
 counter per parameter tensor), ``variants(offload)``: the (zero_stage, reshard_after_forward, offload) it is
-searched with.
+searched with. Under expert parallelism the planner calls the methods once for the dense weights and once for this
+rank's experts with the expert-dp group as ``layout.dp`` (engine/planning/planner.py state_groups); ``experts_overlap``:
+whether the experts' reduction overlaps the backward as the dense one does (ddp: no, it runs after the backward).
 """
 from __future__ import annotations
 
@@ -22,11 +24,18 @@ from engine.planning.planner import model_state_parts
 from engine.planning.search import link_bandwidth, ring_time
 
 
+def group_span(layout) -> int:
+    """Consecutive global ranks the reduction group spans: its dp ranks (dp x cp for the dense weights, ``layout``
+    from planner.data_layout), tp apart, and for the experts (engine/planning/ep.py expert_layout) the expert-dp
+    ranks, ep of those apart."""
+    return layout.tp * layout.dp * layout.ep
+
+
 class TorchAdamWModel:
     """What ddp and fsdp share: torch AdamW on fp32 weights, its foreach temporaries (a sqrt buffer per parameter
     group, ~4 bytes per local parameter, an upper bound for CUDA's fused kernel; the per-tensor loop: ~2 of the
     largest tensor), nothing offloaded, nothing gathered."""
-    shards, grads_whole_step, per_tensor_step = False, False, True
+    shards, grads_whole_step, per_tensor_step, experts_overlap = False, False, True, True
 
     def step_buffers(self, cfg, layout, params: dict, foreach: bool) -> float:
         m = cfg.model
@@ -45,8 +54,9 @@ class TorchAdamWModel:
 
 class DDPModel(TorchAdamWModel):
     """ZeRO stage 0 in fp32; its gradients are views into DDP's buckets, held through the whole step, and its
-    reduction adds no buffer."""
-    grads_whole_step = True
+    reduction adds no buffer. Expert gradients stay out of the buckets: one all-reduce over expert-dp after the
+    backward (engine/parallel/ep/__init__.py reduce_expert_gradients)."""
+    grads_whole_step, experts_overlap = True, False
 
     def variants(self, offload: str) -> list[tuple[int, str, str]]:
         return [(0, "auto", "none")] if offload == "none" else []
@@ -60,7 +70,7 @@ class DDPModel(TorchAdamWModel):
     def dp_comm(self, cfg, layout, hw, params: int, micro_batches: int, compute_mb: float) -> float:
         """Buckets reduce during the last micro-batch's backward (~2/3 of its compute); the last bucket's all-reduce
         starts only when backward ends."""
-        d, bw, lat = layout.dp, link_bandwidth(hw, layout.tp * layout.dp), hw.latency_us
+        d, bw, lat = layout.dp, link_bandwidth(hw, group_span(layout)), hw.latency_us
         grads = 4.0 * params
         bucket = min(grads, cfg.parallel.bucket_mb * 2**20)
         return max(ring_time(grads, d, 2, bw, lat) - 2.0 / 3.0 * compute_mb, ring_time(bucket, d, 2, bw, lat))
@@ -105,7 +115,7 @@ class FSDPModel(TorchAdamWModel):
     def dp_comm(self, cfg, layout, hw, params: int, micro_batches: int, compute_mb: float) -> float:
         """An all-gather per micro-batch forward (and backward with resharding) that prefetch overlaps with compute,
         and the last micro-batch's gradient reduce-scatter."""
-        d, bw, lat = layout.dp, link_bandwidth(hw, layout.tp * layout.dp), hw.latency_us
+        d, bw, lat = layout.dp, link_bandwidth(hw, group_span(layout)), hw.latency_us
         weights = (2.0 if cfg.train.dtype == "bf16" else 4.0) * params
         gathers = 1 + reshard_after_forward(cfg, layout.pp)
         hidden = max(0.0, gathers * ring_time(weights, d, 1, bw, lat) - compute_mb)
@@ -115,7 +125,7 @@ class FSDPModel(TorchAdamWModel):
 class ZeroModel:
     """DeepSpeed ZeRO stage k with its fp32 master copy (K = 12; bf16 weights and fp32 gradients in bf16 runs),
     one step counter per flat group, its own buckets (ds_json settings) and its offload (ZeRO-Offload)."""
-    shards, grads_whole_step, per_tensor_step = True, False, False
+    shards, grads_whole_step, per_tensor_step, experts_overlap = True, False, False, True
 
     def variants(self, offload: str) -> list[tuple[int, str, str]]:
         stages = {"none": (1, 2, 3), "optimizer": (1, 2, 3), "optimizer_and_params": (3,)}.get(offload, ())
@@ -165,7 +175,7 @@ class ZeroModel:
     def dp_comm(self, cfg, layout, hw, params: int, micro_batches: int, compute_mb: float) -> float:
         """Stage 1 all-reduces gradients once, stage 2 reduce-scatters every micro-batch, stage 3 also all-gathers
         weights forward and backward; stages 1-2 all-gather the updated weights (overlap_comm off)."""
-        d, bw, lat, stage = layout.dp, link_bandwidth(hw, layout.tp * layout.dp), hw.latency_us, cfg.parallel.zero_stage
+        d, bw, lat, stage = layout.dp, link_bandwidth(hw, group_span(layout)), hw.latency_us, cfg.parallel.zero_stage
         grads, weights = 4.0 * params, (2.0 if cfg.train.dtype == "bf16" else 4.0) * params
         reduce = ring_time(grads, d, 2, bw, lat) if stage == 1 else micro_batches * ring_time(grads, d, 1, bw, lat)
         gather = ring_time(weights, d, 1, bw, lat) * (2 * micro_batches if stage == 3 else 1)

@@ -1,0 +1,91 @@
+"""The layouts the search of engine/planning/search.py tries (launch/plan.py): every (tp, pp, dp, cp, cp mode, ep,
+dp mode, micro-batch size, activation checkpointing, schedule) that engine/parallel/support.py accepts, as configs.
+"""
+from __future__ import annotations
+
+from engine.config import Config, ConfigError
+from engine.config_checks import CHOICES
+from engine.parallel.dp import MODES as DP_MODE_SPECS
+from engine.parallel.schedule import SCHEDULES
+from engine.parallel.support import Layout, check_supported, resolve_layout
+from engine.planning.planner import planner_model, with_layout
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def dp_modes(offload: str, dp: int) -> list[tuple[str, int, str, str]]:
+    """The (dp mode, zero stage, reshard, offload) tried at ``dp`` ranks: each registered mode with a planner model,
+    its variants (engine/parallel/dp/plan_models.py) with parallel.offload ``offload`` ("any": every offload but
+    none). Offload is tried only where no layout fits without it (or the config asks for it): on a GPU it trades
+    host copies and a host Adam step for device memory. At dp = 1 only modes that do not shard (sharding over one
+    rank changes nothing)."""
+    out = []
+    for name, spec in DP_MODE_SPECS.items():
+        model = planner_model(name) if spec.planner else None
+        if model is None or (dp == 1 and offload == "none" and model.shards):
+            continue
+        for wanted in (["optimizer", "optimizer_and_params"] if offload == "any" else [offload]):
+            out += [(name, *v) for v in model.variants(wanted)]
+    return out
+
+
+def _axes(cfg: Config, world_size: int):
+    """(tp, pp, cp, cp mode) to try: cp a power of two (each rank takes 2 of 2 cp chunks, so seq_len must split),
+    both cp modes where cp > 1 (all_to_all only where the heads divide: resolve_layout refuses the rest), the
+    config's cp_mode at cp = 1 where no mode applies."""
+    for tp in _divisors(world_size):
+        for pp in _divisors(world_size // tp):
+            for cp in _divisors(world_size // (tp * pp)):
+                if cp & (cp - 1) or cfg.train.seq_len % (2 * cp):
+                    continue
+                for mode in CHOICES["parallel.cp_mode"] if cp > 1 else (cfg.parallel.cp_mode,):
+                    yield tp, pp, cp, mode
+
+
+def _ep_sizes(cfg: Config, dp: int) -> list[int]:
+    """Expert-parallel sizes to try at ``dp`` data-parallel ranks (dp x cp: the ranks that hold the same dense
+    weights): those dividing both it and model.num_experts (resolve_layout refuses what this build cannot run);
+    1 for a dense model."""
+    return [ep for ep in _divisors(dp) if cfg.model.num_experts % ep == 0] if cfg.model.num_experts else [1]
+
+
+def layouts(cfg: Config, world_size: int, schedules: tuple[tuple[str, int], ...] | None = None,
+            refused: list[tuple[Layout, str]] | None = None, offload: str | None = None):
+    """Every valid (tp, pp, dp, cp, cp mode, ep, dp mode, micro-batch size, activation checkpointing, schedule) of
+    ``cfg`` on ``world_size`` ranks, as configs. ``schedules``: (schedule, virtual stages) pairs to try (default: the
+    config's; engine.planning.schedules.SEARCHED is every one), the first alone at pp = 1 where no pipeline
+    runs. Validity is engine.parallel.support.resolve_layout's ((tp, pp, dp), message of each refusal go to
+    ``refused``); at
+    dp = 1 only ddp (sharding over one rank changes nothing). ``offload``: dp_modes' (default the config's
+    parallel.offload)."""
+    gbs = cfg.train.global_batch_size
+    schedules = schedules or ((cfg.parallel.schedule, cfg.parallel.virtual_stages),)
+    for tp, pp, cp, cp_mode in _axes(cfg, world_size):
+        dp = world_size // (tp * pp * cp)
+        if gbs % dp:
+            continue
+        for schedule, v in schedules[:1] if pp == 1 else schedules:
+            # chunked schedules (interleaved, zbv) split the layers evenly; other pp keep no pp_layers of another pp
+            # (auto is a rule, not counts: it balances every pp)
+            same = pp == cfg.parallel.pp or cfg.parallel.pp_layers == "auto"
+            pp_layers = cfg.parallel.pp_layers if same and SCHEDULES[schedule].per_rank(v) == 1 else []
+            for mbs, ep in ((mbs, ep) for mbs in _divisors(gbs // dp) for ep in _ep_sizes(cfg, dp * cp)):
+                for mode, stage, reshard, off in dp_modes(offload or cfg.parallel.offload, dp * cp):
+                    for ac in ("none", "full", "selective"):
+                        c = with_layout(cfg, tp=tp, pp=pp, dp=dp, cp=cp, cp_mode=cp_mode, ep=ep, dp_mode=mode,
+                                        zero_stage=stage, reshard_after_forward=reshard, offload=off,
+                                        pp_layers=pp_layers,
+                                        micro_batch_size=mbs, activation_checkpointing=ac, schedule=schedule,
+                                        virtual_stages=v)
+                        asked = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)
+                        try:
+                            # the dp-mode refusals first: resolve_layout's schedule check builds a table
+                            check_supported(c, asked)
+                            layout = resolve_layout(c, world_size)  # refuses unsupported combinations too
+                        except ConfigError as e:
+                            if refused is not None:
+                                refused.append((asked, str(e)))
+                            continue
+                        yield c, layout
