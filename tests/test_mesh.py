@@ -128,11 +128,12 @@ def _ep_context(ep: int) -> dict:
     ctx = ParallelContext.from_config(cfg)
     ranks = {n: None if ctx.group(n) is None else dist.get_process_group_ranks(ctx.group(n)) for n in ("ep", "edp")}
     return {**ranks, "sizes": (ctx.size("ep"), ctx.size("edp")), "at": (ctx.axis_rank("ep"), ctx.axis_rank("edp")),
-            "along": (ctx.ranks_along("ep"), ctx.ranks_along("edp"))}
+            "along": (ctx.ranks_along("ep"), ctx.ranks_along("edp")),
+            "mesh": ctx.mesh_for("edp").mesh.tolist()}  # what fsdp shards the experts over: the edp group
 
 
 def test_context_builds_ep_and_expert_dp_groups_at_world_4():
     for rank, got in enumerate(run_ranks(_ep_context, 4, 2, timeout_s=300)):
         ep_group, edp_group = [rank // 2 * 2, rank // 2 * 2 + 1], [rank % 2, rank % 2 + 2]
         assert got == {"ep": ep_group, "edp": edp_group, "sizes": (2, 2), "at": (rank % 2, rank // 2),
-                       "along": (ep_group, edp_group)}, rank
+                       "along": (ep_group, edp_group), "mesh": edp_group}, rank

@@ -107,11 +107,14 @@ class TorchState(CheckpointState):
     def held(self, p: nn.Parameter, numel: int) -> tuple[int, int]:
         if not self.fsdp:
             return 0, numel
-        rows = p.shape[0]  # FSDP2 chunks dim 0 like torch.chunk: ceil(rows / dp) rows per rank, the last fewer
-        per = -(-rows // self.ctx.grad_size)  # FSDP shards over dp x cp (ctx.grad_mesh)
-        first = min(self.ctx.grad_rank * per, rows)
+        # FSDP shards over dp x cp (ctx.grad_mesh), an expert-parallel weight over its expert-dp group (fsdp.py)
+        size, rank = (self.ctx.size("edp"), self.ctx.axis_rank("edp")) if id(p) in self.experts else \
+            (self.ctx.grad_size, self.ctx.grad_rank)
+        rows = p.shape[0]  # FSDP2 chunks dim 0 like torch.chunk: ceil(rows / size) rows per rank, the last fewer
+        per = -(-rows // size)
+        first = min(rank * per, rows)
         if _local(p).shape[0] != min(per, rows - first):
-            raise RuntimeError(f"unexpected FSDP shard of {tuple(p.shape)} on dp x cp rank {self.ctx.grad_rank}: "
+            raise RuntimeError(f"unexpected FSDP shard of {tuple(p.shape)} on rank {rank} of {size}: "
                                f"{tuple(_local(p).shape)}")  # FSDP2 changed its sharding: a bug here
         row = numel // rows if rows else 0
         return first * row, (first + _local(p).shape[0]) * row

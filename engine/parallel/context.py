@@ -107,9 +107,18 @@ class ParallelContext:
         # and two collectives in flight on one gloo group can pair up in different orders on different ranks.
         ep = getattr(layout, "ep", 1)
         self._split = dict(zip(("ep", "edp"), self.named_mesh.split_along("dp", ep, self.rank)))
-        for name, lists in zip(("ep", "edp"), self.named_mesh.split_groups("dp", ep)):
+        split = dict(zip(("ep", "edp"), self.named_mesh.split_groups("dp", ep)))
+        for name, lists in split.items():
             self._groups[name] = (self.group("dp") if ep == 1 and name == "edp" else
                                   _member_group(lists, self.rank, timeout) if len(lists[0]) > 1 else None)
+        # Named DeviceMeshes besides grad_mesh: "edp", the expert-dp ranks FSDP shards the experts over (dp/fsdp.py),
+        # one 1-D mesh per expert-dp group, built from the group's own rank list (whatever axes ep is carved from);
+        # at expert-dp size 1 (ep = dp) a group of one, so that every expert unit has a mesh
+        self._meshes = {"dp_cp": self.grad_mesh}
+        if ep > 1:
+            edp = self._groups["edp"] or _member_group(split["edp"], self.rank, timeout)
+            self._meshes["edp"] = DeviceMesh.from_group(edp, device.type, mesh=self._split["edp"],
+                                                        mesh_dim_names=("edp",))
 
     # ---- by name (every consumer; adding an axis adds a name, not a method) ------------------------------------
     def group(self, name: str):
@@ -118,6 +127,12 @@ class ParallelContext:
         if name not in self._groups:
             raise KeyError(f"no group {name!r}; the groups are {', '.join(self._groups)}")
         return self._groups[name]
+
+    def mesh_for(self, name: str) -> DeviceMesh:
+        """The DeviceMesh of group ``name``: "dp_cp" (``grad_mesh``) or "edp" (the expert-dp group; ep > 1 only)."""
+        if name not in self._meshes:
+            raise KeyError(f"no mesh {name!r}; the meshes are {', '.join(self._meshes)}")
+        return self._meshes[name]
 
     def axis_rank(self, axis: str) -> int:
         """This rank's index along ``axis`` (``ctx.rank`` stays the global rank), or in the ep / edp group."""

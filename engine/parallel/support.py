@@ -115,8 +115,9 @@ def check_expert_parallel(cfg: Config, dp: int) -> None:
     if experts % ep:
         raise ConfigError(f"parallel.ep={ep} must divide model.num_experts={experts}")
     if not dp_modes.spec(cfg).expert_parallel:
-        raise ConfigError(f"parallel.ep={ep} with parallel.dp_mode={mode} is not supported (only {able} reduces "
-                          f"expert gradients over the expert-dp group in this build); use dp_mode={able} or ep=1")
+        why = dp_modes.spec(cfg).ep_refusal or f"only {able} reduce expert gradients over the expert-dp group"
+        raise ConfigError(f"parallel.ep={ep} with parallel.dp_mode={mode} is not supported ({why}); use "
+                          f"dp_mode={able} or ep=1")
 
 
 def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:

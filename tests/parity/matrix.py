@@ -14,7 +14,7 @@ One ``Combo`` is a point of the product of these factors (``FACTORS``):
     cp in {1, 2, 4} (tp * pp * dp * cp <= 8), cp_mode: ring | all_to_all (only with cp > 1; "-" at cp = 1)
     model: dense | moe (runner.BASE as a Mixtral of 4 experts, top 2, aux and z losses on: MOE_ARGS; tp = 1 only,
            the experts are not tensor-parallel)
-    ep: 1 | 2 | 4 (parallel.ep, expert parallelism: moe only, ep dividing dp; ep > 1 with ddp only, EP_DP_MODE)
+    ep: 1 | 2 | 4 (parallel.ep, expert parallelism: moe only, ep dividing dp; ep > 1 with ddp and fsdp, EP_DP_MODE)
 
 ``refusal(combo)`` states, independently of the engine's own checks, which combinations the engine must refuse and
 with which words; the tests check that the engine gives exactly that error, so an accidental refusal or an
@@ -177,8 +177,8 @@ MOE_CP = ("MoE with cp > 1: the router's load-balancing statistics are per micro
           "is not supported: the load-balancing loss")
 
 
-EP_DP_MODE = ("ep > 1 with fsdp or zero: only ddp reduces the expert gradients over the expert-dp group in this "
-              "build", "is not supported (only ddp reduces expert gradients over the expert-dp group")
+EP_DP_MODE = ("ep > 1 with zero: DeepSpeed's flat buffers partition every parameter over the whole dp group, while "
+              "the experts differ between ep ranks", "is not supported (DeepSpeed's flat buffers partition every")
 
 
 def refusal(c: Combo) -> tuple[str, str] | None:
@@ -189,7 +189,7 @@ def refusal(c: Combo) -> tuple[str, str] | None:
         return MOE_CP
     if c.cp > 1 and c.cp_mode == "all_to_all" and 4 % (c.cp * c.tp):
         return CP_HEADS
-    if c.ep > 1 and c.dp_mode != "ddp":
+    if c.ep > 1 and c.dp_mode.startswith("zero"):
         return EP_DP_MODE
     if c.model == "moe" and c.tp > 1:
         return MOE_TP

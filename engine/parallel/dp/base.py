@@ -132,9 +132,13 @@ class TorchOptimizerMixin:
     def step(self, lr: float) -> float:
         ctx = self.ctx
         exclude = counted_elsewhere(self.module, self.cfg, ctx)
+        # Each expert counted once. Replicated gradients (ddp): every ep rank holds other experts whole, their
+        # squares summed over ep. Sharded (fsdp): every dp rank holds its own piece of its ep rank's experts (one
+        # expert-dp shard), so the sum of local squares over dp x cp, as for the dense shards, covers them once.
+        experts = () if self.sharded_grads else tuple(p for _, p in expert_parameters(self.module))
         norm = clip_gradients(self.module, self.cfg.train.grad_clip, ctx.tp_rank, ctx.mp_group, exclude,
                               dp_group=ctx.grad_group if self.sharded_grads else None, device=ctx.device,
-                              experts=tuple(p for _, p in expert_parameters(self.module)), ep_group=ctx.group("ep"))
+                              experts=experts, ep_group=ctx.group("ep") if experts else None)
         if math.isfinite(norm):
             set_lr(self.optimizer, lr)
             self.optimizer.step()

@@ -5,6 +5,8 @@
   ``parallel.offload=optimizer_and_params``: FSDP2's CPUOffloadPolicy keeps the sharded weights, gradients and
   AdamW state in host memory and steps there (ZeRO-Offload's idea, Ren et al. 2021); each unit's shard is copied
   to the device for its all-gather and its reduced gradient back to the host.
+  Expert parallelism (parallel.ep > 1): each MoE layer's experts are a unit of their own over the expert-dp mesh,
+  sharded before their layer's unit (``shard_experts``).
 """
 from __future__ import annotations
 
@@ -16,28 +18,50 @@ from engine.checkpoint.state import TorchState
 from engine.config import Config
 from engine.internals import private
 from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin
+from engine.parallel.ep import expert_grad_divisor
+from engine.parallel.ep.dispatch import ExpertParallelExperts
 from engine.parallel.support import reshard_after_forward
 from engine.parallel.schedule import chunking
 from engine.parallel.virtual import model_chunks
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool, bf16: bool,
-               offload: OffloadPolicy | None = None, roots: list[nn.Module] | None = None) -> nn.Module:
+               offload: OffloadPolicy | None = None, roots: list[nn.Module] | None = None,
+               experts: tuple | None = None) -> nn.Module:
     """Shard the (materialised, identically initialised) stage over ``dp_mesh``, one FSDP unit per decoder layer.
     With ``bf16`` the gathered weights are bf16 and gradients are reduced in fp32 (MixedPrecisionPolicy);
     ``offload``: CPUOffloadPolicy, or None to keep everything on the device. ``roots``: the modules run as the
     stage's virtual stages (engine/parallel/virtual.py model_chunks; default the stage itself), each a root unit
-    over its own layers, as torchtitan shards each pipeline model part separately."""
+    over its own layers, as torchtitan shards each pipeline model part separately. ``experts``: (expert-dp mesh,
+    gradient divisor) under expert parallelism (``shard_experts``)."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
     kw = {"mp_policy": policy, "offload_policy": offload or OffloadPolicy()}
     for layer in model.model.layers.values():
+        if experts is not None:  # before its layer: the layer's unit then leaves the experts' weights out
+            shard_experts(layer, *experts, reshard_after_forward=reshard_after_forward, **kw)
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kw)
     # A root unit holds the embedding, final norm and LM head of its chunk; it is needed again right after
     # forward (the backward starts there), so it is never resharded after forward.
     for root in roots or [model]:
         fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, **kw)
     return model
+
+
+def shard_experts(layer: nn.Module, edp_mesh, divisor: int, **kw) -> None:
+    """Each expert-parallel experts module of ``layer`` its own FSDP unit over the expert-dp mesh (the ranks holding
+    the same experts), as torchtitan shards MoE experts over its "dp_shard_mod_ep" mesh. Its reduce-scatter must
+    sum over expert-dp and divide by dp (engine/parallel/ep/__init__.py, the loss is averaged over dp): FSDP would
+    average over its own mesh (edp = dp / ep ranks), ep times too large. Over several ranks summed, then divided
+    after the collective (force_sum: gloo has no PREMUL_SUM); over one rank FSDP skips the collective and divides
+    its copy, where force_sum would divide a second time (torch 2.13 foreach_reduce). Unused weights (a rank whose
+    experts got no token) are reduce-scattered as zeros, so every expert-dp rank issues the same collectives."""
+    for module in layer.modules():
+        if isinstance(module, ExpertParallelExperts):
+            fully_shard(module, mesh=edp_mesh, **kw)
+            module.set_gradient_divide_factor(float(divisor))
+            module.set_force_sum_reduction_for_comms(edp_mesh.size() > 1)
+            module.set_reduce_scatter_unused_params(True)
 
 
 class FSDP(TorchOptimizerMixin, DataParallel):
@@ -59,8 +83,9 @@ class FSDP(TorchOptimizerMixin, DataParallel):
         offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") \
             if cfg.parallel.offload == "optimizer_and_params" else None
         self.chunks = model_chunks(model, ctx.pp, ctx.pp_rank, *chunking(cfg.parallel))
-        self.module = apply_fsdp(model, ctx.grad_mesh, reshard_after_forward(cfg, ctx.pp), cfg.train.dtype == "bf16",
-                                 offload, self.chunks)
+        experts = (ctx.mesh_for("edp"), expert_grad_divisor(ctx)) if ctx.size("ep") > 1 else None
+        self.module = apply_fsdp(model, ctx.mesh_for("dp_cp"), reshard_after_forward(cfg, ctx.pp),
+                                 cfg.train.dtype == "bf16", offload, self.chunks, experts)
         self._build_optimizer()  # on the host shards under offload: torch's foreach AdamW steps there
 
     def forward(self, x, chunk: int = 0, **kwargs):

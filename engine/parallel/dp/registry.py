@@ -25,7 +25,8 @@ class DpModeSpec:
     refusals of (cfg, layout) (engine/parallel/support.py calls it). ``grad_syncs``: the sync points it can follow
     (engine/parallel/actions.py: a schedule needing another is refused). ``offload``: the parallel.offload values
     it honours. ``compile``: whether train.compile runs under it. ``expert_parallel``: whether it reduces expert
-    gradients over the expert-dp group (parallel.ep > 1, engine/parallel/ep/). ``bf16_weights``: train.dtype=bf16
+    gradients over the expert-dp group (parallel.ep > 1, engine/parallel/ep/); ``ep_refusal``: why not, where it does not.
+    ``bf16_weights``: train.dtype=bf16
     computes on bf16 weights (else autocast over fp32 weights: engine/planning/activations.py picks its ledger by
     this)."""
     name: str
@@ -40,6 +41,7 @@ class DpModeSpec:
     offload: tuple[str, ...] = ("none",)
     compile: bool = True
     expert_parallel: bool = False
+    ep_refusal: str = ""
     bf16_weights: bool = False
 
 

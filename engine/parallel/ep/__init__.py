@@ -10,7 +10,8 @@ and combine). The router and everything else stay replicated over dp.
 Gradients: the loss is the mean over the dp ranks of each rank's loss L_r, so the gradient of an expert weight is
 (1/dp) sum_r dL_r/dW. Backward through the combine and dispatch already sums over the ep group the terms of the
 ranks that sent it tokens; summing that over the expert-dp group (the dp / ep ranks holding the same experts) and
-dividing by dp completes it (``reduce_expert_gradients``). Dense gradients are averaged over dp as before. The
+dividing by dp completes it (``reduce_expert_gradients`` under ddp; under fsdp each MoE layer's experts are an
+FSDP unit over the expert-dp mesh whose reduce-scatter sums and divides by the same, engine/parallel/dp/fsdp.py). Dense gradients are averaged over dp as before. The
 gradient norm counts each expert once: the squares of the expert gradients are summed over the ep group.
 """
 from __future__ import annotations
@@ -47,6 +48,12 @@ def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
             for attr, p in m.named_parameters(recurse=False)]
 
 
+def expert_grad_divisor(ctx) -> int:
+    """What the expert gradients summed over expert-dp are divided by: dp, the ranks the loss is averaged over
+    (module docstring); FSDP's expert units divide by it too (engine/parallel/dp/fsdp.py)."""
+    return ctx.size("dp")
+
+
 def reduce_expert_gradients(model: nn.Module, ctx) -> None:
     """Sum expert gradients over the expert-dp group and divide by dp (module docstring). A rank whose experts got
     no token has no gradient: zeros, so every rank issues the same collectives."""
@@ -60,6 +67,6 @@ def reduce_expert_gradients(model: nn.Module, ctx) -> None:
     group = ctx.group("edp")
     if group is not None:
         dist.all_reduce(flat, group=group)
-    flat.div_(ctx.size("dp"))
+    flat.div_(expert_grad_divisor(ctx))
     for p, part in zip(params, flat.split([p.numel() for p in params])):
         p.grad.copy_(part.view_as(p.grad))
