@@ -96,15 +96,6 @@ def test_import_pp2_train_export(family, tmp_path):
     assert max_rel(one["trained"], one["logits"]) > 1e-3  # training moved the weights that came back
 
 
-def test_tensor_parallel_moe_is_refused_in_one_line(tmp_path):
-    from engine.parallel.support import resolve_layout
-
-    cfg = load(["--config", "configs/tiny-moe.yaml", "--parallel.tp", "2"])
-    with pytest.raises(ConfigError, match=r"^parallel.tp=2 with model.num_experts=8 is not supported: the "
-                                          r"experts and router are not tensor-parallel; use tp=1"):
-        resolve_layout(cfg, 2)
-
-
 def test_what_the_moe_block_does_not_compute_is_refused_naming_the_key():
     from engine.checkpoint.format import CheckpointError
 
