@@ -81,6 +81,11 @@ def test_tp2_step_equals_tp1_in_loss_and_every_gradient(family, sp):
             assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in errors
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return runner.run_group(1, [[*BASE, "--train.out_dir", str(tmp_path_factory.mktemp("ref"))]], want_init=True)[0][0]
+
+
 def test_resume_from_tp2_ep2_at_tp1_and_at_tp2_ep1_matches_the_uninterrupted_run(reference, tmp_path):
     """Save every step at tp 2 x ep 2 (dp 2); resume its step 1 at tp 1 (one process) and its step 2 at tp 2 ep 1."""
     def hop(world, extra, name, resume):
