@@ -22,6 +22,7 @@ from engine.model.fused import by_hf_name
 from engine.model.init import materialize
 from engine.model.moe import moe_blocks
 from engine.parallel.support import resolve_layout
+from engine.planning.planner import stage_params
 from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 from tests.dist import run_ranks
 from tests.test_ep import BASE, resume_hop
@@ -79,6 +80,21 @@ def test_tp2_step_equals_tp1_in_loss_and_every_gradient(family, sp):
         if family == "mixtral":  # the names compared include the router and each expert's pieces
             assert "model.layers.0.block_sparse_moe.gate.weight" in errors
             assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in errors
+
+
+def _held(family: str) -> tuple[int, int]:
+    """Rank function: (parameters this tp rank holds of the whole model, what the planner says it holds)."""
+    cfg = load(["--config", "configs/tiny.yaml", "--parallel.tp", "2"])
+    cfg.model = FAMILIES[family]
+    model = apply_tensor_parallel(model_lib.build(cfg.model), dist.group.WORLD)
+    planned = stage_params(cfg, 2, 1, 0)
+    return model_lib.count_params(model), planned["layers"] + planned["root"]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_planner_counts_the_parameters_a_tp_rank_holds(family):
+    for held, planned in run_ranks(_held, 2, family, timeout_s=300):
+        assert held == planned, family
 
 
 @pytest.fixture(scope="module")
