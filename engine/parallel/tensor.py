@@ -199,6 +199,8 @@ def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = 
     """Swap the Llama model's linears and embedding for their tensor-parallel versions, in place; with
     ``sequence_parallel`` also the norms, and the stage's input and output become (b, s/tp, h).
 
+    An MoE layer's experts and OLMoE's q/k norms are split by engine/parallel/moe_tp.py (experts tp-sharded, router
+    replicated), its shared expert here like the MLP.
     Call on the meta-device model before materialising (engine.model.init.materialize). Tied embeddings stay tied: the
     embedding and the LM head are sharded the same way (vocab rows). A tp group of size 1 leaves the model as is.
     """
