@@ -79,7 +79,7 @@ def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = (),
     ``exclude``: parameters counted elsewhere (the last stage's copy of a tied embedding).
     ``dp_group``: set when gradients are sharded over dp (FSDP); each rank then holds a different part.
     ``experts``: expert-parallel weights (engine/parallel/ep/), each ep rank holding other experts: their squares
-    are summed over ``ep_group`` (counted on tp rank 0: experts are replicated over tp).
+    are summed over ``ep_group`` (then over tp x pp with the rest: tp-sharded experts count on every tp rank).
     ``device``: where the norm is reduced (the context's device: NCCL reduces only device tensors, and under FSDP's
     CPU offload the gradients are on the host); default the parameters' device.
     """
@@ -88,8 +88,9 @@ def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = (),
     for module, attr, p in unique_params(model):
         if p.grad is None or id(p) in skip:
             continue
-        if id(p) in expert_ids:
-            expert.append(_local(p.grad).detach())
+        if id(p) in expert_ids:  # tp-replicated: counted on tp rank 0; tp-sharded (moe_tp.py): on every rank
+            if tp_rank == 0 or tp_dim(module, attr) is not None:
+                expert.append(_local(p.grad).detach())
             continue
         is_sharded = tp_dim(module, attr) is not None
         (sharded if is_sharded else replicated).append(_local(p.grad).detach())
@@ -100,7 +101,7 @@ def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = (),
     if replicated and tp_rank == 0:
         total = total + sum_of_squares(replicated).to(device)
     if ep_group is not None:  # every ep rank joins, with or without expert gradients
-        spread = sum_of_squares(expert).to(device) if expert and tp_rank == 0 else torch.zeros_like(total)
+        spread = sum_of_squares(expert).to(device) if expert else torch.zeros_like(total)
         dist.all_reduce(spread, group=ep_group)
         total = total + spread
     for g in (group, dp_group):

@@ -184,7 +184,7 @@ class MoE(nn.Module):
         counts = torch.bincount(idx.reshape(-1), minlength=e)  # (E,)
         kept, kept_counts, dropped = self._capacity(order, counts, idx.reshape(-1))
         token = kept // self.k  # (N,) the token of each kept copy
-        y = self.experts(flat[token], kept_counts)
+        y = self.run_experts(flat[token], kept_counts)  # (N, h)
         y = y * weights.reshape(-1)[kept, None].to(y.dtype)  # (N, h) weighted as HF does, after down_proj
         out = torch.zeros_like(flat).index_add_(0, token, y.to(flat.dtype))  # per token: experts in index order
         if self.shared_expert is not None:
@@ -193,6 +193,11 @@ class MoE(nn.Module):
         if self.training and torch.is_grad_enabled():
             out = self._aux_losses(out, logits, counts, dropped)
         return out
+
+    def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (N, h) token copies sorted by expert, counts (E,) -> their (N, h) outputs, before the gate weights. A
+        hook: tensor parallelism wraps it in its collectives (engine/parallel/moe_tp.py)."""
+        return self.experts(x, counts)
 
     def _capacity(self, order: torch.Tensor, counts: torch.Tensor, flat_idx: torch.Tensor):
         """The kept copies (indices into the T k copies, sorted by expert), their counts per expert (E,), and how

@@ -198,6 +198,48 @@ class _SequenceGatheredLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+def split_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's chunk of dim 1: (b, s, ...) -> (b, s/tp, ...). No autograd."""
+    size = _size(group)
+    if size == 1:
+        return x
+    return x.chunk(size, dim=1)[dist.get_rank(group)].contiguous()
+
+
+class _Exchange(torch.autograd.Function):
+    """``forward(x, group)`` forward, ``backward(grad, group)`` backward: a pair of the no-autograd collectives
+    above."""
+
+    @staticmethod
+    def forward(ctx, x, group, forward, backward):
+        ctx.group, ctx.backward = group, backward
+        return forward(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.backward(grad, ctx.group), None, None, None
+
+
+def gather_sequence_for_replicated(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather along the sequence forward, keep this rank's chunk backward: (b, s/tp, h) -> (b, s, h) in front of
+    a block every tp rank runs whole on the whole sequence (the MoE block, engine/parallel/moe_tp.py), whose input
+    gradient is then complete and equal on every rank (Megatron's gather_from_sequence_parallel_region with
+    tensor_parallel_output_grad=False). A reduce-scatter backward would sum tp equal copies."""
+    return x if _size(group) == 1 else _Exchange.apply(x, group, gather_seq, split_seq)
+
+
+def split_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Keep this rank's chunk of the sequence forward, all-gather backward: (b, s, h), equal on every tp rank ->
+    (b, s/tp, h) (Megatron's scatter_to_sequence_parallel_region); each rank's gradient covers only its chunk."""
+    return x if _size(group) == 1 else _Exchange.apply(x, group, split_seq, gather_seq)
+
+
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """S = sum over the group of every rank's x, all-reduced forward and backward: each rank's x feeds every rank's
+    copy of S, so its gradient is the sum of theirs (``g`` after ``f``: a statistic over a tp-split dim)."""
+    return reduce_from_parallel(copy_to_parallel(x, group), group)
+
+
 def gather_from_sequence_parallel(x: torch.Tensor, group) -> torch.Tensor:
     return x if _size(group) == 1 else _GatherFromSequenceParallel.apply(x, group)
 

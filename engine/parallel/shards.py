@@ -19,7 +19,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def tp_dim(module: nn.Module, attr: str) -> int | None:
     """The dim along which ``module.<attr>`` is split over the tp group (the module's ``tp_dims`` record, set by
     engine/parallel/tensor.py), or None when every tp rank holds all of it: a replicated parameter (a norm), or
-    tp = 1."""
+    tp = 1. A module naming its own Hugging Face tensors (``hf_blocks``: stacked experts) gives the dim of each of
+    those (a per-expert (ffn, h) gate is split along 0, its (h, ffn) down along 1), the terms parts are cut in."""
     if getattr(module, "tp_size", 1) <= 1:
         return None
     return getattr(module, "tp_dims", {}).get(attr)

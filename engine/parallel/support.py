@@ -181,9 +181,12 @@ def check_supported(cfg: Config, layout) -> None:
     mode cannot follow (ScheduleSpec.grad_sync against DpModeSpec.grad_syncs), then the mode's own refusals.
     ``layout`` has ``tp``, ``pp``, ``dp``."""
     p, m = cfg.parallel, cfg.model
-    if layout.tp > 1 and m.num_experts:  # (OLMoE's whole-projection q/k norms would need a tp all-reduce too)
-        raise ConfigError(f"parallel.tp={layout.tp} with model.num_experts={m.num_experts} is not supported: the "
-                          f"experts and router are not tensor-parallel; use tp=1 (pp and dp work)")
+    if layout.tp > 1 and m.num_experts:  # experts tp-sharded (engine/parallel/moe_tp.py): their widths split
+        for key, width in (("moe_intermediate_size", m.moe_intermediate_size or m.intermediate_size),
+                           ("moe_shared_expert_size", m.moe_shared_expert_size)):
+            if width % layout.tp:
+                raise ConfigError(f"model.{key}={width} must be divisible by parallel.tp={layout.tp}: each expert's "
+                                  f"SwiGLU width is split over tp")
     schedule, mode = sched.SCHEDULES[p.schedule], dp_modes.spec(cfg)
     if schedule.grad_sync not in mode.grad_syncs:
         modes = " or ".join(name for name, s in dp_modes.MODES.items() if schedule.grad_sync in s.grad_syncs)

@@ -27,10 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.fused import FusedLinear
+from engine.model.moe import MoE
 from engine.model.transformer import RMSNorm, rms_norm
 from engine.parallel.comm import (copy_to_parallel, gather_from_parallel, reduce_from_parallel,
                                   reduce_scatter_to_sequence_parallel, scatter_to_parallel, sequence_gathered_linear)
 from engine.parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: F401 (tensor.vocab_parallel_cross_entropy: the public name)
+from engine.parallel.moe_tp import shard_moe, shard_qk_norms
 from engine.parallel.weight_grad import WeightGradStore, linear_with_deferred_weight
 
 
@@ -197,6 +199,8 @@ def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = 
     """Swap the Llama model's linears and embedding for their tensor-parallel versions, in place; with
     ``sequence_parallel`` also the norms, and the stage's input and output become (b, s/tp, h).
 
+    An MoE layer's experts and OLMoE's q/k norms are split by engine/parallel/moe_tp.py (experts tp-sharded, router
+    replicated), its shared expert here like the MLP.
     Call on the meta-device model before materialising (engine.model.init.materialize). Tied embeddings stay tied: the
     embedding and the LM head are sharded the same way (vocab rows). A tp group of size 1 leaves the model as is.
     """
@@ -206,10 +210,18 @@ def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = 
     sp = sequence_parallel
     decoder = model.model
     for layer in decoder.layers.values():
+        moe = isinstance(layer.mlp, MoE)  # its experts: engine/parallel/moe_tp.py; its shared expert: below
         for path, style in LAYER_PLAN.items():
             parent_name, attr = path.split(".")
-            parent = getattr(layer, parent_name)
-            setattr(parent, attr, _parallel_linear(getattr(parent, attr), style, tp_group, sp))
+            parent, linear_sp = getattr(layer, parent_name), sp
+            if moe and parent_name == "mlp":  # the shared expert sees the block's gathered sequence: no sp
+                parent, linear_sp = parent.shared_expert, False
+            if parent is not None:
+                setattr(parent, attr, _parallel_linear(getattr(parent, attr), style, tp_group, linear_sp))
+        if moe:
+            shard_moe(layer.mlp, tp_group, sp)
+        if layer.self_attn.q_norm is not None:  # OLMoE's whole-projection q/k norms
+            shard_qk_norms(layer.self_attn, tp_group)
         for name in SEQUENCE_PARALLEL_NORMS if sp else ():
             setattr(layer, name, _sequence_parallel_norm(getattr(layer, name), tp_group))
     if sp:

@@ -12,8 +12,8 @@ One ``Combo`` is a point of the product of these factors (``FACTORS``):
     clip: off (train.grad_clip 0) | on (a threshold below the gradient norm, so every step is clipped)
     sp: sequence parallelism off | on (only with tp > 1, where it applies; off at tp = 1)
     cp in {1, 2, 4} (tp * pp * dp * cp <= 8), cp_mode: ring | all_to_all (only with cp > 1; "-" at cp = 1)
-    model: dense | moe (runner.BASE as a Mixtral of 4 experts, top 2, aux and z losses on: MOE_ARGS; tp = 1 only,
-           the experts are not tensor-parallel)
+    model: dense | moe (runner.BASE as a Mixtral of 4 experts, top 2, aux and z losses on: MOE_ARGS; under tp
+           the experts are tp-sharded, engine/parallel/moe_tp.py)
     ep: 1 | 2 | 4 (parallel.ep, expert parallelism: moe only, ep dividing dp; ep > 1 with ddp and fsdp, EP_DP_MODE)
 
 ``refusal(combo)`` states, independently of the engine's own checks, which combinations the engine must refuse and
@@ -171,8 +171,6 @@ CP_HEADS = ("cp_mode all_to_all with cp x tp not dividing the kv heads (runner.B
             "all-to-all takes whole heads", "divisible by cp * tp")
 
 
-MOE_TP = ("MoE with tp > 1: the experts and router are not tensor-parallel (ep = 1 in this build)",
-          "is not supported: the experts and router are not tensor-parallel")
 MOE_CP = ("MoE with cp > 1: the router's load-balancing statistics are per micro-batch, and cp splits one",
           "is not supported: the load-balancing loss")
 
@@ -191,8 +189,6 @@ def refusal(c: Combo) -> tuple[str, str] | None:
         return CP_HEADS
     if c.ep > 1 and c.dp_mode.startswith("zero"):
         return EP_DP_MODE
-    if c.model == "moe" and c.tp > 1:
-        return MOE_TP
     if c.schedule == "zbv" and c.dp_mode.startswith("zero"):
         return ZBV_ZERO
     if c.schedule == "zbv" and c.dp_mode.startswith("fsdp") and c.tied:
