@@ -107,11 +107,7 @@ def test_engine_at_ep_equals_one_process(world, reference, tmp_path):
 def test_resume_across_ep_2_1_4_matches_the_uninterrupted_run(reference, tmp_path):
     """Save every step at ep 2 (dp 2), resume step 1 at ep 1 (dp 2), resume that run's step 2 at ep 4 (dp 4)."""
     def hop(world, extra, name, resume):
-        argv = [*BASE, *extra, "--train.out_dir", str(tmp_path / f"{name}-out"), "--checkpoint.dir",
-                str(tmp_path / name), "--checkpoint.every", "1", "--checkpoint.keep", "0", "--checkpoint.resume", resume]
-        run = runner.run_group(world, [argv])[0]
-        assert "error" not in run[0], run[0]
-        return run
+        return runner.checkpointed_run(world, [*BASE, *extra], tmp_path, name, resume)
     hop(2, ["--parallel.dp", "2", "--parallel.ep", "2"], "a", "none")
     b = hop(2, ["--parallel.dp", "2"], "b", str(tmp_path / "a" / "step_000001"))
     c = hop(4, ["--parallel.dp", "4", "--parallel.ep", "4"], "c", str(tmp_path / "b" / "step_000002"))
@@ -123,7 +119,7 @@ def test_resume_across_ep_2_1_4_matches_the_uninterrupted_run(reference, tmp_pat
 @pytest.mark.parametrize("extra,world,words", [
     (["--model.family", "llama", "--model.num_experts", "0", "--parallel.ep", "2"], 2,
      "parallel.ep=2 needs an MoE model"),
-    (["--parallel.ep", "4"], 2, "parallel.ep=4 must divide dp=2"),
+    (["--parallel.ep", "4"], 2, "parallel.ep=4 must divide dp * cp = 2 * 1 = 2"),
     (["--parallel.ep", "3", "--model.num_experts", "6"], 3, None),
     (["--parallel.ep", "2", "--model.num_experts", "6"], 4, None),
     (["--parallel.ep", "4", "--model.num_experts", "6"], 4, "parallel.ep=4 must divide model.num_experts=6"),

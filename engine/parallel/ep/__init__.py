@@ -1,17 +1,19 @@
 """Expert parallelism (parallel.ep; issue 26): the experts of every MoE layer split over the ep ranks, ep consecutive
-dp ranks (engine/parallel/mesh.py split_along), as Megatron's expert-data-parallel layout does.
+ranks of the data ranks dp x cp in dp-major order (engine/parallel/mesh.py split_along), as Megatron's
+expert-data-parallel layout carves ep from dp x cp.
 
 Applied like tensor parallelism, after the stage split and before materialisation (engine/trainer.py build_model):
 each ep rank keeps experts [e E/ep, (e+1) E/ep) of the stacked (E, ...) weights, a slice of dim 0 with
 ``first_expert`` = e E/ep, so initialisation (engine/model/init.py) and checkpoints see the global per-expert HF
 names, and its ``Experts`` becomes ``ExpertParallelExperts`` (engine/parallel/ep/dispatch.py: all-to-all dispatch
-and combine). The router and everything else stay replicated over dp.
+and combine). The router and everything else stay replicated over dp x cp.
 
-Gradients: the loss is the mean over the dp ranks of each rank's loss L_r, so the gradient of an expert weight is
-(1/dp) sum_r dL_r/dW. Backward through the combine and dispatch already sums over the ep group the terms of the
-ranks that sent it tokens; summing that over the expert-dp group (the dp / ep ranks holding the same experts) and
-dividing by dp completes it (``reduce_expert_gradients``). Dense gradients are averaged over dp as before. The
-gradient norm counts each expert once: the squares of the expert gradients are summed over the ep group.
+Gradients: the loss is the mean over the dp x cp ranks of each rank's loss L_r (a cp rank's L_r is the mean over its
+s/cp tokens of each row; engine/trainer.py mean_over_data), so the gradient of an expert weight is
+(1/(dp cp)) sum_r dL_r/dW. Backward through the combine and dispatch already sums over the ep group the terms of the
+ranks that sent it tokens; summing that over the expert-dp group (the dp cp / ep ranks holding the same experts) and
+dividing by dp cp, the factor the dense gradients get, completes it (``reduce_expert_gradients``). The gradient
+norm counts each expert once: the squares of the expert gradients are summed over the ep group.
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def reduce_expert_gradients(model: nn.Module, ctx) -> None:
-    """Sum expert gradients over the expert-dp group and divide by dp (module docstring). A rank whose experts got
+    """Sum expert gradients over the expert-dp group and divide by dp x cp (module docstring). A rank whose experts got
     no token has no gradient: zeros, so every rank issues the same collectives."""
     params = [p for _, p in expert_parameters(model)]
     if not params:
@@ -60,6 +62,6 @@ def reduce_expert_gradients(model: nn.Module, ctx) -> None:
     group = ctx.group("edp")
     if group is not None:
         dist.all_reduce(flat, group=group)
-    flat.div_(ctx.size("dp"))
+    flat.div_(ctx.grad_size)  # dp * cp: the dense gradients' divisor
     for p, part in zip(params, flat.split([p.numel() for p in params])):
         p.grad.copy_(part.view_as(p.grad))
