@@ -30,7 +30,7 @@ class Layout:
     pp: int
     dp: int
     cp: int = 1
-    ep: int = 1  # expert parallelism: a split of dp (engine/parallel/mesh.py split_along), not a mesh axis
+    ep: int = 1  # expert parallelism: a split of dp x cp (engine/parallel/mesh.py split_along), not a mesh axis
 
     @property
     def axes(self) -> tuple[tuple[str, int], ...]:
