@@ -71,7 +71,7 @@ class ParallelConfig:
     # cp_mode ring (K/V blocks rotate, online softmax) | all_to_all (Ulysses: sequence <-> heads around attention)
     cp: int = 1
     cp_mode: str = "ring"
-    ep: int = 1  # expert parallelism: experts split over ep consecutive dp ranks (MoE models; engine/parallel/ep/)
+    ep: int = 1  # expert parallelism: experts split over ep consecutive dp x cp ranks (MoE models; engine/parallel/ep/)
     dp_mode: str = "ddp"  # ddp | fsdp | zero
     zero_stage: int = 0  # 1..3 with dp_mode=zero
     ds_config: str = ""  # zero: a DeepSpeed JSON merged over the defaults (engine/parallel/dp/ds_json.py); '' none

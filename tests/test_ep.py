@@ -118,16 +118,6 @@ def test_engine_at_ep_equals_one_process(world, reference, tmp_path):
         assert runner.verdict(errors, runner.FP32) is None, (extra, errors)
 
 
-def resume_hop(tmp_path, world: int, extra: list[str], name: str, resume: str) -> list:
-    """One run of BASE + ``extra`` on ``world`` ranks from checkpoint ``resume`` (or none), saving every step under
-    tmp_path/name; its per-rank results."""
-    argv = [*BASE, *extra, "--train.out_dir", str(tmp_path / f"{name}-out"), "--checkpoint.dir",
-            str(tmp_path / name), "--checkpoint.every", "1", "--checkpoint.keep", "0", "--checkpoint.resume", resume]
-    run = runner.run_group(world, [argv])[0]
-    assert "error" not in run[0], run[0]
-    return run
-
-
 @pytest.mark.parametrize("modes", sorted(HOPS))
 def test_resume_across_ep_2_1_4_matches_the_uninterrupted_run(modes, reference, tmp_path):
     """Save every step at ep 2 (dp 2), resume step 1 at ep 1 (dp 2), resume that run's step 2 at ep 4 (dp 4); under
@@ -136,8 +126,8 @@ def test_resume_across_ep_2_1_4_matches_the_uninterrupted_run(modes, reference, 
     runs, resume = [], "none"
     for i, (world, mode, dp, ep) in enumerate(HOPS[modes]):
         name = "abc"[i]
-        runs.append(resume_hop(tmp_path, world, [*mode, "--parallel.dp", str(dp), "--parallel.ep", str(ep)], name,
-                               resume))
+        runs.append(runner.checkpointed_run(world, [*BASE, *mode, "--parallel.dp", str(dp), "--parallel.ep", str(ep)],
+                                            tmp_path, name, resume))
         resume = str(tmp_path / name / f"step_{i + 1:06d}")
     for offset, run in enumerate(runs[1:], start=1):
         errors = runner.compare(run, reference, offset)
@@ -147,7 +137,7 @@ def test_resume_across_ep_2_1_4_matches_the_uninterrupted_run(modes, reference, 
 @pytest.mark.parametrize("extra,world,words", [
     (["--model.family", "llama", "--model.num_experts", "0", "--parallel.ep", "2"], 2,
      "parallel.ep=2 needs an MoE model"),
-    (["--parallel.ep", "4"], 2, "parallel.ep=4 must divide dp=2"),
+    (["--parallel.ep", "4"], 2, "parallel.ep=4 must divide dp * cp = 2 * 1 = 2"),
     (["--parallel.ep", "3", "--model.num_experts", "6"], 3, None),
     (["--parallel.ep", "2", "--model.num_experts", "6"], 4, None),
     (["--parallel.ep", "4", "--model.num_experts", "6"], 4, "parallel.ep=4 must divide model.num_experts=6"),

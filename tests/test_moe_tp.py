@@ -25,7 +25,7 @@ from engine.parallel.support import resolve_layout
 from engine.planning.planner import stage_params
 from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
 from tests.dist import run_ranks
-from tests.test_ep import BASE, resume_hop
+from tests.test_ep import BASE
 from tests.parity import runner
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -105,7 +105,7 @@ def reference(tmp_path_factory):
 def test_resume_from_tp2_ep2_at_tp1_and_at_tp2_ep1_matches_the_uninterrupted_run(reference, tmp_path):
     """Save every step at tp 2 x ep 2 (dp 2); resume its step 1 at tp 1 (one process) and its step 2 at tp 2 ep 1."""
     def hop(world, extra, name, resume):
-        return resume_hop(tmp_path, world, extra, name, resume)
+        return runner.checkpointed_run(world, [*BASE, *extra], tmp_path, name, resume)
     a = hop(4, ["--parallel.tp", "2", "--parallel.dp", "2", "--parallel.ep", "2", "--parallel.sequence_parallel",
                 "true"], "a", "none")
     b = hop(1, [], "b", str(tmp_path / "a" / "step_000001"))

@@ -1,11 +1,13 @@
 """The step's mixture-of-experts metrics (engine/model/moe.py records them per layer and micro-batch):
 
 - ``moe_aux_loss`` / ``moe_z_loss``: the load-balancing and router z-losses of the step, each the mean over MoE
-  layers, micro-batches and dp ranks of the per-micro-batch value (what the gradient minimises, times its coef);
+  layers, micro-batches and dp x cp ranks of the per-micro-batch value (what the gradient minimises, times its
+  coef; under cp each rank's value averages to the micro-batch's: engine/model/moe.py);
 - ``moe_tokens_per_expert_min`` / ``_max`` / ``_cv``: token copies each expert received in the step, summed over
-  MoE layers, micro-batches and dp ranks, and their coefficient of variation (std / mean over experts; 0 = even);
+  MoE layers, micro-batches and dp x cp ranks (each cp rank counts its own tokens), and their coefficient of
+  variation (std / mean over experts; 0 = even);
 - ``moe_dropped_tokens``: token copies over capacity (model.moe_capacity_factor), summed likewise; 0 when dropless.
-Sums over pipeline stages (each holds its own layers) and dp ranks: one all-reduce each of E + 3 numbers.
+Sums over pipeline stages (each holds its own layers) and dp x cp ranks: one all-reduce each of E + 3 numbers.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def weigh_losses(model: nn.Module, cfg: Config, micro_batches: int) -> None:
 
 
 def collect(model: nn.Module, cfg: Config, ctx, micro_batches: int) -> dict:
-    """The step's MoE metrics, the same on every rank; clears the blocks' records. Collective over pp and dp."""
+    """The step's MoE metrics, the same on every rank; clears the blocks' records. Collective over pp and dp x cp."""
     m = cfg.model
     sums = torch.zeros(3 + m.num_experts, dtype=torch.float64, device=ctx.device)  # aux, z, dropped, counts (E,)
     for block in moe_blocks(model):
@@ -34,11 +36,11 @@ def collect(model: nn.Module, cfg: Config, ctx, micro_batches: int) -> dict:
             sums[2] += r["dropped"]
             sums[3:] += r["counts"].double()
         block.records.clear()
-    for size, group in ((ctx.pp, ctx.pp_group), (ctx.dp, ctx.dp_group)):
+    for size, group in ((ctx.pp, ctx.pp_group), (ctx.grad_size, ctx.grad_group)):
         if size > 1:
             dist.all_reduce(sums, group=group)
     layers = sum(is_moe_layer(m, i) for i in range(m.num_layers))
-    mean_over = layers * micro_batches * ctx.dp
+    mean_over = layers * micro_batches * ctx.grad_size  # a cp rank's aux and z average to the micro-batch's
     counts = sums[3:]
     return {"moe_aux_loss": (sums[0] / mean_over).item(), "moe_z_loss": (sums[1] / mean_over).item(),
             "moe_tokens_per_expert_min": int(counts.min()), "moe_tokens_per_expert_max": int(counts.max()),

@@ -26,6 +26,13 @@ their gradient enters backward through ``_AddLossGrad`` with weight coef / (moe 
 by the gradient average, of the per-micro-batch losses) - Megatron's micro-batch-level aux loss; summing f and P
 over the whole global batch would need every micro-batch's forward before the first backward, which pipeline
 schedules do not allow. The values are recorded (``records``) for engine/metrics/moe.py.
+
+Under context parallelism a rank holds T/cp of the micro-batch's T tokens. f must be the micro-batch's: the counts
+are summed over the cp ranks in forward (no gradient) by ``micro_batch_counts``, a hook engine/parallel/cp/ gives
+the block (None: this rank holds the whole micro-batch). P_i and z are means over tokens, linear in them: each rank
+takes its own T/cp tokens' mean, so its aux E sum_i f_i P_i^rank and its z average over the cp ranks to one
+process's values, and the gradients, averaged over dp x cp as the cross-entropy's are (each cp rank's CE is the
+mean over its T/cp tokens), equal one process's.
 """
 from __future__ import annotations
 
@@ -173,6 +180,8 @@ class MoE(nn.Module):
         self.aux_coef = self.z_coef = 0.0
         self.loss_scale = 1.0
         self.records: list[dict] = []  # per training forward: aux, z (detached), tokens per expert, dropped
+        # (counts (E,), T) of this rank -> the micro-batch's; set under cp > 1 (engine/parallel/cp/apply.py)
+        self.micro_batch_counts = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
@@ -214,7 +223,10 @@ class MoE(nn.Module):
     def _aux_losses(self, out: torch.Tensor, logits: torch.Tensor, counts: torch.Tensor, dropped: int):
         """Attach the layer's coef-weighted aux and z losses to ``out``'s backward; record their values."""
         probs = torch.softmax(logits.float(), dim=-1)  # (T, E)
-        f = counts.float() / logits.shape[0]  # fraction of the T tokens sending a copy to each expert (sums to k)
+        total, tokens = counts, logits.shape[0]
+        if self.micro_batch_counts is not None:  # cp: this rank's T/cp tokens -> the micro-batch's T (docstring)
+            total, tokens = self.micro_batch_counts(counts, tokens)
+        f = total.float() / tokens  # fraction of the T tokens sending a copy to each expert (sums to k)
         aux = logits.shape[-1] * (f * probs.mean(0)).sum()
         z = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
         if not in_backward():  # activation checkpointing re-runs the forward in backward: record once

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from engine.config import Config, ConfigError
-from engine.parallel.mesh import MODEL_PARALLEL, Mesh
+from engine.parallel.mesh import DATA_AXES, MODEL_PARALLEL, Mesh
 from engine.parallel.support import Layout, resolve_layout
 
 
@@ -101,15 +101,16 @@ class ParallelContext:
         self.grad_mesh = mesh["dp", "cp"]._flatten("dp_cp", backend_override=(backend, group_options(backend, timeout))
                                                    if timeout is not None else None)
         self._groups["dp_cp"] = self.grad_mesh.get_group()
-        # Expert parallelism (engine/parallel/ep/): dp split into ep groups of consecutive dp ranks and expert-dp
-        # groups (dp / ep ranks holding the same experts), Megatron's expert-data-parallel layout. Their own groups
-        # even where one equals dp: the all-to-all runs during backward, beside DDP's asynchronous dp all-reduces,
-        # and two collectives in flight on one gloo group can pair up in different orders on different ranks.
+        # Expert parallelism (engine/parallel/ep/): the data ranks dp x cp (dp-major, as grad_rank) split into ep
+        # groups of consecutive ones and expert-dp groups (dp cp / ep ranks holding the same experts), Megatron's
+        # expert-data-parallel layout. Their own groups even where one equals dp x cp: the all-to-all runs during
+        # backward, beside DDP's asynchronous all-reduces, and two collectives in flight on one gloo group can pair
+        # up in different orders on different ranks.
         ep = getattr(layout, "ep", 1)
-        self._split = dict(zip(("ep", "edp"), self.named_mesh.split_along("dp", ep, self.rank)))
-        split = dict(zip(("ep", "edp"), self.named_mesh.split_groups("dp", ep)))
+        self._split = dict(zip(("ep", "edp"), self.named_mesh.split_along(DATA_AXES, ep, self.rank)))
+        split = dict(zip(("ep", "edp"), self.named_mesh.split_groups(DATA_AXES, ep)))
         for name, lists in split.items():
-            self._groups[name] = (self.group("dp") if ep == 1 and name == "edp" else
+            self._groups[name] = (self.group("dp_cp") if ep == 1 and name == "edp" else
                                   _member_group(lists, self.rank, timeout) if len(lists[0]) > 1 else None)
         # Named DeviceMeshes besides grad_mesh: "edp", the expert-dp ranks FSDP shards the experts over (dp/fsdp.py),
         # one 1-D mesh per expert-dp group, built from the group's own rank list (whatever axes ep is carved from);

@@ -9,8 +9,9 @@ fastest-varying (Megatron-Core's order, tp innermost so tensor-parallel peers sh
 
 which is ``torch.arange(world).reshape(pp, dp, cp, tp)``, the grid ``init_device_mesh`` builds from the same sizes.
 cp (context parallelism) has size 1 until it exists: it then changes no rank. Expert parallelism (ep) is not an axis
-but a split of dp, as Megatron's expert-data-parallel groups are: dp index d = edp_index * ep + ep_index, so an ep
-group is ep consecutive dp ranks (``split_along``) and the expert-dp group the dp ranks with the same ep index.
+but a split of the data ranks dp x cp, as Megatron's expert-data-parallel groups are: with g = dp_rank * cp + cp_rank
+(the dp-major index the gradient group uses), g = edp_index * ep + ep_index, so an ep group is ep consecutive g
+(``split_along``) and the expert-dp group the data ranks with the same ep index.
 
 Pure rank arithmetic, no process groups: engine/parallel/context.py creates the groups from these rank lists.
 """
@@ -99,22 +100,24 @@ class Mesh:
             return []
         return [[line[0], line[-1]] for line in self.groups_spanning((axis,))]
 
-    def split_along(self, axis: str, inner: int, rank: int) -> tuple[list[int], list[int]]:
-        """``rank``'s line along ``axis`` cut into blocks of ``inner`` consecutive indices: (its block, the ranks at
-        its offset in every block). Along dp with inner = ep: (the ep group, the expert-dp group)."""
-        line = self.ranks_along(axis, rank)
+    def split_along(self, axes: str | tuple[str, ...], inner: int, rank: int) -> tuple[list[int], list[int]]:
+        """``rank``'s line along ``axes`` (one axis, or several flattened row-major as ``ranks_spanning`` orders them)
+        cut into blocks of ``inner`` consecutive indices: (its block, the ranks at its offset in every block). Along
+        ("dp", "cp") with inner = ep: (the ep group, the expert-dp group), Megatron's ep carved from dp x cp."""
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        line = self.ranks_spanning(axes, rank)
         if inner < 1 or len(line) % inner:
-            raise ValueError(f"{inner} does not divide the {axis} size {len(line)}")
+            raise ValueError(f"{inner} does not divide the {' x '.join(axes)} size {len(line)}")
         at = line.index(rank)
         block = at // inner * inner
         return line[block:block + inner], line[at % inner::inner]
 
-    def split_groups(self, axis: str, inner: int) -> tuple[list[list[int]], list[list[int]]]:
+    def split_groups(self, axes: str | tuple[str, ...], inner: int) -> tuple[list[list[int]], list[list[int]]]:
         """Every group of ``split_along`` (inner blocks, strided), each list ordered by first rank: the order in which
         every rank must create them."""
         blocks, strided = [], []
         for rank in range(self.world_size):
-            a, b = self.split_along(axis, inner, rank)
+            a, b = self.split_along(axes, inner, rank)
             if a not in blocks:
                 blocks.append(a)
             if b not in strided:

@@ -30,7 +30,7 @@ class Layout:
     pp: int
     dp: int
     cp: int = 1
-    ep: int = 1  # expert parallelism: a split of dp (engine/parallel/mesh.py split_along), not a mesh axis
+    ep: int = 1  # expert parallelism: a split of dp x cp (engine/parallel/mesh.py split_along), not a mesh axis
 
     @property
     def axes(self) -> tuple[tuple[str, int], ...]:
@@ -87,9 +87,10 @@ def check_context_parallel(cfg: Config) -> None:
     p, m, t = cfg.parallel, cfg.model, cfg.train
     if p.cp == 1:
         return
-    if m.num_experts:
-        raise ConfigError(f"parallel.cp={p.cp} with model.num_experts={m.num_experts} is not supported: the "
-                          f"load-balancing loss's statistics are per micro-batch and cp would split each; use cp=1 with MoE")
+    if m.num_experts and m.moe_capacity_factor:
+        raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} with parallel.cp={p.cp} is not "
+                          f"supported: capacity keeps each expert's first copies in the micro-batch's token order, "
+                          f"which cp splits over ranks; use moe_capacity_factor=0 (dropless) or cp=1")
     if t.seq_len % (2 * p.cp):
         raise ConfigError(f"parallel.cp={p.cp} needs train.seq_len={t.seq_len} divisible by 2 * cp = {2 * p.cp} "
                           f"(each cp rank holds two of 2 cp equal chunks)")
@@ -103,15 +104,17 @@ def check_context_parallel(cfg: Config) -> None:
 
 
 def check_expert_parallel(cfg: Config, dp: int) -> None:
-    """parallel.ep against dp, the experts and the dp mode (engine/parallel/ep/)."""
-    ep, experts, mode = cfg.parallel.ep, cfg.model.num_experts, cfg.parallel.dp_mode
+    """parallel.ep against dp x cp (ep is carved from the data ranks), the experts and the dp mode
+    (engine/parallel/ep/)."""
+    ep, experts, mode, cp = cfg.parallel.ep, cfg.model.num_experts, cfg.parallel.dp_mode, cfg.parallel.cp
     able = " or ".join(name for name, s in dp_modes.MODES.items() if s.expert_parallel)
     if ep == 1:
         return
     if not experts:
         raise ConfigError(f"parallel.ep={ep} needs an MoE model (model.num_experts > 0); use ep=1 for a dense model")
-    if dp % ep:
-        raise ConfigError(f"parallel.ep={ep} must divide dp={dp} (ep groups are carved out of the dp ranks)")
+    if (dp * cp) % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide dp * cp = {dp} * {cp} = {dp * cp} (ep groups are carved out "
+                          f"of the dp x cp ranks)")
     if experts % ep:
         raise ConfigError(f"parallel.ep={ep} must divide model.num_experts={experts}")
     if not dp_modes.spec(cfg).expert_parallel:

@@ -14,7 +14,8 @@ One ``Combo`` is a point of the product of these factors (``FACTORS``):
     cp in {1, 2, 4} (tp * pp * dp * cp <= 8), cp_mode: ring | all_to_all (only with cp > 1; "-" at cp = 1)
     model: dense | moe (runner.BASE as a Mixtral of 4 experts, top 2, aux and z losses on: MOE_ARGS; under tp
            the experts are tp-sharded, engine/parallel/moe_tp.py)
-    ep: 1 | 2 | 4 (parallel.ep, expert parallelism: moe only, ep dividing dp; ep > 1 with ddp and fsdp, EP_DP_MODE)
+    ep: 1 | 2 | 4 (parallel.ep, expert parallelism: moe only, ep dividing dp x cp, the ranks it is carved from;
+        ep > 1 with ddp and fsdp, EP_DP_MODE)
 
 ``refusal(combo)`` states, independently of the engine's own checks, which combinations the engine must refuse and
 with which words; the tests check that the engine gives exactly that error, so an accidental refusal or an
@@ -62,7 +63,7 @@ class Combo:
     cp: int = 1  # parallel.cp (context parallelism)
     cp_mode: str = "-"  # parallel.cp_mode when cp > 1
     model: str = "dense"  # dense | moe (MOE_ARGS)
-    ep: int = 1  # parallel.ep (moe only; divides dp)
+    ep: int = 1  # parallel.ep (moe only; divides dp x cp)
 
     @property
     def world(self) -> int:
@@ -140,7 +141,7 @@ def all_combos(clip: tuple[bool, ...] = (False, True)) -> list[Combo]:
                                                        (False, True) if tp > 1 else (False,),
                                                        CP_MODES if cp > 1 else ("-",)):
             layers = 8 if schedule in ("interleaved", "zbv") and pp == 4 else 4
-            for ep in (e for e in SIZES if dp % e == 0) if model == "moe" else (1,):
+            for ep in (e for e in SIZES if dp * cp % e == 0) if model == "moe" else (1,):
                 out.append(Combo(tp, pp, dp, mode, schedule, dtype, tied, ac, c, sp, layers, cp, cp_mode, model, ep))
     return sorted(out)
 
@@ -171,8 +172,6 @@ CP_HEADS = ("cp_mode all_to_all with cp x tp not dividing the kv heads (runner.B
             "all-to-all takes whole heads", "divisible by cp * tp")
 
 
-MOE_CP = ("MoE with cp > 1: the router's load-balancing statistics are per micro-batch, and cp splits one",
-          "is not supported: the load-balancing loss")
 
 
 EP_DP_MODE = ("ep > 1 with zero: DeepSpeed's flat buffers partition every parameter over the whole dp group, while "
@@ -183,8 +182,6 @@ def refusal(c: Combo) -> tuple[str, str] | None:
     """(reason, words of the error) if the engine must refuse ``c``, else None. FSDP (every variant) runs under
     every schedule (under zbv untied), ZeRO-1/2 under interleaved (but fp32 ZeRO-2 offload), fp32 ZeRO-1 under
     zero_bubble, and none under zbv."""
-    if c.model == "moe" and c.cp > 1:
-        return MOE_CP
     if c.cp > 1 and c.cp_mode == "all_to_all" and 4 % (c.cp * c.tp):
         return CP_HEADS
     if c.ep > 1 and c.dp_mode.startswith("zero"):

@@ -121,7 +121,8 @@ def train_one(argv: list[str], want_init: bool = False) -> dict:
     init = held_parameters(trainer) if want_init else None
     history = trainer.fit()
     return {"loss": [r["loss"] for r in history], "grad_norm": [r["grad_norm"] for r in history],
-            "params": held_parameters(trainer), "init": init, "seconds": time.perf_counter() - start}
+            "params": held_parameters(trainer), "init": init, "seconds": time.perf_counter() - start,
+            "moe": [{k: v for k, v in r.items() if k.startswith("moe_")} for r in history]}
 
 
 def run_many(argvs: list[list[str]], want_init: bool = False) -> list[dict]:
@@ -136,6 +137,16 @@ def run_group(world: int, argvs: list[list[str]], want_init: bool = False, per_r
     the work (a loaded 2-core machine runs 8 ranks several times slower than an idle one)."""
     by_rank = run_ranks(run_many, world, argvs, want_init, timeout_s=120 + per_run_s * len(argvs) * max(1, world / 2))
     return [[by_rank[r][i] for r in range(world)] for i in range(len(argvs))]
+
+
+def checkpointed_run(world: int, argv: list[str], root, name: str, resume: str) -> list[dict]:
+    """Train ``argv`` on ``world`` ranks saving every step to ``root/name`` (resuming from ``resume``: none or a
+    step folder); its result on every rank. A refusal fails here, naming it."""
+    argv = [*argv, "--train.out_dir", str(root / f"{name}-out"), "--checkpoint.dir", str(root / name),
+            "--checkpoint.every", "1", "--checkpoint.keep", "0", "--checkpoint.resume", resume]
+    run = run_group(world, [argv])[0]
+    assert "error" not in run[0], run[0]
+    return run
 
 
 def rel(got: float, want: float) -> float:

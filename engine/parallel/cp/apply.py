@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 from engine.model.attention import AttentionCore
+from engine.model.moe import moe_blocks
 from engine.parallel.cp import layout
+from engine.parallel.cp.moe import MicroBatchCounts
 from engine.parallel.cp.ulysses import UlyssesCore
 
 
@@ -38,9 +40,12 @@ CORES = {"ring": RingCore, "all_to_all": UlyssesCore}
 
 def apply_context_parallel(model: nn.Module, cp_mode: str, group, cp: int) -> None:
     """Give every attention module of ``model`` (a Llama or one of its stages) the cp core of ``cp_mode``, one
-    object shared by the layers (decode asks the first layer's for the mask). cp 1: nothing changes."""
+    object shared by the layers (decode asks the first layer's for the mask), and every MoE block the micro-batch's
+    expert counts for its load-balancing loss (engine/parallel/cp/moe.py). cp 1: nothing changes."""
     if cp == 1:
         return
     core = CORES[cp_mode](group, cp)
     for layer in model.model.layers.values():
         layer.self_attn.core = core
+    for block in moe_blocks(model):
+        block.micro_batch_counts = MicroBatchCounts(group, cp)

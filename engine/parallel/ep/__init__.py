@@ -1,18 +1,21 @@
 """Expert parallelism (parallel.ep; issue 26): the experts of every MoE layer split over the ep ranks, ep consecutive
-dp ranks (engine/parallel/mesh.py split_along), as Megatron's expert-data-parallel layout does.
+ranks of the data ranks dp x cp in dp-major order (engine/parallel/mesh.py split_along), as Megatron's
+expert-data-parallel layout carves ep from dp x cp.
 
 Applied like tensor parallelism, after the stage split and before materialisation (engine/trainer.py build_model):
 each ep rank keeps experts [e E/ep, (e+1) E/ep) of the stacked (E, ...) weights, a slice of dim 0 with
 ``first_expert`` = e E/ep, so initialisation (engine/model/init.py) and checkpoints see the global per-expert HF
 names, and its ``Experts`` becomes ``ExpertParallelExperts`` (engine/parallel/ep/dispatch.py: all-to-all dispatch
-and combine). The router and everything else stay replicated over dp.
+and combine). The router and everything else stay replicated over dp x cp.
 
-Gradients: the loss is the mean over the dp ranks of each rank's loss L_r, so the gradient of an expert weight is
-(1/dp) sum_r dL_r/dW. Backward through the combine and dispatch already sums over the ep group the terms of the
-ranks that sent it tokens; summing that over the expert-dp group (the dp / ep ranks holding the same experts) and
-dividing by dp completes it (``reduce_expert_gradients`` under ddp; under fsdp each MoE layer's experts are an
-FSDP unit over the expert-dp mesh whose reduce-scatter sums and divides by the same, engine/parallel/dp/fsdp.py). Dense gradients are averaged over dp as before. The
-gradient norm counts each expert once: the squares of the expert gradients are summed over the ep group.
+Gradients: the loss is the mean over the dp x cp ranks of each rank's loss L_r (a cp rank's L_r is the mean over its
+s/cp tokens of each row; engine/trainer.py mean_over_data), so the gradient of an expert weight is
+(1/(dp cp)) sum_r dL_r/dW. Backward through the combine and dispatch already sums over the ep group the terms of the
+ranks that sent it tokens; summing that over the expert-dp group (the dp cp / ep ranks holding the same experts) and
+dividing by dp cp, the factor the dense gradients get, completes it (``reduce_expert_gradients`` under ddp; under
+fsdp each MoE layer's experts are an FSDP unit over the expert-dp mesh whose reduce-scatter sums and divides by the
+same, engine/parallel/dp/fsdp.py). The gradient norm counts each expert once: the squares of the expert gradients
+are summed over the ep group (ddp; fsdp's dp x cp sum of its shards' squares already does).
 """
 from __future__ import annotations
 
@@ -49,13 +52,13 @@ def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def expert_grad_divisor(ctx) -> int:
-    """What the expert gradients summed over expert-dp are divided by: dp, the ranks the loss is averaged over
-    (module docstring); FSDP's expert units divide by it too (engine/parallel/dp/fsdp.py)."""
-    return ctx.size("dp")
+    """What the expert gradients summed over expert-dp are divided by: dp x cp, the ranks the loss is averaged over
+    and the dense gradients' divisor (module docstring); FSDP's expert units divide by it too (dp/fsdp.py)."""
+    return ctx.grad_size
 
 
 def reduce_expert_gradients(model: nn.Module, ctx) -> None:
-    """Sum expert gradients over the expert-dp group and divide by dp (module docstring). A rank whose experts got
+    """Sum expert gradients over the expert-dp group and divide by dp x cp (module docstring). A rank whose experts got
     no token has no gradient: zeros, so every rank issues the same collectives."""
     params = [p for _, p in expert_parameters(model)]
     if not params:
