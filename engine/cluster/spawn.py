@@ -46,6 +46,12 @@ def _worker(rank: int, world_size: int, port: int, fn, args: tuple, result_dir: 
     try:
         result = fn(*args)
         torch.save(result, Path(result_dir) / f"{rank}.pt")
+        # Finish together: a rank that tore down its gloo pairs while a peer was still inside its last collective
+        # (which this rank had already completed) rarely gave the peer "Connection reset by peer". The barrier
+        # has the process group's timeout; a rank that raised skips it (the finally alone), so it exits at once,
+        # start_processes' join terminates the peers waiting here and the caller gets that rank's traceback.
+        if dist.is_initialized():
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
