@@ -1,7 +1,7 @@
 """engine/cluster/spawn.py's rank lifetime: ranks tear down their process group together (a rank that finished
 first used to close its gloo connections while a peer was still in its last collective: "Connection reset by
-peer"), and a rank that raised still fails the run at once, its traceback reaching the caller, with its peers
-waiting in a collective or in that final barrier."""
+peer"), and a rank that raised still fails the run at once, its traceback reaching the caller (not a peer's lost
+connection), with its peers waiting in a collective or in that final barrier."""
 from __future__ import annotations
 
 import time
@@ -49,8 +49,11 @@ def _rank0_raises(where: str) -> None:
 
 @pytest.mark.parametrize("where", ["collective", "barrier"])
 def test_a_rank_that_raised_fails_the_run_at_once(where):
+    """Its own traceback, not its peer's "Connection closed by peer" that follows (torch's join reports whichever
+    failed rank it sees first: measured 1 run in 3 before run_ranks named the first failure). Several tries."""
     timeout_s = 60
-    start = time.perf_counter()
-    with pytest.raises(Exception, match="rank 0 failed on purpose"):
-        run_ranks(_rank0_raises, 2, where, timeout_s=timeout_s)
-    assert time.perf_counter() - start < timeout_s / 3  # not the process-group timeout
+    for _ in range(5):
+        start = time.perf_counter()
+        with pytest.raises(RuntimeError, match=r"^rank 0 failed first:\n(.|\n)*rank 0 failed on purpose"):
+            run_ranks(_rank0_raises, 2, where, timeout_s=timeout_s)
+        assert time.perf_counter() - start < timeout_s / 3  # not the process-group timeout
