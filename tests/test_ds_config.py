@@ -76,3 +76,34 @@ def test_ds_config_without_dp_mode_zero_is_refused(tmp_path):
     path.write_text("{}")
     with pytest.raises(ConfigError, match="read only with parallel.dp_mode=zero"):
         load(["--parallel.ds_config", str(path)])
+
+
+@pytest.mark.parametrize("stage,value,words", [
+    (1, "true", "allows only when it partitions gradients (zero_stage 2 or 3; got parallel.zero_stage=1)"),
+    (2, '"yes"', "it must be true or false"),
+    (1, "false", None), (2, "true", None), (3, "true", None),
+])
+def test_overlap_comm_is_refused_at_zero_1_in_one_line(tmp_path, stage, value, words):
+    """DeepSpeed asserts overlap_comm only with partitioned gradients when the engine owns the accumulation
+    boundary (managed_gradient_accumulation false): before, ZeRO-1 with it was a traceback on every rank."""
+    path = tmp_path / "ds.json"
+    path.write_text(f'{{"zero_optimization": {{"overlap_comm": {value}}}}}')
+    argv = ["--parallel.dp_mode", "zero", "--parallel.zero_stage", str(stage), "--parallel.ds_config", str(path)]
+    if words is None:
+        assert ds_config(load(argv), Ctx())["zero_optimization"]["overlap_comm"] is json.loads(value)
+        return
+    with pytest.raises(ConfigError) as e:
+        load(argv)
+    assert words in str(e.value) and "'zero_optimization.overlap_comm'" in str(e.value), str(e.value)
+    assert "\n" not in str(e.value) and str(path) in str(e.value)
+
+
+def test_overlap_comm_at_zero_1_exits_2_with_one_line_from_the_launcher(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"overlap_comm": true}}')
+    out = subprocess.run([sys.executable, "launch/pretrain.py", "--config", "configs/tiny.yaml", "--parallel.dp_mode",
+                          "zero", "--parallel.zero_stage", "1", "--parallel.ds_config", str(path), "--train.out_dir",
+                          str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "overlap_comm" in errors[0] and "Traceback" not in out.stderr, out.stderr[-3000:]

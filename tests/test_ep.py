@@ -6,7 +6,8 @@
   gradients summed over the ranks, with a rank whose experts get no token;
 - the engine at ep 2 and 4 (dp 2 and 4, pp 2 with activation checkpointing or zero bubble), under ddp and fsdp
   (experts: FSDP units over the expert-dp mesh), equals one process: loss with the aux and z losses, grad norm
-  with clipping off (each expert counted once), every parameter (tests/parity/runner.py, fp32 bounds);
+  with clipping off (each expert counted once), every parameter (tests/parity/runner.py, fp32 bounds); also under
+  zero bubble with DDP's exposed (not overlapped) reduction, whose all-reduce must leave the experts out;
 - a checkpoint resumed across ep sizes 2 -> 1 -> 4 continues the uninterrupted single-process run, under ddp and
   across dp modes (fsdp ep 2 -> ddp ep 1 -> fsdp ep 4);
 - what is not built is refused in one line.
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from engine.config import ConfigError, load
 from engine.model.moe import Experts
+from engine.parallel.dp.ddp import DDP
 from engine.parallel.ep.dispatch import AllToAll, ExpertParallelExperts
 from engine.parallel.support import resolve_layout
 from tests.dist import run_ranks
@@ -116,6 +118,18 @@ def test_engine_at_ep_equals_one_process(world, reference, tmp_path):
         assert "error" not in run[0], run[0]
         errors = runner.compare(run, reference)
         assert runner.verdict(errors, runner.FP32) is None, (extra, errors)
+
+
+def test_zero_bubble_exposed_reduction_leaves_experts_out(reference, tmp_path, monkeypatch):
+    """DDP's older zero-bubble path (overlap_weight_reduction off: every chunk's gradients all-reduced over dp in
+    reduce_gradients, after the last W) must leave the expert weights out as the overlapped path does: at dp 2,
+    ep 2 each dp rank holds other experts, so averaging them over dp would mix two experts' gradients."""
+    monkeypatch.setattr(DDP, "overlap_weight_reduction", False)  # set before the ranks fork: they inherit it
+    extra = ["--parallel.pp", "2", "--parallel.dp", "2", "--parallel.ep", "2", "--parallel.schedule", "zero_bubble"]
+    run = runner.run_group(4, [[*BASE, *extra, "--train.out_dir", str(tmp_path)]])[0]
+    assert "error" not in run[0], run[0]
+    errors = runner.compare(run, reference)
+    assert runner.verdict(errors, runner.FP32) is None, errors
 
 
 @pytest.mark.parametrize("modes", sorted(HOPS))

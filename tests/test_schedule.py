@@ -540,6 +540,39 @@ def test_executor_refuses_a_table_whose_ranks_post_in_different_orders(monkeypat
         pipeline.PipelineExecutor(ctx, "interleaved", 4, (1, 2, 3), torch.float32, virtual_stages=2)
 
 
+def _hand(*names: str) -> list[Action]:
+    """Computes written as the tables print them: "F1", "B0" (B of a split backward), "W0", "F0.1" (chunk 1)."""
+    ops = {"F": Op.FWD, "B": Op.BWD_INPUT, "W": Op.BWD_WEIGHT}
+    out = []
+    for name in names:
+        mb, _, chunk = name[1:].partition(".")
+        out.append(Action(ops[name[0]], int(mb), int(chunk or 0)))
+    return out
+
+
+def test_executor_refuses_a_b_after_the_chunks_last_w(monkeypatch):
+    """A chunk's last W is where the dp mode starts reducing its gradients (DDP.last_weight): a B of that chunk
+    after it would add to gradients already in flight. Hand-made lists: chunk 0's B1 after W0, the chunk's last W
+    (chunk 1's order is fine), refused by pipeline.last_weights. Through the executor the simulator refuses such a
+    table first: every micro-batch's B precedes its own W there, so a B after a chunk's last W always breaks it."""
+    import types
+
+    import torch
+
+    from engine.parallel import pipeline
+    from engine.parallel import schedule as sched_mod
+
+    good = _hand("F0", "F0.1", "F1", "B0.1", "B0", "W0.1", "B1", "W0", "W1")
+    assert pipeline.last_weights(good, "zero_bubble") == {1: 0, 0: 1}
+    for bad in (_hand("F0", "F1", "B0", "W0", "B1"), _hand("F0", "F0.1", "B0.1", "F1", "B0", "W0", "W0.1", "B1")):
+        with pytest.raises(ValueError, match=r"^schedule zero_bubble: a B of chunk 0 follows its last W \(W0\)$"):
+            pipeline.last_weights(bad, "zero_bubble")
+    ctx = types.SimpleNamespace(pp=1, pp_rank=0)
+    monkeypatch.setattr(sched_mod, "build", lambda *args: _hand("F0", "F1", "B0", "W1", "W0", "B1"))
+    with pytest.raises(RuntimeError, match=r"runs W1 after fwd of micro-batch 1 chunk 0"):
+        pipeline.PipelineExecutor(ctx, "zero_bubble", 2, (1, 2, 3), torch.float32, stage=torch.nn.Linear(2, 2))
+
+
 def test_executor_refuses_the_old_interleaved_table_that_deadlocks_on_nccl(monkeypatch):
     """The executor's construction-time check is the NCCL model: fed the pre-issue-24 interleaved table (pp=2,
     v=2, m=4), which a buffered-send simulation passed, it refuses with the deadlock before anything runs."""

@@ -13,6 +13,8 @@ import faulthandler
 import os
 import socket
 import tempfile
+import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -46,6 +48,17 @@ def _worker(rank: int, world_size: int, port: int, fn, args: tuple, result_dir: 
     try:
         result = fn(*args)
         torch.save(result, Path(result_dir) / f"{rank}.pt")
+        # Finish together: a rank that tore down its gloo pairs while a peer was still inside its last collective
+        # (which this rank had already completed) rarely gave the peer "Connection reset by peer". The barrier
+        # has the process group's timeout; a rank that raised skips it (the finally alone), so it exits at once,
+        # start_processes' join terminates the peers waiting here and the caller gets that rank's traceback.
+        if dist.is_initialized():
+            dist.barrier()
+    except BaseException:
+        # Recorded before the finally closes this rank's connections, so before any peer fails because of it:
+        # run_ranks names the rank that failed first, not a peer's "Connection closed by peer" that followed.
+        (Path(result_dir) / f"{rank}.err").write_text(f"{time.time()!r}\n{traceback.format_exc()}")
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -56,6 +69,25 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, threads: int
     ``fn`` must be a module-level function; an exception in any rank fails the caller with that rank's traceback.
     ``threads``: torch threads per rank (default: the cores shared evenly)."""
     with tempfile.TemporaryDirectory() as result_dir:
-        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, result_dir, timeout_s, threads),
-                           nprocs=world_size, join=True, start_method="fork")
+        try:
+            mp.start_processes(_worker, args=(world_size, free_port(), fn, args, result_dir, timeout_s, threads),
+                               nprocs=world_size, join=True, start_method="fork")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            first = _first_failure(Path(result_dir))
+            if first is None:  # killed without raising (a signal, the faulthandler timeout): torch's own message
+                raise
+            raise RuntimeError(f"rank {first[0]} failed first:\n{first[1]}") from e
         return [torch.load(Path(result_dir) / f"{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _first_failure(result_dir: Path) -> tuple[int, str] | None:
+    """(rank, traceback) of the earliest exception any rank recorded, or None. torch's join reports whichever
+    failed rank it looks at first, which may be a peer that only lost its connection to the one that raised."""
+    failures = []
+    for path in result_dir.glob("*.err"):
+        when, _, trace = path.read_text().partition("\n")
+        try:
+            failures.append((float(when), int(path.stem), trace))
+        except ValueError:  # cut short: join terminated that rank while it wrote
+            continue
+    return min(failures)[1:] if failures else None

@@ -83,6 +83,19 @@ def backward_from(output: torch.Tensor, grad: torch.Tensor | None) -> None:
     Variable._execution_engine.run_backward((output,), (grad,), False, False, (), True, True)
 
 
+def last_weights(actions: list[Action], schedule: str) -> dict[int, int]:
+    """Chunk -> micro-batch of the chunk's last W in one rank's ``actions``: after it the chunk's gradients are
+    complete, and the dp mode may reduce them while the other chunks' W's still run. A B of the chunk after that W
+    would add to gradients already being reduced: refused. (For a whole table the simulator's per-micro-batch
+    order, F then B then W, already implies it; this names the chunk and holds for any list the executor runs.)"""
+    last = {a.chunk: a.mb for a in actions if a.op == Op.BWD_WEIGHT}
+    for chunk, mb in last.items():
+        at = actions.index(Action(Op.BWD_WEIGHT, mb, chunk))
+        if any(a.op == Op.BWD_INPUT and a.chunk == chunk for a in actions[at:]):
+            raise ValueError(f"schedule {schedule}: a B of chunk {chunk} follows its last W (W{mb})")
+    return last
+
+
 class PipelineExecutor:
     """Runs one step's schedule on this rank. ``forward`` (one per virtual stage, or one callable when v == 1)
     runs a micro-batch through that chunk; ``loss_fn(out, mb)`` turns the last virtual stage's output into that
@@ -115,13 +128,7 @@ class PipelineExecutor:
         # The last backward of each chunk, where the dp mode reduces that chunk's gradients. None at all when W's
         # follow the B's: then no backward completes a gradient, and the dp mode reduces after the step's last W.
         self.last_backward = {a.chunk: a.mb for a in self.actions if a.op == Op.BWD}
-        # The last W of each chunk: after it the chunk's gradients are complete (checked: no B of the chunk after
-        # it), and the dp mode may reduce them while the other chunks' W's still run.
-        self.last_weight = {a.chunk: a.mb for a in self.actions if a.op == Op.BWD_WEIGHT}
-        for chunk, mb in self.last_weight.items():
-            at = self.actions.index(Action(Op.BWD_WEIGHT, mb, chunk))
-            if any(a.op == Op.BWD_INPUT and a.chunk == chunk for a in self.actions[at:]):
-                raise ValueError(f"schedule {schedule}: a B of chunk {chunk} follows its last W (W{mb})")
+        self.last_weight = last_weights(self.actions, schedule)
         self.act_shape, self.act_dtype = act_shape, act_dtype
         # Time the last run() spent blocked on receives. It leaves out the idle tail after this stage's last
         # action, so the whole bubble is measured between barriers (launch/bench/pipeline.py).

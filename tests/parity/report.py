@@ -61,7 +61,7 @@ def print_results(results: dict) -> tuple[int, int]:
     for c in sorted(results):
         print(line(c, results[c]))
     failed = sum(o.failure is not None for o in results.values())
-    for tol_name in ("FP32", "BF16", "FSDP_BF16_DEEP", "BF16_MOE"):
+    for tol_name in ("FP32", "BF16", "FSDP_BF16_DEEP", "BF16_TIED_DEEP", "BF16_MOE"):
         tol = getattr(runner, tol_name)
         errs = [o.errors for c, o in results.items() if o.errors and runner.tolerance(c) is tol]
         if errs:

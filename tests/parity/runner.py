@@ -63,6 +63,16 @@ BF16 = Tolerance(loss=1e-3, grad_norm=3e-2, params=2e-1)
 # dp 2 (pp 1) 3.84e-2, and the same 3.84e-2 under 1f1b at pp 2 and 4 and interleaved at pp 4, 4.24e-2 under
 # zero_bubble at pp 4 (loss 6.2e-4, params 6.5e-2); 4 layers: at most 5.8e-3. Bound at 8 layers: 6e-2.
 FSDP_BF16_DEEP = Tolerance(loss=1e-3, grad_norm=6e-2, params=2e-1)
+# bf16 with a tied embedding at 8 layers and tp > 1 (tp2-pp4-dp1, interleaved and zbv): the grad norm of the last
+# step is sensitive to rounding there. Measured at that combination's pp = 1 twin (tp2-pp1, no pipeline code):
+# grad norm 9.26e-2, the same as under 1f1b, interleaved and zbv at pp 4 (ddp; fsdp 7.20e-2), while pp alone
+# (tp1-pp2, tp1-pp4) is bitwise equal to one process and the fp32 twins agree to 1.0e-6. Against fp32 at step 4 the
+# bf16 single process is the one off, by 7.6 %, the tp2 run by 0.94 %; at seeds 0-7 the same pair differs by
+# 3.2e-3 to 2.1e-2 (the default seed 1234 is the worst seen); untied, 7.7e-3. The defects it must still catch, at
+# tp2-pp4 interleaved: the LM head's copy counted again in the grad norm 3.94e-1 (loss 1.0e-4 and params 3.5e-2
+# do not see it), the copies' gradient sum removed 5.75e-1 (loss 3.8e-3, params 1.01). Bound: 2e-1, the geometric
+# middle of 9.26e-2 and 3.94e-1 (2.2x and 2.0x from them).
+BF16_TIED_DEEP = Tolerance(loss=1e-3, grad_norm=2e-1, params=2e-1)
 
 
 def _deepspeed_bf16(c: Combo) -> bool:
@@ -88,6 +98,8 @@ def tolerance(c: Combo) -> Tolerance:
         return FP32
     if c.model == "moe":
         return BF16_MOE
+    if c.tied and c.layers > 4 and c.tp > 1:
+        return BF16_TIED_DEEP
     return FSDP_BF16_DEEP if c.dp_mode.startswith("fsdp") and c.layers > 4 else BF16
 
 

@@ -4,7 +4,7 @@ mode is given one of its keys, and its refusals of a layout (called by engine/pa
 from __future__ import annotations
 
 from engine.errors import ConfigError
-from engine.parallel.dp.ds_json import DEFAULTS as DS_STAGES, offload_of, read_user_config
+from engine.parallel.dp.ds_json import DEFAULTS as DS_STAGES, check_overlap_comm, offload_of, read_user_config
 from engine.parallel.actions import CHUNK_BACKWARD, LAST_W
 from engine.parallel.schedule import SCHEDULES
 
@@ -62,6 +62,7 @@ def check_zero(cfg) -> None:
                           f"zero_stage=3")
     if p.ds_config:
         read_user_config(p.ds_config)
+        check_overlap_comm(p.zero_stage, p.ds_config)
     if p.zero_stage in DS_STAGES:
         offload_of(p.zero_stage, p.ds_config or None, p.offload)  # the file and parallel.offload agree
 

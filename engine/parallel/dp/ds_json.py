@@ -119,6 +119,23 @@ def offload_of(stage: int, path: str | None, offload: str) -> tuple[bool, bool]:
     return opt, params
 
 
+def check_overlap_comm(stage: int, path: str | Path) -> None:
+    """The file's ``zero_optimization.overlap_comm``: a JSON boolean, and true only at ZeRO stage 2 or 3. The engine
+    owns the accumulation boundary (engine/parallel/dp/zero.py: managed_gradient_accumulation false), with which
+    DeepSpeed 0.19.8 overlaps the reduction only when it partitions gradients (``DeepSpeedEngine._do_sanity_check``
+    asserts it at initialize, a traceback on every rank)."""
+    zero = read_user_config(path).get("zero_optimization", {})
+    if "overlap_comm" not in zero:
+        return
+    value = zero["overlap_comm"]
+    where = f"parallel.ds_config '{path}' sets 'zero_optimization.overlap_comm'={json.dumps(value)}"
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}; it must be true or false")
+    if value and stage == 1:
+        raise ConfigError(f"{where}, which DeepSpeed allows only when it partitions gradients (zero_stage 2 or 3; "
+                          f"got parallel.zero_stage={stage}); set it to false or remove it, or use zero_stage 2 or 3")
+
+
 def merged(base: dict, over: dict) -> dict:
     """``base`` with ``over``'s keys put in, dicts merged key by key (neither argument is changed)."""
     out = copy.deepcopy(base)
