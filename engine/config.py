@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from engine.config_checks import validate
-from engine.config_yaml import UniqueKeyLoader
+from engine.config_yaml import SafeLoader, UniqueKeyLoader
 from engine.config_types import coerce
 from engine.errors import ConfigError
 
@@ -278,7 +278,7 @@ def load(argv: list[str]) -> Config:
     for key, value in overrides:
         # YAML parses CLI values so that 1e-3, true and [a,b] mean what they mean in the file.
         try:
-            parsed = yaml.safe_load(value) if value != "" else ""
+            parsed = yaml.load(value, Loader=SafeLoader) if value != "" else ""
         except yaml.YAMLError:
             parsed = value
         _set(cfg, key, parsed)
