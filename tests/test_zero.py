@@ -2,7 +2,7 @@
 1-3 at every layout against one process): ZeRO-3 with every parameter partitioned (the matrix uses DeepSpeed's
 default persistence threshold, under which this small model's tensors stay whole), also with tp 2, tied
 embeddings and activation checkpointing; DeepSpeed-managed accumulation; the derived DeepSpeed config; the
-refusals. fp32 losses and grad norms within rel 1e-5, final parameters within 5e-5 of their update.
+refusals; overlap_comm at stages 2 and 3. fp32 losses and grad norms within rel 1e-5, final parameters within 5e-5 of their update.
 
 Both runs are engine.trainer.Trainer; with dp_mode zero its ddp pieces (dp all-reduce, our clipping, torch
 AdamW.step) are replaced by the ZeRO DataParallel: forward through the DeepSpeed engine, backward through
@@ -75,7 +75,7 @@ def zero_train(argv: list[str], extra: dict) -> dict:
     return {"loss": [r["loss"] for r in history], "grad_norm": [r["grad_norm"] for r in history],
             "params": {n: t.clone() for n, (t, _, _) in params.items()}, "layout": layout,
             "lr": zero.engine.optimizer.param_groups[0]["lr"], "dtype": next(zero.module.parameters()).dtype,
-            "managed": zero.managed}
+            "managed": zero.managed, "overlap_comm": zero.engine.zero_overlap_comm()}
 
 
 def assert_close(got: list[float], want: list[float], rel: float, what: str) -> None:
@@ -127,7 +127,7 @@ def ref():
 
 
 def zero_run(world: int, stage: int, *extra_argv: str, ds: dict | None = None, argv: list[str] = SMALL) -> list:
-    ds = dict(PARTITION_ALL if stage == 3 else {}, **(ds or {}))
+    ds = _merge(_merge({}, PARTITION_ALL) if stage == 3 else {}, ds or {})  # key by key: ds may add to it
     return run_ranks(zero_train, world, [*argv, "--parallel.dp_mode", "zero", "--parallel.zero_stage", str(stage),
                                          *extra_argv], ds, timeout_s=300)
 
@@ -165,6 +165,16 @@ def test_deepspeed_managed_accumulation_with_before_backward(ref):
     # DeepSpeed's own micro-step counting (older releases, or a json asking for it): before_backward marks the boundary.
     results = zero_run(2, 1, ds={"managed_gradient_accumulation": True})
     assert all(r["managed"] for r in results), "DeepSpeed did not run in managed accumulation mode"
+    check_against(ref, results)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_overlap_comm_matches_single_process(ref, stage):
+    # A ds_config's zero_optimization.overlap_comm true (our defaults set it false, engine/parallel/dp/ds_json.py):
+    # DeepSpeed then reduces (stage 2) or reduce-scatters (stage 3) its buckets on a side stream during backward,
+    # and must still finish them before our step reads the gradients. ZeRO-1 with it is refused at load.
+    results = zero_run(2, stage, ds={"zero_optimization": {"overlap_comm": True}})
+    assert all(r["overlap_comm"] for r in results), "DeepSpeed did not run with overlap_comm"
     check_against(ref, results)
 
 
