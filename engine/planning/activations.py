@@ -165,14 +165,16 @@ def qk_norm_bytes_per_token(cfg: Config, tp: int) -> float:
     """What the q/k RMSNorms save (engine/model/families.py QK_NORM), per token on one tp rank: their input in fp32
     (x, saved by pow and x * rsqrt), the rsqrt (one fp32 value per normalised row: a head (Qwen3), or the whole
     projection (OLMoE)) and x_n in the input's dtype (weight * x_n saves it); their output is RoPE's input, which
-    saves only cos/sin. (qd + kvd)/t values, (a + a_kv)/t or 2 rows."""
+    saves only cos/sin. In fp32 x.float() is x itself, a view of the fused qkv output, whose whole (qd + 2 kvd)/t
+    storage it keeps (measured); otherwise its fp32 copy, (qd + kvd)/t. Rows: (a + a_kv)/t heads, or 2."""
     m = cfg.model
     kind = QK_NORM.get(m.family)
     if kind is None:
         return 0.0
-    width = (m.num_heads + m.num_kv_heads) * m.head_dim / tp
+    qk = (m.num_heads + m.num_kv_heads) * m.head_dim / tp
+    kept_input = qk + (m.num_kv_heads * m.head_dim / tp if mode(cfg) == "fp32" else 0)
     rows = (m.num_heads + m.num_kv_heads) / tp if kind == "head" else 2
-    return width * (4 + logit_bytes(cfg)) + 4 * rows
+    return 4 * kept_input + logit_bytes(cfg) * qk + 4 * rows
 
 
 def weight_copy_bytes(cfg: Config, tp: int, num_layers: int, last_stage: bool) -> float:
