@@ -176,7 +176,7 @@ def test_unsupported_architecture_is_one_line_exit_2(tmp_path):
     assert cli.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'src'}: architecture GPT2LMHeadModel is not supported; import handles "
         f"LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
-        f"OlmoeForCausalLM"]
+        f"OlmoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"]
 
 
 def test_sequence_longer_than_sliding_window_is_refused():
