@@ -5,8 +5,9 @@ refusals of what the engine does not compute.
 - One fp32 step of a tiny Qwen3 and Qwen3-MoE (head_dim 12 on hidden 32, 4 heads) on 2 tp ranks, with and without
   sequence parallelism: the loss and EVERY gradient equal tp 1's; the per-head q/k norm weights are whole on every
   rank and see only their nh/tp heads, so this fails when their gradient is not summed over tp.
-- 4 training steps of a tiny Qwen3 (head_dim 12 on hidden 64, 8 heads) at tp 2 and at tp 2 with sequence
-  parallelism equal one process in loss, grad norm and parameters (tests/parity/runner.py's fp32 bounds).
+- 4 training steps of a tiny Qwen3 (head_dim 12 on hidden 64, 8 heads) at tp 2, at tp 2 with sequence
+  parallelism and at cp 2 (ring and all_to_all) equal one process in loss, grad norm and parameters
+  (tests/parity/runner.py's fp32 bounds).
 - The planner: the parameters a tp rank holds, and the activation ledger against the bytes autograd saves, with
   q (nh hd) wider than hidden_size and the per-head norms' saved tensors.
 """
@@ -46,10 +47,11 @@ def test_tp2_step_equals_tp1_in_loss_and_every_gradient(family, sp):
 QWEN3 = [*runner.BASE, "--model.family", "qwen3", "--model.head_dim", "12", "--train.grad_clip", "0"]
 
 
-def test_training_at_tp2_equals_one_process(tmp_path):
+def test_training_at_tp2_and_cp2_equals_one_process(tmp_path):
     ref = runner.run_group(1, [[*QWEN3, "--train.out_dir", str(tmp_path / "ref")]], want_init=True)[0][0]
     assert "error" not in ref, ref
-    layouts = [["--parallel.tp", "2"], ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]]
+    layouts = [["--parallel.tp", "2"], ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
+               ["--parallel.cp", "2"], ["--parallel.cp", "2", "--parallel.cp_mode", "all_to_all"]]
     runs = runner.run_group(2, [[*QWEN3, *extra, "--train.out_dir", str(tmp_path / str(i))]
                                 for i, extra in enumerate(layouts)])
     for extra, run in zip(layouts, runs):
@@ -90,3 +92,12 @@ def test_what_qwen3_does_not_compute_is_refused_in_one_line():
             load(["--model.head_dim", value])
     # a head_dim of its own lifts the divisibility of hidden_size by num_heads
     assert load(["--model.hidden_size", "100", "--model.head_dim", "16"]).model.head_dim == 16
+
+
+def test_a_checkpoint_from_before_model_head_dim_resumes_and_another_head_dim_is_refused():
+    from engine.checkpoint.contents import check_model
+
+    old = {"config": {"model": {"hidden_size": 64, "num_heads": 4, "num_kv_heads": 2}}}  # no head_dim key
+    check_model(Path("ck"), old, ModelConfig(hidden_size=64, num_heads=4, num_kv_heads=2))  # 16 both
+    with pytest.raises(CheckpointError, match=r"was written for another model: model.head_dim=16 \(this run: 24\)"):
+        check_model(Path("ck"), old, ModelConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=24))
