@@ -6,7 +6,7 @@ refusals of what the engine does not compute.
   sequence parallelism: the loss and EVERY gradient equal tp 1's; the per-head q/k norm weights are whole on every
   rank and see only their nh/tp heads, so this fails when their gradient is not summed over tp.
 - 4 training steps of a tiny Qwen3 (head_dim 12 on hidden 64, 8 heads) at tp 2, at tp 2 with sequence
-  parallelism and at cp 2 (ring and all_to_all) equal one process in loss, grad norm and parameters
+  parallelism (and selective recomputation) and at cp 2 (ring and all_to_all) equal one process in loss, grad norm and parameters
   (tests/parity/runner.py's fp32 bounds).
 - The planner: the parameters a tp rank holds, and the activation ledger against the bytes autograd saves, with
   q (nh hd) wider than hidden_size and the per-head norms' saved tensors.
@@ -51,6 +51,8 @@ def test_training_at_tp2_and_cp2_equals_one_process(tmp_path):
     ref = runner.run_group(1, [[*QWEN3, "--train.out_dir", str(tmp_path / "ref")]], want_init=True)[0][0]
     assert "error" not in ref, ref
     layouts = [["--parallel.tp", "2"], ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
+               ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--train.activation_checkpointing",
+                "selective"],
                ["--parallel.cp", "2"], ["--parallel.cp", "2", "--parallel.cp_mode", "all_to_all"]]
     runs = runner.run_group(2, [[*QWEN3, *extra, "--train.out_dir", str(tmp_path / str(i))]
                                 for i, extra in enumerate(layouts)])
