@@ -10,6 +10,7 @@ refusals of what the engine does not compute.
   (tests/parity/runner.py's fp32 bounds).
 - The planner: the parameters a tp rank holds, and the activation ledger against the bytes autograd saves, with
   q (nh hd) wider than hidden_size and the per-head norms' saved tensors.
+- The model cards' config.json read into the shapes of configs/qwen3-0.6b.yaml and qwen3-30b-a3b.yaml.
 """
 from __future__ import annotations
 
@@ -103,3 +104,35 @@ def test_a_checkpoint_from_before_model_head_dim_resumes_and_another_head_dim_is
     check_model(Path("ck"), old, ModelConfig(hidden_size=64, num_heads=4, num_kv_heads=2))  # 16 both
     with pytest.raises(CheckpointError, match=r"was written for another model: model.head_dim=16 \(this run: 24\)"):
         check_model(Path("ck"), old, ModelConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=24))
+
+
+# The model cards' config.json (Qwen/Qwen3-0.6B, Qwen/Qwen3-30B-A3B), the keys the import reads; the MoE one names
+# its expert count num_experts, where transformers 5's save_pretrained writes num_local_experts (the round trips)
+PUBLISHED_JSON = {
+    "qwen3-0.6b": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+                   "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+                   "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+                   "rope_scaling": None, "tie_word_embeddings": True, "attention_bias": False,
+                   "use_sliding_window": False, "sliding_window": None, "max_window_layers": 28},
+    "qwen3-30b-a3b": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+                      "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                      "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "hidden_act": "silu",
+                      "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+                      "rope_scaling": None, "tie_word_embeddings": False, "attention_bias": False,
+                      "use_sliding_window": False, "sliding_window": None, "max_window_layers": 48,
+                      "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                      "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                      "output_router_logits": False, "router_aux_loss_coef": 0.001},
+}
+SHAPE_KEYS = ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+              "head_dim", "max_seq_len", "rope_theta", "norm_eps", "tie_embeddings", "attention_bias",
+              "sliding_window", "num_experts", "experts_per_token", "moe_intermediate_size", "moe_layers",
+              "moe_norm_topk_prob", "moe_shared_expert_size")
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_JSON))
+def test_the_published_config_json_reads_as_the_shipped_config(name):
+    m = families.model_config(PUBLISHED_JSON[name], Path(name))
+    shipped = load(["--config", f"configs/{name}.yaml"]).model
+    assert {k: getattr(m, k) for k in SHAPE_KEYS} == {k: getattr(shipped, k) for k in SHAPE_KEYS}
