@@ -14,6 +14,7 @@ refusals of what the engine does not compute.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,9 @@ def test_what_qwen3_does_not_compute_is_refused_in_one_line():
         families.model_config({**hf, "attention_bias": True}, Path("src"))  # Qwen3's would bias o_proj too
     with pytest.raises(CheckpointError, match=r"^model.sliding_window=16 cannot be written as Qwen3ForCausalLM"):
         families.hf_config(ModelConfig(**SHAPE, family="qwen3", sliding_window=16))
+    with pytest.raises(CheckpointError, match=r"^model.moe_shared_expert_size=8 cannot be written as model.family="
+                                              r"qwen3_moe, which has no shared expert"):
+        families.hf_config(dataclasses.replace(FAMILIES["qwen3_moe"], moe_shared_expert_size=8))
     for value, words in (("-2", r"^model.head_dim=-2 must be >= 0 \(0: hidden_size / num_heads\)$"),
                          ("7", r"^model.head_dim=7 must be even for RoPE$")):
         with pytest.raises(ConfigError, match=words):

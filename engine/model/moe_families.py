@@ -21,6 +21,7 @@ from engine.errors import CheckpointError  # torch-free: the config checks read 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "olmoe", "qwen3_moe")
 EXPERT_COUNT_KEYS = {"mixtral": ("num_local_experts",), "qwen3_moe": ("num_experts", "num_local_experts")}
 LAYER_KEYS = ("qwen2_moe", "qwen3_moe")  # decoder_sparse_step, mlp_only_layers and moe_intermediate_size
+SHARED_EXPERT = ("qwen2_moe",)  # shared_expert_intermediate_size (and q/k/v biases: qkv_bias)
 
 
 def moe_model_keys(hf: dict, family: str, source: Path) -> dict:
@@ -53,9 +54,10 @@ def moe_hf_keys(m: ModelConfig) -> dict:
         raise CheckpointError(f"model.family={m.family} has every layer MoE, no shared expert and experts of "
                               f"intermediate_size; set model.moe_layers=all, moe_shared_expert_size=0, "
                               f"moe_intermediate_size=0 or use family qwen2_moe")
-    if m.family == "qwen3_moe" and m.moe_shared_expert_size:
+    if m.family not in SHARED_EXPERT and m.moe_shared_expert_size:
         raise CheckpointError(f"model.moe_shared_expert_size={m.moe_shared_expert_size} cannot be written as "
-                              f"Qwen3MoeForCausalLM, which has no shared expert; set it to 0 or use family qwen2_moe")
+                              f"model.family={m.family}, which has no shared expert; set it to 0 or use family "
+                              f"qwen2_moe")
     k = {"num_experts_per_tok": m.experts_per_token, "output_router_logits": False}
     if m.family == "mixtral":
         return {**k, "num_local_experts": m.num_experts, "router_jitter_noise": 0.0}
@@ -65,6 +67,6 @@ def moe_hf_keys(m: ModelConfig) -> dict:
     layers = range(m.num_layers) if m.moe_layers == "all" else m.moe_layers
     k.update(moe_intermediate_size=m.moe_intermediate_size or m.intermediate_size, decoder_sparse_step=1,
              mlp_only_layers=[i for i in range(m.num_layers) if i not in layers])
-    if m.family == "qwen3_moe":
+    if m.family not in SHARED_EXPERT:
         return k
     return {**k, "shared_expert_intermediate_size": m.moe_shared_expert_size, "qkv_bias": True}
