@@ -16,7 +16,7 @@ import yaml
 
 from engine.config_checks import validate
 from engine.config_yaml import SafeLoader, UniqueKeyLoader
-from engine.config_types import coerce
+from engine.config_types import HeadDim, coerce
 from engine.errors import ConfigError
 
 __all__ = ["Config", "ConfigError", "load", "load_yaml", "parse_args", "validate"]
@@ -32,13 +32,18 @@ class ModelConfig:
     num_layers: int = 4
     num_heads: int = 8
     num_kv_heads: int = 4  # GQA: num_heads % num_kv_heads == 0; == num_heads is plain MHA
+    # Width of one attention head (HF's head_dim); 0: hidden_size // num_heads. Reading it gives the resolved width
+    # (config_types.HeadDim). q is num_heads * head_dim wide, which need not be hidden_size (Qwen3-0.6B: 16 x 128
+    # on hidden 1024).
+    head_dim: int = HeadDim()
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02  # N(0, init_std) for every linear and embedding weight, as HF Llama's _init_weights
     # What the supported families differ in (engine/model/families.py maps them to and from HF config.json).
-    family: str = "llama"  # llama | qwen2 | mistral | mixtral | qwen2_moe | olmoe: the HF architecture export writes
+    # llama | qwen2 | mistral | qwen3 | mixtral | qwen2_moe | olmoe | qwen3_moe: the HF architecture export writes
+    family: str = "llama"
     attention_bias: bool = False  # bias on q/k/v (Qwen2); o_proj never has one here
     # RoPE frequency scaling, HF's rope_scaling/rope_parameters: none | linear | llama3 (Llama 3.1 and later)
     rope_scaling: str = "none"
@@ -47,7 +52,7 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0  # llama3 only
     rope_original_max_position_embeddings: int = 8192  # llama3 only: the context the model was pretrained at
     sliding_window: int = 0  # Mistral/Qwen2 window (0: none); full attention equals it while seq_len <= window
-    num_experts: int = 0  # mixture of experts (mixtral | qwen2_moe | olmoe; engine/model/moe.py); 0: dense
+    num_experts: int = 0  # mixture of experts (the MoE families; engine/model/moe.py); 0: dense
     experts_per_token: int = 2  # k: experts each token is routed to
     moe_intermediate_size: int = 0  # each expert's SwiGLU width; 0: intermediate_size
     moe_layers: list[int] | str = "all"  # all | indices of the MoE layers (others dense; HF's mlp_only_layers ...)
@@ -56,9 +61,6 @@ class ModelConfig:
     moe_capacity_factor: float = 0.0  # 0: dropless; else at most ceil(cf * tokens * k / E) copies per expert
     init_from: str = ""  # a Hugging Face folder whose shape and weights start the run (engine/model/hf_init.py)
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.config_types import explicit_head_dim
 from engine.errors import ConfigError
 from engine.parallel import dp
 from engine.parallel.schedule import SCHEDULES
@@ -61,12 +62,7 @@ def validate(cfg: Config) -> None:
     if cfg.train.eval_every < 0:
         raise ConfigError(f"train.eval_every={cfg.train.eval_every} must be >= 0 (0 turns evaluation off)")
     m = cfg.model
-    if m.hidden_size % m.num_heads:
-        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
-    if m.num_heads % m.num_kv_heads:
-        raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
-    if m.head_dim % 2:
-        raise ConfigError(f"head dim hidden_size/num_heads={m.head_dim} must be even for RoPE")
+    _validate_heads(m)
     if cfg.train.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     _validate_families(cfg)
@@ -131,6 +127,22 @@ def _validate_dp(cfg: Config) -> None:
         raise ConfigError(f"parallel.powersgd_rank={p.powersgd_rank} must be >= 1")
     if p.powersgd_warmup_steps < 2:  # PowerSGD's error feedback and warm start need two plain steps first (torch)
         raise ConfigError(f"parallel.powersgd_warmup_steps={p.powersgd_warmup_steps} must be >= 2")
+
+
+def _validate_heads(m) -> None:
+    """num_heads % num_kv_heads (GQA); model.head_dim >= 0 (0: hidden_size / num_heads, which must then divide)
+    and even (RoPE rotates pairs)."""
+    given = explicit_head_dim(m)
+    if given < 0:
+        raise ConfigError(f"model.head_dim={given} must be >= 0 (0: hidden_size / num_heads)")
+    if not given and m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
+                          f"make it divisible or set model.head_dim")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
+    if m.head_dim % 2:
+        what = "model.head_dim" if given else "head dim hidden_size/num_heads"
+        raise ConfigError(f"{what}={m.head_dim} must be even for RoPE")
 
 
 def _validate_families(cfg: Config) -> None:

@@ -60,3 +60,24 @@ def coerce(key: str, value, typ):
             return str(value).lower()
         return "" if value is None else str(value)
     raise TypeError(f"unsupported config field type {typ} for {key}")  # a bug in this file, not user input
+
+
+class HeadDim:
+    """``ModelConfig.head_dim``: one name for the key and its value. Set (YAML, CLI, constructor) it stores what was
+    given, 0 meaning hidden_size // num_heads; read it gives the resolved width, so callers never see the 0. A
+    dataclass field whose default is a descriptor (dataclasses docs, "Descriptor-typed fields"); ``explicit_head_dim``
+    reads the stored value (the config check of >= 0). dataclasses.asdict/replace write the resolved width (an
+    export or saved config names it explicitly); vars() shows the stored one as ``_head_dim``."""
+
+    def __get__(self, obj, owner=None) -> int:
+        if obj is None:
+            return 0  # the field's default
+        return obj.__dict__.get("_head_dim", 0) or obj.hidden_size // obj.num_heads
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__["_head_dim"] = value
+
+
+def explicit_head_dim(m) -> int:
+    """model.head_dim as given (0: derived from hidden_size // num_heads)."""
+    return m.__dict__.get("_head_dim", 0)

@@ -1,4 +1,5 @@
-"""Llama 3.1 (llama3 RoPE scaling), Qwen2 (q/k/v biases, tied embeddings) and Mistral folders in and out.
+"""Llama 3.1 (llama3 RoPE scaling), Qwen2 (q/k/v biases, tied embeddings), Mistral and Qwen3 (head_dim of its own,
+per-head q/k norms, tied embeddings) folders in and out.
 
 For each family a tiny random model built by transformers itself (from a config object; nothing downloaded):
 - at tp 1 our model computes its logits (rel <= 1e-5), Llama's at a sequence (48) longer than its
@@ -40,6 +41,8 @@ FAMILIES = {
     "llama": lambda: transformers.LlamaConfig(**SHAPE, rope_theta=500000.0, rope_scaling=LLAMA31_ROPE),
     "qwen2": lambda: transformers.Qwen2Config(**SHAPE, rope_theta=1e6, tie_word_embeddings=True),
     "mistral": lambda: transformers.MistralConfig(**SHAPE, sliding_window=None, head_dim=16),
+    # head_dim 24 != hidden / heads = 16: q is 96 wide on hidden 64; per-head q/k norms, tied embeddings
+    "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=24, rope_theta=1e6, tie_word_embeddings=True),
 }
 SEQ = 48  # > original_max_position_embeddings (16): the llama3 scaling changes every low-frequency pair
 TOL = 1e-5
@@ -173,7 +176,7 @@ def test_unsupported_architecture_is_one_line_exit_2(tmp_path):
     assert cli.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'src'}: architecture GPT2LMHeadModel is not supported; import handles "
         f"LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
-        f"OlmoeForCausalLM"]
+        f"OlmoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"]
 
 
 def test_sequence_longer_than_sliding_window_is_refused():

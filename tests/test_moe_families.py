@@ -1,4 +1,4 @@
-"""Mixtral, Qwen2-MoE and OLMoE folders in and out (engine/model/moe.py, moe_families.py).
+"""Mixtral, Qwen2-MoE, OLMoE and Qwen3-MoE folders in and out (engine/model/moe.py, moe_families.py).
 
 For each family a tiny random model built by transformers 5 itself (nothing downloaded), whose save_pretrained
 writes the published per-expert tensor names (model.layers.0.block_sparse_moe.experts.0.w1.weight for Mixtral,
@@ -8,8 +8,9 @@ mlp.experts.0.gate_proj.weight for the others):
   tp-sharded, engine/parallel/moe_tp.py) gives the tp-1 logits, 4 training steps there (aux and z losses on) equal
   4 at one process, and so do 4 started at tp 2 x ep 2 straight from the HF folder (model.init_from); the
   checkpoint exported loads in transformers with the engine's logits.
-Qwen2-MoE has a dense layer (mlp_only_layers) and a shared expert; OLMoE's q/k norms and all norms and biases are
-perturbed (HF initialises them to 1 and 0, which would hide a dropped one).
+Qwen2-MoE has a dense layer (mlp_only_layers) and a shared expert; Qwen3-MoE a dense layer, per-head q/k norms and
+head_dim 24 on hidden 64 (4 heads); OLMoE's q/k norms and all norms and biases are perturbed (HF initialises them
+to 1 and 0, which would hide a dropped one).
 """
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ FAMILIES = {
                                                      mlp_only_layers=[0], norm_topk_prob=False),
     "olmoe": lambda: transformers.OlmoeConfig(**SHAPE, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                                               pad_token_id=0, eos_token_id=2),
+    # head_dim 24 != hidden / heads = 16; per-head q/k norms, a dense layer, no shared expert
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SHAPE, head_dim=24, num_experts=4, num_experts_per_tok=2,
+                                                     moe_intermediate_size=32, mlp_only_layers=[0],
+                                                     norm_topk_prob=True),
 }
 TOL = 1e-5
 # The logits after 4 steps at a layout against 4 at one process. Measured (fp32): <= 9e-6 at pp 2, <= 1.3e-5 at
@@ -57,7 +62,7 @@ def test_engine_moe_computes_the_hf_logits(family):
     source = hf_model(family)
     m = families.model_config(source.config.to_dict(), Path(family))
     assert m.family == family and m.num_experts == 4
-    assert m.moe_layers == ([1] if family == "qwen2_moe" else "all")
+    assert m.moe_layers == ([1] if family in ("qwen2_moe", "qwen3_moe") else "all")
     ours = model_lib.build(m, device="cpu").eval()
     ours.load_state_dict(source.state_dict(), strict=True)
     with torch.no_grad():

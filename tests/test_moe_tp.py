@@ -57,9 +57,8 @@ def _step(cfg: ModelConfig, group, sp: bool) -> tuple[torch.Tensor, dict]:
                            for name, (g, m, attr) in grads.items()}
 
 
-def _compare(family: str, sp: bool) -> dict:
-    """Rank function: the worst relative error of the tp step against the tp-1 step, per name."""
-    cfg = FAMILIES[family]
+def _compare(cfg: ModelConfig, sp: bool) -> dict:
+    """Rank function: the worst relative error of the tp step of ``cfg`` against its tp-1 step, per name."""
     loss1, whole = _step(cfg, None, False)
     loss, mine = _step(cfg, dist.group.WORLD, sp)
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -74,7 +73,7 @@ def _compare(family: str, sp: bool) -> dict:
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_tp2_step_equals_tp1_in_loss_and_every_gradient(family, sp):
-    for rank, errors in enumerate(run_ranks(_compare, 2, family, sp, timeout_s=300)):
+    for rank, errors in enumerate(run_ranks(_compare, 2, FAMILIES[family], sp, timeout_s=300)):
         worst = max(errors, key=errors.get)
         assert errors[worst] <= REL, (rank, worst, errors[worst])
         if family == "mixtral":  # the names compared include the router and each expert's pieces
@@ -82,10 +81,10 @@ def test_tp2_step_equals_tp1_in_loss_and_every_gradient(family, sp):
             assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in errors
 
 
-def _held(family: str) -> tuple[int, int]:
-    """Rank function: (parameters this tp rank holds of the whole model, what the planner says it holds)."""
+def _held(model: ModelConfig) -> tuple[int, int]:
+    """Rank function: (parameters this tp rank holds of ``model``, what the planner says it holds)."""
     cfg = load(["--config", "configs/tiny.yaml", "--parallel.tp", "2"])
-    cfg.model = FAMILIES[family]
+    cfg.model = model
     model = apply_tensor_parallel(model_lib.build(cfg.model), dist.group.WORLD)
     planned = stage_params(cfg, 2, 1, 0)
     return model_lib.count_params(model), planned["layers"] + planned["root"]
@@ -93,7 +92,7 @@ def _held(family: str) -> tuple[int, int]:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_planner_counts_the_parameters_a_tp_rank_holds(family):
-    for held, planned in run_ranks(_held, 2, family, timeout_s=300):
+    for held, planned in run_ranks(_held, 2, FAMILIES[family], timeout_s=300):
         assert held == planned, family
 
 

@@ -30,6 +30,8 @@ PUBLISHED = {  # total parameters of the published checkpoints (tied embeddings 
     "mixtral-8x7b": 46_702_792_704,  # model card: 46.7B (experts of every layer counted; 12.9B active)
     "qwen1.5-moe-a2.7b": 14_315_784_192,  # model card: 14.3B
     "olmoe-1b-7b": 6_919_161_856,  # model card: 6.9B
+    "qwen3-0.6b": 596_049_920,  # model card: 0.6B (head_dim 128 != hidden 1024 / 16 heads; per-head q/k norms)
+    "qwen3-30b-a3b": 30_532_122_624,  # model card: 30.5B (3.3B active)
 }
 
 

@@ -135,9 +135,12 @@ def layout_of(cfg, ctx) -> dict:
 
 
 def check_model(path: Path, index: dict, model_cfg) -> None:
-    saved = {**dataclasses.asdict(ModelConfig()), **index["config"].get("model", {})}  # older: default keys
-    diff = [f"model.{k}={saved.get(k)!r} (this run: {getattr(model_cfg, k)!r})" for k in MODEL_SHAPE_KEYS
-            if saved.get(k) != getattr(model_cfg, k)]
+    # Rebuilt as a ModelConfig: an older checkpoint's missing keys take their defaults, and its head_dim (absent
+    # before model.head_dim) resolves from its own hidden_size / num_heads
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    saved = ModelConfig(**{k: v for k, v in index["config"].get("model", {}).items() if k in known})
+    diff = [f"model.{k}={getattr(saved, k)!r} (this run: {getattr(model_cfg, k)!r})" for k in MODEL_SHAPE_KEYS
+            if getattr(saved, k) != getattr(model_cfg, k)]
     if diff:
         raise CheckpointError(f"{path / INDEX} was written for another model: {', '.join(diff)}; use its model "
                               f"settings, another checkpoint.dir, or checkpoint.resume=none")

@@ -34,7 +34,7 @@ INDEX = "index.json"
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 MODEL_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                    "tie_embeddings", "attention_bias")
+                    "head_dim", "tie_embeddings", "attention_bias")
 
 
 def shard_name(rank: int) -> str:

@@ -1,13 +1,17 @@
 """The Hugging Face architectures the engine imports and exports, and what each differs in.
 
-All three are the decoder of engine/model/transformer.py (RMSNorm, RoPE, GQA, SwiGLU, HF parameter names); they differ only
-in config keys:
+All are the decoder of engine/model/transformer.py (RMSNorm, RoPE, GQA, SwiGLU, HF parameter names); the dense
+ones differ only in these (the MoE ones: engine/model/moe_families.py):
 
-| architecture         | q/k/v bias | sliding window                     |
-|----------------------|------------|------------------------------------|
-| `LlamaForCausalLM`   | no         | -                                  |
-| `Qwen2ForCausalLM`   | yes        | `use_sliding_window` (off in 2.5)  |
-| `MistralForCausalLM` | no         | `sliding_window` (null from v0.2)  |
+| architecture         | q/k/v bias | q/k norm                  | sliding window                      |
+|----------------------|------------|---------------------------|-------------------------------------|
+| `LlamaForCausalLM`   | no         | -                         | -                                   |
+| `Qwen2ForCausalLM`   | yes        | -                         | `use_sliding_window` (off in 2.5)   |
+| `MistralForCausalLM` | no         | -                         | `sliding_window` (null from v0.2)   |
+| `Qwen3ForCausalLM`   | no         | per head (hd,), pre-RoPE  | `use_sliding_window` (off; refused) |
+
+``head_dim`` is read and written for all (Qwen3's need not be hidden_size / num_attention_heads: 0.6B has 16 heads
+of 128 on hidden 1024).
 
 RoPE scaling (none, linear, llama3) is read and written for any of them, as transformers computes it for all.
 
@@ -24,11 +28,19 @@ from engine.errors import CheckpointError  # not checkpoint/format's import: the
 from engine.model.moe_families import moe_hf_keys, moe_model_keys
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 FAMILIES = {arch: family for family, arch in ARCHITECTURES.items()}
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
-                  "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "olmoe": "OlmoeConfig"}
+                  "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "olmoe": "OlmoeConfig",
+                  "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
 QKV_BIAS = ("qwen2", "qwen2_moe")  # the families with q/k/v biases (and always with them)
+# The q/k RMSNorms of engine/model/transformer.py Attention: OLMoE's over the whole q / k projection (weights
+# (nh hd,), (nkv hd,)), Qwen3's per head (one (hd,) weight each, before RoPE)
+QK_NORM = {"olmoe": "projection", "qwen3": "head", "qwen3_moe": "head"}
+# Families whose use_sliding_window applies a window the engine does not compute (Qwen3: only to the layers from
+# max_window_layers on), so a folder with it on is refused and export writes it off
+NO_WINDOW = ("qwen3", "qwen3_moe")
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -61,7 +73,13 @@ def _rope(hf: dict, source: Path) -> dict:
     return out
 
 
-def _window(hf: dict, family: str) -> int:
+def _window(hf: dict, family: str, source: Path) -> int:
+    if family in NO_WINDOW:
+        if hf.get("use_sliding_window"):
+            raise CheckpointError(f"{source}: use_sliding_window={hf['use_sliding_window']!r} is not supported for "
+                                  f"{ARCHITECTURES[family]} (engine/model/transformer.py has no sliding window for "
+                                  f"its layers from max_window_layers on); use a config with use_sliding_window false")
+        return 0
     if family in QKV_BIAS:
         return int(hf.get("sliding_window") or 0) if hf.get("use_sliding_window") else 0
     return int(hf.get("sliding_window") or 0) if family in ("mistral", "mixtral") else 0
@@ -87,14 +105,11 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
     m = ModelConfig(name=str(hf.get("_name_or_path") or source.name), vocab_size=need("vocab_size"),
                     hidden_size=need("hidden_size"), intermediate_size=need("intermediate_size"),
                     num_layers=need("num_hidden_layers"), num_heads=heads,
-                    num_kv_heads=hf.get("num_key_value_heads") or heads,
+                    num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=int(hf.get("head_dim") or 0),
                     max_seq_len=hf.get("max_position_embeddings", 2048),
                     norm_eps=float(hf.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(hf.get("tie_word_embeddings")),
                     init_std=float(hf.get("initializer_range", 0.02)), family=family,
-                    attention_bias=family in QKV_BIAS, sliding_window=_window(hf, family), **_rope(hf, source), **moe_model_keys(hf, family, source))
-    if hf.get("head_dim") not in (None, m.head_dim):
-        raise CheckpointError(f"{source}: head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads="
-                              f"{m.head_dim}, which engine/model/transformer.py assumes")
+                    attention_bias=family in QKV_BIAS, sliding_window=_window(hf, family, source), **_rope(hf, source), **moe_model_keys(hf, family, source))
     return m
 
 
@@ -109,7 +124,8 @@ def _rope_scaling(m: ModelConfig) -> dict | None:
 
 
 def hf_config(m: ModelConfig, dtype: str = "fp32", tokenizer=None):
-    """The transformers config (LlamaConfig, Qwen2Config or MistralConfig, by model.family) of our model."""
+    """The transformers config (CONFIG_CLASSES[model.family]) of our model, head_dim always written (Qwen3Config's
+    default is 128, not hidden_size / num_heads)."""
     import transformers
 
     if m.attention_bias != (m.family in QKV_BIAS):
@@ -124,6 +140,11 @@ def hf_config(m: ModelConfig, dtype: str = "fp32", tokenizer=None):
         extra = {"use_sliding_window": bool(m.sliding_window), "sliding_window": m.sliding_window or None}
     elif m.family in ("mistral", "mixtral"):
         extra = {"sliding_window": m.sliding_window or None}
+    elif m.family in NO_WINDOW:
+        if m.sliding_window:
+            raise CheckpointError(f"model.sliding_window={m.sliding_window} cannot be written as "
+                                  f"{ARCHITECTURES[m.family]}, whose window covers only some layers; set it to 0")
+        extra = {"attention_bias": False, "use_sliding_window": False, "sliding_window": None}
     extra.update(moe_hf_keys(m))
     cls = getattr(transformers, CONFIG_CLASSES[m.family])
     return cls(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,

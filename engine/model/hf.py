@@ -1,5 +1,5 @@
-"""Hugging Face Llama / Qwen2 / Mistral folders <-> engine checkpoints, through safetensors both ways
-(launch/convert.py).
+"""Hugging Face folders of the families of engine/model/families.py (Llama, Qwen2, Mistral, Qwen3 and the MoE ones)
+<-> engine checkpoints, through safetensors both ways (launch/convert.py).
 
 Checkpoints store the tensors of ``transformers.LlamaForCausalLM`` under its names (engine/model/transformer.py's fused
 q/k/v and gate/up are stored as their parts; Qwen2 and Mistral use the same names), so conversion is only about

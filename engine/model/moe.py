@@ -45,7 +45,8 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.internals import in_backward
 
-GATING = {"mixtral": "topk_softmax", "qwen2_moe": "softmax_topk", "olmoe": "softmax_topk"}
+GATING = {"mixtral": "topk_softmax", "qwen2_moe": "softmax_topk", "olmoe": "softmax_topk",
+          "qwen3_moe": "softmax_topk"}
 # Per-expert tensor names of the published checkpoints: (module holding the block, gate, up, down)
 DISK_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
 DEFAULT_DISK = ("mlp", "gate_proj", "up_proj", "down_proj")

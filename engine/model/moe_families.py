@@ -5,8 +5,11 @@
 | `MixtralForCausalLM`  | num_local_experts, num_experts_per_tok   | intermediate_size       | all                                          | top-k logits, softmax over k            |
 | `Qwen2MoeForCausalLM` | num_experts, num_experts_per_tok         | moe_intermediate_size   | decoder_sparse_step, mlp_only_layers         | softmax, top-k, norm_topk_prob; shared  |
 | `OlmoeForCausalLM`    | num_experts, num_experts_per_tok         | intermediate_size       | all                                          | softmax, top-k, norm_topk_prob          |
+| `Qwen3MoeForCausalLM` | num_experts, num_experts_per_tok         | moe_intermediate_size   | decoder_sparse_step, mlp_only_layers         | softmax, top-k, norm_topk_prob          |
 
-Qwen2-MoE adds a shared expert (shared_expert_intermediate_size) behind a sigmoid gate, and q/k/v biases.
+Qwen2-MoE adds a shared expert (shared_expert_intermediate_size) behind a sigmoid gate, and q/k/v biases. Qwen3-MoE
+has neither, and per-head q/k norms (engine/model/families.py QK_NORM); transformers 5 writes its expert count as
+num_local_experts (Qwen3MoeConfig's attribute_map), the published config.json as num_experts: both are read.
 """
 from __future__ import annotations
 
@@ -15,7 +18,10 @@ from pathlib import Path
 from engine.config import ModelConfig
 from engine.errors import CheckpointError  # torch-free: the config checks read the families
 
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "olmoe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "olmoe", "qwen3_moe")
+EXPERT_COUNT_KEYS = {"mixtral": ("num_local_experts",), "qwen3_moe": ("num_experts", "num_local_experts")}
+LAYER_KEYS = ("qwen2_moe", "qwen3_moe")  # decoder_sparse_step, mlp_only_layers and moe_intermediate_size
+SHARED_EXPERT = ("qwen2_moe",)  # shared_expert_intermediate_size (and q/k/v biases: qkv_bias)
 
 
 def moe_model_keys(hf: dict, family: str, source: Path) -> dict:
@@ -25,12 +31,12 @@ def moe_model_keys(hf: dict, family: str, source: Path) -> dict:
     if hf.get("router_jitter_noise"):
         raise CheckpointError(f"{source}: router_jitter_noise={hf['router_jitter_noise']} is not supported by "
                               f"engine/model/moe.py (0 only)")
-    experts = hf.get("num_local_experts" if family == "mixtral" else "num_experts")
+    experts = next((hf[k] for k in EXPERT_COUNT_KEYS.get(family, ("num_experts",)) if hf.get(k)), None)
     if not experts:
         raise CheckpointError(f"{source}: config.json of {family} has no expert count")
     out = {"num_experts": int(experts), "experts_per_token": int(hf.get("num_experts_per_tok", 2)),
            "moe_norm_topk_prob": family == "mixtral" or bool(hf.get("norm_topk_prob", False))}
-    if family == "qwen2_moe":
+    if family in LAYER_KEYS:
         step, dense = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or [])
         layers = [i for i in range(hf["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0]
         out.update(moe_intermediate_size=int(hf["moe_intermediate_size"]),
@@ -43,11 +49,15 @@ def moe_hf_keys(m: ModelConfig) -> dict:
     """The transformers config keys of our MoE fields (the inverse of moe_model_keys)."""
     if m.family not in MOE_FAMILIES:
         return {}
-    if m.family != "qwen2_moe" and (m.moe_layers != "all" or m.moe_shared_expert_size or
-                                    (m.moe_intermediate_size not in (0, m.intermediate_size))):
+    if m.family not in LAYER_KEYS and (m.moe_layers != "all" or m.moe_shared_expert_size or
+                                       (m.moe_intermediate_size not in (0, m.intermediate_size))):
         raise CheckpointError(f"model.family={m.family} has every layer MoE, no shared expert and experts of "
                               f"intermediate_size; set model.moe_layers=all, moe_shared_expert_size=0, "
                               f"moe_intermediate_size=0 or use family qwen2_moe")
+    if m.family not in SHARED_EXPERT and m.moe_shared_expert_size:
+        raise CheckpointError(f"model.moe_shared_expert_size={m.moe_shared_expert_size} cannot be written as "
+                              f"model.family={m.family}, which has no shared expert; set it to 0 or use family "
+                              f"qwen2_moe")
     k = {"num_experts_per_tok": m.experts_per_token, "output_router_logits": False}
     if m.family == "mixtral":
         return {**k, "num_local_experts": m.num_experts, "router_jitter_noise": 0.0}
@@ -55,6 +65,8 @@ def moe_hf_keys(m: ModelConfig) -> dict:
     if m.family == "olmoe":
         return k
     layers = range(m.num_layers) if m.moe_layers == "all" else m.moe_layers
-    return {**k, "moe_intermediate_size": m.moe_intermediate_size or m.intermediate_size,
-            "shared_expert_intermediate_size": m.moe_shared_expert_size, "decoder_sparse_step": 1,
-            "mlp_only_layers": [i for i in range(m.num_layers) if i not in layers], "qkv_bias": True}
+    k.update(moe_intermediate_size=m.moe_intermediate_size or m.intermediate_size, decoder_sparse_step=1,
+             mlp_only_layers=[i for i in range(m.num_layers) if i not in layers])
+    if m.family not in SHARED_EXPERT:
+        return k
+    return {**k, "shared_expert_intermediate_size": m.moe_shared_expert_size, "qkv_bias": True}

@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.model.attention import DEFAULT_CORE, compute_dtype
+from engine.model.families import QK_NORM
 from engine.model.fused import FusedLinear, hf_state_dict_hooks, split_output
 from engine.model.moe import MoE, is_moe_layer
 from engine.model.recompute_run import run_block
@@ -64,10 +65,13 @@ class Attention(nn.Module):
         # softmax(q k^T / sqrt(d) + M) v on the tokens this module holds; context parallelism swaps in a core that
         # attends across the cp group (engine/parallel/cp/apply.py). Not a submodule: it holds no parameters.
         self.core = DEFAULT_CORE
-        # OLMoE's q_norm (nh hd,) / k_norm (nkv hd,): over the whole projection, not per head (tp > 1 refused)
-        qk_norm = cfg.family == "olmoe"
-        self.q_norm = RMSNorm(cfg.num_heads * hd, cfg.norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(cfg.num_kv_heads * hd, cfg.norm_eps) if qk_norm else None
+        # q/k RMSNorms (families.py QK_NORM): OLMoE's over the whole projection, weights (nh hd,) / (nkv hd,);
+        # Qwen3's per head, one (hd,) weight each shared by all heads, applied before RoPE as transformers does
+        kind = QK_NORM.get(cfg.family)
+        self.qk_norm_per_head = kind == "head"
+        q_width, k_width = (hd, hd) if self.qk_norm_per_head else (cfg.num_heads * hd, cfg.num_kv_heads * hd)
+        self.q_norm = RMSNorm(q_width, cfg.norm_eps) if kind else None
+        self.k_norm = RMSNorm(k_width, cfg.norm_eps) if kind else None
         hf_state_dict_hooks(self)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -79,10 +83,12 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)  # (b, s, (nh + 2 nkv) hd/tp)
         b, s = qkv.shape[:2]
         q, k, v = split_output(self.qkv_proj, qkv)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_per_head:  # OLMoE: over (b, s, nh hd/tp)
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.reshape(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        # q (b, nh/tp, s, hd); k, v (b, nkv/tp, s, hd)
+        q, k, v = (t.reshape(b, s, -1, self.head_dim) for t in (q, k, v))  # (b, s, heads/tp, hd)
+        if self.qk_norm_per_head:  # Qwen3: each head's (hd,) vector normalised, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # q (b, nh/tp, s, hd); k, v (b, nkv/tp, s, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # SDPA saves v for backward: a view would keep the whole fused (b, s, (nh + 2 nkv) hd/tp) output alive;
         # its own copy (nkv hd/tp) keeps the saved bytes those of separate projections.

@@ -190,7 +190,11 @@ def _parallel_linear(old: nn.Module, style: str, group, sp: bool) -> nn.Module:
         return RowParallelLinear(old.in_features, old.out_features, group, sequence_parallel=sp)
 
 
-def _sequence_parallel_norm(old: RMSNorm, group) -> SequenceParallelRMSNorm:
+def _grad_summed_norm(old: RMSNorm, group) -> SequenceParallelRMSNorm:
+    """``old`` as an RMSNorm whose replicated weight's gradient is summed over tp in backward: the norms of a
+    sequence-parallel layer (each rank sees s/tp tokens), and Qwen3's per-head q/k norms (each rank sees nh/tp
+    heads; Megatron all-reduces qk_layernorm gradients over tp likewise, transformers' tp plan names them
+    replicated_with_grad_allreduce)."""
     with torch.device(old.weight.device):
         return SequenceParallelRMSNorm(old.weight.shape[0], old.eps, group)
 
@@ -200,7 +204,8 @@ def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = 
     ``sequence_parallel`` also the norms, and the stage's input and output become (b, s/tp, h).
 
     An MoE layer's experts and OLMoE's q/k norms are split by engine/parallel/moe_tp.py (experts tp-sharded, router
-    replicated), its shared expert here like the MLP.
+    replicated), its shared expert here like the MLP; Qwen3's per-head q/k norms stay whole, their gradients
+    summed over tp (``_grad_summed_norm``).
     Call on the meta-device model before materialising (engine.model.init.materialize). Tied embeddings stay tied: the
     embedding and the LM head are sharded the same way (vocab rows). A tp group of size 1 leaves the model as is.
     """
@@ -220,14 +225,18 @@ def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = 
                 setattr(parent, attr, _parallel_linear(getattr(parent, attr), style, tp_group, linear_sp))
         if moe:
             shard_moe(layer.mlp, tp_group, sp)
-        if layer.self_attn.q_norm is not None:  # OLMoE's whole-projection q/k norms
-            shard_qk_norms(layer.self_attn, tp_group)
+        attn = layer.self_attn
+        if attn.qk_norm_per_head:  # Qwen3: each rank normalises its nh/tp heads with the whole (hd,) weights
+            for name in ("q_norm", "k_norm"):
+                setattr(attn, name, _grad_summed_norm(getattr(attn, name), tp_group))
+        elif attn.q_norm is not None:  # OLMoE's whole-projection q/k norms
+            shard_qk_norms(attn, tp_group)
         for name in SEQUENCE_PARALLEL_NORMS if sp else ():
-            setattr(layer, name, _sequence_parallel_norm(getattr(layer, name), tp_group))
+            setattr(layer, name, _grad_summed_norm(getattr(layer, name), tp_group))
     if sp:
         decoder.sequence_shards = tp  # RoPE positions count the whole sequence (engine/model/transformer.py)
         if decoder.norm is not None:
-            decoder.norm = _sequence_parallel_norm(decoder.norm, tp_group)
+            decoder.norm = _grad_summed_norm(decoder.norm, tp_group)
     if decoder.embed_tokens is not None:
         old = decoder.embed_tokens
         with torch.device(old.weight.device):

@@ -3,30 +3,30 @@
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", Sec. 4.1) give
 s b h (34 + 5 a s / h) bytes per layer for GPT-3 in 16-bit with dropout and a stored s x s score matrix. This
 engine differs in every term, so the ledger below lists what autograd saves for backward in each op of
-DecoderLayer.forward, per token (b s tokens), for tp-sharded widths h/t, kvd/t = kv_heads*head_dim/t, f/t and
-a/t heads:
+DecoderLayer.forward, per token (b s tokens), for tp-sharded widths h/t, qd/t = heads*head_dim/t (h unless
+model.head_dim says otherwise), kvd/t = kv_heads*head_dim/t, f/t and a/t heads:
   RMSNorm (x2)  x (pow and x*rsqrt save it), rsqrt (1 value), x_n (weight*x_n saves it), y = weight*x_n (the
                 next linears' input)                                       -> x, x_n, y: 3h values; rsqrt: 1
   attention     a fused SDPA kernel (flash/memory-efficient; no s x s matrix) saves rotated q, rotated k, v, its
                 output (which is o_proj's input) and the log-sum-exp (a/t fp32 values); RoPE saves only cos/sin
-                                                                           -> 2h/t + 2 kvd/t (+ a/t fp32)
+                                                                           -> 2qd/t + 2 kvd/t (+ a/t fp32)
                 plus what the run's kernel path holds beyond that (``attention_bytes_per_token``, the path from
                 engine/model/attention.py): k/v repeated to a/t heads, or on the math path the (b, a/t, s, s)
                 softmax; and once per micro-batch the document mask, (b, 1, s, s) in the kernel's dtype
   SwiGLU MLP    gate output (silu saves it), silu(gate), up (the product saves both), their product (down_proj's
                 input)                                                     -> 4 f/t
 Dtypes (measured on CPU with torch.autograd.graph.saved_tensors_hooks; tests/test_planner.py):
-  fp32      everything fp32:  24h + 8 + (8h + 8kvd + 4a + 16f)/t bytes per token
+  fp32      everything fp32:  24h + 8 + (8qd + 8kvd + 4a + 16f)/t bytes per token
   autocast  bf16 matmuls on fp32 weights (train.dtype bf16 with ddp): norms stay fp32 (x, x_n: 16h + 8), each
             linear saves its own bf16 cast of y (the fused qkv and gate_up: 2 x 2h; 5 x 2h before the fusion),
-            attention and MLP tensors are bf16: 20h + 8 + (4h + 4kvd + 4a + 8f)/t, plus the bf16 copy of every
+            attention and MLP tensors are bf16: 20h + 8 + (4qd + 4kvd + 4a + 8f)/t, plus the bf16 copy of every
             weight autocast makes for each forward (2 bytes x the layer's matmul parameters, per micro-batch, since
             the cache dies with the autocast region)
   bf16      bf16 weights (fsdp's bf16 compute copy; DeepSpeed bf16): the norm computes on an fp32 copy of x
-            (4h + 4), x_n and y are bf16 (2h each): 16h + 8 + (4h + 4kvd + 4a + 8f)/t
+            (4h + 4), x_n and y are bf16 (2h each): 16h + 8 + (4qd + 4kvd + 4a + 8f)/t
 With full activation checkpointing only each layer's input (the residual stream) is kept per micro-batch, and
 one layer's activations are rebuilt at a time during backward (``transient_bytes``). Selective checkpointing
-(engine/model/recompute.py) keeps the input and the matmul outputs: qkv ((h + 2 kvd)/t), o_proj (h, the
+(engine/model/recompute.py) keeps the input and the matmul outputs: qkv ((qd + 2 kvd)/t), o_proj (h, the
 row-parallel output), gate_up (2f/t), down (h), in the matmul dtype (fp32, or bf16 under autocast and bf16),
 and rebuilds the rest of one layer at a time; autocast's weight copies are recomputed too.
 Sequence parallelism (parallel.sequence_parallel; Korthikanti et al. Sec. 4.2.2, their sbh(34/t + 5as/(ht))):
@@ -49,6 +49,7 @@ import torch
 
 from engine.config import Config
 from engine.parallel import dp as dp_modes
+from engine.model.families import QK_NORM
 from engine.model.attention import EFFICIENT, EFFICIENT_REPEAT_KV, MATH, REPEATS_KV, attention_path
 from engine.parallel.cross_entropy import CHUNK_ELEMENTS
 from engine.planning.moe import expert_grad_buffer_bytes, mean_over_layers, mlp_params, routing_bytes_per_token, token_ffn_width
@@ -82,10 +83,10 @@ def checkpointed_layer_bytes_per_token(cfg: Config, tp: int) -> float:
     """Bytes per token one layer keeps under activation checkpointing: its input, plus the matmul outputs with
     selective recomputation."""
     m = cfg.model
-    h, kvd, f = m.hidden_size, m.num_kv_heads * m.head_dim, ffn_width(cfg)
+    h, qd, kvd, f = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, ffn_width(cfg)
     kept = h * residual_bytes(cfg) / sequence_share(cfg, tp)
-    if cfg.train.activation_checkpointing == "selective":
-        kept += logit_bytes(cfg) * (2 * h + (h + 2 * kvd + 2 * f) / tp)
+    if cfg.train.activation_checkpointing == "selective":  # qkv_proj's (qd + 2 kvd)/t, o_proj's and down's h
+        kept += logit_bytes(cfg) * (2 * h + (qd + 2 * kvd + 2 * f) / tp)
     return kept
 
 
@@ -148,15 +149,32 @@ def document_mask_bytes(cfg: Config, num_layers: int) -> float:
 def layer_bytes_per_token(cfg: Config, tp: int) -> float:
     """Saved bytes per token of one decoder layer (without autocast's weight copies)."""
     m = cfg.model
-    h, kvd, a, f = m.hidden_size, m.num_kv_heads * m.head_dim, m.num_heads, ffn_width(cfg)
-    sp, attn = sequence_share(cfg, tp), attention_bytes_per_token(cfg, tp)
+    h, a, f = m.hidden_size, m.num_heads, ffn_width(cfg)
+    qd, kvd = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim  # q and k/v widths: qd need not be h (Qwen3)
+    sp, attn = sequence_share(cfg, tp), attention_bytes_per_token(cfg, tp) + qk_norm_bytes_per_token(cfg, tp)
     # MoE (f: the k experts' width a token has, engine/planning/moe.py): + copies, router logits, indices
     attn += mean_over_layers(m, lambda m, i: routing_bytes_per_token(m, i, logit_bytes(cfg), cfg.parallel.ep))
-    if mode(cfg) == "fp32":
-        return (24 * h + 8) / sp + (8 * h + 8 * kvd + 4 * a + 16 * f) / tp + attn
+    if mode(cfg) == "fp32":  # rotated q and the attention output: qd/t each
+        return (24 * h + 8) / sp + (8 * qd + 8 * kvd + 4 * a + 16 * f) / tp + attn
     # autocast: y cast to bf16 by qkv_proj and gate_up_proj; under sequence parallelism y itself (fp32) is kept
     casts = 0 if mode(cfg) != "autocast" else 4 * h if sp == 1 else 8 * h
-    return (16 * h + 8 + casts) / sp + (4 * h + 4 * kvd + 4 * a + 8 * f) / tp + attn
+    return (16 * h + 8 + casts) / sp + (4 * qd + 4 * kvd + 4 * a + 8 * f) / tp + attn
+
+
+def qk_norm_bytes_per_token(cfg: Config, tp: int) -> float:
+    """What the q/k RMSNorms save (engine/model/families.py QK_NORM), per token on one tp rank: their input in fp32
+    (x, saved by pow and x * rsqrt), the rsqrt (one fp32 value per normalised row: a head (Qwen3), or the whole
+    projection (OLMoE)) and x_n in the input's dtype (weight * x_n saves it); their output is RoPE's input, which
+    saves only cos/sin. In fp32 x.float() is x itself, a view of the fused qkv output, whose whole (qd + 2 kvd)/t
+    storage it keeps (measured); otherwise its fp32 copy, (qd + kvd)/t. Rows: (a + a_kv)/t heads, or 2."""
+    m = cfg.model
+    kind = QK_NORM.get(m.family)
+    if kind is None:
+        return 0.0
+    qk = (m.num_heads + m.num_kv_heads) * m.head_dim / tp
+    kept_input = qk + (m.num_kv_heads * m.head_dim / tp if mode(cfg) == "fp32" else 0)
+    rows = (m.num_heads + m.num_kv_heads) / tp if kind == "head" else 2
+    return 4 * kept_input + logit_bytes(cfg) * qk + 4 * rows
 
 
 def weight_copy_bytes(cfg: Config, tp: int, num_layers: int, last_stage: bool) -> float:

@@ -47,6 +47,7 @@ from engine.parallel.dp.registry import load
 from engine.parallel.support import Layout, micro_batches_per_step, resolve_layout
 from engine.parallel.pipeline import stage_layer_ranges
 from engine.planning.balance import layer_counts
+from engine.model.families import QK_NORM
 from engine.model.moe import is_moe_layer
 from engine.planning.moe import expert_params, mlp_params
 
@@ -80,16 +81,18 @@ def layer_params(m: ModelConfig, tp: int, index: int = 0) -> tuple[int, int]:
     """(tp-sharded, replicated) parameter counts of decoder layer ``index`` on one tp rank: q, k, v, o and gate,
     up, down are split by tp (LAYER_PLAN in engine/parallel/tensor.py), with the q/k/v biases where the model has
     them (model.attention_bias); the two RMSNorm weights are replicated. An MoE layer's experts and shared expert
-    (engine/planning/moe.py) are split like the MLP and OLMoE's whole-projection q/k norms like q/k; the router and
-    the shared expert's gate are replicated (engine/parallel/moe_tp.py)."""
+    (engine/planning/moe.py) are split like the MLP and OLMoE's whole-projection q/k norms like q/k; the router,
+    the shared expert's gate (engine/parallel/moe_tp.py) and Qwen3's per-head q/k norms (hd,) are replicated."""
     h, hd = m.hidden_size, m.head_dim
     router = (m.num_experts + bool(m.moe_shared_expert_size)) * h if is_moe_layer(m, index) else 0
     sharded = 2 * h * m.num_heads * hd + 2 * h * m.num_kv_heads * hd + mlp_params(m, index) - router
     if m.attention_bias:
         sharded += (m.num_heads + 2 * m.num_kv_heads) * hd
-    if m.family == "olmoe":
+    qk_norm = QK_NORM.get(m.family)
+    if qk_norm == "projection":  # OLMoE's, split like q/k
         sharded += (m.num_heads + m.num_kv_heads) * hd
-    return sharded // tp, 2 * h + router
+    replicated = 2 * h + router + (2 * hd if qk_norm == "head" else 0)  # Qwen3's per-head (hd,) q/k norms: whole
+    return sharded // tp, replicated
 
 
 def stage_params(cfg: Config, tp: int, pp: int, stage: int) -> dict[str, int]:

@@ -46,7 +46,7 @@ def hf_model(cfg, device: torch.device):
     config = transformers.LlamaConfig(
         vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
         num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
-        max_position_embeddings=max(m.max_seq_len, cfg.train.seq_len), rope_theta=m.rope_theta,
+        head_dim=m.head_dim, max_position_embeddings=max(m.max_seq_len, cfg.train.seq_len), rope_theta=m.rope_theta,
         rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings, attn_implementation="sdpa")
     model = transformers.LlamaForCausalLM(config).to(device)
     if cfg.train.activation_checkpointing != "none":
