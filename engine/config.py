@@ -16,7 +16,7 @@ import yaml
 
 from engine.config_checks import validate
 from engine.config_yaml import SafeLoader, UniqueKeyLoader
-from engine.config_types import HeadDim, coerce
+from engine.config_types import HeadDim, coerce, explicit_head_dim
 from engine.errors import ConfigError
 
 __all__ = ["Config", "ConfigError", "load", "load_yaml", "parse_args", "validate"]
@@ -183,7 +183,11 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every field, model.head_dim as given (0 where it is hidden_size / num_heads), so a saved config whose
+        hidden_size or num_heads is overridden later derives its head width again."""
+        out = dataclasses.asdict(self)
+        out["model"]["head_dim"] = explicit_head_dim(self.model)
+        return out
 
 
 # Other spellings of a key: HF's name for our max_seq_len (the longest position the model is meant for).

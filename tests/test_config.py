@@ -154,3 +154,17 @@ def test_global_batch_must_split_into_micro_batches():
     cfg.train.global_batch_size, cfg.train.micro_batch_size = 10, 4
     with pytest.raises(ConfigError, match=r"global_batch_size=10 is not divisible by .*micro_batch_size\(4\) \* dp\(1\)"):
         resolve_layout(cfg, 1)
+
+
+def test_saved_config_keeps_a_derived_head_dim_derived(tmp_path):
+    """model.head_dim reads back resolved (hidden_size / num_heads where 0 was given); Config.to_dict writes what was
+    given, so a saved config whose hidden_size is overridden later derives its head width again, while an explicit
+    one (Qwen3's 128) is kept."""
+    import yaml
+
+    saved = tmp_path / "config.yaml"
+    cfg = load(["--config", "configs/tiny.yaml"])
+    saved.write_text(yaml.safe_dump(cfg.to_dict()))
+    wider = load(["--config", str(saved), "--model.hidden_size", str(2 * cfg.model.hidden_size)])
+    assert wider.model.head_dim == 2 * cfg.model.head_dim
+    assert load(["--config", "configs/qwen3-0.6b.yaml"]).to_dict()["model"]["head_dim"] == 128
