@@ -129,8 +129,7 @@ def test_pp2_auto_trains_like_one_process(tmp_path):
     got = runner.run_group(2, [argv])[0]
     held = [{int(n.split(".")[2]) for n in r["params"] if ".layers." in n} for r in got]
     assert [len(h) for h in held] == counts
-    errors = runner.compare(got, want)
-    assert runner.verdict(errors, runner.FP32) is None, errors
+    runner.assert_matches(got, want)
 
 
 def test_the_logged_line_names_both_splits():

@@ -112,12 +112,8 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("world", sorted(EP_RUNS))
 def test_engine_at_ep_equals_one_process(world, reference, tmp_path):
-    runs = runner.run_group(world, [[*BASE, *extra, "--train.out_dir", str(tmp_path / str(i))]
-                                    for i, extra in enumerate(EP_RUNS[world])])
-    for extra, run in zip(EP_RUNS[world], runs):
-        assert "error" not in run[0], run[0]
-        errors = runner.compare(run, reference)
-        assert runner.verdict(errors, runner.FP32) is None, (extra, errors)
+    for extra, run in zip(EP_RUNS[world], runner.run_layouts(world, BASE, EP_RUNS[world], tmp_path)):
+        runner.assert_matches(run, reference, extra)
 
 
 def test_zero_bubble_exposed_reduction_leaves_experts_out(reference, tmp_path, monkeypatch):
@@ -126,10 +122,7 @@ def test_zero_bubble_exposed_reduction_leaves_experts_out(reference, tmp_path, m
     ep 2 each dp rank holds other experts, so averaging them over dp would mix two experts' gradients."""
     monkeypatch.setattr(DDP, "overlap_weight_reduction", False)  # set before the ranks fork: they inherit it
     extra = ["--parallel.pp", "2", "--parallel.dp", "2", "--parallel.ep", "2", "--parallel.schedule", "zero_bubble"]
-    run = runner.run_group(4, [[*BASE, *extra, "--train.out_dir", str(tmp_path)]])[0]
-    assert "error" not in run[0], run[0]
-    errors = runner.compare(run, reference)
-    assert runner.verdict(errors, runner.FP32) is None, errors
+    runner.assert_matches(runner.run_layouts(4, BASE, [extra], tmp_path)[0], reference, extra)
 
 
 @pytest.mark.parametrize("modes", sorted(HOPS))
@@ -144,8 +137,7 @@ def test_resume_across_ep_2_1_4_matches_the_uninterrupted_run(modes, reference, 
                                             tmp_path, name, resume))
         resume = str(tmp_path / name / f"step_{i + 1:06d}")
     for offset, run in enumerate(runs[1:], start=1):
-        errors = runner.compare(run, reference, offset)
-        assert runner.verdict(errors, runner.FP32) is None, (offset, errors)
+        runner.assert_matches(run, reference, offset, offset)
 
 
 @pytest.mark.parametrize("extra,world,words", [

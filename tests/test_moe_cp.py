@@ -128,12 +128,8 @@ def _metrics_match(run: list[dict], reference: dict, offset: int = 0) -> None:
 
 
 def test_engine_at_cp_2_with_ep_equals_one_process(reference, tmp_path):
-    runs = runner.run_group(2, [[*BASE, *extra, "--train.out_dir", str(tmp_path / str(i))]
-                                for i, extra in enumerate(CP_RUNS)])
-    for extra, run in zip(CP_RUNS, runs):
-        assert "error" not in run[0], run[0]
-        errors = runner.compare(run, reference)
-        assert runner.verdict(errors, runner.FP32) is None, (extra, errors)
+    for extra, run in zip(CP_RUNS, runner.run_layouts(2, BASE, CP_RUNS, tmp_path)):
+        runner.assert_matches(run, reference, extra)
         _metrics_match(run, reference)
 
 
@@ -147,8 +143,7 @@ def test_resume_from_ep_2_over_cp_to_ep_1_matches_the_uninterrupted_run(referenc
     b = hop(2, cp2, "b", str(tmp_path / "a" / "step_000001"))
     c = hop(1, [], "c", str(tmp_path / "b" / "step_000002"))
     for run, offset in ((b, 1), (c, 2)):
-        errors = runner.compare(run, reference, offset)
-        assert runner.verdict(errors, runner.FP32) is None, (offset, errors)
+        runner.assert_matches(run, reference, offset, offset)
 
 
 @pytest.mark.parametrize("extra,world,words", [

@@ -186,5 +186,4 @@ def _assert_matches_single_process(tmp_path_factory, schedule: str, v: int, pp: 
                                                   want_init=True)[0][0]
     combo = Combo(1, pp, 1, "ddp", schedule, "fp32", False, False, False, layers=layers)
     (run,) = runner.run_group(pp, [_argv(combo, tmp_path_factory.mktemp("pp"), m, v)])
-    errors = runner.compare(run, _references[layers, m])
-    assert runner.verdict(errors, runner.FP32) is None, (runner.verdict(errors, runner.FP32), errors)
+    runner.assert_matches(run, _references[layers, m], combo.name)

@@ -56,12 +56,8 @@ def test_training_at_tp2_and_cp2_equals_one_process(tmp_path):
                ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--train.activation_checkpointing",
                 "selective"],
                ["--parallel.cp", "2"], ["--parallel.cp", "2", "--parallel.cp_mode", "all_to_all"]]
-    runs = runner.run_group(2, [[*QWEN3, *extra, "--train.out_dir", str(tmp_path / str(i))]
-                                for i, extra in enumerate(layouts)])
-    for extra, run in zip(layouts, runs):
-        assert "error" not in run[0], run[0]
-        errors = runner.compare(run, ref)
-        assert runner.verdict(errors, runner.FP32) is None, (extra, errors)
+    for extra, run in zip(layouts, runner.run_layouts(2, QWEN3, layouts, tmp_path)):
+        runner.assert_matches(run, ref, extra)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

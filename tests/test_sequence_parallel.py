@@ -202,5 +202,4 @@ def test_selective_recompute_with_sequence_parallel_matches_single_process(tmp_p
     want = runner.run_group(1, [runner.combo_argv(ref, str(tmp_path / "ref"))], want_init=True)[0][0]
     argv = runner.combo_argv(combo, str(tmp_path / "sp"), "--train.activation_checkpointing", "selective")
     got = runner.run_group(2, [argv])[0]
-    errors = runner.compare(got, want)
-    assert runner.verdict(errors, runner.FP32) is None, errors
+    runner.assert_matches(got, want)

@@ -151,6 +151,11 @@ def run_group(world: int, argvs: list[list[str]], want_init: bool = False, per_r
     return [[by_rank[r][i] for r in range(world)] for i in range(len(argvs))]
 
 
+def run_layouts(world: int, base: list[str], layouts: list[list[str]], root) -> list[list]:
+    """``base`` with each of ``layouts`` (extra arguments) on ``world`` ranks, run i writing to ``root/i``."""
+    return run_group(world, [[*base, *extra, "--train.out_dir", str(root / str(i))] for i, extra in enumerate(layouts)])
+
+
 def checkpointed_run(world: int, argv: list[str], root, name: str, resume: str) -> list[dict]:
     """Train ``argv`` on ``world`` ranks saving every step to ``root/name`` (resuming from ``resume``: none or a
     step folder); its result on every rank. A refusal fails here, naming it."""
@@ -204,6 +209,14 @@ class Outcome:
     errors: dict
     failure: str | None
     seconds: float
+
+
+def assert_matches(run: list[dict], ref: dict, what="", offset: int = 0, tol: Tolerance = FP32) -> None:
+    """A run (all its ranks) was not refused and is within ``tol`` of the reference (``compare``; ``offset``: a
+    resumed run against the reference's later steps); ``what`` names it in the failure."""
+    assert "error" not in run[0], (what, run[0])
+    errors = compare(run, ref, offset)
+    assert verdict(errors, tol) is None, (what, verdict(errors, tol), errors)
 
 
 def run_combos(combos: list[Combo], root, chunk: int = 8, on_result=None) -> dict:
