@@ -21,12 +21,17 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def _split_last(x: torch.Tensor, group) -> torch.Tensor:
-    """This rank's chunk of the last dim: (..., n) -> (..., n/tp)."""
+def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """This rank's chunk of ``dim``: (..., n, ...) -> (..., n/tp, ...). No autograd."""
     size = _size(group)
     if size == 1:
         return x
-    return x.chunk(size, dim=-1)[dist.get_rank(group)].contiguous()
+    return x.chunk(size, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def _split_last(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's chunk of the last dim: (..., n) -> (..., n/tp)."""
+    return _split(x, group, -1)
 
 
 def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
@@ -64,30 +69,18 @@ class _ReduceFromParallel(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromParallel(torch.autograd.Function):
-    """All-gather the last dim forward, keep this rank's chunk backward."""
+class _Exchange(torch.autograd.Function):
+    """``forward(x, group)`` forward, ``backward(grad, group)`` backward: a pair of the no-autograd collectives of
+    this file (gather one way, split or reduce-scatter the other)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last(grad, ctx.group), None
-
-
-class _ScatterToParallel(torch.autograd.Function):
-    """Keep this rank's chunk of the last dim forward, all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last(x, group)
+    def forward(ctx, x, group, forward, backward):
+        ctx.group, ctx.backward = group, backward
+        return forward(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_last(grad, ctx.group), None
+        return ctx.backward(grad, ctx.group), None, None, None
 
 
 def copy_to_parallel(x: torch.Tensor, group) -> torch.Tensor:
@@ -99,11 +92,13 @@ def reduce_from_parallel(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def gather_from_parallel(x: torch.Tensor, group) -> torch.Tensor:
-    return x if _size(group) == 1 else _GatherFromParallel.apply(x, group)
+    """All-gather the last dim forward, keep this rank's chunk backward."""
+    return x if _size(group) == 1 else _Exchange.apply(x, group, _gather_last, _split_last)
 
 
 def scatter_to_parallel(x: torch.Tensor, group) -> torch.Tensor:
-    return x if _size(group) == 1 else _ScatterToParallel.apply(x, group)
+    """Keep this rank's chunk of the last dim forward, all-gather backward."""
+    return x if _size(group) == 1 else _Exchange.apply(x, group, _split_last, _gather_last)
 
 
 # ---- sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
@@ -138,32 +133,9 @@ def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-class _GatherFromSequenceParallel(torch.autograd.Function):
-    """All-gather along the sequence forward, reduce-scatter backward: (b, s/tp, h) -> (b, s, h). Megatron's g-bar
-    in front of a column-parallel layer (the gradients of the tp ranks' partial inputs are summed and scattered)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_seq(grad, ctx.group), None
-
-
-class _ReduceScatterToSequenceParallel(torch.autograd.Function):
-    """Reduce-scatter along the sequence forward, all-gather backward: (b, s, h) partial sums -> (b, s/tp, h).
-    Megatron's g after a row-parallel layer and the vocab-parallel embedding."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_seq(grad, ctx.group), None
+def split_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's chunk of dim 1: (b, s, ...) -> (b, s/tp, ...). No autograd."""
+    return _split(x, group, 1)
 
 
 class _SequenceGatheredLinear(torch.autograd.Function):
@@ -198,28 +170,6 @@ class _SequenceGatheredLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-def split_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """This rank's chunk of dim 1: (b, s, ...) -> (b, s/tp, ...). No autograd."""
-    size = _size(group)
-    if size == 1:
-        return x
-    return x.chunk(size, dim=1)[dist.get_rank(group)].contiguous()
-
-
-class _Exchange(torch.autograd.Function):
-    """``forward(x, group)`` forward, ``backward(grad, group)`` backward: a pair of the no-autograd collectives
-    above."""
-
-    @staticmethod
-    def forward(ctx, x, group, forward, backward):
-        ctx.group, ctx.backward = group, backward
-        return forward(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.backward(grad, ctx.group), None, None, None
-
-
 def gather_sequence_for_replicated(x: torch.Tensor, group) -> torch.Tensor:
     """All-gather along the sequence forward, keep this rank's chunk backward: (b, s/tp, h) -> (b, s, h) in front of
     a block every tp rank runs whole on the whole sequence (the MoE block, engine/parallel/moe_tp.py), whose input
@@ -241,11 +191,15 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def gather_from_sequence_parallel(x: torch.Tensor, group) -> torch.Tensor:
-    return x if _size(group) == 1 else _GatherFromSequenceParallel.apply(x, group)
+    """All-gather along the sequence forward, reduce-scatter backward: (b, s/tp, h) -> (b, s, h). Megatron's g-bar
+    in front of a column-parallel layer (the gradients of the tp ranks' partial inputs are summed and scattered)."""
+    return x if _size(group) == 1 else _Exchange.apply(x, group, gather_seq, reduce_scatter_seq)
 
 
 def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group) -> torch.Tensor:
-    return x if _size(group) == 1 else _ReduceScatterToSequenceParallel.apply(x, group)
+    """Reduce-scatter along the sequence forward, all-gather backward: (b, s, h) partial sums -> (b, s/tp, h).
+    Megatron's g after a row-parallel layer and the vocab-parallel embedding."""
+    return x if _size(group) == 1 else _Exchange.apply(x, group, reduce_scatter_seq, gather_seq)
 
 
 def sequence_gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
