@@ -1,7 +1,8 @@
 """Test hosts: an N-host cluster of network namespaces on one machine, for the launchers' multi-node paths.
 
 Each host is a network namespace with its own host name (UTS namespace) and its own /etc/hosts (a mount namespace
-with a file of the cluster's folder bind-mounted over it), one veth on a bridge without an address, an address in
+with a file of the cluster's folder bind-mounted over it, and /etc/ssh/ssh_config likewise: ``ssh h2`` takes the
+cluster's key there, as a cluster's shared home would have it), one veth on a bridge without an address, an address in
 198.18.0.0/24 (RFC 2544's benchmarking range: routed nowhere) and no default route, so nothing it sends leaves
 the bridge; and its own sshd on port 22 taking a throw-away key. The file system is shared, as a cluster's shared
 home is. Host names, not addresses, go into hostfiles: gloo advertises the address its own host name resolves to,
@@ -68,15 +69,16 @@ class Host:
     addr: str        # 198.18.0.x
     pid: int = 0     # its sshd: the namespaces commands enter
 
-    def command(self, cmd: list[str]) -> list[str]:
-        """``cmd`` run on this host: its network, host name and /etc/hosts (the file system is shared)."""
-        return ["nsenter", "-t", str(self.pid), "-n", "-u", "-m", "--", *cmd]
+    def command(self, cmd: list[str], cwd: str | Path | None = None) -> list[str]:
+        """``cmd`` run on this host: its network, host name and /etc/hosts (the file system is shared), in ``cwd``
+        (this process's by default; entering a mount namespace would otherwise start it in /)."""
+        return ["nsenter", "-t", str(self.pid), "-n", "-u", "-m", f"--wdns={cwd or os.getcwd()}", "--", *cmd]
 
-    def run(self, cmd: list[str], **kw) -> subprocess.CompletedProcess:
-        return subprocess.run(self.command(cmd), **{"capture_output": True, "text": True, **kw})
+    def run(self, cmd: list[str], cwd: str | Path | None = None, **kw) -> subprocess.CompletedProcess:
+        return subprocess.run(self.command(cmd, cwd), **{"capture_output": True, "text": True, **kw})
 
-    def popen(self, cmd: list[str], **kw) -> subprocess.Popen:
-        return subprocess.Popen(self.command(cmd), **kw)
+    def popen(self, cmd: list[str], cwd: str | Path | None = None, **kw) -> subprocess.Popen:
+        return subprocess.Popen(self.command(cmd, cwd), **kw)
 
 
 @dataclass
@@ -205,7 +207,8 @@ def _start_host(cluster: Cluster, host: Host, index: int, hosts_file: Path) -> N
     _run(*inside, "ip", "link", "set", "eth0", "up")
     _run(*inside, "ip", "link", "set", "lo", "up")
     config = _sshd_config(cluster.folder, host)
-    script = f"hostname {host.name} && mount --bind {hosts_file} /etc/hosts && exec {SSHD} -D -e -f {config}"
+    script = (f"hostname {host.name} && mount --bind {hosts_file} /etc/hosts && "
+              f"mount --bind {cluster.folder / 'ssh_config'} /etc/ssh/ssh_config && exec {SSHD} -D -e -f {config}")
     log = (cluster.folder / f"sshd_{host.name}.log").open("w")
     proc = subprocess.Popen([*inside, "unshare", "--uts", "--mount", "sh", "-c", script], stdout=log,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
@@ -249,6 +252,8 @@ def up(n: int, base: Path | None = None, loopback: tuple[str, ...] = ()) -> Clus
         for name in ("id", "host_key"):
             _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(folder / name))
         shutil.copy(folder / "id.pub", folder / "authorized_keys")
+        (folder / "ssh_config").write_text("Host *\n" + "".join(
+            f"  {o.split('=')[0]} {o.split('=')[1]}\n" for o in cluster.ssh_options()[3::2]) + f"  IdentityFile {folder / 'id'}\n")
         _run("ip", "link", "add", f"{PREFIX}{cid}", "type", "bridge")
         _run("ip", "link", "set", f"{PREFIX}{cid}", "up")
         cluster.hosts = [Host(f"h{i}", f"{PREFIX}{cid}-h{i}", f"{SUBNET}.{i}") for i in range(1, n + 1)]
