@@ -118,7 +118,8 @@ def check_hosts(hosts: list[Host], ssh: list[str], root: str, config: str = "",
 
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
         results = list(pool.map(one, hosts))
-    for r in results if len(hosts) > 1 else []:  # a loopback host name only breaks a multi-host job
+    machines = {r.report["host"] for r in results if r.report}  # hostfile lines may name one machine twice
+    for r in results if len(machines) > 1 else []:  # a loopback host name only breaks a multi-host job
         line = r.report and r.report.get("net") and loopback_line(r.report["net"])
         if line:
             r.problems.append(line.split(": ", 1)[1])  # the line names the host; describe() names it already
