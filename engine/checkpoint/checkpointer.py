@@ -37,26 +37,15 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint.contents import check_model, contents, data_changes, load_into
-from engine.checkpoint.format import INDEX, CheckpointError, merge_index, read_index, verify_shard, write_shard
+from engine.checkpoint.format import CheckpointError, merge_index, read_index, verify_shard, write_shard
+from engine.checkpoint.choose import resolve, to_try
 from engine.checkpoint.lineage import set_aside, settle
 from engine.checkpoint.lock import CheckpointLock, claim_run_directories
 from engine.checkpoint.parts import CheckpointParts, RunPosition
-from engine.checkpoint.publish import STEP_DIR, list_checkpoints, publish, staging_dir, step_name
+from engine.checkpoint.publish import list_checkpoints, publish, staging_dir, step_name
 from engine.checkpoint.signals import StopSignal
 
 __all__ = ["Checkpointer", "CheckpointError", "list_checkpoints", "resolve"]
-
-
-def resolve(path: Path, what: str = "checkpoint path") -> list[Path]:
-    """A user-given PATH: a checkpoint (has index.json) or a checkpoint directory (follow ``latest``)."""
-    if not path.exists():
-        raise CheckpointError(f"{what} '{path}' does not exist; give a step_* directory or a checkpoint "
-                              f"directory with a 'latest' file")
-    if (path / INDEX).exists() or STEP_DIR.match(path.name):
-        return [path]
-    if (path / "latest").is_file():
-        return [path / (path / "latest").read_text().strip()]
-    raise CheckpointError(f"{what} '{path}' has neither {INDEX} nor a 'latest' file")
 
 
 class Checkpointer:
@@ -217,25 +206,10 @@ class Checkpointer:
         errors = [e for e in self._gather(error) if e is not None]
         return (None, errors[0]) if errors else (index, None)
 
-    def _candidates(self) -> list[Path]:
-        mode = self.cfg.checkpoint.resume
-        if mode == "none":
-            return []
-        if mode != "auto":
-            return resolve(Path(mode), "checkpoint.resume")
-        if self.root is None:
-            return []
-        found = list_checkpoints(self.root)
-        latest = self.root / "latest"
-        if latest.is_file():
-            named = self.root / latest.read_text().strip()
-            found = [named] + [p for p in found if p != named]
-        return found
-
     def resume(self, parts: CheckpointParts) -> RunPosition | None:
         """Load the checkpoint that checkpoint.resume selects into ``parts``; returns the position to continue
         from (None: a fresh start; the path loaded is ``self.resumed_from``)."""
-        candidates = self._candidates()
+        candidates = to_try(self.cfg.checkpoint.resume, self.root, self.ctx.rank == 0)
         explicit = self.cfg.checkpoint.resume not in ("auto", "none")
         bad: dict[Path, str] = {}
         for path in candidates:
