@@ -15,8 +15,11 @@ With ``checkpoint.async_save`` the writing and committing run in a background th
 for it.
 
 Resume (collective, end of Trainer.__init__): ``checkpoint.resume`` = ``auto`` tries ``latest`` and then older
-``step_*`` directories, newest first, skipping (with a message naming the file) any whose index is missing or
-unreadable, a shard missing or of the wrong size, a CRC that fails or a piece the index lists but the shard lacks;
+``step_*`` directories, newest first (engine/checkpoint/choose.py), skipping (with a line naming the step and
+why) any whose index is missing, unreadable or not of the format's fields (engine/checkpoint/schema.py), a shard
+missing, unreadable, outside the step directory or of the wrong size, a CRC that fails, a piece the index lists
+but the shard lacks, or a NaN/inf piece (engine/checkpoint/format.py ``verify_shard``: resuming it would train on
+garbage, so ``auto`` takes the older step);
 ``none`` starts fresh; a PATH (a ``step_*`` directory or a checkpoint directory with ``latest``) must be valid.
 Then the steps of ``checkpoint.dir`` above the one the run starts from are set aside (unusable) or refused (valid:
 another run's), engine/checkpoint/lineage.py, so that every later save and prune sees only this run's lineage.

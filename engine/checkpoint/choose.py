@@ -17,6 +17,13 @@ from engine.checkpoint.publish import STEP_DIR, list_checkpoints
 
 def resolve(path: Path, what: str = "checkpoint path") -> list[Path]:
     """A user-given PATH: a checkpoint (has index.json) or a checkpoint directory (follow ``latest``)."""
+    try:
+        return _resolve(path, what)
+    except OSError as e:  # a directory on the way that cannot be searched
+        raise CheckpointError(f"{what} '{path}' cannot be read ({e.strerror or e})") from None
+
+
+def _resolve(path: Path, what: str) -> list[Path]:
     if not path.exists():
         raise CheckpointError(f"{what} '{path}' does not exist; give a step_* directory or a checkpoint "
                               f"directory with a 'latest' file")
