@@ -111,8 +111,12 @@ PIECE = row(text, integer(), integer(), integer(), what="a piece [shard file, tp
 RNG = fields({"python": row(integer(), list_of(integer(0, 2**32 - 1)), maybe(number),
                             what="Python's random state [version, [ints], gauss]"),
               "numpy": row(text, integer(), integer(), number, what="NumPy's state [kind, pos, has_gauss, gauss]")})
+# The model shape an export builds from (absent keys take ModelConfig's defaults: an older checkpoint's)
+MODEL = fields({}, {**{k: integer() for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                                              "num_heads", "num_kv_heads", "head_dim", "num_experts")},
+                    "tie_embeddings": boolean, "attention_bias": boolean, "family": text})
 INDEX = fields({"step": integer(), "consumed_samples": integer(),
-                "config": fields({"model": fields({})}, {"train": fields({})}), "layout": fields({}),
+                "config": fields({"model": MODEL}, {"train": fields({})}), "layout": fields({}),
                 "files": mapping(fields({"bytes": integer(), "crc32": integer(0, 2**32 - 1)})),
                 "ranks": list_of(fields({"rank": integer(), "file": text}, {"rng": RNG}), 1),
                 "params": mapping(fields({"shape": list_of(integer(), 1), "tp_dim": maybe(integer(0, 1)),
@@ -132,7 +136,7 @@ def _consistent(index: dict) -> None:
     moments = False
     for name, p in index["params"].items():
         shape, tp_size = p["shape"], p["tp_size"]
-        if p["tp_dim"] == 1 and len(shape) != 2 or p["tp_dim"] is not None and shape[p["tp_dim"]] % tp_size:
+        if (p["tp_dim"] == 1 and len(shape) != 2) or (p["tp_dim"] is not None and shape[p["tp_dim"]] % tp_size):
             raise _Bad(f"params[{name!r}].tp_dim", p["tp_dim"], f"a dimension of {shape} that {tp_size} divides")
         block = _numel(shape) // (tp_size if p["tp_dim"] is not None else 1)
         for state, pieces in p["states"].items():
