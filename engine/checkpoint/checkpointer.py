@@ -15,8 +15,11 @@ With ``checkpoint.async_save`` the writing and committing run in a background th
 for it.
 
 Resume (collective, end of Trainer.__init__): ``checkpoint.resume`` = ``auto`` tries ``latest`` and then older
-``step_*`` directories, newest first, skipping (with a message naming the file) any whose index is missing or
-unreadable, a shard missing or of the wrong size, a CRC that fails or a piece the index lists but the shard lacks;
+``step_*`` directories, newest first (engine/checkpoint/choose.py), skipping (with a line naming the step and
+why) any whose index is missing, unreadable or not of the format's fields (engine/checkpoint/schema.py), a shard
+missing, unreadable, outside the step directory or of the wrong size, a CRC that fails, a piece the index lists
+but the shard lacks, or a NaN/inf piece (engine/checkpoint/format.py ``verify_shard``: resuming it would train on
+garbage, so ``auto`` takes the older step);
 ``none`` starts fresh; a PATH (a ``step_*`` directory or a checkpoint directory with ``latest``) must be valid.
 Then the steps of ``checkpoint.dir`` above the one the run starts from are set aside (unusable) or refused (valid:
 another run's), engine/checkpoint/lineage.py, so that every later save and prune sees only this run's lineage.
@@ -37,27 +40,16 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint.contents import check_model, contents, data_changes, load_into
-from engine.checkpoint.format import INDEX, CheckpointError, merge_index, read_index, verify_shard, write_shard
+from engine.checkpoint.format import CheckpointError, merge_index, read_index, verify_shard, write_shard
+from engine.checkpoint.choose import resolve, to_try
 from engine.checkpoint.lineage import set_aside, settle
 from engine.checkpoint.lock import CheckpointLock, claim_run_directories
 from engine.checkpoint.parts import CheckpointParts, RunPosition
-from engine.checkpoint.publish import STEP_DIR, list_checkpoints, publish, staging_dir, step_name
+from engine.checkpoint.publish import list_checkpoints, publish, staging_dir, step_name
 from engine.checkpoint.signals import StopSignal
 from engine.cluster.shared import check_shared, describe_hosts, run_directories
 
 __all__ = ["Checkpointer", "CheckpointError", "list_checkpoints", "resolve"]
-
-
-def resolve(path: Path, what: str = "checkpoint path") -> list[Path]:
-    """A user-given PATH: a checkpoint (has index.json) or a checkpoint directory (follow ``latest``)."""
-    if not path.exists():
-        raise CheckpointError(f"{what} '{path}' does not exist; give a step_* directory or a checkpoint "
-                              f"directory with a 'latest' file")
-    if (path / INDEX).exists() or STEP_DIR.match(path.name):
-        return [path]
-    if (path / "latest").is_file():
-        return [path / (path / "latest").read_text().strip()]
-    raise CheckpointError(f"{what} '{path}' has neither {INDEX} nor a 'latest' file")
 
 
 class Checkpointer:
@@ -224,25 +216,10 @@ class Checkpointer:
         errors = [e for e in self._gather(error) if e is not None]
         return (None, errors[0]) if errors else (index, None)
 
-    def _candidates(self) -> list[Path]:
-        mode = self.cfg.checkpoint.resume
-        if mode == "none":
-            return []
-        if mode != "auto":
-            return resolve(Path(mode), "checkpoint.resume")
-        if self.root is None:
-            return []
-        found = list_checkpoints(self.root)
-        latest = self.root / "latest"
-        if latest.is_file():
-            named = self.root / latest.read_text().strip()
-            found = [named] + [p for p in found if p != named]
-        return found
-
     def resume(self, parts: CheckpointParts) -> RunPosition | None:
         """Load the checkpoint that checkpoint.resume selects into ``parts``; returns the position to continue
         from (None: a fresh start; the path loaded is ``self.resumed_from``)."""
-        candidates = self._candidates()
+        candidates = to_try(self.cfg.checkpoint.resume, self.root, self.ctx.rank == 0)
         explicit = self.cfg.checkpoint.resume not in ("auto", "none")
         bad: dict[Path, str] = {}
         for path in candidates:

@@ -121,9 +121,9 @@ def load_into(parts: CheckpointParts, path: Path, index: dict) -> RunPosition:
                 access.set(slot, state, value.to(ctx.device))
     access.finish()
     reader.close()
-    if index["layout"] == layout_of(cfg, ctx):  # RNG streams belong to ranks; another layout starts fresh ones
-        meta = index["ranks"][ctx.rank]
-        _set_rng_state(path / meta["file"], meta["rng"], ctx.device)
+    meta = index["ranks"][ctx.rank] if ctx.rank < len(index["ranks"]) else {}
+    if index["layout"] == layout_of(cfg, ctx) and "rng" in meta:  # RNG streams belong to ranks; another layout
+        _set_rng_state(path / meta["file"], meta["rng"], ctx.device)  # starts fresh ones
     return RunPosition(index["step"], index["consumed_samples"])
 
 

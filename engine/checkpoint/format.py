@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from engine.checkpoint.schema import check_index, shard_path
 from engine.errors import CheckpointError  # defined there (torch-free); most modules import it from here
 
 FORMAT, VERSION = "engine-checkpoint", 1
@@ -89,8 +90,17 @@ def merge_index(ranks: list[dict], header: dict) -> dict:
 
 
 def read_index(path: Path) -> dict:
-    """Parse ``path/index.json`` and check that every shard it lists exists with its recorded size."""
+    """Parse ``path/index.json``, check its fields (engine/checkpoint/schema.py) and that every shard it lists lies
+    in ``path`` and exists with its recorded size. Anything unreadable (permissions, a directory in a file's
+    place) is a CheckpointError naming the file, as a corrupt index is: ``resume: auto`` then tries an older step."""
     index_path = path / INDEX
+    try:
+        return _read_index(path, index_path)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {e.filename or index_path} ({e.strerror or e})") from None
+
+
+def _read_index(path: Path, index_path: Path) -> dict:
     if not index_path.is_file():
         raise CheckpointError(f"{index_path} is missing (an incomplete or foreign checkpoint)")
     try:
@@ -99,17 +109,9 @@ def read_index(path: Path) -> dict:
         raise CheckpointError(f"{index_path} is not valid JSON ({e})") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != VERSION:
         raise CheckpointError(f"{index_path} is not an {FORMAT} v{VERSION} index")
-    for key, kind in (("step", int), ("params", dict), ("files", dict), ("ranks", list), ("config", dict),
-                      ("layout", dict)):
-        if key not in index:
-            raise CheckpointError(f"{index_path} has no '{key}' entry")
-        if not isinstance(index[key], kind) or isinstance(index[key], bool):  # hand-edited or foreign
-            raise CheckpointError(f"{index_path}: '{key}' is {index[key]!r}, not of the type the format "
-                                  f"gives it (a hand-edited or foreign index)")
-    if index["step"] < 0:
-        raise CheckpointError(f"{index_path}: 'step' is {index['step']}, not a step number >= 0")
+    check_index(index, index_path)
     for file, info in index["files"].items():
-        shard = path / file
+        shard = shard_path(path, file, index_path)
         if not shard.is_file():
             raise CheckpointError(f"shard {shard} listed in {index_path} is missing")
         size = shard.stat().st_size
@@ -120,9 +122,15 @@ def read_index(path: Path) -> dict:
 
 
 def verify_shard(path: Path, index: dict, file: str) -> None:
-    """Check one shard's CRC-32 and that its header holds every piece the index places in it, with that length."""
+    """Check one shard's CRC-32, that its header holds every piece the index places in it, with that length, and
+    that every piece is finite: NaN/inf weights or moments pass a CRC (the save refuses them, but a hand-made or
+    older checkpoint may hold them) and would be resumed as garbage."""
     shard = path / file
-    if file_crc32(shard) != index["files"][file]["crc32"]:
+    try:
+        crc = file_crc32(shard)
+    except OSError as e:
+        raise CheckpointError(f"shard {shard} cannot be read ({e.strerror or e})") from None
+    if crc != index["files"][file]["crc32"]:
         raise CheckpointError(f"shard {shard} fails its CRC-32 check (corrupt)")
     expected = {piece_key(name, state, tp, s): e - s for name, p in index["params"].items()
                 for state, pieces in p["states"].items() for f, tp, s, e in pieces if f == file}
@@ -133,10 +141,19 @@ def verify_shard(path: Path, index: dict, file: str) -> None:
                 if key not in keys or f.get_slice(key).get_shape() != [numel]:
                     raise CheckpointError(f"shard {shard} does not hold piece '{key}' of {numel} elements "
                                           f"recorded in {path / INDEX}")
+                if not _finite(f.get_slice(key), numel):
+                    name, state = key.split("/")[:2]
+                    raise CheckpointError(f"shard {shard} holds NaN/inf values in {name} ({state}) of step "
+                                          f"{index['step']}: resuming it would train on garbage")
     except CheckpointError:
         raise
     except Exception as e:  # a header safetensors cannot parse
         raise CheckpointError(f"shard {shard} is not a readable safetensors file ({e})") from None
+
+
+def _finite(piece, numel: int, chunk: int = 1 << 24) -> bool:
+    """No NaN/inf in a piece, read a chunk (64 MB of fp32) at a time: memory stays bounded whatever its size."""
+    return all(torch.isfinite(piece[a:a + chunk]).all() for a in range(0, numel, chunk))
 
 
 def _as_2d(shape: list[int]) -> tuple[int, int]:
