@@ -42,12 +42,13 @@ def test_tiny_loss_falls(tmp_path):
     assert [r["loss"] for r in logged] == curve
 
 
-def _short_run(tmp_path, world: int, *extra: str) -> dict:
+def _short_run(tmp_path, world: int, *extra: str, **spawn) -> dict:
     """Losses of 20 steps with the two validation losses, and the global grad norms (clipping is active: the norm
-    starts near 3.5 > 1.0), so a grad norm that counted tp-replicated parameters tp times would show."""
+    starts near 3.5 > 1.0), so a grad norm that counted tp-replicated parameters tp times would show. ``spawn``:
+    run_ranks' threads. 600 s: one process at two threads took over 120 s on a loaded 2-core machine."""
     argv = ["--config", "configs/tiny.yaml", "--train.steps", "20", "--train.out_dir", str(tmp_path),
             "--log.progress", "false", "--train.eval_every", "10", *extra]
-    history = run_ranks(train, world, argv)[0]
+    history = run_ranks(train, world, argv, timeout_s=600, **spawn)[0]
     evals = [r["eval_loss"] for r in history if "eval_loss" in r]
     assert len(evals) == 2  # held-out loss at steps 10 and 20
     return {"loss": losses(history) + evals, "grad_norm": [r["grad_norm"] for r in history]}
