@@ -39,12 +39,13 @@ def scalars(record: dict) -> dict[str, float]:
 class TensorBoardSink:
     def __init__(self, out_dir: str):
         from torch.utils.tensorboard import SummaryWriter
-        self.writer = SummaryWriter(log_dir=os.path.join(out_dir, "tensorboard"))
+        self.path = os.path.join(out_dir, "tensorboard")  # named by a failed write (engine/metrics/logger.py)
+        self.writer = SummaryWriter(log_dir=self.path)
 
     def log(self, record: dict) -> None:
         for tag, value in scalars(record).items():
             self.writer.add_scalar(tag, value, record["step"])
-        self.writer.flush()  # a crash must not lose the curve written so far
+        self.writer.flush()  # a crash must not lose the curve written so far; a full disk raises here (OSError)
 
     def close(self) -> None:
         self.writer.close()
@@ -54,6 +55,7 @@ class WandbSink:
     def __init__(self, project: str, out_dir: str, config: dict):
         import wandb
 
+        self.path = out_dir
         self.run = wandb.init(project=project, dir=out_dir, config=config,
                               mode=os.environ.get("WANDB_MODE", "offline"))
 
