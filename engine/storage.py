@@ -63,3 +63,19 @@ def describe(path: Path | str, e: BaseException) -> str:
     path = getattr(e, "filename", None) or path  # the file the OS named, when deeper than the one we opened
     why = f"{os.strerror(code)} ({errno.errorcode.get(code, code)})" if code else f"{type(e).__name__}: {e}"
     return f"cannot write '{path}': {why}; {free_space(Path(path))}"
+
+
+def append(path: Path, data: bytes) -> None:
+    """Append ``data`` whole or not at all: a write cut short by a full disk is truncated away, so the file still
+    ends at a record boundary (metrics.jsonl: a resume reads every line as a record)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        size, view = os.fstat(fd).st_size, memoryview(data)
+        try:
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError:
+            os.ftruncate(fd, size)  # frees blocks, needs none
+            raise
+    finally:
+        os.close(fd)

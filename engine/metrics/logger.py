@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from engine.storage import StorageError, describe
+from engine.storage import StorageError, append, describe
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -78,8 +78,7 @@ class MetricsLogger:
         if not self.enabled or self.failed:
             return
         try:
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            append(self.path, (json.dumps(record) + "\n").encode())
         except OSError as e:
             return self._fail(self.path, e)
         for sink in self.sinks:
