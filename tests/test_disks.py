@@ -73,10 +73,13 @@ def _resumes(args: list[str], ckpt: Path, step: str) -> None:
     assert not list(ckpt.glob("step_*.tmp-*"))
 
 
-def test_metrics_disk_full_saves_then_exits_3(tmp_path, tmpfs):
-    """Was: OSError ENOSPC traceback from engine/metrics/logger.py, exit 1, nothing saved since the last save."""
+@pytest.mark.parametrize("tensorboard", [False, True])
+def test_metrics_disk_full_saves_then_exits_3(tmp_path, tmpfs, tensorboard):
+    """Was: OSError ENOSPC traceback from engine/metrics/logger.py (or TensorBoard's writer thread and flush),
+    exit 1, nothing saved since the last save."""
     out, ckpt = tmpfs(tmp_path / "out", size="64k"), tmp_path / "ckpt"
-    args = [*ARGS, "--train.steps", "400", "--train.out_dir", str(out), "--checkpoint.dir", str(ckpt)]
+    args = [*ARGS, "--train.steps", "400", "--train.out_dir", str(out), "--checkpoint.dir", str(ckpt),
+            "--log.tensorboard", str(tensorboard).lower()]
     proc = _start(*args)
     for line in proc.stdout:
         if line.startswith("step "):  # training: fill the rest of the disk (metrics.jsonl's next page fails)
@@ -89,12 +92,14 @@ def test_metrics_disk_full_saves_then_exits_3(tmp_path, tmpfs):
             break
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 3, stderr[-3000:]
-    line = _one_error_line(stderr, stdout, f"cannot write '{out / 'metrics.jsonl'}': No space left on device "
-                           "(ENOSPC); 0 B of 64.0 KiB", "free on the file system of", "saved in")
+    line = _one_error_line(stderr, stdout, "No space left on device (ENOSPC); 0 B of 64.0 KiB",
+                           "free on the file system of", "saved in")
+    records = f"cannot write '{out / 'metrics.jsonl'}'" in line  # else TensorBoard's events: first come, first fail
+    assert records or (tensorboard and f"cannot write '{out / 'tensorboard'}" in line), line
     step = _latest(ckpt)
     assert f"checkpoint {step} saved in {ckpt}" in line
     logged = [json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()]
-    assert int(step[5:]) == logged[-1] + 1  # the step whose record failed is in the checkpoint
+    assert int(step[5:]) == logged[-1] + records  # the step whose record failed is in the checkpoint
     (out / "filler").unlink()
     _resumes([*args, "--train.steps", str(int(step[5:]) + 1)], ckpt, step)
 
