@@ -216,3 +216,28 @@ def test_empty_out_dir_is_refused(tmp_path):
     assert run.returncode == 2
     _one_error_line(run.stderr, run.stdout, "train.out_dir='' is not valid: give the directory")
     assert not list(tmp_path.iterdir())
+
+
+def test_a_commit_cut_short_puts_the_step_back(tmp_path, monkeypatch):
+    """publish: `latest` failing to be written (a full disk, a second SIGINT) after the rename to step_N renames
+    it back, so no complete step lies above `latest` (which the next start-up would refuse, lineage.py)."""
+    from engine.checkpoint import publish as pub
+
+    root = tmp_path / "ckpt"
+    pub.staging_dir(root, 2, "a")
+    pub.publish(root, 2, "a", {"step": 2})
+    pub.staging_dir(root, 4, "b")
+    real = pub.fsync_write
+
+    def full(path, text):
+        if path.name.startswith("latest"):
+            raise OSError(28, "No space left on device", str(path))
+        real(path, text)
+
+    monkeypatch.setattr(pub, "fsync_write", full)
+    with pytest.raises(OSError):
+        pub.publish(root, 4, "b", {"step": 4})
+    assert _latest(root) == "step_000002" and [p.name for p in pub.list_checkpoints(root)] == ["step_000002"]
+    assert (root / "step_000004.tmp-b" / "index.json").exists() and not list(root.glob("latest.tmp-*"))
+    pub.discard(root, 4, "b")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002"]
