@@ -65,6 +65,15 @@ def describe(path: Path | str, e: BaseException) -> str:
     return f"cannot write '{path}': {why}; {free_space(Path(path))}"
 
 
+def say(line: str) -> None:
+    """Print a line on stdout; a terminal that is gone (a dropped ssh session's SIGHUP: EIO, EPIPE) is no reason
+    to fail the save or the stop that follows, and the records still go to metrics.jsonl."""
+    try:
+        print(line, flush=True)
+    except OSError:
+        pass
+
+
 def append(path: Path, data: bytes) -> None:
     """Append ``data`` whole or not at all: a write cut short by a full disk is truncated away, so the file still
     ends at a record boundary (metrics.jsonl: a resume reads every line as a record)."""

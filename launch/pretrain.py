@@ -59,7 +59,10 @@ if __name__ == "__main__":
     except (ConfigError, DataError, CheckpointError) as e:
         report_once(f"error: {e}")  # every rank may report: the first to fail prints, once per host
         code = 2
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:  # a terminal that is gone (SIGHUP from a dropped ssh session)
+            pass
     # Skip interpreter teardown: the deepspeed launcher's workers can abort in C++ destructors at exit.
     os._exit(code)

@@ -44,7 +44,7 @@ from engine.checkpoint.parts import CheckpointParts, RunPosition
 from engine.checkpoint.publish import (STEP_DIR, discard, latest_name, list_checkpoints, publish, staging_dir,
                                        staging_path, step_name)
 from engine.checkpoint.signals import Interrupted, StopSignal
-from engine.storage import StorageError, describe
+from engine.storage import StorageError, describe, say
 
 __all__ = ["Checkpointer", "CheckpointError", "list_checkpoints", "resolve"]
 
@@ -205,9 +205,9 @@ class Checkpointer:
                     raise StorageError(f"{self.stop.failure}; and {e}") from None
                 raise
         if stop and not self.stop.failed and self.ctx.rank == 0:
-            print(f"stop signal ({self.stop.signal_name or 'on another rank'}): stopping after step {step}" + (
+            say(f"stop signal ({self.stop.signal_name or 'on another rank'}): stopping after step {step}" + (
                 f", checkpoint saved in {self.root}" if self.root is not None else
-                "; nothing saved (checkpoint.dir is empty), exit status 1"), flush=True)
+                "; nothing saved (checkpoint.dir is empty), exit status 1"))
         self.stopped_unsaved = stop and self.root is None
         return stop
 

@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 
 from engine.checkpoint.format import INDEX, fsync_write
+from engine.storage import say
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -131,7 +132,7 @@ def prune(root: Path, step: int, keep: int) -> list[Path]:
     older = [p for p in list_checkpoints(root) if step_of(p) < step]
     gone = older[keep - 1:]  # newest first: the keep - 1 newest older ones stay beside the new one
     for old in gone:
-        print(f"checkpoint: pruned {old} (checkpoint.keep={keep}; kept {step_name(step)} and "
-              f"{len(older) - len(gone)} older)", flush=True)
+        say(f"checkpoint: pruned {old} (checkpoint.keep={keep}; kept {step_name(step)} and "
+            f"{len(older) - len(gone)} older)")  # after `latest`: a closed stdout must not fail the save
         shutil.rmtree(old, ignore_errors=True)
     return gone

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-from engine.storage import StorageError, append, describe
+from engine.storage import StorageError, append, describe, say
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -108,6 +107,6 @@ class MetricsLogger:
                 self.start_step, self.start_time = step - 1, time.perf_counter() - r.get("step_time", 0.0)
             per_step = (time.perf_counter() - self.start_time) / max(1, step - self.start_step)
             eta = _fmt_duration(per_step * (self.total_steps - step))
-        print(f"step {step:>6}/{self.total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | "
+        say(f"step {step:>6}/{self.total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | "
               f"grad_norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | "
-              f"{1000 * r['step_time']:.0f} ms/step | ETA {eta}", file=sys.stdout, flush=True)
+              f"{1000 * r['step_time']:.0f} ms/step | ETA {eta}")
