@@ -139,7 +139,7 @@ class TrainConfig:
     moe_z_loss_coef: float = 0.0  # MoE router z-loss weight (ST-MoE)
     eval_every: int = 0  # validation loss every N steps (0: never); logged as eval_loss in metrics.jsonl
     eval_batches: int = 4  # global batches of the held-out split per evaluation
-    out_dir: str = "runs/tiny"
+    out_dir: str = "runs/tiny"  # metrics.jsonl, LOCK, tensorboard/ ('' is refused: not the current directory)
 
 
 @dataclass
@@ -289,4 +289,7 @@ def load(argv: list[str]) -> Config:
             parsed = value
         _set(cfg, key, parsed)
     validate(cfg)
+    if not cfg.train.out_dir.strip():  # '' wrote metrics.jsonl and LOCK into the current directory
+        raise ConfigError(f"train.out_dir={cfg.train.out_dir!r} is not valid: give the directory for the run's "
+                          f"metrics.jsonl, LOCK and tensorboard/ (created if missing; default runs/tiny)")
     return cfg

@@ -79,7 +79,8 @@ class Trainer:
         self.parts = CheckpointParts(self.model, self.dp.checkpoint_state, cfg, ctx)
         self.checkpointer = Checkpointer(cfg, ctx)
         self.metrics = MetricsLogger(t.out_dir, enabled=ctx.rank == 0, progress=cfg.log.progress,
-                                     total_steps=t.steps, sinks=build_sinks(cfg, create=ctx.rank == 0))
+                                     total_steps=t.steps, sinks=build_sinks(cfg, create=ctx.rank == 0),
+                                     on_failure=self.checkpointer.stop.fail)  # disk full: save, stop, exit 3
         resumed = self.checkpointer.resume(self.parts)
         if resumed is not None:
             self.step = resumed.step

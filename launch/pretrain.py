@@ -18,6 +18,7 @@ from engine.checkpoint.format import CheckpointError  # noqa: E402
 from engine.config import ConfigError, load  # noqa: E402
 from engine.data.dataset import DataError  # noqa: E402
 from engine.cluster.report import report_once  # noqa: E402
+from engine.storage import EXIT_STATUS, StorageError  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -48,10 +49,20 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     try:
         code = main(sys.argv[1:])
+    except StorageError as e:  # a write refused mid-run (disk full, read-only): engine/storage.py
+        report_once(f"error: {e}; the run stopped (exit status {EXIT_STATUS}): make room and rerun the same "
+                    f"command to resume from the latest checkpoint")
+        code = EXIT_STATUS
+    except KeyboardInterrupt as e:  # a second SIGINT (engine/checkpoint/signals.py): out now, one line
+        report_once(f"error: interrupted: {e or 'SIGINT'}")
+        code = 130
     except (ConfigError, DataError, CheckpointError) as e:
         report_once(f"error: {e}")  # every rank may report: the first to fail prints, once per host
         code = 2
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:  # a terminal that is gone (SIGHUP from a dropped ssh session)
+            pass
     # Skip interpreter teardown: the deepspeed launcher's workers can abort in C++ destructors at exit.
     os._exit(code)

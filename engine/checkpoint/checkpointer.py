@@ -45,9 +45,11 @@ from engine.checkpoint.choose import resolve, to_try
 from engine.checkpoint.lineage import set_aside, settle
 from engine.checkpoint.lock import CheckpointLock, claim_run_directories
 from engine.checkpoint.parts import CheckpointParts, RunPosition
-from engine.checkpoint.publish import list_checkpoints, publish, staging_dir, step_name
-from engine.checkpoint.signals import StopSignal
+from engine.checkpoint.publish import (discard, latest_name, list_checkpoints, publish, staging_dir,
+                                       staging_path, step_name)
+from engine.checkpoint.signals import Interrupted, StopSignal
 from engine.cluster.shared import check_shared, describe_hosts, run_directories
+from engine.storage import StorageError, describe, say
 
 __all__ = ["Checkpointer", "CheckpointError", "list_checkpoints", "resolve"]
 
@@ -90,7 +92,8 @@ class Checkpointer:
             raise CheckpointError(error)
 
     def release(self) -> None:
-        """Give back the directory locks (the end of fit; a failed start-up)."""
+        """Give back the directory locks and the signals (the end of fit; a failed start-up or save)."""
+        self.stop.uninstall()
         for lock in self.locks:
             lock.release()
         self.locks = []
@@ -118,15 +121,19 @@ class Checkpointer:
         tensors, meta, header = contents(parts, position)
         if not self._all_finite(tensors, position.step):
             return None
-        tmp = staging_dir(self.root, position.step, self.token)
         self.timings = {"snapshot_s": time.perf_counter() - start}
-        args = (tmp, position.step, tensors, meta, header)
+        args = (position.step, tensors, meta, header)
         if self.cfg.checkpoint.async_save:
             self.pending = threading.Thread(target=self._write_and_commit, args=args, name="checkpoint-writer",
                                             daemon=True)
             self.pending.start()
         else:
-            self._write_and_commit(*args)
+            try:
+                self._write_and_commit(*args)
+            except KeyboardInterrupt:  # a second SIGINT (signals.py): drop this save, `latest` stays the last good
+                discard(self.root, position.step, self.token)
+                raise Interrupted(f"a second SIGINT during the save of step {position.step}: that save was dropped, "
+                                  f"the latest checkpoint stays {latest_name(self.root)}") from None
             self._raise_pending_error()
         self.last_saved = position.step
         return self.root / step_name(position.step)
@@ -137,19 +144,19 @@ class Checkpointer:
         bad = next((k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
         found = [(rank, key) for rank, key in enumerate(self._gather(bad)) if key is not None]
         if found and self.ctx.rank == 0:
-            latest = self.root / "latest"
-            kept = latest.read_text().strip() if latest.is_file() else "none"
             (rank, key), more = found[0], (f" (and on {len(found) - 1} more ranks)" if len(found) > 1 else "")
             print(f"checkpoint: not saving step {step}: rank {rank} holds NaN/inf values in {key.split('/tp')[0]}"
-                  f"{more}; the latest checkpoint stays {kept}", flush=True)
+                  f"{more}; the latest checkpoint stays {latest_name(self.root)}", flush=True)
         return not found
 
-    def _write_and_commit(self, tmp: Path, step: int, tensors: dict, meta: dict, header: dict) -> None:
-        start = time.perf_counter()
+    def _write_and_commit(self, step: int, tensors: dict, meta: dict, header: dict) -> None:
+        """Collective; a failed write on any rank fails it on all (StorageError), `latest` stays the last good."""
+        start, tmp = time.perf_counter(), staging_path(self.root, step, self.token)
         try:
+            staging_dir(self.root, step, self.token)
             meta.update(write_shard(tmp / meta["file"], tensors))
         except Exception as e:  # the others must not wait forever for this rank's metadata
-            meta = {"error": f"rank {meta['rank']} could not write {tmp / meta['file']}: {e}"}
+            meta = {"error": f"rank {meta['rank']} could not save step {step}: {describe(tmp / meta['file'], e)}"}
         metas = self._gather(meta)
         errors = [m["error"] for m in metas if "error" in m]
         if not errors and self.ctx.rank == 0:
@@ -158,11 +165,13 @@ class Checkpointer:
                 header["adam_step"] = max((s for s in steps if s is not None), default=None)
                 publish(self.root, step, self.token, merge_index(metas, header), self.cfg.checkpoint.keep)
             except Exception as e:  # reported on every rank: none may wait for a commit that never comes
-                errors.append(f"rank 0 could not commit {self.root / step_name(step)}: {e}")
+                errors.append(f"rank 0 could not commit step {step}: {describe(self.root, e)}")
         # Also the barrier after which every rank sees the committed directory and `latest`.
         errors = [e for e in self._gather(errors[0] if errors else None) if e is not None]
         if errors:
-            self.error = CheckpointError(errors[0])
+            if self.ctx.rank == 0:
+                discard(self.root, step, self.token)
+            self.error = StorageError(f"checkpoint: {errors[0]}; the latest checkpoint stays {latest_name(self.root)}")
         self.timings["write_commit_s"] = time.perf_counter() - start
 
     def wait(self) -> None:
@@ -183,24 +192,33 @@ class Checkpointer:
 
     def after_step(self, parts: CheckpointParts, position: RunPosition) -> bool:
         """Save when due (every N steps, the last step, a stop signal); True when training must stop now."""
-        stop = self.stop.agreed(self.ctx)
+        stop = self.stop.agreed(self.ctx, self.group)
         c, step = self.cfg.checkpoint, position.step
         due = (c.every and step % c.every == 0) or step == self.cfg.train.steps or stop
         if self.root is not None and due and self.last_saved != step:
-            self.save(parts, position)
-        if stop and self.ctx.rank == 0:
-            print(f"stop signal: stopping after step {step}" + (
+            try:
+                self.save(parts, position)
+            except BaseException as e:  # the run ends here: give the directories back
+                self.release()
+                if self.stop.failed and isinstance(e, CheckpointError):
+                    raise StorageError(f"{self.stop.failure}; and {e}") from None
+                raise
+        if stop and not self.stop.failed and self.ctx.rank == 0:
+            say(f"stop signal ({self.stop.signal_name or 'on another rank'}): stopping after step {step}" + (
                 f", checkpoint saved in {self.root}" if self.root is not None else
-                "; nothing saved (checkpoint.dir is empty), exit status 1"), flush=True)
+                "; nothing saved (checkpoint.dir is empty), exit status 1"))
         self.stopped_unsaved = stop and self.root is None
         return stop
 
     def finish(self) -> None:
+        """The end of fit: an async save commits; a stop for a failed metrics write raises it (after the save)."""
         try:
             self.wait()
         finally:
-            self.stop.uninstall()
             self.release()
+        if self.stop.failed:
+            raise StorageError(f"{self.stop.failure}; " + (f"checkpoint {step_name(self.last_saved)} saved in "
+                               f"{self.root}" if self.last_saved is not None else "no checkpoint saved"))
 
     # ---- resume ----------------------------------------------------------------------------------------------
     def _validate(self, path: Path) -> tuple[dict | None, str | None]:

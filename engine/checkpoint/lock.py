@@ -1,8 +1,11 @@
 """Start-up checks of ``checkpoint.dir`` and ``train.out_dir``: each can be created and written, and no other live
 job uses it (two runs on one out_dir would interleave their metrics.jsonl records).
 
-Run by rank 0 before the first step, so a read-only mount or a path that is a file fails in seconds with one line
-instead of losing the training done before the first save. The lock is ``<dir>/LOCK``, created with ``O_EXCL``
+Run by rank 0 before the first step, so a read-only mount, a full disk or a path that is a file fails in seconds
+with one line (naming the free space, engine/storage.py) instead of losing the training done before the first
+save. The probe does what the run will do there: create a directory (a checkpoint's staging directory) and write,
+fsync and delete a file inside it; the files the run appends to or replaces (metrics.jsonl and its siblings,
+``latest``) must not be directories. The lock is ``<dir>/LOCK``, created with ``O_EXCL``
 and holding JSON ``{"host", "pid", "started", "run"}``. A second job finds it and is refused, naming the holder.
 A lock left by a dead process on this host (a crash, ``kill -9``, a torchrun restart: new worker pids) is taken
 over with a message; a lock from another host cannot be checked from here and is refused with the file to delete.
@@ -19,28 +22,47 @@ import time
 from pathlib import Path
 
 from engine.checkpoint.format import CheckpointError
+from engine.storage import describe
 
 LOCK = "LOCK"
+METRICS = ("metrics.jsonl", "metrics.rolled_back.jsonl", "metrics.jsonl.tmp")  # engine/metrics/logger.py
 
 
 CHECKPOINT_HINT = "give a writable directory to save checkpoints in, or checkpoint.dir='' to save nothing"
 
 
 def probe_writable(root: Path, token: str, setting: str = "checkpoint.dir", hint: str = CHECKPOINT_HINT) -> None:
-    """Create ``root`` (and parents) and write, fsync and delete a probe file in it; CheckpointError naming
-    ``setting`` (the config key that chose root) and ``hint`` (what to do) if not."""
+    """Create ``root`` (and parents), a probe directory in it and a file in that (written, fsynced, deleted):
+    what a checkpoint's staging directory and its shards need; CheckpointError naming ``setting`` (the config key
+    that chose root) and ``hint`` (what to do) if not."""
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"{setting} '{root}' is not a directory; {hint}")
     probe = root / f".probe-{token}"
     try:
         root.mkdir(parents=True, exist_ok=True)
-        with open(probe, "w") as f:
+        probe.mkdir()
+        with open(probe / "probe", "w") as f:
             f.write("probe\n")
             f.flush()
             os.fsync(f.fileno())
-        probe.unlink()
+        (probe / "probe").unlink()
+        probe.rmdir()
     except OSError as e:
-        raise CheckpointError(f"{setting} '{root}' cannot be written ({e.strerror or e}); {hint}") from None
+        raise CheckpointError(f"{setting} '{root}' cannot be written: {describe(root, e)}; {hint}") from None
+
+
+def probe_files(root: Path, names: tuple[str, ...], setting: str) -> None:
+    """The files the run appends to or replaces in ``root`` must be files if they exist (one that is a
+    directory failed after the first step, IsADirectoryError) and open for appending (nothing is changed)."""
+    for name in names:
+        path = root / name
+        if path.exists() and not path.is_file():
+            raise CheckpointError(f"{setting}: '{path}' is not a file, and the run writes it; move it away")
+        try:
+            if path.exists():
+                open(path, "ab").close()
+        except OSError as e:
+            raise CheckpointError(f"{setting}: {describe(path, e)}; make it writable or move it away") from None
 
 
 def _alive(pid: int) -> bool:
@@ -147,8 +169,13 @@ def claim_run_directories(cfg, root: Path | None, token: str) -> tuple[list[Chec
     try:
         for directory, setting, hint in claims:
             probe_writable(directory, token, setting, hint)
+            ckpt = root is not None and directory.resolve() == root.resolve()
+            probe_files(directory, (METRICS if directory == out else ()) + (("latest",) if ckpt else ()), setting)
             locks.append(CheckpointLock(directory, token, setting))
-            message = locks[-1].acquire()
+            try:
+                message = locks[-1].acquire()
+            except OSError as e:  # the disk filled (or turned read-only) since the probe
+                raise CheckpointError(f"{setting}: {describe(locks[-1].path, e)}; {hint}") from None
             if message:
                 print(message, flush=True)
         if cfg.log.tensorboard:  # SummaryWriter would raise FileExistsError from deep inside

@@ -6,7 +6,10 @@ then calls ``publish``, the only code that makes a ``step_N`` directory or ``lat
 and fsynced last into the temporary directory, the directory renamed to ``step_N`` (a stale one of the same step
 moved aside first), ``latest`` replaced by write + fsync + os.replace, and the directories fsynced so that the
 renames survive a crash. A reader therefore sees a complete checkpoint or none; ``list_checkpoints`` never
-matches a temporary directory.
+matches a temporary directory. A publish that fails or is interrupted before ``latest`` names the new step (a full
+disk, a read-only remount, a second SIGINT) puts the directory back under its temporary name, so the last good
+checkpoint stays ``latest`` and no complete step lies above it (which the next start-up would refuse,
+engine/checkpoint/lineage.py); the caller then ``discard``s the staging directory where the file system lets it.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import shutil
 from pathlib import Path
 
 from engine.checkpoint.format import INDEX, fsync_write
+from engine.storage import say
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -34,15 +38,28 @@ def list_checkpoints(root: Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def _staging_path(root: Path, step: int, token: str) -> Path:
+def staging_path(root: Path, step: int, token: str) -> Path:
     return root / f"{step_name(step)}.tmp-{token}"
 
 
 def staging_dir(root: Path, step: int, token: str) -> Path:
     """Create (with ``root``) the temporary directory the shards of checkpoint ``step`` are written into."""
-    tmp = _staging_path(root, step, token)
+    tmp = staging_path(root, step, token)
     tmp.mkdir(parents=True, exist_ok=True)
     return tmp
+
+
+def discard(root: Path, step: int, token: str) -> None:
+    """Remove a failed save's staging directory, if the file system still lets us (not once read-only)."""
+    shutil.rmtree(staging_path(root, step, token), ignore_errors=True)
+
+
+def latest_name(root: Path) -> str:
+    """What ``latest`` names, for messages ("none" without one)."""
+    try:
+        return (root / "latest").read_text().strip() or "none"
+    except (OSError, UnicodeDecodeError):  # an unreadable or damaged latest (resume: auto skips it, choose.py)
+        return "none"
 
 
 def fsync_dir(path: Path) -> None:
@@ -61,17 +78,10 @@ def publish(root: Path, step: int, token: str, index: dict, keep: int = 0) -> Pa
     """One process (rank 0): commit ``staging_dir(root, step, token)``, whose shards are written and fsynced,
     with ``index`` as its index.json; point ``latest`` at it; ``prune`` to ``keep`` checkpoints (0: all) and
     delete the temporary directories a crash left. Returns the published ``root/step_N``."""
-    tmp, final = _staging_path(root, step, token), root / step_name(step)
+    tmp, final = staging_path(root, step, token), root / step_name(step)
     fsync_write(tmp / INDEX, json.dumps(index))
     fsync_dir(tmp)
-    aside = None
-    if final.exists():  # a stale save of the same step (a resume from an older one): replaced, not merged
-        aside = final.with_name(f"{final.name}.old-{token}")
-        final.rename(aside)
-    tmp.rename(final)
-    latest_tmp = root / f"latest.tmp-{token}"
-    fsync_write(latest_tmp, final.name + "\n")
-    os.replace(latest_tmp, root / "latest")
+    aside = _commit(root, tmp, final, token)
     fsync_dir(root)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
@@ -80,6 +90,31 @@ def publish(root: Path, step: int, token: str, index: dict, keep: int = 0) -> Pa
         for stale in root.glob(pattern):
             shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def _commit(root: Path, tmp: Path, final: Path, token: str) -> Path | None:
+    """Rename ``tmp`` to ``final`` and point ``latest`` at it; on any failure (a BaseException too: a second
+    SIGINT) undo the renames, best effort, so ``latest`` and the steps below it are as before. Returns the stale
+    same-step directory moved aside (deleted by the caller once ``latest`` is durable)."""
+    aside, renamed, latest_tmp = None, False, root / f"latest.tmp-{token}"
+    try:
+        if final.exists():  # a stale save of the same step (a resume from an older one): replaced, not merged
+            aside = final.with_name(f"{final.name}.old-{token}")
+            final.rename(aside)
+        tmp.rename(final)
+        renamed = True
+        fsync_write(latest_tmp, final.name + "\n")
+        os.replace(latest_tmp, root / "latest")
+    except BaseException:
+        for undo in ((lambda: final.rename(tmp)) if renamed else None,
+                     (lambda: aside.rename(final)) if aside is not None else None, latest_tmp.unlink):
+            try:
+                if undo is not None:
+                    undo()
+            except OSError:
+                pass
+        raise
+    return aside
 
 
 def step_of(path: Path) -> int:
@@ -97,7 +132,7 @@ def prune(root: Path, step: int, keep: int) -> list[Path]:
     older = [p for p in list_checkpoints(root) if step_of(p) < step]
     gone = older[keep - 1:]  # newest first: the keep - 1 newest older ones stay beside the new one
     for old in gone:
-        print(f"checkpoint: pruned {old} (checkpoint.keep={keep}; kept {step_name(step)} and "
-              f"{len(older) - len(gone)} older)", flush=True)
+        say(f"checkpoint: pruned {old} (checkpoint.keep={keep}; kept {step_name(step)} and "
+            f"{len(older) - len(gone)} older)")  # after `latest`: a closed stdout must not fail the save
         shutil.rmtree(old, ignore_errors=True)
     return gone

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
+from typing import Callable
+
+from engine.storage import StorageError, append, describe, say
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -13,15 +15,34 @@ def _fmt_duration(seconds: float) -> str:
 
 
 class MetricsLogger:
-    """Writes metrics on the rank that owns them (rank 0 by convention); other ranks pass ``enabled=False``."""
+    """Writes metrics on the rank that owns them (rank 0 by convention); other ranks pass ``enabled=False``.
 
-    def __init__(self, out_dir: str, enabled: bool, progress: bool, total_steps: int, sinks: list | None = None):
+    A record that cannot be written (disk full, read-only, metrics.jsonl made a directory: engine/storage.py) is
+    not a traceback that loses the run: ``on_failure(line)`` is called once (the trainer's stop request: save a
+    checkpoint after this step, then exit 3) and nothing more is written; without ``on_failure`` it raises
+    StorageError."""
+
+    def __init__(self, out_dir: str, enabled: bool, progress: bool, total_steps: int, sinks: list | None = None,
+                 on_failure: Callable[[str], None] | None = None):
         self.enabled, self.progress, self.total_steps = enabled, progress, total_steps
         self.path = Path(out_dir) / "metrics.jsonl"
         self.start_time, self.start_step = time.perf_counter(), None
         self.sinks = sinks or []  # engine/metrics/tensorboard.py: TensorBoard, W&B
+        self.on_failure, self.failed = on_failure, None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def _fail(self, path: Path, e: BaseException) -> None:
+        self.failed = f"metrics: {describe(path, e)}"
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:  # their files may be on the same full disk: closing is best effort
+            try:
+                sink.close()
+            except Exception:
+                pass
+        if self.on_failure is None:
+            raise StorageError(self.failed)
+        self.on_failure(self.failed)
 
     def rewind(self, step: int) -> None:
         """Start (or resume) at ``step``: records past it belong to a run that was rolled back (a crash after the
@@ -39,30 +60,41 @@ class MetricsLogger:
             (dropped if past else keep).append(line if line.endswith(b"\n") else line + b"\n")
         if not dropped:
             return
-        with self.path.with_name("metrics.rolled_back.jsonl").open("ab") as f:
-            f.writelines(dropped)
         tmp = self.path.with_name("metrics.jsonl.tmp")
-        tmp.write_bytes(b"".join(keep))
-        tmp.replace(self.path)
+        try:
+            with self.path.with_name("metrics.rolled_back.jsonl").open("ab") as f:
+                f.writelines(dropped)
+            tmp.write_bytes(b"".join(keep))
+            tmp.replace(self.path)
+        except OSError as e:  # before the first step: nothing to save yet, the run is refused (exit 3)
+            raise StorageError(f"metrics: {describe(self.path, e)}") from None
         bad = f" and {unreadable} unreadable lines" if unreadable else ""
         print(f"metrics: {len(dropped) - unreadable} records past step {step}{bad} moved to "
               f"metrics.rolled_back.jsonl", flush=True)
 
     def log(self, record: dict) -> None:
         """Append ``record`` (which must hold 'step') and print the progress line with an ETA."""
-        if not self.enabled:
+        if not self.enabled or self.failed:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            append(self.path, (json.dumps(record) + "\n").encode())
+        except OSError as e:
+            return self._fail(self.path, e)
         for sink in self.sinks:
-            sink.log(record)
+            try:
+                sink.log(record)
+            except OSError as e:
+                return self._fail(getattr(sink, "path", self.path.parent), e)
         if self.progress:
             self._print_progress(record)
 
     def close(self) -> None:
-        for sink in self.sinks:
-            sink.close()
-        self.sinks = []
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            try:
+                sink.close()  # TensorBoard's last flush
+            except OSError as e:
+                raise StorageError(f"metrics: {describe(getattr(sink, 'path', self.path.parent), e)}") from None
 
     def _print_progress(self, r: dict) -> None:
         """The ETA is the mean wall time per step since the first logged step after warm-up (a ``warmup`` record,
@@ -75,6 +107,6 @@ class MetricsLogger:
                 self.start_step, self.start_time = step - 1, time.perf_counter() - r.get("step_time", 0.0)
             per_step = (time.perf_counter() - self.start_time) / max(1, step - self.start_step)
             eta = _fmt_duration(per_step * (self.total_steps - step))
-        print(f"step {step:>6}/{self.total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | "
+        say(f"step {step:>6}/{self.total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | "
               f"grad_norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | "
-              f"{1000 * r['step_time']:.0f} ms/step | ETA {eta}", file=sys.stdout, flush=True)
+              f"{1000 * r['step_time']:.0f} ms/step | ETA {eta}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 
 from engine.config import ConfigError
 
@@ -36,15 +37,29 @@ def scalars(record: dict) -> dict[str, float]:
     return out
 
 
+def _quiet_writer_thread(hook):
+    """tensorboard writes events from a thread of its own; an OSError there (a full disk) is raised again by the
+    next flush in the main thread, where engine/metrics/logger.py turns it into one line, so the thread's own
+    traceback would be a second, noisier report of it. Every other thread's exception goes to ``hook``."""
+    def quiet(args):
+        if not (issubclass(args.exc_type, OSError) and type(args.thread).__module__.startswith("tensorboard.")):
+            hook(args)
+    quiet.quiet_tensorboard = True
+    return quiet
+
+
 class TensorBoardSink:
     def __init__(self, out_dir: str):
         from torch.utils.tensorboard import SummaryWriter
-        self.writer = SummaryWriter(log_dir=os.path.join(out_dir, "tensorboard"))
+        if not getattr(threading.excepthook, "quiet_tensorboard", False):
+            threading.excepthook = _quiet_writer_thread(threading.excepthook)
+        self.path = os.path.join(out_dir, "tensorboard")  # named by a failed write (engine/metrics/logger.py)
+        self.writer = SummaryWriter(log_dir=self.path)
 
     def log(self, record: dict) -> None:
         for tag, value in scalars(record).items():
             self.writer.add_scalar(tag, value, record["step"])
-        self.writer.flush()  # a crash must not lose the curve written so far
+        self.writer.flush()  # a crash must not lose the curve written so far; a full disk raises here (OSError)
 
     def close(self) -> None:
         self.writer.close()
@@ -54,6 +69,7 @@ class WandbSink:
     def __init__(self, project: str, out_dir: str, config: dict):
         import wandb
 
+        self.path = out_dir
         self.run = wandb.init(project=project, dir=out_dir, config=config,
                               mode=os.environ.get("WANDB_MODE", "offline"))
 
