@@ -6,6 +6,7 @@
   out_dir, an unrelated folder, an earlier export the user added a file to, an import a run saved into) or wrote a
   probe into ``/`` and ended in a traceback; now: one line, exit 2, and every file that was there is still there,
   byte for byte. A symlink target is followed (the link kept), not replaced by a real folder.
+  The checks run again right before the old folder is moved aside: a run that took it meanwhile keeps it.
 - A tokenizer folder that needs trust_remote_code: one line, exit 2, its Python never run, even if stdin says "y"
   to transformers' prompt (before: the engine left it to the prompt, and "y" ran it).
 - A hostfile host beginning with ``-`` (ssh would read it as an option): refused at parse, ssh never started.
@@ -136,6 +137,20 @@ def test_overwrite_follows_a_symlink_and_replaces_an_earlier_import(run, tmp_pat
     assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(p.name for p in (run / "imported").iterdir()) == sorted(
         [MARKER, "config.yaml", "hf_files", "latest", "step_000000"])
+
+
+def test_a_run_that_starts_in_the_folder_during_an_overwrite_keeps_it(run):
+    """The checks run again right before the old folder is moved aside (engine/checkpoint/folder.py finish)."""
+    from engine.checkpoint import folder
+    from engine.checkpoint.format import CheckpointError
+
+    target, before = run / "hf", tree(run / "hf")
+    with pytest.raises(CheckpointError, match="LOCK"):
+        with folder.written(target, True, "export folder") as tmp:
+            (tmp / "config.json").write_text("{}")
+            (target / "LOCK").write_text("{}")  # a run takes the folder while the export writes
+    assert tree(target) == {**before, "LOCK": b"{}"}
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".")], "a temporary folder was left"
 
 
 def test_tokenizer_that_needs_remote_code_is_refused_even_if_stdin_says_yes(tmp_path):
