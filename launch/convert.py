@@ -8,7 +8,9 @@ loads with ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pre
 model-only checkpoint ``CKPT/step_000000`` and ``CKPT/config.yaml``; start a run from it at any layout with
 ``python launch/pretrain.py --config CKPT/config.yaml [--parallel.tp 2 ...]`` (step 0, fresh optimizer).
 Both write a temporary folder beside OUT_DIR / CKPT and rename it into place; a non-empty OUT_DIR / CKPT is
-refused unless ``--overwrite`` is given, which replaces it as a whole (nothing of the old folder is kept).
+refused unless ``--overwrite`` is given, which replaces it as a whole (nothing of the old folder is kept), and
+only if an earlier export / import wrote it and it holds nothing else (engine/checkpoint/folder.py: never a
+checkpoint, a run's out_dir, the source, ``.`` or ``/``).
 Bad input exits with status 2 and one ``error: ...`` line.
 """
 from __future__ import annotations
@@ -44,11 +46,11 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("out", type=Path)
     e.add_argument("--max-shard-size", type=parse_size, default="5GB", help="split weights above this (5GB)")
     e.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
-    e.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR as a whole")
+    e.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT_DIR as a whole")
     i = sub.add_parser("import", help="Hugging Face folder -> model-only checkpoint")
     i.add_argument("hf_dir", type=Path)
     i.add_argument("ckpt", type=Path)
-    i.add_argument("--overwrite", action="store_true", help="replace a non-empty CKPT as a whole")
+    i.add_argument("--overwrite", action="store_true", help="replace an earlier import in CKPT as a whole")
     return p
 
 

@@ -5,6 +5,8 @@
   step 6's model.safetensors beside step 3's index and shards, and init_from trained from step 3).
 - init_from (and convert import) of a folder with a missing or truncated shard: one line, exit 2, the same check.
 - An export target that cannot be written: one line, exit 2 (before: a SafetensorError traceback).
+- A second import into the folder of a first one: refused unless --overwrite; a folder no import wrote: refused
+  even with --overwrite (tests/test_overwrite.py has the rest of what --overwrite never replaces).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.checkpoint.folder import MARKER
 from engine.config import load
 from engine.parallel.context import ParallelContext
 from engine.trainer import Trainer
@@ -45,14 +48,17 @@ def files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    """Checkpoints at steps 3 and 6 of SMALL's model (their weights differ)."""
-    root = tmp_path_factory.mktemp("run")
+def train_six_steps(root: Path) -> Path:
+    """root/ckpt: checkpoints at steps 3 and 6 of SMALL's model (their weights differ); root/out: its out_dir."""
     out = launch("pretrain.py", *SMALL, "--train.steps", "6", "--checkpoint.dir", root / "ckpt",
                  "--checkpoint.every", "3", "--checkpoint.keep", "0", "--train.out_dir", root / "out")
     assert out.returncode == 0, out.stderr[-3000:]
     return root / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return train_six_steps(tmp_path_factory.mktemp("run"))
 
 
 @pytest.fixture(scope="module")
@@ -136,13 +142,18 @@ def test_export_into_an_unwritable_folder_is_one_line(ckpt, tmp_path):
     assert list(tmp_path.iterdir()) == [out] and not list(out.iterdir())
 
 
-def test_import_into_a_non_empty_directory_needs_overwrite(sharded, tmp_path):
+def test_import_over_an_import_needs_overwrite_and_an_unrelated_folder_is_never_replaced(sharded, tmp_path):
     root = tmp_path / "imported"
     root.mkdir()
     (root / "notes.txt").write_text("an earlier run's")
-    one_error_line(launch("convert.py", "import", sharded, root), str(root), "not empty", "--overwrite")
+    for flag in ([], ["--overwrite"]):  # issue 34: --overwrite replaced this folder, notes and all
+        one_error_line(launch("convert.py", "import", sharded, root, *flag), str(root), "notes.txt", "not written by")
     assert [p.name for p in root.iterdir()] == ["notes.txt"]
-    out = launch("convert.py", "import", sharded, root, "--overwrite")
+    again = tmp_path / "again"
+    assert launch("convert.py", "import", sharded, again).returncode == 0
+    one_error_line(launch("convert.py", "import", sharded, again), str(again), "not empty", "--overwrite")
+    out = launch("convert.py", "import", sharded, again, "--overwrite")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert sorted(p.name for p in root.iterdir()) == ["config.yaml", "hf_files", "latest", "step_000000"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["imported"], "a temporary folder was left"
+    assert sorted(p.name for p in again.iterdir()) == sorted([MARKER, "config.yaml", "hf_files", "latest",
+                                                               "step_000000"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "imported"], "a temporary folder was left"

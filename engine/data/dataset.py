@@ -49,9 +49,13 @@ def load_tokenizer(name_or_path: str = "") -> PreTrainedTokenizerBase:
         problem = "is not a folder" if local.exists() else "does not exist"
         raise DataError(f"tokenizer {name_or_path!r} {problem}; give a folder with tokenizer.json, "
                         f"a Hugging Face hub name, or '' for the bundled tokenizer")
-    try:
-        return AutoTokenizer.from_pretrained(str(local) if looks_local else target)
+    try:  # never the folder's own Python: transformers would ask on stdin, and a "y" there would run it
+        return AutoTokenizer.from_pretrained(str(local) if looks_local else target, trust_remote_code=False)
     except (OSError, ValueError) as e:
+        if "trust_remote_code" in str(e):
+            raise DataError(f"tokenizer {target!r} needs trust_remote_code (its config's auto_map names Python code "
+                            f"of its own), which the engine never runs; give a tokenizer that loads without it "
+                            f"(tokenizer.json), or '' for the bundled tokenizer") from None
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DataError(f"could not load tokenizer {target!r} ({reason}); give a folder with tokenizer.json, "
                         f"a hub name (online), or '' for the bundled tokenizer") from e

@@ -81,7 +81,7 @@ def export(ckpt: Path, out: Path, max_shard_bytes: int = 5 * 2**30, dtype: str =
     index = read_index(path)
     for file in index["files"]:
         verify_shard(path, index, file)
-    with folder.written(out, overwrite, "export folder") as tmp:
+    with folder.written(out, overwrite, "export folder", sources=(ckpt, path)) as tmp:
         return _write_export(path, index, tmp, max_shard_bytes, dtype)
 
 
@@ -181,7 +181,7 @@ def import_hf(hf_dir: Path, root: Path, max_file_bytes: int = 2 * 2**30, overwri
         raise CheckpointError(f"{hf_dir} is not a Hugging Face model folder: {config_json} is missing")
     m = model_config(json.loads(config_json.read_text()), hf_dir)
     shapes, where = param_shapes(m), hf_tensors(hf_dir)
-    with folder.written(root, overwrite, "checkpoint directory") as tmp:
+    with folder.written(root, overwrite, "checkpoint directory", sources=(hf_dir,)) as tmp:
         _write_import(hf_dir, m, shapes, where, root, tmp, max_file_bytes)
     return root / step_name(0)
 
