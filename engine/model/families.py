@@ -25,7 +25,7 @@ from pathlib import Path
 
 from engine.config import ModelConfig
 from engine.errors import CheckpointError  # not checkpoint/format's import: the config checks read this torch-free
-from engine.model.hf_config import check_family, checked
+from engine.model.hf_config import check_family, check_kind, checked
 from engine.model.moe_families import moe_hf_keys, moe_model_keys
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
@@ -89,8 +89,9 @@ def _window(hf: dict, family: str, source: Path) -> int:
 def model_config(hf: dict, source: Path) -> ModelConfig:
     """Our ModelConfig from a config.json dict; refuses, naming the key, what engine/model/transformer.py does not compute
     (and, engine/model/hf_config.py, values of the wrong type or range)."""
-    hf = checked(hf, source)  # the keys hf_config.REQUIRED are there from here on
+    check_kind(hf, source)
     family = family_of(hf, source)
+    hf = checked(hf, source)  # the keys hf_config.REQUIRED are there from here on
     check_family(hf, family, source)
     # Llama's attention_bias also puts a bias on o_proj, which Qwen2 (the family with q/k/v biases) lacks.
     for key, ok in (("attention_bias", family in QKV_BIAS or not hf.get("attention_bias")),

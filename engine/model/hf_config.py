@@ -70,6 +70,16 @@ def _check_value(source, key: str, value) -> None:
         raise _bad(source, key, value, "use a string")
 
 
+def check_kind(hf: dict, source) -> None:
+    """``architectures`` (a list of class names) and ``model_type`` (a name), which say the family and so come first
+    (a string for the list read as its letters before)."""
+    archs = hf.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise _bad(source, "architectures", archs, 'use a list of one class name, such as ["LlamaForCausalLM"]')
+    if not isinstance(hf.get("model_type", ""), (str, type(None))):
+        raise _bad(source, "model_type", hf["model_type"], 'use a name, such as "llama"')
+
+
 def checked(hf: dict, source) -> dict:
     """``hf`` without its null values (what families.py reads as absent), every key it reads checked; the keys
     that depend on the family are checked by ``check_family``."""
@@ -81,9 +91,6 @@ def checked(hf: dict, source) -> dict:
     out = {k: v for k, v in hf.items() if v is not None}
     for key, value in out.items():
         _check_value(source, key, value)
-    archs = out.get("architectures", [])
-    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
-        raise _bad(source, "architectures", archs, 'use a list of one class name, such as ["LlamaForCausalLM"]')
     layers = out.get("mlp_only_layers", [])
     if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool)
                                                and 0 <= i < out["num_hidden_layers"] for i in layers):
