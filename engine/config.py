@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from engine.config_checks import validate
-from engine.config_yaml import SafeLoader, UniqueKeyLoader
+from engine.config_yaml import BoundedLoader, UniqueKeyLoader
 from engine.config_types import HeadDim, coerce, explicit_head_dim
 from engine.errors import ConfigError
 
@@ -284,9 +284,11 @@ def load(argv: list[str]) -> Config:
     for key, value in overrides:
         # YAML parses CLI values so that 1e-3, true and [a,b] mean what they mean in the file.
         try:
-            parsed = yaml.load(value, Loader=SafeLoader) if value != "" else ""
+            parsed = yaml.load(value, Loader=BoundedLoader) if value != "" else ""
         except yaml.YAMLError:
             parsed = value
+        except ConfigError as e:  # an alias bomb (engine/config_yaml.py)
+            raise ConfigError(f"--{key}: {e}") from None
         _set(cfg, key, parsed)
     validate(cfg)
     if not cfg.train.out_dir.strip():  # '' wrote metrics.jsonl and LOCK into the current directory

@@ -1,18 +1,66 @@
-"""The YAML loader of config files: PyYAML's SafeLoader, refusing a key given twice in one mapping."""
+"""The YAML loader of config files and of ``--section.key value`` values: PyYAML's SafeLoader, refusing a key given
+twice in one mapping and a document that expands past ``MAX_VALUES`` values.
+
+Aliases (``*name``) repeat an anchored node without copying it, so nine lines of nested aliases (the "billion
+laughs") describe 9^9 values: PyYAML builds them as shared references, cheaply, but anything that then prints or
+walks the value (an error message quoting it: a 39 MB line before) does not end. The document's expanded size is
+counted on its node graph (each node once) before anything is constructed.
+"""
 from __future__ import annotations
 
 import yaml
 
 from engine.errors import ConfigError
 
-
 # libyaml's parser where PyYAML was built with it (the same documents, ~10x faster than the pure-Python one: the
 # parity tests load the config of ~20000 layouts); the constructors stay PyYAML's own.
 SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+# A config file holds a few hundred values (data.paths may list thousands of files); nothing real comes near this.
+MAX_VALUES = 100_000
 
 
-class UniqueKeyLoader(SafeLoader):
-    """yaml's SafeLoader that refuses a mapping key given twice (PyYAML keeps the last one silently)."""
+class BoundedLoader(SafeLoader):
+    """SafeLoader that refuses a document whose aliases expand it past MAX_VALUES values, or that contains itself."""
+
+    def construct_document(self, node):
+        _check_expanded_size(node)
+        return super().construct_document(node)
+
+
+class UniqueKeyLoader(BoundedLoader):
+    """BoundedLoader that refuses a mapping key given twice (PyYAML keeps the last one silently)."""
+
+
+def _children(node) -> list:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
+
+
+def _check_expanded_size(root) -> None:
+    """The number of values ``root`` stands for with every alias expanded, counted without recursion and each
+    node once (post-order over the node graph); ConfigError past MAX_VALUES or on a node that contains itself."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+    stack = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            sizes[key] = 1 + sum(sizes[id(c)] for c in _children(node))
+            open_nodes.discard(key)
+            if sizes[key] > MAX_VALUES:
+                raise ConfigError(f"the document expands to more than {MAX_VALUES} values through its aliases "
+                                  f"(*name, line {node.start_mark.line + 1}); a config holds a few hundred")
+            continue
+        if key in sizes:
+            continue
+        if key in open_nodes:  # reached again below itself: a recursive alias
+            raise ConfigError(f"the value at line {node.start_mark.line + 1} contains itself through an alias; "
+                              f"a config value cannot")
+        open_nodes.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in _children(node) if id(c) not in sizes)
 
 
 def _unique_mapping(loader: SafeLoader, node: yaml.MappingNode) -> dict:

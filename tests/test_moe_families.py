@@ -57,16 +57,34 @@ def hf_model(family: str) -> transformers.PreTrainedModel:
     return families_test.hf_model(family, FAMILIES)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_engine_moe_computes_the_hf_logits(family):
-    source = hf_model(family)
+def engine_against_hf(family: str, source: transformers.PreTrainedModel):
+    """(our ModelConfig of ``source``'s config.json, max relative difference of our logits from its logits)."""
     m = families.model_config(source.config.to_dict(), Path(family))
-    assert m.family == family and m.num_experts == 4
-    assert m.moe_layers == ([1] if family in ("qwen2_moe", "qwen3_moe") else "all")
     ours = model_lib.build(m, device="cpu").eval()
     ours.load_state_dict(source.state_dict(), strict=True)
     with torch.no_grad():
-        rel = max_rel(ours(ids()), source(ids()).logits)
+        return m, max_rel(ours(ids()), source(ids()).logits)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_engine_moe_computes_the_hf_logits(family):
+    m, rel = engine_against_hf(family, hf_model(family))
+    assert m.family == family and m.num_experts == 4
+    assert m.moe_layers == ([1] if family in ("qwen2_moe", "qwen3_moe") else "all")
+    assert rel <= TOL, f"{family}: logits differ by rel {rel:.2e}"
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
+def test_unnormalised_top_k_computes_the_hf_logits(family):
+    """norm_topk_prob false (OLMoE-1B-7B's published value): the k softmax weights are used as they are, not
+    renormalised to sum 1 (engine/model/moe.py moe_norm_topk_prob)."""
+    def config():
+        c = FAMILIES[family]()
+        c.norm_topk_prob = False
+        return c
+
+    m, rel = engine_against_hf(family, families_test.hf_model(family, {family: config}))
+    assert m.moe_norm_topk_prob is False
     assert rel <= TOL, f"{family}: logits differ by rel {rel:.2e}"
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from engine.config import ModelConfig
 from engine.errors import CheckpointError  # not checkpoint/format's import: the config checks read this torch-free
+from engine.model.hf_config import check_family, check_kind, checked
 from engine.model.moe_families import moe_hf_keys, moe_model_keys
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
@@ -86,13 +87,12 @@ def _window(hf: dict, family: str, source: Path) -> int:
 
 
 def model_config(hf: dict, source: Path) -> ModelConfig:
-    """Our ModelConfig from a config.json dict; refuses, naming the key, what engine/model/transformer.py does not compute."""
-    def need(key):
-        if key not in hf:
-            raise CheckpointError(f"{source}: config.json has no '{key}'")
-        return hf[key]
-
+    """Our ModelConfig from a config.json dict; refuses, naming the key, what engine/model/transformer.py does not compute
+    (and, engine/model/hf_config.py, values of the wrong type or range)."""
+    check_kind(hf, source)
     family = family_of(hf, source)
+    hf = checked(hf, source)  # the keys hf_config.REQUIRED are there from here on
+    check_family(hf, family, source)
     # Llama's attention_bias also puts a bias on o_proj, which Qwen2 (the family with q/k/v biases) lacks.
     for key, ok in (("attention_bias", family in QKV_BIAS or not hf.get("attention_bias")),
                     ("qkv_bias", family not in QKV_BIAS or hf.get("qkv_bias", True)),
@@ -101,10 +101,10 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
         if not ok:
             raise CheckpointError(f"{source}: {key}={hf.get(key)!r} is not supported by engine/model/transformer.py for "
                                   f"{ARCHITECTURES[family]} (no o_proj or MLP biases, SiLU)")
-    heads = need("num_attention_heads")
-    m = ModelConfig(name=str(hf.get("_name_or_path") or source.name), vocab_size=need("vocab_size"),
-                    hidden_size=need("hidden_size"), intermediate_size=need("intermediate_size"),
-                    num_layers=need("num_hidden_layers"), num_heads=heads,
+    heads = hf["num_attention_heads"]
+    m = ModelConfig(name=str(hf.get("_name_or_path") or source.name), vocab_size=hf["vocab_size"],
+                    hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+                    num_layers=hf["num_hidden_layers"], num_heads=heads,
                     num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=int(hf.get("head_dim") or 0),
                     max_seq_len=hf.get("max_position_embeddings", 2048),
                     norm_eps=float(hf.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(hf.get("tie_word_embeddings")),

@@ -8,10 +8,10 @@ layout: export assembles each full tensor from a checkpoint saved at any
 config class of ``model.family``, engine/model/families.py), the weights as ``model.safetensors`` or, above
 ``max_shard_bytes``, ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json`` (transformers'
 sharded format: {"metadata": {"total_size"}, "weight_map"}), and the run's tokenizer: the files of its tokenizer
-folder copied as they are (with ``generation_config.json``), or ``save_pretrained`` for a hub name. Import reads
-such a folder into a *model-only* checkpoint: step 0, no optimizer state, the tokenizer and generation config
-copied into ``CKPT/hf_files``; ``--checkpoint.resume CKPT`` starts a run from it at any layout with a fresh AdamW
-and the data from the beginning. It also writes ``CKPT/config.yaml``, a full engine config for the imported shape.
+folder copied as they are (with ``generation_config.json``), or ``save_pretrained`` for a hub name. Import checks
+such a folder whole (engine/model/hf_folder.py, as init_from does) and reads it into a *model-only* checkpoint:
+step 0, no optimizer state, the tokenizer and generation config copied into ``CKPT/hf_files``;
+``--checkpoint.resume CKPT`` starts a run from it at any layout with a fresh AdamW and the data from the beginning. It also writes ``CKPT/config.yaml``, a full engine config for the imported shape.
 The checkpoint is published as a training save is (engine/checkpoint/publish.py): written under a temporary name,
 renamed into place and named by ``latest`` last. Both directions write the whole target folder beside it under a
 temporary name and rename it into place (engine/checkpoint/folder.py), so a failure leaves the target as it was
@@ -30,17 +30,16 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.model import transformer as model_lib
 from engine.checkpoint.checkpointer import resolve
 from engine.checkpoint.contents import header
-from engine.checkpoint.format import (CheckpointError, Reader, fsync_write, merge_index, piece_key, read_index,
+from engine.checkpoint.format import (Reader, fsync_write, merge_index, piece_key, read_index,
                                       verify_shard, write_shard)
 from engine.checkpoint.parts import RunPosition
 from engine.checkpoint import folder
 from engine.checkpoint.publish import publish, staging_dir, step_name
 from engine.config import Config, ModelConfig
-from engine.model.fused import part_blocks
-from engine.model.families import hf_config, model_config  # noqa: F401 (hf.hf_config: the public name)
+from engine.model.families import hf_config  # noqa: F401 (hf.hf_config: the public name)
+from engine.model.hf_folder import param_shapes, read_folder, skip_reason
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -48,15 +47,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # tokens, sampling defaults), so a round trip gives back what the user brought.
 CARRIED_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt", "vocab.json",
                  "chat_template.jinja", "generation_config.json")
-
-
-def param_shapes(m: ModelConfig) -> dict[str, list[int]]:
-    """HF names and shapes of every distinct parameter, in module order (a tied LM head is the embedding; a fused
-    q/k/v or gate/up weight is its parts, engine/model/fused.py)."""
-    model = model_lib.build(m, device="meta")
-    modules = dict(model.named_modules())
-    return {part: list(shape) for n, p in model.named_parameters()
-            for part, _, shape in part_blocks(modules[n.rpartition(".")[0]], n, p.shape)}
 
 
 def _shards(sizes: dict[str, int], limit: int) -> list[list[str]]:
@@ -127,62 +117,14 @@ def carry_files(src: Path, dst: Path, extra: tuple[str, ...] = ()) -> bool:
     return True
 
 
-def _weight_map(hf_dir: Path) -> dict[str, str] | None:
-    """The sharded index's tensor name -> file name; None for a single ``model.safetensors``."""
-    sharded, single = hf_dir / "model.safetensors.index.json", hf_dir / "model.safetensors"
-    if sharded.is_file():
-        try:
-            weight_map = json.loads(sharded.read_text()).get("weight_map")
-        except (ValueError, AttributeError):  # not JSON, or not a JSON object
-            weight_map = None
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise CheckpointError(f"{sharded} is not a safetensors index (JSON with a 'weight_map' of tensor "
-                                  f"name -> file name)")
-        return weight_map
-    if single.is_file():
-        return None
-    raise CheckpointError(f"{hf_dir} has no model.safetensors or model.safetensors.index.json (save the model "
-                          f"with save_pretrained(..., safe_serialization=True) first)")
-
-
-def _tensor_names(file: Path, listed_in: str) -> set[str]:
-    """The tensor names in ``file``'s header; CheckpointError if it is missing, truncated or not safetensors."""
-    if not file.is_file():
-        raise CheckpointError(f"weight file {file}{listed_in} is missing")
-    try:
-        with safe_open(str(file), framework="pt") as f:  # checks that the header covers the file's bytes
-            return set(f.keys())
-    except Exception as e:  # SafetensorError: truncated, or not a safetensors file
-        raise CheckpointError(f"weight file {file}{listed_in} is not a readable safetensors file, truncated or "
-                              f"damaged ({e})") from None
-
-
-def hf_tensors(hf_dir: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (single file or the sharded index), every file checked to
-    exist, be readable and hold the tensors the index places in it: the one check of an HF folder's weights,
-    shared by ``import_hf`` and ``--model.init_from`` (engine/model/hf_init.py)."""
-    weight_map = _weight_map(hf_dir)
-    if weight_map is None:
-        single = hf_dir / "model.safetensors"
-        return {n: single for n in _tensor_names(single, "")}
-    listed_in = f" listed in {hf_dir / 'model.safetensors.index.json'}"
-    held = {f: _tensor_names(hf_dir / f, listed_in) for f in sorted(set(weight_map.values()))}
-    for name, f in weight_map.items():
-        if name not in held[f]:
-            raise CheckpointError(f"weight file {hf_dir / f} does not hold tensor '{name}'{listed_in}")
-    return {n: hf_dir / f for n, f in weight_map.items()}
-
-
 def import_hf(hf_dir: Path, root: Path, max_file_bytes: int = 2 * 2**30, overwrite: bool = False) -> Path:
     """Write the model-only checkpoint ``root/step_000000`` (+ ``root/latest``, ``root/config.yaml``): into a
     temporary folder beside ``root``, renamed into place at the end (engine/checkpoint/folder.py)."""
-    config_json = hf_dir / "config.json"
-    if not config_json.is_file():
-        raise CheckpointError(f"{hf_dir} is not a Hugging Face model folder: {config_json} is missing")
-    m = model_config(json.loads(config_json.read_text()), hf_dir)
-    shapes, where = param_shapes(m), hf_tensors(hf_dir)
+    checked = read_folder(hf_dir)  # config.json, the headers and the two against each other, nothing allocated
+    for name in checked.skipped:
+        print(f"import: skipping {name} ({skip_reason(name)})")
     with folder.written(root, overwrite, "checkpoint directory", sources=(hf_dir,)) as tmp:
-        _write_import(hf_dir, m, shapes, where, root, tmp, max_file_bytes)
+        _write_import(hf_dir, checked.model, param_shapes(checked.model), checked.where, root, tmp, max_file_bytes)
     return root / step_name(0)
 
 
@@ -195,14 +137,9 @@ def _write_import(hf_dir: Path, m: ModelConfig, shapes: dict, where: dict, root:
     metas = []
     for i, names in enumerate(groups):  # files of at most ~max_file_bytes, so memory stays bounded
         tensors, params = {}, {}
-        for name in names:
-            if name not in where:
-                raise CheckpointError(f"{hf_dir}: the weights have no tensor '{name}'")
+        for name in names:  # read_folder checked every name and shape
             with safe_open(str(where[name]), framework="pt") as f:
                 t = f.get_tensor(name)
-            if list(t.shape) != shapes[name]:
-                raise CheckpointError(f"{where[name]}: {name} has shape {list(t.shape)}, config.json implies "
-                                      f"{shapes[name]}")
             tensors[piece_key(name, "param", 0, 0)] = t.float().reshape(-1).contiguous()
             params[name] = {"shape": shapes[name], "tp_dim": None, "tp_size": 1,
                             "states": {"param": [[0, 0, t.numel()]]}}

@@ -11,7 +11,6 @@ job continues where it stopped.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
@@ -21,26 +20,28 @@ from engine.checkpoint.format import CheckpointError
 from engine.checkpoint.parts import CheckpointParts
 from engine.checkpoint.state import slots
 from engine.config import Config, ConfigError, validate
-from engine.model.families import model_config
-from engine.model.hf import TOKENIZER_FILES, hf_tensors
+from engine.model.hf import TOKENIZER_FILES
+from engine.model.hf_folder import hf_tensors, read_folder, skip_reason
 
 
 def adopt_shape(cfg: Config) -> None:
-    """Set cfg.model (and data.tokenizer if empty) from cfg.model.init_from; no-op without it. Idempotent."""
+    """Set cfg.model (and data.tokenizer if empty) from cfg.model.init_from; no-op without it. Idempotent. The
+    folder is checked whole first (engine/model/hf_folder.py: config.json, and the weights' headers against it),
+    so a wrong size is refused here, before the launcher builds anything."""
     source = cfg.model.init_from
     if not source:
         return
     folder = Path(source).expanduser()
-    config_json = folder / "config.json"
-    if not config_json.is_file():
-        raise ConfigError(f"model.init_from={source!r} is not a Hugging Face model folder: {config_json} is "
-                          f"missing")
     try:
-        m = model_config(json.loads(config_json.read_text()), folder)
+        checked = read_folder(folder)
     except CheckpointError as e:
         raise ConfigError(f"model.init_from: {e}") from None
-    cfg.model = dataclasses.replace(m, name=cfg.model.name if cfg.model.name != "tiny" else m.name,
-                                    init_from=source)
+    m = dataclasses.replace(checked.model, name=cfg.model.name if cfg.model.name != "tiny" else checked.model.name,
+                            init_from=source)
+    if m != cfg.model:  # the first call (launch/pretrain.py, then the trainer again)
+        for name in checked.skipped:
+            print(f"model.init_from: skipping {name} ({skip_reason(name)})", flush=True)
+    cfg.model = m
     if not cfg.data.tokenizer and any((folder / f).is_file() for f in TOKENIZER_FILES):
         cfg.data.tokenizer = str(folder.resolve())
     validate(cfg)  # train.seq_len against the folder's max_position_embeddings and sliding window

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from engine.errors import ConfigError
+from engine.json_input import dotted, leaves, load_object, not_finite, shown
 
 _BUCKET = 50_000_000  # elements per reduce / all-gather bucket (DeepSpeed's default is 5e8)
 _COMMON = {"steps_per_print": 10**9, "wall_clock_breakdown": False}  # DeepSpeed prints nothing of its own
@@ -40,6 +41,17 @@ OURS = {"train_batch_size": "train.global_batch_size", "train_micro_batch_size_p
 # The offload sub-keys the engine honours; DeepSpeed's others (nvme_path, ratio, super_offload, ...) are refused.
 OFFLOAD_KEYS = {"offload_optimizer": ("device", "pin_memory"),
                 "offload_param": ("device", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu")}
+# The keys DeepSpeed reads as counts (elements, bytes, steps), with an example, and as flags: those of the defaults,
+# and the other ZeRO sizes and offload buffers users tune.
+COUNTS = {**{dotted(p): v for stage in DEFAULTS.values() for p, v in leaves(stage)
+             if isinstance(v, int) and not isinstance(v, bool)},
+          **{f"zero_optimization.{k}": v for k, v in (
+              ("sub_group_size", 10**9), ("stage3_model_persistence_threshold", 10**5),
+              ("offload_param.buffer_count", 5), ("offload_param.buffer_size", 10**8),
+              ("offload_param.max_in_cpu", 10**9))}}
+FLAGS = {dotted(p) for stage in DEFAULTS.values() for p, v in leaves(stage) if isinstance(v, bool)} | {
+    "zero_optimization.offload_optimizer.pin_memory", "zero_optimization.offload_param.pin_memory",
+    "zero_optimization.round_robin_gradients", "zero_optimization.elastic_checkpoint"}
 # DeepSpeed's deprecated spellings of the offload keys, and the key to write instead.
 OLD_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param",
                "cpu_offload_use_pin_memory": "offload_optimizer.pin_memory"}
@@ -53,13 +65,11 @@ def read_user_config(path: str | Path) -> dict:
         raise ConfigError(f"{where} is not a file; give a DeepSpeed JSON file, or leave parallel.ds_config empty "
                           f"for the built-in defaults")
     try:
-        user = json.loads(path.read_text())
+        text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{where} cannot be read ({e})") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{where} is not valid JSON (line {e.lineno}: {e.msg})") from None
-    if not isinstance(user, dict):
-        raise ConfigError(f"{where} holds a JSON {type(user).__name__}, not an object of DeepSpeed keys")
+    user = load_object(text, where, ConfigError)  # one object, no key twice, not nested deep
+    _check_values(user, where)
     for key, ours in OURS.items():
         if key in user:
             raise ConfigError(f"{where} sets '{key}'; remove it: the engine sets it from {ours}")
@@ -73,6 +83,23 @@ def read_user_config(path: str | Path) -> dict:
                           f"parallel.zero_stage")
     _check_offload_keys(zero, where)
     return user
+
+
+def _check_values(user: dict, where: str) -> None:
+    """Every number finite, and the keys DeepSpeed reads as counts or flags of those types: DeepSpeed's own
+    validation (pydantic, at deepspeed.initialize) would refuse them only after the model is built, a traceback
+    on every rank."""
+    bad = not_finite(user)
+    if bad:
+        raise ConfigError(f"{where} sets '{bad[0]}'={shown(bad[1])}; it must be a finite number")
+    for path, value in leaves(user):
+        key = dotted(path)
+        if key in COUNTS and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
+                              or value != int(value)):
+            raise ConfigError(f"{where} sets '{key}'={shown(value)}; it must be a whole number >= 0 (such as "
+                              f"{COUNTS[key]})")
+        if key in FLAGS and not isinstance(value, bool):
+            raise ConfigError(f"{where} sets '{key}'={shown(value)}; it must be true or false")
 
 
 def _check_offload_keys(zero: dict, where: str) -> None:
