@@ -21,9 +21,12 @@ the host copies and the host Adam step). A bad argument exits with status 2 and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
+import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -44,6 +47,8 @@ COLUMNS = [("tp", "{}"), ("pp", "{}"), ("dp", "{}"), ("cp", "{}"), ("cp_mode", "
 HEADER = ["tp", "pp", "dp", "cp", "cp mode", "ep", "dp mode", "schedule", "mbs", "m", "ac", "mem GB", "step s",
           "tokens/s", "MFU", "bubble", "act GB/stage", "tp s", "pp s", "dp s", "cp s", "ep s", "host GB"]
 SCHEDULE_KEYS = ("parallel.schedule", "parallel.virtual_stages")
+# A search of an 8-device config takes 30 s to 3 min on a busy CPU: say every few seconds that it is still going.
+PROGRESS_EVERY_S = 5.0
 
 
 class ArgumentError(ValueError):
@@ -141,6 +146,27 @@ def table(rows: list[dict]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
 
 
+@contextlib.contextmanager
+def progress(what: str):
+    """While the body runs, a line on stderr every PROGRESS_EVERY_S seconds ('plan: searching ...: 10 s'), and
+    how long it took if it said anything; a quicker body prints nothing. stdout (the table, --json) is untouched."""
+    done, start, said = threading.Event(), time.monotonic(), []
+
+    def beat():
+        while not done.wait(PROGRESS_EVERY_S):
+            said.append(True)
+            print(f"plan: {what}: {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        if said:
+            print(f"plan: {what}: done in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg = load(config_argv(args))
@@ -150,7 +176,8 @@ def main(argv: list[str]) -> int:
     # TF32 is not the default for fp32 matmuls in torch, so an fp32 run is planned at the fp32 peak.
     hw = hardware(args, "bf16" if cfg.train.dtype == "bf16" else "fp32")
     schedules, refused = searched_schedules(args, cfg), []
-    plans = search(cfg, args.world_size, hw, schedules, refused)
+    with progress(f"searching the layouts of {cfg.model.name} on {args.world_size} devices"):
+        plans = search(cfg, args.world_size, hw, schedules, refused)
     if not plans and schedules is None and refused:  # the schedule given: say why support.check_schedule refused it
         # (a chunked one, interleaved or zbv: from a pipelined layout; its pp = 1 refusal only says pp must be >= 2)
         spec = SCHEDULES[cfg.parallel.schedule]

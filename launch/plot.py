@@ -1,13 +1,17 @@
 """Plot the training curves of one or several runs from their metrics.jsonl, side by side.
 
-    python launch/plot.py runs/tiny runs/tp2 -o curves.png [--names tiny tp2]
+    python launch/plot.py runs/tiny runs/tiny-tp2 -o curves.png [--names tiny tp2]
+    python launch/plot.py runs/tiny --tensorboard    # event files in runs/tiny/tensorboard, for tensorboard --logdir
 
 Panels against the optimizer step: loss (solid: train, dashed with markers: eval), learning rate, gradient norm
 (log scale), throughput (tokens/s, all ranks together) and peak memory per rank (MiB; engine/metrics/stepstats.py says
 what it counts on CPU and on CUDA); for a mixture of experts also its load-balancing loss, the CV of tokens per
 expert and the router z-loss. One colour per run, named in the legend by its directory (or --names).
 A step logged twice (an old run's records before the rolled-back ones were moved aside) counts once, the last.
-Needs matplotlib (in the dev extra). Bad input exits with status 2 and one line.
+--tensorboard writes the same records as TensorBoard event files instead (engine/metrics/tensorboard.py, what
+log.tensorboard writes during a run), so a run trained without it can be viewed in TensorBoard.
+Needs matplotlib (the plot extra: pip install -e ".[plot]"; also in dev), --tensorboard the tensorboard package.
+Without it: one line naming the extra, exit status 2. Bad input exits with status 2 and one line.
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 PANELS = [  # (record key, title, y label, log scale)
     ("loss", "Loss", "cross-entropy (nats/token)", False),
@@ -61,12 +67,37 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def plot(runs: dict[str, list[dict]], output: Path):
-    """Draw every run on the five panels and save the PNG; returns the figure."""
-    import matplotlib
-
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotError('launch/plot.py needs matplotlib: pip install -e ".[plot]" (or the dev extra)') from None
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
+    return plt
+
+
+def write_tensorboard(run: Path, records: list[dict]) -> Path:
+    """The run's records as TensorBoard event files in ``<run dir>/tensorboard``, as log.tensorboard writes them;
+    refused where that folder already holds some (the run logged them itself, or an earlier call did)."""
+    folder = (run if run.is_dir() else run.parent) / "tensorboard"
+    if folder.is_dir() and any(folder.iterdir()):
+        raise PlotError(f"{folder} already holds event files; view them with tensorboard --logdir {folder.parent}")
+    try:
+        from engine.metrics.tensorboard import TensorBoardSink
+        sink = TensorBoardSink(str(folder.parent))
+    except ImportError:
+        raise PlotError('--tensorboard needs the tensorboard package: pip install -e ".[plot]" (or the dev '
+                        'extra)') from None
+    for record in records:
+        sink.log(record)
+    sink.close()
+    return folder
+
+
+def plot(runs: dict[str, list[dict]], output: Path):
+    """Draw every run on the five panels and save the PNG; returns the figure."""
+    plt = _pyplot()
 
     moe = any("moe_aux_loss" in r for records in runs.values() for r in records)
     panels = PANELS + (MOE_PANELS if moe else [])
@@ -105,8 +136,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("runs", nargs="+", help="run directories (train.out_dir) or metrics.jsonl files")
     parser.add_argument("-o", "--output", default="curves.png", help="PNG to write (default curves.png)")
     parser.add_argument("--names", nargs="*", help="legend names, one per run (default: the directory names)")
+    parser.add_argument("--tensorboard", action="store_true",
+                        help="write each run's records as TensorBoard event files in <run>/tensorboard, no PNG")
     args = parser.parse_args(argv)
     try:
+        if args.tensorboard:
+            for run in args.runs:
+                print(f"wrote {write_tensorboard(Path(run), read_run(Path(run)))}", flush=True)
+            return 0
+        _pyplot()  # before reading anything: a missing matplotlib is the one thing to say
         names = args.names or [Path(r).resolve().name for r in args.runs]
         if len(names) != len(args.runs):
             raise PlotError(f"--names has {len(names)} names for {len(args.runs)} runs; give one per run")

@@ -1,6 +1,7 @@
 """Session set-up shared by every test."""
 import os
 import subprocess
+from pathlib import Path
 
 # The suite means gloo on the CPU (the project's rule: everything runs there). On a machine with a GPU, CUDA is
 # hidden from the test session and every process it starts, before torch can initialise it: otherwise the launcher
@@ -27,6 +28,51 @@ torch.set_num_threads(1)
 from tests.dist import warm_imports  # noqa: E402
 
 warm_imports()
+
+from tests import checkout_guard  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+_BEFORE = pytest.StashKey[dict]()
+_CHANGED = pytest.StashKey[list]()
+
+
+def _guarded() -> bool:
+    # ENGINE_CHECKOUT_GUARD=0 turns the check off, e.g. while a run of your own writes into runs/ during the suite.
+    return os.environ.get("ENGINE_CHECKOUT_GUARD", "1") != "0"
+
+
+def _skipped(config) -> tuple:
+    return (Path(config.option.basetemp),) if config.option.basetemp else ()
+
+
+def pytest_sessionstart(session):
+    """Tests write only inside their temporary folders: remember the checkout as it was (tests/checkout_guard.py)."""
+    if _guarded():
+        session.config.stash[_BEFORE] = checkout_guard.snapshot(ROOT, _skipped(session.config))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the session if any file or folder of the checkout (runs/ and other ignored paths included) was added,
+    removed or rewritten by it; pytest_terminal_summary names them."""
+    before = session.config.stash.get(_BEFORE, None)
+    if before is None:
+        return
+    changed = checkout_guard.changes(before, checkout_guard.snapshot(ROOT, _skipped(session.config)))
+    session.config.stash[_CHANGED] = changed
+    if changed:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    changed = config.stash.get(_CHANGED, [])
+    if changed:
+        terminalreporter.section("tests wrote into the checkout", sep="=", red=True)
+        terminalreporter.line(f"FAILED: the session changed {len(changed)} path(s) under {ROOT}; a test must write "
+                              f"only inside tmp_path (e.g. give --train.out_dir; the default is runs/tiny):")
+        for line in changed[:50]:
+            terminalreporter.line(f"  {line}")
+        if len(changed) > 50:
+            terminalreporter.line(f"  ... and {len(changed) - 50} more")
 
 
 @pytest.fixture(autouse=True)

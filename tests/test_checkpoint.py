@@ -265,6 +265,7 @@ def stalled_exchange(argv: list[str]) -> str | None:
 
 def test_checkpoint_group_times_out_after_parallel_timeout_s(tmp_path):
     # 3 s: long enough for rank 0 to claim the directory before rank 1 gives up on the start-up broadcast.
-    argv = [*SMALL, "--checkpoint.dir", str(tmp_path / "c"), "--parallel.timeout_s", "3"]
+    argv = [*SMALL, "--checkpoint.dir", str(tmp_path / "c"), "--train.out_dir", str(tmp_path / "out"),
+            "--parallel.timeout_s", "3"]
     error = run_ranks(stalled_exchange, 2, argv, timeout_s=60)[0]
     assert error is not None and "timed out" in error.lower(), error

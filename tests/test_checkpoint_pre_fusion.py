@@ -39,6 +39,7 @@ def load_rank(path: str, tp: int) -> dict:
     """Rank function: a fresh fused model at ``tp`` (other initial weights: seed 99) resumed from ``path``."""
     cfg = config()
     cfg.parallel.tp, cfg.train.seed, cfg.checkpoint.resume = tp, 99, path
+    cfg.train.out_dir = str(Path(path).parent / "out")  # the checkpointer claims it (default: runs/tiny of the cwd)
     ctx = ParallelContext.from_config(cfg)
     model = materialize(apply_tensor_parallel(model_lib.build(cfg.model), ctx.tp_group), ctx.device,
                         cfg.train.seed, cfg.model.init_std)

@@ -17,11 +17,15 @@ def pretrain(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def test_short_run_writes_metrics(tmp_path):
-    out = pretrain("--config", "configs/tiny.yaml", "--train.steps", "3", "--train.out_dir", str(tmp_path))
+    """The README's quick start, shortened: metrics, and the checkpoint of the last step, which it names."""
+    out = pretrain("--config", "configs/tiny.yaml", "--train.steps", "3", "--train.out_dir", str(tmp_path),
+                   "--checkpoint.dir", str(tmp_path / "checkpoints"))
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert "ETA" in out.stdout
+    assert f"checkpoint: saved {tmp_path / 'checkpoints' / 'step_000003'}\n" in out.stdout, out.stdout[-2000:]
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000003\n"
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -157,3 +157,15 @@ def test_import_over_an_import_needs_overwrite_and_an_unrelated_folder_is_never_
     assert sorted(p.name for p in again.iterdir()) == sorted([MARKER, "config.yaml", "hf_files", "latest",
                                                                "step_000000"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "imported"], "a temporary folder was left"
+
+
+def test_exported_files_share_one_mode_from_the_umask(tmp_path):
+    """safetensors creates its file 0600: model.safetensors was unreadable to the group that could read the
+    config.json beside it. Under umask 027 every exported file is 0640."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "pre_fusion_checkpoint", ckpt)  # the fixture stays untouched
+    out = subprocess.run([sys.executable, "launch/convert.py", "export", str(ckpt), str(tmp_path / "hf")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, preexec_fn=lambda: os.umask(0o027))
+    assert out.returncode == 0, out.stderr[-2000:]
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "hf").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {"0o640"}, modes

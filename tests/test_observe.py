@@ -112,3 +112,34 @@ def test_plot_says_which_lines_it_skipped(tmp_path, capsys):
     assert [r["step"] for r in plot.read_run(tmp_path)] == [1, 3]
     assert f"warning: {tmp_path / 'metrics.jsonl'}: skipped 2 lines that are not a step record (line 2, 4)" \
         in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch, capsys):
+    """Before: a ModuleNotFoundError traceback from inside plot(), after the runs were read."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    import plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` meets where it is not installed
+    assert plot.main([str(tmp_path / "no-such-run"), "-o", str(tmp_path / "c.png")]) == 2
+    err = capsys.readouterr().err
+    assert err == 'error: launch/plot.py needs matplotlib: pip install -e ".[plot]" (or the dev extra)\n', err
+
+
+def test_plot_tensorboard_writes_a_finished_runs_records_once(tmp_path, capsys):
+    """plot.py --tensorboard: the records of a run trained without log.tensorboard as TensorBoard scalars, the
+    tags log.tensorboard uses; a second call (or a run that logged its own) is refused in one line."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    sys.path.insert(0, str(ROOT / "launch"))
+    import plot
+
+    records = [{"step": s, "loss": 8.0 - s / 10, "lr": 1e-3 * s} for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert plot.main([str(tmp_path), "--tensorboard"]) == 0
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'tensorboard'}\n"
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, round(e.value, 5)) for e in events.Scalars("loss/train")] == \
+        [(r["step"], round(r["loss"], 5)) for r in records]
+    assert plot.main([str(tmp_path), "--tensorboard"]) == 2
+    assert "already holds event files; view them with tensorboard --logdir" in capsys.readouterr().err

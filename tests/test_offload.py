@@ -122,7 +122,7 @@ def _compare(got: dict, want: dict, init: dict | None = None) -> None:
 
 
 @pytest.fixture(scope="module")
-def init():
+def init(tmp_path_factory):
     """The initial parameters (the same at every layout: engine/model/init.py), to measure updates against."""
     from engine.parallel.context import ParallelContext
     from engine.trainer import Trainer
@@ -131,32 +131,37 @@ def init():
     def rank(argv):
         cfg = load(argv)
         return {n: v for n, (v, *_) in runner.held_parameters(Trainer(cfg, ParallelContext.from_config(cfg))).items()}
-    return run_ranks(rank, 1, [*runner.BASE, "--parallel.dp", "1"])[0]
+    return run_ranks(rank, 1, [*runner.BASE, "--parallel.dp", "1", *_out(tmp_path_factory.mktemp("init"))])[0]
 
 
-def _pair(offloaded: list[str], plain: list[str]) -> tuple[list, list]:
+def _out(folder) -> list[str]:
+    return ["--train.out_dir", str(folder)]  # not the default runs/tiny of the working directory (the checkout)
+
+
+def _pair(tmp_path, offloaded: list[str], plain: list[str]) -> tuple[list, list]:
     from tests.dist import run_ranks
 
-    return run_ranks(train, 2, [*BASE, *offloaded], timeout_s=600), run_ranks(train, 2, [*BASE, *plain], timeout_s=600)
+    return (run_ranks(train, 2, [*BASE, *offloaded, *_out(tmp_path / "offloaded")], timeout_s=600),
+            run_ranks(train, 2, [*BASE, *plain, *_out(tmp_path / "plain")], timeout_s=600))
 
 
 def test_issue_ds_config_zero2_offload_trains_like_zero2(tmp_path, init):
     pytest.importorskip("deepspeed")
-    got, want = _pair([*ZERO, "2", "--parallel.ds_config", _file(tmp_path, ISSUE_FILE)], [*ZERO, "2"])
+    got, want = _pair(tmp_path, [*ZERO, "2", "--parallel.ds_config", _file(tmp_path, ISSUE_FILE)], [*ZERO, "2"])
     assert got[0]["on"][:2] == (True, False) and want[0]["on"][:2] == (False, False)
     _compare(got[0], want[0], init)
 
 
-def test_zero3_optimizer_and_params_trains_like_zero3(init):
+def test_zero3_optimizer_and_params_trains_like_zero3(init, tmp_path):
     pytest.importorskip("deepspeed")
-    got, want = _pair([*ZERO, "3", "--parallel.offload", "optimizer_and_params"], [*ZERO, "3"])
+    got, want = _pair(tmp_path, [*ZERO, "3", "--parallel.offload", "optimizer_and_params"], [*ZERO, "3"])
     assert got[0]["on"][:2] == (True, True)
     _compare(got[0], want[0], init)
 
 
-def test_fsdp_cpu_offload_trains_like_fsdp(init):
+def test_fsdp_cpu_offload_trains_like_fsdp(init, tmp_path):
     fsdp = ["--parallel.dp_mode", "fsdp"]
-    got, want = _pair([*fsdp, "--parallel.offload", "optimizer_and_params"], fsdp)
+    got, want = _pair(tmp_path, [*fsdp, "--parallel.offload", "optimizer_and_params"], fsdp)
     assert got[0]["on"] == (True,) and want[0]["on"] == (False,)
     _compare(got[0], want[0], init)
 

@@ -244,7 +244,8 @@ def test_plan_cli_bad_virtual_stages_exits_2_with_one_line():
                              "--device-memory", "1", "--parallel.virtual_stages", "2"],
                             cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
+    # the refusal comes from the search, which on a busy machine may outlast plan.py's progress interval
+    assert [line for line in result.stderr.strip().splitlines() if not line.startswith("plan: searching ")] == [
         "error: parallel.virtual_stages=2 needs parallel.schedule=interleaved and pp >= 2"]
 
 

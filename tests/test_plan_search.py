@@ -5,6 +5,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,28 @@ def test_cli_exits_2_with_one_line():
                             cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["error: the following arguments are required: --device-memory"]
+
+
+def test_long_search_shows_progress_on_stderr_only(capsys, monkeypatch):
+    """A search that takes longer than PROGRESS_EVERY_S says so on stderr every PROGRESS_EVERY_S seconds (before:
+    nothing for 30 s to 3 min), and how long it took; stdout is the same table as a search that says nothing."""
+    cli = _plan_module()
+    argv = ["--config", "configs/tiny.yaml", "--world-size", "4", "--device-memory", "1", "--top", "5"]
+    monkeypatch.setattr(cli, "PROGRESS_EVERY_S", 1e9)
+    assert cli.main(argv) == 0
+    quiet = capsys.readouterr()
+    assert quiet.err == ""
+    searched = cli.search
+
+    def slow(*args):
+        time.sleep(2.0)  # 20 progress intervals
+        return searched(*args)
+    monkeypatch.setattr(cli, "search", slow)
+    monkeypatch.setattr(cli, "PROGRESS_EVERY_S", 0.1)
+    assert cli.main(argv) == 0
+    got = capsys.readouterr()
+    assert got.out == quiet.out
+    lines = got.err.splitlines()
+    assert len(lines) >= 2 and all(line.startswith("plan: searching the layouts of tiny on 4 devices: ")
+                                   for line in lines), lines
+    assert lines[-1].startswith("plan: searching the layouts of tiny on 4 devices: done in ")

@@ -121,59 +121,64 @@ def check_against(ref: dict, results: list[dict], rel: float = 1e-5) -> None:
         assert err <= bound, f"{name}: after {STEPS} steps differs by {err:.1e} of its update (bound {bound:g})"
 
 
+def out(folder) -> list[str]:
+    return ["--train.out_dir", str(folder)]  # not the default runs/tiny of the working directory (the checkout)
+
+
 @pytest.fixture(scope="module")
-def ref():
-    return run_ranks(reference, 1, SMALL)[0]
+def ref(tmp_path_factory):
+    return run_ranks(reference, 1, [*SMALL, *out(tmp_path_factory.mktemp("ref"))])[0]
 
 
-def zero_run(world: int, stage: int, *extra_argv: str, ds: dict | None = None, argv: list[str] = SMALL) -> list:
+def zero_run(folder, world: int, stage: int, *extra_argv: str, ds: dict | None = None,
+             argv: list[str] = SMALL) -> list:
     ds = _merge(_merge({}, PARTITION_ALL) if stage == 3 else {}, ds or {})  # key by key: ds may add to it
     return run_ranks(zero_train, world, [*argv, "--parallel.dp_mode", "zero", "--parallel.zero_stage", str(stage),
-                                         *extra_argv], ds, timeout_s=300)
+                                         *extra_argv, *out(folder)], ds, timeout_s=300)
 
 
-def test_zero3_dp2_matches_single_process(ref):
+def test_zero3_dp2_matches_single_process(ref, tmp_path):
     # Every parameter partitioned (PARTITION_ALL): the parity matrix (tests/test_parity.py) runs ZeRO 1-3 at every
     # layout with DeepSpeed's default threshold, under which this model's small tensors stay whole.
-    results = zero_run(2, 3)
+    results = zero_run(tmp_path, 2, 3)
     check_against(ref, results)
     assert results[0]["lr"] == lr_at(STEPS - 1, load(SMALL).train)
 
 
-def test_zero3_tp2_dp2_matches_single_process(ref):
+def test_zero3_tp2_dp2_matches_single_process(ref, tmp_path):
     # mpu=ctx: DeepSpeed reduces over the dp group only, and its grad norm spans tp (sharded weights counted on
     # every tp rank, norm weights once).
-    check_against(ref, zero_run(4, 3, "--parallel.tp", "2"))
+    check_against(ref, zero_run(tmp_path, 4, 3, "--parallel.tp", "2"))
 
 
 @pytest.fixture(scope="module")
-def tied_ref():
-    return run_ranks(reference, 1, TIED)[0]
+def tied_ref(tmp_path_factory):
+    return run_ranks(reference, 1, [*TIED, *out(tmp_path_factory.mktemp("tied_ref"))])[0]
 
 
-def test_zero3_tied_embeddings_match_single_process(tied_ref):
+def test_zero3_tied_embeddings_match_single_process(tied_ref, tmp_path):
     # Without pp the tied weight is one parameter used by two modules; ZeRO-3 gathers it for both.
-    check_against(tied_ref, zero_run(2, 3, argv=TIED))
+    check_against(tied_ref, zero_run(tmp_path, 2, 3, argv=TIED))
 
 
-def test_zero3_with_activation_checkpointing(ref):
+def test_zero3_with_activation_checkpointing(ref, tmp_path):
     # Recomputation gathers the partitioned parameters again inside backward.
-    check_against(ref, zero_run(2, 3, "--train.activation_checkpointing", "true"))
+    check_against(ref, zero_run(tmp_path, 2, 3, "--train.activation_checkpointing", "true"))
 
 
-def test_deepspeed_managed_accumulation_with_before_backward(ref):
+def test_deepspeed_managed_accumulation_with_before_backward(ref, tmp_path):
     # DeepSpeed's own micro-step counting (older releases, or a json asking for it): before_backward marks the boundary.
-    results = zero_run(2, 1, ds={"managed_gradient_accumulation": True})
+    results = zero_run(tmp_path, 2, 1, ds={"managed_gradient_accumulation": True})
     assert all(r["managed"] for r in results), "DeepSpeed did not run in managed accumulation mode"
     check_against(ref, results)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_overlap_comm_matches_single_process(ref, stage):
+def test_overlap_comm_matches_single_process(ref, stage, tmp_path):
     # A ds_config's zero_optimization.overlap_comm true (our defaults set it false, engine/parallel/dp/ds_json.py):
     # DeepSpeed then reduces (stage 2) or reduce-scatters (stage 3) its buckets on a side stream during backward,
     # and must still finish them before our step reads the gradients. ZeRO-1 with it is refused at load.
-    results = zero_run(2, stage, ds={"zero_optimization": {"overlap_comm": True}})
+    results = zero_run(tmp_path, 2, stage, ds={"zero_optimization": {"overlap_comm": True}})
     assert all(r["overlap_comm"] for r in results), "DeepSpeed did not run with overlap_comm"
     check_against(ref, results)
 

@@ -164,6 +164,7 @@ class Checkpointer:
                 steps = [m.pop("adam_step") for m in metas]
                 header["adam_step"] = max((s for s in steps if s is not None), default=None)
                 publish(self.root, step, self.token, merge_index(metas, header), self.cfg.checkpoint.keep)
+                print(f"checkpoint: saved {self.root / step_name(step)}", flush=True)  # where to export it from
             except Exception as e:  # reported on every rank: none may wait for a commit that never comes
                 errors.append(f"rank 0 could not commit step {step}: {describe(self.root, e)}")
         # Also the barrier after which every rank sees the committed directory and `latest`.

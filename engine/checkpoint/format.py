@@ -62,12 +62,17 @@ def file_crc32(path: Path, chunk: int = 1 << 24) -> int:
     return crc
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file with the mode every other file gets (0666 & ~umask): safetensors creates its file
+    mode 0600, so the users who can read index.json or an export's config.json (a group on a shared file system)
+    could not read the weights beside it."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~_UMASK)
+
+
 def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
     """Save one rank's pieces (CPU tensors that share no storage) and fsync; returns {"bytes", "crc32"}."""
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    # safetensors creates its file mode 0600; give it the mode index.json gets, so that the users who can read
-    # the index (a group on a shared file system) can read the shards too.
-    os.chmod(path, 0o666 & ~_UMASK)
+    save_safetensors(tensors, path)
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
     return {"bytes": path.stat().st_size, "crc32": file_crc32(path)}

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.parallel.context import CPU_ONLY_ENV
+from engine.parallel.threads import OVERRIDE_ENV, set_threads
 
 
 def free_port() -> int:
@@ -38,8 +39,12 @@ def _worker(rank: int, world_size: int, port: int, fn, args: tuple, result_dir: 
     # cuda:LOCAL_RANK % GPUs with nccl (on one GPU all of them cuda:0), and a forked child cannot use CUDA at all
     # once its parent has initialised it. The child never asks torch.cuda, and hides the GPUs from what it starts.
     os.environ.update({CPU_ONLY_ENV: "1", "CUDA_VISIBLE_DEVICES": ""})
-    # The ranks share the machine's cores; oversubscribing them makes gloo tests crawl.
-    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world_size))
+    # The ranks share the machine's cores; oversubscribing them makes gloo tests crawl. The count is
+    # ParallelContext.from_config's (engine/parallel/threads.py), and an explicit ``threads`` goes through
+    # OMP_NUM_THREADS so that from_config, which the rank function usually calls, keeps it.
+    if threads:
+        os.environ[OVERRIDE_ENV] = str(threads)
+    set_threads(world_size)
     # A rank stuck outside a collective (which the process-group timeout would catch) prints its stack and exits,
     # so a hang fails the test instead of stalling the suite.
     faulthandler.dump_traceback_later(timeout_s, exit=True)

@@ -28,11 +28,10 @@ from pathlib import Path
 import torch
 import yaml
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from engine.checkpoint.checkpointer import resolve
 from engine.checkpoint.contents import header
-from engine.checkpoint.format import (Reader, fsync_write, merge_index, piece_key, read_index,
+from engine.checkpoint.format import (Reader, fsync_write, merge_index, piece_key, read_index, save_safetensors,
                                       verify_shard, write_shard)
 from engine.checkpoint.parts import RunPosition
 from engine.checkpoint import folder
@@ -89,7 +88,7 @@ def _write_export(path: Path, index: dict, out: Path, max_shard_bytes: int, dtyp
     weight_map = {}
     for file, names in zip(files, groups):
         tensors = {n: reader.full(n).to(DTYPES[dtype]).contiguous() for n in names}
-        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        save_safetensors(tensors, out / file)  # the mode of config.json beside it, not safetensors' 0600
         weight_map.update({n: file for n in names})
     if len(groups) > 1:
         total = sum(torch.Size(s).numel() * element for s in shapes.values())

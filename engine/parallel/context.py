@@ -17,6 +17,7 @@ from engine.cluster.netcheck import init_checked
 from engine.config import Config, ConfigError
 from engine.parallel.mesh import DATA_AXES, MODEL_PARALLEL, Mesh
 from engine.parallel.support import Layout, resolve_layout
+from engine.parallel.threads import local_world_size, set_threads
 
 
 # Set to 1 by engine/cluster/spawn.py in each forked gloo rank: that rank runs on the CPU whatever GPUs are visible
@@ -186,10 +187,10 @@ class ParallelContext:
         apply_tf32(cfg.train.tf32, device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        elif "OMP_NUM_THREADS" not in os.environ:
-            # The deepspeed launcher sets no thread count: share the cores among this node's ranks.
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")) or 1)
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+        # torch would take every core in every rank; the deepspeed launcher and plain python set no thread count.
+        threads = set_threads(local_world_size())
+        if rank == 0:
+            print(threads, flush=True)
         timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
         if not dist.is_initialized():
             # device_id binds NCCL's communicators to this rank's GPU at once (eager init: no guessing the device
