@@ -176,9 +176,12 @@ class ParallelContext:
     grad_group = property(lambda self: self.group("dp_cp"))
 
     @classmethod
-    def from_config(cls, cfg: Config) -> "ParallelContext":
+    def from_config(cls, cfg: Config, store=None) -> "ParallelContext":
         """Initialise torch.distributed from the launcher's environment (or a single process) and build the mesh.
-        Every group gets cfg.parallel.timeout_s, so a dead peer fails the survivors' next collective in bounded time."""
+        Every group gets cfg.parallel.timeout_s, so a dead peer fails the survivors' next collective in bounded time.
+        ``store``: the job's store once every rank has joined it (engine/cluster/startup.py); the world group is
+        then connected within parallel.startup_timeout_s (gloo's full mesh, NCCL's bootstrap) before its
+        collectives get timeout_s."""
         rank, world, local_rank = env_rank_info()
         layout = resolve_layout(cfg, world)
         device, backend = pick_device_and_backend(cfg.parallel.backend, local_rank)
@@ -198,6 +201,10 @@ class ParallelContext:
                 # A plain `python launch/pretrain.py`: no rendezvous needed, an in-memory store will do.
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
                                         **bound)
+            elif store is not None:
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world, **bound,
+                                        timeout=datetime.timedelta(seconds=cfg.parallel.startup_timeout_s))
+                dist.distributed_c10d._set_pg_timeout(timeout)
             else:
                 dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **bound)
         names, sizes = zip(*layout.axes)
