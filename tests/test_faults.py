@@ -4,6 +4,7 @@ heartbeat, not a traceback per rank), a host missing at launch (engine/cluster/s
 on loopback as in tests/test_multinode.py; the bounds are wall-clock times with room for a loaded machine."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -15,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+import engine.checkpoint.lock as lock_module
+from engine.checkpoint.format import CheckpointError
+from engine.checkpoint.lock import LOCK, STALE_S, CheckpointLock
 from tests.dist import free_port
 from tests.test_launch import ROOT
 from tests.test_multinode import Job, final_losses, job, logged_steps, reference, train_args  # noqa: F401
@@ -119,3 +123,41 @@ def test_missing_host_at_launch_is_named(tmp_path, started, pattern):
     assert "Traceback" not in text, text
     assert elapsed < 20 + BOUND_S, elapsed
     print(f"ranks {started} alone: ended in {elapsed:.1f} s")
+
+
+def _foreign_lock(directory: Path, age_s: float) -> Path:
+    """A LOCK written by a job on another host, last refreshed ``age_s`` seconds ago."""
+    path = directory / LOCK
+    path.write_text(json.dumps({"host": "elsewhere", "pid": 4242, "started": time.time() - age_s, "run": "old"}))
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+    return path
+
+
+def test_lock_of_a_dead_job_on_another_host_is_taken_over(tmp_path, capsys):
+    """A requeued job whose rank 0 lands on another host: the dead job's lock, not refreshed for more than
+    STALE_S, is taken over with one line; a lock refreshed within STALE_S (a live holder) still refuses."""
+    _foreign_lock(tmp_path, STALE_S + 30)
+    lock = CheckpointLock(tmp_path, "new")
+    message = lock.acquire()
+    assert re.fullmatch(r"checkpoint.dir: taking over the lock of pid 4242 on host elsewhere \(run old, since .*\), "
+                        r"not refreshed for \d+ s \(> 60 s\)", message), message
+    assert json.loads((tmp_path / LOCK).read_text())["run"] == "new"
+    lock.release()
+    _foreign_lock(tmp_path, STALE_S - 30)
+    with pytest.raises(CheckpointError, match="is in use by pid 4242 on host elsewhere"):
+        CheckpointLock(tmp_path, "new").acquire()
+
+
+def test_lock_holder_keeps_refreshing_it(tmp_path, monkeypatch):
+    """The holder's thread touches the lock, so a live job on another host is never taken for dead."""
+    monkeypatch.setattr(lock_module, "REFRESH_S", 0.1)
+    lock = CheckpointLock(tmp_path, "mine")
+    lock.acquire()
+    old = time.time() - 3 * STALE_S
+    os.utime(tmp_path / LOCK, (old, old))
+    deadline = time.monotonic() + 30
+    while (tmp_path / LOCK).stat().st_mtime < time.time() - STALE_S and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (tmp_path / LOCK).stat().st_mtime > time.time() - STALE_S, "the holder did not refresh its lock"
+    lock.release()
