@@ -74,15 +74,25 @@ class Heartbeat:
     def __init__(self, rank: int, world: int, timeout_s: float, step_of=lambda: 0, exit_fn=os._exit):
         self.rank, self.world, self.timeout = rank, world, timeout_s
         self.interval = max(0.2, timeout_s / BEATS)
+        # a store operation waits this long at most: a frozen store is named within timeout + op_timeout + interval
+        self.op_timeout = max(self.interval, timeout_s / 3)
         self.step_of, self.exit_fn = step_of, exit_fn
         self.hosts: dict[int, str] = {}
+        self.verdict: str | None = None  # the line this rank ended with
         self.alarm = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-heartbeat", daemon=True)
+        # A store call never returns while the store's host is frozen or cut off (the client's timeout bounds
+        # waiting for a key, not for the server's reply): a second thread, which never calls the store, watches
+        # the first one's last answered beat.
+        self._guard_thread = threading.Thread(target=self._guard, name="engine-heartbeat-guard", daemon=True)
+        self._store_ok = time.monotonic()
+        self._ending = threading.Lock()
         self.store_addr = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '?')}"
 
     def start(self) -> "Heartbeat":
         self._thread.start()
+        self._guard_thread.start()
         return self
 
     def stop(self, state: str = "done") -> None:
@@ -92,17 +102,22 @@ class Heartbeat:
             return
         self._stop.set()
         self._thread.join(timeout=2 * self.interval)
-        try:
-            connect(self.interval).set(f"hb/{self.rank}", state)
-        except Exception:  # noqa: BLE001  the store may already be gone with the job; nothing to tell then
-            pass
+
+        def tell() -> None:
+            try:
+                connect(self.op_timeout).set(f"hb/{self.rank}", state)
+            except Exception:  # noqa: BLE001  the store may already be gone with the job; nothing to tell then
+                pass
+        teller = threading.Thread(target=tell, daemon=True)  # a frozen store would hold a store call forever
+        teller.start()
+        teller.join(timeout=self.op_timeout)
 
     def explain(self, wait_s: float | None = None) -> None:
         """The main thread's collective failed: shorten the silence that names a peer and give the watchdog time to
         post its verdict (it ends the process). Returns when no peer turned out silent: the error is this rank's."""
         self.alarm.set()
         deadline = time.monotonic() + (wait_s if wait_s is not None else (ALARM_BEATS + 3) * self.interval)
-        while self._thread.is_alive() and time.monotonic() < deadline:
+        while not self._stop.is_set() and time.monotonic() < deadline:
             time.sleep(0.05)
 
     # ---- the thread ---------------------------------------------------------------------------------------------
@@ -112,22 +127,24 @@ class Heartbeat:
         last: dict[int, str] = {}
         now = time.monotonic()
         seen = {r: now for r in range(self.world)}
-        store_ok, beat = now, 0
+        beat = 0
         while not self._stop.wait(0 if beat == 0 else self.interval):
             beat += 1
             now = time.monotonic()
             try:
                 if store is None:
-                    store = connect(self.interval)
+                    store = connect(self.op_timeout)
                     store.set(f"host/{self.rank}", me)
                     store.compare_set("verdict", "", "")  # exists from now on: multi_get never waits for it
                 store.set(f"hb/{self.rank}", f"{beat} {self.step_of()}")
                 values = self._read(store, keys)
-                store_ok = now
-            except Exception:  # noqa: BLE001  unreachable, reset, timed out: the same to us; reconnect next beat
-                store, values = None, None
-                if now - store_ok > self._limit():
-                    self._end(self._store_line(now - store_ok))
+                self._store_ok = now
+            except Exception:  # noqa: BLE001  unreachable, reset, timed out: the same to us
+                # The same client tries again next beat: a new one per beat would dump a C++ stack trace per beat
+                # into the log while the store is away, and one that never connected tries to connect again.
+                now = time.monotonic()
+                if now - self._store_ok > self._limit():
+                    self._end(self._store_line(now - self._store_ok))
                 continue
             if values[-1]:
                 self._end(values[-1])
@@ -141,6 +158,12 @@ class Heartbeat:
                                 if last.get(r) != "done" and now - seen[r] > self._limit()]
             if silent:
                 self._end(self._verdict(store, silent, bool(failed), now - min(seen[r] for r in silent)))
+
+    def _guard(self) -> None:
+        while not self._stop.wait(self.interval / 2):
+            quiet = time.monotonic() - self._store_ok
+            if quiet > self._limit() + self.interval:  # the beat thread is stuck in a store call
+                self._end(self._store_line(quiet))
 
     @staticmethod
     def _read(store, keys: list[str]) -> list[str | None]:
@@ -179,8 +202,13 @@ class Heartbeat:
                 f"(dead, frozen or cut off) at step {self.step_of()}; ending rank {self.rank} on host {host_name()}")
 
     def _end(self, line: str) -> None:
-        if self._stop.is_set():  # finished meanwhile: a peer or the store going away now is the normal end
-            return
+        with self._ending:  # the beat and the guard thread may both decide; one line
+            if self._stop.is_set():  # finished meanwhile: a peer or the store going away now is the normal end
+                return
+            self._finish(line)
+
+    def _finish(self, line: str) -> None:
+        self.verdict = line
         report_once(line)
         sys.stdout.flush()
         sys.stderr.flush()
