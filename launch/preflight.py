@@ -5,7 +5,10 @@
 
 1. The hostfile parses (an error names the line) and the config loads and fits the world (the sum of slots).
 2. Every host answers over ssh, in parallel, with the same Python, torch, packages and engine checkout as this
-   one (engine/cluster/hostcheck.py), and has the config file at the same path with the same contents.
+   one (engine/cluster/hostcheck.py), and has the config file at the same path with the same contents; its host
+   name does not resolve to a loopback address (engine/cluster/netcheck.py); and the config's checkpoint.dir
+   and train.out_dir are the same directory on every host (engine/cluster/shared.py). Remote commands get
+   .deepspeed_env's variables, as the deepspeed launcher's ranks do.
 3. An all-reduce and a p2p test per link (engine/cluster/linktest.py) across the job's whole world with the
    job's backend: one torchrun per host started over ssh, each command printed so it can be run by hand.
 Exit status: 0 all good; 1 a host failed, each failing host named; 2 bad input, one `error: ...` line.
@@ -27,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from engine.config import ConfigError, load  # noqa: E402
-from engine.cluster.hostcheck import DEFAULT_SSH, HostResult, check_hosts, describe  # noqa: E402
+from engine.cluster.hostcheck import DEFAULT_SSH, HostResult, check_hosts, describe, remote_command  # noqa: E402
 from engine.cluster.hostfile import Host, HostfileError, parse_hostfile  # noqa: E402
 from engine.cluster.keepalive import advice as keepalive_advice  # noqa: E402
 
@@ -84,7 +87,16 @@ def torchrun_command(args: argparse.Namespace, hosts: list[Host], host: Host, ru
            "--rdzv-id", run_id, "--rdzv-conf", f"join_timeout={int(args.timeout_s)}", "--max-restarts", "0",
            "launch/preflight.py", "--worker", "--label", host.name, "--backend", args.backend,
            "--size-mb", str(args.size_mb), "--iters", str(args.iters), "--timeout-s", str(args.timeout_s)]
-    return f"cd {shlex.quote(str(ROOT))} && {shlex.join(cmd)}"
+    return f"cd {shlex.quote(str(ROOT))} && {remote_command(cmd)}"
+
+
+def failure_cause(err: str) -> str:
+    """The line of a failed link test's stderr that says why: a rank's `error:` line (a refusal, such as a loopback
+    host name), else the last line that is not torchrun's `=====` / `-----` frame."""
+    lines = [line.strip() for line in err.splitlines() if line.strip()]
+    refusals = [line for line in lines if line.startswith("error:")]
+    framed = [line for line in lines if set(line) - set("=-")]
+    return (refusals or framed or ["(no output)"])[-1]
 
 
 def run_link_test_over_ssh(args: argparse.Namespace, hosts: list[Host]) -> None:
@@ -108,8 +120,7 @@ def run_link_test_over_ssh(args: argparse.Namespace, hosts: list[Host]) -> None:
         if out.strip():
             print(out.rstrip(), flush=True)
         if proc.returncode != 0:
-            tail = [line for line in err.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
-            failed.append(f"{name} (link test exited {proc.returncode}: {tail[0].strip()})")
+            failed.append(f"{name} (link test exited {proc.returncode}: {failure_cause(err)})")
     if failed:
         raise HostFailure("link test failed on " + ", ".join(failed))
 
@@ -138,11 +149,12 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from engine.parallel.context import env_rank_info, pick_device_and_backend
     from engine.cluster.linktest import format_report, measure
-    _, _, local_rank = env_rank_info()
+    from engine.cluster.netcheck import init_checked
+    rank, world, local_rank = env_rank_info()
     device, backend = pick_device_and_backend(args.backend, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout_s))
+    init_checked(backend, rank, world, datetime.timedelta(seconds=args.timeout_s))  # a loopback name: one line
     try:
         report = measure(args.label, int(args.size_mb * 2**20), args.iters, device)
         if report is not None:
@@ -162,6 +174,18 @@ def check_all_hosts(args: argparse.Namespace, hosts: list[Host]) -> list[HostRes
     return results
 
 
+def check_shared_directories(args: argparse.Namespace, cfg, hosts: list[Host]) -> None:
+    """The config's train.out_dir and checkpoint.dir are one directory on every host (relative ones: below the
+    checkout, where the job starts)."""
+    from engine.cluster.shared import check_shared_over_ssh, run_directories
+    directories = run_directories(Path(ROOT, cfg.train.out_dir),
+                                  Path(ROOT, cfg.checkpoint.dir) if cfg.checkpoint.dir else None)
+    problem = check_shared_over_ssh(shlex.split(args.ssh), [h.name for h in hosts], directories, args.timeout_s)
+    if problem:
+        raise HostFailure(problem)
+    print("shared directories: " + ", ".join(f"{s} '{d}'" for d, s in directories), flush=True)
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -172,9 +196,11 @@ def main(argv: list[str]) -> int:
         return 0
     hosts = parse_hostfile(args.hostfile)
     world = sum(h.slots for h in hosts)
-    load_job_config(args, world)
+    cfg = load_job_config(args, world)
     print(f"hostfile {args.hostfile}: {len(hosts)} hosts, {world} processes", flush=True)
     check_all_hosts(args, hosts)
+    if cfg is not None:
+        check_shared_directories(args, cfg, hosts)
     if not args.skip_links:
         run_link_test_over_ssh(args, hosts)
     print(keepalive_advice(os.environ), flush=True)

@@ -3,7 +3,7 @@
 Nothing outside the test's temporary folder changes except /run/sshd, sshd's privilege-separation directory,
 created when missing. The client side takes the key and port as options (ssh reads ~/.ssh from the passwd entry,
 not $HOME, so the user's own ssh set-up is never touched). Skips, saying what is missing, where sshd cannot run:
-install with `apt-get install -y openssh-server openssh-client pdsh`.
+install with `apt-get install -y openssh-server openssh-client pdsh` (.ci/run does; under CI=true they fail instead).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine.cluster.spawn import free_port
+from tests.hosts import unavailable
 
 SSHD = "/usr/sbin/sshd"
 
@@ -54,11 +55,11 @@ def local_sshd(tmp_path_factory):
     missing = [name for name in ("ssh", "ssh-keygen") if shutil.which(name) is None]
     missing += [SSHD] if not Path(SSHD).exists() else []
     if missing:
-        pytest.skip(f"needs {', '.join(missing)}: apt-get install -y openssh-server openssh-client")
+        unavailable(f"needs {', '.join(missing)}: apt-get install -y openssh-server openssh-client")
     try:
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
     except OSError as e:
-        pytest.skip(f"sshd needs its privilege-separation directory /run/sshd and it cannot be made: {e}")
+        unavailable(f"sshd needs its privilege-separation directory /run/sshd and it cannot be made: {e}")
     folder = tmp_path_factory.mktemp("sshd")
     for name in ("id", "host_key"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(folder / name)], check=True)
@@ -71,7 +72,7 @@ def local_sshd(tmp_path_factory):
         deadline = time.monotonic() + 15
         while subprocess.run([*server.ssh_command(), "localhost", "true"], capture_output=True).returncode != 0:
             if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.skip(f"a private sshd would not accept a key login: {(folder / 'sshd.log').read_text()[-500:]}")
+                unavailable(f"a private sshd would not accept a key login: {(folder / 'sshd.log').read_text()[-500:]}")
             time.sleep(0.2)
         yield server
     finally:

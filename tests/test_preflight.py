@@ -140,3 +140,13 @@ def test_preflight_over_real_ssh(tmp_path, local_sshd):
                     "configs/tiny.yaml", "--skip-links")
     assert run.returncode == 0, run.stdout + run.stderr
     assert any(line.startswith("ok   localhost (") for line in run.stdout.splitlines()), run.stdout
+
+
+def test_link_test_failure_names_the_cause_not_torchruns_frame():
+    """A failed link test's stderr ends with torchrun's failure summary; the cause is a rank's `error:` line."""
+    from launch.preflight import failure_cause
+    err = ("error: host h2: its host name resolves to 127.0.1.1, a loopback address, ...\n"
+           "Traceback (most recent call last):\n  File x\ntorch.distributed.elastic...ChildFailedError:\n"
+           "============================================================\n")
+    assert failure_cause(err) == "error: host h2: its host name resolves to 127.0.1.1, a loopback address, ..."
+    assert failure_cause("RuntimeError: Connection refused\n-----\n=====\n") == "RuntimeError: Connection refused"

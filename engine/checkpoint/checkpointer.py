@@ -43,6 +43,7 @@ from engine.checkpoint.lock import CheckpointLock, claim_run_directories
 from engine.checkpoint.parts import CheckpointParts, RunPosition
 from engine.checkpoint.publish import STEP_DIR, list_checkpoints, publish, staging_dir, step_name
 from engine.checkpoint.signals import StopSignal
+from engine.cluster.shared import check_shared, describe_hosts, run_directories
 
 __all__ = ["Checkpointer", "CheckpointError", "list_checkpoints", "resolve"]
 
@@ -87,7 +88,13 @@ class Checkpointer:
         if self.group is not None:
             dist.broadcast_object_list(status, src=0, group=self.group)
         self.token, error = status
+        if error is None and self.group is not None:  # every host sees the same directories (cluster/shared.py)
+            directories = run_directories(Path(cfg.train.out_dir), self.root)
+            hosts, error = check_shared(directories, self.token, ctx.rank, self._gather)
+            if ctx.rank == 0 and describe_hosts(hosts):
+                print(describe_hosts(hosts), flush=True)
         if error is not None:
+            self.release()
             raise CheckpointError(error)
 
     def release(self) -> None:

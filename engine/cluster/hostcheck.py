@@ -7,6 +7,7 @@ The ssh command is a parameter so that tests (and sites with their own ssh wrapp
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 from engine.cluster import hostreport
 from engine.config import ConfigError
 from engine.cluster.hostfile import Host
+from engine.cluster.netcheck import loopback_line
 
 # BatchMode: fail instead of asking for a password; ConnectTimeout: an unreachable host fails in seconds.
 DEFAULT_SSH = "ssh -o BatchMode=yes -o ConnectTimeout=5"
@@ -34,9 +36,27 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "(no output)"
 
 
+def deepspeed_env() -> dict[str, str]:
+    """What the deepspeed launcher adds to every rank's environment: the KEY=VALUE lines of .deepspeed_env (the
+    name DS_ENV_FILE gives) in the home directory, then in the working directory (deepspeed/launcher/runner.py).
+    Preflight's remote commands run with them too, so it checks what the job will see."""
+    env: dict[str, str] = {}
+    for folder in (Path.home(), Path.cwd()):
+        path = folder / os.environ.get("DS_ENV_FILE", ".deepspeed_env")
+        if path.is_file():
+            env.update(line.strip().split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+    return env
+
+
+def remote_command(cmd: list[str]) -> str:
+    """``cmd`` as a remote shell command, with .deepspeed_env's variables set."""
+    env = [f"{k}={v}" for k, v in deepspeed_env().items()]
+    return shlex.join(["env", *env, *cmd] if env else cmd)
+
+
 def query_host(ssh: list[str], host: str, root: str, config: str, timeout_s: float) -> tuple[dict | None, str]:
     """(report, '') from ``host``, or (None, why it could not be had)."""
-    command = shlex.join([sys.executable, "-", root, *([config] if config else [])])
+    command = remote_command([sys.executable, "-", root, *([config] if config else [])])
     script = Path(hostreport.__file__).read_text()
     try:
         out = subprocess.run([*ssh, host, command], input=script, capture_output=True, text=True,
@@ -97,7 +117,13 @@ def check_hosts(hosts: list[Host], ssh: list[str], root: str, config: str = "",
         return HostResult(host, report, compare(local, report, host.slots, config))
 
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        return list(pool.map(one, hosts))
+        results = list(pool.map(one, hosts))
+    machines = {r.report["host"] for r in results if r.report}  # hostfile lines may name one machine twice
+    for r in results if len(machines) > 1 else []:  # a loopback host name only breaks a multi-host job
+        line = r.report and r.report.get("net") and loopback_line(r.report["net"])
+        if line:
+            r.problems.append(line.split(": ", 1)[1])  # the line names the host; describe() names it already
+    return results
 
 
 def describe(r: HostResult) -> str:

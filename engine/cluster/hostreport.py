@@ -56,6 +56,9 @@ def report(root: str, config: str = "") -> dict:
     """The host's answers; ``config`` is an absolute path ('' = none to check)."""
     out = {"host": socket.gethostname(), "python": sys.version.split()[0], "executable": sys.executable,
            "torch": _torch(), "engine": _engine(Path(root)), "packages": {p: _version(p) for p in PACKAGES}}
+    if "error" not in out["engine"]:  # the address gloo would advertise here (engine/cluster/netcheck.py)
+        from engine.cluster.netcheck import my_record
+        out["net"] = my_record()
     if config:
         path = Path(config)
         out["config"] = hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.is_file() else None

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from engine.cluster.netcheck import check_addresses, init_checked
 from engine.config import Config, ConfigError
 from engine.parallel.mesh import DATA_AXES, MODEL_PARALLEL, Mesh
 from engine.parallel.support import Layout, resolve_layout
@@ -202,11 +203,13 @@ class ParallelContext:
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
                                         **bound)
             elif store is not None:
+                check_addresses(store, rank, world)  # as init_checked does, on the store every rank joined
                 dist.init_process_group(backend, store=store, rank=rank, world_size=world, **bound,
                                         timeout=datetime.timedelta(seconds=cfg.parallel.startup_timeout_s))
                 dist.distributed_c10d._set_pg_timeout(timeout)
             else:
-                dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **bound)
+                # the hosts' addresses checked before gloo connects to them (engine/cluster/netcheck.py)
+                init_checked(backend, rank, world, timeout, **bound)
         names, sizes = zip(*layout.axes)
         mesh = init_device_mesh(device.type, sizes, mesh_dim_names=names,
                                 backend_override={n: (backend, group_options(backend, timeout)) for n in names})
