@@ -4,14 +4,16 @@ naming the peer, whatever the main thread is blocked in (a collective, a pipelin
 A collective's own timeout (``parallel.timeout_s``) must stay long enough for the biggest all-gather or the
 slowest checkpoint barrier, so it cannot also be what notices a frozen host (SIGSTOP, a hung driver) or a
 partition: that costs the whole ``timeout_s``, then a traceback from every rank. Here a daemon thread per rank
-talks to the job's c10d store (MASTER_ADDR:MASTER_PORT, its own client connection with a short timeout) every
-``timeout / BEATS`` seconds: it bumps its own counter ``hb/<rank>`` (with the current step) and reads everyone
-else's in one ``multi_get``. A peer whose counter has not moved for ``timeout`` seconds of *this* rank's clock
+talks to the job's c10d store (MASTER_ADDR:MASTER_PORT, its own client connection) every ``timeout / BEATS``
+seconds: it bumps its own counter ``hb/<rank>`` (with the current step) and reads everyone else's in one
+``multi_get``. A peer whose counter has not moved for ``timeout`` seconds of *this* rank's clock
 (no clock is compared across hosts) is silent: the first rank to see it posts one line to ``verdict`` (compare-set,
 so every rank reports the same line), prints it once per host (engine/cluster/report.py), and leaves with
 ``os._exit`` (a thread cannot unblock a collective; the checkpoint on disk stays the last committed one). A store
 that stops answering for ``timeout`` seconds is reported as such, naming the host that serves it, and ends the
-rank too. A rank that finishes writes ``done`` and is never called silent.
+rank too; a second thread that never calls the store sees it when a store call hangs (a frozen or cut store host
+never answers, and the client's timeout does not bound waiting for a reply). A rank that finishes writes ``done``
+and is never called silent; one that fails on its own writes ``failed`` and is named at once.
 
 After the main thread saw a collective fail (``explain``: a killed peer closes its sockets, gloo fails within
 seconds), the silence needed drops to ``ALARM_BEATS`` beats, so a dead peer is named in seconds, in one line.
