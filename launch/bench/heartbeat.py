@@ -51,9 +51,8 @@ def measure(config: str, steps: int, repeats: int) -> dict[str, list[float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/tiny.yaml")
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=3)
+    for name, default in (("ranks", 2), ("steps", 10), ("repeats", 3)):
+        parser.add_argument(f"--{name}", type=int, default=default)
     args = parser.parse_args()
     times = run_ranks(measure, args.ranks, args.config, args.steps, args.repeats, timeout_s=1800)[0]
     base = statistics.median(times["off"])
