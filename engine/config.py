@@ -109,6 +109,12 @@ class ParallelConfig:
     # dead or stuck rank ends the job instead of hanging it. 600 is NCCL's own default (gloo's is 1800): long
     # enough for a slow first step or checkpoint write, short enough not to burn an allocation.
     timeout_s: float = 600.0
+    # Seconds for every rank to join the job's store and connect, before each that did exits naming the ranks and
+    # nodes that did not (engine/cluster/startup.py); timeout_s stays the collectives' bound.
+    startup_timeout_s: float = 60.0
+    # A peer whose heartbeat (engine/cluster/heartbeat.py) has not moved for this many seconds is dead, frozen or
+    # cut off: every rank prints one line naming its host and rank and exits 1. 0 turns the heartbeat off.
+    heartbeat_timeout_s: float = 30.0
 
 
 @dataclass
@@ -291,7 +297,4 @@ def load(argv: list[str]) -> Config:
             raise ConfigError(f"--{key}: {e}") from None
         _set(cfg, key, parsed)
     validate(cfg)
-    if not cfg.train.out_dir.strip():  # '' wrote metrics.jsonl and LOCK into the current directory
-        raise ConfigError(f"train.out_dir={cfg.train.out_dir!r} is not valid: give the directory for the run's "
-                          f"metrics.jsonl, LOCK and tensorboard/ (created if missing; default runs/tiny)")
     return cfg

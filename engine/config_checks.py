@@ -53,12 +53,18 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{dotted}={value!r} is not one of {', '.join(valid)}")
     _positive(cfg, ["model.vocab_size", "model.hidden_size", "model.intermediate_size", "model.num_layers",
                     "model.num_heads", "model.num_kv_heads", "model.rope_theta", "parallel.tp", "parallel.pp",
-                    "parallel.cp", "parallel.ep", "parallel.timeout_s",
+                    "parallel.cp", "parallel.ep", "parallel.timeout_s", "parallel.startup_timeout_s",
                     "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
                     "log.every", "train.eval_batches"])
     if cfg.parallel.p2p_dtype == "bf16" and cfg.train.dtype != "bf16":
         raise ConfigError(f"parallel.p2p_dtype=bf16 needs train.dtype=bf16 (got {cfg.train.dtype}); use "
                           f"parallel.p2p_dtype=auto")
+    if cfg.parallel.heartbeat_timeout_s < 0:
+        raise ConfigError(f"parallel.heartbeat_timeout_s={cfg.parallel.heartbeat_timeout_s} must be >= 0 (0 turns "
+                          f"the heartbeat off)")
+    if not cfg.train.out_dir.strip():  # '' wrote metrics.jsonl and LOCK into the current directory
+        raise ConfigError(f"train.out_dir={cfg.train.out_dir!r} is not valid: give the directory for the run's "
+                          f"metrics.jsonl, LOCK and tensorboard/ (created if missing; default runs/tiny)")
     if cfg.train.eval_every < 0:
         raise ConfigError(f"train.eval_every={cfg.train.eval_every} must be >= 0 (0 turns evaluation off)")
     m = cfg.model

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from engine.config import ConfigError, load  # noqa: E402
 from engine.cluster.hostcheck import DEFAULT_SSH, HostResult, check_hosts, describe, remote_command  # noqa: E402
 from engine.cluster.hostfile import Host, HostfileError, parse_hostfile  # noqa: E402
+from engine.cluster.keepalive import advice as keepalive_advice  # noqa: E402
 
 
 class HostFailure(Exception):
@@ -202,6 +203,7 @@ def main(argv: list[str]) -> int:
         check_shared_directories(args, cfg, hosts)
     if not args.skip_links:
         run_link_test_over_ssh(args, hosts)
+    print(keepalive_advice(os.environ), flush=True)
     print("preflight passed", flush=True)
     return 0
 

@@ -19,6 +19,23 @@ from engine.config import ConfigError, load  # noqa: E402
 from engine.data.dataset import DataError  # noqa: E402
 from engine.cluster.report import report_once  # noqa: E402
 from engine.storage import EXIT_STATUS, StorageError  # noqa: E402
+from engine.cluster.startup import StartupError  # noqa: E402
+
+
+def start_cluster(cfg):
+    """Multi-rank: every rank joins the job's store within parallel.startup_timeout_s (StartupError naming the
+    missing ones) and starts its heartbeat; (store, heartbeat), each None where there is nothing to do."""
+    import torch.distributed as dist
+    from engine.cluster.heartbeat import Heartbeat
+    from engine.cluster.startup import default_store, join
+    from engine.parallel.context import env_rank_info
+
+    rank, world, _ = env_rank_info()
+    if world == 1 or dist.is_initialized():
+        return None, None
+    store = default_store(join(rank, world, cfg.parallel.startup_timeout_s))
+    beat = cfg.parallel.heartbeat_timeout_s
+    return store, Heartbeat(rank, world, beat).start() if beat > 0 else None
 
 
 def main(argv: list[str]) -> int:
@@ -29,18 +46,33 @@ def main(argv: list[str]) -> int:
 
     cfg = load(argv)
     adopt_shape(cfg)  # --model.init_from HF_DIR: the folder's model shape, before the layout is checked
-    ctx = ParallelContext.from_config(cfg)
+    store, heartbeat = start_cluster(cfg)
+    finished = False
     try:
+        ctx = ParallelContext.from_config(cfg, store)
         trainer = Trainer(cfg, ctx)
+        if heartbeat is not None:
+            heartbeat.step_of = lambda: trainer.step
         if ctx.rank == 0:
             cp = f" cp={ctx.size('cp')} ({cfg.parallel.cp_mode})" if ctx.size("cp") > 1 else ""
             print(f"layout tp={ctx.tp} pp={ctx.pp} dp={ctx.dp}{cp} on {ctx.world_size} x {ctx.device} ({ctx.backend}); "
                   f"{trainer.micro_batches} micro-batches of {cfg.train.micro_batch_size} per step", flush=True)
         trainer.fit()
+        finished = True
     except TrainingAborted as e:  # every rank takes the same decision (the loss is all-reduced)
         report_once(f"error: training aborted: {e}")
+        finished = True
         return 1
+    except (ConfigError, DataError, CheckpointError):
+        finished = True  # every rank refuses alike: one line, no peer to blame
+        raise
+    except Exception:
+        if heartbeat is not None:  # a dead or failed peer: the watchdog prints its one line and ends this rank
+            heartbeat.explain()
+        raise  # no peer to blame: this rank's own error, with its traceback
     finally:
+        if heartbeat is not None:
+            heartbeat.stop("done" if finished else "failed")
         destroy()
     # Stopped by SIGTERM/SIGINT with no checkpoint.dir: the work is lost, which must not look like success.
     return 1 if trainer.checkpointer.stopped_unsaved else 0
@@ -59,6 +91,9 @@ if __name__ == "__main__":
     except (ConfigError, DataError, CheckpointError) as e:
         report_once(f"error: {e}")  # every rank may report: the first to fail prints, once per host
         code = 2
+    except StartupError as e:  # a host missing at start-up: every rank that came names the ones that did not
+        report_once(f"error: {e}")
+        code = 1
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -8,7 +8,11 @@ fsync and delete a file inside it; the files the run appends to or replaces (met
 ``latest``) must not be directories. The lock is ``<dir>/LOCK``, created with ``O_EXCL``
 and holding JSON ``{"host", "pid", "started", "run"}``. A second job finds it and is refused, naming the holder.
 A lock left by a dead process on this host (a crash, ``kill -9``, a torchrun restart: new worker pids) is taken
-over with a message; a lock from another host cannot be checked from here and is refused with the file to delete.
+over with a message. A process on another host cannot be asked, so the holder refreshes its lock (the file's
+mtime, every ``REFRESH_S``) from a daemon thread: a lock from another host not refreshed for ``STALE_S`` (the
+holder died, froze or lost the file system; a requeued job's rank 0 landed elsewhere) is taken over with one
+line, a fresher one is refused. Ages are read on the file system's clock (a file written now beside it), so
+hosts whose clocks disagree still agree on them.
 A lock held by this process or by the process that forked it (tests/dist.py ranks after an in-process run) is
 this job's own. Because only the lock holder saves, the clean-up of ``step_*.tmp-*`` directories never meets
 another live job's.
@@ -18,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +31,8 @@ from engine.storage import describe
 
 LOCK = "LOCK"
 METRICS = ("metrics.jsonl", "metrics.rolled_back.jsonl", "metrics.jsonl.tmp")  # engine/metrics/logger.py
+REFRESH_S = 10.0  # the holder touches its lock this often
+STALE_S = 60.0  # a lock from another host untouched this long is a dead job's (6 missed refreshes)
 
 
 CHECKPOINT_HINT = "give a writable directory to save checkpoints in, or checkpoint.dir='' to save nothing"
@@ -92,6 +99,7 @@ class CheckpointLock:
         self.path, self.setting = root / LOCK, setting
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "run": run}
         self.held = False
+        self._released = threading.Event()
 
     def acquire(self) -> str | None:
         """Take the lock; returns a message when a stale lock was taken over. CheckpointError if held."""
@@ -109,7 +117,9 @@ class CheckpointLock:
                         f"{self.setting}, or delete {self.path} if that job is gone") from None
                 if not self._ours(holder):
                     what = _describe(holder) if "unreadable" in holder else \
-                        f"the lock of {_describe(holder)}, which is no longer running"
+                        f"the lock of {_describe(holder)}, which is no longer running" \
+                        if holder.get("host") == self.me["host"] else \
+                        f"the lock of {_describe(holder)}, not refreshed for {self._age():.0f} s (> {STALE_S:.0f} s)"
                     message = f"{self.setting}: taking over {what}"
                 try:
                     self.path.unlink()
@@ -121,6 +131,7 @@ class CheckpointLock:
                 f.flush()
                 os.fsync(f.fileno())
             self.held = True
+            threading.Thread(target=self._refresh, name="engine-lock", daemon=True).start()
             return message
         raise CheckpointError(f"could not take the lock {self.path} (other jobs keep changing it)")
 
@@ -139,16 +150,36 @@ class CheckpointLock:
         after an in-process run in the parent): the same job, not a rival."""
         return holder.get("host") == self.me["host"] and holder.get("pid") in (self.me["pid"], os.getppid())
 
+    def _age(self) -> float:
+        """Seconds since the lock was last written or refreshed, on the file system's clock."""
+        probe = self.path.with_name(f".now-{self.me['pid']}")
+        try:
+            probe.write_text("")
+            now = probe.stat().st_mtime
+            probe.unlink()
+            return now - self.path.stat().st_mtime
+        except OSError:
+            return 0.0  # cannot tell: count it as fresh (refused, naming the file to delete)
+
+    def _refresh(self) -> None:
+        while not self._released.wait(REFRESH_S):
+            try:
+                os.utime(self.path)
+            except OSError:  # gone or unreachable for now: the next refresh tries again
+                pass
+
     def _stale(self, holder: dict) -> bool:
-        """Ours, or dead on this host (a crash, kill -9, a torchrun restart)."""
+        """Ours, or dead on this host (a crash, kill -9, a torchrun restart), or from another host and not
+        refreshed for STALE_S."""
         if holder.get("host") != self.me["host"]:
-            return False
+            return self._age() > STALE_S
         pid = holder.get("pid")
         return not isinstance(pid, int) or pid <= 0 or self._ours(holder) or not _alive(pid)
 
     def release(self) -> None:
         if self.held:
             self.held = False
+            self._released.set()
             try:
                 if json.loads(self.path.read_text()).get("run") == self.me["run"]:
                     self.path.unlink()

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from engine.cluster.netcheck import init_checked
+from engine.cluster.netcheck import check_addresses, init_checked
 from engine.config import Config, ConfigError
 from engine.parallel.mesh import DATA_AXES, MODEL_PARALLEL, Mesh
 from engine.parallel.support import Layout, resolve_layout
@@ -178,9 +178,12 @@ class ParallelContext:
     grad_group = property(lambda self: self.group("dp_cp"))
 
     @classmethod
-    def from_config(cls, cfg: Config) -> "ParallelContext":
+    def from_config(cls, cfg: Config, store=None) -> "ParallelContext":
         """Initialise torch.distributed from the launcher's environment (or a single process) and build the mesh.
-        Every group gets cfg.parallel.timeout_s, so a dead peer fails the survivors' next collective in bounded time."""
+        Every group gets cfg.parallel.timeout_s, so a dead peer fails the survivors' next collective in bounded time.
+        ``store``: the job's store once every rank has joined it (engine/cluster/startup.py); the world group is
+        then connected within parallel.startup_timeout_s (gloo's full mesh, NCCL's bootstrap) before its
+        collectives get timeout_s."""
         rank, world, local_rank = env_rank_info()
         layout = resolve_layout(cfg, world)
         device, backend = pick_device_and_backend(cfg.parallel.backend, local_rank)
@@ -200,6 +203,11 @@ class ParallelContext:
                 # A plain `python launch/pretrain.py`: no rendezvous needed, an in-memory store will do.
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
                                         **bound)
+            elif store is not None:
+                check_addresses(store, rank, world)  # as init_checked does, on the store every rank joined
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world, **bound,
+                                        timeout=datetime.timedelta(seconds=cfg.parallel.startup_timeout_s))
+                dist.distributed_c10d._set_pg_timeout(timeout)
             else:
                 # the hosts' addresses checked before gloo connects to them (engine/cluster/netcheck.py)
                 init_checked(backend, rank, world, timeout, **bound)

@@ -1,0 +1,106 @@
+"""Start-up: every rank joins the job's c10d store within ``parallel.startup_timeout_s``, or every rank that did
+exits naming the ranks (and nodes) that did not.
+
+torch's own ``env://`` rendezvous has rank 0's store wait for all clients for the whole process-group timeout
+(``parallel.timeout_s``, long so that big collectives fit), then fails with "2/4 clients joined" and a traceback
+from every rank, not saying which ones are missing. Here the store is made without that wait (the same server
+torch would make: rank 0's, multi-tenant, or the torchrun agent's when the workers share it), each rank writes
+its host name under ``host/<rank>`` (the heartbeat, engine/cluster/heartbeat.py, names silent peers from these)
+and counts itself in; the ranks wait for the count to reach the world size with their own deadline. The process
+group is then built on this store with the start-up timeout (gloo's full-mesh connect and NCCL's bootstrap are
+bounded by it) and given ``parallel.timeout_s`` for its collectives afterwards (engine/parallel/context.py).
+"""
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from engine.cluster.heartbeat import describe_ranks, host_name, namespace
+
+
+class StartupError(Exception):
+    """A rank missing at start-up, or the store out of reach; ``str(e)`` is the one line to print."""
+
+
+def _ranges(ranks: list[int]) -> str:
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(out)
+
+
+def _nodes(missing: list[int]) -> str:
+    """The node ranks the missing ranks belong to, where every node runs LOCAL_WORLD_SIZE ranks (torchrun, the
+    deepspeed launcher: ranks are numbered host by host)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if local < 1:
+        return ""
+    nodes = sorted({r // local for r in missing})
+    return f" (node{'s' if len(nodes) > 1 else ''} {_ranges(nodes)} at {local} ranks per node)"
+
+
+def join(rank: int, world: int, timeout_s: float):
+    """This rank's client (rank 0's server unless a torchrun agent serves it) of the store at MASTER_ADDR:
+    MASTER_PORT, once all ``world`` ranks have joined; StartupError within ``timeout_s`` otherwise."""
+    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    deadline, me = time.monotonic() + timeout_s, host_name()
+    try:
+        store = dist.TCPStore(addr, port, world_size=None, is_master=rank == 0 and not agent,
+                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False, multi_tenant=True)
+    except Exception as e:  # noqa: BLE001  DistNetworkError, RuntimeError: a refused or timed-out connect
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise StartupError(f"rank {rank} on host {me} could not reach the job's store at {addr}:{port} within "
+                           f"{timeout_s:.0f} s (parallel.startup_timeout_s): the first host (rank 0's) is down, "
+                           f"unreachable or not started ({first})") from None
+    ours = dist.PrefixStore(namespace(), store)
+    try:
+        ours.set(f"host/{rank}", me)
+        ours.compare_set("startup", "", "")  # exists from now on: the line a rank that gives up leaves
+        joined = ours.add("joined", 1)
+        while joined < world:
+            verdict = ours.get("startup").decode()
+            if not verdict and time.monotonic() > deadline:
+                verdict = ours.compare_set("startup", "", _missing_line(ours, world, timeout_s)).decode()
+            if verdict:
+                _leave(ours, rank == 0 and not agent, joined)
+                raise StartupError(verdict)
+            time.sleep(0.2)
+            joined = ours.add("joined", 0)
+    except (RuntimeError, dist.DistError) as e:  # the store's host gave up (or died) before this rank read why
+        raise StartupError(f"rank {rank} on host {me}: the job's store at {addr}:{port} went away during start-up "
+                           f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+    return store
+
+
+def _leave(ours, serving: bool, joined: int) -> None:
+    """Count this rank out; the rank serving the store waits (5 s at most) until every joined rank has read the
+    line, so none of them meets a closed store instead."""
+    left = ours.add("left", 1)
+    deadline = time.monotonic() + 5
+    while serving and left < joined and time.monotonic() < deadline:
+        time.sleep(0.1)
+        joined, left = ours.add("joined", 0), ours.add("left", 0)
+
+
+def _missing_line(ours, world: int, timeout_s: float) -> str:
+    present = [r for r in range(world) if ours.check([f"host/{r}"])]
+    missing = [r for r in range(world) if r not in present]
+    hosts = dict(zip(present, (v.decode() for v in ours.multi_get([f"host/{r}" for r in present]))))
+    return (f"ranks {_ranges(missing)}{_nodes(missing)} of {world} did not join within {timeout_s:.0f} s "
+            f"(parallel.startup_timeout_s): their host is down, unreachable or did not start them; joined: "
+            f"{describe_ranks(present, hosts)}")
+
+
+def default_store(store):
+    """The process group's view of the store, as torch's env:// path prefixes it, and per torchrun restart round
+    (a restarted round sharing the agent's store must not read the dead round's addresses)."""
+    return dist.PrefixStore(f"default_pg/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
