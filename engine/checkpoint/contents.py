@@ -134,6 +134,22 @@ def layout_of(cfg, ctx) -> dict:
             "world_size": ctx.world_size}
 
 
+def layout_change(index: dict, cfg, ctx) -> str | None:
+    """The one line saying at which layout a resume continues and why, when it is not the checkpoint's; the
+    elastic restart's (README "Elastic restart"): torchrun restarted with fewer hosts and dp = -1 shrank."""
+    saved, now = index["layout"], layout_of(cfg, ctx)
+    axes = ("tp", "pp", "dp", "cp")
+    if all(saved.get(a, 1) == now.get(a, 1) for a in axes):
+        return None
+    def named(layout: dict) -> str:
+        return " ".join(f"{a}{layout.get(a, 1)}" for a in axes if a != "cp" or layout.get("cp", 1) > 1)
+    before, after = saved.get("world_size"), now["world_size"]
+    why = (f"the world {'shrank' if after < before else 'grew'} from {before} to {after}" if before != after else
+           "parallel.tp, pp, dp or cp differ from the checkpoint's run")
+    return (f"resume: checkpoint step {index['step']} was saved at {named(saved)} ({before} ranks); continuing at "
+            f"{named(now)} on {after} ranks: {why}")
+
+
 def check_model(path: Path, index: dict, model_cfg) -> None:
     # Rebuilt as a ModelConfig: an older checkpoint's missing keys take their defaults, and its head_dim (absent
     # before model.head_dim) resolves from its own hidden_size / num_heads

@@ -1,0 +1,96 @@
+"""Elastic shrink (README "Elastic restart"): two torchrun agents of a ``--nnodes 1:2`` job on loopback, one killed
+for good (agent and workers) after a checkpoint; the survivor restarts its workers alone, they resume the
+checkpoint at the layout that fits the world left (dp 2 -> 1, more accumulation for the same global batch), and
+the losses are an uninterrupted run's. A layout that cannot shrink ends the job with one line and exit 2."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.dist import free_port
+from tests.test_launch import ROOT, read_losses
+from tests.test_multinode import RDZV_CONF, STEPS, Job, final_losses, train_args
+
+
+def elastic_agent(port: int, args: list[str], host_store: bool, restarts: int = 3) -> list[str]:
+    """One agent of a 1-to-2-node job. ``is_host`` pins which agent serves the c10d rendezvous store: the job
+    can only restart while the store's host lives (an etcd rendezvous has no such host), so the other one is
+    the one killed."""
+    conf = f"{RDZV_CONF},is_host={'true' if host_store else 'false'}"
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", conf,
+            "--max-restarts", str(restarts), *args]
+
+
+def two_agents(job: Job, args: list[str]) -> tuple[subprocess.Popen, subprocess.Popen]:
+    port = free_port()
+    # A fresh store per round (as tests/test_multinode.py's restarts: pytorch/pytorch#135712)
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    keeper = job.start(elastic_agent(port, args, True), env)
+    return keeper, job.start(elastic_agent(port, args, False), env)
+
+
+def kill_for_good(job: Job, agent: subprocess.Popen) -> None:
+    """The agent and its workers at once (a host gone). Not its process group: torchrun starts each worker in a
+    session of its own, and a killpg of the agent alone leaves them training on."""
+    victims = [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(recursive=True)]
+    for proc in victims:
+        proc.kill()
+    psutil.wait_procs(victims, timeout=60)
+    job.procs.remove(agent)
+
+
+def test_survivor_resumes_at_the_shrunk_layout(tmp_path):
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    reference = tmp_path / "reference"
+    run = subprocess.run([sys.executable, *train_args(reference), "--parallel.tp", "1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    job = Job(tmp_path)
+    try:
+        args = train_args(out, "--checkpoint.dir", str(ckpt), "--checkpoint.every", "3", "--checkpoint.resume",
+                          "auto", "--parallel.timeout_s", "30")
+        keeper, gone = two_agents(job, args)
+        job.wait_for(lambda: (ckpt / "latest").exists(), "checkpoint", timeout=400)
+        start = time.monotonic()
+        kill_for_good(job, gone)
+        assert job.wait([keeper], timeout=900) == [0], job.output()[-4000:]
+        elapsed = time.monotonic() - start
+        text = job.output()
+    finally:
+        job.kill_all()
+    assert "layout tp=2 pp=1 dp=2 on 4 x" in text
+    assert "layout tp=2 pp=1 dp=1 on 2 x" in text, text[-4000:]
+    line = [x for x in text.splitlines() if "resume: checkpoint step" in x]
+    assert len(line) == 1 and "saved at tp2 pp1 dp2 (4 ranks); continuing at tp2 pp1 dp1 on 2 ranks: the world " \
+        "shrank from 4 to 2" in line[0], text[-4000:]
+    assert final_losses(out) == pytest.approx(read_losses(reference), rel=1e-5)
+    print(f"survivor finished {elapsed:.0f} s after the kill")
+
+
+def test_layout_that_cannot_shrink_exits_2_with_one_line(tmp_path):
+    """tp 4 across both agents: with one agent (2 ranks) left no tp 4 fits; the survivor's workers say so once
+    and exit 2, and torchrun does not restart them again (its other restarts left unused)."""
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    job = Job(tmp_path)
+    try:
+        args = train_args(out, "--checkpoint.dir", str(ckpt), "--checkpoint.every", "3", "--checkpoint.resume",
+                          "auto", "--parallel.timeout_s", "30", "--parallel.tp", "4")
+        keeper, gone = two_agents(job, args)
+        job.wait_for(lambda: (ckpt / "latest").exists(), "checkpoint", timeout=400)
+        kill_for_good(job, gone)
+        code = job.wait([keeper], timeout=900)[0]
+        text = job.output()
+    finally:
+        job.kill_all()
+    assert code != 0, text[-4000:]
+    refusals = [x for x in text.splitlines() if "cannot shrink" in x]
+    assert refusals and "tp4 pp1 cp1" in refusals[0], text[-4000:]
+    assert text.count("cannot shrink") == len(refusals)
+    assert "exitcode  : 2" in text, text[-4000:]
