@@ -4,7 +4,9 @@ checkpoint at the layout that fits the world left (dp 2 -> 1, more accumulation 
 the losses are an uninterrupted run's. A layout that cannot shrink ends the job with one line and exit 2."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -13,6 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from engine.checkpoint.format import CheckpointError
+from engine.checkpoint.lock import LOCK, CheckpointLock
 from tests.dist import free_port
 from tests.test_launch import ROOT, read_losses
 from tests.test_multinode import RDZV_CONF, STEPS, Job, final_losses, train_args
@@ -28,12 +32,12 @@ def elastic_agent(port: int, args: list[str], host_store: bool, restarts: int = 
             "--max-restarts", str(restarts), *args]
 
 
-def two_agents(job: Job, args: list[str]) -> tuple[subprocess.Popen, subprocess.Popen]:
+def two_agents(job: Job, args: list[str], restarts: int = 3) -> tuple[subprocess.Popen, subprocess.Popen]:
     port = free_port()
     # A fresh store per round (as tests/test_multinode.py's restarts: pytorch/pytorch#135712)
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    keeper = job.start(elastic_agent(port, args, True), env)
-    return keeper, job.start(elastic_agent(port, args, False), env)
+    keeper = job.start(elastic_agent(port, args, True, restarts), env)
+    return keeper, job.start(elastic_agent(port, args, False, restarts), env)
 
 
 def kill_for_good(job: Job, agent: subprocess.Popen) -> None:
@@ -75,14 +79,15 @@ def test_survivor_resumes_at_the_shrunk_layout(tmp_path):
 
 
 def test_layout_that_cannot_shrink_exits_2_with_one_line(tmp_path):
-    """tp 4 across both agents: with one agent (2 ranks) left no tp 4 fits; the survivor's workers say so once
-    and exit 2, and torchrun does not restart them again (its other restarts left unused)."""
+    """tp 4 across both agents: with one agent (2 ranks) left no tp 4 fits; the survivor's workers say so in one
+    line and exit 2. torchrun restarts on any non-zero exit: with --max-restarts 1 (spent on the shrink) it then
+    gives up."""
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     job = Job(tmp_path)
     try:
         args = train_args(out, "--checkpoint.dir", str(ckpt), "--checkpoint.every", "3", "--checkpoint.resume",
-                          "auto", "--parallel.timeout_s", "30", "--parallel.tp", "4")
-        keeper, gone = two_agents(job, args)
+                          "auto", "--parallel.timeout_s", "30", "--parallel.tp", "4", "--model.num_kv_heads", "4")
+        keeper, gone = two_agents(job, args, restarts=1)
         job.wait_for(lambda: (ckpt / "latest").exists(), "checkpoint", timeout=400)
         kill_for_good(job, gone)
         code = job.wait([keeper], timeout=900)[0]
@@ -91,6 +96,31 @@ def test_layout_that_cannot_shrink_exits_2_with_one_line(tmp_path):
         job.kill_all()
     assert code != 0, text[-4000:]
     refusals = [x for x in text.splitlines() if "cannot shrink" in x]
-    assert refusals and "tp4 pp1 cp1" in refusals[0], text[-4000:]
-    assert text.count("cannot shrink") == len(refusals)
-    assert "exitcode  : 2" in text, text[-4000:]
+    assert refusals == ["error: elastic restart 1: the layout cannot shrink to the 2 ranks left: invalid layout: "
+                        "tp(4) * pp(1) * cp(1) * dp(auto) != world size(2); choose tp, pp and cp whose product "
+                        "divides 2"], text[-4000:]
+    assert re.search(r"exitcode\s+: 2", text), text[-4000:]
+
+
+def _foreign_lock(root: Path, elastic) -> None:
+    root.mkdir()
+    (root / LOCK).write_text(json.dumps({"host": "gone-host", "pid": 4242, "started": 1.0, "run": "r0",
+                                         "elastic": elastic}) + "\n")
+
+
+def test_lock_of_an_earlier_round_of_this_job_on_a_gone_host_is_taken_over(tmp_path, monkeypatch):
+    """The host that held rank 0 (and the lock) left: the survivors' rank 0, on another host, takes the lock over
+    when it is this torchrun job's (same --rdzv-id) from an earlier restart round; another job's, the same
+    round's, or one under torchrun's shared default id "none" stays refused."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    _foreign_lock(tmp_path / "a", ["job7", 0])
+    assert "taking over the lock of pid 4242 on host gone-host" in CheckpointLock(tmp_path / "a", "r1").acquire()
+    for name, elastic in [("b", ["job8", 0]), ("c", ["job7", 1]), ("d", None)]:
+        _foreign_lock(tmp_path / name, elastic)
+        with pytest.raises(CheckpointError, match="is in use by pid 4242 on host gone-host"):
+            CheckpointLock(tmp_path / name, "r1").acquire()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    _foreign_lock(tmp_path / "e", ["none", 0])
+    with pytest.raises(CheckpointError, match="is in use"):
+        CheckpointLock(tmp_path / "e", "r1").acquire()

@@ -6,9 +6,11 @@ with one line (naming the free space, engine/storage.py) instead of losing the t
 save. The probe does what the run will do there: create a directory (a checkpoint's staging directory) and write,
 fsync and delete a file inside it; the files the run appends to or replaces (metrics.jsonl and its siblings,
 ``latest``) must not be directories. The lock is ``<dir>/LOCK``, created with ``O_EXCL``
-and holding JSON ``{"host", "pid", "started", "run"}``. A second job finds it and is refused, naming the holder.
+and holding JSON ``{"host", "pid", "started", "run", "elastic"}``. A second job finds it and is refused, naming the holder.
 A lock left by a dead process on this host (a crash, ``kill -9``, a torchrun restart: new worker pids) is taken
-over with a message; a lock from another host cannot be checked from here and is refused with the file to delete.
+over with a message; a lock from another host cannot be checked from here and is refused with the file to delete,
+unless it is an earlier restart round's of this same torchrun job (``elastic``: its --rdzv-id and restart count;
+README "Elastic restart": the host that held rank 0 may be the one gone).
 A lock held by this process or by the process that forked it (tests/dist.py ranks after an in-process run) is
 this job's own. Because only the lock holder saves, the clean-up of ``step_*.tmp-*`` directories never meets
 another live job's.
@@ -75,6 +77,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _elastic_round() -> list | None:
+    """[torchrun's --rdzv-id, its restart round] (None outside torchrun or with the default id "none", which
+    unrelated jobs share)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return None if run_id in ("", "none") else [run_id, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)]
+
+
 def _describe(holder: dict) -> str:
     if holder.get("unreadable"):
         return f"an unreadable lock file ({holder['unreadable']}; its writer was probably killed mid-write)"
@@ -90,7 +99,8 @@ class CheckpointLock:
 
     def __init__(self, root: Path, run: str, setting: str = "checkpoint.dir"):
         self.path, self.setting = root / LOCK, setting
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "run": run}
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "run": run,
+                   "elastic": _elastic_round()}
         self.held = False
 
     def acquire(self) -> str | None:
@@ -140,7 +150,12 @@ class CheckpointLock:
         return holder.get("host") == self.me["host"] and holder.get("pid") in (self.me["pid"], os.getppid())
 
     def _stale(self, holder: dict) -> bool:
-        """Ours, or dead on this host (a crash, kill -9, a torchrun restart)."""
+        """Ours, or dead on this host (a crash, kill -9, a torchrun restart), or from an earlier round of this
+        torchrun job on any host (an elastic restart after the lock holder's host left: torchrun ends every worker
+        of a round before the next starts)."""
+        mine, theirs = self.me["elastic"], holder.get("elastic")
+        if mine and isinstance(theirs, list) and len(theirs) == 2 and theirs[0] == mine[0] and theirs[1] < mine[1]:
+            return True
         if holder.get("host") != self.me["host"]:
             return False
         pid = holder.get("pid")
