@@ -28,7 +28,8 @@ def elastic_agent(port: int, args: list[str], host_store: bool, restarts: int = 
     the one killed."""
     conf = f"{RDZV_CONF},is_host={'true' if host_store else 'false'}"
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", conf,
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"elastic-{port}",
+            "--rdzv-conf", conf,
             "--max-restarts", str(restarts), *args]
 
 
