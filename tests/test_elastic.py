@@ -11,10 +11,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
 
+from engine.checkpoint.contents import layout_change
 from engine.checkpoint.format import CheckpointError
 from engine.checkpoint.lock import LOCK, CheckpointLock
 from tests.dist import free_port
@@ -125,3 +127,21 @@ def test_lock_of_an_earlier_round_of_this_job_on_a_gone_host_is_taken_over(tmp_p
     _foreign_lock(tmp_path / "e", ["none", 0])
     with pytest.raises(CheckpointError, match="is in use"):
         CheckpointLock(tmp_path / "e", "r1").acquire()
+
+
+def test_layout_change_line_names_both_layouts_and_why():
+    """The resume line (engine/checkpoint/contents.py layout_change) for a shrink, a growth, a changed setting at
+    the same world, none at the same layout, and an index without world_size."""
+    cfg = SimpleNamespace(parallel=SimpleNamespace(dp_mode="ddp", zero_stage=0))
+    def ctx(tp, pp, dp, cp=1):
+        return SimpleNamespace(tp=tp, pp=pp, dp=dp, world_size=tp * pp * dp * cp, size=lambda axis: cp)
+    index = {"step": 6, "layout": {"tp": 2, "pp": 1, "dp": 2, "world_size": 4}}
+    assert layout_change(index, cfg, ctx(2, 1, 1)) == ("resume: checkpoint step 6 was saved at tp2 pp1 dp2 (4 "
+                                                       "ranks); continuing at tp2 pp1 dp1 on 2 ranks: the world "
+                                                       "shrank from 4 to 2")
+    assert layout_change(index, cfg, ctx(2, 1, 2, cp=2)).endswith("at tp2 pp1 dp2 cp2 on 8 ranks: the world grew "
+                                                                  "from 4 to 8")
+    assert layout_change(index, cfg, ctx(1, 2, 2)).endswith("parallel.tp, pp, dp or cp differ from the "
+                                                            "checkpoint's run")
+    assert layout_change(index, cfg, ctx(2, 1, 2)) is None
+    assert "(4 ranks)" in layout_change({"step": 6, "layout": {"tp": 2, "pp": 1, "dp": 2}}, cfg, ctx(2, 1, 1))

@@ -11,6 +11,7 @@ order use their own seeded generators), so losses do not depend on it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from pathlib import Path
 
@@ -143,7 +144,7 @@ def layout_change(index: dict, cfg, ctx) -> str | None:
         return None
     def named(layout: dict) -> str:
         return " ".join(f"{a}{layout.get(a, 1)}" for a in axes if a != "cp" or layout.get("cp", 1) > 1)
-    before, after = saved.get("world_size"), now["world_size"]
+    before, after = saved.get("world_size") or math.prod(saved.get(a, 1) for a in axes), now["world_size"]
     why = (f"the world {'shrank' if after < before else 'grew'} from {before} to {after}" if before != after else
            "parallel.tp, pp, dp or cp differ from the checkpoint's run")
     return (f"resume: checkpoint step {index['step']} was saved at {named(saved)} ({before} ranks); continuing at "
