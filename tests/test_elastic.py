@@ -118,7 +118,9 @@ def test_lock_of_an_earlier_round_of_this_job_on_a_gone_host_is_taken_over(tmp_p
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     _foreign_lock(tmp_path / "a", ["job7", 0])
-    assert "taking over the lock of pid 4242 on host gone-host" in CheckpointLock(tmp_path / "a", "r1").acquire()
+    message = CheckpointLock(tmp_path / "a", "r1").acquire()
+    assert "taking over the lock of pid 4242 on host gone-host (run r0, since " in message
+    assert message.endswith("), from restart round 0 of this torchrun job"), message
     for name, elastic in [("b", ["job8", 0]), ("c", ["job7", 1]), ("d", None)]:
         _foreign_lock(tmp_path / name, elastic)
         with pytest.raises(CheckpointError, match="is in use by pid 4242 on host gone-host"):

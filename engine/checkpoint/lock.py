@@ -118,8 +118,9 @@ class CheckpointLock:
                         f"{self.setting} '{self.path.parent}' is in use by {_describe(holder)}; use another "
                         f"{self.setting}, or delete {self.path} if that job is gone") from None
                 if not self._ours(holder):
-                    what = _describe(holder) if "unreadable" in holder else \
-                        f"the lock of {_describe(holder)}, which is no longer running"
+                    gone = f"from restart round {holder['elastic'][1]} of this torchrun job" \
+                        if self._earlier_round(holder) else "which is no longer running"
+                    what = _describe(holder) if "unreadable" in holder else f"the lock of {_describe(holder)}, {gone}"
                     message = f"{self.setting}: taking over {what}"
                 try:
                     self.path.unlink()
@@ -149,12 +150,16 @@ class CheckpointLock:
         after an in-process run in the parent): the same job, not a rival."""
         return holder.get("host") == self.me["host"] and holder.get("pid") in (self.me["pid"], os.getppid())
 
+    def _earlier_round(self, holder: dict) -> bool:
+        mine, theirs = self.me["elastic"], holder.get("elastic")
+        return bool(mine) and isinstance(theirs, list) and len(theirs) == 2 and theirs[0] == mine[0] \
+            and isinstance(theirs[1], int) and theirs[1] < mine[1]
+
     def _stale(self, holder: dict) -> bool:
         """Ours, or dead on this host (a crash, kill -9, a torchrun restart), or from an earlier round of this
         torchrun job on any host (an elastic restart after the lock holder's host left: torchrun ends every worker
         of a round before the next starts)."""
-        mine, theirs = self.me["elastic"], holder.get("elastic")
-        if mine and isinstance(theirs, list) and len(theirs) == 2 and theirs[0] == mine[0] and theirs[1] < mine[1]:
+        if self._earlier_round(holder):
             return True
         if holder.get("host") != self.me["host"]:
             return False
