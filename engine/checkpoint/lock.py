@@ -5,8 +5,8 @@ Run by rank 0 before the first step, so a read-only mount, a full disk or a path
 with one line (naming the free space, engine/storage.py) instead of losing the training done before the first
 save. The probe does what the run will do there: create a directory (a checkpoint's staging directory) and write,
 fsync and delete a file inside it; the files the run appends to or replaces (metrics.jsonl and its siblings,
-``latest``) must not be directories. The lock is ``<dir>/LOCK``, created with ``O_EXCL``
-and holding JSON ``{"host", "pid", "started", "run", "elastic"}``. A second job finds it and is refused, naming the holder.
+``latest``) must not be directories. The lock is ``<dir>/LOCK``, created with ``O_EXCL`` and holding JSON
+``{"host", "pid", "started", "run", "elastic"}``. A second job finds it and is refused, naming the holder.
 A lock left by a dead process on this host (a crash, ``kill -9``, a torchrun restart: new worker pids) is taken
 over with a message; a lock from another host cannot be checked from here and is refused with the file to delete,
 unless it is an earlier restart round's of this same torchrun job (``elastic``: its --rdzv-id and restart count;
