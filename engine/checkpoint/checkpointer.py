@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint.contents import check_model, contents, data_changes, load_into
+from engine.checkpoint.contents import check_model, contents, data_changes, layout_change, load_into
 from engine.checkpoint.format import CheckpointError, merge_index, read_index, verify_shard, write_shard
 from engine.checkpoint.choose import resolve, to_try
 from engine.checkpoint.lineage import set_aside, settle
@@ -259,6 +259,9 @@ class Checkpointer:
             self.timings = {"validate_s": validated - start, "load_s": time.perf_counter() - start}
             if self.ctx.rank == 0:
                 print(f"resumed from {path} (step {index['step']}, saved at {index['layout']})", flush=True)
+                change = layout_change(index, self.cfg, self.ctx)
+                if change:
+                    print(change, flush=True)
                 for note in data_changes(index, self.cfg.train):
                     print(f"notice: {note}", flush=True)
             self.resumed_from = path

@@ -11,6 +11,7 @@ order use their own seeded generators), so losses do not depend on it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from pathlib import Path
 
@@ -132,6 +133,22 @@ def layout_of(cfg, ctx) -> dict:
     cp = {"cp": ctx.size("cp")} if ctx.size("cp") > 1 else {}  # absent at cp 1: a pre-cp checkpoint's layout
     return {"tp": ctx.tp, "pp": ctx.pp, "dp": ctx.dp, **cp, "dp_mode": p.dp_mode, "zero_stage": p.zero_stage,
             "world_size": ctx.world_size}
+
+
+def layout_change(index: dict, cfg, ctx) -> str | None:
+    """The one line saying at which layout a resume continues and why, when it is not the checkpoint's; the
+    elastic restart's (README "Elastic restart"): torchrun restarted with fewer hosts and dp = -1 shrank."""
+    saved, now = index["layout"], layout_of(cfg, ctx)
+    axes = ("tp", "pp", "dp", "cp")
+    if all(saved.get(a, 1) == now.get(a, 1) for a in axes):
+        return None
+    def named(layout: dict) -> str:
+        return " ".join(f"{a}{layout.get(a, 1)}" for a in axes if a != "cp" or layout.get("cp", 1) > 1)
+    before, after = saved.get("world_size") or math.prod(saved.get(a, 1) for a in axes), now["world_size"]
+    why = (f"the world {'shrank' if after < before else 'grew'} from {before} to {after}" if before != after else
+           "parallel.tp, pp, dp or cp differ from the checkpoint's run")
+    return (f"resume: checkpoint step {index['step']} was saved at {named(saved)} ({before} ranks); continuing at "
+            f"{named(now)} on {after} ranks: {why}")
 
 
 def check_model(path: Path, index: dict, model_cfg) -> None:

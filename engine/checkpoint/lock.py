@@ -5,14 +5,16 @@ Run by rank 0 before the first step, so a read-only mount, a full disk or a path
 with one line (naming the free space, engine/storage.py) instead of losing the training done before the first
 save. The probe does what the run will do there: create a directory (a checkpoint's staging directory) and write,
 fsync and delete a file inside it; the files the run appends to or replaces (metrics.jsonl and its siblings,
-``latest``) must not be directories. The lock is ``<dir>/LOCK``, created with ``O_EXCL``
-and holding JSON ``{"host", "pid", "started", "run"}``. A second job finds it and is refused, naming the holder.
+``latest``) must not be directories. The lock is ``<dir>/LOCK``, created with ``O_EXCL`` and holding JSON
+``{"host", "pid", "started", "run", "elastic"}``. A second job finds it and is refused, naming the holder.
 A lock left by a dead process on this host (a crash, ``kill -9``, a torchrun restart: new worker pids) is taken
 over with a message. A process on another host cannot be asked, so the holder refreshes its lock (the file's
 mtime, every ``REFRESH_S``) from a daemon thread: a lock from another host not refreshed for ``STALE_S`` (the
 holder died, froze or lost the file system; a requeued job's rank 0 landed elsewhere) is taken over with one
 line, a fresher one is refused. Ages are read on the file system's clock (a file written now beside it), so
-hosts whose clocks disagree still agree on them.
+hosts whose clocks disagree still agree on them. A lock of an earlier restart round of this same torchrun job
+(``elastic``: its --rdzv-id and restart count; README "Elastic restart") is taken over at once, on any host:
+torchrun ends every worker of a round before the next starts.
 A lock held by this process or by the process that forked it (tests/dist.py ranks after an in-process run) is
 this job's own. Because only the lock holder saves, the clean-up of ``step_*.tmp-*`` directories never meets
 another live job's.
@@ -82,6 +84,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _elastic_round() -> list | None:
+    """[torchrun's --rdzv-id, its restart round] (None outside torchrun or with the default id "none", which
+    unrelated jobs share)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return None if run_id in ("", "none") else [run_id, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)]
+
+
 def _describe(holder: dict) -> str:
     if holder.get("unreadable"):
         return f"an unreadable lock file ({holder['unreadable']}; its writer was probably killed mid-write)"
@@ -97,7 +106,8 @@ class CheckpointLock:
 
     def __init__(self, root: Path, run: str, setting: str = "checkpoint.dir"):
         self.path, self.setting = root / LOCK, setting
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "run": run}
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "run": run,
+                   "elastic": _elastic_round()}
         self.held = False
         self._released = threading.Event()
 
@@ -116,11 +126,7 @@ class CheckpointLock:
                         f"{self.setting} '{self.path.parent}' is in use by {_describe(holder)}; use another "
                         f"{self.setting}, or delete {self.path} if that job is gone") from None
                 if not self._ours(holder):
-                    what = _describe(holder) if "unreadable" in holder else \
-                        f"the lock of {_describe(holder)}, which is no longer running" \
-                        if holder.get("host") == self.me["host"] else \
-                        f"the lock of {_describe(holder)}, not refreshed for {self._age():.0f} s (> {STALE_S:.0f} s)"
-                    message = f"{self.setting}: taking over {what}"
+                    message = f"{self.setting}: taking over {self._taken_over(holder)}"
                 try:
                     self.path.unlink()
                 except FileNotFoundError:
@@ -150,6 +156,16 @@ class CheckpointLock:
         after an in-process run in the parent): the same job, not a rival."""
         return holder.get("host") == self.me["host"] and holder.get("pid") in (self.me["pid"], os.getppid())
 
+    def _taken_over(self, holder: dict) -> str:
+        """What a stale lock (``_stale``) was, for the take-over line."""
+        if "unreadable" in holder:
+            return _describe(holder)
+        if self._earlier_round(holder):
+            return f"the lock of {_describe(holder)}, from restart round {holder['elastic'][1]} of this torchrun job"
+        if holder.get("host") == self.me["host"]:
+            return f"the lock of {_describe(holder)}, which is no longer running"
+        return f"the lock of {_describe(holder)}, not refreshed for {self._age():.0f} s (> {STALE_S:.0f} s)"
+
     def _age(self) -> float:
         """Seconds since the lock was last written or refreshed, on the file system's clock."""
         probe = self.path.with_name(f".now-{self.me['pid']}")
@@ -168,9 +184,17 @@ class CheckpointLock:
             except OSError:  # gone or unreachable for now: the next refresh tries again
                 pass
 
+    def _earlier_round(self, holder: dict) -> bool:
+        mine, theirs = self.me["elastic"], holder.get("elastic")
+        return bool(mine) and isinstance(theirs, list) and len(theirs) == 2 and theirs[0] == mine[0] \
+            and isinstance(theirs[1], int) and theirs[1] < mine[1]
+
     def _stale(self, holder: dict) -> bool:
-        """Ours, or dead on this host (a crash, kill -9, a torchrun restart), or from another host and not
-        refreshed for STALE_S."""
+        """Ours, or dead on this host (a crash, kill -9, a torchrun restart), or from an earlier round of this
+        torchrun job on any host (an elastic restart after the lock holder's host left), or from another host and
+        not refreshed for STALE_S."""
+        if self._earlier_round(holder):
+            return True
         if holder.get("host") != self.me["host"]:
             return self._age() > STALE_S
         pid = holder.get("pid")

@@ -81,6 +81,23 @@ def env_rank_info() -> tuple[int, int, int]:
     return rank, world, local
 
 
+def elastic_layout(cfg: Config, world: int) -> Layout:
+    """resolve_layout; after a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) its refusal says the layout cannot
+    follow the new world (README "Elastic restart"). torchrun restarts on any non-zero exit, whatever its code (its
+    agent only tells FAILED from SUCCEEDED), so the line says how often the refusal will repeat."""
+    try:
+        return resolve_layout(cfg, world)
+    except ConfigError as e:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if restart == 0:
+            raise
+        left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) - restart
+        again = f"; torchrun restarts whatever the exit code: this repeats on its {left} restart(s) left" \
+            if left > 0 else ""
+        raise ConfigError(f"elastic restart {restart}: the layout cannot shrink to the {world} ranks left: {e}"
+                          f"{again}") from None
+
+
 class ParallelContext:
     """This rank's groups and coordinates in the named mesh (engine/parallel/mesh.py), asked for by axis name:
     ``group("tp")``, ``axis_rank("pp")``, ``size("dp")``, ``ranks_along("pp")``; besides the axes, two derived
@@ -185,7 +202,7 @@ class ParallelContext:
         then connected within parallel.startup_timeout_s (gloo's full mesh, NCCL's bootstrap) before its
         collectives get timeout_s."""
         rank, world, local_rank = env_rank_info()
-        layout = resolve_layout(cfg, world)
+        layout = elastic_layout(cfg, world)
         device, backend = pick_device_and_backend(cfg.parallel.backend, local_rank)
         apply_tf32(cfg.train.tf32, device)
         if device.type == "cuda":

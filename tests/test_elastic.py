@@ -1,0 +1,149 @@
+"""Elastic shrink (README "Elastic restart"): two torchrun agents of a ``--nnodes 1:2`` job on loopback, one killed
+for good (agent and workers) after a checkpoint; the survivor restarts its workers alone, they resume the
+checkpoint at the layout that fits the world left (dp 2 -> 1, more accumulation for the same global batch), and
+the losses are an uninterrupted run's. A layout that cannot shrink ends the job with one line and exit 2."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+
+from engine.checkpoint.contents import layout_change
+from engine.checkpoint.format import CheckpointError
+from engine.checkpoint.lock import LOCK, CheckpointLock
+from tests.dist import free_port
+from tests.test_launch import ROOT, read_losses
+from tests.test_multinode import RDZV_CONF, STEPS, Job, final_losses, train_args
+
+
+def elastic_agent(port: int, args: list[str], host_store: bool, restarts: int = 3) -> list[str]:
+    """One agent of a 1-to-2-node job. ``is_host`` pins which agent serves the c10d rendezvous store: the job
+    can only restart while the store's host lives (an etcd rendezvous has no such host), so the other one is
+    the one killed."""
+    conf = f"{RDZV_CONF},is_host={'true' if host_store else 'false'}"
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"elastic-{port}",
+            "--rdzv-conf", conf,
+            "--max-restarts", str(restarts), *args]
+
+
+def two_agents(job: Job, args: list[str], restarts: int = 3) -> tuple[subprocess.Popen, subprocess.Popen]:
+    port = free_port()
+    # A fresh store per round (as tests/test_multinode.py's restarts: pytorch/pytorch#135712)
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    keeper = job.start(elastic_agent(port, args, True, restarts), env)
+    return keeper, job.start(elastic_agent(port, args, False, restarts), env)
+
+
+def kill_for_good(job: Job, agent: subprocess.Popen) -> None:
+    """The agent and its workers at once (a host gone). Not its process group: torchrun starts each worker in a
+    session of its own, and a killpg of the agent alone leaves them training on."""
+    victims = [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(recursive=True)]
+    for proc in victims:
+        proc.kill()
+    psutil.wait_procs(victims, timeout=60)
+    job.procs.remove(agent)
+
+
+def test_survivor_resumes_at_the_shrunk_layout(tmp_path):
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    reference = tmp_path / "reference"
+    run = subprocess.run([sys.executable, *train_args(reference), "--parallel.tp", "1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    job = Job(tmp_path)
+    try:
+        args = train_args(out, "--checkpoint.dir", str(ckpt), "--checkpoint.every", "3", "--checkpoint.resume",
+                          "auto", "--parallel.timeout_s", "30")
+        keeper, gone = two_agents(job, args)
+        job.wait_for(lambda: (ckpt / "latest").exists(), "checkpoint", timeout=400)
+        start = time.monotonic()
+        kill_for_good(job, gone)
+        assert job.wait([keeper], timeout=900) == [0], job.output()[-4000:]
+        elapsed = time.monotonic() - start
+        text = job.output()
+    finally:
+        job.kill_all()
+    assert "layout tp=2 pp=1 dp=2 on 4 x" in text
+    assert "layout tp=2 pp=1 dp=1 on 2 x" in text, text[-4000:]
+    line = [x for x in text.splitlines() if "resume: checkpoint step" in x]
+    assert len(line) == 1 and "saved at tp2 pp1 dp2 (4 ranks); continuing at tp2 pp1 dp1 on 2 ranks: the world " \
+        "shrank from 4 to 2" in line[0], text[-4000:]
+    assert final_losses(out) == pytest.approx(read_losses(reference), rel=1e-5)
+    print(f"survivor finished {elapsed:.0f} s after the kill")
+
+
+def test_layout_that_cannot_shrink_exits_2_with_one_line(tmp_path):
+    """tp 4 across both agents: with one agent (2 ranks) left no tp 4 fits; the survivor's workers say so in one
+    line and exit 2. torchrun restarts on any non-zero exit: with --max-restarts 1 (spent on the shrink) it then
+    gives up."""
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    job = Job(tmp_path)
+    try:
+        args = train_args(out, "--checkpoint.dir", str(ckpt), "--checkpoint.every", "3", "--checkpoint.resume",
+                          "auto", "--parallel.timeout_s", "30", "--parallel.tp", "4", "--model.num_kv_heads", "4")
+        keeper, gone = two_agents(job, args, restarts=1)
+        job.wait_for(lambda: (ckpt / "latest").exists(), "checkpoint", timeout=400)
+        kill_for_good(job, gone)
+        code = job.wait([keeper], timeout=900)[0]
+        text = job.output()
+    finally:
+        job.kill_all()
+    assert code != 0, text[-4000:]
+    refusals = [x for x in text.splitlines() if "cannot shrink" in x]
+    assert refusals == ["error: elastic restart 1: the layout cannot shrink to the 2 ranks left: invalid layout: "
+                        "tp(4) * pp(1) * cp(1) * dp(auto) != world size(2); choose tp, pp and cp whose product "
+                        "divides 2"], text[-4000:]
+    assert re.search(r"exitcode\s+: 2", text), text[-4000:]
+
+
+def _foreign_lock(root: Path, elastic) -> None:
+    root.mkdir()
+    (root / LOCK).write_text(json.dumps({"host": "gone-host", "pid": 4242, "started": 1.0, "run": "r0",
+                                         "elastic": elastic}) + "\n")
+
+
+def test_lock_of_an_earlier_round_of_this_job_on_a_gone_host_is_taken_over(tmp_path, monkeypatch):
+    """The host that held rank 0 (and the lock) left: the survivors' rank 0, on another host, takes the lock over
+    when it is this torchrun job's (same --rdzv-id) from an earlier restart round; another job's, the same
+    round's, or one under torchrun's shared default id "none" stays refused."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    _foreign_lock(tmp_path / "a", ["job7", 0])
+    message = CheckpointLock(tmp_path / "a", "r1").acquire()
+    assert "taking over the lock of pid 4242 on host gone-host (run r0, since " in message
+    assert message.endswith("), from restart round 0 of this torchrun job"), message
+    for name, elastic in [("b", ["job8", 0]), ("c", ["job7", 1]), ("d", None)]:
+        _foreign_lock(tmp_path / name, elastic)
+        with pytest.raises(CheckpointError, match="is in use by pid 4242 on host gone-host"):
+            CheckpointLock(tmp_path / name, "r1").acquire()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    _foreign_lock(tmp_path / "e", ["none", 0])
+    with pytest.raises(CheckpointError, match="is in use"):
+        CheckpointLock(tmp_path / "e", "r1").acquire()
+
+
+def test_layout_change_line_names_both_layouts_and_why():
+    """The resume line (engine/checkpoint/contents.py layout_change) for a shrink, a growth, a changed setting at
+    the same world, none at the same layout, and an index without world_size."""
+    cfg = SimpleNamespace(parallel=SimpleNamespace(dp_mode="ddp", zero_stage=0))
+    def ctx(tp, pp, dp, cp=1):
+        return SimpleNamespace(tp=tp, pp=pp, dp=dp, world_size=tp * pp * dp * cp, size=lambda axis: cp)
+    index = {"step": 6, "layout": {"tp": 2, "pp": 1, "dp": 2, "world_size": 4}}
+    assert layout_change(index, cfg, ctx(2, 1, 1)) == ("resume: checkpoint step 6 was saved at tp2 pp1 dp2 (4 "
+                                                       "ranks); continuing at tp2 pp1 dp1 on 2 ranks: the world "
+                                                       "shrank from 4 to 2")
+    assert layout_change(index, cfg, ctx(2, 1, 2, cp=2)).endswith("at tp2 pp1 dp2 cp2 on 8 ranks: the world grew "
+                                                                  "from 4 to 8")
+    assert layout_change(index, cfg, ctx(1, 2, 2)).endswith("parallel.tp, pp, dp or cp differ from the "
+                                                            "checkpoint's run")
+    assert layout_change(index, cfg, ctx(2, 1, 2)) is None
+    assert "(4 ranks)" in layout_change({"step": 6, "layout": {"tp": 2, "pp": 1, "dp": 2}}, cfg, ctx(2, 1, 1))
