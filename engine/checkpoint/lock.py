@@ -62,13 +62,15 @@ def probe_writable(root: Path, token: str, setting: str = "checkpoint.dir", hint
 
 def probe_files(root: Path, names: tuple[str, ...], setting: str) -> None:
     """The files the run appends to or replaces in ``root`` must be files if they exist (one that is a
-    directory failed after the first step, IsADirectoryError) and open for appending (nothing is changed)."""
+    directory failed after the first step, IsADirectoryError), and those it appends to (METRICS) open for appending
+    (nothing is changed). ``latest`` is replaced by a rename (publish.py), so its own permissions do not matter:
+    an unreadable one is skipped by ``resume: auto`` (choose.py) and replaced at the next save."""
     for name in names:
         path = root / name
         if path.exists() and not path.is_file():
             raise CheckpointError(f"{setting}: '{path}' is not a file, and the run writes it; move it away")
         try:
-            if path.exists():
+            if path.exists() and name in METRICS:
                 open(path, "ab").close()
         except OSError as e:
             raise CheckpointError(f"{setting}: {describe(path, e)}; make it writable or move it away") from None
