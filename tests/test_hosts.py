@@ -122,6 +122,7 @@ def test_torchrun_tp2_pp2_across_two_hosts(make_hosts, tmp_path, reference):
     assert_follows(out, reference)
 
 
+@pytest.mark.slow  # minutes of launches across the hosts; CI keeps tp2 x pp2 and the unshared directory
 def test_torchrun_cp2_across_two_hosts(make_hosts, tmp_path, reference):
     """Context parallelism's ring across hosts: cp 2, one rank per host."""
     cluster, out = make_hosts(2), tmp_path / "run"
@@ -132,6 +133,7 @@ def test_torchrun_cp2_across_two_hosts(make_hosts, tmp_path, reference):
     assert_follows(out, reference)
 
 
+@pytest.mark.slow  # minutes of launches across the hosts; CI keeps tp2 x pp2 and the unshared directory
 def test_loopback_host_name_refused_then_fixed_in_deepspeed_env(make_hosts, tmp_path, reference):
     """h2's name resolves to 127.0.1.1 on h2 (Debian's /etc/hosts line): gloo would tell h1 to connect to
     127.0.1.1. Every host refuses at start-up with one line naming h2 and the fix (exit 2), instead of "Connection
@@ -170,6 +172,7 @@ def test_checkpoint_dir_not_shared_is_refused(make_hosts, tmp_path):
             (host.name, listing)
 
 
+@pytest.mark.slow  # minutes of launches across the hosts; CI keeps tp2 x pp2 and the unshared directory
 def test_preflight_names_the_loopback_host_and_the_unshared_directory(make_hosts, tmp_path):
     """Preflight over ssh from h1: h2's loopback name fails h2's host check; with GLOO_SOCKET_IFNAME in
     .deepspeed_env (which preflight's remote commands get, as the job's ranks would) the host checks pass and

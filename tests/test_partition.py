@@ -79,6 +79,7 @@ def test_cut_host_ends_the_job_naming_it(make_hosts, tmp_path):
     print(f"h2 cut off: h1 ended in {h1:.1f} s, h2's ranks named the store at {h2:.1f} s")
 
 
+@pytest.mark.slow  # test_faults covers a host missing at launch on loopback in CI
 def test_host_that_never_starts_is_named(make_hosts, tmp_path):
     """A 2-host job whose second host's ranks never start (the deepspeed launcher's view: ranks 0, 1 on h1 with
     WORLD_SIZE 4): h1's ranks exit 1 within parallel.startup_timeout_s naming node 1's ranks."""
