@@ -60,7 +60,7 @@ def test_index_with_a_step_that_is_not_a_number(tmp_path):
     index = {"format": FORMAT, "version": VERSION, "step": "abc", "params": {}, "files": {}, "ranks": [],
              "config": {}, "layout": {}}
     (tmp_path / "index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match="'step' is 'abc'"):
+    with pytest.raises(CheckpointError, match="step is 'abc', not an integer"):
         read_index(tmp_path)
 
 
