@@ -112,6 +112,7 @@ def test_hosts_have_their_own_names_addresses_and_sshd(make_hosts):
                open(f"/proc/{h.pid}/stat").read().split()[2] == "Z" for h in cluster.hosts)
 
 
+@pytest.mark.slow  # ~100 s of launches; CI keeps the 3-host fixture and the unshared directory across hosts
 def test_torchrun_tp2_pp2_across_two_hosts(make_hosts, tmp_path, reference):
     """torchrun multi-node: one agent per host (2 x 2 processes), tp 2 x pp 2; each host runs its two ranks."""
     cluster, out = make_hosts(2), tmp_path / "run"

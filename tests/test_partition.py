@@ -48,6 +48,7 @@ def wait_for(condition, what: str, timeout: float) -> float:
     return time.monotonic() - start
 
 
+@pytest.mark.slow  # CI keeps the frozen and dead hosts (test_faults: the same heartbeat)
 def test_cut_host_ends_the_job_naming_it(make_hosts, tmp_path):
     """h2's link goes down mid-run (a partition: no socket is closed, nothing fails on its own): h1's ranks name
     ranks 2, 3 on h2 and exit; h2's ranks name the store on h1 and exit; each within the bound, not after
