@@ -145,8 +145,8 @@ class Checkpointer:
         found = [(rank, key) for rank, key in enumerate(self._gather(bad)) if key is not None]
         if found and self.ctx.rank == 0:
             (rank, key), more = found[0], (f" (and on {len(found) - 1} more ranks)" if len(found) > 1 else "")
-            print(f"checkpoint: not saving step {step}: rank {rank} holds NaN/inf values in {key.split('/tp')[0]}"
-                  f"{more}; the latest checkpoint stays {latest_name(self.root)}", flush=True)
+            say(f"checkpoint: not saving step {step}: rank {rank} holds NaN/inf values in {key.split('/tp')[0]}"
+                f"{more}; the latest checkpoint stays {latest_name(self.root)}")
         return not found
 
     def _write_and_commit(self, step: int, tensors: dict, meta: dict, header: dict) -> None:
@@ -164,7 +164,7 @@ class Checkpointer:
                 steps = [m.pop("adam_step") for m in metas]
                 header["adam_step"] = max((s for s in steps if s is not None), default=None)
                 publish(self.root, step, self.token, merge_index(metas, header), self.cfg.checkpoint.keep)
-                print(f"checkpoint: saved {self.root / step_name(step)}", flush=True)  # where to export it from
+                say(f"checkpoint: saved {self.root / step_name(step)}")  # where to export it from
             except Exception as e:  # reported on every rank: none may wait for a commit that never comes
                 errors.append(f"rank 0 could not commit step {step}: {describe(self.root, e)}")
         # Also the barrier after which every rank sees the committed directory and `latest`.
