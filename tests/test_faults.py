@@ -64,11 +64,17 @@ def test_frozen_host_ends_the_job_in_one_line(tmp_path, job, reference):
     start = time.monotonic()
     for worker in frozen:
         worker.send_signal(signal.SIGSTOP)
-    code = job.wait(agents[:1], timeout=BOUND_S)[0]
-    elapsed = time.monotonic() - start
+    try:
+        code = job.wait(agents[:1], timeout=BOUND_S)[0]
+        elapsed = time.monotonic() - start
+    finally:  # stopped workers ignore SIGTERM, and torchrun starts them in sessions of their own (kill_all
+        for worker in frozen:  # misses them): without SIGKILL they stayed stopped after the suite, holding memory
+            worker.kill()
     assert code != 0
-    line = _one_error_line(job.output(), r"^error: ranks 2, 3 on host \S+ \(127\.0\.0\.1\) silent for \d+ s .* at "
-                                         r"step \d+")
+    # The two SIGSTOPs can land up to one beat (timeout / 10) apart, so at the bound the silent set may still be
+    # rank 2 or 3 alone: either names node 1's host.
+    line = _one_error_line(job.output(), r"^error: (ranks 2, 3|rank [23]) on host \S+ \(127\.0\.0\.1\) silent for "
+                                         r"\d+ s .* at step \d+")
     print(f"frozen node 1: node 0 ended in {elapsed:.1f} s: {line}")
     assert "launch/pretrain.py\", line" not in job.output()  # no rank's traceback (torchrun's own is allowed)
     _resumes_exactly(job, args, out, reference)
