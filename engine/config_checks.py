@@ -62,11 +62,6 @@ def validate(cfg: Config) -> None:
     if cfg.parallel.heartbeat_timeout_s < 0:
         raise ConfigError(f"parallel.heartbeat_timeout_s={cfg.parallel.heartbeat_timeout_s} must be >= 0 (0 turns "
                           f"the heartbeat off)")
-    if not cfg.train.out_dir.strip():  # '' wrote metrics.jsonl and LOCK into the current directory
-        raise ConfigError(f"train.out_dir={cfg.train.out_dir!r} is not valid: give the directory for the run's "
-                          f"metrics.jsonl, LOCK and tensorboard/ (created if missing; default runs/tiny)")
-    if cfg.train.eval_every < 0:
-        raise ConfigError(f"train.eval_every={cfg.train.eval_every} must be >= 0 (0 turns evaluation off)")
     m = cfg.model
     _validate_heads(m)
     if cfg.train.seq_len > m.max_seq_len:
@@ -78,6 +73,17 @@ def validate(cfg: Config) -> None:
                           f"cost), a list of layers per stage such as [3,5], or [] (even)")
     if cfg.parallel.dp == 0 or cfg.parallel.dp < -1:
         raise ConfigError(f"parallel.dp={cfg.parallel.dp} must be a positive integer or -1 (infer from world size)")
+    _validate_run(cfg)
+    _validate_dp(cfg)
+
+
+def _validate_run(cfg: Config) -> None:
+    """The run's own settings: where it writes, evaluation, data, the optimizer's scalars, checkpoints."""
+    if not cfg.train.out_dir.strip():  # '' wrote metrics.jsonl and LOCK into the current directory
+        raise ConfigError(f"train.out_dir={cfg.train.out_dir!r} is not valid: give the directory for the run's "
+                          f"metrics.jsonl, LOCK and tensorboard/ (created if missing; default runs/tiny)")
+    if cfg.train.eval_every < 0:
+        raise ConfigError(f"train.eval_every={cfg.train.eval_every} must be >= 0 (0 turns evaluation off)")
     if cfg.data.weights and len(cfg.data.weights) != len(cfg.data.paths):
         raise ConfigError(f"data.weights has {len(cfg.data.weights)} entries but data.paths has "
                           f"{len(cfg.data.paths)}; give one weight per path or none")
@@ -107,7 +113,6 @@ def validate(cfg: Config) -> None:
                           f"end / keep all)")
     if not c.resume:
         raise ConfigError("checkpoint.resume is empty; use auto, none or a checkpoint PATH")
-    _validate_dp(cfg)
 
 
 def _validate_dp(cfg: Config) -> None:
