@@ -39,6 +39,24 @@ def snapshot(root: Path, skip: tuple[Path, ...] = ()) -> dict[str, tuple]:
     return out
 
 
+def shallow(root: Path, skip: tuple[Path, ...] = ()) -> frozenset[str]:
+    """The names at the checkout's top and one level below (``runs/tiny``, ``configs/x.yaml``): two directory
+    listings per test are cheap enough to run after every test, so the session's report can name the first test
+    that added or removed one (a whole-tree snapshot per test would cost seconds)."""
+    skipped = {p.resolve() for p in skip}
+    names = set()
+    for top in os.scandir(root):
+        if top.name in CACHES or Path(top.path).resolve() in skipped:
+            continue
+        names.add(top.name)
+        if top.is_dir(follow_symlinks=False):
+            try:
+                names.update(f"{top.name}/{e.name}" for e in os.scandir(top.path) if e.name not in CACHES)
+            except OSError:  # unreadable or removed meanwhile
+                pass
+    return frozenset(names)
+
+
 def changes(before: dict[str, tuple], after: dict[str, tuple]) -> list[str]:
     """One line per path that appeared, disappeared or was rewritten, sorted: 'added runs/tiny/LOCK'."""
     lines = [f"added {p}" for p in after.keys() - before.keys()]

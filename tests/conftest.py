@@ -34,6 +34,8 @@ from tests import checkout_guard  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 _BEFORE = pytest.StashKey[dict]()
 _CHANGED = pytest.StashKey[list]()
+_SHALLOW = pytest.StashKey[frozenset]()
+_CULPRITS = pytest.StashKey[list]()
 
 
 def _guarded() -> bool:
@@ -49,6 +51,24 @@ def pytest_sessionstart(session):
     """Tests write only inside their temporary folders: remember the checkout as it was (tests/checkout_guard.py)."""
     if _guarded():
         session.config.stash[_BEFORE] = checkout_guard.snapshot(ROOT, _skipped(session.config))
+        session.config.stash[_SHALLOW] = checkout_guard.shallow(ROOT, _skipped(session.config))
+        session.config.stash[_CULPRITS] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After each test's teardown, the checkout's top two levels: the first test that added or removed a name there
+    is named in the report (a forked rank or subprocess that outlives its test may still be blamed on a later one)."""
+    yield
+    stash = item.config.stash
+    if _SHALLOW not in stash:
+        return
+    now = checkout_guard.shallow(ROOT, _skipped(item.config))
+    if now != stash[_SHALLOW]:
+        added, removed = sorted(now - stash[_SHALLOW]), sorted(stash[_SHALLOW] - now)
+        stash[_CULPRITS].append(f"{item.nodeid}: " + ", ".join([f"added {n}" for n in added] +
+                                                                [f"removed {n}" for n in removed]))
+        stash[_SHALLOW] = now
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -73,6 +93,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             terminalreporter.line(f"  {line}")
         if len(changed) > 50:
             terminalreporter.line(f"  ... and {len(changed) - 50} more")
+        culprits = config.stash.get(_CULPRITS, [])
+        if culprits:
+            terminalreporter.line("seen first after these tests:")
+            for line in culprits[:20]:
+                terminalreporter.line(f"  {line}")
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,7 @@
 """tests/checkout_guard.py, which tests/conftest.py runs around the session: what a test wrote into the checkout."""
 import os
 
-from tests.checkout_guard import changes, snapshot
+from tests.checkout_guard import changes, shallow, snapshot
 
 
 def test_changes_name_added_rewritten_and_removed_paths_but_not_caches(tmp_path):
@@ -32,3 +32,16 @@ def test_no_change_is_no_line(tmp_path):
     (tmp_path / "runs" / "tiny").mkdir(parents=True)
     (tmp_path / "runs" / "tiny" / "metrics.jsonl").write_text("{}\n")
     assert changes(snapshot(tmp_path), snapshot(tmp_path)) == []
+
+
+def test_shallow_sees_the_top_two_levels_only(tmp_path):
+    """What conftest compares after every test to name the first one that wrote into the checkout (CI's report said
+    only 'added runs/tiny' after a 35-minute session; preflight's shared-directory check had made it)."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "basetemp").mkdir()
+    before = shallow(tmp_path, skip=(tmp_path / "basetemp",))
+    (tmp_path / "runs" / "tiny" / "deep").mkdir(parents=True)
+    (tmp_path / "basetemp" / "x").mkdir()
+    (tmp_path / "__pycache__").mkdir()
+    assert shallow(tmp_path, skip=(tmp_path / "basetemp",)) - before == {"runs/tiny"}
+    assert before == {"runs"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -108,12 +109,22 @@ def test_preflight_names_unreachable_host_and_host_without_engine(tmp_path, fake
     assert error.startswith("error: host check failed on down (") and ", bare (" in error and "localhost" not in error
 
 
+def job_config(tmp_path) -> str:
+    """configs/tiny.yaml with train.out_dir in tmp_path: preflight's shared-directory check writes a token into the
+    job's out_dir on every host (tiny's runs/tiny is in the checkout)."""
+    tiny = Path("configs/tiny.yaml").read_text()
+    assert "  out_dir: runs/tiny\n" in tiny
+    config = tmp_path / "job.yaml"
+    config.write_text(tiny.replace("  out_dir: runs/tiny\n", f"  out_dir: {tmp_path / 'run'}\n"))
+    return str(config)
+
+
 def test_preflight_link_test_across_two_hosts(tmp_path, fake_ssh):
     """Two 'hosts' (both this machine through the fake ssh), one torchrun agent each: the p2p link between them
     and the all-reduce are measured and printed, labelled with the hostfile names."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
-    run = preflight("--hostfile", str(hostfile), "--ssh", fake_ssh, "--config", "configs/tiny.yaml",
+    run = preflight("--hostfile", str(hostfile), "--ssh", fake_ssh, "--config", job_config(tmp_path),
                     "--port", str(free_port()), "--size-mb", "1", "--iters", "3")
     assert run.returncode == 0, run.stdout + run.stderr
     out = run.stdout
@@ -137,7 +148,7 @@ def test_preflight_over_real_ssh(tmp_path, local_sshd):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
     run = preflight("--hostfile", str(hostfile), "--ssh", shlex.join(local_sshd.ssh_command()), "--config",
-                    "configs/tiny.yaml", "--skip-links")
+                    job_config(tmp_path), "--skip-links")
     assert run.returncode == 0, run.stdout + run.stderr
     assert any(line.startswith("ok   localhost (") for line in run.stdout.splitlines()), run.stdout
 
