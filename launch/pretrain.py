@@ -55,6 +55,7 @@ def main(argv: list[str]) -> int:
             heartbeat.step_of = lambda: trainer.step
         if ctx.rank == 0:
             cp = f" cp={ctx.size('cp')} ({cfg.parallel.cp_mode})" if ctx.size("cp") > 1 else ""
+            cp += f" ep={ctx.size('ep')}" if ctx.size("ep") > 1 else ""  # experts spread over dp x cp
             print(f"layout tp={ctx.tp} pp={ctx.pp} dp={ctx.dp}{cp} on {ctx.world_size} x {ctx.device} ({ctx.backend}); "
                   f"{trainer.micro_batches} micro-batches of {cfg.train.micro_batch_size} per step", flush=True)
         trainer.fit()

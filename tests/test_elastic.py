@@ -19,6 +19,7 @@ import pytest
 from engine.checkpoint.contents import layout_change
 from engine.checkpoint.format import CheckpointError
 from engine.checkpoint.lock import LOCK, CheckpointLock
+from tests import hosts
 from tests.dist import free_port
 from tests.test_launch import ROOT, read_losses
 from tests.test_multinode import RDZV_CONF, STEPS, Job, final_losses, train_args
@@ -53,7 +54,62 @@ def kill_for_good(job: Job, agent: subprocess.Popen) -> None:
     job.procs.remove(agent)
 
 
-@pytest.mark.slow  # two torchrun rendezvous rounds (2-4 min each on 2 cores); the lock and the line are unit-tested in CI
+def assert_shrunk(text: str, out: Path, reference: Path, before: str, after: str, why: str) -> None:
+    """Both layouts printed, the one resume line saying why, and the uninterrupted run's losses."""
+    assert f"layout {before}" in text and f"layout {after}" in text, text[-4000:]
+    line = [x for x in text.splitlines() if "resume: checkpoint step" in x]
+    assert len(line) == 1 and why in line[0], text[-4000:]
+    assert final_losses(out) == pytest.approx(read_losses(reference), rel=1e-5)
+
+
+@pytest.fixture
+def make_hosts(tmp_path):
+    yield from hosts.make_hosts_fixture(tmp_path)
+
+
+def host_agent(job: Job, host: hosts.Host, endpoint: str, args: list[str], store: bool) -> subprocess.Popen:
+    """One agent of a 1-to-2-node job on ``host``, one worker; ``store``: this host serves the rendezvous store."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "elastic",
+           "--rdzv-conf", f"{RDZV_CONF},is_host={'true' if store else 'false'}", "--max-restarts", "3", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    with (job.log_dir / f"agent{len(job.procs)}.log").open("w") as log:
+        job.procs.append(host.popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True))
+    return job.procs[-1]
+
+
+def test_survivor_host_continues_at_the_shrunk_layout(make_hosts, tmp_path):
+    """Two namespace hosts, dp 2 (one rank each), h1 serving the rendezvous store; after a checkpoint h2 dies for
+    good (every process on it, its sshd too). h1's agent restarts its worker alone: it resumes the checkpoint at
+    dp 1 with twice the accumulation, says so in one line, and the losses are an uninterrupted run's."""
+    out, ckpt, reference = tmp_path / "run", tmp_path / "ckpt", tmp_path / "reference"
+    run = subprocess.run([sys.executable, *train_args(reference), "--parallel.tp", "1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    cluster, job = make_hosts(2), Job(tmp_path)
+    h1, h2 = cluster.hosts
+    try:
+        args = train_args(out, "--parallel.tp", "1", "--checkpoint.dir", str(ckpt), "--checkpoint.every", "3",
+                          "--checkpoint.resume", "auto", "--parallel.timeout_s", "30")
+        keeper = host_agent(job, h1, f"{h1.addr}:29400", args, True)
+        gone = host_agent(job, h2, f"{h1.addr}:29400", args, False)
+        job.wait_for(lambda: (ckpt / "latest").exists(), "checkpoint", timeout=400)
+        start = time.monotonic()
+        hosts._kill_inside(h2.ns)  # the host is gone: its agent, worker and sshd
+        job.procs.remove(gone)
+        assert job.wait([keeper], timeout=600) == [0], job.output()[-4000:]
+        elapsed = time.monotonic() - start
+        text = job.output()
+    finally:
+        job.kill_all()
+    assert "hosts: h1 ranks 0, h2 ranks 1" in text, text[-4000:]
+    assert_shrunk(text, out, reference, "tp=1 pp=1 dp=2 on 2 x", "tp=1 pp=1 dp=1 on 1 x",
+                  "saved at tp1 pp1 dp2 (2 ranks); continuing at tp1 pp1 dp1 on 1 rank: the world shrank from 2 to 1")
+    print(f"survivor finished {elapsed:.0f} s after h2 died")
+
+
+@pytest.mark.slow  # 4 ranks on loopback, two rendezvous rounds (2-4 min each); CI has the two-host case above
 def test_survivor_resumes_at_the_shrunk_layout(tmp_path):
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     reference = tmp_path / "reference"
@@ -73,12 +129,8 @@ def test_survivor_resumes_at_the_shrunk_layout(tmp_path):
         text = job.output()
     finally:
         job.kill_all()
-    assert "layout tp=2 pp=1 dp=2 on 4 x" in text
-    assert "layout tp=2 pp=1 dp=1 on 2 x" in text, text[-4000:]
-    line = [x for x in text.splitlines() if "resume: checkpoint step" in x]
-    assert len(line) == 1 and "saved at tp2 pp1 dp2 (4 ranks); continuing at tp2 pp1 dp1 on 2 ranks: the world " \
-        "shrank from 4 to 2" in line[0], text[-4000:]
-    assert final_losses(out) == pytest.approx(read_losses(reference), rel=1e-5)
+    assert_shrunk(text, out, reference, "tp=2 pp=1 dp=2 on 4 x", "tp=2 pp=1 dp=1 on 2 x",
+                  "saved at tp2 pp1 dp2 (4 ranks); continuing at tp2 pp1 dp1 on 2 ranks: the world shrank from 4 to 2")
     print(f"survivor finished {elapsed:.0f} s after the kill")
 
 

@@ -135,6 +135,40 @@ def test_missing_host_at_launch_is_named(tmp_path, started, pattern):
     print(f"ranks {started} alone: ended in {elapsed:.1f} s")
 
 
+# A rank that joins the store, then fails inside init_process_group (as one whose host's gloo cannot start)
+FAILING_RANK = """import os, runpy, sys
+import torch.distributed as dist
+dist.init_process_group = lambda *args, **kwargs: os._exit(7)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_rank_failing_while_connecting_is_bounded_by_the_startup_timeout(tmp_path):
+    """Both ranks join the store; rank 1 then dies inside init_process_group. Rank 0, waiting in gloo's connect for
+    rank 1's address, exits 1 within parallel.startup_timeout_s (20 s; the heartbeat off, so only that bound acts)
+    with one line naming rank 1, not after parallel.timeout_s (600 s) with a DistStoreError traceback."""
+    wrapper = tmp_path / "failing_rank.py"
+    wrapper.write_text(FAILING_RANK)
+    port, procs = free_port(), []
+    start = time.monotonic()
+    for rank, prefix in ((1, [str(wrapper)]), (0, [])):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        args = train_args(tmp_path / str(rank), "--parallel.heartbeat_timeout_s", "0", "--parallel.startup_timeout_s",
+                          "20")
+        procs.append(subprocess.Popen([sys.executable, *prefix, *args], cwd=ROOT, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    text = procs[1].communicate(timeout=20 + BOUND_S)[0]
+    elapsed = time.monotonic() - start
+    assert procs[0].wait(timeout=60) == 7 and procs[1].returncode == 1, text[-3000:]
+    _one_error_line(text, r"^error: rank 0 on host \S+ \(127\.0\.0\.1\): the process group did not connect "
+                          r"within 20 s \(parallel\.startup_timeout_s\): rank 1 never posted its address")
+    assert "Traceback" not in text, text[-3000:]
+    assert elapsed < 20 + BOUND_S, elapsed
+    print(f"rank 1 failed while connecting: rank 0 ended in {elapsed:.1f} s")
+
+
 def _foreign_lock(directory: Path, age_s: float) -> Path:
     """A LOCK written by a job on another host, last refreshed ``age_s`` seconds ago."""
     path = directory / LOCK

@@ -31,8 +31,8 @@ def make_hosts(tmp_path):
     yield from hosts.make_hosts_fixture(tmp_path)
 
 
-def train_args(out_dir: Path, *extra: str) -> list[str]:
-    return ["launch/pretrain.py", "--config", "configs/tiny.yaml", *MODEL, "--train.steps", str(STEPS),
+def train_args(out_dir: Path, *extra: str, config: str = "configs/tiny.yaml") -> list[str]:
+    return ["launch/pretrain.py", "--config", config, *MODEL, "--train.steps", str(STEPS),
             "--train.out_dir", str(out_dir), "--parallel.timeout_s", "120", *extra]
 
 
@@ -112,7 +112,29 @@ def test_hosts_have_their_own_names_addresses_and_sshd(make_hosts):
                open(f"/proc/{h.pid}/stat").read().split()[2] == "Z" for h in cluster.hosts)
 
 
-@pytest.mark.slow  # ~100 s of launches; CI keeps the 3-host fixture and the unshared directory across hosts
+def test_deepspeed_launcher_tp2_pp2_across_two_hosts(make_hosts, tmp_path, reference):
+    """The deepspeed launcher on h1 (pdsh over ssh starts h2's share), 2 slots per host, tp 2 x pp 2: each host runs
+    its two ranks; losses and gradient norms are one process's."""
+    cluster, out = make_hosts(2), tmp_path / "run"
+    run = deepspeed_on_hosts(cluster, 2, train_args(out, "--parallel.tp", "2", "--parallel.pp", "2"), tmp_path, [])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "h1: hosts: h1 ranks 0-1, h2 ranks 2-3" in run.stdout, run.stdout[-3000:]  # pdsh prefixes the host
+    assert "layout tp=2 pp=2 dp=1 on 4 x" in run.stdout, run.stdout[-3000:]
+    assert_follows(out, reference)
+
+
+def test_torchrun_dp2_zero2_across_two_hosts(make_hosts, tmp_path, reference):
+    """torchrun multi-node: one agent per host, one rank each, dp 2 with DeepSpeed ZeRO-2 (its gradient
+    reduce-scatter and parameter all-gather cross the hosts)."""
+    cluster, out = make_hosts(2), tmp_path / "run"
+    codes, output = torchrun_on_hosts(cluster, 1, train_args(out, "--parallel.dp_mode", "zero",
+                                                             "--parallel.zero_stage", "2"), tmp_path)
+    assert codes == [0, 0], output[-3000:]
+    assert "hosts: h1 ranks 0, h2 ranks 1" in output and "layout tp=1 pp=1 dp=2 on 2 x" in output, output[-3000:]
+    assert_follows(out, reference)
+
+
+@pytest.mark.slow  # ~100 s of launches; CI has tp2 x pp2 under the deepspeed launcher
 def test_torchrun_tp2_pp2_across_two_hosts(make_hosts, tmp_path, reference):
     """torchrun multi-node: one agent per host (2 x 2 processes), tp 2 x pp 2; each host runs its two ranks."""
     cluster, out = make_hosts(2), tmp_path / "run"
@@ -121,6 +143,24 @@ def test_torchrun_tp2_pp2_across_two_hosts(make_hosts, tmp_path, reference):
     assert codes == [0, 0], output[-3000:]
     assert "hosts: h1 ranks 0-1, h2 ranks 2-3" in output and "layout tp=2 pp=2 dp=1 on 4 x" in output, output[-3000:]
     assert_follows(out, reference)
+
+
+@pytest.mark.slow  # ~1 min of launches; CI has dp 2 x ZeRO-2 across the hosts
+def test_torchrun_ep2_across_two_hosts(make_hosts, tmp_path):
+    """Expert parallelism's token all-to-all across hosts: the MoE config, ep 2 over dp 2, one rank per host;
+    losses, gradient norms and the load-balancing loss are one process's."""
+    moe = "configs/tiny-moe.yaml"
+    one = tmp_path / "one_process"
+    run = subprocess.run([sys.executable, *train_args(one, config=moe)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=LIMIT_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    cluster, out = make_hosts(2), tmp_path / "run"
+    codes, output = torchrun_on_hosts(cluster, 1, train_args(out, "--parallel.ep", "2", config=moe), tmp_path)
+    assert codes == [0, 0], output[-3000:]
+    assert "hosts: h1 ranks 0, h2 ranks 1" in output and "layout tp=1 pp=1 dp=2 ep=2 on 2 x" in output, output[-3000:]
+    assert_follows(out, records(one))
+    got, want = records(out), records(one)
+    assert [r["moe_aux_loss"] for r in got] == pytest.approx([r["moe_aux_loss"] for r in want], rel=FP32.loss)
 
 
 @pytest.mark.slow  # minutes of launches across the hosts; CI keeps tp2 x pp2 and the unshared directory

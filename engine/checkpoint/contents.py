@@ -147,8 +147,10 @@ def layout_change(index: dict, cfg, ctx) -> str | None:
     before, after = saved.get("world_size") or math.prod(saved.get(a, 1) for a in axes), now["world_size"]
     why = (f"the world {'shrank' if after < before else 'grew'} from {before} to {after}" if before != after else
            "parallel.tp, pp, dp or cp differ from the checkpoint's run")
-    return (f"resume: checkpoint step {index['step']} was saved at {named(saved)} ({before} ranks); continuing at "
-            f"{named(now)} on {after} ranks: {why}")
+    def ranks(n: int) -> str:
+        return f"{n} rank{'s' * (n != 1)}"
+    return (f"resume: checkpoint step {index['step']} was saved at {named(saved)} ({ranks(before)}); continuing at "
+            f"{named(now)} on {ranks(after)}: {why}")
 
 
 def check_model(path: Path, index: dict, model_cfg) -> None:

@@ -13,6 +13,7 @@ bounded by it) and given ``parallel.timeout_s`` for its collectives afterwards (
 from __future__ import annotations
 
 import os
+import re
 import time
 from datetime import timedelta
 
@@ -97,6 +98,20 @@ def _missing_line(ours, world: int, timeout_s: float) -> str:
     return (f"ranks {_ranges(missing)}{_nodes(missing)} of {world} did not join within {timeout_s:.0f} s "
             f"(parallel.startup_timeout_s): their host is down, unreachable or did not start them; joined: "
             f"{describe_ranks(present, hosts)}")
+
+
+def connect_failed(error: Exception, rank: int, timeout_s: float) -> StartupError:
+    """The one line for a process group that did not connect within ``timeout_s`` after every rank joined the store:
+    a rank died or hung inside ``init_process_group`` (its host's gloo/NCCL could not start, or its network is cut),
+    so the others wait for its address. torch says "wait timeout after 20000ms, keys: /default_pg/0/0//cpu//0/1",
+    whose last number is the rank waited for."""
+    text = str(error).strip()
+    waited = re.search(r"keys: \S*/(\d+)(?!\S)", text)  # greedy: the key's last number
+    who = f"rank {waited.group(1)}" if waited else "a rank"
+    first = text.splitlines()[0] if text else type(error).__name__
+    return StartupError(f"rank {rank} on host {host_name()}: the process group did not connect within "
+                        f"{timeout_s:.0f} s (parallel.startup_timeout_s): {who} never posted its address (it failed "
+                        f"while connecting, or its host is unreachable) ({first})")
 
 
 def default_store(store):

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from engine.cluster.netcheck import check_addresses, init_checked
+from engine.cluster.startup import connect_failed
 from engine.config import Config, ConfigError
 from engine.parallel.mesh import DATA_AXES, MODEL_PARALLEL, Mesh
 from engine.parallel.support import Layout, resolve_layout
@@ -222,8 +223,12 @@ class ParallelContext:
                                         **bound)
             elif store is not None:
                 check_addresses(store, rank, world)  # as init_checked does, on the store every rank joined
-                dist.init_process_group(backend, store=store, rank=rank, world_size=world, **bound,
-                                        timeout=datetime.timedelta(seconds=cfg.parallel.startup_timeout_s))
+                startup = cfg.parallel.startup_timeout_s
+                try:
+                    dist.init_process_group(backend, store=store, rank=rank, world_size=world, **bound,
+                                            timeout=datetime.timedelta(seconds=startup))
+                except (RuntimeError, dist.DistError) as e:  # a peer that joined the store but never connected
+                    raise connect_failed(e, rank, startup) from None
                 dist.distributed_c10d._set_pg_timeout(timeout)
             else:
                 # the hosts' addresses checked before gloo connects to them (engine/cluster/netcheck.py)
