@@ -3,7 +3,7 @@
 CI runs the covering subset of the matrix (every pair of factor values that a supported combination has appears in
 at least one run, clipping on and off), the offload slice (matrix.offload_slice), every refusal, and the resume
 scenarios. `python -m tests.parity --full`
-runs every supported combination (see the README's "What is proven").
+runs every supported combination (see docs/proofs.md, "What is proven").
 
 Tolerances (tests/parity/runner.py, one place): fp32 loss and pre-clip grad norm rel <= 1e-5 at every step, every
 final parameter within 1e-3 of its 4-step update (relative L2). bf16 runs are compared with the bf16 single

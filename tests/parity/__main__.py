@@ -2,7 +2,7 @@
 
     python -m tests.parity --list                   # the combinations, the CI subset and the refusals; runs nothing
     python -m tests.parity                          # the CI covering subset and offload slice (what `pytest` runs)
-    python -m tests.parity --full --write-readme    # every supported combination; refreshes the README table
+    python -m tests.parity --full --write-readme    # every supported combination; refreshes docs/proofs.md's table
     python -m tests.parity --full --rerun-failed --write-readme   # only what failed or is missing in the last run
     python -m tests.parity --full --match zero_bubble --match=-sp  # a slice: names containing every --match
 
@@ -30,14 +30,15 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.parity", description=__doc__.splitlines()[0])
     ap.add_argument("--full", action="store_true", help="every supported combination, not the CI subset")
     ap.add_argument("--list", action="store_true", help="print the combinations and exit")
-    ap.add_argument("--write-readme", action="store_true", help="replace the README's 'What is proven' table")
+    ap.add_argument("--write-readme", action="store_true",
+                    help=f"replace the 'What is proven' table of {report.TABLE_FILE}")
     ap.add_argument("--match", action="append", default=[],
                     help="only combinations whose name contains this text (repeatable: every text)")
     ap.add_argument("--rerun-failed", action="store_true",
                     help="keep the passed results of the last run's file; run the failed and missing ones")
     args = ap.parse_args(argv)
     if args.write_readme and (not args.full or args.match):
-        ap.error("--write-readme needs --full without --match: the README table counts every combination")
+        ap.error("--write-readme needs --full without --match: the 'What is proven' table counts every combination")
     combos = matrix.full_matrix() if args.full else matrix.ci_combos()
     combos = [c for c in combos if all(m in c.name for m in args.match)]
     if args.list:
@@ -70,7 +71,7 @@ def main(argv: list[str]) -> int:
     print(f"{time.time() - start:.0f} s")
     if args.write_readme:
         command = "python -m tests.parity --full" + (" --rerun-failed" if args.rerun_failed else "") + " --write-readme"
-        report.write_readme(ROOT / "README.md", report.readme_section(results, command, report.commits(path)))
+        report.write_readme(ROOT / report.TABLE_FILE, report.readme_section(results, command, report.commits(path)))
     return 1 if failed else 0
 
 

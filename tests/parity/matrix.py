@@ -146,7 +146,7 @@ def all_combos(clip: tuple[bool, ...] = (False, True)) -> list[Combo]:
     return sorted(out)
 
 
-# Refusals, in the order the engine checks them. Each is (reason shown in the README, words the error must hold).
+# Refusals, in the order the engine checks them. Each is (reason shown in docs/proofs.md, words the error must hold).
 TIED_ZERO_PP = ("ZeRO-2/3, or bf16 ZeRO-1, with tied embeddings across pipeline stages: the two copies' gradients "
                 "must be summed before DeepSpeed reduces them, which only fp32 ZeRO-1 allows",
                 "model.tie_embeddings=true is not supported")

@@ -1,4 +1,5 @@
-"""Tables of parity results: one line per combination (printed), and per family (the README's "What is proven")."""
+"""Tables of parity results: one line per combination (printed), and per family (the "What is proven" table of
+docs/proofs.md, which ``--write-readme`` rewrites; the README links to it)."""
 from __future__ import annotations
 
 import datetime
@@ -13,6 +14,7 @@ from tests.parity import runner
 from tests.parity.runner import Outcome
 
 BEGIN, END = "<!-- parity-table:begin -->", "<!-- parity-table:end -->"
+TABLE_FILE = "docs/proofs.md"  # the file holding the BEGIN ... END block, relative to the repository root
 REASONS = {matrix.TIED_ZERO_PP[1]: "a", matrix.ZERO3_PP[1]: "b"}
 
 
