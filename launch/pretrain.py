@@ -39,12 +39,11 @@ def start_cluster(cfg):
 
 
 def main(argv: list[str]) -> int:
+    cfg = load(argv)  # before the trainer's imports (torch._dynamo among them): a bad config is one line in ~2 s
+    from engine.model.hf_init import adopt_shape
     from engine.parallel.context import ParallelContext, destroy
     from engine.trainer import Trainer, TrainingAborted
 
-    from engine.model.hf_init import adopt_shape
-
-    cfg = load(argv)
     adopt_shape(cfg)  # --model.init_from HF_DIR: the folder's model shape, before the layout is checked
     store, heartbeat = start_cluster(cfg)
     finished = False

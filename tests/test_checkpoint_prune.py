@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 from engine.checkpoint.publish import publish, staging_dir
+from tests.cli import run_script
 from tests.test_checkpoint import SAME, SMALL, assert_curves
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,9 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def pretrain(out_dir: Path, ckpt: Path, *args: str) -> subprocess.CompletedProcess:
     """One process of launch/pretrain.py on SMALL's model, its metrics in ``out_dir``."""
-    return subprocess.run([sys.executable, "launch/pretrain.py", *SMALL, "--train.out_dir", str(out_dir),
-                           "--checkpoint.dir", str(ckpt), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    return run_script("launch/pretrain.py", *SMALL, "--train.out_dir", out_dir, "--checkpoint.dir", ckpt, *args,
+                      timeout=600)  # a fork of the test process (tests/cli.py): the script as a user runs it
 
 
 def losses(out_dir: Path) -> dict[int, float]:

@@ -8,18 +8,21 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli import run_script
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def pretrain(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "launch/pretrain.py", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    """launch/pretrain.py in a fork of the test process (tests/cli.py); test_short_run_writes_metrics starts a
+    real interpreter."""
+    return run_script("launch/pretrain.py", *args, timeout=timeout)
 
 
 def test_short_run_writes_metrics(tmp_path):
     """The README's quick start, shortened: metrics, and the checkpoint of the last step, which it names."""
-    out = pretrain("--config", "configs/tiny.yaml", "--train.steps", "3", "--train.out_dir", str(tmp_path),
-                   "--checkpoint.dir", str(tmp_path / "checkpoints"))
+    out = subprocess.run([sys.executable, "launch/pretrain.py", "--config", "configs/tiny.yaml", "--train.steps", "3",
+                          "--train.out_dir", str(tmp_path), "--checkpoint.dir", str(tmp_path / "checkpoints")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]

@@ -22,7 +22,7 @@ from engine.checkpoint.lock import LOCK, CheckpointLock
 from tests import hosts
 from tests.dist import free_port
 from tests.test_launch import ROOT, read_losses
-from tests.test_multinode import RDZV_CONF, STEPS, Job, final_losses, train_args
+from tests.test_multinode import RDZV_CONF, Job, final_losses, train_args
 
 
 def elastic_agent(port: int, args: list[str], host_store: bool, restarts: int = 3) -> list[str]:

@@ -1,0 +1,87 @@
+"""A launcher script run as a user runs it, ``python launch/X.py ARGS``, in a fork of the test process.
+
+A fresh interpreter spends ~3 s (idle) to ~10 s (loaded 2-core machine) importing torch and the engine before a
+bad-config test reaches its one line; the suite ran over a hundred such processes. The fork already holds those
+imports. The script still runs whole as ``__main__`` (``runpy``), with its own argv, working directory and
+environment, writing to its own stdout and stderr, and ending with its own exit status (``sys.exit`` or the
+``os._exit`` of launch/pretrain.py; an uncaught exception prints its traceback and exits 1, as python does), so a
+test sees what the user would. What a fork cannot show, the interpreter's start-up and the script's module-level
+imports in a clean process, the tests that start real processes (launchers, multi-rank jobs) still cover.
+
+Forking is safe here for the reasons tests/dist.py's forked ranks are: the session runs torch with one thread
+(tests/conftest.py) and never initialises torch.distributed in the pytest process.
+"""
+from __future__ import annotations
+
+import io
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _child(script: str, args: list[str], cwd: Path, env: dict | None, out: int, err: int) -> None:
+    """In the fork: become ``python script args`` and never return."""
+    code = 1
+    try:
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
+        sys.stdin = io.TextIOWrapper(io.FileIO(os.open(os.devnull, os.O_RDONLY), "r"))
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.chdir(cwd)
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        sys.argv = [script, *args]
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001  what python prints for an uncaught exception, then exit status 1
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+def run_script(script: str, *args, cwd: Path = ROOT, env: dict | None = None,
+               timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python script args`` (``script`` relative to ``cwd``) in a fork; what ``subprocess.run(...,
+    capture_output=True, text=True)`` returns. The fork is killed, and TimeoutExpired raised, after ``timeout``."""
+    args = [str(a) for a in args]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(script, args, Path(cwd), env, out.fileno(), err.fileno())
+        deadline = time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise subprocess.TimeoutExpired([sys.executable, script, *args], timeout)
+            time.sleep(0.02)
+        code = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess([sys.executable, script, *args], code,
+                                           out.read().decode(errors="replace"), err.read().decode(errors="replace"))
