@@ -31,6 +31,7 @@ from engine.checkpoint.checkpointer import Checkpointer, CheckpointError
 from engine.config import ConfigError, load
 from engine.parallel.context import ParallelContext
 from engine.trainer import Trainer
+from tests.cli import run_script
 from tests.dist import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -230,9 +231,8 @@ def test_pretrain_sigterm_saves_and_exits_0_and_a_bad_path_exits_2(tmp_path):
     assert proc.returncode == 0, out[-2000:]
     steps = len(metrics.read_text().splitlines())
     assert (tmp_path / "c" / "latest").read_text().strip() == f"step_{steps:06d}", out[-2000:]
-    bad = subprocess.run([sys.executable, "launch/pretrain.py", *SMALL, "--train.out_dir", str(tmp_path),
-                          "--checkpoint.resume", str(tmp_path / "missing")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    bad = run_script("launch/pretrain.py", *SMALL, "--train.out_dir", tmp_path, "--checkpoint.resume",
+                     tmp_path / "missing", timeout=120)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1].startswith("error: checkpoint.resume"), bad.stderr[-2000:]
     shutil.rmtree(tmp_path / "c")

@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.checkpoint.format import file_crc32
+from tests.cli import run_script
 from tests.dist import run_ranks
 from tests.test_checkpoint import SAME, SMALL, assert_curves
 
@@ -227,14 +228,11 @@ def metrics(out_dir: Path) -> dict[int, dict]:
 def test_a_dense_resume_inside_warmup_equals_the_uninterrupted_run(tmp_path):
     warm = [*SMALL, "--train.steps", "6", "--train.warmup_steps", "8", "--checkpoint.every", "3",
             "--checkpoint.keep", "0", "--checkpoint.dir", str(tmp_path / "ckpt")]
-    straight = subprocess.run([sys.executable, "launch/pretrain.py", *warm, "--checkpoint.resume", "none",
-                               "--train.out_dir", str(tmp_path / "straight")], cwd=ROOT, capture_output=True,
-                              text=True, timeout=600)
+    straight = run_script("launch/pretrain.py", *warm, "--checkpoint.resume", "none", "--train.out_dir",
+                          tmp_path / "straight", timeout=600)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    resumed = subprocess.run([sys.executable, "launch/pretrain.py", *warm, "--checkpoint.dir", str(tmp_path / "c2"),
-                              "--checkpoint.resume", str(tmp_path / "ckpt" / "step_000003"),
-                              "--train.out_dir", str(tmp_path / "resumed")], cwd=ROOT, capture_output=True,
-                             text=True, timeout=600)
+    resumed = run_script("launch/pretrain.py", *warm, "--checkpoint.dir", tmp_path / "c2", "--checkpoint.resume",
+                         tmp_path / "ckpt" / "step_000003", "--train.out_dir", tmp_path / "resumed", timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     want, got = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
     assert sorted(got) == [4, 5, 6], sorted(got)

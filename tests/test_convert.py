@@ -9,8 +9,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ import torch
 from engine.config import load
 from engine.parallel.context import ParallelContext
 from engine.trainer import Trainer
+from tests.cli import run_script
 from tests.dist import run_ranks
 from tests.test_checkpoint import SMALL, run_phases
 
@@ -66,8 +65,8 @@ def hf_source(folder: Path) -> None:
     tokenizer. (The pytest process runs torch single-threaded (conftest.py), so this is safe before forking.)"""
     import transformers
 
-    from engine.model import hf
     from engine.data.dataset import load_tokenizer
+    from engine.model import hf
 
     torch.manual_seed(1)
     transformers.LlamaForCausalLM(hf.hf_config(load(TIED).model)).save_pretrained(str(folder))
@@ -87,8 +86,7 @@ def test_export_then_import_round_trip(tmp_path):
               ("train", [*run, *tp2pp2])]
     _, from_import = run_ranks(run_phases, 4, phases)[0]
 
-    cli = subprocess.run([sys.executable, "launch/convert.py", "export", str(ckpt), str(exported),
-                          "--max-shard-size", "400KB"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    cli = run_script("launch/convert.py", "export", ckpt, exported, "--max-shard-size", "400KB")
     assert cli.returncode == 0, cli.stderr[-2000:]
     shards = json.loads((exported / "model.safetensors.index.json").read_text())["weight_map"]
     assert len(set(shards.values())) > 1 and "lm_head.weight" not in shards  # sharded; the head is tied
@@ -103,8 +101,7 @@ def test_export_then_import_round_trip(tmp_path):
 
 
 def test_convert_errors_exit_2_with_one_line(tmp_path):
-    bad = subprocess.run([sys.executable, "launch/convert.py", "import", str(tmp_path / "nope"), str(tmp_path / "c")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    bad = run_script("launch/convert.py", "import", tmp_path / "nope", tmp_path / "c", timeout=120)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [f"error: {tmp_path / 'nope'} is not a Hugging Face model folder: "
                                                f"{tmp_path / 'nope' / 'config.json'} is missing"]

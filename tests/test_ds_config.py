@@ -14,6 +14,7 @@ import pytest
 
 from engine.config import ConfigError, load
 from engine.parallel.dp.zero import ds_config
+from tests.cli import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 ZERO2 = ["--parallel.dp_mode", "zero", "--parallel.zero_stage", "2"]
@@ -101,9 +102,8 @@ def test_overlap_comm_is_refused_at_zero_1_in_one_line(tmp_path, stage, value, w
 def test_overlap_comm_at_zero_1_exits_2_with_one_line_from_the_launcher(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text('{"zero_optimization": {"overlap_comm": true}}')
-    out = subprocess.run([sys.executable, "launch/pretrain.py", "--config", "configs/tiny.yaml", "--parallel.dp_mode",
-                          "zero", "--parallel.zero_stage", "1", "--parallel.ds_config", str(path), "--train.out_dir",
-                          str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = run_script("launch/pretrain.py", "--config", "configs/tiny.yaml", "--parallel.dp_mode", "zero",
+                     "--parallel.zero_stage", "1", "--parallel.ds_config", path, "--train.out_dir", tmp_path / "run")
     assert out.returncode == 2, out.stderr[-3000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "overlap_comm" in errors[0] and "Traceback" not in out.stderr, out.stderr[-3000:]

@@ -13,8 +13,6 @@ For each family a tiny random model built by transformers itself (from a config 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,14 +20,14 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from engine.model import families
-from engine.model import hf
-from engine.model import transformer as model_lib
 from engine.config import load
 from engine.data.dataset import load_tokenizer
+from engine.model import families, hf
+from engine.model import transformer as model_lib
 from engine.parallel.comm import gather_from_parallel
 from engine.parallel.context import ParallelContext
 from engine.trainer import Trainer
+from tests.cli import run_script
 from tests.dist import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,8 +136,7 @@ def hf_source(family: str, folder: Path) -> transformers.PreTrainedModel:
 def test_import_tp2_pp2_train_export(family, tmp_path):
     src, imported, ckpt, exported = (tmp_path / n for n in ("src", "imported", "ckpt", "exported"))
     source = hf_source(family, src)
-    cli = subprocess.run([sys.executable, "launch/convert.py", "import", str(src), str(imported)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    cli = run_script("launch/convert.py", "import", src, imported)
     assert cli.returncode == 0, cli.stderr[-2000:]
     with torch.no_grad():
         want = source(ids()).logits
@@ -170,8 +167,7 @@ def test_import_tp2_pp2_train_export(family, tmp_path):
 def test_unsupported_architecture_is_one_line_exit_2(tmp_path):
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    cli = subprocess.run([sys.executable, "launch/convert.py", "import", str(tmp_path / "src"),
-                          str(tmp_path / "ckpt")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    cli = run_script("launch/convert.py", "import", tmp_path / "src", tmp_path / "ckpt", timeout=120)
     assert cli.returncode == 2
     assert cli.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'src'}: architecture GPT2LMHeadModel is not supported; import handles "

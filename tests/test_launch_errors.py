@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli import run_script
 from tests.dist import free_port
 from tests.test_bad_steps import SMALL
 
@@ -28,6 +29,10 @@ def _one_error_line(out: subprocess.CompletedProcess, needle: str, launcher: boo
 
 
 def _pretrain(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """launch/pretrain.py in a fork of the test process (tests/cli.py), or in a new interpreter where ``env`` must
+    act at its start (PYTHONPATH)."""
+    if env is None:
+        return run_script("launch/pretrain.py", *args, timeout=300)
     return subprocess.run([sys.executable, "launch/pretrain.py", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env=env)
 

@@ -14,8 +14,6 @@ to 1 and 0, which would hide a dropped one).
 """
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,11 +21,11 @@ import torch
 import transformers
 
 from engine.config import ConfigError, load
-from engine.model import families
-from engine.model import hf
+from engine.model import families, hf
 from engine.model import transformer as model_lib
-from tests.dist import run_ranks
 from tests import test_families as families_test
+from tests.cli import run_script
+from tests.dist import run_ranks
 from tests.test_families import ids, layout_logits, max_rel, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,8 +118,7 @@ def test_import_train_export_at_layout(family, layout, tmp_path):
     src, imported, exported = tmp_path / "src", tmp_path / "imported", tmp_path / "exported"
     source = hf_model(family)
     source.save_pretrained(str(src))
-    cli = subprocess.run([sys.executable, "launch/convert.py", "import", str(src), str(imported)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    cli = run_script("launch/convert.py", "import", src, imported)
     assert cli.returncode == 0, cli.stderr[-2000:]
     with torch.no_grad():
         want = source(ids()).logits

@@ -3,7 +3,6 @@ rolled-back steps of a crash, and launch/plot.py's picture of several runs."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from engine.config import load
 from engine.metrics.logger import MetricsLogger
 from engine.parallel.context import ParallelContext
 from engine.trainer import Trainer
+from tests.cli import run_script
 from tests.dist import run_ranks
 from tests.test_bad_steps import SMALL
 
@@ -95,11 +95,9 @@ def test_plot_draws_every_run(tmp_path):
     legends = [[t.get_text() for t in ax.get_legend().get_texts()] for ax in fig.axes if ax.get_legend()]
     assert legends[0] == ["tiny (train)", "tiny (eval)", "tp2 (train)", "tp2 (eval)"]
     assert all(labels == ["tiny", "tp2"] for labels in legends[1:]) and len(legends) == 5
-    out = subprocess.run([sys.executable, "launch/plot.py", str(tmp_path / "tiny"), str(tmp_path / "tp2"), "-o",
-                          str(tmp_path / "cli.png")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = run_script("launch/plot.py", tmp_path / "tiny", tmp_path / "tp2", "-o", tmp_path / "cli.png", timeout=120)
     assert out.returncode == 0 and (tmp_path / "cli.png").is_file(), out.stderr
-    missing = subprocess.run([sys.executable, "launch/plot.py", str(tmp_path / "nope")], cwd=ROOT,
-                             capture_output=True, text=True, timeout=120)
+    missing = run_script("launch/plot.py", tmp_path / "nope", timeout=120)
     assert missing.returncode == 2 and missing.stderr.startswith("error: ") and "Traceback" not in missing.stderr
 
 

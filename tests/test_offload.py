@@ -10,14 +10,13 @@ parameters 1e-3 of their update, parity's FP32 tolerance (tests/parity/runner.py
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from engine.config import ConfigError, load
 from engine.planning.planner import model_state_parts, stage_memory
+from tests.cli import run_script
 from tests.parity import runner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,8 +66,7 @@ def test_offload_optimizer_choice_is_the_engines(tmp_path):
 
 def test_refusal_reaches_the_command_line_as_one_line_exit_2(tmp_path):
     path = _file(tmp_path, {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}})
-    out = subprocess.run([sys.executable, "launch/pretrain.py", *BASE, *ZERO, "2", "--parallel.ds_config", path],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = run_script("launch/pretrain.py", *BASE, *ZERO, "2", "--parallel.ds_config", path)
     assert out.returncode == 2, out.stderr[-2000:]
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "NVMe offload is not supported" in lines[0], out.stderr[-2000:]

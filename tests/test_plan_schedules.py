@@ -4,8 +4,6 @@ simulator's, and the search offers interleaved and zero-bubble layouts that reso
 check of the new schedules' memory is tests/test_planner.py's NEW_SCHEDULE_LAYOUTS (waits for the executor)."""
 import functools
 import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from engine.planning import activations as acts
 from engine.planning import schedules
 from engine.planning.planner import stage_memory, with_layout
 from engine.planning.search import Hardware, search, stage_cost, step_time
+from tests.cli import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 # Free transfers and all-reduces: every virtual stage then costs exactly 1/v of a stage.
@@ -240,9 +239,8 @@ def test_plan_cli_prints_the_schedule_bubble_and_activations(capsys):
 
 
 def test_plan_cli_bad_virtual_stages_exits_2_with_one_line():
-    result = subprocess.run([sys.executable, "launch/plan.py", "--config", "configs/tiny.yaml", "--world-size", "4",
-                             "--device-memory", "1", "--parallel.virtual_stages", "2"],
-                            cwd=ROOT, capture_output=True, text=True)
+    result = run_script("launch/plan.py", "--config", "configs/tiny.yaml", "--world-size", "4", "--device-memory", "1",
+                        "--parallel.virtual_stages", "2")
     assert result.returncode == 2
     # the refusal comes from the search, which on a busy machine may outlast plan.py's progress interval
     assert [line for line in result.stderr.strip().splitlines() if not line.startswith("plan: searching ")] == [

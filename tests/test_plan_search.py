@@ -3,17 +3,16 @@ Step times are checked against figures computed by hand from the documented mode
 measurement in tests/test_planner.py."""
 import importlib.util
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from engine.config import load
-from engine.planning.search import Hardware, layouts, search, step_time
 from engine.planning.planner import with_layout
 from engine.planning.schedules import SEARCHED
+from engine.planning.search import Hardware, layouts, search, step_time
+from tests.cli import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 HW = Hardware(peak_tflops=100.0, efficiency=0.5, intra_node_gbps=100.0, latency_us=0.0)
@@ -102,8 +101,7 @@ def test_cli_table_json_and_errors(capsys):
 
 
 def test_cli_exits_2_with_one_line():
-    result = subprocess.run([sys.executable, "launch/plan.py", "--config", "configs/tiny.yaml", "--world-size", "4"],
-                            cwd=ROOT, capture_output=True, text=True)
+    result = run_script("launch/plan.py", "--config", "configs/tiny.yaml", "--world-size", "4")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["error: the following arguments are required: --device-memory"]
 
