@@ -28,7 +28,7 @@ def start_cluster(cfg):
     import torch.distributed as dist
     from engine.cluster.heartbeat import Heartbeat
     from engine.cluster.startup import default_store, join
-    from engine.parallel.context import env_rank_info
+    from engine.parallel.layout.context import env_rank_info
 
     rank, world, _ = env_rank_info()
     if world == 1 or dist.is_initialized():
@@ -39,7 +39,7 @@ def start_cluster(cfg):
 
 
 def main(argv: list[str]) -> int:
-    from engine.parallel.context import ParallelContext, destroy
+    from engine.parallel.layout.context import ParallelContext, destroy
     from engine.trainer import Trainer, TrainingAborted
 
     from engine.model.hf_init import adopt_shape

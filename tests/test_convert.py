@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.config import load
-from engine.parallel.context import ParallelContext
+from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks
 from tests.test_checkpoint import SMALL, run_phases

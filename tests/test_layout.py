@@ -1,7 +1,7 @@
 """The architecture rules of docs/architecture.md, read from the source (no imports, no processes; well under a
 second): no import circle among engine modules, no engine file over 300 lines, the library never imports the
 launchers or the tests (a harness inside the library is what issue 13 took out of it), and nothing but
-engine/parallel/mesh.py indexes the rank mesh by position (issue 25: axes are asked for by name)."""
+engine/parallel/layout/mesh.py indexes the rank mesh by position (issue 25: axes are asked for by name)."""
 from __future__ import annotations
 
 import ast
@@ -129,7 +129,7 @@ def test_engine_imports_neither_launch_nor_tests():
     assert bad == []
 
 
-MESH_MODULE = "engine/parallel/mesh.py"
+MESH_MODULE = "engine/parallel/layout/mesh.py"
 # Positional use of the rank mesh: DeviceMesh's rank tensor (mesh.mesh), a mesh subscripted by an index or slice,
 # a mesh dimension asked for by number (get_group(0), get_local_rank(1), size(2) on a mesh).
 POSITIONAL_MESH = re.compile(r"\bmesh\.mesh\b|\bmesh\[\s*[-\d:(]|\bmesh\.(get_group|get_local_rank|size)\(\s*\d")
@@ -151,4 +151,4 @@ def test_no_positional_mesh_indexing_outside_the_mesh_module():
     assert files, "no sources found"
     bad = {str(p.relative_to(ROOT)): found for p in files if str(p.relative_to(ROOT)) != MESH_MODULE
            and (found := positional_mesh_uses(p.read_text(encoding="utf-8")))}
-    assert bad == {}, "index the mesh by axis name (ctx.group, ctx.axis_rank, ctx.ranks_along: engine/parallel/mesh.py)"
+    assert bad == {}, "index the mesh by axis name (ctx.group, ctx.axis_rank, ctx.ranks_along: engine/parallel/layout/mesh.py)"

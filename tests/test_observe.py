@@ -11,7 +11,7 @@ import pytest
 
 from engine.config import load
 from engine.metrics.logger import MetricsLogger
-from engine.parallel.context import ParallelContext
+from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks
 from tests.test_bad_steps import SMALL

@@ -2,7 +2,7 @@
 
 Two one-line questions asked by the optimizer (norms), ZeRO (DeepSpeed's tp tags), initialisation and checkpoints.
 They live here, in a leaf module that imports nothing from the engine, so that any of those can ask them without
-an import circle (engine/parallel/tensor.py, which sets ``tp_dims``, imports comm and the model side; the context
+an import circle (engine/parallel/tp/layers.py, which sets ``tp_dims``, imports comm and the model side; the context
 is about process groups, not parameters).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def tp_dim(module: nn.Module, attr: str) -> int | None:
     """The dim along which ``module.<attr>`` is split over the tp group (the module's ``tp_dims`` record, set by
-    engine/parallel/tensor.py), or None when every tp rank holds all of it: a replicated parameter (a norm), or
+    engine/parallel/tp/layers.py), or None when every tp rank holds all of it: a replicated parameter (a norm), or
     tp = 1. A module naming its own Hugging Face tensors (``hf_blocks``: stacked experts) gives the dim of each of
     those (a per-expert (ffn, h) gate is split along 0, its (h, ffn) down along 1), the terms parts are cut in."""
     if getattr(module, "tp_size", 1) <= 1:
