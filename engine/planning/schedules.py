@@ -34,7 +34,7 @@ from functools import lru_cache
 from engine.config import Config
 from engine.parallel.pp import schedule as sched
 from engine.parallel.pp.actions import Op, max_in_flight, virtual_stage
-from engine.parallel.pp.split import stage_layer_ranges
+from engine.parallel.pp.split import chunk_layer_ranges, stage_layer_ranges
 from engine.planning import activations as acts
 from engine.planning.balance import layer_counts
 
@@ -65,14 +65,15 @@ def label(schedule: str, v: int) -> str:
 
 def rank_chunks(cfg: Config, pp: int, stage: int) -> list[tuple[int, int]]:
     """(virtual stage, layer count) of each model chunk rank ``stage`` holds, rank-local chunk c at index c.
-    Interleaved: virtual stage g = c*pp + stage holds num_layers/(pp*v) layers (the split of
-    engine/parallel/pp/split.py's chunk_layer_ranges), zbv: g = stage and 2pp-1-stage; otherwise one chunk, the
-    stage's layers."""
+    Interleaved: virtual stage g = c*pp + stage holds num_layers/(pp*v) layers, zbv: g = stage and 2pp-1-stage
+    (engine/parallel/pp/split.py chunk_layer_ranges, the split the stage module is cut by); otherwise one chunk,
+    the stage's layers."""
     v = virtual_stages(cfg)
     if v == 1:
         return [(stage, len(stage_layer_ranges(cfg.model.num_layers, pp, layer_counts(cfg, pp))[stage]))]
-    n = cfg.model.num_layers // (pp * v)
-    return [(virtual_stage(pp, stage, c, sched.SCHEDULES[cfg.parallel.schedule].vshape), n) for c in range(v)]
+    vshape = sched.SCHEDULES[cfg.parallel.schedule].vshape
+    ranges = chunk_layer_ranges(cfg.model.num_layers, pp, v, vshape)[stage]
+    return [(virtual_stage(pp, stage, c, vshape), len(r)) for c, r in enumerate(ranges)]
 
 
 def chunk_bytes(cfg: Config, tp: int, pp: int, stage: int) -> list[float]:
