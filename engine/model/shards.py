@@ -1,9 +1,9 @@
 """What part of a parameter this rank holds: its tensor-parallel cut and the local shard of an FSDP DTensor.
 
 Two one-line questions asked by the optimizer (norms), ZeRO (DeepSpeed's tp tags), initialisation and checkpoints.
-They live here, in a leaf module that imports nothing from the engine, so that any of those can ask them without
-an import circle (engine/parallel/tp/layers.py, which sets ``tp_dims``, imports comm and the model side; the context
-is about process groups, not parameters).
+They live with the model, in a leaf module that imports nothing from the engine, so that any of those can ask them
+without an import circle and initialisation (engine/model/init.py) without importing parallel/: the answers are
+records on the modules (``tp_dims``, ``tp_size``, set by engine/parallel/tp/layers.py), not process groups.
 """
 from __future__ import annotations
 
