@@ -88,8 +88,8 @@ class ParallelConfig:
     powersgd_rank: int = 4
     powersgd_warmup_steps: int = 10
     reshard_after_forward: str = "auto"  # fsdp: true (ZeRO-3) | false (keep gathered to backward) | auto (pp == 1)
-    # 1f1b | gpipe | interleaved (virtual_stages model chunks per rank) | zero_bubble (ZB-H1; engine/parallel/schedule.py)
-    # | zbv (ZB-V: 2 chunks per rank in a V, implied; engine/parallel/schedule_zbv.py)
+    # 1f1b | gpipe | interleaved (virtual_stages model chunks per rank) | zero_bubble (ZB-H1; engine/parallel/pp/schedule.py)
+    # | zbv (ZB-V: 2 chunks per rank in a V, implied; engine/parallel/pp/schedules/zbv.py)
     schedule: str = "1f1b"
     virtual_stages: int = 1  # interleaved: model chunks per rank (>= 2); layers split into pp * virtual_stages chunks
     # Megatron's sequence parallelism (Korthikanti et al. 2022): norms and residual stream sharded over tp on the
@@ -136,7 +136,7 @@ class TrainConfig:
     max_bad_steps: int = 5
     seed: int = 1234
     dtype: str = "fp32"  # fp32 | bf16 (autocast; weights, grads and optimizer state stay fp32)
-    tf32: bool = True  # CUDA only: fp32 matmuls on TF32 tensor cores (engine/parallel/context.py apply_tf32)
+    tf32: bool = True  # CUDA only: fp32 matmuls on TF32 tensor cores (engine/parallel/layout/context.py apply_tf32)
     # Recompute in backward instead of keeping activations: none | full (keep each block's input) | selective
     # (keep matmul outputs, recompute norms/attention/elementwise; engine/model/recompute.py). true/false: full/none.
     activation_checkpointing: str = "none"

@@ -1,5 +1,5 @@
 """Checks of a loaded configuration that need no world size (the layout is checked by
-engine/parallel/support.py ``resolve_layout``): choices, ranges, divisibility, the family-specific model keys.
+engine/parallel/layout/checks.py ``resolve_layout``): choices, ranges, divisibility, the family-specific model keys.
 Every failure is a one-line :class:`ConfigError` naming the key, its value and what would be valid."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from engine.config_types import explicit_head_dim
 from engine.errors import ConfigError
 from engine.parallel import dp
-from engine.parallel.schedule import SCHEDULES
+from engine.parallel.pp.schedule import SCHEDULES
 
 if TYPE_CHECKING:
     from engine.config import Config
@@ -45,7 +45,7 @@ def _positive(cfg: Config, keys: list[str]) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Checks that need no world size; the layout is checked by engine/parallel/support.py."""
+    """Checks that need no world size; the layout is checked by engine/parallel/layout/checks.py."""
     for dotted, valid in choices().items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.config import TrainConfig
-from engine.parallel.shards import local as _local, tp_dim
+from engine.model.shards import local as _local, tp_dim
 
 
 def unique_params(model: nn.Module):
@@ -88,7 +88,7 @@ def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = (),
     for module, attr, p in unique_params(model):
         if p.grad is None or id(p) in skip:
             continue
-        if id(p) in expert_ids:  # tp-replicated: counted on tp rank 0; tp-sharded (moe_tp.py): on every rank
+        if id(p) in expert_ids:  # tp-replicated: counted on tp rank 0; tp-sharded (tp/moe.py): on every rank
             if tp_rank == 0 or tp_dim(module, attr) is not None:
                 expert.append(_local(p.grad).detach())
             continue

@@ -27,12 +27,13 @@ from engine.metrics.stepstats import StepStats
 from engine.metrics.tensorboard import build_sinks
 from engine.model.hf_init import adopt_shape, load_weights
 from engine.optim import lr_at
-from engine.parallel import dp as dp_lib, tied
-from engine.parallel.context import ParallelContext
+from engine.parallel import dp as dp_lib
+from engine.parallel.pp import tied
+from engine.parallel.layout.context import ParallelContext
 from engine.parallel.cp.inputs import micro_batch_inputs
-from engine.parallel.pipeline import PipelineExecutor
-from engine.parallel.support import micro_batches_per_step, resolve_layout
-from engine.parallel.tensor import vocab_parallel_cross_entropy
+from engine.parallel.pp.executor import PipelineExecutor
+from engine.parallel.layout.checks import micro_batches_per_step, resolve_layout
+from engine.parallel.tp.layers import vocab_parallel_cross_entropy
 from engine.planning.balance import describe as describe_split
 from engine.stage import build_executors, build_model  # noqa: F401 (build_model: launch/bench imports it here)
 
@@ -165,7 +166,7 @@ class Trainer:
             observer(event)
 
     def sync_tied_embedding(self) -> None:
-        """Sum the gradients of the two copies of a tied embedding (first and last stage; engine/parallel/tied.py),
+        """Sum the gradients of the two copies of a tied embedding (first and last stage; engine/parallel/pp/tied.py),
         so both copies take the same optimizer step and stay equal."""
         weight = tied.stage_copy(self.model, self.cfg, self.ctx)
         if weight is not None:

@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from engine.config import ConfigError, ParallelConfig, load  # noqa: E402
-from engine.parallel.schedule import SCHEDULES  # noqa: E402
+from engine.parallel.pp.schedule import SCHEDULES  # noqa: E402
 from engine.planning.flops import peak_tflops  # noqa: E402
 from engine.planning.schedules import SEARCHED, label  # noqa: E402
 from engine.planning.search import Hardware, search  # noqa: E402
@@ -178,7 +178,7 @@ def main(argv: list[str]) -> int:
     schedules, refused = searched_schedules(args, cfg), []
     with progress(f"searching the layouts of {cfg.model.name} on {args.world_size} devices"):
         plans = search(cfg, args.world_size, hw, schedules, refused)
-    if not plans and schedules is None and refused:  # the schedule given: say why support.check_schedule refused it
+    if not plans and schedules is None and refused:  # the schedule given: say why layout.checks.check_schedule refused
         # (a chunked one, interleaved or zbv: from a pipelined layout; its pp = 1 refusal only says pp must be >= 2)
         spec = SCHEDULES[cfg.parallel.schedule]
         piped = [msg for layout, msg in refused if layout.pp > 1] if spec.chunks or spec.vshape else []

@@ -68,7 +68,7 @@ def load_job_config(args: argparse.Namespace, world: int):
     if not args.config:
         args.backend = args.backend or "auto"
         return None
-    from engine.parallel.support import resolve_layout
+    from engine.parallel.layout.checks import resolve_layout
     args.config = str(Path(args.config).resolve())  # the same absolute path is checked on every host
     cfg = load(["--config", args.config])
     try:
@@ -147,7 +147,7 @@ def worker(args: argparse.Namespace) -> int:
     """One rank of the link test under torchrun: rank 0 prints the table."""
     import torch
     import torch.distributed as dist
-    from engine.parallel.context import env_rank_info, pick_device_and_backend
+    from engine.parallel.layout.context import env_rank_info, pick_device_and_backend
     from engine.cluster.linktest import format_report, measure
     from engine.cluster.netcheck import init_checked
     rank, world, local_rank = env_rank_info()

@@ -28,7 +28,7 @@ def start_cluster(cfg):
     import torch.distributed as dist
     from engine.cluster.heartbeat import Heartbeat
     from engine.cluster.startup import default_store, join
-    from engine.parallel.context import env_rank_info
+    from engine.parallel.layout.context import env_rank_info
 
     rank, world, _ = env_rank_info()
     if world == 1 or dist.is_initialized():
@@ -41,7 +41,7 @@ def start_cluster(cfg):
 def main(argv: list[str]) -> int:
     cfg = load(argv)  # before the trainer's imports (torch._dynamo among them): a bad config is one line in ~2 s
     from engine.model.hf_init import adopt_shape
-    from engine.parallel.context import ParallelContext, destroy
+    from engine.parallel.layout.context import ParallelContext, destroy
     from engine.trainer import Trainer, TrainingAborted
 
     adopt_shape(cfg)  # --model.init_from HF_DIR: the folder's model shape, before the layout is checked

@@ -23,7 +23,7 @@ from engine.metrics.memory import SavedActivations
 from engine.model import attention as attn
 from engine.model import transformer as model_lib
 from engine.model.docmask import block_causal_mask, document_layout
-from engine.parallel.tensor import vocab_parallel_cross_entropy
+from engine.parallel.tp.layers import vocab_parallel_cross_entropy
 from engine.planning import activations as acts
 from engine.planning.planner import with_layout
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.config import ConfigError, load
-from engine.parallel.context import ParallelContext
+from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer, TrainingAborted
 from tests.dist import run_ranks
 

@@ -8,8 +8,9 @@ import random
 import pytest
 
 from engine.config import ConfigError, load
-from engine.parallel.support import resolve_layout
-from engine.planning.balance import balanced_layers, best_split, describe, even_layers, layer_counts, stage_cost
+from engine.parallel.layout.checks import resolve_layout
+from engine.parallel.pp.split import even_layers
+from engine.planning.balance import balanced_layers, best_split, describe, layer_counts, stage_cost
 from engine.planning.search import Hardware, step_time
 
 TINY = ["--config", "configs/tiny.yaml"]

@@ -36,14 +36,14 @@ def test_rotation_puts_each_schedule_in_each_position_once():
 @pytest.mark.parametrize("name, v, ops, closed", [
     ("1f1b", 1, {"F": 1.0, "B": 2.0}, 3 / 11),
     ("interleaved", 2, {"F": 0.5, "B": 1.0}, 3 / 19),
-    # ZB-H1, W <= min(F, B) (exact there, schedule_zb.py): bubble (p-1)(F+B-W) = 9 over m(F+B+W) = 40 of work
+    # ZB-H1, W <= min(F, B) (exact there, schedules/zero_bubble.py): bubble (p-1)(F+B-W) = 9 over m(F+B+W) = 40 of work
     ("zero_bubble", 1, {"F": 2.0, "Bi": 2.0, "W": 1.0}, 9 / 49),
     # ZB-V at F = B = W per chunk: rank r starts r chunk-F's late, (p-1)F = 3 over 2m(F+B+W) = 48 of work
     ("zbv", 2, {"F": 1.0, "Bi": 1.0, "W": 1.0}, 3 / 51),
 ])
 def test_theory_at_pp4_m8(name, v, ops, closed):
     """The closed forms of the papers, and the simulator fed with the same uniform times agrees with them on
-    every stage. 1F1B holds pp - stage micro-batches, ZB-H1 pp on every stage (until W: schedule_zb.py)."""
+    every stage. 1F1B holds pp - stage micro-batches, ZB-H1 pp on every stage (until W: schedules/zero_bubble.py)."""
     t = expected(name, 4, 8, v, ops)
     assert t["closed"] == pytest.approx(closed)
     assert t["sim"] == pytest.approx([closed] * 4)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from engine.checkpoint.checkpointer import Checkpointer, CheckpointError
 from engine.config import ConfigError, load
-from engine.parallel.context import ParallelContext
+from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.cli import run_script
 from tests.dist import run_ranks

@@ -21,7 +21,7 @@ from engine.config import load
 from engine.data import blend
 from engine.data.dataset import GlobalBatchSampler
 from engine.model.fused import by_hf_name
-from engine.parallel.context import ParallelContext
+from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks
 from tests.test_checkpoint import SMALL

@@ -26,8 +26,8 @@ from engine.model import transformer as model_lib
 from engine.model.fused import by_hf_name
 from engine.model.init import materialize
 from engine.optim import build_optimizer
-from engine.parallel.context import ParallelContext
-from engine.parallel.tensor import apply_tensor_parallel
+from engine.parallel.layout.context import ParallelContext
+from engine.parallel.tp.layers import apply_tensor_parallel
 from tests.dist import run_ranks
 from tests.fixtures.make_pre_fusion_checkpoint import config, gathered_logits
 

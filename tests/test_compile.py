@@ -15,7 +15,7 @@ from engine.model.compile import apply_compile
 from engine.model.init import materialize
 from engine.model.recompute import apply_activation_checkpointing
 from engine.parallel.dp.fsdp import apply_fsdp
-from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+from engine.parallel.tp.layers import apply_tensor_parallel, vocab_parallel_cross_entropy
 from tests.dist import run_ranks
 
 SHAPE = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -70,7 +70,7 @@ def test_inductor_matches_eager():
 
 
 def _built_rank(argv: list[str]) -> list[bool]:
-    from engine.parallel.context import ParallelContext
+    from engine.parallel.layout.context import ParallelContext
     from engine.trainer import build_model
     cfg = load(argv)
     model = build_model(cfg, ParallelContext.from_config(cfg))

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from engine.config import ModelConfig, load
 from engine.model import transformer as model_lib
 from engine.model.init import materialize
-from engine.parallel.context import ParallelContext
+from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks
 

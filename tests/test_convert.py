@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine.config import load
-from engine.parallel.context import ParallelContext
+from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.cli import run_script
 from tests.dist import run_ranks

@@ -22,7 +22,7 @@ import torch
 
 from engine.checkpoint.folder import MARKER
 from engine.config import load
-from engine.parallel.context import ParallelContext
+from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks
 from tests.cli import run_script

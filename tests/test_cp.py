@@ -21,8 +21,8 @@ from engine.model import transformer as model_lib
 from engine.model.init import materialize
 from engine.parallel.cp.apply import apply_context_parallel
 from engine.parallel.cp.inputs import micro_batch_inputs
-from engine.parallel.support import resolve_layout
-from engine.parallel.tensor import vocab_parallel_cross_entropy
+from engine.parallel.layout.checks import resolve_layout
+from engine.parallel.tp.layers import vocab_parallel_cross_entropy
 from tests.dist import run_ranks
 
 SHAPE = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=48, num_layers=2, num_heads=8, num_kv_heads=4)
@@ -175,7 +175,7 @@ def test_saved_activations_per_rank_match_the_planner(cp, extra):
 
 
 def _eval_losses(argv: list[str]) -> list[float]:
-    from engine.parallel.context import ParallelContext
+    from engine.parallel.layout.context import ParallelContext
     from engine.trainer import Trainer
 
     cfg = load(argv)

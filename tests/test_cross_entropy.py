@@ -1,4 +1,4 @@
-"""The chunked vocab-parallel cross-entropy (engine/parallel/cross_entropy.py) against F.cross_entropy on the full
+"""The chunked vocab-parallel cross-entropy (engine/parallel/tp/cross_entropy.py) against F.cross_entropy on the full
 fp32 logits (the engine's loss before chunking, at tp = 1): loss and gradient at tp = 1 and 2, several chunks
 (the last one short), ignored targets, fp32 and bf16 logits; and its peak memory, which must not hold an fp32
 copy of the whole logits."""
@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from engine.metrics.memory import LiveTensorBytes
-from engine.parallel.cross_entropy import vocab_parallel_cross_entropy
+from engine.parallel.tp.cross_entropy import vocab_parallel_cross_entropy
 from tests.dist import run_ranks
 
 V, B, S = 48, 3, 7  # n = 21 tokens; chunk_elements 120 at V/tp = 24 gives chunks of 5 tokens (the last one 1)

@@ -18,7 +18,7 @@ import pytest
 from torch.nn.parallel import DistributedDataParallel
 
 from engine.config import load
-from engine.parallel.context import ParallelContext
+from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from launch.bench.compression import differences, train_rank
 from tests.dist import run_ranks

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.errors import ConfigError
-from engine.parallel.context import CPU_ONLY_ENV, pick_device_and_backend
+from engine.parallel.layout.context import CPU_ONLY_ENV, pick_device_and_backend
 from tests.dist import run_ranks
 
 

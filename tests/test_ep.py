@@ -22,7 +22,7 @@ from engine.config import ConfigError, load
 from engine.model.moe import Experts
 from engine.parallel.dp.ddp import DDP
 from engine.parallel.ep.dispatch import AllToAll, ExpertParallelExperts
-from engine.parallel.support import resolve_layout
+from engine.parallel.layout.checks import resolve_layout
 from tests.dist import run_ranks
 from tests.parity import runner
 from tests.parity.matrix import MOE_ARGS

@@ -24,8 +24,8 @@ from engine.config import load
 from engine.data.dataset import load_tokenizer
 from engine.model import families, hf
 from engine.model import transformer as model_lib
-from engine.parallel.comm import gather_from_parallel
-from engine.parallel.context import ParallelContext
+from engine.parallel.autograd.comm import gather_from_parallel
+from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.cli import run_script
 from tests.dist import run_ranks

@@ -38,7 +38,7 @@ import json, math, os, sys
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 import engine, engine.data.dataset
 from engine.config import load
-from engine.parallel.context import ParallelContext, destroy
+from engine.parallel.layout.context import ParallelContext, destroy
 from engine.trainer import Trainer
 cfg = load(["--config", sys.argv[2], "--train.steps", "2", "--train.out_dir", "out", "--train.eval_every", "0",
             "--parallel.dp_mode", "zero", "--parallel.zero_stage", "1"])

@@ -1,6 +1,7 @@
 """Kinds carry their own knowledge (issue 25): outside engine/parallel/dp/ no dp-mode name is compared, and outside
-the schedule code (engine/parallel/schedule*.py, actions.py) no schedule name is; everything else asks the kind's
-spec (DpModeSpec, ScheduleSpec). Read from the source like tests/test_layout.py (no imports of the files checked).
+the schedule code (engine/parallel/pp/schedule.py, pp/schedules/, pp/actions.py) no schedule name is; everything
+else asks the kind's spec (DpModeSpec, ScheduleSpec). Read from the source like tests/test_layout.py (no imports of
+the files checked).
 
 A comparison is a literal name (or a tuple, list or set holding one) on either side of ==, !=, in or not in, the
 argument of startswith/endswith, or a key of a dict literal looked up on the spot ({"zero": ...}[mode] or .get).
@@ -11,12 +12,12 @@ import ast
 from pathlib import Path
 
 from engine.parallel.dp import MODES
-from engine.parallel.schedule import SCHEDULES
+from engine.parallel.pp.schedule import SCHEDULES
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = {  # kind -> (its names, the paths (prefixes) where they may be compared)
     "dp mode": (set(MODES), ("engine/parallel/dp/",)),
-    "schedule": (set(SCHEDULES), ("engine/parallel/schedule", "engine/parallel/actions.py")),
+    "schedule": (set(SCHEDULES), ("engine/parallel/pp/schedule", "engine/parallel/pp/actions.py")),
 }
 
 
@@ -72,7 +73,7 @@ def test_kind_names_are_compared_only_in_their_packages():
             rel = str(path.relative_to(ROOT))
             if not rel.startswith(homes) and (found := name_comparisons(path.read_text(encoding="utf-8"), names)):
                 bad[f"{kind} in {rel}"] = found
-    assert bad == {}, "ask the kind's spec (engine/parallel/dp/registry.py, engine/parallel/actions.py ScheduleSpec)"
+    assert bad == {}, "ask the kind's spec (engine/parallel/dp/registry.py, engine/parallel/pp/actions.py ScheduleSpec)"
 
 
 def test_config_checks_read_the_registries_without_torch():

@@ -29,8 +29,8 @@ megatron_core = pytest.importorskip("megatron.core")  # imported once here; the 
 from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.tensor_parallel import mappings as megatron_mappings  # noqa: E402
 
-from engine.parallel import tensor as ours  # noqa: E402
-from engine.parallel.cross_entropy import ChunkedCrossEntropy  # noqa: E402
+from engine.parallel.tp import layers as ours  # noqa: E402
+from engine.parallel.tp.cross_entropy import ChunkedCrossEntropy  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6

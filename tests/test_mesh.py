@@ -1,6 +1,6 @@
-"""The named mesh (engine/parallel/mesh.py, issue 25): every group asked for by name equals the group the positional
-(pp, dp, tp) grid gave before it, at several layouts; the rank arithmetic equals torch's DeviceMesh layout for any
-axis sizes (cp > 1 included); and ParallelContext's real process groups hold exactly those ranks."""
+"""The named mesh (engine/parallel/layout/mesh.py, issue 25): every group asked for by name equals the group the
+positional (pp, dp, tp) grid gave before it, at several layouts; the rank arithmetic equals torch's DeviceMesh layout
+for any axis sizes (cp > 1 included); and ParallelContext's real process groups hold exactly those ranks."""
 from __future__ import annotations
 
 import pytest
@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from engine.config import Config
-from engine.parallel.context import ParallelContext
-from engine.parallel.mesh import AXES, MODEL_PARALLEL, Mesh
-from engine.parallel.support import Layout
+from engine.parallel.layout.context import ParallelContext
+from engine.parallel.layout.mesh import AXES, MODEL_PARALLEL, Mesh
+from engine.parallel.layout.checks import Layout
 from tests.dist import run_ranks
 
 LAYOUTS = [(2, 2, 2), (1, 2, 4), (4, 2, 1), (2, 1, 4), (1, 4, 2), (8, 1, 1), (1, 1, 8), (1, 1, 1)]  # (tp, pp, dp)

@@ -17,7 +17,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from engine.config import ModelConfig, load
 from engine.model import moe
 from engine.model import transformer as model_lib
-from engine.parallel.context import ParallelContext
+from engine.parallel.layout.context import ParallelContext
 from tests.dist import run_ranks
 
 SMALL = ["--config", "configs/tiny-moe.yaml", "--model.hidden_size", "64", "--model.intermediate_size", "96",

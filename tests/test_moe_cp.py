@@ -1,5 +1,5 @@
 """Mixture of experts under context parallelism, and ep carved from dp x cp (issue 26; engine/parallel/cp/moe.py,
-engine/parallel/ep/, engine/parallel/mesh.py split_along):
+engine/parallel/ep/, engine/parallel/layout/mesh.py split_along):
 
 - one MoE block on cp = 2 ranks, each given its head/tail chunks of every row (engine/parallel/cp/layout.py), equals
   the block on the whole micro-batch: outputs, the recorded aux and z losses (averaged over cp) and tokens per
@@ -22,8 +22,8 @@ from engine.config import ConfigError, ModelConfig, load
 from engine.model import moe
 from engine.parallel.cp import layout
 from engine.parallel.cp.moe import MicroBatchCounts
-from engine.parallel.mesh import Mesh
-from engine.parallel.support import Layout, resolve_layout
+from engine.parallel.layout.mesh import Mesh
+from engine.parallel.layout.checks import Layout, resolve_layout
 from tests.dist import run_ranks
 from tests.parity import runner
 from tests.parity.matrix import MOE_ARGS

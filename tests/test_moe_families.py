@@ -5,7 +5,7 @@ writes the published per-expert tensor names (model.layers.0.block_sparse_moe.ex
 mlp.experts.0.gate_proj.weight for the others):
 - at tp 1 our model computes its logits (rel <= 1e-5, fp32), from transformers' in-model (fused-expert) state dict;
 - imported with launch/convert.py, the engine at pp 2 and at tp 2 x ep 2 (dp 2, sequence parallel; experts
-  tp-sharded, engine/parallel/moe_tp.py) gives the tp-1 logits, 4 training steps there (aux and z losses on) equal
+  tp-sharded, engine/parallel/tp/moe.py) gives the tp-1 logits, 4 training steps there (aux and z losses on) equal
   4 at one process, and so do 4 started at tp 2 x ep 2 straight from the HF folder (model.init_from); the
   checkpoint exported loads in transformers with the engine's logits.
 Qwen2-MoE has a dense layer (mlp_only_layers) and a shared expert; Qwen3-MoE a dense layer, per-head q/k norms and

@@ -1,4 +1,4 @@
-"""The MoE block under tensor parallelism (engine/parallel/moe_tp.py; issue 26, tp 2 x ep 2):
+"""The MoE block under tensor parallelism (engine/parallel/tp/moe.py; issue 26, tp 2 x ep 2):
 
 - one step of a tiny Mixtral, Qwen2-MoE (shared expert, a dense layer, q/k/v biases) and OLMoE (whole-projection
   q/k norms) on 2 tp ranks, with and without sequence parallelism, aux and z losses on: the loss and EVERY
@@ -21,9 +21,9 @@ from engine.model import transformer as model_lib
 from engine.model.fused import by_hf_name
 from engine.model.init import materialize
 from engine.model.moe import moe_blocks
-from engine.parallel.support import resolve_layout
+from engine.parallel.layout.checks import resolve_layout
 from engine.planning.planner import stage_params
-from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+from engine.parallel.tp.layers import apply_tensor_parallel, vocab_parallel_cross_entropy
 from tests.dist import run_ranks
 from tests.test_ep import BASE
 from tests.parity import runner

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ConfigError, load
-from engine.parallel.context import ParallelContext
+from engine.parallel.layout.context import ParallelContext
 from tests.dist import free_port, run_ranks
 from tests.sshd import local_sshd  # noqa: F401  (fixture)
 from tests.test_launch import ROOT, read_losses

@@ -15,7 +15,7 @@ import torch
 
 from engine.checkpoint.checkpointer import list_checkpoints
 from engine.config import load
-from engine.parallel.context import ParallelContext
+from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks
 from tests.test_bad_steps import MODES, SMALL, _snapshot

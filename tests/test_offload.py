@@ -91,7 +91,7 @@ def test_ds_config_offloads_from_the_key_or_the_file(tmp_path):
 
 def train(argv: list[str]) -> dict:
     """Rank function: train; losses, grad norms, final fp32 parameters, and whether offload was on."""
-    from engine.parallel.context import ParallelContext
+    from engine.parallel.layout.context import ParallelContext
     from engine.trainer import Trainer
 
     cfg = load(argv)
@@ -122,7 +122,7 @@ def _compare(got: dict, want: dict, init: dict | None = None) -> None:
 @pytest.fixture(scope="module")
 def init(tmp_path_factory):
     """The initial parameters (the same at every layout: engine/model/init.py), to measure updates against."""
-    from engine.parallel.context import ParallelContext
+    from engine.parallel.layout.context import ParallelContext
     from engine.trainer import Trainer
     from tests.dist import run_ranks
 

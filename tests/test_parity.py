@@ -28,7 +28,7 @@ import pytest
 pytest.importorskip("deepspeed")
 
 from engine.config import ConfigError, load  # noqa: E402
-from engine.parallel.support import resolve_layout  # noqa: E402
+from engine.parallel.layout.checks import resolve_layout  # noqa: E402
 from tests.parity import matrix, resume, runner  # noqa: E402
 
 CI = matrix.ci_combos()

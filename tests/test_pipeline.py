@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import load
-from engine.parallel.context import ParallelContext
+from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks
 from tests.test_tensor_parallel import rel_err
@@ -95,7 +95,7 @@ def _layer_param_suffixes() -> list[str]:
 
 
 def test_timeline_cli_prints_every_stage():
-    out = subprocess.run([sys.executable, "-m", "engine.parallel.pipeline", "--pp", "4", "--micro-batches", "8"],
+    out = subprocess.run([sys.executable, "-m", "engine.parallel.pp.executor", "--pp", "4", "--micro-batches", "8"],
                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     for stage in range(4):

@@ -9,12 +9,12 @@ of two is exact, so scaling the loss before backward or the gradient after gives
 scaling) differs by rounding, measured <= 8.3e-7 on gradients (every schedule here), 0 on the loss.
 
 The schedules with more than 1F1B's structure:
-- interleaved (v = 2) against ``ScheduleInterleaved1F1B``: both sides run the chunks of engine/parallel/virtual.py
+- interleaved (v = 2) against ``ScheduleInterleaved1F1B``: both sides run the chunks of engine/parallel/pp/virtual.py
   (``model_chunks``), torch with one ``PipelineStage`` per chunk (stage_index = chunk*pp + rank, num_stages =
   pp*v). 8 layers at pp = 4 (one per virtual stage), 4 at pp = 2.
 - zero_bubble (our ZB-H1) against ``ScheduleInterleavedZeroBubble`` with one stage per rank: torch's ZB1P, whose
   W lag is num_1f1b_microbatches = rank, as ours. torch splits B and W on the autograd graph
-  (stage_backward_input / stage_backward_weight); ours splits every linear (engine/parallel/weight_grad.py), so
+  (stage_backward_input / stage_backward_weight); ours splits every linear (engine/parallel/autograd/weight_grad.py), so
   the two splits are independent implementations.
 - zbv against ``ScheduleZBVZeroBubble``: both sides run ZB-V's chunks in a V (virtual stages rank and 2pp-1-rank,
   torch's "v" stage-to-rank map), so the loss is on rank 0; our turn is a local hand-off, torch's a stage-to-stage
@@ -51,14 +51,14 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                          ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
                                          ScheduleZBVZeroBubble)
 
-from engine.parallel import schedule as sched  # noqa: E402
-from engine.parallel.actions import COMPUTE_OPS, Op, virtual_stage  # noqa: E402
+from engine.parallel.pp import schedule as sched  # noqa: E402
+from engine.parallel.pp.actions import COMPUTE_OPS, Op, virtual_stage  # noqa: E402
 
 from engine.config import load  # noqa: E402
-from engine.parallel.context import ParallelContext  # noqa: E402
-from engine.parallel.pipeline import PipelineExecutor  # noqa: E402
-from engine.parallel.tensor import vocab_parallel_cross_entropy  # noqa: E402
-from engine.parallel.virtual import model_chunks  # noqa: E402
+from engine.parallel.layout.context import ParallelContext  # noqa: E402
+from engine.parallel.pp.executor import PipelineExecutor  # noqa: E402
+from engine.parallel.tp.layers import vocab_parallel_cross_entropy  # noqa: E402
+from engine.parallel.pp.virtual import model_chunks  # noqa: E402
 from engine.trainer import build_model  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 

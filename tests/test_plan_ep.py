@@ -6,7 +6,7 @@ import pytest
 from engine.config import load
 from engine.model import transformer as model_lib
 from engine.model.moe import Experts
-from engine.parallel.support import Layout
+from engine.parallel.layout.checks import Layout
 from engine.planning import ep as ep_plan
 from engine.planning.planner import stage_memory, with_layout
 from engine.planning.search import Hardware, search, step_time

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from engine.config import load
-from engine.parallel import schedule as sched
-from engine.parallel.actions import Op, virtual_stage
-from engine.parallel.pipeline import stage_layer_ranges
-from engine.parallel.schedule_interleaved import interleaved_order
-from engine.parallel.support import resolve_layout
+from engine.parallel.pp import schedule as sched
+from engine.parallel.pp.actions import Op, virtual_stage
+from engine.parallel.pp.split import stage_layer_ranges
+from engine.parallel.pp.schedules.interleaved import interleaved_order
+from engine.parallel.layout.checks import resolve_layout
 from engine.planning import activations as acts
 from engine.planning import schedules
 from engine.planning.planner import stage_memory, with_layout
@@ -38,7 +38,7 @@ def plan_cfg(schedule: str, pp: int, m: int, v: int = 1, layers: int = 12, **tra
 
 
 def w_state(cfg, layers: int) -> float:
-    """One micro-batch's W state, from the zero-bubble design (engine/parallel/weight_grad.py): per linear of a
+    """One micro-batch's W state, from the zero-bubble design (engine/parallel/autograd/weight_grad.py): per linear of a
     block (q, k, v, o, gate, up, down; not the LM head) its output gradient, and its input (one norm output shared
     by q/k/v and one by gate/up, the attention output, the SwiGLU product), fp32."""
     mc = cfg.model
@@ -250,7 +250,7 @@ def test_plan_cli_bad_virtual_stages_exits_2_with_one_line():
 @pytest.mark.parametrize("name", list(sched.SCHEDULES))
 def test_one_count_of_activations_in_flight(name):
     """The simulator's peak_in_flight, the planner's InFlight.count, the held_states walk the planner prices and
-    engine.parallel.actions.max_in_flight are one count, for every registered schedule (issue 25)."""
+    engine.parallel.pp.actions.max_in_flight are one count, for every registered schedule (issue 25)."""
     spec = sched.SCHEDULES[name]
     for pp in (2, 4):
         for m in (pp, 2 * pp, 3 * pp):

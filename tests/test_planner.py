@@ -12,8 +12,8 @@ from engine.model import transformer as model_lib
 from engine.config import load
 from engine.metrics.memory import SavedActivations
 from launch.bench.measure import measure_rank
-from engine.parallel.pipeline import split_stage
-from engine.parallel.tensor import vocab_parallel_cross_entropy
+from engine.parallel.pp.executor import split_stage
+from engine.parallel.tp.layers import vocab_parallel_cross_entropy
 from engine.planning.planner import model_state_bytes, stage_memory, stage_params, with_layout
 from tests.dist import run_ranks
 

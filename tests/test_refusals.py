@@ -227,7 +227,7 @@ ZERO_PP = ["--config", "configs/tiny.yaml", "--parallel.pp", "2", "--parallel.dp
 def test_zero_under_split_schedules_names_deepspeeds_limit(argv, needle):
     """Issue 27: the ZeRO x schedule combinations DeepSpeed cannot run are refused in one line that names the
     DeepSpeed function whose assumption breaks and what to use instead (checked before any process group)."""
-    from engine.parallel.support import resolve_layout
+    from engine.parallel.layout.checks import resolve_layout
 
     with pytest.raises(ConfigError) as e:
         resolve_layout(load([*ZERO_PP, *argv]), 4)

@@ -1,4 +1,4 @@
-"""Pipeline schedules as data (engine/parallel/schedule.py and its schedule_*.py): pure Python, no processes.
+"""Pipeline schedules as data (engine/parallel/pp/schedule.py and its schedule_*.py): pure Python, no processes.
 
 Every property is checked from the action lists or the simulated timeline against the papers' formulas, over
 pp in (1, 2, 3, 4, 8) and micro_batches in pp..2pp+1 plus 16 for 1F1B, GPipe and ZB-H1, and pp in 1..8,
@@ -10,10 +10,10 @@ import re
 
 import pytest
 
-from engine.parallel.schedule import (
+from engine.parallel.pp.schedule import (
     Action, Op, build, bubble_fraction, main, max_in_flight, render, simulate, simulate_actions,
 )
-from engine.parallel.actions import steps
+from engine.parallel.pp.actions import steps
 
 CLASSIC = ("1f1b", "gpipe")
 
@@ -148,7 +148,7 @@ def render_steps(actions: list[Action]) -> str:
 
 
 def test_a_send_waits_for_its_receiver_and_batches_run_in_order():
-    """Rendezvous sends and in-order batches (the NCCL model of schedule_sim), bug 2 of issue 24 in two ranks:
+    """Rendezvous sends and in-order batches (the NCCL model of pp/simulator.py), bug 2 of issue 24 in two ranks:
     stage 0's sendF1 waits for stage 1's recvF1, queued behind its sendB0, which waits for stage 0's recvB0,
     queued behind sendF1. Buffered sends would let this table finish. With stage 1's W0 moved after recvF1,
     [sendB0 recvF1] is one batch (Megatron's pairing) and meets stage 0's batches in order."""

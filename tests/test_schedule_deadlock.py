@@ -1,5 +1,5 @@
 """Every table the planner's search can build runs to completion under NCCL's point-to-point rules (issue 24):
-engine/parallel/schedule_sim.py's model (one batch per run of comm actions, a rank's batches in order, rendezvous
+engine/parallel/pp/simulator.py's model (one batch per run of comm actions, a rank's batches in order, rendezvous
 sends, per-pair FIFO matching). The search (engine/planning/search.py) tries engine.planning.schedules.SEARCHED
 (1f1b, interleaved v = 2..4, zero_bubble, zbv) and the config's own schedule (gpipe too) at any pp dividing the world
 and any micro-batch count the global batch gives; here pp 2..16 and every valid m up to 4pp, each training table
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.parallel import schedule as sched
+from engine.parallel.pp import schedule as sched
 from engine.planning.schedules import SEARCHED
 
 BUILT = (*SEARCHED, ("gpipe", 1))  # gpipe: not searched, but a config may name it

@@ -1,5 +1,5 @@
-"""Schedules that must be refused: the simulator (engine/parallel/schedule_sim.py) and the pipeline executor
-(engine/parallel/pipeline.py) check every rank's action list under NCCL's rules (rendezvous sends, one channel per
+"""Schedules that must be refused: the simulator (engine/parallel/pp/simulator.py) and the pipeline executor
+(engine/parallel/pp/executor.py) check every rank's action list under NCCL's rules (rendezvous sends, one channel per
 rank pair, one batch at a time in issue order) and refuse broken or deadlocking tables before anything runs; the
 builders refuse bad arguments naming the value. Pure Python, no processes.
 """
@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from engine.parallel.schedule import Action, Op, build, simulate, simulate_actions
+from engine.parallel.pp.schedule import Action, Op, build, simulate, simulate_actions
 from tests.test_schedule import computes, render_steps
 
 
@@ -69,9 +69,9 @@ def test_simulator_finds_the_deadlock_of_a_short_warmup(monkeypatch):
     """Rank 0 of pp=4, v=2, m=8 starting its backwards after 6 forwards instead of Megatron's 10: its batch
     receiving B0.1's gradient waits on rank 1's batch sending it, which rank 1 reaches only after forwards that
     need rank 0's F2.1, now behind that backward."""
-    from engine.parallel import schedule_interleaved
-    megatron = schedule_interleaved.interleaved_warmup
-    monkeypatch.setattr(schedule_interleaved, "interleaved_warmup",
+    from engine.parallel.pp.schedules import interleaved
+    megatron = interleaved.interleaved_warmup
+    monkeypatch.setattr(interleaved, "interleaved_warmup",
                         lambda pp, m, s, v: 6 if s == 0 else megatron(pp, m, s, v))
     stages = [build("interleaved", 4, 8, s, 2) for s in range(4)]
     with pytest.raises(RuntimeError, match=r"^deadlock: stage 0 in \[sendF1.1 recvF2.1 recvB0.1\]: recvB0.1 waits "
@@ -83,8 +83,8 @@ def test_simulator_finds_the_deadlock_of_a_short_warmup(monkeypatch):
 def old_interleaved(pp: int, m: int, stage: int, v: int) -> list[Action]:
     """The interleaved table before issue 24 (the fixture proving the simulator catches bug 2): Megatron's compute
     order, but each receive right before its compute and each send right after it."""
-    from engine.parallel.actions import backward_actions, forward_actions
-    from engine.parallel.schedule_interleaved import interleaved_order, interleaved_warmup
+    from engine.parallel.pp.actions import backward_actions, forward_actions
+    from engine.parallel.pp.schedules.interleaved import interleaved_order, interleaved_warmup
     order, warmup = interleaved_order(pp, m, v), interleaved_warmup(pp, m, stage, v)
     total = len(order)
     fwd = [forward_actions(pp, stage, mb, c, v) for mb, c in order]
@@ -138,11 +138,11 @@ def test_executor_refuses_a_table_whose_ranks_post_in_different_orders(monkeypat
 
     import torch
 
-    from engine.parallel import pipeline
-    from engine.parallel import schedule as sched_mod
+    from engine.parallel.pp import executor
+    from engine.parallel.pp import schedule as sched_mod
 
     ctx = types.SimpleNamespace(pp=2, pp_rank=0)
-    pipeline.PipelineExecutor(ctx, "interleaved", 4, (1, 2, 3), torch.float32, virtual_stages=2)  # the real one
+    executor.PipelineExecutor(ctx, "interleaved", 4, (1, 2, 3), torch.float32, virtual_stages=2)  # the real one
     build = sched_mod.build
 
     def swapped(schedule, pp, m, stage, v=1):
@@ -153,7 +153,7 @@ def test_executor_refuses_a_table_whose_ranks_post_in_different_orders(monkeypat
 
     monkeypatch.setattr(sched_mod, "build", swapped)
     with pytest.raises(RuntimeError):
-        pipeline.PipelineExecutor(ctx, "interleaved", 4, (1, 2, 3), torch.float32, virtual_stages=2)
+        executor.PipelineExecutor(ctx, "interleaved", 4, (1, 2, 3), torch.float32, virtual_stages=2)
 
 
 def _hand(*names: str) -> list[Action]:
@@ -169,24 +169,24 @@ def _hand(*names: str) -> list[Action]:
 def test_executor_refuses_a_b_after_the_chunks_last_w(monkeypatch):
     """A chunk's last W is where the dp mode starts reducing its gradients (DDP.last_weight): a B of that chunk
     after it would add to gradients already in flight. Hand-made lists: chunk 0's B1 after W0, the chunk's last W
-    (chunk 1's order is fine), refused by pipeline.last_weights. Through the executor the simulator refuses such a
+    (chunk 1's order is fine), refused by executor.last_weights. Through the executor the simulator refuses such a
     table first: every micro-batch's B precedes its own W there, so a B after a chunk's last W always breaks it."""
     import types
 
     import torch
 
-    from engine.parallel import pipeline
-    from engine.parallel import schedule as sched_mod
+    from engine.parallel.pp import executor
+    from engine.parallel.pp import schedule as sched_mod
 
     good = _hand("F0", "F0.1", "F1", "B0.1", "B0", "W0.1", "B1", "W0", "W1")
-    assert pipeline.last_weights(good, "zero_bubble") == {1: 0, 0: 1}
+    assert executor.last_weights(good, "zero_bubble") == {1: 0, 0: 1}
     for bad in (_hand("F0", "F1", "B0", "W0", "B1"), _hand("F0", "F0.1", "B0.1", "F1", "B0", "W0", "W0.1", "B1")):
         with pytest.raises(ValueError, match=r"^schedule zero_bubble: a B of chunk 0 follows its last W \(W0\)$"):
-            pipeline.last_weights(bad, "zero_bubble")
+            executor.last_weights(bad, "zero_bubble")
     ctx = types.SimpleNamespace(pp=1, pp_rank=0)
     monkeypatch.setattr(sched_mod, "build", lambda *args: _hand("F0", "F1", "B0", "W1", "W0", "B1"))
     with pytest.raises(RuntimeError, match=r"runs W1 after fwd of micro-batch 1 chunk 0"):
-        pipeline.PipelineExecutor(ctx, "zero_bubble", 2, (1, 2, 3), torch.float32, stage=torch.nn.Linear(2, 2))
+        executor.PipelineExecutor(ctx, "zero_bubble", 2, (1, 2, 3), torch.float32, stage=torch.nn.Linear(2, 2))
 
 
 def test_executor_refuses_the_old_interleaved_table_that_deadlocks_on_nccl(monkeypatch):
@@ -196,10 +196,10 @@ def test_executor_refuses_the_old_interleaved_table_that_deadlocks_on_nccl(monke
 
     import torch
 
-    from engine.parallel import pipeline
-    from engine.parallel import schedule as sched_mod
+    from engine.parallel.pp import executor
+    from engine.parallel.pp import schedule as sched_mod
 
     ctx = types.SimpleNamespace(pp=2, pp_rank=0)
     monkeypatch.setattr(sched_mod, "build", lambda schedule, pp, m, stage, v=1: old_interleaved(pp, m, stage, v))
     with pytest.raises(RuntimeError, match=r"^deadlock: stage 0 in \[sendB0.1\]"):
-        pipeline.PipelineExecutor(ctx, "interleaved", 4, (1, 2, 3), torch.float32, virtual_stages=2)
+        executor.PipelineExecutor(ctx, "interleaved", 4, (1, 2, 3), torch.float32, virtual_stages=2)

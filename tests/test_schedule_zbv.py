@@ -1,6 +1,6 @@
-"""ZB-V (engine/parallel/schedule_zbv.py; Qi et al. 2023, Sec. 6) as data: its compute order against torch's
+"""ZB-V (engine/parallel/pp/schedules/zbv.py; Qi et al. 2023, Sec. 6) as data: its compute order against torch's
 ScheduleZBVZeroBubble (the oracle, computed without ranks as tests/test_pipeline_reference.py does for the
-others), its messages along the V, and its run under NCCL's rendezvous rules (engine/parallel/schedule_sim.py).
+others), its messages along the V, and its run under NCCL's rendezvous rules (engine/parallel/pp/simulator.py).
 Pure Python, no processes."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from engine.parallel import schedule as sched
-from engine.parallel.actions import COMPUTE_OPS, Action, Op, locate, max_in_flight, peer, virtual_stage
-from engine.parallel.schedule import build, simulate, simulate_actions
+from engine.parallel.pp import schedule as sched
+from engine.parallel.pp.actions import COMPUTE_OPS, Action, Op, locate, max_in_flight, peer, virtual_stage
+from engine.parallel.pp.schedule import build, simulate, simulate_actions
 
 torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 
@@ -145,9 +145,9 @@ def test_virtual_stages_are_implied(v, ok):
 
 def naive_zbv(pp: int, m: int, stage: int) -> list[Action]:
     """torch's compute order with each receive right before its compute and each send right after it (the
-    placement of the other tables): the fixture showing why schedule_zbv places messages by a timed run."""
-    from engine.parallel.actions import backward_actions, forward_actions
-    from engine.parallel.schedule_zbv import zbv_order
+    placement of the other tables): the fixture showing why schedules/zbv.py places messages by a timed run."""
+    from engine.parallel.pp.actions import backward_actions, forward_actions
+    from engine.parallel.pp.schedules.zbv import zbv_order
     out: list[Action] = []
     for a in zbv_order(pp, m, stage):
         if a.op is Op.FWD:
@@ -194,7 +194,7 @@ def _cfg(**parallel):
 ])
 def test_config_refusals_name_the_value(parallel, world, needle):
     from engine.config import ConfigError
-    from engine.parallel.support import resolve_layout
+    from engine.parallel.layout.checks import resolve_layout
     with pytest.raises(ConfigError) as e:
         resolve_layout(_cfg(**parallel), world)
     assert needle in str(e.value) and "\n" not in str(e.value)
@@ -204,7 +204,7 @@ def test_fsdp_runs_zbv_untied_and_refuses_a_tied_embedding():
     """FSDP follows zbv's sync point (each chunk reduce-scattered after its last W; parity measured equal untied),
     but rank 0's two chunks, each an FSDP root unit, cannot both hold a tied embedding: one line, naming it."""
     from engine.config import ConfigError
-    from engine.parallel.support import resolve_layout
+    from engine.parallel.layout.checks import resolve_layout
     assert resolve_layout(_cfg(pp=2, schedule="zbv", dp_mode="fsdp"), 4).dp == 2
     cfg = _cfg(pp=2, schedule="zbv", dp_mode="fsdp")
     cfg.model.tie_embeddings = True
@@ -215,7 +215,7 @@ def test_fsdp_runs_zbv_untied_and_refuses_a_tied_embedding():
 
 
 def test_config_accepts_zbv_with_implied_chunks_and_few_micro_batches():
-    from engine.parallel.support import resolve_layout
+    from engine.parallel.layout.checks import resolve_layout
     for v in (1, 2):
         assert resolve_layout(_cfg(pp=2, schedule="zbv", virtual_stages=v), 2).pp == 2
     cfg = _cfg(pp=2, schedule="zbv")
@@ -229,15 +229,16 @@ def test_grad_compression_refused_with_zbv():
         load(["--parallel.schedule", "zbv", "--parallel.grad_compression", "bf16"])
 
 
-# ---- The V's stage split (engine/parallel/virtual.py, pipeline.split_stage) ----
+# ---- The V's stage split (engine/parallel/pp/virtual.py, pipeline.split_stage) ----
 
 def test_v_split_keeps_global_names_and_puts_embedding_and_head_on_rank_0():
     """8 layers at pp = 2: rank 0 holds layers 0,1 (chunk 0) and 6,7 (chunk 1) with the embedding, the final norm
     and the LM head (tied: one parameter); rank 1 holds 2,3 and 4,5 and neither."""
     from engine.config import ModelConfig
     from engine.model import transformer
-    from engine.parallel.pipeline import split_stage
-    from engine.parallel.virtual import chunk_layer_ranges, model_chunks
+    from engine.parallel.pp.executor import split_stage
+    from engine.parallel.pp.split import chunk_layer_ranges
+    from engine.parallel.pp.virtual import model_chunks
     assert chunk_layer_ranges(8, 2, 2, vshape=True) == [[range(0, 2), range(6, 8)], [range(2, 4), range(4, 6)]]
     cfg = ModelConfig(num_layers=8, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
                       vocab_size=128, tie_embeddings=True)

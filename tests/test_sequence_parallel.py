@@ -1,5 +1,5 @@
 """Sequence parallelism (Korthikanti et al. 2022; parallel.sequence_parallel): the sequence collectives of
-engine/parallel/comm.py against an all-gather reference, forward and backward; the activations each rank keeps
+engine/parallel/autograd/comm.py against an all-gather reference, forward and backward; the activations each rank keeps
 (the residual stream is (b, s/tp, h)) against the planner's ledger; selective recomputation under it against one
 process. The trainer's parity at tp 2 and 4 with pp, every dp mode and full recomputation is the parity matrix's
 ``sp`` axis (tests/parity/matrix.py)."""
@@ -16,9 +16,9 @@ from engine.config import load
 from engine.metrics.memory import SavedActivations
 from engine.model import transformer as model_lib
 from engine.model.init import materialize
-from engine.parallel.comm import (gather_from_sequence_parallel, reduce_scatter_to_sequence_parallel,
+from engine.parallel.autograd.comm import (gather_from_sequence_parallel, reduce_scatter_to_sequence_parallel,
                                   sequence_gathered_linear)
-from engine.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+from engine.parallel.tp.layers import apply_tensor_parallel, vocab_parallel_cross_entropy
 from engine.planning import activations as acts
 from tests.dist import run_ranks
 
@@ -80,7 +80,7 @@ def test_sequence_collectives_match_all_gather_reference(tp):
     (["--parallel.tp", "4", "--train.seq_len", "30"], "needs train.seq_len=30 divisible by parallel.tp=4")])
 def test_sequence_parallel_refusals(extra, words):
     from engine.config import ConfigError
-    from engine.parallel.support import resolve_layout
+    from engine.parallel.layout.checks import resolve_layout
 
     cfg = load(SMALL + ["--parallel.sequence_parallel", "true"] + extra)
     with pytest.raises(ConfigError, match=re.escape(words)):

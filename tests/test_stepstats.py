@@ -7,7 +7,7 @@ import pytest
 
 from engine.config import load
 from engine.planning.flops import flops_per_token
-from engine.parallel.context import ParallelContext
+from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks
 

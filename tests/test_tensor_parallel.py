@@ -14,8 +14,8 @@ from engine.model import transformer as model_lib
 from engine.config import Config
 from engine.model.fused import by_hf_name
 from engine.model.init import materialize
-from engine.parallel.context import ParallelContext
-from engine.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+from engine.parallel.layout.context import ParallelContext
+from engine.parallel.tp.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                     apply_tensor_parallel, vocab_parallel_cross_entropy)
 from tests.dist import run_ranks
 

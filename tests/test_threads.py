@@ -1,4 +1,4 @@
-"""Torch threads per process (engine/parallel/threads.py): the usable cores shared among the node's ranks unless
+"""Torch threads per process (engine/parallel/layout/threads.py): the usable cores shared among the node's ranks unless
 OMP_NUM_THREADS says otherwise, set where the device is picked (ParallelContext.from_config, which rank 0 logs) and
 the same in forked test ranks (engine/cluster/spawn.py)."""
 import contextlib
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.config import ConfigError, load
-from engine.parallel import threads
+from engine.parallel.layout import threads
 from tests.dist import run_ranks
 
 
@@ -38,7 +38,7 @@ def test_usable_cores_follow_the_affinity_mask(monkeypatch):
 
 def _threads_in_rank(argv: list[str]) -> dict:
     """Rank function: torch's threads as spawned, then after from_config, and what from_config printed."""
-    from engine.parallel.context import ParallelContext
+    from engine.parallel.layout.context import ParallelContext
 
     spawned = torch.get_num_threads()
     printed = io.StringIO()

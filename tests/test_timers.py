@@ -15,8 +15,8 @@ import torch.distributed as dist
 from engine.config import load
 from engine.metrics import logger as logger_lib
 from engine.metrics.timers import PhaseTimer, StepClock
-from engine.parallel.context import ParallelContext
-from engine.parallel.pipeline import PipelineExecutor
+from engine.parallel.layout.context import ParallelContext
+from engine.parallel.pp.executor import PipelineExecutor
 from engine.trainer import Trainer
 from tests.dist import run_ranks
 from tests.test_stepstats import SMALL

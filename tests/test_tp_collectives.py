@@ -10,7 +10,7 @@ recomputes o_proj's forward all-reduce: 3 (was 6, measured the same way). Not do
 checkpoint stops recomputing once the last tensor backward needs (down_proj's input) is back, and nothing needs
 the block's output.
 
-With sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2; engine/parallel/comm.py): forward an all-gather
+With sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2; engine/parallel/autograd/comm.py): forward an all-gather
 along the sequence in front of qkv_proj and gate_up_proj and a reduce-scatter after o_proj and down_proj (2 + 2).
 Backward: the all-gather of the gradient for each reduce-scatter (2), each column layer's reduce-scatter of its
 input gradient (2) and its all-gather of its (b, s/tp, h) input again for the weight gradient (2, it keeps only

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from engine.config import load
-from engine.parallel.context import ParallelContext
+from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks
 

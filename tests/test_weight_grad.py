@@ -1,4 +1,4 @@
-"""The zero-bubble split backward (engine/parallel/weight_grad.py): B under ``store.defer`` gives the input
+"""The zero-bubble split backward (engine/parallel/autograd/weight_grad.py): B under ``store.defer`` gives the input
 gradient and every non-linear gradient of a plain backward and no linear weight gradient; W (``flush``, in any
 order of the micro-batches) then completes every gradient to the plain backward's sum over micro-batches. Under
 full and selective recomputation, bf16 autocast, tp = 2, tp = 2 with sequence parallelism (the column-parallel
@@ -22,9 +22,9 @@ from engine.model import transformer as model_lib
 from engine.model.compile import apply_compile
 from engine.model.init import materialize
 from engine.model.recompute import apply_activation_checkpointing
-from engine.parallel.tensor import ColumnParallelLinear, RowParallelLinear, apply_tensor_parallel, \
+from engine.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, apply_tensor_parallel, \
     vocab_parallel_cross_entropy
-from engine.parallel.weight_grad import WeightGradStore, split_weight_gradients
+from engine.parallel.autograd.weight_grad import WeightGradStore, split_weight_gradients
 from tests.dist import run_ranks
 
 REL = 1e-6
@@ -160,8 +160,8 @@ def _sp_rank() -> list[dict]:
 
 
 def test_sequence_parallel_split_matches_plain():
-    """tp = 2 with sequence parallelism: against the plain sequence-parallel backward (comm.py's gathering linear),
-    B leaves every linear weight without a gradient, W completes them; what W keeps is the planner's W state
+    """tp = 2 with sequence parallelism: against the plain sequence-parallel backward (autograd/comm.py's gathering
+    linear), B leaves every linear weight without a gradient, W completes them; what W keeps is the planner's W state
     (the qkv and gate/up inputs as (b, s/tp, h) shards), for the two queued micro-batches of 2 x 16 tokens."""
     from engine.planning.schedules import w_state_bytes
 
@@ -214,8 +214,8 @@ def test_defer_does_not_nest():
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_pending_bytes_are_x_and_g_of_every_linear(bf16):
-    """What W keeps from B, per token of a micro-batch (engine/parallel/weight_grad.py): per block x and g of the
-    fused qkv_proj, o_proj, the fused gate_up_proj and down_proj (the LM head is not split: nothing of it).
+    """What W keeps from B, per token of a micro-batch (engine/parallel/autograd/weight_grad.py): per block x and g
+    of the fused qkv_proj, o_proj, the fused gate_up_proj and down_proj (the LM head is not split: nothing of it).
     Nothing once flushed."""
     store = WeightGradStore()
     model = _model(store=store)

@@ -21,7 +21,7 @@ def order_rank(argv: list[str], overlap: bool) -> dict:
     import torch.distributed as dist
 
     from engine.config import load
-    from engine.parallel.context import ParallelContext
+    from engine.parallel.layout.context import ParallelContext
     from engine.parallel.dp import buckets
     from engine.trainer import Trainer
 

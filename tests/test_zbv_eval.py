@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import load
-from engine.parallel.context import ParallelContext
+from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks
 from tests.parity.runner import BASE

@@ -17,7 +17,7 @@ from torch import nn
 if TYPE_CHECKING:
     from engine.checkpoint.state import CheckpointState
     from engine.config import Config
-    from engine.parallel.context import ParallelContext
+    from engine.parallel.layout.context import ParallelContext
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Forking skips re-importing torch in every rank (an 8-rank test starts in about a second instead of ~10 s with
 torchrun). Each rank gets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* in its environment, exactly as torchrun sets them, and
 an initialised gloo process group, so the code runs the same path as under a launcher, on the CPU (ENGINE_CPU_ONLY=1:
-engine/parallel/context.py), whatever GPUs the machine has. The caller must not have
+engine/parallel/layout/context.py), whatever GPUs the machine has. The caller must not have
 run multi-threaded torch ops before forking (GNU OpenMP is not fork-safe; see tests/conftest.py).
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.parallel.context import CPU_ONLY_ENV
-from engine.parallel.threads import OVERRIDE_ENV, set_threads
+from engine.parallel.layout.context import CPU_ONLY_ENV
+from engine.parallel.layout.threads import OVERRIDE_ENV, set_threads
 
 
 def free_port() -> int:
@@ -40,7 +40,7 @@ def _worker(rank: int, world_size: int, port: int, fn, args: tuple, result_dir: 
     # once its parent has initialised it. The child never asks torch.cuda, and hides the GPUs from what it starts.
     os.environ.update({CPU_ONLY_ENV: "1", "CUDA_VISIBLE_DEVICES": ""})
     # The ranks share the machine's cores; oversubscribing them makes gloo tests crawl. The count is
-    # ParallelContext.from_config's (engine/parallel/threads.py), and an explicit ``threads`` goes through
+    # ParallelContext.from_config's (engine/parallel/layout/threads.py), and an explicit ``threads`` goes through
     # OMP_NUM_THREADS so that from_config, which the rank function usually calls, keeps it.
     if threads:
         os.environ[OVERRIDE_ENV] = str(threads)

@@ -8,7 +8,7 @@ torch would make: rank 0's, multi-tenant, or the torchrun agent's when the worke
 its host name under ``host/<rank>`` (the heartbeat, engine/cluster/heartbeat.py, names silent peers from these)
 and counts itself in; the ranks wait for the count to reach the world size with their own deadline. The process
 group is then built on this store with the start-up timeout (gloo's full-mesh connect and NCCL's bootstrap are
-bounded by it) and given ``parallel.timeout_s`` for its collectives afterwards (engine/parallel/context.py).
+bounded by it) and given ``parallel.timeout_s`` for its collectives afterwards (engine/parallel/layout/context.py).
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from engine.data import blend
 from engine.data import dataset as data_lib
 from engine.config import Config
-from engine.parallel.context import ParallelContext
+from engine.parallel.layout.context import ParallelContext
 
 
 class BatchFeed:

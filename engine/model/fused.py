@@ -3,7 +3,7 @@ Hugging Face's tensors at every boundary a user sees.
 
 ``FusedLinear`` stacks its *parts* (Hugging Face linears reading the same input) by rows: weight (sum(out), in),
 bias (sum(out),); ``split_output`` cuts its output into one tensor per part. Under tensor parallelism
-(engine/parallel/tensor.py, ``ColumnParallelFusedLinear``) tp rank r holds block r of every part, [q_r; k_r; v_r]
+(engine/parallel/tp/layers.py, ``ColumnParallelFusedLinear``) tp rank r holds block r of every part, [q_r; k_r; v_r]
 with q_r = q.chunk(tp, 0)[r]: the tp-global fused tensor is the per-rank interleaving [q_0; k_0; v_0; q_1; k_1;
 v_1; ...] (``interleave``), so a rank's contiguous slice holds its own heads' q, k and v, and one GEMM with one
 all-reduce in backward serves all three (Shoeybi et al. 2019, Sec. 3: one ``f`` per column-parallel input

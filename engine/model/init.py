@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from engine.model.fused import part_blocks
-from engine.parallel.shards import tp_dim
+from engine.model.shards import tp_dim
 
 TILE = 256  # 2-d tiles of 256 x 256 values (1-d: 65536): ~20k generators for 1B parameters
 MASK64 = (1 << 64) - 1

@@ -206,7 +206,7 @@ class MoE(nn.Module):
 
     def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (N, h) token copies sorted by expert, counts (E,) -> their (N, h) outputs, before the gate weights. A
-        hook: tensor parallelism wraps it in its collectives (engine/parallel/moe_tp.py)."""
+        hook: tensor parallelism wraps it in its collectives (engine/parallel/tp/moe.py)."""
         return self.experts(x, counts)
 
     def _capacity(self, order: torch.Tensor, counts: torch.Tensor, flat_idx: torch.Tensor):

@@ -1,6 +1,6 @@
 """A plain Llama-family decoder (Touvron et al. 2023): RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-No distributed code lives here: tensor parallelism swaps the linear/embedding modules (engine/parallel/tensor.py)
+No distributed code lives here: tensor parallelism swaps the linear/embedding modules (engine/parallel/tp/layers.py)
 and pipeline parallelism drops layers, so every module reads its local head count from its weights, ``layers`` is
 a ModuleDict keyed by the global layer index, and ``embed_tokens``/``norm``/``lm_head`` may be None on a stage.
 q/k/v and gate/up run as one GEMM each (``qkv_proj``, ``gate_up_proj``: engine/model/fused.py); ``state_dict`` and
@@ -146,7 +146,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_layers)})
         self.norm: nn.Module | None = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        # Sequence parallelism (set by engine/parallel/tensor.py) runs the layers on 1/sequence_shards of the tokens
+        # Sequence parallelism (set by engine/parallel/tp/layers.py) runs the layers on 1/sequence_shards of the tokens
         self.sequence_shards = 1
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
@@ -164,7 +164,7 @@ def decode(cfg: ModelConfig, embed: nn.Module | None, layers, norm: nn.Module | 
            sequence_shards: int = 1) -> torch.Tensor:
     """The decoder's forward over any run of its parts: embed (if given) the token ids x (b, s), else take hidden
     states x (b, s, h); run ``layers`` in order; apply ``norm`` (if given). LlamaModel runs all of its parts; a
-    pipeline chunk runs its own (engine/parallel/virtual.py). Returns (b, s, h), or (b, s/sequence_shards, h)
+    pipeline chunk runs its own (engine/parallel/pp/virtual.py). Returns (b, s, h), or (b, s/sequence_shards, h)
     under sequence parallelism, whose default positions still cover the whole sequence."""
     h = embed(x) if embed is not None else x
     if position_ids is None:

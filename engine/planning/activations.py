@@ -30,10 +30,10 @@ one layer's activations are rebuilt at a time during backward (``transient_bytes
 row-parallel output), gate_up (2f/t), down (h), in the matmul dtype (fp32, or bf16 under autocast and bf16),
 and rebuilds the rest of one layer at a time; autocast's weight copies are recomputed too.
 Sequence parallelism (parallel.sequence_parallel; Korthikanti et al. Sec. 4.2.2, their sbh(34/t + 5as/(ht))):
-the norms, the residual stream and the layer input run on s/t tokens, so every term above that is not already /t
-becomes /t (``sequence_share``). The column-parallel layers keep only their local (s/t) input and gather it again in
-backward (engine/parallel/comm.py; engine/parallel/weight_grad.py under zero bubble), so under autocast no bf16 cast
-of y is saved but y itself is (fp32, 2 x 4h: the 10h of casts become 8h), and only the row-parallel weights' bf16
+the norms, the residual stream and the layer input run on s/t tokens, so every term above that is not already /t becomes
+/t (``sequence_share``). The column-parallel layers keep only their local (s/t) input and gather it again in backward
+(engine/parallel/autograd/comm.py; engine/parallel/autograd/weight_grad.py under zero bubble), so under autocast no bf16
+cast of y is saved but y itself is (fp32, 2 x 4h: the 10h of casts become 8h), and only the row-parallel weights' bf16
 copies are saved. Unchanged: the token ids, the logits and the loss's per-token values, and under selective
 recomputation the o_proj/down_proj matmul outputs (b, s, h), which are the partial sums before the reduce-scatter.
 Context parallelism (parallel.cp): a rank holds b s / cp tokens (``local_tokens``), so every per-token term counts
@@ -51,7 +51,7 @@ from engine.config import Config
 from engine.parallel import dp as dp_modes
 from engine.model.families import QK_NORM
 from engine.model.attention import EFFICIENT, EFFICIENT_REPEAT_KV, MATH, REPEATS_KV, attention_path
-from engine.parallel.cross_entropy import CHUNK_ELEMENTS
+from engine.parallel.tp.cross_entropy import CHUNK_ELEMENTS
 from engine.planning.moe import expert_grad_buffer_bytes, mean_over_layers, mlp_params, routing_bytes_per_token, token_ffn_width
 
 
@@ -91,8 +91,8 @@ def checkpointed_layer_bytes_per_token(cfg: Config, tp: int) -> float:
 
 
 def device_type(cfg: Config) -> str:
-    """The device a run of cfg computes on, as engine/parallel/context.py picks it (nccl: cuda, gloo: cpu, auto: cuda
-    where available); unlike it, planning a CUDA run on a machine without one is allowed."""
+    """The device a run of cfg computes on, as engine/parallel/layout/context.py picks it (nccl: cuda, gloo: cpu,
+    auto: cuda where available); unlike it, planning a CUDA run on a machine without one is allowed."""
     backend = cfg.parallel.backend
     return "cuda" if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()) else "cpu"
 
@@ -196,7 +196,7 @@ def head_bytes_per_token(cfg: Config, tp: int) -> float:
     norm = {"fp32": 12 * h + 4, "autocast": 10 * h + 4, "bf16": 8 * h + 4}[mode(cfg)]
     if sequence_share(cfg, tp) > 1:  # s/t tokens; autocast: the head keeps y (fp32), not its bf16 cast
         norm = (norm + (2 * h if mode(cfg) == "autocast" else 0)) / tp
-    # The chunked loss (engine/parallel/cross_entropy.py) saves the logits in their own dtype (fp32, or bf16 from
+    # The chunked loss (engine/parallel/tp/cross_entropy.py) saves the logits in their own dtype (fp32, or bf16 from
     # an autocast or bf16 LM head), the fp32 log-sum-exp, the int64 local targets and two bool masks.
     return norm + logit_bytes(cfg) * v / tp + 14
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.config import Config
-from engine.parallel.pipeline import stage_layer_ranges
+from engine.parallel.pp.split import even_layers
 from engine.planning.flops import stage_flops_per_token
 
 
@@ -68,11 +68,6 @@ def best_split(num_layers: int, pp: int, cost: Callable[[int, int], int]) -> lis
         counts.append(k)
         n -= k
     return counts
-
-
-def even_layers(num_layers: int, pp: int) -> list[int]:
-    """As even as possible, the earlier stages taking the remainder (parallel.pp_layers empty)."""
-    return [len(r) for r in stage_layer_ranges(num_layers, pp)]
 
 
 def balanced_layers(cfg: Config, pp: int) -> list[int]:

@@ -14,7 +14,7 @@ heads a/t (queries) and n_kv/t (keys and values) of hd values each, w bytes in t
 Time: a ring step's transfer overlaps that step's attention (1/cp of the layer's, Q K^T and A V at 4 a hd s FLOPs a
 token forward, twice that backward, halved by the causal mask that the load-balanced layout splits evenly), so
 only the excess shows, plus a latency per step; all_to_all is not overlapped (it sits between the projections and
-attention). The cp group spans cp tp consecutive ranks (engine/parallel/mesh.py: tp fastest, then cp).
+attention). The cp group spans cp tp consecutive ranks (engine/parallel/layout/mesh.py: tp fastest, then cp).
 """
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """Expert parallelism in the planner (parallel.ep; engine/parallel/ep/): which group holds the experts' state, the
 token all-to-all's bytes and exposed time, and the load-imbalance margin.
 
-State: an ep group is ep consecutive dp ranks (engine/parallel/mesh.py split_along), each holding E/ep experts of
+State: an ep group is ep consecutive dp ranks (engine/parallel/layout/mesh.py split_along), each holding E/ep experts of
 every MoE layer (and 1/tp of each, as the dense MLP); the ranks holding the same experts form the expert-dp group
 of edp = dp cp / ep ranks. The dp modes' planner models price the experts' weights, gradients and AdamW state over
 that group as they price the dense part over dp cp (``expert_layout``): ddp replicates them (16 bytes a weight in
 fp32, Rajbhandari et al. 2020's stage 0), fsdp shards them over edp (stage 3); zero with ep > 1 is refused by
-engine/parallel/support.py. At ep = 1 the experts are priced with the dense weights, as before.
+engine/parallel/layout/checks.py. At ep = 1 the experts are priced with the dense weights, as before.
 
 All-to-all (GShard, Lepikhin et al. 2020; engine/parallel/ep/dispatch.py): per MoE layer and micro-batch a rank
 routes its T = b s / cp tokens to k experts and sends each copy whose expert lives on another ep rank: with routing
@@ -29,7 +29,7 @@ import dataclasses
 
 from engine.config import Config, ModelConfig
 from engine.model.moe import is_moe_layer
-from engine.parallel.support import Layout
+from engine.parallel.layout.checks import Layout
 from engine.planning.activations import device_type, local_tokens, logit_bytes, mode, residual_bytes
 from engine.planning.moe import EP_IMBALANCE, expert_rows
 
@@ -83,5 +83,5 @@ def straggler_weights(cfg: Config, ep: int) -> float:
 
 def ep_span(layout: Layout) -> int:
     """Consecutive global ranks an ep group spans: ep dp ranks, each tp cp ranks apart (tp fastest, then cp, then
-    dp: engine/parallel/mesh.py)."""
+    dp: engine/parallel/layout/mesh.py)."""
     return layout.ep * layout.tp * layout.cp

@@ -1,13 +1,14 @@
 """The layouts the search of engine/planning/search.py tries (launch/plan.py): every (tp, pp, dp, cp, cp mode, ep,
-dp mode, micro-batch size, activation checkpointing, schedule) that engine/parallel/support.py accepts, as configs.
+dp mode, micro-batch size, activation checkpointing, schedule) that engine/parallel/layout/checks.py accepts, as
+configs.
 """
 from __future__ import annotations
 
 from engine.config import Config, ConfigError
 from engine.config_checks import CHOICES
 from engine.parallel.dp import MODES as DP_MODE_SPECS
-from engine.parallel.schedule import SCHEDULES
-from engine.parallel.support import Layout, check_supported, resolve_layout
+from engine.parallel.pp.schedule import SCHEDULES
+from engine.parallel.layout.checks import Layout, check_supported, resolve_layout
 from engine.planning.planner import planner_model, with_layout
 
 
@@ -56,7 +57,7 @@ def layouts(cfg: Config, world_size: int, schedules: tuple[tuple[str, int], ...]
     """Every valid (tp, pp, dp, cp, cp mode, ep, dp mode, micro-batch size, activation checkpointing, schedule) of
     ``cfg`` on ``world_size`` ranks, as configs. ``schedules``: (schedule, virtual stages) pairs to try (default: the
     config's; engine.planning.schedules.SEARCHED is every one), the first alone at pp = 1 where no pipeline
-    runs. Validity is engine.parallel.support.resolve_layout's ((tp, pp, dp), message of each refusal go to
+    runs. Validity is engine.parallel.layout.checks.resolve_layout's ((tp, pp, dp), message of each refusal go to
     ``refused``); at
     dp = 1 only ddp (sharding over one rank changes nothing). ``offload``: dp_modes' (default the config's
     parallel.offload)."""

@@ -8,9 +8,9 @@ over the N data-parallel ranks, stage 2 also the gradients, stage 3 also the wei
 In fp32 training (as on CPU) weights and gradients take 4 bytes each and Adam's two moments 8, with no master copy.
 
 ``stage_memory(cfg, world_size, stage)`` applies this to what THIS engine holds on one rank of a pipeline stage:
-- parameters: the stage's layers (engine.parallel.pipeline.stage_layer_ranges), the embedding on the first stage,
+- parameters: the stage's layers (engine.parallel.pp.split.stage_layer_ranges), the embedding on the first stage,
   final norm and LM head on the last (a tied head is a second copy there when pp > 1); linears and the vocab
-  split by tp as engine/parallel/tensor.py's plan does, norms replicated.
+  split by tp as engine/parallel/tp/layers.py's plan does, norms replicated.
 - state by dp mode, from the mode's planner model (engine/parallel/dp/plan_models.py, named by its DpModeSpec; a
   mode without one is refused, never priced as another): ddp = stage 0 and fsdp = stage 3 with fp32 weights,
   gradients and AdamW moments (bf16 is autocast or FSDP's bf16 compute copy); under fsdp, gradients stay unsharded
@@ -44,8 +44,8 @@ from engine.planning.schedules import activations_in_flight, head_stage, one_emb
 from engine.config import Config, ConfigError, ModelConfig
 from engine.parallel import dp as dp_modes
 from engine.parallel.dp.registry import load
-from engine.parallel.support import Layout, micro_batches_per_step, resolve_layout
-from engine.parallel.pipeline import stage_layer_ranges
+from engine.parallel.layout.checks import Layout, micro_batches_per_step, resolve_layout
+from engine.parallel.pp.split import stage_layer_ranges
 from engine.planning.balance import layer_counts
 from engine.model.families import QK_NORM
 from engine.model.moe import is_moe_layer
@@ -79,10 +79,10 @@ def model_state_parts(params: int, dp: int, zero_stage: int, precision: str = "m
 
 def layer_params(m: ModelConfig, tp: int, index: int = 0) -> tuple[int, int]:
     """(tp-sharded, replicated) parameter counts of decoder layer ``index`` on one tp rank: q, k, v, o and gate,
-    up, down are split by tp (LAYER_PLAN in engine/parallel/tensor.py), with the q/k/v biases where the model has
+    up, down are split by tp (LAYER_PLAN in engine/parallel/tp/layers.py), with the q/k/v biases where the model has
     them (model.attention_bias); the two RMSNorm weights are replicated. An MoE layer's experts and shared expert
     (engine/planning/moe.py) are split like the MLP and OLMoE's whole-projection q/k norms like q/k; the router,
-    the shared expert's gate (engine/parallel/moe_tp.py) and Qwen3's per-head q/k norms (hd,) are replicated."""
+    the shared expert's gate (engine/parallel/tp/moe.py) and Qwen3's per-head q/k norms (hd,) are replicated."""
     h, hd = m.hidden_size, m.head_dim
     router = (m.num_experts + bool(m.moe_shared_expert_size)) * h if is_moe_layer(m, index) else 0
     sharded = 2 * h * m.num_heads * hd + 2 * h * m.num_kv_heads * hd + mlp_params(m, index) - router
@@ -153,7 +153,7 @@ class StageMemory:
 
 def data_layout(layout: Layout) -> Layout:
     """``layout`` as the dp mode's planner model sees the dense weights: cp ranks hold the same weights, so the
-    gradients are reduced and the state sharded over dp x cp (engine/parallel/context.py grad_mesh), consecutive
+    gradients are reduced and the state sharded over dp x cp (engine/parallel/layout/context.py grad_mesh), consecutive
     groups of tp ranks (ep = 1: no stride; engine/parallel/dp/plan_models.py group_span)."""
     return dataclasses.replace(layout, dp=layout.dp * layout.cp, cp=1, ep=1)
 
@@ -181,7 +181,7 @@ def dp_model(cfg: Config):
 def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True,
                  layout: Layout | None = None) -> StageMemory:
     """Planned bytes held by one rank of pipeline ``stage`` at the peak of a training step (layout from
-    ``cfg.parallel`` and ``cfg.train``, checked by engine.parallel.support.resolve_layout, unless the caller
+    ``cfg.parallel`` and ``cfg.train``, checked by engine.parallel.layout.checks.resolve_layout, unless the caller
     passes the ``layout`` it has resolved). ``foreach``: AdamW's multi-tensor path (engine.optim's choice off
     CUDA); False: torch's per-tensor loop."""
     layout = layout or resolve_layout(cfg, world_size)

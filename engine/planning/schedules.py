@@ -1,24 +1,24 @@
-"""What a pipeline schedule (engine/parallel/schedule.py) implies for the plan: one rank's activations in flight,
+"""What a pipeline schedule (engine/parallel/pp/schedule.py) implies for the plan: one rank's activations in flight,
 in bytes, and the step's makespan, both read off the schedule's own tables rather than a 1F1B closed form.
 
 Memory: walk the rank's action list (once per table: held_states) and price what is alive after each compute:
 - FWD of (micro-batch, chunk) adds that chunk's activations of one micro-batch (engine/planning/activations.py
   for the chunk's layers). Without virtual stages the one chunk is the whole stage. Interleaved 1F1B
   (Narayanan et al. 2021, Sec. 2.2.2): the layers are split into pp*v equal chunks and rank r holds chunks r,
-  r+pp, ... (engine/parallel/actions.py), so each chunk holds 1/v of the stage's layers; virtual stage 0 (chunk
+  r+pp, ... (engine/parallel/pp/actions.py), so each chunk holds 1/v of the stage's layers; virtual stage 0 (chunk
   0 of rank 0) also keeps the token ids of the embedding, the last virtual stage (chunk v-1 of rank pp-1) the
   final norm, logits and loss, and every chunk but virtual stage 0 its received input (bf16) and its own RoPE
   tables (built per forward).
 - BWD releases them. Under zero bubble (Qi et al. 2023, Sec. 2) B (BWD_INPUT) releases them too (autograd frees
-  the graph) but leaves the W state (engine/parallel/weight_grad.py), which W (BWD_WEIGHT) releases: for every
+  the graph) but leaves the W state (engine/parallel/autograd/weight_grad.py), which W (BWD_WEIGHT) releases: for every
   split linear its input x and output gradient g, in the matmul dtype. Per token of a block, x: the norm output
   for the fused q/k/v (h), the attention output (a hd/t), the norm output for the fused gate/up (h), the SwiGLU
   product (f/t); g: q, k, v (a hd/t, kvd/t,
   kvd/t), o and down (h each), gate and up (f/t each). The LM head is not split (its g would be logits-sized).
-The peak is taken after each compute; the count of pairs held is engine.parallel.actions.max_in_flight's, the one
+The peak is taken after each compute; the count of pairs held is engine.parallel.pp.actions.max_in_flight's, the one
 count the simulator reports too.
 
-Time: engine.parallel.schedule_sim's event simulation of the schedule with the planner's per-micro-batch costs
+Time: engine.parallel.pp.simulator's event simulation of the schedule with the planner's per-micro-batch costs
 of one virtual stage (engine/planning/search.py), so the bubble is whatever the schedule leaves, for 1F1B the
 (p-1)/(m+p-1) of Narayanan et al. 2021 Sec. 2.2.1, for interleaved about 1/v of it, for ZB-H1 (p-1)(F+B-W).
 Past SIMULATED_GROUPS groups of pp micro-batches the steady state only repeats: each further micro-batch adds the
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from engine.config import Config
-from engine.parallel import schedule as sched
-from engine.parallel.actions import Op, max_in_flight, virtual_stage
-from engine.parallel.pipeline import stage_layer_ranges
+from engine.parallel.pp import schedule as sched
+from engine.parallel.pp.actions import Op, max_in_flight, virtual_stage
+from engine.parallel.pp.split import chunk_layer_ranges, stage_layer_ranges
 from engine.planning import activations as acts
 from engine.planning.balance import layer_counts
 
@@ -65,14 +65,15 @@ def label(schedule: str, v: int) -> str:
 
 def rank_chunks(cfg: Config, pp: int, stage: int) -> list[tuple[int, int]]:
     """(virtual stage, layer count) of each model chunk rank ``stage`` holds, rank-local chunk c at index c.
-    Interleaved: virtual stage g = c*pp + stage holds num_layers/(pp*v) layers (the split of
-    engine/parallel/virtual.py's chunk_layer_ranges), zbv: g = stage and 2pp-1-stage; otherwise one chunk, the
-    stage's layers."""
+    Interleaved: virtual stage g = c*pp + stage holds num_layers/(pp*v) layers, zbv: g = stage and 2pp-1-stage
+    (engine/parallel/pp/split.py chunk_layer_ranges, the split the stage module is cut by); otherwise one chunk,
+    the stage's layers."""
     v = virtual_stages(cfg)
     if v == 1:
         return [(stage, len(stage_layer_ranges(cfg.model.num_layers, pp, layer_counts(cfg, pp))[stage]))]
-    n = cfg.model.num_layers // (pp * v)
-    return [(virtual_stage(pp, stage, c, sched.SCHEDULES[cfg.parallel.schedule].vshape), n) for c in range(v)]
+    vshape = sched.SCHEDULES[cfg.parallel.schedule].vshape
+    ranges = chunk_layer_ranges(cfg.model.num_layers, pp, v, vshape)[stage]
+    return [(virtual_stage(pp, stage, c, vshape), len(r)) for c, r in enumerate(ranges)]
 
 
 def chunk_bytes(cfg: Config, tp: int, pp: int, stage: int) -> list[float]:
@@ -91,7 +92,7 @@ def w_state_bytes(cfg: Config, tp: int, pp: int, stage: int) -> list[float]:
     h, q, kvd, f = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.intermediate_size
     grads = 2 * h + (q + 2 * kvd + 2 * f) / tp  # output gradients of q k v o gate up down, per token
     # their inputs: qkv_proj's, o_proj's, gate_up_proj's, down_proj's; under sequence parallelism qkv_proj and
-    # gate_up_proj queue only their (b, s/tp, h) shard, gathered again at W (engine/parallel/weight_grad.py)
+    # gate_up_proj queue only their (b, s/tp, h) shard, gathered again at W (engine/parallel/autograd/weight_grad.py)
     inputs = 2 * h / acts.sequence_share(cfg, tp) + (q + f) / tp
     tokens = t.micro_batch_size * t.seq_len
     return [tokens * acts.logit_bytes(cfg) * n * (grads + inputs) for _, n in rank_chunks(cfg, pp, stage)]
@@ -111,7 +112,7 @@ class InFlight:
 
 @lru_cache(maxsize=1024)
 def actions(schedule: str, pp: int, micro_batches: int, stage: int, v: int) -> tuple:
-    """engine.parallel.schedule.build's action list, cached (the search plans many layouts per schedule)."""
+    """engine.parallel.pp.schedule.build's action list, cached (the search plans many layouts per schedule)."""
     return tuple(sched.build(schedule, pp, micro_batches, stage, v))
 
 
@@ -173,7 +174,7 @@ def makespan_and_idle(schedule: str, pp: int, micro_batches: int, v: int, fwd: f
 @lru_cache(maxsize=4096)
 def timeline(schedule: str, pp: int, micro_batches: int, v: int, fwd: float, bwd: float, bwd_input: float,
              bwd_weight: float) -> sched.Timeline:
-    """The simulated step (engine.parallel.schedule.simulate, on the cached tables) with the costs of one
+    """The simulated step (engine.parallel.pp.schedule.simulate, on the cached tables) with the costs of one
     micro-batch on one virtual stage: fwd, bwd (whole backward), and zero bubble's bwd_input (B) and bwd_weight
     (W). Cached: layouts that differ only in their dp mode share their costs."""
     tables = [actions(schedule, pp, micro_batches, s, v) for s in range(pp)]

@@ -2,7 +2,7 @@
 
 ``step_time`` models one optimizer step of a layout as
     makespan of the pipeline schedule  +  exposed dp communication
-where the makespan is engine.parallel.schedule_sim's event simulation of the configured schedule
+where the makespan is engine.parallel.pp.simulator's event simulation of the configured schedule
 (engine/planning/schedules.py), every virtual stage taking the slowest stage's time for one micro-batch / v:
 forward F, input-gradient backward B and weight-gradient backward W (one backward B+W except under zero bubble),
 from its FLOPs (engine/planning/flops.py, recomputation included) at ``efficiency`` of the device peak, its
@@ -11,10 +11,10 @@ schedule leaves idle: for 1F1B and GPipe a makespan of (m + p - 1) (F + B), a bu
 (Narayanan et al. 2021, Sec. 2.2.1), for interleaved about 1/v of that (their Sec. 2.2.2) with v times the
 transfers, for ZB-H1 (p - 1) (F + B - W) (Qi et al. 2023). Collectives are rings over ``n`` ranks (Thakur et al. 2005): all-reduce moves
 2 (n-1)/n of the bytes per rank, reduce-scatter and all-gather (n-1)/n each, plus a latency per ring step. A
-group whose ranks fit in one node (tp fastest, then dp, then pp: engine/parallel/context.py) uses the intra-node
+group whose ranks fit in one node (tp fastest, then dp, then pp: engine/parallel/layout/context.py) uses the intra-node
 bandwidth, otherwise the inter-node one.
 
-What is counted, per engine path: tp: the plan table of engine/parallel/tensor.py (one all-reduce forward per
+What is counted, per engine path: tp: the plan table of engine/parallel/tp/layers.py (one all-reduce forward per
 row-parallel linear, one backward per column-parallel linear, none fused); ddp: torch DDP's bucketed gradient
 all-reduce, overlapped with the last micro-batch's backward except the last bucket; fsdp: an all-gather per micro-batch forward (and another in backward with
 reshard_after_forward) that overlaps compute, and the gradient reduce-scatter of the last micro-batch; zero k
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from engine.planning import flops, schedules
 from engine.planning.activations import sequence_share
 from engine.config import Config
-from engine.parallel.support import Layout, micro_batches_per_step, resolve_layout
-from engine.parallel.pipeline import stage_layer_ranges
-from engine.parallel.tensor import LAYER_PLAN
+from engine.parallel.layout.checks import Layout, micro_batches_per_step, resolve_layout
+from engine.parallel.pp.split import stage_layer_ranges
+from engine.parallel.tp.layers import LAYER_PLAN
 from engine.planning import cp as cp_plan
 from engine.planning import ep as ep_plan
 from engine.planning.planner import StageMemory, data_layout, dp_model, plan_memory, stage_params, state_groups

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from engine.config import load  # noqa: E402
-from engine.parallel.context import ParallelContext  # noqa: E402
+from engine.parallel.layout.context import ParallelContext  # noqa: E402
 from engine.cluster.spawn import run_ranks  # noqa: E402
 from engine.trainer import Trainer  # noqa: E402
 

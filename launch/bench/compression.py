@@ -75,7 +75,7 @@ def train_rank(argvs: list[list[str]], broken: str | None = None) -> list[dict]:
     """Rank function: train each argv with the hook spied on; per run the losses, grad norms, the buckets
     reduced in each step (a list per step), and after the last step the gradient storages and bytes held."""
     from engine.config import load
-    from engine.parallel.context import ParallelContext
+    from engine.parallel.layout.context import ParallelContext
     from engine.trainer import Trainer
 
     warnings.filterwarnings("ignore")

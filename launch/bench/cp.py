@@ -68,7 +68,7 @@ def micro_batch(argv: list[str], repeats: int = 0) -> dict:
     from engine.model.init import materialize
     from engine.parallel.cp.apply import apply_context_parallel
     from engine.parallel.cp.inputs import micro_batch_inputs
-    from engine.parallel.tensor import vocab_parallel_cross_entropy
+    from engine.parallel.tp.layers import vocab_parallel_cross_entropy
     from engine.planning import activations as acts
     from engine.planning import cp as cp_plan
 

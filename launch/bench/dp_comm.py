@@ -82,7 +82,7 @@ def register() -> None:
 
 def build(argv: list[str], mode: str):
     from engine.config import load
-    from engine.parallel.context import ParallelContext
+    from engine.parallel.layout.context import ParallelContext
     from engine.trainer import Trainer
 
     cfg = load([*argv, "--parallel.dp_mode", mode, "--train.out_dir", f"/tmp/bench_dp_comm/{mode}"])

@@ -27,9 +27,9 @@ import torch  # noqa: E402
 
 def trainer_on(device: str, argv: list[str]):
     """The engine's Trainer of ``argv`` on one rank of ``device`` (backend nccl for cuda, gloo for cpu: the one
-    place that maps them to devices is engine/parallel/context.py)."""
+    place that maps them to devices is engine/parallel/layout/context.py)."""
     from engine.config import load
-    from engine.parallel.context import ParallelContext
+    from engine.parallel.layout.context import ParallelContext
     from engine.trainer import Trainer
 
     os.environ.pop("MASTER_ADDR", None)  # one rank: an in-memory store, no rendezvous

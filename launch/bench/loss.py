@@ -3,7 +3,7 @@
     python launch/bench/loss.py [--vocab 32768] [--tokens 4096] [--dtype bf16] [--repeats 3]
 
 "before" is the engine's loss as it was at tp = 1, ``F.cross_entropy(logits.float(), target)`` (the tp > 1 path
-also kept an fp32 softmax of the whole local logits); "after" is engine.parallel.cross_entropy's chunked loss.
+also kept an fp32 softmax of the whole local logits); "after" is engine.parallel.tp.cross_entropy's chunked loss.
 Memory is the peak of the storages the loss allocates, counted by engine.metrics.memory.LiveTensorBytes (works on
 CPU; the logits themselves are allocated before and not counted). Runs alternate (before, after, before, ...);
 the times are medians. Both give the same loss and gradient (tests/test_cross_entropy.py).
@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine.metrics.memory import LiveTensorBytes  # noqa: E402
-from engine.parallel.cross_entropy import CHUNK_ELEMENTS, vocab_parallel_cross_entropy  # noqa: E402
+from engine.parallel.tp.cross_entropy import CHUNK_ELEMENTS, vocab_parallel_cross_entropy  # noqa: E402
 
 
 def before(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

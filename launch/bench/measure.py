@@ -50,7 +50,7 @@ def measure_rank(argv: list[str]) -> dict:
     run two steps (AdamW's state exists, DDP has rebuilt its buckets), then measure_step on the next batch.
     Returns the measurement with the rank's pp stage, tp rank and world size."""
     from engine.config import load
-    from engine.parallel.context import ParallelContext
+    from engine.parallel.layout.context import ParallelContext
     from engine.trainer import Trainer
 
     cfg = load(argv)

@@ -39,7 +39,7 @@ def _train(argv: list[str], fallback: bool) -> dict:
     """Rank function: train; losses, grad norms, initial and final fp32 parameters, optimizer name, seconds."""
     import time
 
-    from engine.parallel.context import ParallelContext
+    from engine.parallel.layout.context import ParallelContext
     from engine.trainer import Trainer
 
     if fallback:  # what a machine without the C++ op gets

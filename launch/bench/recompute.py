@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from engine.config import load  # noqa: E402
-from engine.parallel.context import ParallelContext, destroy  # noqa: E402
+from engine.parallel.layout.context import ParallelContext, destroy  # noqa: E402
 from engine.trainer import Trainer  # noqa: E402
 
 VARIANTS = [("eager", "none"), ("eager", "full"), ("eager", "selective"),

@@ -11,7 +11,7 @@ minutes wall, 1.5 minutes of CPU, on 2 cores shared with other jobs (load averag
 
 a) per stage: ``closed``, the bubble fraction of the papers' closed forms (1F1B (p-1)/(m+p-1), Narayanan et al.
    2021 Sec. 2.2.1; interleaved (p-1)/(v*m+p-1), their Sec. 2.2.2; ZB-H1 (p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)),
-   Qi et al. 2023 Sec. 3.1, with the measured F, B, W); ``sim``, engine/parallel/schedule.py's event simulator
+   Qi et al. 2023 Sec. 3.1, with the measured F, B, W); ``sim``, engine/parallel/pp/schedule.py's event simulator
    fed with the measured compute times (the mean over ranks of each op's median; communication free); measured
    ``idle`` = (step - busy) / step, busy = the stage's run time minus executor.wait_s, and ``wait`` =
    executor.wait_s / step (as launch/bench/pipeline.py); ``cpu`` = thread CPU seconds of the stage's computes /
@@ -52,11 +52,11 @@ import torch.distributed as dist  # noqa: E402
 
 from engine.cluster.spawn import run_ranks  # noqa: E402
 from engine.metrics.memory import SavedActivations  # noqa: E402
-from engine.parallel.context import ParallelContext  # noqa: E402
-from engine.parallel.pipeline import PipelineExecutor, backward_from  # noqa: E402
-from engine.parallel.schedule import SCHEDULES, bubble_fraction, max_in_flight, simulate, theory  # noqa: E402
-from engine.parallel.tensor import vocab_parallel_cross_entropy  # noqa: E402
-from engine.parallel.virtual import model_chunks  # noqa: E402
+from engine.parallel.layout.context import ParallelContext  # noqa: E402
+from engine.parallel.pp.executor import PipelineExecutor, backward_from  # noqa: E402
+from engine.parallel.pp.schedule import SCHEDULES, bubble_fraction, max_in_flight, simulate, theory  # noqa: E402
+from engine.parallel.tp.layers import vocab_parallel_cross_entropy  # noqa: E402
+from engine.parallel.pp.virtual import model_chunks  # noqa: E402
 from engine.trainer import build_model  # noqa: E402
 from launch.bench import zb_dp  # noqa: E402
 from launch.bench.pipeline import add_model_args, batch, config, model_line, timed  # noqa: E402

@@ -86,7 +86,7 @@ class PlainLoop:
 def engine_side(cfg):
     """The engine's Trainer on one rank; returns (train_step, device, parameter count)."""
     from engine.model.transformer import count_params
-    from engine.parallel.context import ParallelContext
+    from engine.parallel.layout.context import ParallelContext
     from engine.trainer import Trainer
 
     trainer = Trainer(cfg, ParallelContext.from_config(cfg))
@@ -99,7 +99,7 @@ def run_side(side: str, argv: list[str], steps: int, warmup: int) -> dict:
     if side == "ours":
         step, device, params = engine_side(cfg)
     else:
-        from engine.parallel.context import pick_device_and_backend
+        from engine.parallel.layout.context import pick_device_and_backend
         device, _ = pick_device_and_backend(cfg.parallel.backend)
         plain = PlainLoop(cfg, device)
         step, params = plain.train_step, sum(p.numel() for p in plain.model.parameters())

@@ -3,12 +3,12 @@
     python launch/bench/tp.py [--config configs/tiny.yaml] [--tp 2] [--steps 20] [--memory-config ...] [--tables abcd]
 
 a) Step time (forward + backward) at tp ranks (forked, gloo, one torch thread each) of our Megatron-style layers
-   (engine/parallel/tensor.py, vocab-parallel loss) against the same engine/model/transformer.py modules parallelised by
-   torch.distributed.tensor.parallel.parallelize_module with torchtitan's Llama plan (ColwiseParallel q/k/v and
-   gate/up, RowwiseParallel o/down, RowwiseParallel vocab-sharded embedding, ColwiseParallel LM head kept
-   sharded for loss_parallel), from the same initial weights, on the same random batches, the two alternating
-   step by step. Printed: median step times and the median over step pairs of ours / DTensor (< 1: ours is
-   faster), and the largest difference of their losses.
+   (engine/parallel/tp/layers.py, vocab-parallel loss) against the same engine/model/transformer.py modules parallelised
+   by torch.distributed.tensor.parallel.parallelize_module with torchtitan's Llama plan (ColwiseParallel q/k/v and
+   gate/up, RowwiseParallel o/down, RowwiseParallel vocab-sharded embedding, ColwiseParallel LM head kept sharded for
+   loss_parallel), from the same initial weights, on the same random batches, the two alternating step by step. Printed:
+   median step times and the median over step pairs of ours / DTensor (< 1: ours is faster), and the largest difference
+   of their losses.
 b) Per-rank memory of a few layouts, measured by launch/bench/measure.py on the Trainer's third step, next
    to engine.planning.planner.stage_memory's plan for the same rank: model state, peak saved activations, step peak.
 c) Sequence parallelism (parallel.sequence_parallel): peak bytes saved for backward per rank at tp 2 and 4, without
@@ -45,9 +45,9 @@ from engine.model.fused import FusedLinear, interleave  # noqa: E402
 from engine.model.init import materialize  # noqa: E402
 from launch.bench.measure import measure_rank  # noqa: E402
 from launch.bench.tp_collectives import print_collectives  # noqa: E402
-from engine.parallel.context import ParallelContext  # noqa: E402
+from engine.parallel.layout.context import ParallelContext  # noqa: E402
 from engine.cluster.spawn import run_ranks  # noqa: E402
-from engine.parallel.tensor import LAYER_PLAN, vocab_parallel_cross_entropy  # noqa: E402
+from engine.parallel.tp.layers import LAYER_PLAN, vocab_parallel_cross_entropy  # noqa: E402
 from engine.planning.planner import stage_memory  # noqa: E402
 from engine.trainer import build_model  # noqa: E402
 

@@ -3,11 +3,11 @@
     python launch/bench/tp_collectives.py [--config configs/tiny.yaml] [--tp 2 4] [--micro-batch-size 2] [--seq-len 16]
 
 One forward and one backward of one decoder layer (engine/model/transformer.py DecoderLayer, parallelised by
-engine/parallel/tensor.py) on forked gloo ranks, for each tp, sequence parallelism off/on and activation
+engine/parallel/tp/layers.py) on forked gloo ranks, for each tp, sequence parallelism off/on and activation
 checkpointing none/full. Every collective is seen where it reaches the process group: a TorchDispatchMode on the
 c10d ops (as torch.distributed.tensor.debug.CommDebugMode counts them), so a collective counts however the Python
-code names it (engine/parallel/comm.py holds its own reference to all_gather_single). Printed per layer, forward
-and backward: the calls of each kind, and per token of the micro-batch (b * s tokens) the bytes of the full
+code names it (engine/parallel/autograd/comm.py holds its own reference to all_gather_single). Printed per layer,
+forward and backward: the calls of each kind, and per token of the micro-batch (b * s tokens) the bytes of the full
 buffer each kind reduces or assembles (an all-reduce's tensor, an all-gather's output, a reduce-scatter's input)
 and the bytes one rank sends under ring algorithms (all-reduce 2 (tp-1)/tp of the buffer, all-gather and
 reduce-scatter (tp-1)/tp; Thakur et al. 2005), next to the counts of Megatron's design
@@ -31,8 +31,8 @@ from engine.config import load  # noqa: E402
 from engine.model import transformer as model_lib  # noqa: E402
 from engine.model.init import materialize  # noqa: E402
 from engine.model.rope import rope_cos_sin  # noqa: E402
-from engine.parallel.context import ParallelContext  # noqa: E402
-from engine.parallel.tensor import apply_tensor_parallel  # noqa: E402
+from engine.parallel.layout.context import ParallelContext  # noqa: E402
+from engine.parallel.tp.layers import apply_tensor_parallel  # noqa: E402
 
 _c10d = torch.ops.c10d
 # c10d op -> the kind reported; every op a torch.distributed collective lowers to on a ProcessGroup.

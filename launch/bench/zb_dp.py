@@ -65,7 +65,7 @@ def rank_main(args: argparse.Namespace, out_dir: str) -> dict:
     import warnings
 
     from engine.config import load
-    from engine.parallel.context import ParallelContext
+    from engine.parallel.layout.context import ParallelContext
     from engine.trainer import Trainer
 
     warnings.filterwarnings("ignore")

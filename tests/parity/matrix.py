@@ -13,7 +13,7 @@ One ``Combo`` is a point of the product of these factors (``FACTORS``):
     sp: sequence parallelism off | on (only with tp > 1, where it applies; off at tp = 1)
     cp in {1, 2, 4} (tp * pp * dp * cp <= 8), cp_mode: ring | all_to_all (only with cp > 1; "-" at cp = 1)
     model: dense | moe (runner.BASE as a Mixtral of 4 experts, top 2, aux and z losses on: MOE_ARGS; under tp
-           the experts are tp-sharded, engine/parallel/moe_tp.py)
+           the experts are tp-sharded, engine/parallel/tp/moe.py)
     ep: 1 | 2 | 4 (parallel.ep, expert parallelism: moe only, ep dividing dp x cp, the ranks it is carved from;
         ep > 1 with ddp and fsdp, EP_DP_MODE)
 

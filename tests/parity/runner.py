@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from engine.config import ConfigError, load
 from engine.model.fused import by_hf_name
-from engine.parallel.context import ParallelContext
+from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks
 from tests.parity.matrix import Combo

@@ -1,6 +1,6 @@
 """Context parallelism applied to a built stage: every Attention module's core (engine/model/attention.py
 AttentionCore) swapped for one that attends across the cp group, by parallel.cp_mode. Applied in
-engine/trainer.py build_model after tensor parallelism (the core sees the tp-local heads) and before activation
+engine/stage.py build_model after tensor parallelism (the core sees the tp-local heads) and before activation
 checkpointing and compile (which then wrap the swapped core); docs/architecture.md, "The order in which
 parallelism is applied". The rest of the model runs on its s/cp tokens unchanged: the trainer gives it the global
 RoPE positions of those tokens and the whole sequence's document ids (engine/parallel/cp/inputs.py).
@@ -22,7 +22,7 @@ class RingCore(AttentionCore):
     (b, s) rather than a mask (it masks each K/V block as it arrives), so that is what ``mask`` builds."""
 
     def __init__(self, group, cp: int):
-        from engine.parallel.cp.ring import ring_attention  # support.check_context_parallel: it exists
+        from engine.parallel.cp.ring import ring_attention  # layout.checks.check_context_parallel: it exists
 
         self.ring_attention, self.group, self.cp = ring_attention, group, cp
 

@@ -6,7 +6,7 @@ attention an all-to-all over the cp group trades the sequence split for a head s
 (b, H/cp, s, hd), every token of H/cp heads, so attention itself is the one-process computation (causal, or the
 whole-sequence document mask) on whole heads; a second all-to-all brings the output back to (b, H, L, hd). The
 backward of each all-to-all is the other one (an all-to-all is a permutation of blocks: its transpose is its
-inverse). H = heads / tp, so num_heads and num_kv_heads must divide by cp tp (engine/parallel/support.py).
+inverse). H = heads / tp, so num_heads and num_kv_heads must divide by cp tp (engine/parallel/layout/checks.py).
 Per layer 4 all-to-alls forward (q, k, v, o) and 4 backward, each moving (cp-1)/cp of its tensor; every cp rank
 issues them in the same order (NCCL's rule).
 """

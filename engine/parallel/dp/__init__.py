@@ -13,7 +13,7 @@ entry here (docs/architecture.md, "A new dp mode", names every file). No torch: 
 from __future__ import annotations
 
 from engine.errors import ConfigError
-from engine.parallel.actions import CHUNK_BACKWARD, CHUNK_LAST_W, LAST_BACKWARD, LAST_W
+from engine.parallel.pp.actions import CHUNK_BACKWARD, CHUNK_LAST_W, LAST_BACKWARD, LAST_W
 from engine.parallel.dp import checks
 from engine.parallel.dp.registry import DpModeSpec, load
 

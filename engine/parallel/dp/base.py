@@ -30,9 +30,9 @@ from engine.config import Config
 from engine.metrics.memory import tensor_bytes_held
 from engine.optim import build_optimizer, clip_gradients, set_lr
 from engine.parallel.ep import expert_parameters
-from engine.parallel.pipeline import backward_from
-from engine.parallel.shards import local
-from engine.parallel.tied import counted_elsewhere
+from engine.parallel.pp.executor import backward_from
+from engine.model.shards import local
+from engine.parallel.pp.tied import counted_elsewhere
 
 
 class DataParallel:
@@ -64,8 +64,9 @@ class DataParallel:
         gradients never passes is_last=True: the chunk's gradients are complete after its last W (last_weight)."""
 
     def last_weight(self, store, key, chunk: int = 0) -> None:
-        """Zero bubble: run model chunk ``chunk``'s last W (``store.flush(key)``, engine/parallel/weight_grad.py),
-        after which its gradients are complete; a mode that reduces per chunk starts that here."""
+        """Zero bubble: run model chunk ``chunk``'s last W (``store.flush(key)``,
+        engine/parallel/autograd/weight_grad.py), after which its gradients are complete; a mode that reduces per
+        chunk starts that here."""
         store.flush(key)
 
     def backward(self, output: torch.Tensor, grad: torch.Tensor | None) -> None:

@@ -1,6 +1,6 @@
 """Gradient buckets averaged over dp outside DDP's reducer: what autograd hooks never see.
 
-Zero bubble's deferred weight gradients (engine/parallel/weight_grad.py) are added to ``.grad`` by W, not by
+Zero bubble's deferred weight gradients (engine/parallel/autograd/weight_grad.py) are added to ``.grad`` by W, not by
 autograd, so DDP's reducer cannot tell when a bucket is complete. ``ReadyBuckets`` plays its part for them: the
 chunk's parameters are packed into buckets of about bucket_mb MB in DDP's order (reverse registration, the order
 a backward, and W's flush, completes them); W marks each parameter ready as it adds its last gradient, and a bucket

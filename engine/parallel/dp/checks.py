@@ -1,12 +1,12 @@
 """Each dp mode's own configuration checks, which its DpModeSpec (engine/parallel/dp/__init__.py) points at: the
 checks of the keys only it reads (world-size free, called by engine/config_checks.py), what it says when another
-mode is given one of its keys, and its refusals of a layout (called by engine/parallel/support.py). No torch."""
+mode is given one of its keys, and its refusals of a layout (called by engine/parallel/layout/checks.py). No torch."""
 from __future__ import annotations
 
 from engine.errors import ConfigError
 from engine.parallel.dp.ds_json import DEFAULTS as DS_STAGES, check_overlap_comm, offload_of, read_user_config
-from engine.parallel.actions import CHUNK_BACKWARD, LAST_W
-from engine.parallel.schedule import SCHEDULES
+from engine.parallel.pp.actions import CHUNK_BACKWARD, LAST_W
+from engine.parallel.pp.schedule import SCHEDULES
 
 
 def refuse_ddp_key(cfg, key: str) -> str:

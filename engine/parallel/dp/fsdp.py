@@ -20,9 +20,9 @@ from engine.internals import private
 from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin
 from engine.parallel.ep import expert_grad_divisor
 from engine.parallel.ep.dispatch import ExpertParallelExperts
-from engine.parallel.support import reshard_after_forward
-from engine.parallel.schedule import chunking
-from engine.parallel.virtual import model_chunks
+from engine.parallel.layout.checks import reshard_after_forward
+from engine.parallel.pp.schedule import chunking
+from engine.parallel.pp.virtual import model_chunks
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool, bf16: bool,
@@ -31,7 +31,7 @@ def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool, bf16: boo
     """Shard the (materialised, identically initialised) stage over ``dp_mesh``, one FSDP unit per decoder layer.
     With ``bf16`` the gathered weights are bf16 and gradients are reduced in fp32 (MixedPrecisionPolicy);
     ``offload``: CPUOffloadPolicy, or None to keep everything on the device. ``roots``: the modules run as the
-    stage's virtual stages (engine/parallel/virtual.py model_chunks; default the stage itself), each a root unit
+    stage's virtual stages (engine/parallel/pp/virtual.py model_chunks; default the stage itself), each a root unit
     over its own layers, as torchtitan shards each pipeline model part separately. ``experts``: (expert-dp mesh,
     gradient divisor) under expert parallelism (``shard_experts``)."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \

@@ -19,7 +19,7 @@ whether the experts' reduction overlaps the backward as the dense one does (ddp:
 from __future__ import annotations
 
 from engine.parallel.dp.ds_json import load_base_config, offload_of
-from engine.parallel.support import reshard_after_forward
+from engine.parallel.layout.checks import reshard_after_forward
 from engine.planning.planner import model_state_parts
 from engine.planning.search import link_bandwidth, ring_time
 

@@ -9,7 +9,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.parallel.actions import LAST_BACKWARD
+from engine.parallel.pp.actions import LAST_BACKWARD
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,8 @@ class DpModeSpec:
     refuses the mode in one line rather than pricing it as another. ``keys``: the parallel.* keys only this mode
     reads; set away from their default under another mode they are refused (``refuse_key`` says how).
     ``check``: its own world-size-free checks of cfg (engine/config_checks.py calls it), ``check_layout``: its
-    refusals of (cfg, layout) (engine/parallel/support.py calls it). ``grad_syncs``: the sync points it can follow
-    (engine/parallel/actions.py: a schedule needing another is refused). ``offload``: the parallel.offload values
+    refusals of (cfg, layout) (engine/parallel/layout/checks.py calls it). ``grad_syncs``: the sync points it can follow
+    (engine/parallel/pp/actions.py: a schedule needing another is refused). ``offload``: the parallel.offload values
     it honours. ``compile``: whether train.compile runs under it. ``expert_parallel``: whether it reduces expert
     gradients over the expert-dp group (parallel.ep > 1, engine/parallel/ep/); ``ep_refusal``: why not, where it does not.
     ``bf16_weights``: train.dtype=bf16

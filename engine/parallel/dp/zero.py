@@ -36,11 +36,11 @@ from engine.internals import private
 from engine.optim import build_optimizer, set_lr, unique_params
 from engine.parallel.dp.base import DataParallel
 from engine.parallel.dp.ds_json import load_base_config, offload_of
-from engine.parallel.shards import tp_dim
-from engine.parallel.support import micro_batches_per_step
+from engine.model.shards import tp_dim
+from engine.parallel.layout.checks import micro_batches_per_step
 from engine.parallel.dp.zero_state import Zero3State, Zero12State, zero_bytes_held
-from engine.parallel.tied import counted_elsewhere, split_over_stages
-from engine.parallel.virtual import model_chunks
+from engine.parallel.pp.tied import counted_elsewhere, split_over_stages
+from engine.parallel.pp.virtual import model_chunks
 
 
 def ds_config(cfg: Config, ctx, base: dict | None = None) -> dict:
@@ -146,7 +146,7 @@ def _ensure_deepspeed_comm(backend: str) -> None:
 
 class ChunkRunner(nn.Module):
     """The stage as DeepSpeed's one wrapped module under virtual stages: ``forward(x, chunk)`` runs model chunk
-    ``chunk`` (engine/parallel/virtual.py). Its only submodule is the stage (parameter names prefixed
+    ``chunk`` (engine/parallel/pp/virtual.py). Its only submodule is the stage (parameter names prefixed
     ``stage.``); the chunks share the stage's modules and are kept out of the module tree."""
 
     def __init__(self, stage: nn.Module, chunks: list[nn.Module]):
@@ -220,7 +220,7 @@ class ZeRO(DataParallel):
     def all_reduce_grad(self, param: nn.Parameter, group) -> None:
         """Sum ``param``'s accumulated gradient over ``group`` before ``step()``: the two copies of a tied
         embedding on the first and last pipeline stage. ZeRO-1 only, where gradients stay on the parameters
-        until step() reduces them; ZeRO-2/3 have already reduce-scattered them (refused in support.py)."""
+        until step() reduces them; ZeRO-2/3 have already reduce-scattered them (refused in layout/checks.py)."""
         if self.stage != 1:
             raise RuntimeError(f"all_reduce_grad needs ZeRO-1 (gradients still whole), not ZeRO-{self.stage}")
         opt = self.engine.optimizer

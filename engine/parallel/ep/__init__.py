@@ -1,8 +1,8 @@
 """Expert parallelism (parallel.ep; issue 26): the experts of every MoE layer split over the ep ranks, ep consecutive
-ranks of the data ranks dp x cp in dp-major order (engine/parallel/mesh.py split_along), as Megatron's
+ranks of the data ranks dp x cp in dp-major order (engine/parallel/layout/mesh.py split_along), as Megatron's
 expert-data-parallel layout carves ep from dp x cp.
 
-Applied like tensor parallelism, after the stage split and before materialisation (engine/trainer.py build_model):
+Applied like tensor parallelism, after the stage split and before materialisation (engine/stage.py build_model):
 each ep rank keeps experts [e E/ep, (e+1) E/ep) of the stacked (E, ...) weights, a slice of dim 0 with
 ``first_expert`` = e E/ep, so initialisation (engine/model/init.py) and checkpoints see the global per-expert HF
 names, and its ``Experts`` becomes ``ExpertParallelExperts`` (engine/parallel/ep/dispatch.py: all-to-all dispatch

@@ -1,4 +1,4 @@
-"""ParallelContext: the named rank mesh's process groups (axes and rank layout: engine/parallel/mesh.py), and the
+"""ParallelContext: the named rank mesh's process groups (axes and rank layout: engine/parallel/layout/mesh.py), and the
 device and backend, built in one place.
 
 The object is passed explicitly to whatever needs a group; there are no process-group globals. It also answers
@@ -16,9 +16,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from engine.cluster.netcheck import check_addresses, init_checked
 from engine.cluster.startup import connect_failed
 from engine.config import Config, ConfigError
-from engine.parallel.mesh import DATA_AXES, MODEL_PARALLEL, Mesh
-from engine.parallel.support import Layout, resolve_layout
-from engine.parallel.threads import local_world_size, set_threads
+from engine.parallel.layout.mesh import DATA_AXES, MODEL_PARALLEL, Mesh
+from engine.parallel.layout.checks import Layout, resolve_layout
+from engine.parallel.layout.threads import local_world_size, set_threads
 
 
 # Set to 1 by engine/cluster/spawn.py in each forked gloo rank: that rank runs on the CPU whatever GPUs are visible
@@ -100,7 +100,7 @@ def elastic_layout(cfg: Config, world: int) -> Layout:
 
 
 class ParallelContext:
-    """This rank's groups and coordinates in the named mesh (engine/parallel/mesh.py), asked for by axis name:
+    """This rank's groups and coordinates in the named mesh (engine/parallel/layout/mesh.py), asked for by axis name:
     ``group("tp")``, ``axis_rank("pp")``, ``size("dp")``, ``ranks_along("pp")``; besides the axes, two derived
     groups: "mp" (Megatron's model-parallel group, every axis but dp and cp) and "embed" (first and last stage of
     each pipeline, which hold the two copies of a tied embedding / LM head; None when pp is 1), and "dp_cp" (the

@@ -12,13 +12,13 @@ num_1f1b_microbatches = rank).
 
 Not here: ZB-H2 (Fig. 3 bottom: no bubble, but about twice 1F1B's activations and, to keep the optimizer step
 out of the critical path, its post-update validation of Sec. 4). ZB-V (two chunks per rank placed in a V, r and
-2p-1-r, unlike interleaving's r and r+p) is schedule_zbv.py.
+2p-1-r, unlike interleaving's r and r+p) is zbv.py.
 """
 from __future__ import annotations
 
 from collections import deque
 
-from engine.parallel.actions import LAST_W, Action, Op, ScheduleSpec, backward_actions, forward_actions
+from engine.parallel.pp.actions import LAST_W, Action, Op, ScheduleSpec, backward_actions, forward_actions
 
 
 def zb_h1(pp: int, micro_batches: int, stage: int) -> list[Action]:

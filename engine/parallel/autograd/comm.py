@@ -113,7 +113,7 @@ _reduce_scatter_dim0 = getattr(dist, "reduce_scatter_single", dist.reduce_scatte
 
 def gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     """Every rank's chunk of dim 1, in rank order: (b, s/tp, ...) -> (b, s, ...). No autograd (the Functions below,
-    and engine/parallel/weight_grad.py's sequence-parallel linear, call it)."""
+    and engine/parallel/autograd/weight_grad.py's sequence-parallel linear, call it)."""
     size = _size(group)
     if size == 1:
         return x
@@ -172,7 +172,7 @@ class _SequenceGatheredLinear(torch.autograd.Function):
 
 def gather_sequence_for_replicated(x: torch.Tensor, group) -> torch.Tensor:
     """All-gather along the sequence forward, keep this rank's chunk backward: (b, s/tp, h) -> (b, s, h) in front of
-    a block every tp rank runs whole on the whole sequence (the MoE block, engine/parallel/moe_tp.py), whose input
+    a block every tp rank runs whole on the whole sequence (the MoE block, engine/parallel/tp/moe.py), whose input
     gradient is then complete and equal on every rank (Megatron's gather_from_sequence_parallel_region with
     tensor_parallel_output_grad=False). A reduce-scatter backward would sum tp equal copies."""
     return x if _size(group) == 1 else _Exchange.apply(x, group, gather_seq, split_seq)

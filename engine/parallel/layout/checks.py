@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from engine.config import Config, ConfigError, TrainConfig
 from engine.parallel import dp as dp_modes
-from engine.parallel import schedule as sched
-from engine.parallel.mesh import AXES
+from engine.parallel.pp import schedule as sched
+from engine.parallel.layout.mesh import AXES
 
 
 def micro_batches_per_step(t: TrainConfig, dp: int) -> int:
@@ -25,12 +25,13 @@ def micro_batches_per_step(t: TrainConfig, dp: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """Validated sizes of the parallel axes (engine/parallel/mesh.py AXES); cp: parallel.cp (context parallelism)."""
+    """Validated sizes of the parallel axes (engine/parallel/layout/mesh.py AXES); cp: parallel.cp (context
+    parallelism)."""
     tp: int
     pp: int
     dp: int
     cp: int = 1
-    ep: int = 1  # expert parallelism: a split of dp x cp (engine/parallel/mesh.py split_along), not a mesh axis
+    ep: int = 1  # expert parallelism: a split of dp x cp (engine/parallel/layout/mesh.py split_along), not a mesh axis
 
     @property
     def axes(self) -> tuple[tuple[str, int], ...]:
@@ -125,7 +126,7 @@ def check_expert_parallel(cfg: Config, dp: int) -> None:
 
 def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
     """The pipeline schedule and its virtual stages against pp, the layers and the micro-batches per step
-    (engine/parallel/schedule.py check, named by config key), and sequence parallelism against tp."""
+    (engine/parallel/pp/schedule.py check, named by config key), and sequence parallelism against tp."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     if p.virtual_stages < 1:
         raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} must be >= 1")
@@ -162,7 +163,7 @@ def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
 
 
 def check_vshape(cfg: Config, pp: int) -> None:
-    """A schedule with 2 chunks per rank in a V (ScheduleSpec.vshape: zbv, engine/parallel/schedule_zbv.py) needs
+    """A schedule with 2 chunks per rank in a V (ScheduleSpec.vshape: zbv, engine/parallel/pp/schedules/zbv.py) needs
     pp >= 2, 2*pp equal layer chunks, no uneven split; parallel.virtual_stages is implied (1 or 2 accepted)."""
     p, layers = cfg.parallel, cfg.model.num_layers
     if pp < 2:
@@ -184,7 +185,7 @@ def check_supported(cfg: Config, layout) -> None:
     mode cannot follow (ScheduleSpec.grad_sync against DpModeSpec.grad_syncs), then the mode's own refusals.
     ``layout`` has ``tp``, ``pp``, ``dp``."""
     p, m = cfg.parallel, cfg.model
-    if layout.tp > 1 and m.num_experts:  # experts tp-sharded (engine/parallel/moe_tp.py): their widths split
+    if layout.tp > 1 and m.num_experts:  # experts tp-sharded (engine/parallel/tp/moe.py): their widths split
         for key, width in (("moe_intermediate_size", m.moe_intermediate_size or m.intermediate_size),
                            ("moe_shared_expert_size", m.moe_shared_expert_size)):
             if width % layout.tp:

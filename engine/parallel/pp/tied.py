@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from engine.config import Config
-from engine.parallel.schedule import SCHEDULES
+from engine.parallel.pp.schedule import SCHEDULES
 
 
 def split_over_stages(cfg: Config, ctx) -> bool:

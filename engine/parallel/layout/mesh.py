@@ -13,7 +13,7 @@ but a split of the data ranks dp x cp, as Megatron's expert-data-parallel groups
 (the dp-major index the gradient group uses), g = edp_index * ep + ep_index, so an ep group is ep consecutive g
 (``split_along``) and the expert-dp group the data ranks with the same ep index.
 
-Pure rank arithmetic, no process groups: engine/parallel/context.py creates the groups from these rank lists.
+Pure rank arithmetic, no process groups: engine/parallel/layout/context.py creates the groups from these rank lists.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Event simulation of pipeline schedules (per-rank action lists, engine/parallel/actions.py): the proof that a
+"""Event simulation of pipeline schedules (per-rank action lists, engine/parallel/pp/actions.py): the proof that a
 schedule is deadlock-free and complete under NCCL's point-to-point rules, its timeline, bubble and activation
 memory, without processes or torch.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.parallel.actions import DIRECTION, Action, Op, Step, locate, max_in_flight, peer, steps, virtual_stage
+from engine.parallel.pp.actions import DIRECTION, Action, Op, Step, locate, max_in_flight, peer, steps, virtual_stage
 
 # The computes each (micro-batch, chunk) must have run on a rank before the next one; complete runs.
 _BEFORE = {Op.FWD: (), Op.BWD: (Op.FWD,), Op.BWD_INPUT: (Op.FWD,), Op.BWD_WEIGHT: (Op.FWD, Op.BWD_INPUT)}
@@ -45,7 +45,7 @@ def _batch(actions: tuple[Action, ...]) -> str:
 class Timeline:
     """Simulated run: intervals[s] = [(start, end, action)] of rank s's computes; idle[s] = makespan - busy;
     peak_in_flight[s] = most (micro-batch, chunk) activations held at once (until BWD, or until W;
-    engine.parallel.actions.max_in_flight)."""
+    engine.parallel.pp.actions.max_in_flight)."""
     schedule: str
     pp: int
     micro_batches: int
@@ -237,7 +237,7 @@ def simulate_actions(stages: list[list[Action]], fwd_time: float = 1.0, bwd_time
     open batch, each of its ops still unmatched and the peer's batch that would match it), a receive that meets
     another micro-batch's send, a send never received, a compute before its input arrived, and a (micro-batch,
     chunk) whose computes on a rank are not exactly F then BWD, or F, B, W. ``vshape``: the chunks sit in ZB-V's
-    V (engine/parallel/actions.py), whose turn is a local hand-off checked for order instead of a message.
+    V (engine/parallel/pp/actions.py), whose turn is a local hand-off checked for order instead of a message.
     Ranks are advanced in turn until none can move; the times depend only on the dependencies.
     """
     cost = {Op.FWD: fwd_time, Op.BWD: bwd_time, Op.BWD_INPUT: bwd_input_time, Op.BWD_WEIGHT: bwd_weight_time}

@@ -1,10 +1,10 @@
 """Zero-bubble pipeline schedule ZB-V (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", Sec. 6), in the order
 of torch.distributed.pipelining's ScheduleZBVZeroBubble.
 
-Each rank holds 2 model chunks placed in a V (engine/parallel/actions.py): rank r runs virtual stages r (chunk 0)
+Each rank holds 2 model chunks placed in a V (engine/parallel/pp/actions.py): rank r runs virtual stages r (chunk 0)
 and 2p-1-r (chunk 1), so a micro-batch goes down the ranks on chunk 0, turns on rank p-1 (a local hand-off) and
 comes back up on chunk 1 to rank 0, which holds the embedding and the loss. The backward is split into B (input
-gradient) and W (weight gradient) as in ZB-H1 (schedule_zb.py). Every rank holds at most 2p chunk micro-batches
+gradient) and W (weight gradient) as in ZB-H1 (zero_bubble.py). Every rank holds at most 2p chunk micro-batches
 of half a stage each: 1F1B's peak (p stage micro-batches, on its first stage). With F = B = W per chunk this order
 leaves each rank idle (p-1) F (rank r starts r late and ends p-1-r early; simulated, tests/test_schedule_zbv.py):
 half of ZB-H1's (p-1)(F+B-W) on stages of twice the chunk; torch: zero bubble "only if time forward == time
@@ -19,12 +19,12 @@ those of chunk 0 left over.
 Communication is placed from a run of that order (zbv below), not as the other tables place it (each receive
 right before its compute, each send right after): in the V, channel r -> r+1 carries both chunk 0's forwards and
 chunk 1's backward gradients, which that placement posts in different orders on the two ranks (and at m <= p it
-deadlocks under rendezvous sends). The simulator (schedule_sim, NCCL's rules) finds the placed tables complete for
+deadlocks under rendezvous sends). The simulator (pp/simulator.py, NCCL's rules) finds the placed tables complete for
 every pp and m that build() accepts (tests/test_schedule_zbv.py, tests/test_schedule_deadlock.py).
 """
 from __future__ import annotations
 
-from engine.parallel.actions import CHUNK_LAST_W, Action, Op, ScheduleSpec, locate, peer, virtual_stage
+from engine.parallel.pp.actions import CHUNK_LAST_W, Action, Op, ScheduleSpec, locate, peer, virtual_stage
 
 
 def zbv_order(pp: int, micro_batches: int, rank: int) -> list[Action]:
@@ -103,7 +103,7 @@ def zbv(pp: int, micro_batches: int, stage: int) -> list[Action]:
     first compute starting at or after t (never after the compute that needs it, which starts >= t). So every
     batch of every rank sits at one time of that run, each rank's batches are in time order, and on each
     channel the receiver posts in the sender's order (receives of one batch sorted by send time). The V's turn
-    has no message (engine/parallel/actions.py peer)."""
+    has no message (engine/parallel/pp/actions.py peer)."""
     orders = [zbv_order(pp, micro_batches, r) for r in range(pp)]
     times = _starts(pp, orders)
     mine = orders[stage]

@@ -1,21 +1,21 @@
 """Pipeline parallelism: split the model into stages and run a schedule of micro-batches over them.
 
-The schedule is data (engine/parallel/schedule.py: 1F1B of Narayanan et al. 2021, GPipe of Huang et al. 2019);
+The schedule is data (engine/parallel/pp/schedule.py: 1F1B of Narayanan et al. 2021, GPipe of Huang et al. 2019);
 ``PipelineExecutor`` walks this stage's action list. Consecutive communication actions are posted together with
 ``dist.batch_isend_irecv`` (Megatron's send_forward_recv_backward pairing). A batch is waited whole (NCCL returns
 one Work for it) when it holds a receive; a send-only batch is waited only at the step's end. Under NCCL a send
 completes only once its receiver's batch has started and a rank's batches run in order, the rules under which
-schedule_sim proves the schedule deadlock-free and tests/nccl_shim.py runs the tests over gloo. Once a stage's
-output has been sent, its storage is freed and only its autograd graph is kept (Megatron's deallocate_output_tensor
-/ custom_backward).
+the simulator (simulator.py) proves the schedule deadlock-free and tests/nccl_shim.py runs the tests over gloo.
+Once a stage's output has been sent, its storage is freed and only its autograd graph is kept (Megatron's
+deallocate_output_tensor / custom_backward).
 
-The same executor runs the interleaved schedule (each action names a model chunk; sends and receives go to the
-rank holding the neighbouring virtual stage, engine/parallel/virtual.py) and zero bubble (B runs the backward
-with every linear's weight gradient deferred to a WeightGradStore, W flushes it; engine/parallel/weight_grad.py),
-and ZB-V, whose two chunks per rank sit in a V: at its turn (virtual stage pp-1 to pp, both on rank pp-1) the
-output is handed over on the rank, as a detached copy in the wire dtype, and so is its gradient coming back.
+The same executor runs the interleaved schedule (each action names a model chunk; sends and receives go to the rank
+holding the neighbouring virtual stage, engine/parallel/pp/virtual.py) and zero bubble (B runs the backward with every
+linear's weight gradient deferred to a WeightGradStore, W flushes it; engine/parallel/autograd/weight_grad.py), and
+ZB-V, whose two chunks per rank sit in a V: at its turn (virtual stage pp-1 to pp, both on rank pp-1) the output is
+handed over on the rank, as a detached copy in the wire dtype, and so is its gradient coming back.
 
-    python -m engine.parallel.pipeline --pp 4 --micro-batches 8     # print every stage's timeline
+    python -m engine.parallel.pp.executor --pp 4 --micro-batches 8     # print every stage's timeline
 """
 from __future__ import annotations
 
@@ -28,28 +28,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from engine.parallel import schedule as sched
-from engine.parallel.actions import Action, peer, steps, virtual_stage
-from engine.parallel.schedule import Op
-from engine.parallel.schedule_sim import simulate_actions
-from engine.parallel.virtual import chunk_layer_ranges
-from engine.parallel.weight_grad import WeightGradStore, split_weight_gradients
-
-
-def stage_layer_ranges(num_layers: int, pp: int, counts: list[int] | None = None) -> list[range]:
-    """Global layer indices of each stage: even split (earlier stages take the remainder) or explicit counts
-    (already checked against pp and num_layers with the rest of the layout, in support.resolve_layout)."""
-    if not counts:
-        counts = [num_layers // pp + (1 if s < num_layers % pp else 0) for s in range(pp)]
-    starts = [sum(counts[:s]) for s in range(pp)]
-    return [range(start, start + n) for start, n in zip(starts, counts)]
+from engine.parallel.pp import schedule as sched
+from engine.parallel.pp.actions import Action, peer, steps, virtual_stage
+from engine.parallel.pp.schedule import Op
+from engine.parallel.pp.simulator import simulate_actions
+from engine.parallel.pp.split import chunk_layer_ranges, stage_layer_ranges
+from engine.parallel.autograd.weight_grad import WeightGradStore, split_weight_gradients
 
 
 def split_stage(model: nn.Module, pp: int, stage: int, counts: list[int] | None = None,
                 virtual_stages: int = 1, vshape: bool = False) -> nn.Module:
     """Keep only this stage's part of a (meta-device) Llama, in place: its layers under their global names
     (``model.layers.7`` stays ``7``), the embedding on the first stage, the final norm and LM head on the last.
-    With virtual stages the rank keeps the layers of each of its chunks (engine/parallel/virtual.py); in ZB-V's V
+    With virtual stages the rank keeps the layers of each of its chunks (engine/parallel/pp/virtual.py); in ZB-V's V
     (``vshape``) the last virtual stage is on rank 0, which keeps the norm and LM head too."""
     if pp == 1:
         return model
@@ -101,7 +92,7 @@ class PipelineExecutor:
     runs a micro-batch through that chunk; ``loss_fn(out, mb)`` turns the last virtual stage's output into that
     micro-batch's (already averaged) loss. A schedule that splits the backward (zero bubble) needs ``stage``, the
     rank's stage module: its linear layers are switched to defer their weight gradients to this executor's
-    WeightGradStore (engine/parallel/weight_grad.py), which W flushes."""
+    WeightGradStore (engine/parallel/autograd/weight_grad.py), which W flushes."""
 
     def __init__(self, ctx, schedule: str, micro_batches: int, act_shape: tuple[int, ...], act_dtype: torch.dtype,
                  forward_only: bool = False, virtual_stages: int = 1, stage: nn.Module | None = None,

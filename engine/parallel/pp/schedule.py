@@ -2,17 +2,17 @@
 
 A schedule is a pure function `(pp, micro_batches, stage) -> list[Action]` (interleaved also takes the virtual
 stage count v). The executor walks the list and turns each RECV/SEND into a p2p op; here it can be printed,
-simulated (engine/parallel/schedule_sim.py) and unit-tested without any processes.
+simulated (engine/parallel/pp/simulator.py) and unit-tested without any processes.
 
 - 1F1B, non-interleaved (PipeDream-Flush): Narayanan et al. 2021, "Efficient Large-Scale Language Model
   Training on GPU Clusters Using Megatron-LM", Sec. 2.2.1, Fig. 4 (top).
 - GPipe: Huang et al. 2019, "GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism".
-- interleaved: 1F1B over v model chunks per rank, Narayanan et al. 2021, Sec. 2.2.2 (schedule_interleaved.py).
-- zero_bubble: ZB-H1, Qi et al. 2023, "Zero Bubble Pipeline Parallelism", Sec. 3.1 (schedule_zb.py).
-- zbv: ZB-V, Qi et al. 2023, Sec. 6: two chunks per rank in a V, F/B/W split (schedule_zbv.py).
+- interleaved: 1F1B over v model chunks per rank, Narayanan et al. 2021, Sec. 2.2.2 (schedules/interleaved.py).
+- zero_bubble: ZB-H1, Qi et al. 2023, "Zero Bubble Pipeline Parallelism", Sec. 3.1 (schedules/zero_bubble.py).
+- zbv: ZB-V, Qi et al. 2023, Sec. 6: two chunks per rank in a V, F/B/W split (schedules/zbv.py).
 
 1F1B and GPipe have the bubble fraction (p-1)/(m+p-1) of the makespan (Narayanan et al. 2021, Sec. 2.2.1); 1F1B
-keeps at most `pp - stage` activations alive instead of GPipe's m. Run `python -m engine.parallel.schedule --pp 4
+keeps at most `pp - stage` activations alive instead of GPipe's m. Run `python -m engine.parallel.pp.schedule --pp 4
 --micro-batches 8` to print both, and add `--schedule interleaved --virtual-stages 2`, `--schedule zero_bubble` or
 `--schedule zbv`.
 """
@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 
-from engine.parallel.actions import LAST_BACKWARD, Action, Op, ScheduleSpec, max_in_flight
-from engine.parallel.actions import backward_actions as _backward
-from engine.parallel.actions import forward_actions as _forward
-from engine.parallel.schedule_interleaved import INTERLEAVED, interleaved_order
-from engine.parallel.schedule_sim import Timeline, bubble_fraction, render, simulate_actions
-from engine.parallel.schedule_zb import ZERO_BUBBLE
-from engine.parallel.schedule_zbv import ZBV
+from engine.parallel.pp.actions import LAST_BACKWARD, Action, Op, ScheduleSpec, max_in_flight
+from engine.parallel.pp.actions import backward_actions as _backward
+from engine.parallel.pp.actions import forward_actions as _forward
+from engine.parallel.pp.schedules.interleaved import INTERLEAVED, interleaved_order
+from engine.parallel.pp.simulator import Timeline, bubble_fraction, render, simulate_actions
+from engine.parallel.pp.schedules.zero_bubble import ZERO_BUBBLE
+from engine.parallel.pp.schedules.zbv import ZBV
 
 __all__ = ["Action", "Op", "SCHEDULES", "ScheduleSpec", "Timeline", "build", "bubble_fraction", "forward_only",
            "gpipe", "max_in_flight", "one_f_one_b", "render", "simulate", "simulate_actions"]
@@ -77,7 +77,7 @@ def forward_only(pp: int, micro_batches: int, stage: int, virtual_stages: int = 
     """Evaluation: every micro-batch forwarded (received from the previous virtual stage, sent to the next),
     nothing backwarded; with virtual stages in interleaved's order of (micro-batch, chunk). Each send and the
     next receive are consecutive, so they form one batch (actions.steps): Megatron's send_forward_recv_forward,
-    which NCCL's rendezvous sends cannot deadlock (schedule_sim). ZB-V (``vshape``): every micro-batch down chunk 0,
+    which NCCL's rendezvous sends cannot deadlock (simulator). ZB-V (``vshape``): every micro-batch down chunk 0,
     then every one back up chunk 1 (the turn's outputs wait on rank pp-1, no graph is kept under no_grad)."""
     if vshape:
         return [a for c in (0, 1) for mb in range(micro_batches) for a in _forward(pp, stage, mb, c, 2, True)]
@@ -96,7 +96,7 @@ ONE_F_ONE_B = ScheduleSpec("1f1b", lambda pp, m, stage, v: one_f_one_b(pp, m, st
                            m_at_least_pp=True, searched=(1,))
 # Not searched by the planner: 1F1B's makespan with m instead of pp - stage micro-batches held.
 GPIPE = ScheduleSpec("gpipe", lambda pp, m, stage, v: gpipe(pp, m, stage), LAST_BACKWARD, flush_theory)
-# The registry: parallel.schedule -> its ScheduleSpec (engine/parallel/actions.py). A new schedule is its table
+# The registry: parallel.schedule -> its ScheduleSpec (engine/parallel/pp/actions.py). A new schedule is its table
 # function and spec in a file of its own and one entry here (docs/architecture.md, "A new pipeline schedule").
 SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (ONE_F_ONE_B, GPIPE, INTERLEAVED, ZERO_BUBBLE, ZBV)}
 
@@ -152,7 +152,7 @@ def check(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -
 
 def simulate(schedule: str, pp: int, micro_batches: int, fwd_time: float = 1.0, bwd_time: float = 2.0,
              virtual_stages: int = 1, bwd_input_time: float = 1.0, bwd_weight_time: float = 1.0) -> Timeline:
-    """Event simulation of all stages under NCCL's rules (schedule_sim.simulate_actions): each run of consecutive
+    """Event simulation of all stages under NCCL's rules (simulator.simulate_actions): each run of consecutive
     comm actions is one batch, a rank's batches run in order, a send completes only once the batch holding its
     receive has started (rendezvous); computes take their time (fwd_time, bwd_time, zero bubble's bwd_input_time
     and bwd_weight_time); communication is free. Raises RuntimeError('deadlock: ...') naming each rank's blocked

@@ -1,6 +1,6 @@
 """The vocabulary of pipeline schedules: operations, actions, their sends and receives, and who talks to whom.
 
-A schedule (engine/parallel/schedule.py) is, per pipeline rank, an ordered list of Actions. Two extensions of
+A schedule (engine/parallel/pp/schedule.py) is, per pipeline rank, an ordered list of Actions. Two extensions of
 plain 1F1B live in this vocabulary:
 
 - Virtual stages (interleaved 1F1B; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
@@ -96,7 +96,7 @@ RELEASES = (Op.BWD, Op.BWD_WEIGHT)  # the computes after which a micro-batch's a
 def max_in_flight(actions: list[Action]) -> int:
     """The most (micro-batch, chunk) pairs forwarded and not yet released (= activations held): released by BWD,
     or by W under zero bubble (B keeps what W reads). With v chunks, each counts 1/v of a stage's activations.
-    The one count of activations in flight: the simulator (schedule_sim.Timeline.peak_in_flight) and the planner
+    The one count of activations in flight: the simulator (simulator.Timeline.peak_in_flight) and the planner
     (engine/planning/schedules.py InFlight.count) both report this (tests/test_schedule.py checks they agree)."""
     alive = peak = 0
     for a in actions:
@@ -116,7 +116,7 @@ CHUNK_LAST_W = "each of its 2 chunks' last W"
 
 @dataclass(frozen=True)
 class ScheduleSpec:
-    """What a schedule is and needs, declared next to its code and registered in engine/parallel/schedule.py
+    """What a schedule is and needs, declared next to its code and registered in engine/parallel/pp/schedule.py
     SCHEDULES, so that the layout checks, the config checks, the planner and the search ask the schedule instead
     of comparing its name. ``build(pp, micro_batches, stage, v)``: its action list. ``grad_sync``: when the dp
     gradient sync must run (a dp mode that cannot follow it is refused). ``m_at_least_pp``: needs micro_batches >=

@@ -12,7 +12,7 @@ with expert-tensor-parallel size = tp (Shoeybi et al. 2019, Sec. 3, applied to e
   all-reduced BEFORE the gate weights multiply them, so the router's gradient through the weights sees the whole
   outputs and is complete and equal on every tp rank, like every other replicated weight (no extra sync).
 - **Router** and the shared expert's sigmoid gate: replicated. **Qwen2-MoE's shared expert** (a dense SwiGLU) is
-  split column/row like the dense MLP, with its own row-parallel all-reduce (engine/parallel/tensor.py): the layers
+  split column/row like the dense MLP, with its own row-parallel all-reduce (engine/parallel/tp/layers.py): the layers
   and the checkpoint names are the dense ones unchanged; folding its partial output into the experts' all-reduce
   would save one (T, h) all-reduce per layer but needs the block's forward rebuilt around it.
 - **Sequence parallelism**: the block's input is (b, s/tp, h). It is gathered over tp at the entry and every rank
@@ -30,7 +30,7 @@ from torch import nn
 
 from engine.model.moe import MoE
 from engine.model.transformer import Attention, RMSNorm
-from engine.parallel.comm import (all_reduce_sum, copy_to_parallel, gather_sequence_for_replicated,
+from engine.parallel.autograd.comm import (all_reduce_sum, copy_to_parallel, gather_sequence_for_replicated,
                                   reduce_from_parallel, split_sequence)
 
 
@@ -54,7 +54,7 @@ class TensorParallelMoE(MoE):
 
 def shard_moe(block: MoE, group, sequence_parallel: bool) -> None:
     """Split ``block``'s experts over tp (on the meta device) and make it a ``TensorParallelMoE``. The shared expert
-    is split by engine/parallel/tensor.py with the dense layers."""
+    is split by engine/parallel/tp/layers.py with the dense layers."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     experts = block.experts
     e, rows, h = experts.gate_up_proj.shape  # (E, 2 ffn, h)

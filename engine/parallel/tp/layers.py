@@ -7,7 +7,7 @@ fused linears (engine/model/fused.py), each one column-parallel GEMM behind one 
 all-reduces forward (o_proj, down_proj) and 2 backward (in front of qkv_proj, gate_up_proj), where separate q, k,
 v, gate and up linears ran 5 backward (tests/test_tp_collectives.py counts them). The embedding and the
 LM head split the vocabulary; the loss is computed on vocab-sharded logits without gathering them
-(engine/parallel/cross_entropy.py, re-exported here).
+(engine/parallel/tp/cross_entropy.py, re-exported here).
 
 With sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2; ``apply_tensor_parallel(..., sequence_parallel=True)``)
 the residual stream between the layers is (b, s/tp, h): a column-parallel layer all-gathers its input along the
@@ -29,11 +29,11 @@ from torch import nn
 from engine.model.fused import FusedLinear
 from engine.model.moe import MoE
 from engine.model.transformer import RMSNorm, rms_norm
-from engine.parallel.comm import (copy_to_parallel, gather_from_parallel, reduce_from_parallel,
+from engine.parallel.autograd.comm import (copy_to_parallel, gather_from_parallel, reduce_from_parallel,
                                   reduce_scatter_to_sequence_parallel, scatter_to_parallel, sequence_gathered_linear)
-from engine.parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: F401 (tensor.vocab_parallel_cross_entropy: the public name)
-from engine.parallel.moe_tp import shard_moe, shard_qk_norms
-from engine.parallel.weight_grad import WeightGradStore, linear_with_deferred_weight
+from engine.parallel.tp.cross_entropy import vocab_parallel_cross_entropy  # noqa: F401 (layers.vocab_parallel_cross_entropy: the public name)
+from engine.parallel.tp.moe import shard_moe, shard_qk_norms
+from engine.parallel.autograd.weight_grad import WeightGradStore, linear_with_deferred_weight
 
 
 def _rank_size(group) -> tuple[int, int]:
@@ -49,7 +49,7 @@ def _divide(n: int, d: int, what: str) -> int:
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A split by rows: weight (out/tp, in), bias (out/tp,) split with it (Qwen2's q/k/v).
     Input copied (f), output sharded (b, s, out/tp); with ``sequence_parallel`` the input is (b, s/tp, in), gathered.
-    ``weight_grad_store``: see engine/parallel/weight_grad.py."""
+    ``weight_grad_store``: see engine/parallel/autograd/weight_grad.py."""
 
     weight_grad_store: WeightGradStore | None = None
 
@@ -65,7 +65,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp_dims = {"weight": 0, "bias": 0}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel and self.weight_grad_store is not None:  # zero bubble (weight_grad.py): one
+        if self.sequence_parallel and self.weight_grad_store is not None:  # zero bubble (autograd/weight_grad.py): one
             # Function gathers the sequence and defers W: (b, s/tp, in) -> (b, s, out/tp)
             y = linear_with_deferred_weight(x, self.weight, self.bias, self.weight_grad_store, seq_group=self.group)
         elif self.sequence_parallel:  # (b, s/tp, in) gathered along the sequence inside
@@ -97,7 +97,7 @@ class ColumnParallelFusedLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x A^T with A split by columns: weight (out, in/tp). Input sharded (b, s, in/tp), output all-reduced (g),
     or with ``sequence_parallel`` reduce-scattered along the sequence to (b, s/tp, out).
-    ``weight_grad_store``: see engine/parallel/weight_grad.py."""
+    ``weight_grad_store``: see engine/parallel/autograd/weight_grad.py."""
 
     weight_grad_store: WeightGradStore | None = None
 
@@ -203,7 +203,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = 
     """Swap the Llama model's linears and embedding for their tensor-parallel versions, in place; with
     ``sequence_parallel`` also the norms, and the stage's input and output become (b, s/tp, h).
 
-    An MoE layer's experts and OLMoE's q/k norms are split by engine/parallel/moe_tp.py (experts tp-sharded, router
+    An MoE layer's experts and OLMoE's q/k norms are split by engine/parallel/tp/moe.py (experts tp-sharded, router
     replicated), its shared expert here like the MLP; Qwen3's per-head q/k norms stay whole, their gradients
     summed over tp (``_grad_summed_norm``).
     Call on the meta-device model before materialising (engine.model.init.materialize). Tied embeddings stay tied: the
@@ -215,7 +215,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = 
     sp = sequence_parallel
     decoder = model.model
     for layer in decoder.layers.values():
-        moe = isinstance(layer.mlp, MoE)  # its experts: engine/parallel/moe_tp.py; its shared expert: below
+        moe = isinstance(layer.mlp, MoE)  # its experts: engine/parallel/tp/moe.py; its shared expert: below
         for path, style in LAYER_PLAN.items():
             parent_name, attr = path.split(".")
             parent, linear_sp = getattr(layer, parent_name), sp

@@ -2,7 +2,7 @@
 GPU Clusters Using Megatron-LM", Sec. 2.2.2, Fig. 4 bottom), in the order of Megatron-LM's
 `forward_backward_pipelining_with_interleaving` (megatron/core/pipeline_parallel/schedules.py).
 
-Each rank holds v model chunks (rank r: chunks r, r+pp, ..., see engine/parallel/actions.py). Forwards run in
+Each rank holds v model chunks (rank r: chunks r, r+pp, ..., see engine/parallel/pp/actions.py). Forwards run in
 groups of pp micro-batches per chunk: the k-th forward on every rank is chunk (k // pp) % v of micro-batch
 (k // (pp*v)) * pp + k % pp (Megatron's schedule table with microbatch_group_size_per_vp_stage = pp); the k-th
 backward takes the same micro-batch in the mirrored chunk v-1-(k // pp) % v. With chunks 1/v the size of a
@@ -11,7 +11,7 @@ Like Megatron, m must be a multiple of pp (its remainder group would leave the p
 """
 from __future__ import annotations
 
-from engine.parallel.actions import CHUNK_BACKWARD, Action, Op, ScheduleSpec, peer
+from engine.parallel.pp.actions import CHUNK_BACKWARD, Action, Op, ScheduleSpec, peer
 
 
 def interleaved_order(pp: int, micro_batches: int, v: int) -> list[tuple[int, int]]:
@@ -46,7 +46,7 @@ def interleaved_1f1b(pp: int, micro_batches: int, stage: int, v: int) -> list[Ac
     send_backward_recv_backward in the cooldown), and the first forward's input is received before the warmup.
     Then batch t of rank r meets batch t+1 of rank r+1 in both directions, so NCCL's rendezvous sends and
     in-order batches cannot deadlock it (issue 24: posting each receive right before its compute and each send
-    right after it deadlocks at m >= 2pp, schedule_sim shows). The compute order is unchanged by the placement.
+    right after it deadlocks at m >= 2pp, the simulator shows). The compute order is unchanged by the placement.
     """
     order = interleaved_order(pp, micro_batches, v)
     total = len(order)  # m * v forwards and as many backwards

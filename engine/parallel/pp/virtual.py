@@ -1,6 +1,6 @@
 """Virtual pipeline stages (interleaved 1F1B; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
 on GPU Clusters Using Megatron-LM", Sec. 2.2.2): the layers are split into pp*v equal chunks and rank r holds
-chunks r, r+pp, ..., r+(v-1)*pp (engine/parallel/actions.py: rank-local chunk c is virtual stage c*pp + r).
+chunks r, r+pp, ..., r+(v-1)*pp (engine/parallel/pp/actions.py: rank-local chunk c is virtual stage c*pp + r).
 
 A rank still holds *one* stage module (the Llama with the other ranks' layers dropped, layers under their global
 names), so checkpoints, the tied embedding and the dp modes see one module per rank whatever v is; the embedding
@@ -9,7 +9,7 @@ sits on rank 0 (it belongs to chunk 0) and the final norm and LM head on rank pp
 
 Example, 8 layers, pp=2, v=2: rank 0 holds layers 0,1 (chunk 0) and 4,5 (chunk 1); rank 1 holds 2,3 and 6,7.
 
-ZB-V (``vshape``; engine/parallel/schedule_zbv.py) places its 2 chunks in a V: rank r holds virtual stages r and
+ZB-V (``vshape``; engine/parallel/pp/schedules/zbv.py) places its 2 chunks in a V: rank r holds virtual stages r and
 2pp-1-r, so rank 0 holds the embedding (chunk 0) and the final norm, LM head and loss (chunk 1). With 8 layers at
 pp=2: rank 0 holds 0,1 and 6,7; rank 1 holds 2,3 and 4,5. A tied embedding is then one parameter on one rank.
 """
@@ -18,15 +18,8 @@ from __future__ import annotations
 from torch import nn
 
 from engine.model.transformer import decode
-from engine.parallel.actions import virtual_stage
-
-
-def chunk_layer_ranges(num_layers: int, pp: int, v: int, vshape: bool = False) -> list[list[range]]:
-    """[rank][chunk] -> global layer indices: virtual stage g (chunk*pp + rank, or in a V r and 2pp-1-r) holds
-    layers [g*n, (g+1)*n), n = num_layers / (pp*v) (support.check_schedule has checked that it divides)."""
-    n = num_layers // (pp * v)
-    stages = [[virtual_stage(pp, r, c, vshape) for c in range(v)] for r in range(pp)]
-    return [[range(g * n, (g + 1) * n) for g in row] for row in stages]
+from engine.parallel.pp.actions import virtual_stage
+from engine.parallel.pp.split import chunk_layer_ranges
 
 
 class ModelChunk(nn.Module):
@@ -40,7 +33,7 @@ class ModelChunk(nn.Module):
         self.layers = nn.ModuleDict({str(i): stage.model.layers[str(i)] for i in layers})
         self.norm = stage.model.norm if last else None
         self.lm_head = stage.lm_head if last else None
-        self.sequence_shards = stage.model.sequence_shards  # sequence parallelism (engine/parallel/tensor.py)
+        self.sequence_shards = stage.model.sequence_shards  # sequence parallelism (engine/parallel/tp/layers.py)
 
     def forward(self, x, position_ids=None, doc_ids=None):
         """Token ids (b, s) on virtual stage 0, else hidden states (b, s, h); returns logits (b, s, V/tp) on

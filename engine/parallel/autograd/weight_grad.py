@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.fused import FusedLinear
-from engine.parallel.comm import gather_seq, reduce_scatter_seq
+from engine.parallel.autograd.comm import gather_seq, reduce_scatter_seq
 
 
 class _Deferred(NamedTuple):
@@ -193,7 +193,8 @@ def linear_with_deferred_weight(x: torch.Tensor, weight: torch.Tensor, bias: tor
                                 store: WeightGradStore | None, seq_group=None) -> torch.Tensor:
     """F.linear whose weight gradient ``store`` may defer; plain F.linear without a store or without grad
     (evaluation runs exactly as before). ``seq_group``: x is (b, s/tp, in), gathered along the sequence over the
-    group first (the sequence-parallel column linear; callers pass it only with a store, see tensor.py)."""
+    group first (the sequence-parallel column linear; callers pass it only with a store, see
+    engine/parallel/tp/layers.py)."""
     if store is None or not torch.is_grad_enabled():
         return F.linear(x if seq_group is None else gather_seq(x, seq_group), weight, bias)
     return _deferrable_linear(x, weight, bias, store, seq_group)
