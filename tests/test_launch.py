@@ -32,6 +32,7 @@ def reference(tmp_path_factory) -> list[float]:
     return read_losses(out_dir)
 
 
+@pytest.mark.slow  # CI: tp 2 x pp 2 across two hosts under the deepspeed launcher (tests/test_hosts.py)
 def test_torchrun_tp2_pp2(tmp_path, reference):
     run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
          *TRAIN, "--parallel.tp", "2", "--parallel.pp", "2", "--train.out_dir", str(tmp_path)])
@@ -39,7 +40,8 @@ def test_torchrun_tp2_pp2(tmp_path, reference):
 
 
 @pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not installed")
-@pytest.mark.parametrize("mode", [[], ["--parallel.dp_mode", "zero", "--parallel.zero_stage", "2"]],
+@pytest.mark.parametrize("mode", [[], pytest.param(["--parallel.dp_mode", "zero", "--parallel.zero_stage", "2"],
+                                                    marks=pytest.mark.slow)],  # CI: ZeRO-2 across two hosts
                          ids=["ddp", "zero2"])
 def test_deepspeed_launcher_dp2(tmp_path, reference, mode):
     hostfile = tmp_path / "hostfile"

@@ -142,6 +142,7 @@ def reference(tmp_path_factory) -> list[float]:
     return losses
 
 
+@pytest.mark.slow  # CI: the launchers across network-namespace hosts (tests/test_hosts.py)
 def test_two_nodes_follow_one_node(tmp_path, job, reference):
     """Done 1: 2 nodes x 2 processes (two agents, their own node ranks, c10d rendezvous on loopback)."""
     out = tmp_path / "run"
@@ -151,6 +152,7 @@ def test_two_nodes_follow_one_node(tmp_path, job, reference):
     assert read_losses(out) == pytest.approx(reference, rel=1e-5)
 
 
+@pytest.mark.slow  # CI: tests/test_faults.py kills a rank and names it in one line
 def test_killed_rank_ends_the_job_naming_it(tmp_path, job):
     """Done 3 (first half): SIGKILL one rank of a 2-node job mid-run; both agents exit non-zero within 5x the job's
     collective timeout (not gloo's 30-minute default), and the
@@ -266,6 +268,7 @@ def deepspeed_over_ssh(tmp_path: Path, sshd, slots: int) -> list[str]:
 
 
 @needs_pdsh
+@pytest.mark.slow  # CI: pdsh over ssh across two hosts (tests/test_hosts.py)
 def test_deepspeed_launcher_over_ssh_with_pdsh(tmp_path, local_sshd, reference):
     """Training started by the deepspeed launcher through pdsh and ssh; losses as the one-node reference."""
     out = tmp_path / "run"
