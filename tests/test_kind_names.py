@@ -1,9 +1,8 @@
 """Kinds carry their own knowledge (issues 25, 36): a kind's name is compared only in its own package; everything
 else asks the kind's spec. Every registry is covered: dp modes (engine/parallel/dp/, DpModeSpec), schedules
-(engine/parallel/schedule*.py, actions.py ScheduleSpec) and the declarations of engine/kinds/: model families
-(FamilySpec: no comparison anywhere but the declaration), cp modes (CpModeSpec; and engine/parallel/cp/), recompute
-modes (RecomputeSpec; and engine/model/recompute*.py, which runs them) and offload (OffloadSpec). Read from the
-source like tests/test_layout.py (no imports of the files checked).
+(engine/parallel/schedule*.py, actions.py ScheduleSpec) and the declarations of engine/kinds/, where alone their
+names may be compared: model families (FamilySpec), cp modes (CpModeSpec), recompute modes (RecomputeSpec) and
+offload (OffloadSpec). Read from the source like tests/test_layout.py (no imports of the files checked).
 
 A comparison is a literal name (or a tuple, list or set holding one) on either side of ==, !=, in or not in, the
 argument of startswith/endswith, or a key of a dict literal looked up on the spot ({"zero": ...}[mode] or .get).
@@ -30,9 +29,8 @@ KINDS = {  # kind -> (its names, the config keys holding one, the paths (prefixe
     "dp mode": (set(MODES), ("dp_mode",), ("engine/parallel/dp/",)),
     "schedule": (set(SCHEDULES), ("schedule",), ("engine/parallel/schedule", "engine/parallel/actions.py")),
     "model family": (set(FAMILIES), ("family",), ("engine/kinds/families.py",)),
-    "cp mode": (set(CP_MODES), ("cp_mode",), ("engine/kinds/cp_modes.py", "engine/parallel/cp/")),
-    "recompute mode": (set(RECOMPUTE), ("activation_checkpointing", "recompute"),
-                       ("engine/kinds/recompute.py", "engine/model/recompute")),
+    "cp mode": (set(CP_MODES), ("cp_mode",), ("engine/kinds/cp_modes.py",)),
+    "recompute mode": (set(RECOMPUTE), ("activation_checkpointing", "recompute"), ("engine/kinds/recompute.py",)),
     "offload": (set(OFFLOADS), ("offload",), ("engine/kinds/offload.py",)),
 }
 # Values of more than one config key: a comparison of one is a kind's only where it names that kind's key
