@@ -61,7 +61,8 @@ def _compared(node: ast.AST) -> set[str]:
     return set()
 
 
-def name_comparisons(source: str, names: set[str], keys: tuple[str, ...] = (), shared: set[str] = frozenset()) -> list[str]:
+def name_comparisons(source: str, names: set[str], keys: tuple[str, ...] = (),
+                     shared: set[str] = frozenset()) -> list[str]:
     """'line: names' of every comparison of one of ``names`` in ``source``; one of ``shared`` counts only where the
     comparison mentions one of ``keys`` (module docstring)."""
     out = []

@@ -87,7 +87,8 @@ def checkpointed_layer_bytes_per_token(cfg: Config, tp: int) -> float:
     m = cfg.model
     h, qd, kvd, f = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, ffn_width(cfg)
     kept = h * residual_bytes(cfg) / sequence_share(cfg, tp)
-    if RECOMPUTE[cfg.train.activation_checkpointing].keeps_matmul_outputs:  # qkv_proj's (qd + 2 kvd)/t, o_proj's and down's h
+    # selective: qkv_proj's (qd + 2 kvd)/t, o_proj's and down's h
+    if RECOMPUTE[cfg.train.activation_checkpointing].keeps_matmul_outputs:
         kept += logit_bytes(cfg) * (2 * h + (qd + 2 * kvd + 2 * f) / tp)
     return kept
 
@@ -168,7 +169,7 @@ def layer_bytes_per_token(cfg: Config, tp: int) -> float:
 
 
 def qk_norm_bytes_per_token(cfg: Config, tp: int) -> float:
-    """What the q/k RMSNorms save (FamilySpec.qk_norm, engine/kinds/families.py), per token on one tp rank: their input in fp32
+    """What the q/k RMSNorms save (FamilySpec.qk_norm), per token on one tp rank: their input in fp32
     (x, saved by pow and x * rsqrt), the rsqrt (one fp32 value per normalised row: a head (Qwen3), or the whole
     projection (OLMoE)) and x_n in the input's dtype (weight * x_n saves it); their output is RoPE's input, which
     saves only cos/sin. In fp32 x.float() is x itself, a view of the fused qkv output, whose whole (qd + 2 kvd)/t

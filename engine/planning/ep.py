@@ -68,7 +68,8 @@ def a2a_time_per_layer(cfg: Config, ep: int, bw_gbps: float, latency_us: float,
     fwd, bwd = a2a_bytes_per_layer(cfg, ep)
     if not fwd:
         return 0.0, 0.0
-    exchanges = 6 if RECOMPUTE[cfg.train.activation_checkpointing].recomputes else 3  # forward: counts, dispatch, combine
+    # forward: counts, dispatch, combine (again when recomputed)
+    exchanges = 6 if RECOMPUTE[cfg.train.activation_checkpointing].recomputes else 3
     lat = latency_us * 1e-6 * (ep - 1)
     return imbalance * fwd / (bw_gbps * 1e9) + 3 * lat, imbalance * bwd / (bw_gbps * 1e9) + (exchanges - 1) * lat
 

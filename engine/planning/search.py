@@ -212,7 +212,8 @@ def search(cfg: Config, world_size: int, hw: Hardware, schedules: tuple[tuple[st
     """Every valid layout (``schedules`` and ``refused`` as for layouts), planned; those that fit in
     hw.memory_gb first, each group by step time."""
     out = _planned(cfg, world_size, hw, schedules, refused)
-    if not OFFLOADS[cfg.parallel.offload].offloads and not any(c.fits for c in out):  # offload only where nothing fits without
+    # offload only where nothing fits without
+    if not OFFLOADS[cfg.parallel.offload].offloads and not any(c.fits for c in out):
         out += _planned(cfg, world_size, hw, schedules, refused, "any")
     return sorted(out, key=lambda c: (not c.fits, c.time.total, c.peak_bytes))
 

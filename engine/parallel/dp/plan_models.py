@@ -99,7 +99,8 @@ class FSDPModel(TorchAdamWModel):
         return weights, grads, optimizer
 
     def buffers(self, cfg, layout, params: dict) -> tuple[float, float]:
-        if layout.dp == 1 and not OFFLOADS[cfg.parallel.offload].offloads:  # offloaded: gathered from the host even at dp 1
+        # offloaded: gathered from the host even at dp 1
+        if layout.dp == 1 and not OFFLOADS[cfg.parallel.offload].offloads:
             return 0.0, 0.0
         # The root unit (embedding, norm, head) is never resharded after forward; the blocks are, with
         # reshard_after_forward: then one is gathered at the peak (the last one as the backward starts; later
