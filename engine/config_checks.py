@@ -7,33 +7,32 @@ from typing import TYPE_CHECKING
 
 from engine.config_types import explicit_head_dim
 from engine.errors import ConfigError
+from engine.kinds.cp_modes import CP_MODES
+from engine.kinds.families import FAMILIES, MOE_FAMILIES
+from engine.kinds.offload import OFFLOADS
+from engine.kinds.recompute import RECOMPUTE
 from engine.parallel import dp
 from engine.parallel.pp.schedule import SCHEDULES
 
 if TYPE_CHECKING:
     from engine.config import Config
 
+# Every key with a fixed set of values; a kind's values are its registry itself (engine/kinds/: families, cp modes,
+# recompute modes, offload; engine/parallel/: dp modes, schedules), so that a kind registered at run time is accepted
 CHOICES = {
-    "parallel.dp_mode": dp.MODES,  # the registries themselves, so that a kind registered at run time is accepted
+    "parallel.dp_mode": dp.MODES,
     "parallel.grad_compression": ("none", "bf16", "fp16", "powersgd"),
     "parallel.schedule": SCHEDULES,
     "parallel.backend": ("auto", "gloo", "nccl"),
     "parallel.p2p_dtype": ("auto", "bf16"),
     "parallel.reshard_after_forward": ("auto", "true", "false"),
-    "parallel.offload": ("none", "optimizer", "optimizer_and_params"),
-    "parallel.cp_mode": ("ring", "all_to_all"),
+    "parallel.offload": OFFLOADS,
+    "parallel.cp_mode": CP_MODES,
     "train.dtype": ("fp32", "bf16"),
     "model.rope_scaling": ("none", "linear", "llama3"),
+    "train.activation_checkpointing": RECOMPUTE,  # true/false read as full/none (engine/config.py)
+    "model.family": FAMILIES,
 }
-
-
-def choices() -> dict:
-    """CHOICES and the registries of engine/model/, read when a config is checked: recompute.py MODES (true/false
-    read as full/none, config.py) and families.py ARCHITECTURES (imported here, not at module level: families
-    reads engine.config, which imports this module). Neither imports torch."""
-    from engine.model.families import ARCHITECTURES
-    from engine.model.recompute import MODES as RECOMPUTE_MODES
-    return {**CHOICES, "train.activation_checkpointing": RECOMPUTE_MODES, "model.family": ARCHITECTURES}
 
 
 def _positive(cfg: Config, keys: list[str]) -> None:
@@ -46,7 +45,7 @@ def _positive(cfg: Config, keys: list[str]) -> None:
 
 def validate(cfg: Config) -> None:
     """Checks that need no world size; the layout is checked by engine/parallel/layout/checks.py."""
-    for dotted, valid in choices().items():
+    for dotted, valid in CHOICES.items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
         if value not in valid:
@@ -125,7 +124,7 @@ def _validate_dp(cfg: Config) -> None:
         compiled = " or ".join(name for name, s in dp.MODES.items() if s.compile)
         raise ConfigError(f"train.compile=true is not supported with parallel.dp_mode={p.dp_mode}; use dp_mode "
                           f"{compiled}, or train.compile=false")
-    if p.offload != "none" and mode.offload == ("none",):
+    if OFFLOADS[p.offload].offloads and not any(OFFLOADS[o].offloads for o in mode.offload):
         honour = " or ".join(name for name, s in dp.MODES.items() if p.offload in s.offload)
         raise ConfigError(f"parallel.offload={p.offload} needs parallel.dp_mode {honour} (got {p.dp_mode}); "
                           f"use offload=none with {p.dp_mode}")
@@ -174,10 +173,8 @@ def _validate_families(cfg: Config) -> None:
 
 def _validate_moe(cfg: Config) -> None:
     """The mixture-of-experts keys (engine/model/moe.py): experts only in an MoE family, k <= E, the MoE layers."""
-    from engine.model.moe_families import MOE_FAMILIES  # families import torch-free, but lazily like choices()
-
     m, t = cfg.model, cfg.train
-    if (m.num_experts > 0) != (m.family in MOE_FAMILIES) or m.num_experts < 0:
+    if (m.num_experts > 0) != (FAMILIES[m.family].moe is not None) or m.num_experts < 0:
         raise ConfigError(f"model.num_experts={m.num_experts} with model.family={m.family}: MoE families "
                           f"({', '.join(MOE_FAMILIES)}) need num_experts >= 1, dense families 0")
     if m.num_experts and not 1 <= m.experts_per_token <= m.num_experts:

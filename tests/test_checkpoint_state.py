@@ -9,7 +9,7 @@ import pytest
 
 from engine.checkpoint.state import CheckpointState
 from engine.parallel.dp import MODES
-from engine.parallel.dp.registry import load
+from engine.kinds import load
 
 METHODS = ("held", "writes", "state_names", "get", "set", "prepare", "finish", "adam_step")
 CLASSES = sorted({path for spec in MODES.values() for path in spec.state})

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from engine.kinds.families import FAMILIES as FAMILY_SPECS
 from engine.config import load
 from engine.data.dataset import load_tokenizer
 from engine.model import families, hf
@@ -155,13 +156,13 @@ def test_import_tp2_pp2_train_export(family, tmp_path):
 
     hf.export(ckpt, exported)
     back = transformers.AutoModelForCausalLM.from_pretrained(str(exported)).eval()
-    assert type(back).__name__ == families.ARCHITECTURES[family]
+    assert type(back).__name__ == FAMILY_SPECS[family].architecture
     with torch.no_grad():
         assert max_rel(back(ids()).logits, ref["trained_logits"]) <= TOL
     assert max_rel(ref["trained_logits"], ref["logits"]) > 1e-3  # training moved the weights that came back
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (exported / name).read_bytes() == (src / name).read_bytes(), name
-    assert json.loads((exported / "config.json").read_text())["architectures"] == [families.ARCHITECTURES[family]]
+    assert json.loads((exported / "config.json").read_text())["architectures"] == [FAMILY_SPECS[family].architecture]
 
 
 def test_unsupported_architecture_is_one_line_exit_2(tmp_path):

@@ -1,24 +1,41 @@
-"""Kinds carry their own knowledge (issue 25): outside engine/parallel/dp/ no dp-mode name is compared, and outside
-the schedule code (engine/parallel/pp/schedule.py, pp/schedules/, pp/actions.py) no schedule name is; everything
-else asks the kind's spec (DpModeSpec, ScheduleSpec). Read from the source like tests/test_layout.py (no imports of
-the files checked).
+"""Kinds carry their own knowledge (issues 25, 36): a kind's name is compared only in its own package; everything
+else asks the kind's spec. Every registry is covered: dp modes (engine/parallel/dp/, DpModeSpec), schedules
+(engine/parallel/pp/schedule.py, pp/schedules/, pp/actions.py ScheduleSpec) and the declarations of engine/kinds/, where alone their
+names may be compared: model families (FamilySpec), cp modes (CpModeSpec), recompute modes (RecomputeSpec) and
+offload (OffloadSpec). Read from the source like tests/test_layout.py (no imports of the files checked).
 
 A comparison is a literal name (or a tuple, list or set holding one) on either side of ==, !=, in or not in, the
 argument of startswith/endswith, or a key of a dict literal looked up on the spot ({"zero": ...}[mode] or .get).
+A name that is also the value of another config key ("none": grad_compression, rope_scaling, ...) counts only where
+the comparison names one of the kind's config keys (``p.offload != "none"``, not ``m.rope_scaling == "none"``).
 Scanned: engine/ and the launchers launch/*.py (launch/bench/ names its own table rows, "zero1" and the like)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
+from engine.config_checks import CHOICES
+from engine.kinds import load
+from engine.kinds.cp_modes import CP_MODES
+from engine.kinds.families import FAMILIES
+from engine.kinds.offload import OFFLOADS
+from engine.kinds.recompute import RECOMPUTE
 from engine.parallel.dp import MODES
 from engine.parallel.pp.schedule import SCHEDULES
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = {  # kind -> (its names, the paths (prefixes) where they may be compared)
-    "dp mode": (set(MODES), ("engine/parallel/dp/",)),
-    "schedule": (set(SCHEDULES), ("engine/parallel/pp/schedule", "engine/parallel/pp/actions.py")),
+KINDS = {  # kind -> (its names, the config keys holding one, the paths (prefixes) where they may be compared)
+    "dp mode": (set(MODES), ("dp_mode",), ("engine/parallel/dp/",)),
+    "schedule": (set(SCHEDULES), ("schedule",), ("engine/parallel/pp/schedule", "engine/parallel/pp/actions.py")),
+    "model family": (set(FAMILIES), ("family",), ("engine/kinds/families.py",)),
+    "cp mode": (set(CP_MODES), ("cp_mode",), ("engine/kinds/cp_modes.py",)),
+    "recompute mode": (set(RECOMPUTE), ("activation_checkpointing", "recompute"), ("engine/kinds/recompute.py",)),
+    "offload": (set(OFFLOADS), ("offload",), ("engine/kinds/offload.py",)),
 }
+# Values of more than one config key: a comparison of one is a kind's only where it names that kind's key
+SHARED = {v for v in set().union(*map(set, CHOICES.values()))
+          if sum(v in values for values in CHOICES.values()) > 1}
 
 
 def _literals(node: ast.AST) -> set[str]:
@@ -44,11 +61,17 @@ def _compared(node: ast.AST) -> set[str]:
     return set()
 
 
-def name_comparisons(source: str, names: set[str]) -> list[str]:
-    """'line: names' of every comparison of one of ``names`` in ``source``."""
+def name_comparisons(source: str, names: set[str], keys: tuple[str, ...] = (),
+                     shared: set[str] = frozenset()) -> list[str]:
+    """'line: names' of every comparison of one of ``names`` in ``source``; one of ``shared`` counts only where the
+    comparison mentions one of ``keys`` (module docstring)."""
     out = []
+    mentions = re.compile(r"\b(" + "|".join(map(re.escape, keys)) + r")\b") if keys else None
     for node in ast.walk(ast.parse(source)):
-        if hits := _compared(node) & names:
+        hits = _compared(node) & names
+        if hits & shared and not (mentions and mentions.search(ast.unparse(node))):
+            hits -= shared
+        if hits:
             out.append(f"{node.lineno}: {', '.join(sorted(hits))}")
     return sorted(out, key=lambda s: int(s.split(":")[0]))
 
@@ -63,28 +86,60 @@ def test_finder_sees_comparisons():
     assert [name_comparisons(line, names) for line in good] == [[]] * len(good)
 
 
+def test_finder_tells_a_shared_value_by_its_key():
+    """"none" is an offload, a recompute mode, a grad compression and a RoPE scaling: it counts where the kind's key
+    is compared."""
+    names, keys = set(OFFLOADS), ("offload",)
+    assert "none" in SHARED and "optimizer" not in SHARED
+    bad = ['p.offload != "none"', '{"none": "", "optimizer": "+off"}[p.offload]', 'offload == "none"',
+           'mode == "optimizer"']
+    assert [name_comparisons(line, names, keys, SHARED) != [] for line in bad] == [True] * len(bad)
+    good = ['m.rope_scaling == "none"', 'p.grad_compression != "none"', 'run_id in ("", "none")',
+            'OFFLOADS[p.offload].offloads']
+    assert [name_comparisons(line, names, keys, SHARED) for line in good] == [[]] * len(good)
+
+
 def test_kind_names_are_compared_only_in_their_packages():
     files = sorted([*(ROOT / "engine").rglob("*.py"), *(ROOT / "launch").glob("*.py")])
     assert len(files) > 50, "no sources found"
     bad = {}
-    for kind, (names, homes) in KINDS.items():
+    for kind, (names, keys, homes) in KINDS.items():
         assert names, f"no {kind} registered"
         for path in files:
             rel = str(path.relative_to(ROOT))
-            if not rel.startswith(homes) and (found := name_comparisons(path.read_text(encoding="utf-8"), names)):
+            source = path.read_text(encoding="utf-8")
+            if not rel.startswith(homes) and (found := name_comparisons(source, names, keys, SHARED)):
                 bad[f"{kind} in {rel}"] = found
-    assert bad == {}, "ask the kind's spec (engine/parallel/dp/registry.py, engine/parallel/pp/actions.py ScheduleSpec)"
+    assert bad == {}, ("ask the kind's spec (engine/kinds/, engine/parallel/dp/registry.py, engine/parallel/pp/actions.py "
+                       "ScheduleSpec; docs/recipes.md)")
+
+
+def test_every_kind_is_a_config_choice_read_from_its_registry():
+    """The config checks take each kind's names from its registry (a kind registered there is accepted)."""
+    for key, registry in {"parallel.dp_mode": MODES, "parallel.schedule": SCHEDULES, "model.family": FAMILIES,
+                          "parallel.cp_mode": CP_MODES, "train.activation_checkpointing": RECOMPUTE,
+                          "parallel.offload": OFFLOADS}.items():
+        assert CHOICES[key] is registry, key
+
+
+def test_specs_name_code_that_exists():
+    """The code a spec names by "module:name" (cp modes' attention cores and planner models) imports."""
+    for spec in CP_MODES.values():
+        assert callable(load(spec.core)) and callable(load(spec.planner)), spec.name
+    for spec in FAMILIES.values():  # an MoE family's gating is one engine/model/moe.py route computes
+        assert spec.moe is None or spec.moe.gating in ("topk_softmax", "softmax_topk"), spec.name
 
 
 def test_config_checks_read_the_registries_without_torch():
-    """The config checks read every registry (dp modes, schedules, recompute modes, model families) before torch
-    is loaded, so a bad config fails fast (launch/preflight.py loads one on a login node)."""
+    """The config checks read every registry (dp modes, schedules, model families, cp modes, recompute modes,
+    offload) before torch is loaded, so a bad config fails fast (launch/preflight.py loads one on a login node)."""
     import os
     import subprocess
     import sys
     code = ("import sys\nfrom engine.config import load\nload(['--parallel.dp_mode', 'zero', '--parallel.zero_stage', "
             "'1', '--parallel.schedule', 'gpipe', '--train.activation_checkpointing', 'selective', '--model.family', "
-            "'qwen2', '--model.attention_bias', 'true'])\nprint(sorted(m for m in ('torch', 'deepspeed') if m in "
+            "'qwen2', '--model.attention_bias', 'true', '--parallel.cp_mode', 'all_to_all', '--parallel.offload', "
+            "'optimizer'])\nprint(sorted(m for m in ('torch', 'deepspeed') if m in "
             "sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -21,6 +21,7 @@ import torch
 import transformers
 
 from engine.config import ConfigError, load
+from engine.kinds.families import FAMILIES as FAMILY_SPECS
 from engine.model import families, hf
 from engine.model import transformer as model_lib
 from tests import test_families as families_test
@@ -137,7 +138,7 @@ def test_import_train_export_at_layout(family, layout, tmp_path):
         assert losses == pytest.approx(one["loss"], rel=TOL)
     hf.export(tmp_path / "ck2", exported)
     back = transformers.AutoModelForCausalLM.from_pretrained(str(exported)).eval()
-    assert type(back).__name__ == families.ARCHITECTURES[family]
+    assert type(back).__name__ == FAMILY_SPECS[family].architecture
     with torch.no_grad():
         exported_logits = back(ids()).logits
     assert max_rel(exported_logits, at["trained"]) <= TOL  # the export is the engine's model at that layout

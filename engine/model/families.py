@@ -1,14 +1,6 @@
-"""The Hugging Face architectures the engine imports and exports, and what each differs in.
-
-All are the decoder of engine/model/transformer.py (RMSNorm, RoPE, GQA, SwiGLU, HF parameter names); the dense
-ones differ only in these (the MoE ones: engine/model/moe_families.py):
-
-| architecture         | q/k/v bias | q/k norm                  | sliding window                      |
-|----------------------|------------|---------------------------|-------------------------------------|
-| `LlamaForCausalLM`   | no         | -                         | -                                   |
-| `Qwen2ForCausalLM`   | yes        | -                         | `use_sliding_window` (off in 2.5)   |
-| `MistralForCausalLM` | no         | -                         | `sliding_window` (null from v0.2)   |
-| `Qwen3ForCausalLM`   | no         | per head (hd,), pre-RoPE  | `use_sliding_window` (off; refused) |
+"""A Hugging Face config.json into our ModelConfig and back, for every family of engine/kinds/families.py
+(``FAMILIES``: each family's architecture, config class, q/k/v bias, q/k norm, window rule and MoE part; the MoE
+keys: engine/model/moe_families.py). This file asks the family's spec and never compares its name.
 
 ``head_dim`` is read and written for all (Qwen3's need not be hidden_size / num_attention_heads: 0.6B has 16 heads
 of 128 on hidden 1024).
@@ -25,35 +17,23 @@ from pathlib import Path
 
 from engine.config import ModelConfig
 from engine.errors import CheckpointError  # not checkpoint/format's import: the config checks read this torch-free
+from engine.kinds.families import FAMILIES
 from engine.model.hf_config import check_family, check_kind, checked
 from engine.model.moe_families import moe_hf_keys, moe_model_keys
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-FAMILIES = {arch: family for family, arch in ARCHITECTURES.items()}
-CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
-                  "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "olmoe": "OlmoeConfig",
-                  "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
-QKV_BIAS = ("qwen2", "qwen2_moe")  # the families with q/k/v biases (and always with them)
-# The q/k RMSNorms of engine/model/transformer.py Attention: OLMoE's over the whole q / k projection (weights
-# (nh hd,), (nkv hd,)), Qwen3's per head (one (hd,) weight each, before RoPE)
-QK_NORM = {"olmoe": "projection", "qwen3": "head", "qwen3_moe": "head"}
-# Families whose use_sliding_window applies a window the engine does not compute (Qwen3: only to the layers from
-# max_window_layers on), so a folder with it on is refused and export writes it off
-NO_WINDOW = ("qwen3", "qwen3_moe")
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def family_of(hf: dict, source: Path) -> str:
     """The family named by config.json's ``architectures`` (its ``model_type`` when that list is absent)."""
     archs = hf.get("architectures") or []
-    if not archs and hf.get("model_type") in ARCHITECTURES:
+    if not archs and hf.get("model_type") in FAMILIES:
         return hf["model_type"]
-    if len(archs) != 1 or archs[0] not in FAMILIES:
+    by_architecture = {s.architecture: name for name, s in FAMILIES.items()}
+    if len(archs) != 1 or archs[0] not in by_architecture:
         raise CheckpointError(f"{source}: architecture {', '.join(map(str, archs)) or '(none)'} is not supported; "
-                              f"import handles {', '.join(FAMILIES)}")
-    return FAMILIES[archs[0]]
+                              f"import handles {', '.join(by_architecture)}")
+    return by_architecture[archs[0]]
 
 
 def _rope(hf: dict, source: Path) -> dict:
@@ -74,18 +54,6 @@ def _rope(hf: dict, source: Path) -> dict:
     return out
 
 
-def _window(hf: dict, family: str, source: Path) -> int:
-    if family in NO_WINDOW:
-        if hf.get("use_sliding_window"):
-            raise CheckpointError(f"{source}: use_sliding_window={hf['use_sliding_window']!r} is not supported for "
-                                  f"{ARCHITECTURES[family]} (engine/model/transformer.py has no sliding window for "
-                                  f"its layers from max_window_layers on); use a config with use_sliding_window false")
-        return 0
-    if family in QKV_BIAS:
-        return int(hf.get("sliding_window") or 0) if hf.get("use_sliding_window") else 0
-    return int(hf.get("sliding_window") or 0) if family in ("mistral", "mixtral") else 0
-
-
 def model_config(hf: dict, source: Path) -> ModelConfig:
     """Our ModelConfig from a config.json dict; refuses, naming the key, what engine/model/transformer.py does not compute
     (and, engine/model/hf_config.py, values of the wrong type or range)."""
@@ -93,14 +61,15 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
     family = family_of(hf, source)
     hf = checked(hf, source)  # the keys hf_config.REQUIRED are there from here on
     check_family(hf, family, source)
+    spec = FAMILIES[family]
     # Llama's attention_bias also puts a bias on o_proj, which Qwen2 (the family with q/k/v biases) lacks.
-    for key, ok in (("attention_bias", family in QKV_BIAS or not hf.get("attention_bias")),
-                    ("qkv_bias", family not in QKV_BIAS or hf.get("qkv_bias", True)),
+    for key, ok in (("attention_bias", spec.qkv_bias or not hf.get("attention_bias")),
+                    ("qkv_bias", not spec.qkv_bias or hf.get("qkv_bias", True)),
                     ("clip_qkv", hf.get("clip_qkv") is None),
                     ("mlp_bias", not hf.get("mlp_bias")), ("hidden_act", hf.get("hidden_act", "silu") == "silu")):
         if not ok:
             raise CheckpointError(f"{source}: {key}={hf.get(key)!r} is not supported by engine/model/transformer.py for "
-                                  f"{ARCHITECTURES[family]} (no o_proj or MLP biases, SiLU)")
+                                  f"{spec.architecture} (no o_proj or MLP biases, SiLU)")
     heads = hf["num_attention_heads"]
     m = ModelConfig(name=str(hf.get("_name_or_path") or source.name), vocab_size=hf["vocab_size"],
                     hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
@@ -109,7 +78,8 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
                     max_seq_len=hf.get("max_position_embeddings", 2048),
                     norm_eps=float(hf.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(hf.get("tie_word_embeddings")),
                     init_std=float(hf.get("initializer_range", 0.02)), family=family,
-                    attention_bias=family in QKV_BIAS, sliding_window=_window(hf, family, source), **_rope(hf, source), **moe_model_keys(hf, family, source))
+                    attention_bias=spec.qkv_bias, sliding_window=spec.window.read(hf, source, spec.architecture),
+                    **_rope(hf, source), **moe_model_keys(hf, family, source))
     return m
 
 
@@ -124,32 +94,25 @@ def _rope_scaling(m: ModelConfig) -> dict | None:
 
 
 def hf_config(m: ModelConfig, dtype: str = "fp32", tokenizer=None):
-    """The transformers config (CONFIG_CLASSES[model.family]) of our model, head_dim always written (Qwen3Config's
+    """The transformers config (the FamilySpec's config_class) of our model, head_dim always written (Qwen3Config's
     default is 128, not hidden_size / num_heads)."""
     import transformers
 
-    if m.attention_bias != (m.family in QKV_BIAS):
+    spec = FAMILIES[m.family]
+    if m.attention_bias != spec.qkv_bias:
         raise CheckpointError(f"model.attention_bias={m.attention_bias} cannot be written as "
-                              f"{ARCHITECTURES[m.family]}: only Qwen2 has q/k/v biases (and always has them)")
+                              f"{spec.architecture}: only Qwen2 has q/k/v biases (and always has them)")
     special = {}
     if tokenizer is not None:
         special = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                    if getattr(tokenizer, k, None) is not None}
-    extra = {"attention_bias": False, "mlp_bias": False} if m.family == "llama" else {}
-    if m.family in QKV_BIAS:
-        extra = {"use_sliding_window": bool(m.sliding_window), "sliding_window": m.sliding_window or None}
-    elif m.family in ("mistral", "mixtral"):
-        extra = {"sliding_window": m.sliding_window or None}
-    elif m.family in NO_WINDOW:
-        if m.sliding_window:
-            raise CheckpointError(f"model.sliding_window={m.sliding_window} cannot be written as "
-                                  f"{ARCHITECTURES[m.family]}, whose window covers only some layers; set it to 0")
-        extra = {"attention_bias": False, "use_sliding_window": False, "sliding_window": None}
+    # the family's fixed keys, then its window's (in this order: the config's own attributes keep it)
+    extra = {**spec.hf_extra, **spec.window.write(m.sliding_window, spec.architecture)}
     extra.update(moe_hf_keys(m))
-    cls = getattr(transformers, CONFIG_CLASSES[m.family])
+    cls = getattr(transformers, spec.config_class)
     return cls(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
                num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
                head_dim=m.head_dim, max_position_embeddings=m.max_seq_len, rope_theta=m.rope_theta,
                rope_scaling=_rope_scaling(m), rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings,
-               hidden_act="silu", initializer_range=m.init_std, architectures=[ARCHITECTURES[m.family]],
+               hidden_act="silu", initializer_range=m.init_std, architectures=[spec.architecture],
                torch_dtype=DTYPE_NAMES[dtype], **extra, **special)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from engine.errors import CheckpointError
 from engine.json_input import load_object, shown
-from engine.model.moe_families import EXPERT_COUNT_KEYS, LAYER_KEYS, MOE_FAMILIES
+from engine.kinds.families import FAMILIES
 
 # Whole-number keys and their least value; none above 2**31 - 1 (more than any published model has, and every
 # tensor size stays an int64).
@@ -144,14 +144,15 @@ def _check_heads(source, hf: dict) -> None:
 
 
 def check_family(hf: dict, family: str, source) -> None:
-    """The keys ``family`` needs (moe_families.py), and k <= the expert count (checked training, but an import of
-    num_experts_per_tok 9 over 8 experts was written before)."""
-    if family not in MOE_FAMILIES:
+    """The keys ``family`` needs (its MoeSpec, engine/kinds/families.py), and k <= the expert count (checked
+    training, but an import of num_experts_per_tok 9 over 8 experts was written before)."""
+    moe = FAMILIES[family].moe
+    if moe is None:
         return
-    if family in LAYER_KEYS and "moe_intermediate_size" not in hf:
+    if moe.layer_keys and "moe_intermediate_size" not in hf:
         raise CheckpointError(f"{source}: config.json of {family} has no 'moe_intermediate_size' (each expert's "
                               f"width)")
-    count_key = next((k for k in EXPERT_COUNT_KEYS.get(family, ("num_experts",)) if hf.get(k)), None)
+    count_key = next((k for k in moe.count_keys if hf.get(k)), None)
     k = hf.get("num_experts_per_tok", 2)
     if count_key and k > hf[count_key]:
         raise _bad(source, "num_experts_per_tok", k, f"it must be at most {count_key}={hf[count_key]}")

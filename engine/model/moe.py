@@ -2,7 +2,7 @@
 2024): a router picks ``experts_per_token`` (k) of ``num_experts`` (E) SwiGLU experts per token and sums their
 outputs weighted by the gate.
 
-Gating, in each family's own order (engine/model/families.py ``GATING``):
+Gating, in each family's own order (its MoeSpec.gating, engine/kinds/families.py):
 - ``topk_softmax`` (Mixtral): the top k of the router logits, softmax over those k;
 - ``softmax_topk`` (Qwen2-MoE, Qwen3-MoE, OLMoE): softmax over all E, the top k of it, renormalised to sum 1 only
   with ``model.moe_norm_topk_prob``.
@@ -44,12 +44,8 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.internals import in_backward
+from engine.kinds.families import FAMILIES
 
-GATING = {"mixtral": "topk_softmax", "qwen2_moe": "softmax_topk", "olmoe": "softmax_topk",
-          "qwen3_moe": "softmax_topk"}
-# Per-expert tensor names of the published checkpoints: (module holding the block, gate, up, down)
-DISK_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
-DEFAULT_DISK = ("mlp", "gate_proj", "up_proj", "down_proj")
 
 
 def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
@@ -72,8 +68,9 @@ def route(logits: torch.Tensor, k: int, gating: str, norm_topk_prob: bool) -> tu
 
 
 def _disk(module_path: str, family: str) -> tuple[str, tuple[str, str, str]]:
-    """('model.layers.3.block_sparse_moe', (w1, w3, w2)) for Mixtral's 'model.layers.3.mlp'."""
-    block, *names = DISK_NAMES.get(family, DEFAULT_DISK)
+    """('model.layers.3.block_sparse_moe', (w1, w3, w2)) for Mixtral's 'model.layers.3.mlp': the published
+    checkpoints' per-expert tensor names, MoeSpec.disk (module holding the block, gate, up, down)."""
+    block, *names = FAMILIES[family].moe.disk
     parent, _, _ = module_path.rpartition(".")
     return f"{parent}.{block}" if parent else block, tuple(names)
 
@@ -171,7 +168,8 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, shared: nn.Module | None = None):
         super().__init__()
         h, e = cfg.hidden_size, cfg.num_experts
-        self.k, self.gating, self.norm_topk_prob = cfg.experts_per_token, GATING[cfg.family], cfg.moe_norm_topk_prob
+        self.k, self.norm_topk_prob = cfg.experts_per_token, cfg.moe_norm_topk_prob
+        self.gating = FAMILIES[cfg.family].moe.gating  # MoeSpec.gating: route's order of top-k and softmax
         self.capacity_factor = cfg.moe_capacity_factor
         self.gate = Router(h, e, cfg.family)
         self.experts = Experts(e, h, cfg.moe_intermediate_size or cfg.intermediate_size, cfg.family)

@@ -1,4 +1,5 @@
-"""The MoE keys of the Hugging Face MoE families, both ways (engine/model/families.py calls these).
+"""The MoE keys of the Hugging Face MoE families, both ways (engine/model/families.py calls these), as each
+family's ``MoeSpec`` (engine/kinds/families.py) declares them:
 
 | architecture          | experts, k                               | expert width            | MoE layers                                   | gating (engine/model/moe.py)            |
 |-----------------------|------------------------------------------|-------------------------|----------------------------------------------|-----------------------------------------|
@@ -8,8 +9,9 @@
 | `Qwen3MoeForCausalLM` | num_experts, num_experts_per_tok         | moe_intermediate_size   | decoder_sparse_step, mlp_only_layers         | softmax, top-k, norm_topk_prob          |
 
 Qwen2-MoE adds a shared expert (shared_expert_intermediate_size) behind a sigmoid gate, and q/k/v biases. Qwen3-MoE
-has neither, and per-head q/k norms (engine/model/families.py QK_NORM); transformers 5 writes its expert count as
-num_local_experts (Qwen3MoeConfig's attribute_map), the published config.json as num_experts: both are read.
+has neither, and per-head q/k norms (FamilySpec.qk_norm); transformers 5 writes its expert count as
+num_local_experts (Qwen3MoeConfig's attribute_map), the published config.json as num_experts: both are read
+(MoeSpec.count_keys).
 """
 from __future__ import annotations
 
@@ -17,26 +19,23 @@ from pathlib import Path
 
 from engine.config import ModelConfig
 from engine.errors import CheckpointError  # torch-free: the config checks read the families
-
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "olmoe", "qwen3_moe")
-EXPERT_COUNT_KEYS = {"mixtral": ("num_local_experts",), "qwen3_moe": ("num_experts", "num_local_experts")}
-LAYER_KEYS = ("qwen2_moe", "qwen3_moe")  # decoder_sparse_step, mlp_only_layers and moe_intermediate_size
-SHARED_EXPERT = ("qwen2_moe",)  # shared_expert_intermediate_size (and q/k/v biases: qkv_bias)
+from engine.kinds.families import FAMILIES
 
 
 def moe_model_keys(hf: dict, family: str, source: Path) -> dict:
     """ModelConfig's MoE fields (and intermediate_size where the family's differs) from a config.json dict."""
-    if family not in MOE_FAMILIES:
+    moe = FAMILIES[family].moe
+    if moe is None:
         return {}
     if hf.get("router_jitter_noise"):
         raise CheckpointError(f"{source}: router_jitter_noise={hf['router_jitter_noise']} is not supported by "
                               f"engine/model/moe.py (0 only)")
-    experts = next((hf[k] for k in EXPERT_COUNT_KEYS.get(family, ("num_experts",)) if hf.get(k)), None)
+    experts = next((hf[k] for k in moe.count_keys if hf.get(k)), None)
     if not experts:
         raise CheckpointError(f"{source}: config.json of {family} has no expert count")
     out = {"num_experts": int(experts), "experts_per_token": int(hf.get("num_experts_per_tok", 2)),
-           "moe_norm_topk_prob": family == "mixtral" or bool(hf.get("norm_topk_prob", False))}
-    if family in LAYER_KEYS:
+           "moe_norm_topk_prob": not moe.norm_topk_key or bool(hf.get("norm_topk_prob", False))}
+    if moe.layer_keys:
         step, dense = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or [])
         layers = [i for i in range(hf["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0]
         out.update(moe_intermediate_size=int(hf["moe_intermediate_size"]),
@@ -47,26 +46,28 @@ def moe_model_keys(hf: dict, family: str, source: Path) -> dict:
 
 def moe_hf_keys(m: ModelConfig) -> dict:
     """The transformers config keys of our MoE fields (the inverse of moe_model_keys)."""
-    if m.family not in MOE_FAMILIES:
+    moe = FAMILIES[m.family].moe
+    if moe is None:
         return {}
-    if m.family not in LAYER_KEYS and (m.moe_layers != "all" or m.moe_shared_expert_size or
-                                       (m.moe_intermediate_size not in (0, m.intermediate_size))):
+    shared = " or ".join(name for name, s in FAMILIES.items() if s.moe and s.moe.shared_expert)
+    if not moe.layer_keys and (m.moe_layers != "all" or m.moe_shared_expert_size or
+                               (m.moe_intermediate_size not in (0, m.intermediate_size))):
         raise CheckpointError(f"model.family={m.family} has every layer MoE, no shared expert and experts of "
                               f"intermediate_size; set model.moe_layers=all, moe_shared_expert_size=0, "
-                              f"moe_intermediate_size=0 or use family qwen2_moe")
-    if m.family not in SHARED_EXPERT and m.moe_shared_expert_size:
+                              f"moe_intermediate_size=0 or use family {shared}")
+    if not moe.shared_expert and m.moe_shared_expert_size:
         raise CheckpointError(f"model.moe_shared_expert_size={m.moe_shared_expert_size} cannot be written as "
                               f"model.family={m.family}, which has no shared expert; set it to 0 or use family "
-                              f"qwen2_moe")
-    k = {"num_experts_per_tok": m.experts_per_token, "output_router_logits": False}
-    if m.family == "mixtral":
-        return {**k, "num_local_experts": m.num_experts, "router_jitter_noise": 0.0}
-    k.update(num_experts=m.num_experts, norm_topk_prob=m.moe_norm_topk_prob)
-    if m.family == "olmoe":
+                              f"{shared}")
+    k = {"num_experts_per_tok": m.experts_per_token, "output_router_logits": False, moe.count_keys[0]: m.num_experts}
+    if moe.norm_topk_key:
+        k["norm_topk_prob"] = m.moe_norm_topk_prob
+    k.update(moe.hf_extra)
+    if not moe.layer_keys:
         return k
     layers = range(m.num_layers) if m.moe_layers == "all" else m.moe_layers
     k.update(moe_intermediate_size=m.moe_intermediate_size or m.intermediate_size, decoder_sparse_step=1,
              mlp_only_layers=[i for i in range(m.num_layers) if i not in layers])
-    if m.family not in SHARED_EXPERT:
+    if not moe.shared_expert:
         return k
     return {**k, "shared_expert_intermediate_size": m.moe_shared_expert_size, "qkv_bias": True}

@@ -12,22 +12,22 @@ engine/planning/activations.py.
 
 Blocks are not wrapped in another module (parameter names stay Hugging Face's): each DecoderLayer reads its
 ``recompute`` attribute and runs engine/model/recompute_run.py's ``run_block``, so torch.compile of a block
-(engine/model/compile.py) sees the checkpoint inside it. This file, the modes and how they are set, imports no torch:
-the config checks read ``MODES`` (engine/config_checks.py) before torch is loaded.
+(engine/model/compile.py) sees the checkpoint inside it. The modes are declared in engine/kinds/recompute.py
+(``RECOMPUTE``: what the planner counts for each), which the config checks read before torch is loaded.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.kinds.recompute import RECOMPUTE
+
 if TYPE_CHECKING:
     from torch import nn
-
-MODES = ("none", "full", "selective")
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     """Set every decoder block of ``model`` (a Llama, possibly a pipeline stage) to recompute in ``mode``."""
-    if mode not in MODES:
-        raise ValueError(f"activation checkpointing mode {mode!r} is not one of {', '.join(MODES)}")
+    if mode not in RECOMPUTE:
+        raise ValueError(f"activation checkpointing mode {mode!r} is not one of {', '.join(RECOMPUTE)}")
     for layer in model.model.layers.values():
         layer.recompute = mode

@@ -7,6 +7,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from engine.kinds.recompute import RECOMPUTE
+
 aten = torch.ops.aten
 # Outputs kept under selective: the GEMMs (F.linear lowers to mm on 2-D views, addmm with a bias).
 SAVED_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default}
@@ -23,9 +25,11 @@ def _selective_context():
 
 
 def run_block(block: nn.Module, mode: str, *args) -> torch.Tensor:
-    """``block._block(*args)`` with the recomputation ``mode`` in force while gradients are recorded."""
-    if mode == "none" or not torch.is_grad_enabled():
+    """``block._block(*args)`` with the recomputation ``mode`` in force while gradients are recorded: what its
+    RecomputeSpec (engine/kinds/recompute.py) says it keeps, the block's input or also the matmul outputs."""
+    spec = RECOMPUTE[mode]
+    if not spec.recomputes or not torch.is_grad_enabled():
         return block._block(*args)
-    if mode == "full":
+    if not spec.keeps_matmul_outputs:
         return checkpoint(block._block, *args, use_reentrant=False)
     return checkpoint(block._block, *args, use_reentrant=False, context_fn=_selective_context)

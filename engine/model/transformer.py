@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.model.attention import DEFAULT_CORE, compute_dtype
-from engine.model.families import QK_NORM
+from engine.kinds.families import FAMILIES
 from engine.model.fused import FusedLinear, hf_state_dict_hooks, split_output
 from engine.model.moe import MoE, is_moe_layer
 from engine.model.recompute_run import run_block
@@ -65,9 +65,9 @@ class Attention(nn.Module):
         # softmax(q k^T / sqrt(d) + M) v on the tokens this module holds; context parallelism swaps in a core that
         # attends across the cp group (engine/parallel/cp/apply.py). Not a submodule: it holds no parameters.
         self.core = DEFAULT_CORE
-        # q/k RMSNorms (families.py QK_NORM): OLMoE's over the whole projection, weights (nh hd,) / (nkv hd,);
+        # q/k RMSNorms (FamilySpec.qk_norm): OLMoE's over the whole projection, weights (nh hd,) / (nkv hd,);
         # Qwen3's per head, one (hd,) weight each shared by all heads, applied before RoPE as transformers does
-        kind = QK_NORM.get(cfg.family)
+        kind = FAMILIES[cfg.family].qk_norm
         self.qk_norm_per_head = kind == "head"
         q_width, k_width = (hd, hd) if self.qk_norm_per_head else (cfg.num_heads * hd, cfg.num_kv_heads * hd)
         self.q_norm = RMSNorm(q_width, cfg.norm_eps) if kind else None

@@ -49,7 +49,9 @@ import torch
 
 from engine.config import Config
 from engine.parallel import dp as dp_modes
-from engine.model.families import QK_NORM
+from engine.kinds.cp_modes import CP_MODES
+from engine.kinds.families import FAMILIES
+from engine.kinds.recompute import RECOMPUTE
 from engine.model.attention import EFFICIENT, EFFICIENT_REPEAT_KV, MATH, REPEATS_KV, attention_path
 from engine.parallel.tp.cross_entropy import CHUNK_ELEMENTS
 from engine.planning.moe import expert_grad_buffer_bytes, mean_over_layers, mlp_params, routing_bytes_per_token, token_ffn_width
@@ -85,7 +87,8 @@ def checkpointed_layer_bytes_per_token(cfg: Config, tp: int) -> float:
     m = cfg.model
     h, qd, kvd, f = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, ffn_width(cfg)
     kept = h * residual_bytes(cfg) / sequence_share(cfg, tp)
-    if cfg.train.activation_checkpointing == "selective":  # qkv_proj's (qd + 2 kvd)/t, o_proj's and down's h
+    # selective: qkv_proj's (qd + 2 kvd)/t, o_proj's and down's h
+    if RECOMPUTE[cfg.train.activation_checkpointing].keeps_matmul_outputs:
         kept += logit_bytes(cfg) * (2 * h + (qd + 2 * kvd + 2 * f) / tp)
     return kept
 
@@ -117,8 +120,8 @@ def attention_bytes_per_token(cfg: Config, tp: int) -> float:
     if cfg.parallel.cp > 1:  # o_proj's input is a copy (ring: the (b, a/t, s/cp, hd) output made contiguous
         # as (b, s/cp, a hd/t); all_to_all: the output all-to-all's result) beside the output the core keeps
         extra += qd / tp * width
-    if ring(cfg):  # ring.py saves its own q, k, v (n_kv heads), output and lse whatever the kernel path
-        return extra
+    if cp_mode(cfg) and cp_mode(cfg).saves_own_attention:  # ring.py saves its own q, k, v (n_kv heads), output
+        return extra  # and lse whatever the kernel path
     if path == MATH:
         return extra + a / tp * (s * width - 4)
     if cfg.data.document_mask and path in (EFFICIENT, EFFICIENT_REPEAT_KV) and s % 16:
@@ -126,12 +129,15 @@ def attention_bytes_per_token(cfg: Config, tp: int) -> float:
     return extra
 
 
-def ulysses(cfg: Config) -> bool:
-    return cfg.parallel.cp > 1 and cfg.parallel.cp_mode == "all_to_all"
+def cp_mode(cfg: Config):
+    """The CpModeSpec of a run's context parallelism (engine/kinds/cp_modes.py); None at cp = 1, where no mode
+    applies."""
+    return CP_MODES[cfg.parallel.cp_mode] if cfg.parallel.cp > 1 else None
 
 
-def ring(cfg: Config) -> bool:
-    return cfg.parallel.cp > 1 and cfg.parallel.cp_mode == "ring"
+def recomputes(cfg: Config) -> bool:
+    """Whether activation checkpointing re-runs the blocks (RecomputeSpec.recomputes): the checkpointed ledger."""
+    return RECOMPUTE[cfg.train.activation_checkpointing].recomputes
 
 
 def document_mask_bytes(cfg: Config, num_layers: int) -> float:
@@ -140,8 +146,9 @@ def document_mask_bytes(cfg: Config, num_layers: int) -> float:
     kernel pads a copy of its own), or activation checkpointing keeps it as every block's input."""
     t, path = cfg.train, planned_attention_path(cfg)
     own_copies = path in (EFFICIENT, EFFICIENT_REPEAT_KV) and t.seq_len % 16
-    kept = t.activation_checkpointing != "none" or (path != MATH and not own_copies)
-    if not cfg.data.document_mask or num_layers == 0 or not kept or ring(cfg):  # ring: masks from the doc ids
+    kept = recomputes(cfg) or (path != MATH and not own_copies)
+    ring = cp_mode(cfg) and cp_mode(cfg).masks_from_doc_ids  # the ring: masks from the doc ids
+    if not cfg.data.document_mask or num_layers == 0 or not kept or ring:
         return 0.0
     return t.micro_batch_size * t.seq_len ** 2 * logit_bytes(cfg)
 
@@ -162,13 +169,13 @@ def layer_bytes_per_token(cfg: Config, tp: int) -> float:
 
 
 def qk_norm_bytes_per_token(cfg: Config, tp: int) -> float:
-    """What the q/k RMSNorms save (engine/model/families.py QK_NORM), per token on one tp rank: their input in fp32
+    """What the q/k RMSNorms save (FamilySpec.qk_norm), per token on one tp rank: their input in fp32
     (x, saved by pow and x * rsqrt), the rsqrt (one fp32 value per normalised row: a head (Qwen3), or the whole
     projection (OLMoE)) and x_n in the input's dtype (weight * x_n saves it); their output is RoPE's input, which
     saves only cos/sin. In fp32 x.float() is x itself, a view of the fused qkv output, whose whole (qd + 2 kvd)/t
     storage it keeps (measured); otherwise its fp32 copy, (qd + kvd)/t. Rows: (a + a_kv)/t heads, or 2."""
     m = cfg.model
-    kind = QK_NORM.get(m.family)
+    kind = FAMILIES[m.family].qk_norm
     if kind is None:
         return 0.0
     qk = (m.num_heads + m.num_kv_heads) * m.head_dim / tp
@@ -220,7 +227,7 @@ def micro_batch_bytes(cfg: Config, tp: int, pp: int, stage: int, num_layers: int
     per_token = 0.0
     if stage == 0:
         per_token += 8 if tp == 1 else 9  # token ids saved by the embedding (+ the out-of-shard mask at tp > 1)
-    if t.activation_checkpointing != "none":
+    if recomputes(cfg):
         per_token += num_layers * checkpointed_layer_bytes_per_token(cfg, tp)
     else:
         per_token += num_layers * layer_bytes_per_token(cfg, tp)
@@ -232,9 +239,9 @@ def micro_batch_bytes(cfg: Config, tp: int, pp: int, stage: int, num_layers: int
     # mask's per-row positions
     rope = 2 * (t.micro_batch_size if cfg.data.document_mask else 1) * t.seq_len // cfg.parallel.cp \
         * cfg.model.head_dim * logit_bytes(cfg)
-    copies = 0.0 if t.activation_checkpointing != "none" else weight_copy_bytes(cfg, tp, num_layers, last)
-    if ulysses(cfg) and t.activation_checkpointing == "none":  # per layer the 4 (s,) int64 token-order indices
-        copies += num_layers * 4 * 8 * t.seq_len  # index_select saves (engine/parallel/cp/layout.py)
+    copies = 0.0 if recomputes(cfg) else weight_copy_bytes(cfg, tp, num_layers, last)
+    if (cp := cp_mode(cfg)) and not recomputes(cfg):  # all_to_all: per layer its 4 (s,) int64 token-order
+        copies += num_layers * cp.reorder_indices * 8 * t.seq_len  # indices, which index_select saves (cp/layout.py)
     return tokens * per_token + rope + copies + document_mask_bytes(cfg, num_layers)
 
 
@@ -247,7 +254,7 @@ def transient_bytes(cfg: Config, tp: int, last_stage: bool) -> float:
     t, m = cfg.train, cfg.model
     tokens = local_tokens(cfg)
     out = tokens * 4 * ffn_width(cfg) / tp * residual_bytes(cfg) + expert_grad_buffer_bytes(m, cfg.parallel.ep)
-    if t.activation_checkpointing != "none":
+    if recomputes(cfg):
         out += tokens * layer_bytes_per_token(cfg, tp) + weight_copy_bytes(cfg, tp, 1, False)
     if last_stage:
         local_v = m.vocab_size / tp

@@ -19,7 +19,8 @@ attention). The cp group spans cp tp consecutive ranks (engine/parallel/layout/m
 from __future__ import annotations
 
 from engine.config import Config
-from engine.planning.activations import logit_bytes, ring
+from engine.kinds import load
+from engine.planning.activations import cp_mode, logit_bytes
 
 
 def _block_bytes(cfg: Config, tp: int, width: int) -> float:
@@ -28,14 +29,57 @@ def _block_bytes(cfg: Config, tp: int, width: int) -> float:
     return 2.0 * t.micro_batch_size * m.num_kv_heads / tp * t.seq_len / cfg.parallel.cp * m.head_dim * width
 
 
+class RingModel:
+    """cp_mode ring's planner model (CpModeSpec.planner): K/V blocks rotating, overlapped with attention."""
+
+    def wire_bytes(self, cfg: Config, tp: int) -> tuple[float, float]:
+        block, fp32 = _block_bytes(cfg, tp, logit_bytes(cfg)), _block_bytes(cfg, tp, 4)
+        # backward: from step 1 on the finished accumulator goes out as the next one arrives; K/V rotate until step
+        # cp - 2, so both are in one batch only where cp > 2
+        return 2 * block, 2 * fp32 + (2 * block if cfg.parallel.cp > 2 else 0)
+
+    def bytes_per_layer(self, cfg: Config, tp: int) -> tuple[float, float]:
+        cp = cfg.parallel.cp
+        return (cp - 1) * _block_bytes(cfg, tp, logit_bytes(cfg)), \
+            (cp - 1) * _block_bytes(cfg, tp, logit_bytes(cfg)) + cp * _block_bytes(cfg, tp, 4)
+
+    def exposed(self, cfg: Config, tp: int, fwd: float, bwd: float, rate: float, bw_gbps: float,
+                lat: float) -> tuple[float, float]:
+        m, t, cp = cfg.model, cfg.train, cfg.parallel.cp
+        # per ring step: 1/cp of the layer's causal attention on this rank's s/cp queries
+        attn = t.micro_batch_size * t.seq_len / cp * 4 * m.num_heads / tp * m.head_dim * t.seq_len / 2 / rate / cp
+        step_f, step_b = fwd / (cp - 1) / (bw_gbps * 1e9), bwd / cp / (bw_gbps * 1e9)
+        return (cp - 1) * (max(0.0, step_f - attn) + lat), cp * (max(0.0, step_b - 2 * attn) + lat)
+
+
+class AllToAllModel:
+    """cp_mode all_to_all's planner model (CpModeSpec.planner): q, k, v and the output exchanged, not overlapped."""
+
+    def wire_bytes(self, cfg: Config, tp: int) -> tuple[float, float]:
+        return 0.0, 0.0
+
+    def bytes_per_layer(self, cfg: Config, tp: int) -> tuple[float, float]:
+        m, t, cp = cfg.model, cfg.train, cfg.parallel.cp
+        local = t.micro_batch_size * t.seq_len / cp * m.head_dim * logit_bytes(cfg)
+        moved = 2 * (m.num_heads + m.num_kv_heads) / tp * local * (cp - 1) / cp  # q, o; k, v
+        return moved, moved
+
+    def exposed(self, cfg: Config, tp: int, fwd: float, bwd: float, rate: float, bw_gbps: float,
+                lat: float) -> tuple[float, float]:
+        cp = cfg.parallel.cp
+        return fwd / (bw_gbps * 1e9) + (cp - 1) * lat, bwd / (bw_gbps * 1e9) + (cp - 1) * lat
+
+
+def planner_model(cfg: Config):
+    """The planner model of the run's cp mode (its CpModeSpec.planner); None at cp = 1."""
+    spec = cp_mode(cfg)
+    return load(spec.planner)() if spec else None
+
+
 def ring_wire_bytes(cfg: Config, tp: int) -> tuple[float, float]:
     """(forward, backward) bytes of the ring's send and receive buffers posted at once in one step of one layer."""
-    if not ring(cfg):
-        return 0.0, 0.0
-    block, fp32 = _block_bytes(cfg, tp, logit_bytes(cfg)), _block_bytes(cfg, tp, 4)
-    # backward: from step 1 on the finished accumulator goes out as the next one arrives; K/V rotate until step
-    # cp - 2, so both are in one batch only where cp > 2
-    return 2 * block, 2 * fp32 + (2 * block if cfg.parallel.cp > 2 else 0)
+    model = planner_model(cfg)
+    return model.wire_bytes(cfg, tp) if model else (0.0, 0.0)
 
 
 def buffer_bytes(cfg: Config, tp: int) -> float:
@@ -46,30 +90,15 @@ def buffer_bytes(cfg: Config, tp: int) -> float:
 
 def bytes_per_layer(cfg: Config, tp: int) -> tuple[float, float]:
     """(forward, backward) bytes one rank sends per layer and micro-batch (received: the same)."""
-    p, m, t = cfg.parallel, cfg.model, cfg.train
-    cp = p.cp
-    if cp == 1:
-        return 0.0, 0.0
-    if ring(cfg):
-        return (cp - 1) * _block_bytes(cfg, tp, logit_bytes(cfg)), \
-            (cp - 1) * _block_bytes(cfg, tp, logit_bytes(cfg)) + cp * _block_bytes(cfg, tp, 4)
-    local = t.micro_batch_size * t.seq_len / cp * m.head_dim * logit_bytes(cfg)
-    moved = 2 * (m.num_heads + m.num_kv_heads) / tp * local * (cp - 1) / cp  # q, o; k, v
-    return moved, moved
+    model = planner_model(cfg)
+    return model.bytes_per_layer(cfg, tp) if model else (0.0, 0.0)
 
 
 def comm_time(cfg: Config, tp: int, rate: float, bw_gbps: float, latency_us: float) -> tuple[float, float]:
     """(forward, backward) exposed seconds of one layer's cp communication for one micro-batch; ``rate`` the FLOP/s
     one rank achieves, ``bw_gbps`` the cp group's link."""
-    p, m, t = cfg.parallel, cfg.model, cfg.train
-    cp = p.cp
-    if cp == 1:
+    model = planner_model(cfg)
+    if model is None:
         return 0.0, 0.0
-    fwd, bwd = bytes_per_layer(cfg, tp)
-    lat = latency_us * 1e-6
-    if not ring(cfg):
-        return fwd / (bw_gbps * 1e9) + (cp - 1) * lat, bwd / (bw_gbps * 1e9) + (cp - 1) * lat
-    # per ring step: 1/cp of the layer's causal attention on this rank's s/cp queries
-    attn = t.micro_batch_size * t.seq_len / cp * 4 * m.num_heads / tp * m.head_dim * t.seq_len / 2 / rate / cp
-    step_f, step_b = fwd / (cp - 1) / (bw_gbps * 1e9), bwd / cp / (bw_gbps * 1e9)
-    return (cp - 1) * (max(0.0, step_f - attn) + lat), cp * (max(0.0, step_b - 2 * attn) + lat)
+    fwd, bwd = model.bytes_per_layer(cfg, tp)
+    return model.exposed(cfg, tp, fwd, bwd, rate, bw_gbps, latency_us * 1e-6)

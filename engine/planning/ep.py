@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 from engine.config import Config, ModelConfig
+from engine.kinds.recompute import RECOMPUTE
 from engine.model.moe import is_moe_layer
 from engine.parallel.layout.checks import Layout
 from engine.planning.activations import device_type, local_tokens, logit_bytes, mode, residual_bytes
@@ -55,7 +56,7 @@ def a2a_bytes_per_layer(cfg: Config, ep: int) -> tuple[float, float]:
     counts = 8.0 * m.num_experts * (ep - 1) / ep  # (ep, E/ep) int64, ep - 1 rows sent
     forward = counts + rows * m.hidden_size * (dispatch + combine)
     backward = rows * m.hidden_size * (dispatch + combine)  # the gradients, reversed
-    if cfg.train.activation_checkpointing != "none":
+    if RECOMPUTE[cfg.train.activation_checkpointing].recomputes:
         backward += forward  # the recomputed forward exchanges again
     return forward, backward
 
@@ -67,7 +68,8 @@ def a2a_time_per_layer(cfg: Config, ep: int, bw_gbps: float, latency_us: float,
     fwd, bwd = a2a_bytes_per_layer(cfg, ep)
     if not fwd:
         return 0.0, 0.0
-    exchanges = 3 if cfg.train.activation_checkpointing == "none" else 6  # forward: counts, dispatch, combine
+    # forward: counts, dispatch, combine (again when recomputed)
+    exchanges = 6 if RECOMPUTE[cfg.train.activation_checkpointing].recomputes else 3
     lat = latency_us * 1e-6 * (ep - 1)
     return imbalance * fwd / (bw_gbps * 1e9) + 3 * lat, imbalance * bwd / (bw_gbps * 1e9) + (exchanges - 1) * lat
 

@@ -18,6 +18,7 @@ estimate_mfu likewise drops the position embedding). FLOPs spent recomputing act
 from __future__ import annotations
 
 from engine.config import ModelConfig
+from engine.kinds.recompute import RECOMPUTE
 from engine.planning.moe import mean_active_mlp
 
 
@@ -44,14 +45,13 @@ def stage_flops_per_token(cfg: ModelConfig, seq_len: int, layers: int, lm_head: 
     """FLOPs per token of ``layers`` decoder layers (and the LM head): 6 N + 12 H Q T per layer, plus one more
     forward of each layer (2 N + 4 H Q T) when full activation checkpointing recomputes it (PaLM's hardware
     FLOPs), or of its attention core (4 H Q T) under selective recomputation (the matmul outputs are kept).
-    ``recompute``: none | full | selective (True/False: full/none)."""
-    recompute = {True: "full", False: "none"}.get(recompute, recompute)
+    ``recompute``: a train.activation_checkpointing mode (True/False: full/none), whose RecomputeSpec says what
+    it runs again (engine/kinds/recompute.py)."""
+    spec = RECOMPUTE[{True: "full", False: "none"}.get(recompute, recompute)]
     attention = 4 * cfg.num_heads * cfg.head_dim * seq_len  # forward of Q K^T and A V
-    per_layer = 6 * layer_matmul_params(cfg) + 3 * attention
-    if recompute == "full":
-        per_layer += per_layer // 3
-    elif recompute == "selective":
-        per_layer += attention
+    matmuls = layer_matmul_params(cfg)
+    per_layer = 6 * matmuls + 3 * attention
+    per_layer += 2 * matmuls * spec.matmul_flops + attention * spec.attention_flops  # the recomputed forward
     return layers * per_layer + (6 * cfg.vocab_size * cfg.hidden_size if lm_head else 0)
 
 

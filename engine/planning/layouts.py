@@ -5,7 +5,9 @@ configs.
 from __future__ import annotations
 
 from engine.config import Config, ConfigError
-from engine.config_checks import CHOICES
+from engine.kinds.cp_modes import CP_MODES
+from engine.kinds.offload import OFFLOADS
+from engine.kinds.recompute import RECOMPUTE
 from engine.parallel.dp import MODES as DP_MODE_SPECS
 from engine.parallel.pp.schedule import SCHEDULES
 from engine.parallel.layout.checks import Layout, check_supported, resolve_layout
@@ -23,11 +25,12 @@ def dp_modes(offload: str, dp: int) -> list[tuple[str, int, str, str]]:
     host copies and a host Adam step for device memory. At dp = 1 only modes that do not shard (sharding over one
     rank changes nothing)."""
     out = []
+    tried = [name for name, s in OFFLOADS.items() if s.offloads] if offload == "any" else [offload]
     for name, spec in DP_MODE_SPECS.items():
         model = planner_model(name) if spec.planner else None
-        if model is None or (dp == 1 and offload == "none" and model.shards):
+        if model is None or (dp == 1 and not any(OFFLOADS[w].offloads for w in tried) and model.shards):
             continue
-        for wanted in (["optimizer", "optimizer_and_params"] if offload == "any" else [offload]):
+        for wanted in tried:
             out += [(name, *v) for v in model.variants(wanted)]
     return out
 
@@ -41,7 +44,7 @@ def _axes(cfg: Config, world_size: int):
             for cp in _divisors(world_size // (tp * pp)):
                 if cp & (cp - 1) or cfg.train.seq_len % (2 * cp):
                     continue
-                for mode in CHOICES["parallel.cp_mode"] if cp > 1 else (cfg.parallel.cp_mode,):
+                for mode in CP_MODES if cp > 1 else (cfg.parallel.cp_mode,):
                     yield tp, pp, cp, mode
 
 
@@ -74,7 +77,7 @@ def layouts(cfg: Config, world_size: int, schedules: tuple[tuple[str, int], ...]
             pp_layers = cfg.parallel.pp_layers if same and SCHEDULES[schedule].per_rank(v) == 1 else []
             for mbs, ep in ((mbs, ep) for mbs in _divisors(gbs // dp) for ep in _ep_sizes(cfg, dp * cp)):
                 for mode, stage, reshard, off in dp_modes(offload or cfg.parallel.offload, dp * cp):
-                    for ac in ("none", "full", "selective"):
+                    for ac in RECOMPUTE:
                         c = with_layout(cfg, tp=tp, pp=pp, dp=dp, cp=cp, cp_mode=cp_mode, ep=ep, dp_mode=mode,
                                         zero_stage=stage, reshard_after_forward=reshard, offload=off,
                                         pp_layers=pp_layers,

@@ -42,12 +42,12 @@ from engine.planning import cp as cp_plan
 from engine.planning import ep as ep_plan
 from engine.planning.schedules import activations_in_flight, head_stage, one_embedding
 from engine.config import Config, ConfigError, ModelConfig
+from engine.kinds import load
 from engine.parallel import dp as dp_modes
-from engine.parallel.dp.registry import load
 from engine.parallel.layout.checks import Layout, micro_batches_per_step, resolve_layout
 from engine.parallel.pp.split import stage_layer_ranges
 from engine.planning.balance import layer_counts
-from engine.model.families import QK_NORM
+from engine.kinds.families import FAMILIES
 from engine.model.moe import is_moe_layer
 from engine.planning.moe import expert_params, mlp_params
 
@@ -88,7 +88,7 @@ def layer_params(m: ModelConfig, tp: int, index: int = 0) -> tuple[int, int]:
     sharded = 2 * h * m.num_heads * hd + 2 * h * m.num_kv_heads * hd + mlp_params(m, index) - router
     if m.attention_bias:
         sharded += (m.num_heads + 2 * m.num_kv_heads) * hd
-    qk_norm = QK_NORM.get(m.family)
+    qk_norm = FAMILIES[m.family].qk_norm
     if qk_norm == "projection":  # OLMoE's, split like q/k
         sharded += (m.num_heads + m.num_kv_heads) * hd
     replicated = 2 * h + router + (2 * hd if qk_norm == "head" else 0)  # Qwen3's per-head (hd,) q/k norms: whole

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from engine.planning import flops, schedules
 from engine.planning.activations import sequence_share
 from engine.config import Config
+from engine.kinds.offload import OFFLOADS
+from engine.kinds.recompute import RECOMPUTE
 from engine.parallel.layout.checks import Layout, micro_batches_per_step, resolve_layout
 from engine.parallel.pp.split import stage_layer_ranges
 from engine.parallel.tp.layers import LAYER_PLAN
@@ -127,11 +129,11 @@ def stage_cost(cfg: Config, layout: Layout, hw: Hardware, stage: int) -> StageCo
     weight = tokens * flops.weight_grad_flops_per_token(m, layers, last) / rate
     # the busiest ep rank's extra expert rows: 2 FLOPs a weight forward, 2 B, 2 W (+ 2 recomputed under full)
     wait = tokens * moe * ep_plan.straggler_weights(cfg, layout.ep) / rate
-    compute, fwd, weight = compute + wait * (6 + 2 * (t.activation_checkpointing == "full")), fwd + 2 * wait, \
-        weight + 2 * wait
+    recompute = RECOMPUTE[t.activation_checkpointing]
+    compute, fwd, weight = compute + wait * (6 + 2 * recompute.matmul_flops), fwd + 2 * wait, weight + 2 * wait
     # Forward: rows + embedding all-reduces; backward: columns + the LM head's input (recomputation, full or
     # selective, repeats the forward ones: engine/model/recompute.py).
-    recomputes = t.activation_checkpointing != "none"
+    recomputes = recompute.recomputes
     ring = ring_time(act, layout.tp, 2, tp_bw, hw.latency_us)
     tp_fwd, tp_bwd = (layers * rows + first) * ring, (layers * (rows * recomputes + columns) + last) * ring
     # one transfer each way per micro-batch and model chunk (v chunks under interleaving: v times the messages)
@@ -188,7 +190,7 @@ class Candidate:
     def describe(self) -> dict:
         p, t = self.cfg.parallel, self.cfg.train
         mode = dp_model(self.cfg).label(self.cfg, data_layout(self.layout))
-        mode += {"none": "", "optimizer": "+off-opt", "optimizer_and_params": "+off-all"}[p.offload]
+        mode += OFFLOADS[p.offload].label
         return {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "cp": self.layout.cp,
                 "ep": self.layout.ep, "cp_mode": p.cp_mode if self.layout.cp > 1 else "", "dp_mode": mode,
                 "schedule": p.schedule, "virtual_stages": p.virtual_stages,
@@ -210,7 +212,8 @@ def search(cfg: Config, world_size: int, hw: Hardware, schedules: tuple[tuple[st
     """Every valid layout (``schedules`` and ``refused`` as for layouts), planned; those that fit in
     hw.memory_gb first, each group by step time."""
     out = _planned(cfg, world_size, hw, schedules, refused)
-    if cfg.parallel.offload == "none" and not any(c.fits for c in out):  # offload only where nothing fits without
+    # offload only where nothing fits without
+    if not OFFLOADS[cfg.parallel.offload].offloads and not any(c.fits for c in out):
         out += _planned(cfg, world_size, hw, schedules, refused, "any")
     return sorted(out, key=lambda c: (not c.fits, c.time.total, c.peak_bytes))
 

@@ -13,9 +13,10 @@ entry here (docs/architecture.md, "A new dp mode", names every file). No torch: 
 from __future__ import annotations
 
 from engine.errors import ConfigError
+from engine.kinds import load
 from engine.parallel.pp.actions import CHUNK_BACKWARD, CHUNK_LAST_W, LAST_BACKWARD, LAST_W
 from engine.parallel.dp import checks
-from engine.parallel.dp.registry import DpModeSpec, load
+from engine.parallel.dp.registry import DpModeSpec
 
 _TORCH_STATE = ("engine.checkpoint.state:TorchState",)
 _PLAN = "engine.parallel.dp.plan_models:"

@@ -4,6 +4,7 @@ mode is given one of its keys, and its refusals of a layout (called by engine/pa
 from __future__ import annotations
 
 from engine.errors import ConfigError
+from engine.kinds.offload import OFFLOADS
 from engine.parallel.dp.ds_json import DEFAULTS as DS_STAGES, check_overlap_comm, offload_of, read_user_config
 from engine.parallel.pp.actions import CHUNK_BACKWARD, LAST_W
 from engine.parallel.pp.schedule import SCHEDULES
@@ -27,7 +28,7 @@ def check_ddp(cfg) -> None:
 
 def check_fsdp(cfg) -> None:
     p = cfg.parallel
-    if p.offload == "optimizer":
+    if OFFLOADS[p.offload].optimizer and not OFFLOADS[p.offload].params:
         raise ConfigError(f"parallel.offload={p.offload} with parallel.dp_mode=fsdp is not available (FSDP2's "
                           f"CPUOffloadPolicy offloads parameters, gradients and the step together); use "
                           f"offload=optimizer_and_params, or dp_mode=zero for the optimizer alone")
@@ -56,7 +57,7 @@ def check_zero(cfg) -> None:
     """DeepSpeed's parameter offload is ZeRO-3's; the ds_config file is read now, so a missing or bad one fails
     before any rank starts, and must agree with parallel.offload."""
     p = cfg.parallel
-    if p.offload == "optimizer_and_params" and p.zero_stage != 3:
+    if OFFLOADS[p.offload].params and p.zero_stage != 3:
         raise ConfigError(f"parallel.offload=optimizer_and_params needs parallel.zero_stage=3 (DeepSpeed offloads "
                           f"parameters only in ZeRO-3; got zero_stage={p.zero_stage}); use offload=optimizer, or "
                           f"zero_stage=3")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from engine.errors import ConfigError
 from engine.json_input import dotted, leaves, load_object, not_finite, shown
+from engine.kinds.offload import OFFLOADS
 
 _BUCKET = 50_000_000  # elements per reduce / all-gather bucket (DeepSpeed's default is 5e8)
 _COMMON = {"steps_per_print": 10**9, "wall_clock_breakdown": False}  # DeepSpeed prints nothing of its own
@@ -130,7 +131,7 @@ def offload_of(stage: int, path: str | None, offload: str) -> tuple[bool, bool]:
     outside stage 3 (DeepSpeed would ignore it silently)."""
     zero = load_base_config(stage, path).get("zero_optimization", {})
     on = {k: zero.get(k, {}).get("device", "none") == "cpu" for k in OFFLOAD_KEYS}
-    wanted = {"offload_optimizer": offload != "none", "offload_param": offload == "optimizer_and_params"}
+    wanted = {"offload_optimizer": OFFLOADS[offload].optimizer, "offload_param": OFFLOADS[offload].params}
     for key in OFFLOAD_KEYS:
         if wanted[key] and key in zero and not on[key]:
             raise ConfigError(f"parallel.offload={offload} and parallel.ds_config '{path}' (zero_optimization.{key}."

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from engine.checkpoint.state import TorchState
 from engine.config import Config
 from engine.internals import private
+from engine.kinds.offload import OFFLOADS
 from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin
 from engine.parallel.ep import expert_grad_divisor
 from engine.parallel.ep.dispatch import ExpertParallelExperts
@@ -81,7 +82,7 @@ class FSDP(TorchOptimizerMixin, DataParallel):
         super().__init__(cfg, ctx)
         # Pinned host memory only where there is a CUDA device to copy to and from (pinning needs CUDA).
         offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") \
-            if cfg.parallel.offload == "optimizer_and_params" else None
+            if OFFLOADS[cfg.parallel.offload].params else None
         self.chunks = model_chunks(model, ctx.pp, ctx.pp_rank, *chunking(cfg.parallel))
         experts = (ctx.mesh_for("edp"), expert_grad_divisor(ctx)) if ctx.size("ep") > 1 else None
         self.module = apply_fsdp(model, ctx.mesh_for("dp_cp"), reshard_after_forward(cfg, ctx.pp),

@@ -18,6 +18,7 @@ whether the experts' reduction overlaps the backward as the dense one does (ddp:
 """
 from __future__ import annotations
 
+from engine.kinds.offload import OFFLOADS
 from engine.parallel.dp.ds_json import load_base_config, offload_of
 from engine.parallel.layout.checks import reshard_after_forward
 from engine.planning.planner import model_state_parts
@@ -59,7 +60,7 @@ class DDPModel(TorchAdamWModel):
     grads_whole_step, experts_overlap = True, False
 
     def variants(self, offload: str) -> list[tuple[int, str, str]]:
-        return [(0, "auto", "none")] if offload == "none" else []
+        return [] if OFFLOADS[offload].offloads else [(0, "auto", offload)]
 
     def label(self, cfg, layout) -> str:
         return cfg.parallel.dp_mode
@@ -83,8 +84,10 @@ class FSDPModel(TorchAdamWModel):
     shards = True
 
     def variants(self, offload: str) -> list[tuple[int, str, str]]:
-        return {"none": [(0, "true", "none"), (0, "false", "none")],
-                "optimizer_and_params": [(0, "true", "optimizer_and_params")]}.get(offload, [])
+        spec = OFFLOADS[offload]
+        if spec.optimizer != spec.params:  # CPUOffloadPolicy moves weights, gradients and Adam state together
+            return []
+        return [(0, "true", offload)] + ([] if spec.offloads else [(0, "false", offload)])
 
     def label(self, cfg, layout) -> str:
         return cfg.parallel.dp_mode + ("-reshard" if reshard_after_forward(cfg, layout.pp) else "-keep")
@@ -96,7 +99,8 @@ class FSDPModel(TorchAdamWModel):
         return weights, grads, optimizer
 
     def buffers(self, cfg, layout, params: dict) -> tuple[float, float]:
-        if layout.dp == 1 and cfg.parallel.offload == "none":  # offloaded: gathered from the host even at dp 1
+        # offloaded: gathered from the host even at dp 1
+        if layout.dp == 1 and not OFFLOADS[cfg.parallel.offload].offloads:
             return 0.0, 0.0
         # The root unit (embedding, norm, head) is never resharded after forward; the blocks are, with
         # reshard_after_forward: then one is gathered at the peak (the last one as the backward starts; later
@@ -106,7 +110,7 @@ class FSDPModel(TorchAdamWModel):
 
     def offloaded(self, cfg, layout, local: int, parts: tuple) -> tuple[float, ...]:
         weights, grads, optimizer, step_buffers = parts
-        if cfg.parallel.offload != "optimizer_and_params":
+        if not OFFLOADS[cfg.parallel.offload].params:
             return (*parts, 0.0)
         sharded_grads = 4.0 * local / layout.dp
         on_device = grads if grads > sharded_grads else 0.0  # the no-sync accumulation buffer (several micro-batches)
@@ -128,7 +132,7 @@ class ZeroModel:
     shards, grads_whole_step, per_tensor_step, experts_overlap = True, False, False, True
 
     def variants(self, offload: str) -> list[tuple[int, str, str]]:
-        stages = {"none": (1, 2, 3), "optimizer": (1, 2, 3), "optimizer_and_params": (3,)}.get(offload, ())
+        stages = (3,) if OFFLOADS[offload].params else (1, 2, 3)  # DeepSpeed offloads parameters only in ZeRO-3
         return [(stage, "auto", offload) for stage in stages]
 
     def label(self, cfg, layout) -> str:

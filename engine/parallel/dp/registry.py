@@ -1,11 +1,10 @@
 """What a dp mode declares about itself, so that the config checks, the layout checks, the planner and the checkpoints
 ask the mode instead of comparing its name: one ``DpModeSpec`` per mode, registered in ``MODES``
 (engine/parallel/dp/__init__.py). No torch here: the config checks read the specs before any process exists, so the
-classes are named as "module:name" strings and imported only when used (``load``).
+classes are named as "module:name" strings and imported only when used (``load``, engine/kinds/__init__.py).
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -43,9 +42,3 @@ class DpModeSpec:
     expert_parallel: bool = False
     ep_refusal: str = ""
     bf16_weights: bool = False
-
-
-def load(path: str):
-    """The object a "module:name" string names (imported now)."""
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)

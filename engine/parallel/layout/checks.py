@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from engine.config import Config, ConfigError, TrainConfig
+from engine.kinds.cp_modes import CP_MODES
 from engine.parallel import dp as dp_modes
 from engine.parallel.pp import schedule as sched
 from engine.parallel.layout.mesh import AXES
@@ -83,8 +84,8 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
 
 
 def check_context_parallel(cfg: Config) -> None:
-    """parallel.cp against the sequence (2 cp equal chunks: engine/parallel/cp/layout.py) and, for all_to_all, the
-    heads (each cp rank takes num_heads / (cp tp) whole heads, and as many kv heads: no kv-head replication)."""
+    """parallel.cp against the sequence (2 cp equal chunks: engine/parallel/cp/layout.py) and the mode's own checks
+    (CpModeSpec.check; all_to_all: each cp rank takes num_heads / (cp tp) whole heads, and as many kv heads)."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     if p.cp == 1:
         return
@@ -98,10 +99,8 @@ def check_context_parallel(cfg: Config) -> None:
     if p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
         raise ConfigError(f"parallel.sequence_parallel=true with parallel.cp={p.cp} needs train.seq_len / cp = "
                           f"{t.seq_len // p.cp} divisible by parallel.tp={p.tp}")
-    if p.cp_mode == "all_to_all" and (m.num_heads % (p.cp * p.tp) or m.num_kv_heads % (p.cp * p.tp)):
-        raise ConfigError(f"parallel.cp_mode=all_to_all needs model.num_heads={m.num_heads} and model.num_kv_heads="
-                          f"{m.num_kv_heads} divisible by cp * tp = {p.cp} * {p.tp} = {p.cp * p.tp}; use "
-                          f"cp_mode=ring or a smaller cp")
+    if (check := CP_MODES[p.cp_mode].check) is not None:  # the mode's own (all_to_all: the heads split over cp tp)
+        check(cfg)
 
 
 def check_expert_parallel(cfg: Config, dp: int) -> None:
