@@ -15,8 +15,8 @@ from pathlib import Path
 import yaml
 
 from engine.config_checks import validate
-from engine.config_yaml import BoundedLoader, UniqueKeyLoader
 from engine.config_types import HeadDim, coerce, explicit_head_dim
+from engine.config_yaml import BoundedLoader, UniqueKeyLoader
 from engine.errors import ConfigError
 
 __all__ = ["Config", "ConfigError", "load", "load_yaml", "parse_args", "validate"]

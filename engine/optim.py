@@ -8,7 +8,8 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.config import TrainConfig
-from engine.model.shards import local as _local, tp_dim
+from engine.model.shards import local as _local
+from engine.model.shards import tp_dim
 
 
 def unique_params(model: nn.Module):

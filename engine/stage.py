@@ -15,9 +15,9 @@ from engine.model.compile import apply_compile
 from engine.model.init import materialize
 from engine.model.recompute import apply_activation_checkpointing
 from engine.parallel import ep
-from engine.parallel.pp import schedule as sched
-from engine.parallel.layout.context import ParallelContext
 from engine.parallel.cp.apply import apply_context_parallel
+from engine.parallel.layout.context import ParallelContext
+from engine.parallel.pp import schedule as sched
 from engine.parallel.pp.executor import PipelineExecutor, split_stage
 from engine.parallel.tp.layers import apply_tensor_parallel
 from engine.planning.balance import layer_counts

@@ -28,11 +28,11 @@ from engine.metrics.tensorboard import build_sinks
 from engine.model.hf_init import adopt_shape, load_weights
 from engine.optim import lr_at
 from engine.parallel import dp as dp_lib
-from engine.parallel.pp import tied
-from engine.parallel.layout.context import ParallelContext
 from engine.parallel.cp.inputs import micro_batch_inputs
-from engine.parallel.pp.executor import PipelineExecutor
 from engine.parallel.layout.checks import micro_batches_per_step, resolve_layout
+from engine.parallel.layout.context import ParallelContext
+from engine.parallel.pp import tied
+from engine.parallel.pp.executor import PipelineExecutor
 from engine.parallel.tp.layers import vocab_parallel_cross_entropy
 from engine.planning.balance import describe as describe_split
 from engine.stage import build_executors, build_model  # noqa: F401 (build_model: launch/bench imports it here)

@@ -22,10 +22,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from safetensors import SafetensorError  # noqa: E402  (a write that fails inside safetensors: disk full)
+
 from engine.checkpoint.format import CheckpointError  # noqa: E402
 from engine.config import ConfigError  # noqa: E402
 from engine.data.dataset import DataError  # noqa: E402
-from safetensors import SafetensorError  # noqa: E402  (a write that fails inside safetensors: disk full)
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 

@@ -29,10 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from engine.config import ConfigError, load  # noqa: E402
 from engine.cluster.hostcheck import DEFAULT_SSH, HostResult, check_hosts, describe, remote_command  # noqa: E402
 from engine.cluster.hostfile import Host, HostfileError, parse_hostfile  # noqa: E402
 from engine.cluster.keepalive import advice as keepalive_advice  # noqa: E402
+from engine.config import ConfigError, load  # noqa: E402
 
 
 class HostFailure(Exception):
@@ -127,6 +127,7 @@ def run_link_test_over_ssh(args: argparse.Namespace, hosts: list[Host]) -> None:
 
 def _local_rank(size_bytes: int, iters: int):
     import torch
+
     from engine.cluster.linktest import measure
     return measure("localhost", size_bytes, iters, torch.device("cpu"))
 
@@ -147,9 +148,10 @@ def worker(args: argparse.Namespace) -> int:
     """One rank of the link test under torchrun: rank 0 prints the table."""
     import torch
     import torch.distributed as dist
-    from engine.parallel.layout.context import env_rank_info, pick_device_and_backend
+
     from engine.cluster.linktest import format_report, measure
     from engine.cluster.netcheck import init_checked
+    from engine.parallel.layout.context import env_rank_info, pick_device_and_backend
     rank, world, local_rank = env_rank_info()
     device, backend = pick_device_and_backend(args.backend, local_rank)
     if device.type == "cuda":

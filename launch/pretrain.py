@@ -15,17 +15,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from engine.checkpoint.format import CheckpointError  # noqa: E402
+from engine.cluster.report import report_once  # noqa: E402
+from engine.cluster.startup import StartupError  # noqa: E402
 from engine.config import ConfigError, load  # noqa: E402
 from engine.data.dataset import DataError  # noqa: E402
-from engine.cluster.report import report_once  # noqa: E402
 from engine.storage import EXIT_STATUS, StorageError  # noqa: E402
-from engine.cluster.startup import StartupError  # noqa: E402
 
 
 def start_cluster(cfg):
     """Multi-rank: every rank joins the job's store within parallel.startup_timeout_s (StartupError naming the
     missing ones) and starts its heartbeat; (store, heartbeat), each None where there is nothing to do."""
     import torch.distributed as dist
+
     from engine.cluster.heartbeat import Heartbeat
     from engine.cluster.startup import default_store, join
     from engine.parallel.layout.context import env_rank_info

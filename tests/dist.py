@@ -37,9 +37,9 @@ def warm_imports() -> None:
     tokenizer loader) and the torch modules that the first meta-device initialisation pulls in (torch._refs,
     torch._dynamo). Measured: 6-9 s and 3.6 s per rank, paid by 8 ranks on 2 cores at every spawn. Only imports:
     nothing here starts a thread, so forking stays safe (tests/conftest.py)."""
-    from engine.model import transformer as model_lib
     from engine.config import ModelConfig
     from engine.data.dataset import load_tokenizer
+    from engine.model import transformer as model_lib
     from tests import nccl_shim  # noqa: F401 - imported by every rank
 
     load_tokenizer("")  # imports transformers' tokenizer classes

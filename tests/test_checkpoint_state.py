@@ -8,8 +8,8 @@ import inspect
 import pytest
 
 from engine.checkpoint.state import CheckpointState
-from engine.parallel.dp import MODES
 from engine.kinds import load
+from engine.parallel.dp import MODES
 
 METHODS = ("held", "writes", "state_names", "get", "set", "prepare", "finish", "adam_step")
 CLASSES = sorted({path for spec in MODES.values() for path in spec.state})

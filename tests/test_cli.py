@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli import run_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

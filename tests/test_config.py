@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from engine.config import Config, ConfigError, load, load_yaml, parse_args
-from engine.parallel.layout.context import apply_tf32
 from engine.parallel.layout.checks import resolve_layout
+from engine.parallel.layout.context import apply_tf32
 
 
 def test_defaults_yaml_and_overrides(tmp_path):

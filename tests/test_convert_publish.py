@@ -24,8 +24,8 @@ from engine.checkpoint.folder import MARKER
 from engine.config import load
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
-from tests.dist import run_ranks
 from tests.cli import run_script
+from tests.dist import run_ranks
 from tests.test_checkpoint import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]

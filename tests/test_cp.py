@@ -11,7 +11,6 @@ chunks in the feed, or an all-to-all backward without the exchange moved a gradi
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist

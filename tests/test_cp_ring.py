@@ -27,8 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from engine.model.docmask import block_causal_mask
-from engine.parallel.cp import layout
-from engine.parallel.cp import ring, ring_fused, ring_plan
+from engine.parallel.cp import layout, ring, ring_fused, ring_plan
 from engine.parallel.cp.ring import ring_attention
 from tests.dist import run_ranks
 

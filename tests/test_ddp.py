@@ -14,7 +14,6 @@ calls the configured hook (torch's ``allreduce_hook`` for ``none``, which averag
 from __future__ import annotations
 
 import pytest
-
 from torch.nn.parallel import DistributedDataParallel
 
 from engine.config import load

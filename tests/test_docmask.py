@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model import transformer as model_lib
 from engine.config import ModelConfig
+from engine.model import transformer as model_lib
 from engine.model.docmask import document_layout
 from engine.model.init import materialize
 from tests.dist import run_ranks

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from engine.kinds.families import FAMILIES as FAMILY_SPECS
 from engine.config import load
 from engine.data.dataset import load_tokenizer
+from engine.kinds.families import FAMILIES as FAMILY_SPECS
 from engine.model import families, hf
 from engine.model import transformer as model_lib
 from engine.parallel.autograd.comm import gather_from_parallel

@@ -24,8 +24,7 @@ from engine.cluster.keepalive import KEEPALIVE, VARIABLE, advice
 from tests.dist import free_port
 from tests.sshd import local_sshd  # noqa: F401  (fixture)
 from tests.test_launch import ROOT
-from tests.test_multinode import (Job, deepspeed_over_ssh, final_losses, job, needs_pdsh, reference,  # noqa: F401
-                                  train_args)
+from tests.test_multinode import Job, deepspeed_over_ssh, final_losses, job, needs_pdsh, reference, train_args  # noqa: F401
 
 # The bound: detected and ended within 60 s of the fault, plus the launcher's own exit; 30 s more for this
 # loaded machine (each of the two cores is shared by several test runs).

@@ -4,8 +4,6 @@ are N(0, std). That tp 1, 2 and 4 start from the same weights is checked by test
 (torch.equal per HF tensor), and pp by the parity matrix."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 

@@ -8,11 +8,11 @@ import math
 import os
 import shutil
 import subprocess
-import tomllib
 import venv
 from pathlib import Path
 
 import pytest
+import tomllib
 from setuptools import find_packages
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,9 +10,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from engine.config import ConfigError
-from engine.parallel.dp.zero_state import Zero12State
 from engine.internals import TESTED, UnsupportedVersion, installed_version, private
 from engine.metrics.memory import fsdp_params
+from engine.parallel.dp.zero_state import Zero12State
 
 
 def test_missing_attribute_names_it_and_both_versions():

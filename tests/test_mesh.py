@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from engine.config import Config
+from engine.parallel.layout.checks import Layout
 from engine.parallel.layout.context import ParallelContext
 from engine.parallel.layout.mesh import AXES, MODEL_PARALLEL, Mesh
-from engine.parallel.layout.checks import Layout
 from tests.dist import run_ranks
 
 LAYOUTS = [(2, 2, 2), (1, 2, 4), (4, 2, 1), (2, 1, 4), (1, 4, 2), (8, 1, 1), (1, 1, 8), (1, 1, 1)]  # (tp, pp, dp)

@@ -5,8 +5,8 @@ import pytest
 import torch
 import transformers
 
-from engine.model import transformer as model_lib
 from engine.config import ModelConfig
+from engine.model import transformer as model_lib
 from engine.model.init import materialize
 
 

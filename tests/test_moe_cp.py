@@ -22,8 +22,8 @@ from engine.config import ConfigError, ModelConfig, load
 from engine.model import moe
 from engine.parallel.cp import layout
 from engine.parallel.cp.moe import MicroBatchCounts
-from engine.parallel.layout.mesh import Mesh
 from engine.parallel.layout.checks import Layout, resolve_layout
+from engine.parallel.layout.mesh import Mesh
 from tests.dist import run_ranks
 from tests.parity import runner
 from tests.parity.matrix import MOE_ARGS

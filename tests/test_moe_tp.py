@@ -22,11 +22,11 @@ from engine.model.fused import by_hf_name
 from engine.model.init import materialize
 from engine.model.moe import moe_blocks
 from engine.parallel.layout.checks import resolve_layout
-from engine.planning.planner import stage_params
 from engine.parallel.tp.layers import apply_tensor_parallel, vocab_parallel_cross_entropy
+from engine.planning.planner import stage_params
 from tests.dist import run_ranks
-from tests.test_ep import BASE
 from tests.parity import runner
+from tests.test_ep import BASE
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
              num_experts=4, experts_per_token=2)

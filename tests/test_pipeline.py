@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.config import load
 from engine.parallel.layout.context import ParallelContext

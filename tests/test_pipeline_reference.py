@@ -47,18 +47,22 @@ import pytest
 import torch
 
 pytest.importorskip("torch.distributed.pipelining")
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,  # noqa: E402
-                                         ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
-                                         ScheduleZBVZeroBubble)
-
-from engine.parallel.pp import schedule as sched  # noqa: E402
-from engine.parallel.pp.actions import COMPUTE_OPS, Op, virtual_stage  # noqa: E402
+from torch.distributed.pipelining import (  # noqa: E402
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 
 from engine.config import load  # noqa: E402
 from engine.parallel.layout.context import ParallelContext  # noqa: E402
+from engine.parallel.pp import schedule as sched  # noqa: E402
+from engine.parallel.pp.actions import COMPUTE_OPS, Op, virtual_stage  # noqa: E402
 from engine.parallel.pp.executor import PipelineExecutor  # noqa: E402
-from engine.parallel.tp.layers import vocab_parallel_cross_entropy  # noqa: E402
 from engine.parallel.pp.virtual import model_chunks  # noqa: E402
+from engine.parallel.tp.layers import vocab_parallel_cross_entropy  # noqa: E402
 from engine.trainer import build_model  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 

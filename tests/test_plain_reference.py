@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import transformer as model_lib
 from engine.config import load
 from engine.data.feed import BatchFeed
+from engine.model import transformer as model_lib
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks

@@ -47,8 +47,8 @@ def test_cp_halves_the_compute_and_prices_the_all_to_all():
     """tiny (4 layers, 8 heads, 4 kv heads of 32, fp32) at cp 2: each rank computes on half the tokens, and
     all_to_all moves q, o (8 heads) and k, v (4) of its (4, 64) tokens, half of each, forward and backward, per layer
     and micro-batch (4 of them), on a 100 GB/s link with no latency."""
-    from tests.test_plan_search import HW, tiny
     from engine.planning.search import step_time
+    from tests.test_plan_search import HW, tiny
 
     one = step_time(tiny(), 1, HW)
     two = step_time(tiny(cp=2, cp_mode="all_to_all", dp=1), 2, HW)

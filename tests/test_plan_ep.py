@@ -76,8 +76,8 @@ def test_all_to_all_bytes_and_time():
 
 
 def _bench_rank(argv):
-    from launch.bench.moe import Counter
     from engine.parallel.ep import dispatch
+    from launch.bench.moe import Counter
     counter = Counter()
     dispatch.dist.all_to_all_single = counter
     try:
@@ -140,6 +140,7 @@ def test_live_bytes_do_not_count_views_of_a_list_return():
     before the mode allocate nothing (Experts.forward unbinds the stacked expert weights; counting each view's
     storage added a copy of every MoE layer's experts to the measured peak), while a real allocation counts."""
     import torch
+
     from engine.metrics.memory import LiveTensorBytes
 
     weight = torch.zeros(4, 8, 16)

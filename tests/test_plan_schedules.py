@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from engine.config import load
+from engine.parallel.layout.checks import resolve_layout
 from engine.parallel.pp import schedule as sched
 from engine.parallel.pp.actions import Op, virtual_stage
-from engine.parallel.pp.split import stage_layer_ranges
 from engine.parallel.pp.schedules.interleaved import interleaved_order
-from engine.parallel.layout.checks import resolve_layout
+from engine.parallel.pp.split import stage_layer_ranges
 from engine.planning import activations as acts
 from engine.planning import schedules
 from engine.planning.planner import stage_memory, with_layout

@@ -3,8 +3,8 @@ are its tables' (chunks in a V, W state from B to W), rank 0 holds the embedding
 and its planned bubble is the simulator's."""
 import pytest
 
-from engine.parallel.pp import schedule as sched
 from engine.parallel.layout.checks import resolve_layout
+from engine.parallel.pp import schedule as sched
 from engine.planning import schedules
 from engine.planning.planner import stage_memory, stage_params, with_layout
 from engine.planning.search import stage_cost, step_time

@@ -14,9 +14,9 @@ import pytest
 import torch
 import transformers
 
+from engine.config import load
 from engine.model import families
 from engine.model import transformer as model_lib
-from engine.config import load
 from engine.planning.planner import stage_params
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,9 +10,9 @@ import torch.distributed as dist
 from engine.config import Config, ConfigError, ModelConfig, TrainConfig, load
 from engine.metrics.memory import LiveTensorBytes
 from engine.model import transformer as model_lib
+from engine.model.init import materialize
 from engine.model.recompute import apply_activation_checkpointing
 from engine.parallel.tp.layers import apply_tensor_parallel, vocab_parallel_cross_entropy
-from engine.model.init import materialize
 from engine.planning.activations import checkpointed_layer_bytes_per_token
 from tests.dist import run_ranks
 

@@ -13,13 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.data import blend
-from engine.data import dataset as data
 from engine.checkpoint.checkpointer import Checkpointer
 from engine.checkpoint.format import FORMAT, VERSION, CheckpointError, read_index, write_shard
 from engine.checkpoint.lock import LOCK
-from engine.config import ConfigError, load
 from engine.cluster.hostfile import HostfileError, parse_hostfile
+from engine.config import ConfigError, load
+from engine.data import blend
+from engine.data import dataset as data
 from engine.parallel.dp.zero import _import_deepspeed
 
 

@@ -10,10 +10,18 @@ import re
 
 import pytest
 
-from engine.parallel.pp.schedule import (
-    Action, Op, build, bubble_fraction, main, max_in_flight, render, simulate, simulate_actions,
-)
 from engine.parallel.pp.actions import steps
+from engine.parallel.pp.schedule import (
+    Action,
+    Op,
+    bubble_fraction,
+    build,
+    main,
+    max_in_flight,
+    render,
+    simulate,
+    simulate_actions,
+)
 
 CLASSIC = ("1f1b", "gpipe")
 

@@ -16,8 +16,11 @@ from engine.config import load
 from engine.metrics.memory import SavedActivations
 from engine.model import transformer as model_lib
 from engine.model.init import materialize
-from engine.parallel.autograd.comm import (gather_from_sequence_parallel, reduce_scatter_to_sequence_parallel,
-                                  sequence_gathered_linear)
+from engine.parallel.autograd.comm import (
+    gather_from_sequence_parallel,
+    reduce_scatter_to_sequence_parallel,
+    sequence_gathered_linear,
+)
 from engine.parallel.tp.layers import apply_tensor_parallel, vocab_parallel_cross_entropy
 from engine.planning import activations as acts
 from tests.dist import run_ranks

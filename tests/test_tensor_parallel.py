@@ -10,13 +10,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from engine.model import transformer as model_lib
 from engine.config import Config
+from engine.model import transformer as model_lib
 from engine.model.fused import by_hf_name
 from engine.model.init import materialize
 from engine.parallel.layout.context import ParallelContext
-from engine.parallel.tp.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                    apply_tensor_parallel, vocab_parallel_cross_entropy)
+from engine.parallel.tp.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_tensor_parallel,
+    vocab_parallel_cross_entropy,
+)
 from tests.dist import run_ranks
 
 REL = 1e-5

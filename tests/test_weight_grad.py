@@ -22,9 +22,13 @@ from engine.model import transformer as model_lib
 from engine.model.compile import apply_compile
 from engine.model.init import materialize
 from engine.model.recompute import apply_activation_checkpointing
-from engine.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, apply_tensor_parallel, \
-    vocab_parallel_cross_entropy
 from engine.parallel.autograd.weight_grad import WeightGradStore, split_weight_gradients
+from engine.parallel.tp.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    apply_tensor_parallel,
+    vocab_parallel_cross_entropy,
+)
 from tests.dist import run_ranks
 
 REL = 1e-6

@@ -21,8 +21,8 @@ def order_rank(argv: list[str], overlap: bool) -> dict:
     import torch.distributed as dist
 
     from engine.config import load
-    from engine.parallel.layout.context import ParallelContext
     from engine.parallel.dp import buckets
+    from engine.parallel.layout.context import ParallelContext
     from engine.trainer import Trainer
 
     cfg = load(argv)

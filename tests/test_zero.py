@@ -20,9 +20,9 @@ from engine.config import ConfigError, load  # noqa: E402
 from engine.model.fused import by_hf_name  # noqa: E402
 from engine.optim import lr_at  # noqa: E402
 from engine.parallel.dp import zero as zero_lib  # noqa: E402
-from engine.parallel.layout.context import ParallelContext  # noqa: E402
-from engine.parallel.dp.zero import ds_config  # noqa: E402
 from engine.parallel.dp.checks import check_zero_supported  # noqa: E402
+from engine.parallel.dp.zero import ds_config  # noqa: E402
+from engine.parallel.layout.context import ParallelContext  # noqa: E402
 from engine.trainer import Trainer  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
 

@@ -39,14 +39,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from engine.checkpoint.choose import resolve, to_try
 from engine.checkpoint.contents import check_model, contents, data_changes, layout_change, load_into
 from engine.checkpoint.format import CheckpointError, merge_index, read_index, verify_shard, write_shard
-from engine.checkpoint.choose import resolve, to_try
 from engine.checkpoint.lineage import set_aside, settle
 from engine.checkpoint.lock import CheckpointLock, claim_run_directories
 from engine.checkpoint.parts import CheckpointParts, RunPosition
-from engine.checkpoint.publish import (discard, latest_name, list_checkpoints, publish, staging_dir,
-                                       staging_path, step_name)
+from engine.checkpoint.publish import (
+    discard,
+    latest_name,
+    list_checkpoints,
+    publish,
+    staging_dir,
+    staging_path,
+    step_name,
+)
 from engine.checkpoint.signals import Interrupted, StopSignal
 from engine.cluster.shared import check_shared, describe_hosts, run_directories
 from engine.storage import StorageError, describe, say

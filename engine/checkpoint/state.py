@@ -27,8 +27,9 @@ from torch import nn
 
 from engine.model.fused import part_blocks
 from engine.model.init import full_shape
+from engine.model.shards import local as _local
+from engine.model.shards import tp_dim
 from engine.parallel.ep import expert_parameters
-from engine.model.shards import local as _local, tp_dim
 
 TIED_COPY, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 

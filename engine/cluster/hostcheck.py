@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.cluster import hostreport
-from engine.config import ConfigError
 from engine.cluster.hostfile import Host
 from engine.cluster.netcheck import loopback_line
+from engine.config import ConfigError
 
 # BatchMode: fail instead of asking for a password; ConnectTimeout: an unreachable host fails in seconds.
 DEFAULT_SSH = "ssh -o BatchMode=yes -o ConnectTimeout=5"

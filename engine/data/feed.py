@@ -15,9 +15,9 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from engine.config import Config
 from engine.data import blend
 from engine.data import dataset as data_lib
-from engine.config import Config
 from engine.parallel.layout.context import ParallelContext
 
 

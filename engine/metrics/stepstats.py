@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from engine.config import Config
-from engine.planning.flops import device_peak_tflops, flops_per_token
 from engine.metrics.timers import PhaseTimer, StepClock
+from engine.planning.flops import device_peak_tflops, flops_per_token
 
 # Steps of a process marked "warmup": the first compiles (train.compile; recompiles later are rare), touches fresh
 # CUDA memory and is DDP's last before it re-buckets. On CPU without compile it is not slower (launch/bench/timers.py).

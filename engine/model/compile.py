@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
 # torch.compile keeps one cache entry per distinct guard set of a code object; the blocks share one, and
 # recompiles come from micro-batch shape changes (evaluation, a short last batch). Beyond this, eager.
 CACHE_SIZE_LIMIT = 16

@@ -29,12 +29,20 @@ import torch
 import yaml
 from safetensors import safe_open
 
+from engine.checkpoint import folder
 from engine.checkpoint.checkpointer import resolve
 from engine.checkpoint.contents import header
-from engine.checkpoint.format import (Reader, fsync_write, merge_index, piece_key, read_index, save_safetensors,
-                                      verify_shard, write_shard)
+from engine.checkpoint.format import (
+    Reader,
+    fsync_write,
+    merge_index,
+    piece_key,
+    read_index,
+    save_safetensors,
+    verify_shard,
+    write_shard,
+)
 from engine.checkpoint.parts import RunPosition
-from engine.checkpoint import folder
 from engine.checkpoint.publish import publish, staging_dir, step_name
 from engine.config import Config, ModelConfig
 from engine.model.families import hf_config  # noqa: F401 (hf.hf_config: the public name)

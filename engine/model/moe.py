@@ -47,7 +47,6 @@ from engine.internals import in_backward
 from engine.kinds.families import FAMILIES
 
 
-
 def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
     """Whether decoder layer ``index`` has the MoE block (model.moe_layers: all, or a list of layer indices)."""
     if not cfg.num_experts:

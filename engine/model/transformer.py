@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.model.attention import DEFAULT_CORE, compute_dtype
 from engine.kinds.families import FAMILIES
+from engine.model.attention import DEFAULT_CORE, compute_dtype
 from engine.model.fused import FusedLinear, hf_state_dict_hooks, split_output
 from engine.model.moe import MoE, is_moe_layer
 from engine.model.recompute_run import run_block

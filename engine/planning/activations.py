@@ -48,13 +48,19 @@ from __future__ import annotations
 import torch
 
 from engine.config import Config
-from engine.parallel import dp as dp_modes
 from engine.kinds.cp_modes import CP_MODES
 from engine.kinds.families import FAMILIES
 from engine.kinds.recompute import RECOMPUTE
 from engine.model.attention import EFFICIENT, EFFICIENT_REPEAT_KV, MATH, REPEATS_KV, attention_path
+from engine.parallel import dp as dp_modes
 from engine.parallel.tp.cross_entropy import CHUNK_ELEMENTS
-from engine.planning.moe import expert_grad_buffer_bytes, mean_over_layers, mlp_params, routing_bytes_per_token, token_ffn_width
+from engine.planning.moe import (
+    expert_grad_buffer_bytes,
+    mean_over_layers,
+    mlp_params,
+    routing_bytes_per_token,
+    token_ffn_width,
+)
 
 
 def mode(cfg: Config) -> str:

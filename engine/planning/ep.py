@@ -34,6 +34,7 @@ from engine.parallel.layout.checks import Layout
 from engine.planning.activations import device_type, local_tokens, logit_bytes, mode, residual_bytes
 from engine.planning.moe import EP_IMBALANCE, expert_rows
 
+
 def expert_layout(layout: Layout) -> Layout:
     """``layout`` as the dp mode's planner model sees the experts: their state is reduced and sharded over the
     expert-dp group of dp cp / ep ranks, strided by ep (its span: plan_models.group_span)."""

@@ -37,19 +37,19 @@ import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
-from engine.planning import activations as acts
-from engine.planning import cp as cp_plan
-from engine.planning import ep as ep_plan
-from engine.planning.schedules import activations_in_flight, head_stage, one_embedding
 from engine.config import Config, ConfigError, ModelConfig
 from engine.kinds import load
+from engine.kinds.families import FAMILIES
+from engine.model.moe import is_moe_layer
 from engine.parallel import dp as dp_modes
 from engine.parallel.layout.checks import Layout, micro_batches_per_step, resolve_layout
 from engine.parallel.pp.split import stage_layer_ranges
+from engine.planning import activations as acts
+from engine.planning import cp as cp_plan
+from engine.planning import ep as ep_plan
 from engine.planning.balance import layer_counts
-from engine.kinds.families import FAMILIES
-from engine.model.moe import is_moe_layer
 from engine.planning.moe import expert_params, mlp_params
+from engine.planning.schedules import activations_in_flight, head_stage, one_embedding
 
 # bytes per parameter: (weights, gradients, optimizer state)
 PRECISIONS = {"mixed": (2, 2, 12), "fp32": (4, 4, 8),

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.planning import flops, schedules
-from engine.planning.activations import sequence_share
 from engine.config import Config
 from engine.kinds.offload import OFFLOADS
 from engine.kinds.recompute import RECOMPUTE
@@ -38,10 +36,12 @@ from engine.parallel.pp.split import stage_layer_ranges
 from engine.parallel.tp.layers import LAYER_PLAN
 from engine.planning import cp as cp_plan
 from engine.planning import ep as ep_plan
-from engine.planning.planner import StageMemory, data_layout, dp_model, plan_memory, stage_params, state_groups
-from engine.planning.schedules import head_stage, virtual_stages
+from engine.planning import flops, schedules
+from engine.planning.activations import sequence_share
 from engine.planning.balance import layer_counts
 from engine.planning.layouts import layouts
+from engine.planning.planner import StageMemory, data_layout, dp_model, plan_memory, stage_params, state_groups
+from engine.planning.schedules import head_stage, virtual_stages
 
 
 @dataclass

@@ -25,7 +25,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -40,8 +39,8 @@ from engine.cluster.spawn import run_ranks  # noqa: E402
 from engine.metrics.memory import LiveTensorBytes, storage_bytes  # noqa: E402
 from engine.optim import unique_params  # noqa: E402
 from engine.parallel.dp import MODES  # noqa: E402
-from engine.parallel.dp.registry import DpModeSpec  # noqa: E402
 from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin  # noqa: E402
+from engine.parallel.dp.registry import DpModeSpec  # noqa: E402
 
 
 class FlatAllReduce(TorchOptimizerMixin, DataParallel):

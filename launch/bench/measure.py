@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from engine.metrics.memory import (LiveTensorBytes, SavedActivations, fsdp_params, gathered_weight_bytes,
-                                   tensor_bytes_held)
+from engine.metrics.memory import (
+    LiveTensorBytes,
+    SavedActivations,
+    fsdp_params,
+    gathered_weight_bytes,
+    tensor_bytes_held,
+)
 
 
 def measure_step(trainer, local_batch: torch.Tensor | None) -> dict[str, int]:

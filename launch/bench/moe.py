@@ -35,11 +35,11 @@ import torch.distributed as dist  # noqa: E402
 
 from engine.cluster.spawn import run_ranks  # noqa: E402
 from engine.config import load  # noqa: E402
-from engine.parallel.layout.context import ParallelContext  # noqa: E402
 from engine.parallel.ep import dispatch  # noqa: E402
+from engine.parallel.layout.checks import micro_batches_per_step, resolve_layout  # noqa: E402
+from engine.parallel.layout.context import ParallelContext  # noqa: E402
 from engine.planning import ep as ep_plan  # noqa: E402
 from engine.planning.planner import stage_memory  # noqa: E402
-from engine.parallel.layout.checks import micro_batches_per_step, resolve_layout  # noqa: E402
 from engine.trainer import Trainer  # noqa: E402
 from launch.bench.measure import measure_step  # noqa: E402
 

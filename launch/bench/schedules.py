@@ -55,8 +55,8 @@ from engine.metrics.memory import SavedActivations  # noqa: E402
 from engine.parallel.layout.context import ParallelContext  # noqa: E402
 from engine.parallel.pp.executor import PipelineExecutor, backward_from  # noqa: E402
 from engine.parallel.pp.schedule import SCHEDULES, bubble_fraction, max_in_flight, simulate, theory  # noqa: E402
-from engine.parallel.tp.layers import vocab_parallel_cross_entropy  # noqa: E402
 from engine.parallel.pp.virtual import model_chunks  # noqa: E402
+from engine.parallel.tp.layers import vocab_parallel_cross_entropy  # noqa: E402
 from engine.trainer import build_model  # noqa: E402
 from launch.bench import zb_dp  # noqa: E402
 from launch.bench.pipeline import add_model_args, batch, config, model_line, timed  # noqa: E402

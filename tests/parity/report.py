@@ -9,8 +9,7 @@ import subprocess
 from dataclasses import asdict
 from pathlib import Path
 
-from tests.parity import matrix
-from tests.parity import runner
+from tests.parity import matrix, runner
 from tests.parity.runner import Outcome
 
 BEGIN, END = "<!-- parity-table:begin -->", "<!-- parity-table:end -->"

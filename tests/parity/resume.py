@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tests.parity.matrix import Resume
-from tests.parity.matrix import Combo
-from tests.parity.runner import Outcome, STEPS, combo_argv, compare, run_group, tolerance, verdict
+from tests.parity.matrix import Combo, Resume
+from tests.parity.runner import STEPS, Outcome, combo_argv, compare, run_group, tolerance, verdict
 
 SAVE_AT = STEPS // 2
 

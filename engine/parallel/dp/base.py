@@ -28,10 +28,10 @@ from torch import nn
 
 from engine.config import Config
 from engine.metrics.memory import tensor_bytes_held
+from engine.model.shards import local
 from engine.optim import build_optimizer, clip_gradients, set_lr
 from engine.parallel.ep import expert_parameters
 from engine.parallel.pp.executor import backward_from
-from engine.model.shards import local
 from engine.parallel.pp.tied import counted_elsewhere
 
 

@@ -33,12 +33,12 @@ from torch import nn
 
 from engine.config import Config, ConfigError
 from engine.internals import private
+from engine.model.shards import tp_dim
 from engine.optim import build_optimizer, set_lr, unique_params
 from engine.parallel.dp.base import DataParallel
 from engine.parallel.dp.ds_json import load_base_config, offload_of
-from engine.model.shards import tp_dim
-from engine.parallel.layout.checks import micro_batches_per_step
 from engine.parallel.dp.zero_state import Zero3State, Zero12State, zero_bytes_held
+from engine.parallel.layout.checks import micro_batches_per_step
 from engine.parallel.pp.tied import counted_elsewhere, split_over_stages
 from engine.parallel.pp.virtual import model_chunks
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from engine.config import Config, ConfigError, TrainConfig
 from engine.kinds.cp_modes import CP_MODES
 from engine.parallel import dp as dp_modes
-from engine.parallel.pp import schedule as sched
 from engine.parallel.layout.mesh import AXES
+from engine.parallel.pp import schedule as sched
 
 
 def micro_batches_per_step(t: TrainConfig, dp: int) -> int:

@@ -16,10 +16,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from engine.cluster.netcheck import check_addresses, init_checked
 from engine.cluster.startup import connect_failed
 from engine.config import Config, ConfigError
-from engine.parallel.layout.mesh import DATA_AXES, MODEL_PARALLEL, Mesh
 from engine.parallel.layout.checks import Layout, resolve_layout
+from engine.parallel.layout.mesh import DATA_AXES, MODEL_PARALLEL, Mesh
 from engine.parallel.layout.threads import local_world_size, set_threads
-
 
 # Set to 1 by engine/cluster/spawn.py in each forked gloo rank: that rank runs on the CPU whatever GPUs are visible
 # (several forked ranks would all get cuda:0, which NCCL refuses as "Duplicate GPU detected", and a child must not

@@ -28,12 +28,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from engine.parallel.autograd.weight_grad import WeightGradStore, split_weight_gradients
 from engine.parallel.pp import schedule as sched
 from engine.parallel.pp.actions import Action, peer, steps, virtual_stage
 from engine.parallel.pp.schedule import Op
 from engine.parallel.pp.simulator import simulate_actions
 from engine.parallel.pp.split import chunk_layer_ranges, stage_layer_ranges
-from engine.parallel.autograd.weight_grad import WeightGradStore, split_weight_gradients
 
 
 def split_stage(model: nn.Module, pp: int, stage: int, counts: list[int] | None = None,

@@ -24,9 +24,9 @@ from engine.parallel.pp.actions import LAST_BACKWARD, Action, Op, ScheduleSpec, 
 from engine.parallel.pp.actions import backward_actions as _backward
 from engine.parallel.pp.actions import forward_actions as _forward
 from engine.parallel.pp.schedules.interleaved import INTERLEAVED, interleaved_order
-from engine.parallel.pp.simulator import Timeline, bubble_fraction, render, simulate_actions
-from engine.parallel.pp.schedules.zero_bubble import ZERO_BUBBLE
 from engine.parallel.pp.schedules.zbv import ZBV
+from engine.parallel.pp.schedules.zero_bubble import ZERO_BUBBLE
+from engine.parallel.pp.simulator import Timeline, bubble_fraction, render, simulate_actions
 
 __all__ = ["Action", "Op", "SCHEDULES", "ScheduleSpec", "Timeline", "build", "bubble_fraction", "forward_only",
            "gpipe", "max_in_flight", "one_f_one_b", "render", "simulate", "simulate_actions"]

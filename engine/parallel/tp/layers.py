@@ -29,11 +29,17 @@ from torch import nn
 from engine.model.fused import FusedLinear
 from engine.model.moe import MoE
 from engine.model.transformer import RMSNorm, rms_norm
-from engine.parallel.autograd.comm import (copy_to_parallel, gather_from_parallel, reduce_from_parallel,
-                                  reduce_scatter_to_sequence_parallel, scatter_to_parallel, sequence_gathered_linear)
+from engine.parallel.autograd.comm import (
+    copy_to_parallel,
+    gather_from_parallel,
+    reduce_from_parallel,
+    reduce_scatter_to_sequence_parallel,
+    scatter_to_parallel,
+    sequence_gathered_linear,
+)
+from engine.parallel.autograd.weight_grad import WeightGradStore, linear_with_deferred_weight
 from engine.parallel.tp.cross_entropy import vocab_parallel_cross_entropy  # noqa: F401 (layers.vocab_parallel_cross_entropy: the public name)
 from engine.parallel.tp.moe import shard_moe, shard_qk_norms
-from engine.parallel.autograd.weight_grad import WeightGradStore, linear_with_deferred_weight
 
 
 def _rank_size(group) -> tuple[int, int]:

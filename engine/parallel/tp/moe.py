@@ -30,8 +30,13 @@ from torch import nn
 
 from engine.model.moe import MoE
 from engine.model.transformer import Attention, RMSNorm
-from engine.parallel.autograd.comm import (all_reduce_sum, copy_to_parallel, gather_sequence_for_replicated,
-                                  reduce_from_parallel, split_sequence)
+from engine.parallel.autograd.comm import (
+    all_reduce_sum,
+    copy_to_parallel,
+    gather_sequence_for_replicated,
+    reduce_from_parallel,
+    split_sequence,
+)
 
 
 class TensorParallelMoE(MoE):
