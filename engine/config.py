@@ -4,6 +4,7 @@ Precedence (lowest to highest): dataclass defaults < YAML file (``--config``) < 
 Unknown sections or keys and values of the wrong type are a :class:`ConfigError` whose message is one line naming
 the key, the value and what would be valid (the launcher prints it and exits 2, with no traceback).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,6 +26,7 @@ __all__ = ["Config", "ConfigError", "load", "load_yaml", "parse_args", "validate
 @dataclass
 class ModelConfig:
     """Llama-family decoder shape (names follow Hugging Face ``LlamaConfig`` where one exists)."""
+
     name: str = "tiny"
     vocab_size: int = 4096
     hidden_size: int = 256
@@ -62,10 +64,10 @@ class ModelConfig:
     init_from: str = ""  # a Hugging Face folder whose shape and weights start the run (engine/model/hf_init.py)
 
 
-
 @dataclass
 class ParallelConfig:
     """Layout of the world: world_size = tp * pp * dp * cp, tp fastest-varying (TP peers share a node)."""
+
     tp: int = 1
     pp: int = 1
     dp: int = -1  # -1: world_size // (tp * pp * cp)
@@ -162,6 +164,7 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     """Sharded checkpoints (engine/checkpoint/checkpointer.py): <dir>/step_NNNNNN/ and <dir>/latest."""
+
     dir: str = ""  # '' = no checkpoints
     every: int = 0  # save every N steps (0: only at the last step and on SIGTERM/SIGINT)
     keep: int = 3  # newest complete checkpoints kept; 0 keeps all
@@ -174,7 +177,9 @@ class LogConfig:
     every: int = 1  # log a metrics.jsonl line every N steps
     progress: bool = True  # the progress line with ETA on rank 0
     breakdown: bool = True  # seconds per phase in each record (on CUDA from events, no host synchronize)
-    peak_tflops: float = 0.0  # device peak for MFU; 0: engine/planning/flops.py's table by CUDA device name (none on CPU)
+    peak_tflops: float = (
+        0.0  # device peak for MFU; 0: engine/planning/flops.py's table by CUDA device name (none on CPU)
+    )
     tensorboard: bool = False  # TensorBoard event files in <train.out_dir>/tensorboard (engine/metrics/tensorboard.py)
     wandb_project: str = ""  # '' = off; else log to Weights & Biases (offline unless WANDB_MODE says otherwise)
 

@@ -1,6 +1,7 @@
 """Checks of a loaded configuration that need no world size (the layout is checked by
 engine/parallel/layout/checks.py ``resolve_layout``): choices, ranges, divisibility, the family-specific model keys.
 Every failure is a one-line :class:`ConfigError` naming the key, its value and what would be valid."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -50,17 +51,38 @@ def validate(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), key)
         if value not in valid:
             raise ConfigError(f"{dotted}={value!r} is not one of {', '.join(valid)}")
-    _positive(cfg, ["model.vocab_size", "model.hidden_size", "model.intermediate_size", "model.num_layers",
-                    "model.num_heads", "model.num_kv_heads", "model.rope_theta", "parallel.tp", "parallel.pp",
-                    "parallel.cp", "parallel.ep", "parallel.timeout_s", "parallel.startup_timeout_s",
-                    "train.steps", "train.global_batch_size", "train.micro_batch_size", "train.seq_len",
-                    "log.every", "train.eval_batches"])
+    _positive(
+        cfg,
+        [
+            "model.vocab_size",
+            "model.hidden_size",
+            "model.intermediate_size",
+            "model.num_layers",
+            "model.num_heads",
+            "model.num_kv_heads",
+            "model.rope_theta",
+            "parallel.tp",
+            "parallel.pp",
+            "parallel.cp",
+            "parallel.ep",
+            "parallel.timeout_s",
+            "parallel.startup_timeout_s",
+            "train.steps",
+            "train.global_batch_size",
+            "train.micro_batch_size",
+            "train.seq_len",
+            "log.every",
+            "train.eval_batches",
+        ],
+    )
     if cfg.parallel.p2p_dtype == "bf16" and cfg.train.dtype != "bf16":
-        raise ConfigError(f"parallel.p2p_dtype=bf16 needs train.dtype=bf16 (got {cfg.train.dtype}); use "
-                          f"parallel.p2p_dtype=auto")
+        raise ConfigError(
+            f"parallel.p2p_dtype=bf16 needs train.dtype=bf16 (got {cfg.train.dtype}); use parallel.p2p_dtype=auto"
+        )
     if cfg.parallel.heartbeat_timeout_s < 0:
-        raise ConfigError(f"parallel.heartbeat_timeout_s={cfg.parallel.heartbeat_timeout_s} must be >= 0 (0 turns "
-                          f"the heartbeat off)")
+        raise ConfigError(
+            f"parallel.heartbeat_timeout_s={cfg.parallel.heartbeat_timeout_s} must be >= 0 (0 turns the heartbeat off)"
+        )
     m = cfg.model
     _validate_heads(m)
     if cfg.train.seq_len > m.max_seq_len:
@@ -68,8 +90,10 @@ def validate(cfg: Config) -> None:
     _validate_families(cfg)
     _validate_moe(cfg)
     if isinstance(cfg.parallel.pp_layers, str) and cfg.parallel.pp_layers != "auto":
-        raise ConfigError(f"parallel.pp_layers={cfg.parallel.pp_layers!r} is not valid; use auto (balanced by "
-                          f"cost), a list of layers per stage such as [3,5], or [] (even)")
+        raise ConfigError(
+            f"parallel.pp_layers={cfg.parallel.pp_layers!r} is not valid; use auto (balanced by "
+            f"cost), a list of layers per stage such as [3,5], or [] (even)"
+        )
     if cfg.parallel.dp == 0 or cfg.parallel.dp < -1:
         raise ConfigError(f"parallel.dp={cfg.parallel.dp} must be a positive integer or -1 (infer from world size)")
     _validate_run(cfg)
@@ -79,13 +103,17 @@ def validate(cfg: Config) -> None:
 def _validate_run(cfg: Config) -> None:
     """The run's own settings: where it writes, evaluation, data, the optimizer's scalars, checkpoints."""
     if not cfg.train.out_dir.strip():  # '' wrote metrics.jsonl and LOCK into the current directory
-        raise ConfigError(f"train.out_dir={cfg.train.out_dir!r} is not valid: give the directory for the run's "
-                          f"metrics.jsonl, LOCK and tensorboard/ (created if missing; default runs/tiny)")
+        raise ConfigError(
+            f"train.out_dir={cfg.train.out_dir!r} is not valid: give the directory for the run's "
+            f"metrics.jsonl, LOCK and tensorboard/ (created if missing; default runs/tiny)"
+        )
     if cfg.train.eval_every < 0:
         raise ConfigError(f"train.eval_every={cfg.train.eval_every} must be >= 0 (0 turns evaluation off)")
     if cfg.data.weights and len(cfg.data.weights) != len(cfg.data.paths):
-        raise ConfigError(f"data.weights has {len(cfg.data.weights)} entries but data.paths has "
-                          f"{len(cfg.data.paths)}; give one weight per path or none")
+        raise ConfigError(
+            f"data.weights has {len(cfg.data.weights)} entries but data.paths has "
+            f"{len(cfg.data.paths)}; give one weight per path or none"
+        )
     if not 0.0 <= cfg.data.valid_fraction < 1.0:
         raise ConfigError(f"data.valid_fraction={cfg.data.valid_fraction} must be in [0, 1)")
     if cfg.train.lr < 0:
@@ -96,8 +124,10 @@ def _validate_run(cfg: Config) -> None:
         if not 0.0 <= getattr(cfg.train, beta) < 1.0:
             raise ConfigError(f"train.{beta}={getattr(cfg.train, beta)} must be in [0, 1)")
     if cfg.train.grad_clip < 0 or cfg.train.weight_decay < 0:
-        raise ConfigError(f"train.grad_clip={cfg.train.grad_clip} and train.weight_decay={cfg.train.weight_decay} "
-                          f"must be >= 0 (grad_clip 0: no clipping)")
+        raise ConfigError(
+            f"train.grad_clip={cfg.train.grad_clip} and train.weight_decay={cfg.train.weight_decay} "
+            f"must be >= 0 (grad_clip 0: no clipping)"
+        )
     if not cfg.data.text_key:
         raise ConfigError("data.text_key is empty; name the field that holds the text (default: text)")
     if cfg.train.adam_eps <= 0:
@@ -108,8 +138,9 @@ def _validate_run(cfg: Config) -> None:
         raise ConfigError(f"train.warmup_steps={cfg.train.warmup_steps} must be >= 0")
     c = cfg.checkpoint
     if c.every < 0 or c.keep < 0:
-        raise ConfigError(f"checkpoint.every={c.every} and checkpoint.keep={c.keep} must be >= 0 (0: only at the "
-                          f"end / keep all)")
+        raise ConfigError(
+            f"checkpoint.every={c.every} and checkpoint.keep={c.keep} must be >= 0 (0: only at the end / keep all)"
+        )
     if not c.resume:
         raise ConfigError("checkpoint.resume is empty; use auto, none or a checkpoint PATH")
 
@@ -119,15 +150,20 @@ def _validate_dp(cfg: Config) -> None:
     the keys only another mode reads (set away from their default: refused rather than silently ignored), and its
     own checks."""
     from engine.config import ParallelConfig  # engine.config imports this module
+
     p, mode = cfg.parallel, dp.spec(cfg)
     if cfg.train.compile and not mode.compile:
         compiled = " or ".join(name for name, s in dp.MODES.items() if s.compile)
-        raise ConfigError(f"train.compile=true is not supported with parallel.dp_mode={p.dp_mode}; use dp_mode "
-                          f"{compiled}, or train.compile=false")
+        raise ConfigError(
+            f"train.compile=true is not supported with parallel.dp_mode={p.dp_mode}; use dp_mode "
+            f"{compiled}, or train.compile=false"
+        )
     if OFFLOADS[p.offload].offloads and not any(OFFLOADS[o].offloads for o in mode.offload):
         honour = " or ".join(name for name, s in dp.MODES.items() if p.offload in s.offload)
-        raise ConfigError(f"parallel.offload={p.offload} needs parallel.dp_mode {honour} (got {p.dp_mode}); "
-                          f"use offload=none with {p.dp_mode}")
+        raise ConfigError(
+            f"parallel.offload={p.offload} needs parallel.dp_mode {honour} (got {p.dp_mode}); "
+            f"use offload=none with {p.dp_mode}"
+        )
     dp.check_owned_keys(cfg, ParallelConfig())
     if mode.check is not None:
         mode.check(cfg)
@@ -146,8 +182,10 @@ def _validate_heads(m) -> None:
     if given < 0:
         raise ConfigError(f"model.head_dim={given} must be >= 0 (0: hidden_size / num_heads)")
     if not given and m.hidden_size % m.num_heads:
-        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
-                          f"make it divisible or set model.head_dim")
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
+            f"make it divisible or set model.head_dim"
+        )
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}")
     if m.head_dim % 2:
@@ -161,32 +199,39 @@ def _validate_families(cfg: Config) -> None:
     if m.rope_scaling != "none" and m.rope_factor < 1.0:
         raise ConfigError(f"model.rope_factor={m.rope_factor} must be >= 1 with model.rope_scaling={m.rope_scaling}")
     if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
-        raise ConfigError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} and model.rope_high_freq_factor="
-                          f"{m.rope_high_freq_factor} must satisfy 0 < low < high for rope_scaling=llama3")
+        raise ConfigError(
+            f"model.rope_low_freq_factor={m.rope_low_freq_factor} and model.rope_high_freq_factor="
+            f"{m.rope_high_freq_factor} must satisfy 0 < low < high for rope_scaling=llama3"
+        )
     if m.sliding_window < 0:
         raise ConfigError(f"model.sliding_window={m.sliding_window} must be >= 0 (0: no window)")
     if m.sliding_window and cfg.train.seq_len > m.sliding_window:
-        raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.sliding_window={m.sliding_window}; "
-                          f"sliding-window attention is not implemented, so use train.seq_len <= "
-                          f"{m.sliding_window}")
+        raise ConfigError(
+            f"train.seq_len={cfg.train.seq_len} exceeds model.sliding_window={m.sliding_window}; "
+            f"sliding-window attention is not implemented, so use train.seq_len <= "
+            f"{m.sliding_window}"
+        )
 
 
 def _validate_moe(cfg: Config) -> None:
     """The mixture-of-experts keys (engine/model/moe.py): experts only in an MoE family, k <= E, the MoE layers."""
     m, t = cfg.model, cfg.train
     if (m.num_experts > 0) != (FAMILIES[m.family].moe is not None) or m.num_experts < 0:
-        raise ConfigError(f"model.num_experts={m.num_experts} with model.family={m.family}: MoE families "
-                          f"({', '.join(MOE_FAMILIES)}) need num_experts >= 1, dense families 0")
+        raise ConfigError(
+            f"model.num_experts={m.num_experts} with model.family={m.family}: MoE families "
+            f"({', '.join(MOE_FAMILIES)}) need num_experts >= 1, dense families 0"
+        )
     if m.num_experts and not 1 <= m.experts_per_token <= m.num_experts:
-        raise ConfigError(f"model.experts_per_token={m.experts_per_token} must be in [1, model.num_experts="
-                          f"{m.num_experts}]")
+        raise ConfigError(
+            f"model.experts_per_token={m.experts_per_token} must be in [1, model.num_experts={m.num_experts}]"
+        )
     layers = m.moe_layers
     if layers != "all" and (isinstance(layers, str) or any(not 0 <= i < m.num_layers for i in layers)):
-        raise ConfigError(f"model.moe_layers={layers!r} must be all or a list of layer indices in [0, "
-                          f"{m.num_layers})")
+        raise ConfigError(f"model.moe_layers={layers!r} must be all or a list of layer indices in [0, {m.num_layers})")
     for key in ("moe_intermediate_size", "moe_shared_expert_size", "moe_capacity_factor"):
         if getattr(m, key) < 0:
             raise ConfigError(f"model.{key}={getattr(m, key)} must be >= 0")
     if t.moe_aux_loss_coef < 0 or t.moe_z_loss_coef < 0:
-        raise ConfigError(f"train.moe_aux_loss_coef={t.moe_aux_loss_coef} and train.moe_z_loss_coef="
-                          f"{t.moe_z_loss_coef} must be >= 0")
+        raise ConfigError(
+            f"train.moe_aux_loss_coef={t.moe_aux_loss_coef} and train.moe_z_loss_coef={t.moe_z_loss_coef} must be >= 0"
+        )

@@ -1,5 +1,6 @@
 """Conversion of one raw YAML or CLI value to a config field's type (engine/config.py), or a one-line
 :class:`ConfigError` naming the key and the value."""
+
 from __future__ import annotations
 
 import math

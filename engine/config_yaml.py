@@ -6,6 +6,7 @@ laughs") describe 9^9 values: PyYAML builds them as shared references, cheaply, 
 walks the value (an error message quoting it: a 39 MB line before) does not end. The document's expanded size is
 counted on its node graph (each node once) before anything is constructed.
 """
+
 from __future__ import annotations
 
 import yaml
@@ -50,14 +51,17 @@ def _check_expanded_size(root) -> None:
             sizes[key] = 1 + sum(sizes[id(c)] for c in _children(node))
             open_nodes.discard(key)
             if sizes[key] > MAX_VALUES:
-                raise ConfigError(f"the document expands to more than {MAX_VALUES} values through its aliases "
-                                  f"(*name, line {node.start_mark.line + 1}); a config holds a few hundred")
+                raise ConfigError(
+                    f"the document expands to more than {MAX_VALUES} values through its aliases "
+                    f"(*name, line {node.start_mark.line + 1}); a config holds a few hundred"
+                )
             continue
         if key in sizes:
             continue
         if key in open_nodes:  # reached again below itself: a recursive alias
-            raise ConfigError(f"the value at line {node.start_mark.line + 1} contains itself through an alias; "
-                              f"a config value cannot")
+            raise ConfigError(
+                f"the value at line {node.start_mark.line + 1} contains itself through an alias; a config value cannot"
+            )
         open_nodes.add(key)
         stack.append((node, True))
         stack.extend((c, False) for c in _children(node) if id(c) not in sizes)

@@ -11,7 +11,7 @@ def _clipped(message) -> str:
     if len(text) <= MAX_LINE:
         return text
     cut = len(text) - MAX_LINE + 40
-    return f"{text[:MAX_LINE * 3 // 4]} ...[{cut} characters cut]... {text[-(MAX_LINE // 4 - 40):]}"
+    return f"{text[: MAX_LINE * 3 // 4]} ...[{cut} characters cut]... {text[-(MAX_LINE // 4 - 40) :]}"
 
 
 class ConfigError(ValueError):

@@ -11,6 +11,7 @@ launcher prints it and exits 2) instead of an AttributeError deep inside a save 
 
     flats = private(optimizer, "deepspeed", "single_partition_of_fp32_groups", "fp32_groups_flat_partition")
 """
+
 from __future__ import annotations
 
 from importlib import metadata
@@ -41,9 +42,11 @@ def private(obj, lib: str, *names: str):
         if value is not _MISSING:
             return value
     wanted = " or ".join(f"{type(obj).__name__}.{n}" for n in names)
-    raise UnsupportedVersion(f"{wanted} (a {lib} internal the engine reads) is missing in the installed {lib} "
-                             f"{installed_version(lib)}; the engine is tested with {lib} {TESTED[lib]}: install "
-                             f"{lib}=={TESTED[lib]} (deepspeed {TESTED['deepspeed']} with torch {TESTED['torch']})")
+    raise UnsupportedVersion(
+        f"{wanted} (a {lib} internal the engine reads) is missing in the installed {lib} "
+        f"{installed_version(lib)}; the engine is tested with {lib} {TESTED[lib]}: install "
+        f"{lib}=={TESTED[lib]} (deepspeed {TESTED['deepspeed']} with torch {TESTED['torch']})"
+    )
 
 
 def in_backward() -> bool:

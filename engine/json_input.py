@@ -5,6 +5,7 @@ RecursionError (a traceback) on input nested a few thousand deep, and reads NaN 
 one-line error here instead, in the caller's exception class (ConfigError for parallel.ds_config, CheckpointError
 for a Hugging Face config.json). No torch: the config checks read the files before any rank starts.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,28 +18,35 @@ MAX_DEPTH = 32
 
 def load_object(text: str, where: str, error: type[Exception]) -> dict:
     """``text`` parsed as a JSON object, or ``error`` with one line starting with ``where`` (the file's name)."""
+
     def unique(pairs: list) -> dict:
         seen = set()
         for key, _ in pairs:
             if key in seen:
-                raise error(f"{where} gives the key '{key}' twice in one object; keep one (JSON readers differ in "
-                            f"which they take)")
+                raise error(
+                    f"{where} gives the key '{key}' twice in one object; keep one (JSON readers differ in "
+                    f"which they take)"
+                )
             seen.add(key)
         return dict(pairs)
 
     try:
         data = json.loads(text, object_pairs_hook=unique)
     except RecursionError:
-        raise error(f"{where} nests objects or lists too deep to read (more than {MAX_DEPTH} levels are never "
-                    f"needed); give a flat file") from None
+        raise error(
+            f"{where} nests objects or lists too deep to read (more than {MAX_DEPTH} levels are never "
+            f"needed); give a flat file"
+        ) from None
     except json.JSONDecodeError as e:
         raise error(f"{where} is not valid JSON (line {e.lineno}: {e.msg})") from None
     if not isinstance(data, dict):
         raise error(f"{where} holds a JSON {type(data).__name__}, not an object of keys")
     deepest = max((len(path) for path, _ in leaves(data)), default=0)
     if deepest > MAX_DEPTH:
-        raise error(f"{where} nests objects or lists {deepest} levels deep; at most {MAX_DEPTH} are read (its keys "
-                    f"are at most 3 deep)")
+        raise error(
+            f"{where} nests objects or lists {deepest} levels deep; at most {MAX_DEPTH} are read (its keys "
+            f"are at most 3 deep)"
+        )
     return data
 
 
@@ -78,4 +86,4 @@ def shown(value, limit: int = 60) -> str:
         text = json.dumps(value)
     except (TypeError, ValueError, RecursionError):
         text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."

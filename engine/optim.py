@@ -1,4 +1,5 @@
 """AdamW with decoupled weight decay (Loshchilov & Hutter 2019), warmup + cosine LR, global grad-norm clipping."""
+
 from __future__ import annotations
 
 import math
@@ -27,10 +28,10 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     decay, no_decay = [], []
     for _, _, p in unique_params(model):
         (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
-                             **adamw_implementation(decay + no_decay))
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, **adamw_implementation(decay + no_decay)
+    )
 
 
 def adamw_implementation(params: list) -> dict:
@@ -70,8 +71,16 @@ def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(norms).pow(2).sum().float()
 
 
-def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = (), dp_group=None,
-                     device=None, experts: tuple = (), ep_group=None) -> torch.Tensor:
+def global_grad_norm(
+    model: nn.Module,
+    tp_rank: int,
+    group,
+    exclude: tuple = (),
+    dp_group=None,
+    device=None,
+    experts: tuple = (),
+    ep_group=None,
+) -> torch.Tensor:
     """L2 norm of the whole model's gradient across tensor- and pipeline-parallel ranks.
 
     Sharded parameters (those a module lists in ``tp_dims``) contribute their local shard on every tp rank;
@@ -112,8 +121,17 @@ def global_grad_norm(model: nn.Module, tp_rank: int, group, exclude: tuple = (),
 
 
 @torch.no_grad()
-def clip_gradients(model: nn.Module, max_norm: float, tp_rank: int, group, exclude: tuple = (),
-                   dp_group=None, device=None, experts: tuple = (), ep_group=None) -> float:
+def clip_gradients(
+    model: nn.Module,
+    max_norm: float,
+    tp_rank: int,
+    group,
+    exclude: tuple = (),
+    dp_group=None,
+    device=None,
+    experts: tuple = (),
+    ep_group=None,
+) -> float:
     """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_ does, but with
     the norm of the whole distributed model. Returns the norm before clipping; max_norm <= 0 only measures."""
     norm = global_grad_norm(model, tp_rank, group, exclude, dp_group, device, experts, ep_group)

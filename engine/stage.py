@@ -4,6 +4,7 @@ Order of construction (docs/architecture.md, "The order in which parallelism is 
 this pipeline stage's layers -> tensor parallel -> expert parallel -> context parallel attention -> materialise and initialise ->
 activation checkpointing -> compile; data parallelism wraps the result (engine/parallel/dp/, in the trainer).
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,8 +44,9 @@ def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
     return model
 
 
-def build_executors(cfg: Config, ctx: ParallelContext, model: nn.Module, micro_batches: int, waiting
-                    ) -> tuple[PipelineExecutor, PipelineExecutor]:
+def build_executors(
+    cfg: Config, ctx: ParallelContext, model: nn.Module, micro_batches: int, waiting
+) -> tuple[PipelineExecutor, PipelineExecutor]:
     """The training and the evaluation (forward-only) executor of ``model``'s stage under parallel.schedule.
     ``waiting``: the timer's context for stalls on receives (pp_wait)."""
     t, p = cfg.train, cfg.parallel
@@ -54,8 +56,10 @@ def build_executors(cfg: Config, ctx: ParallelContext, model: nn.Module, micro_b
     param_dtype = next(model.parameters()).dtype
     s_local = t.seq_len // ctx.size("cp") // (ctx.tp if p.sequence_parallel else 1)
     shape, dtype = (t.micro_batch_size, s_local, cfg.model.hidden_size), wire_dtype(p.p2p_dtype, param_dtype)
-    executor = PipelineExecutor(ctx, p.schedule, micro_batches, shape, dtype, virtual_stages=p.virtual_stages,
-                                stage=model, waiting=waiting)
-    eval_executor = PipelineExecutor(ctx, p.schedule, micro_batches, shape, dtype, forward_only=True,
-                                     virtual_stages=p.virtual_stages)
+    executor = PipelineExecutor(
+        ctx, p.schedule, micro_batches, shape, dtype, virtual_stages=p.virtual_stages, stage=model, waiting=waiting
+    )
+    eval_executor = PipelineExecutor(
+        ctx, p.schedule, micro_batches, shape, dtype, forward_only=True, virtual_stages=p.virtual_stages
+    )
     return executor, eval_executor

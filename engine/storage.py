@@ -11,6 +11,7 @@ A run stopped by such a failure exits with ``EXIT_STATUS`` (3), not 2 (a bad con
 aborted, or stopped with nothing saved): the job was fine, the disk was not; free space and rerun the same command
 to resume from the last good checkpoint. No torch: the launcher imports it.
 """
+
 from __future__ import annotations
 
 import errno
@@ -53,8 +54,10 @@ def free_space(path: Path) -> str:
         return f"free space of '{where}' unknown ({e.strerror})"
     inodes = f", {st.f_favail} of {st.f_files} inodes" if st.f_files else ""  # some file systems report none
     ro = ", mounted read-only" if st.f_flag & os.ST_RDONLY else ""
-    return (f"{_size(st.f_bavail * st.f_frsize)} of {_size(st.f_blocks * st.f_frsize)}{inodes} free on the file "
-            f"system of '{where}'{ro}")
+    return (
+        f"{_size(st.f_bavail * st.f_frsize)} of {_size(st.f_blocks * st.f_frsize)}{inodes} free on the file "
+        f"system of '{where}'{ro}"
+    )
 
 
 def describe(path: Path | str, e: BaseException) -> str:
@@ -82,7 +85,7 @@ def append(path: Path, data: bytes) -> None:
         size, view = os.fstat(fd).st_size, memoryview(data)
         try:
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         except OSError:
             os.ftruncate(fd, size)  # frees blocks, needs none
             raise

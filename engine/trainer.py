@@ -6,6 +6,7 @@ activation checkpointing -> data parallel (parallel.dp_mode: DDP, FSDP2 or ZeRO,
 never asks which). A step consumes one global batch of ``global_batch_size`` sequences: each dp rank runs its share
 as ``micro_batches`` forward/backward passes of ``micro_batch_size`` (gradient accumulation, as Megatron).
 """
+
 from __future__ import annotations
 
 import functools
@@ -57,8 +58,10 @@ class Trainer:
         moe_metrics.weigh_losses(self.model, cfg, self.micro_batches)  # MoE aux/z losses' weight in backward
         self.tokenizer = data_lib.load_tokenizer(cfg.data.tokenizer)
         if len(self.tokenizer) > cfg.model.vocab_size:
-            raise ConfigError(f"the tokenizer has {len(self.tokenizer)} tokens but model.vocab_size="
-                              f"{cfg.model.vocab_size}; raise model.vocab_size to at least {len(self.tokenizer)}")
+            raise ConfigError(
+                f"the tokenizer has {len(self.tokenizer)} tokens but model.vocab_size="
+                f"{cfg.model.vocab_size}; raise model.vocab_size to at least {len(self.tokenizer)}"
+            )
         self.feed = BatchFeed(cfg, ctx, self.tokenizer)
         if ctx.rank == 0:
             print(self.feed.describe(), flush=True)
@@ -66,8 +69,9 @@ class Trainer:
                 print(describe_split(cfg, ctx.pp), flush=True)
         self.stats = StepStats(cfg, ctx)  # throughput, MFU, memory, time per phase (metrics.jsonl)
         self.param_dtype = next(self.model.parameters()).dtype
-        self.executor, self.eval_executor = build_executors(cfg, ctx, self.model, self.micro_batches,
-                                                            self.stats.timer.waiting)
+        self.executor, self.eval_executor = build_executors(
+            cfg, ctx, self.model, self.micro_batches, self.stats.timer.waiting
+        )
         self.step = 0
         # Callables observe(event) at "backward" (before each micro-batch's backward) and "update" (after the last
         # backward, before the update): measurements hook in here (launch/bench/measure.py).
@@ -79,9 +83,14 @@ class Trainer:
         # written to out_dir before this job owns it.
         self.parts = CheckpointParts(self.model, self.dp.checkpoint_state, cfg, ctx)
         self.checkpointer = Checkpointer(cfg, ctx)
-        self.metrics = MetricsLogger(t.out_dir, enabled=ctx.rank == 0, progress=cfg.log.progress,
-                                     total_steps=t.steps, sinks=build_sinks(cfg, create=ctx.rank == 0),
-                                     on_failure=self.checkpointer.stop.fail)  # disk full: save, stop, exit 3
+        self.metrics = MetricsLogger(
+            t.out_dir,
+            enabled=ctx.rank == 0,
+            progress=cfg.log.progress,
+            total_steps=t.steps,
+            sinks=build_sinks(cfg, create=ctx.rank == 0),
+            on_failure=self.checkpointer.stop.fail,
+        )  # disk full: save, stop, exit 3
         resumed = self.checkpointer.resume(self.parts)
         if resumed is not None:
             self.step = resumed.step
@@ -104,12 +113,16 @@ class Trainer:
         local_batch: (B/dp, s+1) token ids. Each micro-batch's mean loss is divided by the number of micro-batches,
         so the sum is the mean over this rank's tokens; returned (detached) on every stage via a pp all-reduce."""
         ctx = self.ctx
-        micro = [] if local_batch is None else \
-            [m.to(ctx.device, non_blocking=True) for m in local_batch.split(self.cfg.train.micro_batch_size)]
+        micro = (
+            []
+            if local_batch is None
+            else [m.to(ctx.device, non_blocking=True) for m in local_batch.split(self.cfg.train.micro_batch_size)]
+        )
         # (mbs, s/cp) inputs and labels each, and the forward's RoPE positions and document ids (cp/inputs.py)
         eos = self.tokenizer.eos_token_id if self.cfg.data.document_mask else None
-        inputs, labels, extra = micro_batch_inputs(micro, self.micro_batches, eos, ctx.size("cp"),
-                                                   ctx.axis_rank("cp"), self.cfg.train.seq_len, ctx.device)
+        inputs, labels, extra = micro_batch_inputs(
+            micro, self.micro_batches, eos, ctx.size("cp"), ctx.axis_rank("cp"), self.cfg.train.seq_len, ctx.device
+        )
 
         def loss_fn(logits: torch.Tensor, mb: int) -> torch.Tensor:
             return vocab_parallel_cross_entropy(logits, labels[mb], ctx.tp_group) / self.micro_batches
@@ -131,8 +144,13 @@ class Trainer:
     def forward_backward(self, local_batch: torch.Tensor | None) -> torch.Tensor:
         """Accumulate the gradient of this rank's share of the global batch; returns its mean loss."""
         backward = self.stats.timer.wrap("backward", self.dp.backward)
-        loss = self.run_schedule(self.executor, local_batch, before_backward=self.before_backward,
-                                 backward=backward, last_weight=self.dp.last_weight)
+        loss = self.run_schedule(
+            self.executor,
+            local_batch,
+            before_backward=self.before_backward,
+            backward=backward,
+            last_weight=self.dp.last_weight,
+        )
         self.sync_tied_embedding()
         return loss
 
@@ -193,8 +211,15 @@ class Trainer:
         self.step += 1  # a skipped step still consumed its batch and its place in the LR schedule (Megatron)
         lap = self.stats.clock.lap()  # under fit: from the previous step's record, data and logging included
         step_time = lap if lap is not None else time.perf_counter() - start
-        record = {"step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                  "tokens_per_s": t.global_batch_size * t.seq_len / step_time, "step_time": step_time, **moe}
+        record = {
+            "step": self.step,
+            "loss": loss_value,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": t.global_batch_size * t.seq_len / step_time,
+            "step_time": step_time,
+            **moe,
+        }
         if self.skipped_steps:
             record["skipped_steps"] = self.skipped_steps
         return self.stats.finish(record)
@@ -206,12 +231,17 @@ class Trainer:
         self.skipped_steps += 1
         limit = self.cfg.train.max_bad_steps
         if self.ctx.rank == 0:
-            print(f"step {self.step + 1}: {what} is not finite; update skipped ({self.bad_steps} in a row"
-                  f"{f', abort at {limit}' if limit else ''})", flush=True)
+            print(
+                f"step {self.step + 1}: {what} is not finite; update skipped ({self.bad_steps} in a row"
+                f"{f', abort at {limit}' if limit else ''})",
+                flush=True,
+            )
         if limit and self.bad_steps >= limit:
-            raise TrainingAborted(f"{self.bad_steps} steps in a row (up to step {self.step + 1}) had a NaN or inf "
-                                  f"loss or gradient norm (train.max_bad_steps={limit}); lower train.lr, raise "
-                                  f"train.warmup_steps or resume from an earlier checkpoint")
+            raise TrainingAborted(
+                f"{self.bad_steps} steps in a row (up to step {self.step + 1}) had a NaN or inf "
+                f"loss or gradient norm (train.max_bad_steps={limit}); lower train.lr, raise "
+                f"train.warmup_steps or resume from an earlier checkpoint"
+            )
 
     def skip_update(self, what: str) -> float:
         """Drop this step's gradients without updating (a NaN/inf loss)."""
@@ -238,8 +268,11 @@ class Trainer:
         self.dp.train(True)
         self.checkpointer.start()  # SIGTERM/SIGINT from here on: save after the current step and return
         if self.step >= self.cfg.train.steps and self.ctx.rank == 0:
-            print(f"nothing to do: the run is at step {self.step} and train.steps={self.cfg.train.steps}; raise "
-                  f"train.steps to train further", flush=True)
+            print(
+                f"nothing to do: the run is at step {self.step} and train.steps={self.cfg.train.steps}; raise "
+                f"train.steps to train further",
+                flush=True,
+            )
         clock = self.stats.clock  # a step's time runs from the previous step's record to its own, data included
         clock.start()
         while self.step < self.cfg.train.steps:

@@ -13,6 +13,7 @@ only if an earlier export / import wrote it and it holds nothing else (engine/ch
 checkpoint, a run's out_dir, the source, ``.`` or ``/``).
 Bad input exits with status 2 and one ``error: ...`` line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,8 +65,10 @@ def main(argv: list[str]) -> int:
         print(f"exported step {info['step']} ({info['params']} tensors, {len(info['files'])} file(s)) to {args.out}")
     else:
         path = hf.import_hf(args.hf_dir, args.ckpt, overwrite=args.overwrite)
-        print(f"imported {args.hf_dir} as {path}; train from it with: python launch/pretrain.py "
-              f"--config {args.ckpt / 'config.yaml'} [--checkpoint.dir DIR ...]")
+        print(
+            f"imported {args.hf_dir} as {path}; train from it with: python launch/pretrain.py "
+            f"--config {args.ckpt / 'config.yaml'} [--checkpoint.dir DIR ...]"
+        )
     return 0
 
 

@@ -20,6 +20,7 @@ its log is kept beside the report. ``--dry-run`` runs the smoke cases on CPU wit
 against the plain CPU run), the memory cells measured on CPU at tiny shapes, the throughput of tiny shapes, and
 writes the llama-3.2-1b predictions with "skipped: no CUDA" where a measurement needs the GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,9 +56,24 @@ FEATURES = {  # name: (config overrides, whether the CPU reference needs them: t
     "zero_bubble": (["--parallel.schedule", "zero_bubble"], False),
 }
 # --dry-run: tiny shapes so that a case takes seconds on a busy CPU core
-DRY_SHAPES = ["--model.hidden_size", "64", "--model.intermediate_size", "128", "--model.num_layers", "2",
-              "--model.num_heads", "4", "--model.num_kv_heads", "2", "--train.seq_len", "32",
-              "--train.global_batch_size", "4", "--train.micro_batch_size", "2"]
+DRY_SHAPES = [
+    "--model.hidden_size",
+    "64",
+    "--model.intermediate_size",
+    "128",
+    "--model.num_layers",
+    "2",
+    "--model.num_heads",
+    "4",
+    "--model.num_kv_heads",
+    "2",
+    "--train.seq_len",
+    "32",
+    "--train.global_batch_size",
+    "4",
+    "--train.micro_batch_size",
+    "2",
+]
 BIG = ["--config", str(ROOT / "configs/llama-3.2-1b.yaml"), "--data.tokenizer", "", "--train.dtype", "bf16"]
 
 
@@ -104,28 +120,40 @@ def loss_verdict(losses: list[float], reference: list[float], bound: float) -> t
         return "FAIL", f"losses {losses} against CPU {reference}"
     diff = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
     status = "PASS" if diff <= bound else "FAIL"
-    return status, (f"max relative loss difference {diff:.2e} against CPU fp32 over {len(losses)} steps "
-                    f"(bound {bound:.0e}); last loss {losses[-1]:.5f}, CPU {reference[-1]:.5f}")
+    return status, (
+        f"max relative loss difference {diff:.2e} against CPU fp32 over {len(losses)} steps "
+        f"(bound {bound:.0e}); last loss {losses[-1]:.5f}, CPU {reference[-1]:.5f}"
+    )
 
 
 def smoke(check: Check) -> None:
     args = check.args
-    base = ["--config", str(ROOT / "configs/tiny.yaml"), "--train.out_dir", str(check.work / "out"),
-            *(DRY_SHAPES if args.dry_run else [])]
+    base = [
+        "--config",
+        str(ROOT / "configs/tiny.yaml"),
+        "--train.out_dir",
+        str(check.work / "out"),
+        *(DRY_SHAPES if args.dry_run else []),
+    ]
     steps = 3 if args.dry_run else 10
-    cases = [(f"smoke/{dtype}-{name}", over, dtype, own_reference, bound)
-             for dtype, bound in (("fp32", args.fp32_bound), ("bf16", args.bf16_bound))
-             for name, (over, own_reference) in FEATURES.items()]
-    cases += [(f"smoke/extra-{name}", shlex.split(extra), "fp32", False, args.fp32_bound)
-              for name, _, extra in (e.partition("=") for e in args.extra)]
+    cases = [
+        (f"smoke/{dtype}-{name}", over, dtype, own_reference, bound)
+        for dtype, bound in (("fp32", args.fp32_bound), ("bf16", args.bf16_bound))
+        for name, (over, own_reference) in FEATURES.items()
+    ]
+    cases += [
+        (f"smoke/extra-{name}", shlex.split(extra), "fp32", False, args.fp32_bound)
+        for name, _, extra in (e.partition("=") for e in args.extra)
+    ]
     references = {}
     for name, over, dtype, own_reference, bound in cases:
         if not check.wanted(name):
             continue
         ref_argv = base + (over if own_reference else []) + ["--train.dtype", "fp32"]
         if tuple(ref_argv) not in references:  # the fp32 CPU run this case is held against
-            references[tuple(ref_argv)] = check.case(f"smoke/cpu-reference-{len(references)}", "smoke", "cpu",
-                                                     ref_argv, steps)
+            references[tuple(ref_argv)] = check.case(
+                f"smoke/cpu-reference-{len(references)}", "smoke", "cpu", ref_argv, steps
+            )
         ref, why = references[tuple(ref_argv)]
         if ref is None:
             check.add("FAIL", name, f"the CPU reference run failed: {why}")
@@ -143,17 +171,31 @@ def memory(check: Check) -> None:
     tiny = ["--config", str(ROOT / "configs/tiny.yaml"), *DRY_SHAPES, "--train.dtype", "bf16"]
     for ac in ("none", "selective", "full"):
         for mbs in (1, 4):
-            cell = ["--train.activation_checkpointing", ac, "--train.micro_batch_size", str(mbs),
-                    "--train.global_batch_size", str(mbs), "--train.out_dir", str(check.work / "out")]
+            cell = [
+                "--train.activation_checkpointing",
+                ac,
+                "--train.micro_batch_size",
+                str(mbs),
+                "--train.global_batch_size",
+                str(mbs),
+                "--train.out_dir",
+                str(check.work / "out"),
+            ]
             name = f"memory/ac={ac},mbs={mbs}"
             if check.wanted(name):
                 planned = stage_memory(load(BIG + cell), 1, 0).total
                 if check.args.dry_run:
-                    check.add("SKIP", name, f"planned {planned / 1e9:.2f} GB (llama-3.2-1b, seq 2048, bf16); "
-                                            f"measured: skipped: no CUDA")
+                    check.add(
+                        "SKIP",
+                        name,
+                        f"planned {planned / 1e9:.2f} GB (llama-3.2-1b, seq 2048, bf16); measured: skipped: no CUDA",
+                    )
                 elif planned > 0.9 * device_bytes():  # an OOM would say less than the plan does
-                    check.add("SKIP", name, f"planned {planned / 1e9:.2f} GB, more than 90% of the device's "
-                                            f"{device_bytes() / 1e9:.1f} GB")
+                    check.add(
+                        "SKIP",
+                        name,
+                        f"planned {planned / 1e9:.2f} GB, more than 90% of the device's {device_bytes() / 1e9:.1f} GB",
+                    )
                 else:
                     measure(check, name, BIG + cell, planned, "max_memory_allocated")
             if check.args.dry_run and check.wanted(f"memory-cpu/ac={ac},mbs={mbs}"):
@@ -176,9 +218,13 @@ def measure(check: Check, name: str, argv: list[str], planned: float, key: str) 
         return
     ratio = got[key] / planned
     status = "PASS" if abs(ratio - 1) <= check.args.memory_bound else "FAIL"
-    check.add(status, name, f"measured {got[key] / 1e9:.3f} GB ({key}) / planned {planned / 1e9:.3f} GB = "
-                            f"{ratio:.3f} (bound 1 +- {check.args.memory_bound}); tensors' peak "
-                            f"{got['peak'] / 1e9:.3f} GB, activations {got['activations'] / 1e9:.3f} GB")
+    check.add(
+        status,
+        name,
+        f"measured {got[key] / 1e9:.3f} GB ({key}) / planned {planned / 1e9:.3f} GB = "
+        f"{ratio:.3f} (bound 1 +- {check.args.memory_bound}); tensors' peak "
+        f"{got['peak'] / 1e9:.3f} GB, activations {got['activations'] / 1e9:.3f} GB",
+    )
 
 
 def as_sets(argv: list[str]) -> list[str]:
@@ -192,8 +238,19 @@ def bench_argv(seq: int, dry_run: bool) -> list[str]:
     if dry_run:
         over, steps = [*DRY_SHAPES, "--train.seq_len", str(seq)], ["--steps", "2", "--warmup", "1"]
         return ["--config", str(ROOT / "configs/tiny.yaml"), *as_sets(over), *steps]
-    over = [*BIG[2:], "--train.compile", "true", "--log.breakdown", "false", "--train.seq_len", str(seq),
-            "--train.micro_batch_size", "1", "--train.global_batch_size", "8"]
+    over = [
+        *BIG[2:],
+        "--train.compile",
+        "true",
+        "--log.breakdown",
+        "false",
+        "--train.seq_len",
+        str(seq),
+        "--train.micro_batch_size",
+        "1",
+        "--train.global_batch_size",
+        "8",
+    ]
     return [*BIG[:2], *as_sets(over), "--steps", "10", "--warmup", "3"]
 
 
@@ -203,25 +260,44 @@ def throughput(check: Check) -> None:
     for seq in (2048, 4096):
         if dry and check.wanted(f"throughput/seq{seq}"):
             check.add("SKIP", f"throughput/seq{seq}", "llama-3.2-1b, bf16, compiled: skipped: no CUDA")
-    shapes = [(f"throughput-cpu/seq{seq}", bench_argv(seq, dry)) for seq in (32, 64)] if dry else \
-        [(f"throughput/seq{seq}", bench_argv(seq, dry)) for seq in (2048, 4096)]
+    shapes = (
+        [(f"throughput-cpu/seq{seq}", bench_argv(seq, dry)) for seq in (32, 64)]
+        if dry
+        else [(f"throughput/seq{seq}", bench_argv(seq, dry)) for seq in (2048, 4096)]
+    )
     for name, argv in shapes:
         if not check.wanted(name):
             continue
         sides = {}
         for side in ("ours", "plain"):
-            sides[side], why = check.subprocess(f"{name}-{side}", [
-                sys.executable, str(ROOT / "launch/bench/step.py"), *argv, "--side", side,
-                "--out-dir", str(check.work / "out"), "--json-out"])
+            sides[side], why = check.subprocess(
+                f"{name}-{side}",
+                [
+                    sys.executable,
+                    str(ROOT / "launch/bench/step.py"),
+                    *argv,
+                    "--side",
+                    side,
+                    "--out-dir",
+                    str(check.work / "out"),
+                    "--json-out",
+                ],
+            )
             if sides[side] is None:
                 check.add("FAIL", f"{name}-{side}", why)
         ours, plain = sides["ours"], sides["plain"]
         if ours and plain:
-            mfu = ", ".join(f"{side} " + (f"n/a (no peak known for {r['device']})" if r["mfu"] is None
-                                          else f"{r['mfu']:.1%}") for side, r in sides.items())
-            check.add("INFO", name, f"tokens/s ours {ours['tokens_per_s']:,.0f}, plain {plain['tokens_per_s']:,.0f}, "
-                                    f"ours/plain {ours['tokens_per_s'] / plain['tokens_per_s']:.3f}; MFU {mfu}; "
-                                    f"step {ours['ms']:.1f} ms vs {plain['ms']:.1f} ms on {ours['device']}")
+            mfu = ", ".join(
+                f"{side} " + (f"n/a (no peak known for {r['device']})" if r["mfu"] is None else f"{r['mfu']:.1%}")
+                for side, r in sides.items()
+            )
+            check.add(
+                "INFO",
+                name,
+                f"tokens/s ours {ours['tokens_per_s']:,.0f}, plain {plain['tokens_per_s']:,.0f}, "
+                f"ours/plain {ours['tokens_per_s'] / plain['tokens_per_s']:.3f}; MFU {mfu}; "
+                f"step {ours['ms']:.1f} ms vs {plain['ms']:.1f} ms on {ours['device']}",
+            )
 
 
 def parse_report(text: str) -> tuple[list[dict], str]:
@@ -234,20 +310,36 @@ def parse_report(text: str) -> tuple[list[dict], str]:
 def header(dry_run: bool) -> list[str]:
     import torch
 
-    device = "cpu (dry run: CUDA measurements skipped)" if dry_run else \
-        f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})"
-    return [f"launch/gpu_check.py report, {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
-            f"torch {torch.__version__}; device {device}", ""]
+    device = (
+        "cpu (dry run: CUDA measurements skipped)"
+        if dry_run
+        else f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})"
+    )
+    return [
+        f"launch/gpu_check.py report, {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
+        f"torch {torch.__version__}; device {device}",
+        "",
+    ]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/gpu_check/report.txt", help="the report file; logs go beside it")
     p.add_argument("--dry-run", action="store_true", help="no CUDA: the CPU part, tiny shapes")
-    p.add_argument("--only", action="append", default=[], metavar="SUBSTRING",
-                   help="run only the cases whose name contains it (repeatable)")
-    p.add_argument("--extra", action="append", default=[], metavar="NAME=ARGS",
-                   help="one more fp32 smoke case: config arguments against the plain CPU run")
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="SUBSTRING",
+        help="run only the cases whose name contains it (repeatable)",
+    )
+    p.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        metavar="NAME=ARGS",
+        help="one more fp32 smoke case: config arguments against the plain CPU run",
+    )
     p.add_argument("--fp32-bound", type=float, default=FP32_BOUND)
     p.add_argument("--bf16-bound", type=float, default=BF16_BOUND)
     p.add_argument("--memory-bound", type=float, default=MEMORY_BOUND)
@@ -259,8 +351,10 @@ def main(argv: list[str]) -> int:
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
-        print("error: no CUDA device visible (torch.cuda.is_available() is False); run with --dry-run for the "
-              "CPU part", file=sys.stderr)
+        print(
+            "error: no CUDA device visible (torch.cuda.is_available() is False); run with --dry-run for the CPU part",
+            file=sys.stderr,
+        )
         return 2
     out = Path(args.out)
     work = out.parent / (out.stem + "-cases")
@@ -270,8 +364,10 @@ def main(argv: list[str]) -> int:
         section(check)
     failed = sum(line.startswith("[FAIL]") for line in check.lines)
     counts = {s: sum(line.startswith(f"[{s}]") for line in check.lines) for s in ("PASS", "FAIL", "SKIP", "INFO")}
-    verdict = f"verdict: {'FAIL' if failed else 'PASS'} ({', '.join(f'{n} {s}' for s, n in counts.items())}; " \
-              f"{time.perf_counter() - start:.0f} s)"
+    verdict = (
+        f"verdict: {'FAIL' if failed else 'PASS'} ({', '.join(f'{n} {s}' for s, n in counts.items())}; "
+        f"{time.perf_counter() - start:.0f} s)"
+    )
     tmp = out.with_suffix(".tmp")
     tmp.write_text("\n".join(header(args.dry_run) + check.lines + ["", verdict, ""]))
     tmp.replace(out)  # never a half-written report

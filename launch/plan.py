@@ -18,6 +18,7 @@ first, fastest first. Offload (parallel.offload: host memory for the optimizer, 
 only when no layout fits without it; "host GB" is what a rank then keeps in host memory (step time leaves out
 the host copies and the host Adam step). A bad argument exits with status 2 and one line `error: ...`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,15 +38,56 @@ from engine.planning.flops import peak_tflops  # noqa: E402
 from engine.planning.schedules import SEARCHED, label  # noqa: E402
 from engine.planning.search import Hardware, search  # noqa: E402
 
-COLUMNS = [("tp", "{}"), ("pp", "{}"), ("dp", "{}"), ("cp", "{}"), ("cp_mode", "{}"), ("ep", "{}"),
-           ("dp_mode", "{}"),
-           ("schedule", "{}"), ("micro_batch_size", "{}"), ("micro_batches", "{}"), ("activation_checkpointing", "{}"),
-           ("peak_memory_gb", "{:.2f}"), ("step_s", "{:.3f}"), ("tokens_per_s", "{:,.0f}"), ("mfu", "{:.1%}"),
-           ("bubble_fraction", "{:.1%}"), ("activation_gb_per_stage", "{}"), ("tp_comm_s", "{:.3f}"),
-           ("pp_comm_s", "{:.3f}"), ("dp_comm_s", "{:.3f}"), ("cp_comm_s", "{:.3f}"),
-           ("ep_comm_s", "{:.3f}"), ("host_gb", "{:.2f}")]
-HEADER = ["tp", "pp", "dp", "cp", "cp mode", "ep", "dp mode", "schedule", "mbs", "m", "ac", "mem GB", "step s",
-          "tokens/s", "MFU", "bubble", "act GB/stage", "tp s", "pp s", "dp s", "cp s", "ep s", "host GB"]
+COLUMNS = [
+    ("tp", "{}"),
+    ("pp", "{}"),
+    ("dp", "{}"),
+    ("cp", "{}"),
+    ("cp_mode", "{}"),
+    ("ep", "{}"),
+    ("dp_mode", "{}"),
+    ("schedule", "{}"),
+    ("micro_batch_size", "{}"),
+    ("micro_batches", "{}"),
+    ("activation_checkpointing", "{}"),
+    ("peak_memory_gb", "{:.2f}"),
+    ("step_s", "{:.3f}"),
+    ("tokens_per_s", "{:,.0f}"),
+    ("mfu", "{:.1%}"),
+    ("bubble_fraction", "{:.1%}"),
+    ("activation_gb_per_stage", "{}"),
+    ("tp_comm_s", "{:.3f}"),
+    ("pp_comm_s", "{:.3f}"),
+    ("dp_comm_s", "{:.3f}"),
+    ("cp_comm_s", "{:.3f}"),
+    ("ep_comm_s", "{:.3f}"),
+    ("host_gb", "{:.2f}"),
+]
+HEADER = [
+    "tp",
+    "pp",
+    "dp",
+    "cp",
+    "cp mode",
+    "ep",
+    "dp mode",
+    "schedule",
+    "mbs",
+    "m",
+    "ac",
+    "mem GB",
+    "step s",
+    "tokens/s",
+    "MFU",
+    "bubble",
+    "act GB/stage",
+    "tp s",
+    "pp s",
+    "dp s",
+    "cp s",
+    "ep s",
+    "host GB",
+]
 SCHEDULE_KEYS = ("parallel.schedule", "parallel.virtual_stages")
 # A search of an 8-device config takes 30 s to 3 min on a busy CPU: say every few seconds that it is still going.
 PROGRESS_EVERY_S = 5.0
@@ -76,8 +118,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--intra-node-gbps", type=float, default=450.0, help="GB/s per device inside a node")
     p.add_argument("--inter-node-gbps", type=float, default=50.0, help="GB/s per device between nodes")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="config override, e.g. --set train.seq_len=4096 (repeatable)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="config override, e.g. --set train.seq_len=4096 (repeatable)",
+    )
     args, rest = p.parse_known_args(argv)
     args.overrides = []
     while rest:
@@ -92,8 +139,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def hardware(args: argparse.Namespace, dtype: str) -> Hardware:
     """The Hardware of the arguments; every value is checked here so that errors name the flag."""
-    for flag in ("world_size", "device_memory", "efficiency", "gpus_per_node", "intra_node_gbps",
-                 "inter_node_gbps"):
+    for flag in ("world_size", "device_memory", "efficiency", "gpus_per_node", "intra_node_gbps", "inter_node_gbps"):
         if getattr(args, flag) <= 0:
             raise ArgumentError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be > 0")
     if args.efficiency > 1:
@@ -101,9 +147,14 @@ def hardware(args: argparse.Namespace, dtype: str) -> Hardware:
     peak = args.peak_tflops or peak_tflops(args.device, dtype)
     if not peak:
         raise ArgumentError(f"no {dtype} peak known for --device={args.device!r}; give --peak-tflops")
-    return Hardware(peak_tflops=peak, efficiency=args.efficiency, memory_gb=args.device_memory,
-                    gpus_per_node=args.gpus_per_node, intra_node_gbps=args.intra_node_gbps,
-                    inter_node_gbps=args.inter_node_gbps)
+    return Hardware(
+        peak_tflops=peak,
+        efficiency=args.efficiency,
+        memory_gb=args.device_memory,
+        gpus_per_node=args.gpus_per_node,
+        intra_node_gbps=args.intra_node_gbps,
+        inter_node_gbps=args.inter_node_gbps,
+    )
 
 
 def config_argv(args: argparse.Namespace) -> list[str]:
@@ -122,8 +173,10 @@ def config_argv(args: argparse.Namespace) -> list[str]:
 def searched_schedules(args: argparse.Namespace, cfg) -> tuple | None:
     """None (plan the config's schedule) when the config file or the command line sets one, else SEARCHED."""
     given = [a.split("=")[0].lstrip("-") for a in config_argv(args)]
-    if any(key in given for key in SCHEDULE_KEYS) or (cfg.parallel.schedule, cfg.parallel.virtual_stages) != \
-            (ParallelConfig.schedule, ParallelConfig.virtual_stages):  # not the defaults
+    if any(key in given for key in SCHEDULE_KEYS) or (cfg.parallel.schedule, cfg.parallel.virtual_stages) != (
+        ParallelConfig.schedule,
+        ParallelConfig.virtual_stages,
+    ):  # not the defaults
         return None
     return SEARCHED
 
@@ -156,6 +209,7 @@ def progress(what: str):
         while not done.wait(PROGRESS_EVERY_S):
             said.append(True)
             print(f"plan: {what}: {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+
     thread = threading.Thread(target=beat, daemon=True)
     thread.start()
     try:
@@ -184,25 +238,34 @@ def main(argv: list[str]) -> int:
         piped = [msg for layout, msg in refused if layout.pp > 1] if spec.chunks or spec.vshape else []
         raise ArgumentError((piped or [msg for _, msg in refused])[0])
     if not plans:
-        raise ArgumentError(f"no valid layout of {cfg.model.name} on --world-size={args.world_size} with global "
-                            f"batch {cfg.train.global_batch_size}; try a world size that divides it")
+        raise ArgumentError(
+            f"no valid layout of {cfg.model.name} on --world-size={args.world_size} with global "
+            f"batch {cfg.train.global_batch_size}; try a world size that divides it"
+        )
     fitting = [p for p in plans if p.fits]
     if args.json:
         print(json.dumps([p.describe() for p in plans], indent=1))  # all of them; "fits" says which fit
         return 0
     if not fitting:
         best = min(plans, key=lambda p: p.peak_bytes)
-        raise ArgumentError(f"no layout fits in --device-memory={args.device_memory:g} GB; the smallest needs "
-                            f"{best.peak_bytes / 1e9:.1f} GB ({best.describe()['dp_mode']}, tp={best.layout.tp}, "
-                            f"pp={best.layout.pp}, micro-batch {best.cfg.train.micro_batch_size})")
-    what = ("schedules 1f1b, il-v2..4 (interleaved, v virtual stages), zb-h1 (zero_bubble), zbv" if schedules
-            else "schedule " + cfg.parallel.schedule
-            + (f" with {cfg.parallel.virtual_stages} virtual stages" if SCHEDULES[cfg.parallel.schedule].chunks
-               else ""))
-    print(f"{cfg.model.name}: seq_len {cfg.train.seq_len}, global batch {cfg.train.global_batch_size}, "
-          f"{cfg.train.dtype}, {what}; {args.world_size} devices of {args.device_memory:g} GB, "
-          f"{hw.peak_tflops:g} TFLOP/s at {hw.efficiency:.0%}; {len(fitting)} of {len(plans)} valid layouts fit")
-    print(table([p.describe() for p in fitting[:args.top or None]]))
+        raise ArgumentError(
+            f"no layout fits in --device-memory={args.device_memory:g} GB; the smallest needs "
+            f"{best.peak_bytes / 1e9:.1f} GB ({best.describe()['dp_mode']}, tp={best.layout.tp}, "
+            f"pp={best.layout.pp}, micro-batch {best.cfg.train.micro_batch_size})"
+        )
+    what = (
+        "schedules 1f1b, il-v2..4 (interleaved, v virtual stages), zb-h1 (zero_bubble), zbv"
+        if schedules
+        else "schedule "
+        + cfg.parallel.schedule
+        + (f" with {cfg.parallel.virtual_stages} virtual stages" if SCHEDULES[cfg.parallel.schedule].chunks else "")
+    )
+    print(
+        f"{cfg.model.name}: seq_len {cfg.train.seq_len}, global batch {cfg.train.global_batch_size}, "
+        f"{cfg.train.dtype}, {what}; {args.world_size} devices of {args.device_memory:g} GB, "
+        f"{hw.peak_tflops:g} TFLOP/s at {hw.efficiency:.0%}; {len(fitting)} of {len(plans)} valid layouts fit"
+    )
+    print(table([p.describe() for p in fitting[: args.top or None]]))
     return 0
 
 

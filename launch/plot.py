@@ -13,6 +13,7 @@ log.tensorboard writes during a run), so a run trained without it can be viewed 
 Needs matplotlib (the plot extra: pip install -e ".[plot]"; also in dev), --tensorboard the tensorboard package.
 Without it: one line naming the extra, exit status 2. Bad input exits with status 2 and one line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,11 @@ def read_run(run_dir: Path) -> list[dict]:
         raise PlotError(f"{path}: no step records")
     if skipped:
         shown = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
-        print(f"warning: {path}: skipped {len(skipped)} lines that are not a step record (line {shown})",
-              file=sys.stderr, flush=True)
+        print(
+            f"warning: {path}: skipped {len(skipped)} lines that are not a step record (line {shown})",
+            file=sys.stderr,
+            flush=True,
+        )
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -74,6 +78,7 @@ def _pyplot():
         raise PlotError('launch/plot.py needs matplotlib: pip install -e ".[plot]" (or the dev extra)') from None
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -85,10 +90,12 @@ def write_tensorboard(run: Path, records: list[dict]) -> Path:
         raise PlotError(f"{folder} already holds event files; view them with tensorboard --logdir {folder.parent}")
     try:
         from engine.metrics.tensorboard import TensorBoardSink
+
         sink = TensorBoardSink(str(folder.parent))
     except ImportError:
-        raise PlotError('--tensorboard needs the tensorboard package: pip install -e ".[plot]" (or the dev '
-                        'extra)') from None
+        raise PlotError(
+            '--tensorboard needs the tensorboard package: pip install -e ".[plot]" (or the dev extra)'
+        ) from None
     for record in records:
         sink.log(record)
     sink.close()
@@ -119,9 +126,9 @@ def plot(runs: dict[str, list[dict]], output: Path):
             if log:
                 ax.set_yscale("log")
             ax.grid(alpha=0.3)
-    for ax in axes[:len(panels)]:
+    for ax in axes[: len(panels)]:
         ax.legend(fontsize=8)
-    for ax in axes[len(panels) + 1:]:
+    for ax in axes[len(panels) + 1 :]:
         ax.axis("off")
     legend = axes[len(panels)]  # the cell after the panels: which run is which, with its final numbers
     legend.axis("off")
@@ -136,8 +143,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("runs", nargs="+", help="run directories (train.out_dir) or metrics.jsonl files")
     parser.add_argument("-o", "--output", default="curves.png", help="PNG to write (default curves.png)")
     parser.add_argument("--names", nargs="*", help="legend names, one per run (default: the directory names)")
-    parser.add_argument("--tensorboard", action="store_true",
-                        help="write each run's records as TensorBoard event files in <run>/tensorboard, no PNG")
+    parser.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="write each run's records as TensorBoard event files in <run>/tensorboard, no PNG",
+    )
     args = parser.parse_args(argv)
     try:
         if args.tensorboard:

@@ -13,6 +13,7 @@
    job's backend: one torchrun per host started over ssh, each command printed so it can be run by hand.
 Exit status: 0 all good; 1 a host failed, each failing host named; 2 bad input, one `error: ...` line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     where = p.add_mutually_exclusive_group()
     where.add_argument("--hostfile", help="DeepSpeed hostfile: 'HOST slots=N' per line")
-    where.add_argument("--local", type=int, metavar="N", help="only the link test, on N forked gloo ranks of this machine")
+    where.add_argument(
+        "--local", type=int, metavar="N", help="only the link test, on N forked gloo ranks of this machine"
+    )
     p.add_argument("--config", default="", help="the job's config: checked on every host; gives backend, timeout")
     p.add_argument("--ssh", default=DEFAULT_SSH, help=f"ssh command prefix (default: {DEFAULT_SSH!r})")
     p.add_argument("--port", type=int, default=29400, help="rendezvous port on the first host for the link test")
@@ -58,8 +61,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if not args.worker and args.hostfile is None and args.local is None:
         raise ConfigError("give --hostfile FILE (check the hosts and links of a job) or --local N (links only)")
     if args.local is not None and args.local < 1 or args.iters < 1 or args.size_mb <= 0 or args.timeout_s <= 0:
-        raise ConfigError(f"--local={args.local}, --iters={args.iters}, --size-mb={args.size_mb} and "
-                          f"--timeout-s={args.timeout_s} must all be positive")
+        raise ConfigError(
+            f"--local={args.local}, --iters={args.iters}, --size-mb={args.size_mb} and "
+            f"--timeout-s={args.timeout_s} must all be positive"
+        )
     return args
 
 
@@ -69,6 +74,7 @@ def load_job_config(args: argparse.Namespace, world: int):
         args.backend = args.backend or "auto"
         return None
     from engine.parallel.layout.checks import resolve_layout
+
     args.config = str(Path(args.config).resolve())  # the same absolute path is checked on every host
     cfg = load(["--config", args.config])
     try:
@@ -82,11 +88,37 @@ def load_job_config(args: argparse.Namespace, world: int):
 def torchrun_command(args: argparse.Namespace, hosts: list[Host], host: Host, run_id: str) -> str:
     """The shell command that starts ``host``'s share of the link test (one torchrun agent per host)."""
     endpoint = f"{hosts[0].name.split('@')[-1]}:{args.port}"  # user@node1 -> node1
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)),
-           "--nproc-per-node", str(host.slots), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-           "--rdzv-id", run_id, "--rdzv-conf", f"join_timeout={int(args.timeout_s)}", "--max-restarts", "0",
-           "launch/preflight.py", "--worker", "--label", host.name, "--backend", args.backend,
-           "--size-mb", str(args.size_mb), "--iters", str(args.iters), "--timeout-s", str(args.timeout_s)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(len(hosts)),
+        "--nproc-per-node",
+        str(host.slots),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        run_id,
+        "--rdzv-conf",
+        f"join_timeout={int(args.timeout_s)}",
+        "--max-restarts",
+        "0",
+        "launch/preflight.py",
+        "--worker",
+        "--label",
+        host.name,
+        "--backend",
+        args.backend,
+        "--size-mb",
+        str(args.size_mb),
+        "--iters",
+        str(args.iters),
+        "--timeout-s",
+        str(args.timeout_s),
+    ]
     return f"cd {shlex.quote(str(ROOT))} && {remote_command(cmd)}"
 
 
@@ -106,8 +138,13 @@ def run_link_test_over_ssh(args: argparse.Namespace, hosts: list[Host]) -> None:
     for host in hosts:
         command = torchrun_command(args, hosts, host, run_id)
         print(f"link test on {host.name}: {command}", flush=True)
-        procs[host.name] = subprocess.Popen([*ssh, host.name, command], stdout=subprocess.PIPE,
-                                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+        procs[host.name] = subprocess.Popen(
+            [*ssh, host.name, command],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
     failed, limit = [], 2 * args.timeout_s + 60  # rendezvous + collectives + start-up
     deadline = time.monotonic() + limit
     for name, proc in procs.items():
@@ -129,6 +166,7 @@ def _local_rank(size_bytes: int, iters: int):
     import torch
 
     from engine.cluster.linktest import measure
+
     return measure("localhost", size_bytes, iters, torch.device("cpu"))
 
 
@@ -136,9 +174,9 @@ def run_link_test_locally(args: argparse.Namespace) -> None:
     """--local N: the same measurement on N forked gloo ranks of this machine."""
     from engine.cluster.linktest import format_report
     from engine.cluster.spawn import run_ranks
+
     try:
-        report = run_ranks(_local_rank, args.local, int(args.size_mb * 2**20), args.iters,
-                           timeout_s=args.timeout_s)[0]
+        report = run_ranks(_local_rank, args.local, int(args.size_mb * 2**20), args.iters, timeout_s=args.timeout_s)[0]
     except Exception as e:  # a rank's failure arrives as its traceback text
         raise HostFailure(f"link test failed on localhost: {str(e).strip().splitlines()[-1]}") from None
     print(format_report(report), flush=True)
@@ -152,6 +190,7 @@ def worker(args: argparse.Namespace) -> int:
     from engine.cluster.linktest import format_report, measure
     from engine.cluster.netcheck import init_checked
     from engine.parallel.layout.context import env_rank_info, pick_device_and_backend
+
     rank, world, local_rank = env_rank_info()
     device, backend = pick_device_and_backend(args.backend, local_rank)
     if device.type == "cuda":
@@ -180,8 +219,10 @@ def check_shared_directories(args: argparse.Namespace, cfg, hosts: list[Host]) -
     """The config's train.out_dir and checkpoint.dir are one directory on every host (relative ones: below the
     checkout, where the job starts)."""
     from engine.cluster.shared import check_shared_over_ssh, run_directories
-    directories = run_directories(Path(ROOT, cfg.train.out_dir),
-                                  Path(ROOT, cfg.checkpoint.dir) if cfg.checkpoint.dir else None)
+
+    directories = run_directories(
+        Path(ROOT, cfg.train.out_dir), Path(ROOT, cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+    )
     problem = check_shared_over_ssh(shlex.split(args.ssh), [h.name for h in hosts], directories, args.timeout_s)
     if problem:
         raise HostFailure(problem)

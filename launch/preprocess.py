@@ -13,6 +13,7 @@ Megatron-LM reads the output as is and ``--data.paths PREFIX`` trains on it. ``-
 parallel (the tokenizer's own threads are off, so N workers use N cores). Bad input exits with status 2 and one
 line ``error: ...`` naming the file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -116,8 +117,10 @@ def _write(out: pathlib.Path, dtype: type, workers: int) -> dict:
     try:
         builder = builder_class(str(tmp_bin), dtype=dtype)
         total = sum(len(ds) for ds, _ in _STATE["inputs"])
-        with _results(_tasks(_STATE["inputs"], workers), workers) as results, \
-                tqdm(total=total, unit="doc", desc="tokenize", file=sys.stderr, mininterval=0.5) as bar:
+        with (
+            _results(_tasks(_STATE["inputs"], workers), workers) as results,
+            tqdm(total=total, unit="doc", desc="tokenize", file=sys.stderr, mininterval=0.5) as bar,
+        ):
             for _, n_read, ids, lengths in results:
                 for piece in np.split(ids, np.cumsum(lengths)[:-1]) if len(lengths) else ():
                     builder.add_document(piece, [len(piece)])
@@ -135,12 +138,20 @@ def _write(out: pathlib.Path, dtype: type, workers: int) -> dict:
         for tmp in (tmp_bin, tmp_idx):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
-    return {"prefix": str(out), "documents": n_docs, "tokens": n_tokens, "dtype": np.dtype(dtype).name,
-            "seconds": elapsed, "tokens_per_s": n_tokens / max(elapsed, 1e-9), "workers": workers}
+    return {
+        "prefix": str(out),
+        "documents": n_docs,
+        "tokens": n_tokens,
+        "dtype": np.dtype(dtype).name,
+        "seconds": elapsed,
+        "tokens_per_s": n_tokens / max(elapsed, 1e-9),
+        "workers": workers,
+    }
 
 
-def preprocess(inputs: list[str], output: str, tokenizer: str = "", workers: int = 1, text_key: str = "text",
-               split: str = "train") -> dict:
+def preprocess(
+    inputs: list[str], output: str, tokenizer: str = "", workers: int = 1, text_key: str = "text", split: str = "train"
+) -> dict:
     """Check and open every input, load the tokenizer, then write OUTPUT.bin/OUTPUT.idx (see _write). Bad input
     -> DataError naming it, raised before the tokenizer, megatron-core or the output are touched."""
     if workers < 1:
@@ -172,9 +183,11 @@ def main(argv: list[str]) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {stats['prefix']}.bin/.idx: {stats['documents']} documents, {stats['tokens']} tokens "
-          f"({stats['dtype']}) in {stats['seconds']:.2f} s, {stats['tokens_per_s']:,.0f} tokens/s with "
-          f"{stats['workers']} worker(s)")
+    print(
+        f"wrote {stats['prefix']}.bin/.idx: {stats['documents']} documents, {stats['tokens']} tokens "
+        f"({stats['dtype']}) in {stats['seconds']:.2f} s, {stats['tokens_per_s']:,.0f} tokens/s with "
+        f"{stats['workers']} worker(s)"
+    )
     return 0
 
 

@@ -6,6 +6,7 @@
 
 A bad configuration or input exits with status 2 and one line on stderr, never a traceback.
 """
+
 from __future__ import annotations
 
 import os
@@ -56,8 +57,11 @@ def main(argv: list[str]) -> int:
         if ctx.rank == 0:
             cp = f" cp={ctx.size('cp')} ({cfg.parallel.cp_mode})" if ctx.size("cp") > 1 else ""
             cp += f" ep={ctx.size('ep')}" if ctx.size("ep") > 1 else ""  # experts spread over dp x cp
-            print(f"layout tp={ctx.tp} pp={ctx.pp} dp={ctx.dp}{cp} on {ctx.world_size} x {ctx.device} ({ctx.backend}); "
-                  f"{trainer.micro_batches} micro-batches of {cfg.train.micro_batch_size} per step", flush=True)
+            print(
+                f"layout tp={ctx.tp} pp={ctx.pp} dp={ctx.dp}{cp} on {ctx.world_size} x {ctx.device} ({ctx.backend}); "
+                f"{trainer.micro_batches} micro-batches of {cfg.train.micro_batch_size} per step",
+                flush=True,
+            )
         trainer.fit()
         finished = True
     except TrainingAborted as e:  # every rank takes the same decision (the loss is all-reduced)
@@ -83,8 +87,10 @@ if __name__ == "__main__":
     try:
         code = main(sys.argv[1:])
     except StorageError as e:  # a write refused mid-run (disk full, read-only): engine/storage.py
-        report_once(f"error: {e}; the run stopped (exit status {EXIT_STATUS}): make room and rerun the same "
-                    f"command to resume from the latest checkpoint")
+        report_once(
+            f"error: {e}; the run stopped (exit status {EXIT_STATUS}): make room and rerun the same "
+            f"command to resume from the latest checkpoint"
+        )
         code = EXIT_STATUS
     except KeyboardInterrupt as e:  # a second SIGINT (engine/checkpoint/signals.py): out now, one line
         report_once(f"error: interrupted: {e or 'SIGINT'}")

@@ -7,6 +7,7 @@ as ``runs/`` included; git's own folder and the interpreter's caches excluded); 
 between two snapshots. tests/conftest.py takes one at the start of the session and fails the session on any
 difference (tests/test_checkout_guard.py tests the comparison).
 """
+
 from __future__ import annotations
 
 import os

@@ -11,6 +11,7 @@ imports in a clean process, the tests that start real processes (launchers, mult
 Forking is safe here for the reasons tests/dist.py's forked ranks are: the session runs torch with one thread
 (tests/conftest.py) and never initialises torch.distributed in the pytest process.
 """
+
 from __future__ import annotations
 
 import io
@@ -59,8 +60,9 @@ def _child(script: str, args: list[str], cwd: Path, env: dict | None, out: int, 
         os._exit(code)
 
 
-def run_script(script: str, *args, cwd: Path = ROOT, env: dict | None = None,
-               timeout: float = 300) -> subprocess.CompletedProcess:
+def run_script(
+    script: str, *args, cwd: Path = ROOT, env: dict | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
     """``python script args`` (``script`` relative to ``cwd``) in a fork; what ``subprocess.run(...,
     capture_output=True, text=True)`` returns. The fork is killed, and TimeoutExpired raised, after ``timeout``."""
     args = [str(a) for a in args]
@@ -83,5 +85,9 @@ def run_script(script: str, *args, cwd: Path = ROOT, env: dict | None = None,
         code = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
-        return subprocess.CompletedProcess([sys.executable, script, *args], code,
-                                           out.read().decode(errors="replace"), err.read().decode(errors="replace"))
+        return subprocess.CompletedProcess(
+            [sys.executable, script, *args],
+            code,
+            out.read().decode(errors="replace"),
+            err.read().decode(errors="replace"),
+        )

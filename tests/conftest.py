@@ -1,4 +1,5 @@
 """Session set-up shared by every test."""
+
 import os
 import subprocess
 from pathlib import Path
@@ -66,8 +67,9 @@ def pytest_runtest_teardown(item, nextitem):
     now = checkout_guard.shallow(ROOT, _skipped(item.config))
     if now != stash[_SHALLOW]:
         added, removed = sorted(now - stash[_SHALLOW]), sorted(stash[_SHALLOW] - now)
-        stash[_CULPRITS].append(f"{item.nodeid}: " + ", ".join([f"added {n}" for n in added] +
-                                                                [f"removed {n}" for n in removed]))
+        stash[_CULPRITS].append(
+            f"{item.nodeid}: " + ", ".join([f"added {n}" for n in added] + [f"removed {n}" for n in removed])
+        )
         stash[_SHALLOW] = now
 
 
@@ -87,8 +89,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     changed = config.stash.get(_CHANGED, [])
     if changed:
         terminalreporter.section("tests wrote into the checkout", sep="=", red=True)
-        terminalreporter.line(f"FAILED: the session changed {len(changed)} path(s) under {ROOT}; a test must write "
-                              f"only inside tmp_path (e.g. give --train.out_dir; the default is runs/tiny):")
+        terminalreporter.line(
+            f"FAILED: the session changed {len(changed)} path(s) under {ROOT}; a test must write "
+            f"only inside tmp_path (e.g. give --train.out_dir; the default is runs/tiny):"
+        )
         for line in changed[:50]:
             terminalreporter.line(f"  {line}")
         if len(changed) > 50:
@@ -108,8 +112,10 @@ def _no_process_group_left_in_the_parent():
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
-        pytest.fail("this test left a torch.distributed process group in the pytest process; run the Trainer in "
-                    "a forked rank (tests/dist.run_ranks)")
+        pytest.fail(
+            "this test left a torch.distributed process group in the pytest process; run the Trainer in "
+            "a forked rank (tests/dist.run_ranks)"
+        )
 
 
 @pytest.fixture

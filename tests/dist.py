@@ -6,6 +6,7 @@ sends are rendezvous and a rank's batches run in order, as under NCCL, so a pipe
 within seconds ("NCCL rules: deadlock ..."). Turn it off with ``run_ranks(..., nccl_rules=False)`` or, for a
 whole run, ``ENGINE_NCCL_SHIM=0`` in the environment (e.g. to tell a shim problem from an engine one).
 """
+
 import os
 
 from engine.cluster import spawn
@@ -21,8 +22,9 @@ def _under_nccl_rules(fn, *args):
     return fn(*args)
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, threads: int | None = None,
-              nccl_rules: bool | None = None) -> list:
+def run_ranks(
+    fn, world_size: int, *args, timeout_s: float = 120.0, threads: int | None = None, nccl_rules: bool | None = None
+) -> list:
     """engine.cluster.spawn.run_ranks with NCCL's point-to-point rules in every rank (tests/nccl_shim.py) unless
     ``nccl_rules`` is False (None: on unless ENGINE_NCCL_SHIM=0)."""
     if nccl_rules is None:
@@ -43,5 +45,7 @@ def warm_imports() -> None:
     from tests import nccl_shim  # noqa: F401 - imported by every rank
 
     load_tokenizer("")  # imports transformers' tokenizer classes
-    model_lib.build(ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2,
-                                num_kv_heads=2), device="meta")
+    model_lib.build(
+        ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=2),
+        device="meta",
+    )

@@ -22,6 +22,7 @@ By hand (root; needs iproute2, util-linux, openssh-server, openssh-client, pdsh)
     python -m tests.hosts exec h2 -- hostname -I
     python -m tests.hosts down          # removes what a killed `up` or a crashed test left behind
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -39,8 +40,15 @@ from pathlib import Path
 PREFIX = "eng-t-"
 SUBNET = "198.18.0"
 SSHD = "/usr/sbin/sshd"
-TOOLS = {"ip": "iproute2", "nsenter": "util-linux", "unshare": "util-linux", "ssh": "openssh-client",
-         "ssh-keygen": "openssh-client", SSHD: "openssh-server", "pdsh": "pdsh"}
+TOOLS = {
+    "ip": "iproute2",
+    "nsenter": "util-linux",
+    "unshare": "util-linux",
+    "ssh": "openssh-client",
+    "ssh-keygen": "openssh-client",
+    SSHD: "openssh-server",
+    "pdsh": "pdsh",
+}
 _PR_SET_PDEATHSIG = 1
 
 
@@ -64,10 +72,10 @@ def _die_with_parent() -> None:
 
 @dataclass
 class Host:
-    name: str        # host name inside it, "h1"
-    ns: str          # network namespace
-    addr: str        # 198.18.0.x
-    pid: int = 0     # its sshd: the namespaces commands enter
+    name: str  # host name inside it, "h1"
+    ns: str  # network namespace
+    addr: str  # 198.18.0.x
+    pid: int = 0  # its sshd: the namespaces commands enter
 
     def command(self, cmd: list[str], cwd: str | Path | None = None) -> list[str]:
         """``cmd`` run on this host: its network, host name and /etc/hosts (the file system is shared), in ``cwd``
@@ -93,8 +101,20 @@ class Cluster:
         return self.folder / "id"
 
     def ssh_options(self) -> list[str]:
-        return ["-i", str(self.key), "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
-                "-o", "LogLevel=ERROR", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
+        return [
+            "-i",
+            str(self.key),
+            "-o",
+            "StrictHostKeyChecking=no",
+            "-o",
+            "UserKnownHostsFile=/dev/null",
+            "-o",
+            "LogLevel=ERROR",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "ConnectTimeout=10",
+        ]
 
     def ssh(self, src: Host, dst: Host, cmd: str) -> subprocess.CompletedProcess:
         """``cmd`` run on ``dst`` over ssh from ``src`` (by host name, as a hostfile names it)."""
@@ -142,7 +162,7 @@ def _stale(name: str) -> bool:
     """A prefixed name whose creating process is dead (a crashed run); never this process's own."""
     if not name.startswith(PREFIX):
         return False
-    digits = "".join(c for c in name[len(PREFIX):].split("-")[0] if c.isdigit())
+    digits = "".join(c for c in name[len(PREFIX) :].split("-")[0] if c.isdigit())
     if not digits:
         return True
     if int(digits) == os.getpid():
@@ -179,19 +199,36 @@ def clean_leftovers() -> list[str]:
 
 def _sshd_config(folder: Path, host: Host) -> Path:
     path = folder / f"sshd_{host.name}"
-    path.write_text("\n".join([
-        "Port 22", f"ListenAddress {host.addr}", f"HostKey {folder / 'host_key'}",
-        f"AuthorizedKeysFile {folder / 'authorized_keys'}", f"PidFile {folder / f'sshd_{host.name}.pid'}",
-        "StrictModes no", "UsePAM no", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
-        "PermitRootLogin prohibit-password", "MaxStartups 100", "MaxSessions 100", ""]))
+    path.write_text(
+        "\n".join(
+            [
+                "Port 22",
+                f"ListenAddress {host.addr}",
+                f"HostKey {folder / 'host_key'}",
+                f"AuthorizedKeysFile {folder / 'authorized_keys'}",
+                f"PidFile {folder / f'sshd_{host.name}.pid'}",
+                "StrictModes no",
+                "UsePAM no",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "PermitRootLogin prohibit-password",
+                "MaxStartups 100",
+                "MaxSessions 100",
+                "",
+            ]
+        )
+    )
     return path
 
 
 def _hosts_file(folder: Path, host: Host, hosts: list[Host], loopback: bool) -> Path:
     """/etc/hosts of ``host``: every host by its 198.18 address; a ``loopback`` host first names itself at
     127.0.1.1, as Debian's installer writes it (glibc takes the first match)."""
-    lines = ["127.0.0.1 localhost", *([f"127.0.1.1 {host.name}"] if loopback else []),
-             *(f"{h.addr} {h.name}" for h in hosts)]
+    lines = [
+        "127.0.0.1 localhost",
+        *([f"127.0.1.1 {host.name}"] if loopback else []),
+        *(f"{h.addr} {h.name}" for h in hosts),
+    ]
     path = folder / f"hosts_{host.name}"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -207,11 +244,18 @@ def _start_host(cluster: Cluster, host: Host, index: int, hosts_file: Path) -> N
     _run(*inside, "ip", "link", "set", "eth0", "up")
     _run(*inside, "ip", "link", "set", "lo", "up")
     config = _sshd_config(cluster.folder, host)
-    script = (f"hostname {host.name} && mount --bind {hosts_file} /etc/hosts && "
-              f"mount --bind {cluster.folder / 'ssh_config'} /etc/ssh/ssh_config && exec {SSHD} -D -e -f {config}")
+    script = (
+        f"hostname {host.name} && mount --bind {hosts_file} /etc/hosts && "
+        f"mount --bind {cluster.folder / 'ssh_config'} /etc/ssh/ssh_config && exec {SSHD} -D -e -f {config}"
+    )
     log = (cluster.folder / f"sshd_{host.name}.log").open("w")
-    proc = subprocess.Popen([*inside, "unshare", "--uts", "--mount", "sh", "-c", script], stdout=log,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(
+        [*inside, "unshare", "--uts", "--mount", "sh", "-c", script],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent,
+    )
     cluster.procs.append(proc)
     host.pid = proc.pid  # ip netns exec, unshare and sh each exec the next: this is sshd's pid
 
@@ -241,8 +285,9 @@ def up(n: int, base: Path | None = None, loopback: tuple[str, ...] = ()) -> Clus
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
     base = Path(base or tempfile.gettempdir())
     letter = 0
-    while (base / f"{PREFIX}{os.getpid()}{chr(97 + letter)}").exists() or \
-            Path(f"/sys/class/net/{PREFIX}{os.getpid()}{chr(97 + letter)}").exists():
+    while (base / f"{PREFIX}{os.getpid()}{chr(97 + letter)}").exists() or Path(
+        f"/sys/class/net/{PREFIX}{os.getpid()}{chr(97 + letter)}"
+    ).exists():
         letter += 1
     cid = f"{os.getpid()}{chr(97 + letter)}"
     folder = base / f"{PREFIX}{cid}"
@@ -252,8 +297,11 @@ def up(n: int, base: Path | None = None, loopback: tuple[str, ...] = ()) -> Clus
         for name in ("id", "host_key"):
             _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(folder / name))
         shutil.copy(folder / "id.pub", folder / "authorized_keys")
-        (folder / "ssh_config").write_text("Host *\n" + "".join(
-            f"  {o.split('=')[0]} {o.split('=')[1]}\n" for o in cluster.ssh_options()[3::2]) + f"  IdentityFile {folder / 'id'}\n")
+        (folder / "ssh_config").write_text(
+            "Host *\n"
+            + "".join(f"  {o.split('=')[0]} {o.split('=')[1]}\n" for o in cluster.ssh_options()[3::2])
+            + f"  IdentityFile {folder / 'id'}\n"
+        )
         _run("ip", "link", "add", f"{PREFIX}{cid}", "type", "bridge")
         _run("ip", "link", "set", f"{PREFIX}{cid}", "up")
         cluster.hosts = [Host(f"h{i}", f"{PREFIX}{cid}-h{i}", f"{SUBNET}.{i}") for i in range(1, n + 1)]
@@ -271,6 +319,7 @@ def unavailable(reason: str):
     """Skip a test that cannot run here, but fail it under CI=true: CI installs everything (.ci/run), so a
     missing piece there is a broken set-up, not a machine without it."""
     import pytest
+
     if os.environ.get("CI") == "true":
         pytest.fail(f"CI=true and {reason}", pytrace=False)
     pytest.skip(reason)
@@ -289,6 +338,7 @@ def make_hosts_fixture(tmp_path: Path):
     def make(n: int, loopback: tuple[str, ...] = ()) -> Cluster:
         made.append(up(n, tmp_path, loopback))
         return made[-1]
+
     try:
         yield make
     finally:

@@ -19,6 +19,7 @@ looks, is a deadlock and raises ``NcclRulesError("NCCL rules: deadlock ...")`` w
 ``ENGINE_NCCL_SHIM_CHECK_S`` (1 s) -- a busy machine only slows a wait, it never forms a cycle, so no false alarm.
 A wait that is no cycle (a peer stuck in a collective, or dead) fails after ``ENGINE_NCCL_SHIM_TIMEOUT_S`` (300 s).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -83,8 +84,9 @@ class _Rules:
             mine = f"{PREFIX}/{group}/{'send' if is_send else 'recv'}/{src}-{dst}/{k}"
             partner = f"{PREFIX}/{group}/{'recv' if is_send else 'send'}/{src}-{dst}/{k}"
             work = None if is_send else dist.irecv(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer)
-            plan.append({"op": op, "send": is_send, "peer": op.peer, "k": k, "partner": partner, "work": work,
-                         "done": False})
+            plan.append(
+                {"op": op, "send": is_send, "peer": op.peer, "k": k, "partner": partner, "work": work, "done": False}
+            )
             marks[mine] = _signature(op.tensor)
         store.multi_set(list(marks), list(marks.values()))
         self._wait_partners(store, me, plan)
@@ -109,7 +111,8 @@ class _Rules:
                     if want != _signature(p["op"].tensor):
                         raise NcclRulesError(
                             f"NCCL rules: rank {me} sends a {_signature(p['op'].tensor)} tensor as message {p['k']} "
-                            f"to rank {p['peer']}, whose matching receive expects {want}")
+                            f"to rank {p['peer']}, whose matching receive expects {want}"
+                        )
                     op = p["op"]
                     p["work"] = dist.isend(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer)
                 p["done"] = True
@@ -118,9 +121,16 @@ class _Rules:
                 return
             now = time.monotonic()
             if not published:
-                store.set(f"{PREFIX}/state/{me}", json.dumps({
-                    "batch": self.batches, "desc": describe(plan),
-                    "waits": [[p["peer"], p["partner"]] for p in missing]}))
+                store.set(
+                    f"{PREFIX}/state/{me}",
+                    json.dumps(
+                        {
+                            "batch": self.batches,
+                            "desc": describe(plan),
+                            "waits": [[p["peer"], p["partner"]] for p in missing],
+                        }
+                    ),
+                )
                 published = True  # the waits only shrink; a stale extra entry is re-checked against the store
             if now - last_check >= self.check_s:
                 last_check = now
@@ -130,16 +140,21 @@ class _Rules:
                     if find_cycle(store, me) == cycle:
                         raise NcclRulesError(f"NCCL rules: deadlock: {cycle_text(cycle)}")
             if now - start > self.timeout_s:
-                raise NcclRulesError(f"NCCL rules: rank {me} batch {self.batches} [{describe(plan)}] waited "
-                                     f"{self.timeout_s:.0f} s for " + ", ".join(p["partner"] for p in missing))
+                raise NcclRulesError(
+                    f"NCCL rules: rank {me} batch {self.batches} [{describe(plan)}] waited "
+                    f"{self.timeout_s:.0f} s for " + ", ".join(p["partner"] for p in missing)
+                )
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
 
 
 def describe(plan: list) -> str:
     """'send#3->r1 (1, 16, 64) torch.float32, recv#2<-r1': the batch's ops with their per-pair message numbers."""
-    return ", ".join(f"{'send' if p['send'] else 'recv'}#{p['k']}{'->' if p['send'] else '<-'}r{p['peer']} "
-                     f"{_signature(p['op'].tensor)}" for p in plan)
+    return ", ".join(
+        f"{'send' if p['send'] else 'recv'}#{p['k']}{'->' if p['send'] else '<-'}r{p['peer']} "
+        f"{_signature(p['op'].tensor)}"
+        for p in plan
+    )
 
 
 def _state(store, rank: int) -> dict | None:
@@ -181,8 +196,10 @@ def cycle_text(cycle: list) -> str:
     out = []
     for i, (rank, batch, desc, key) in enumerate(cycle):
         kind, pair, k = key.split("/")[-3:]
-        out.append(f"rank {rank} batch {batch} [{desc}] waits for rank {cycle[(i + 1) % len(cycle)][0]} to start "
-                   f"its {kind}#{k} of {pair.replace('-', '->')}")
+        out.append(
+            f"rank {rank} batch {batch} [{desc}] waits for rank {cycle[(i + 1) % len(cycle)][0]} to start "
+            f"its {kind}#{k} of {pair.replace('-', '->')}"
+        )
     return "; ".join(out)
 
 

@@ -5,6 +5,7 @@ created when missing. The client side takes the key and port as options (ssh rea
 not $HOME, so the user's own ssh set-up is never touched). Skips, saying what is missing, where sshd cannot run:
 install with `apt-get install -y openssh-server openssh-client pdsh` (.ci/run does; under CI=true they fail instead).
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,20 @@ class Sshd:
     key: Path
 
     def options(self) -> list[str]:
-        return ["-i", str(self.key), "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
-                "-o", "LogLevel=ERROR", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5"]
+        return [
+            "-i",
+            str(self.key),
+            "-o",
+            "StrictHostKeyChecking=no",
+            "-o",
+            "UserKnownHostsFile=/dev/null",
+            "-o",
+            "LogLevel=ERROR",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "ConnectTimeout=5",
+        ]
 
     def ssh_command(self) -> list[str]:
         return ["ssh", "-p", str(self.port), *self.options()]
@@ -42,11 +55,23 @@ class Sshd:
 
 def _config(folder: Path, port: int) -> Path:
     path = folder / "sshd_config"
-    path.write_text("\n".join([
-        f"Port {port}", "ListenAddress 127.0.0.1", f"HostKey {folder / 'host_key'}",
-        f"AuthorizedKeysFile {folder / 'authorized_keys'}", f"PidFile {folder / 'sshd.pid'}",
-        "StrictModes no", "UsePAM no", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
-        "PermitRootLogin prohibit-password", ""]))
+    path.write_text(
+        "\n".join(
+            [
+                f"Port {port}",
+                "ListenAddress 127.0.0.1",
+                f"HostKey {folder / 'host_key'}",
+                f"AuthorizedKeysFile {folder / 'authorized_keys'}",
+                f"PidFile {folder / 'sshd.pid'}",
+                "StrictModes no",
+                "UsePAM no",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "PermitRootLogin prohibit-password",
+                "",
+            ]
+        )
+    )
     return path
 
 
@@ -66,8 +91,9 @@ def local_sshd(tmp_path_factory):
     shutil.copy(folder / "id.pub", folder / "authorized_keys")
     server = Sshd(free_port(), folder / "id")
     log = (folder / "sshd.log").open("w")
-    proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(_config(folder, server.port))], stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [SSHD, "-D", "-e", "-f", str(_config(folder, server.port))], stdout=log, stderr=subprocess.STDOUT
+    )
     try:
         deadline = time.monotonic() + 15
         while subprocess.run([*server.ssh_command(), "localhost", "true"], capture_output=True).returncode != 0:

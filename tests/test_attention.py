@@ -12,6 +12,7 @@
   mask), the repeated k/v, and the math kernel's s x s softmax (rel 1e-3, the existing ledger test's tolerance:
   the loss's few scalars).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -30,15 +31,23 @@ from engine.planning.planner import with_layout
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
 # (device, dtype, document mask, gqa, head_dim) -> path, by torch 2.13's sdp_utils rules (module docstring)
 CASES = [
-    ("cpu", FP32, False, True, 64, attn.CPU_FLASH), ("cpu", FP32, True, True, 64, attn.CPU_FLASH),
-    ("cpu", BF16, True, False, 64, attn.CPU_FLASH), ("cpu", BF16, False, True, 64, attn.CPU_FLASH),
-    ("cuda", BF16, False, True, 128, attn.FLASH), ("cuda", FP16, False, False, 128, attn.FLASH),
-    ("cuda", BF16, True, True, 128, attn.EFFICIENT_REPEAT_KV), ("cuda", BF16, True, False, 128, attn.EFFICIENT),
-    ("cuda", FP32, False, True, 128, attn.EFFICIENT_REPEAT_KV), ("cuda", FP32, False, False, 128, attn.EFFICIENT),
-    ("cuda", FP32, True, True, 128, attn.EFFICIENT_REPEAT_KV), ("cuda", FP32, True, False, 64, attn.EFFICIENT),
+    ("cpu", FP32, False, True, 64, attn.CPU_FLASH),
+    ("cpu", FP32, True, True, 64, attn.CPU_FLASH),
+    ("cpu", BF16, True, False, 64, attn.CPU_FLASH),
+    ("cpu", BF16, False, True, 64, attn.CPU_FLASH),
+    ("cuda", BF16, False, True, 128, attn.FLASH),
+    ("cuda", FP16, False, False, 128, attn.FLASH),
+    ("cuda", BF16, True, True, 128, attn.EFFICIENT_REPEAT_KV),
+    ("cuda", BF16, True, False, 128, attn.EFFICIENT),
+    ("cuda", FP32, False, True, 128, attn.EFFICIENT_REPEAT_KV),
+    ("cuda", FP32, False, False, 128, attn.EFFICIENT),
+    ("cuda", FP32, True, True, 128, attn.EFFICIENT_REPEAT_KV),
+    ("cuda", FP32, True, False, 64, attn.EFFICIENT),
     ("cuda", BF16, False, True, 512, attn.EFFICIENT_REPEAT_KV),  # flash takes head_dim <= 256 only
-    ("cuda", FP32, False, False, 30, attn.MATH), ("cuda", BF16, True, False, 36, attn.MATH),  # unaligned head_dim
-    ("cuda", torch.float64, False, False, 64, attn.MATH), ("mps", FP32, False, False, 64, attn.MATH),
+    ("cuda", FP32, False, False, 30, attn.MATH),
+    ("cuda", BF16, True, False, 36, attn.MATH),  # unaligned head_dim
+    ("cuda", torch.float64, False, False, 64, attn.MATH),
+    ("mps", FP32, False, False, 64, attn.MATH),
 ]
 
 
@@ -48,9 +57,11 @@ def test_attention_path_table(device, dtype, mask, gqa, head_dim, path):
 
 
 # cuDNN attention (first in torch's order on sm90 with a recent cuDNN) saves what the fused kernels save.
-CUDA_BACKENDS = {attn.FLASH: {SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION},
-                 attn.EFFICIENT: {SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION},
-                 attn.MATH: {SDPBackend.MATH}}
+CUDA_BACKENDS = {
+    attn.FLASH: {SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION},
+    attn.EFFICIENT: {SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION},
+    attn.MATH: {SDPBackend.MATH},
+}
 CUDA_BACKENDS[attn.EFFICIENT_REPEAT_KV] = CUDA_BACKENDS[attn.EFFICIENT]
 
 
@@ -62,14 +73,30 @@ def test_cuda_kernel_is_the_path(case):
     kv_heads = 2 if gqa and path != attn.EFFICIENT_REPEAT_KV else 8  # as attend() calls SDPA
     k, v = (torch.randn(2, kv_heads, 256, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
     m = block_causal_mask(torch.arange(256, device="cuda").expand(2, 256) // 100) if mask else None
-    choice = torch._fused_sdp_choice(q, k, v, m, 0.0, m is None, scale=None,
-                                     enable_gqa=k.shape[1] != q.shape[1])
+    choice = torch._fused_sdp_choice(q, k, v, m, 0.0, m is None, scale=None, enable_gqa=k.shape[1] != q.shape[1])
     assert SDPBackend(choice) in CUDA_BACKENDS[path]
 
 
-SMALL = ["--config", "configs/tiny.yaml", "--model.hidden_size", "128", "--model.intermediate_size", "344",
-         "--train.seq_len", "64", "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
-         "--model.num_layers", "2", "--log.progress", "false", "--parallel.backend", "gloo"]
+SMALL = [
+    "--config",
+    "configs/tiny.yaml",
+    "--model.hidden_size",
+    "128",
+    "--model.intermediate_size",
+    "344",
+    "--train.seq_len",
+    "64",
+    "--train.micro_batch_size",
+    "2",
+    "--train.global_batch_size",
+    "4",
+    "--model.num_layers",
+    "2",
+    "--log.progress",
+    "false",
+    "--parallel.backend",
+    "gloo",
+]
 EOS = 0
 
 
@@ -165,5 +192,5 @@ def test_ledger_follows_a_forced_path(monkeypatch, path):
     with sdpa_kernel(SDPBackend.MATH if path == attn.MATH else SDPBackend.FLASH_ATTENTION):
         assert run_and_measure(cfg) == pytest.approx(planned, rel=1e-3)
     m, t = cfg.model, cfg.train
-    scores = m.num_layers * t.micro_batch_size * m.num_heads * t.seq_len ** 2 * 4  # (b, a, s, s) fp32 a layer
+    scores = m.num_layers * t.micro_batch_size * m.num_heads * t.seq_len**2 * 4  # (b, a, s, s) fp32 a layer
     assert (planned - fused >= scores) == (path == attn.MATH)

@@ -3,6 +3,7 @@
 The fault is injected where it would arise in a real run: a forward hook on the final norm multiplies its output
 by NaN on chosen steps, so the loss and every gradient behind it are NaN, on every dp rank.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -16,9 +17,28 @@ from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer, TrainingAborted
 from tests.dist import run_ranks
 
-SMALL = ["--config", "configs/tiny.yaml", "--model.num_layers", "2", "--model.hidden_size", "64",
-         "--model.intermediate_size", "128", "--model.num_heads", "4", "--model.num_kv_heads", "2",
-         "--train.seq_len", "32", "--train.steps", "5", "--train.warmup_steps", "1", "--log.progress", "false"]
+SMALL = [
+    "--config",
+    "configs/tiny.yaml",
+    "--model.num_layers",
+    "2",
+    "--model.hidden_size",
+    "64",
+    "--model.intermediate_size",
+    "128",
+    "--model.num_heads",
+    "4",
+    "--model.num_kv_heads",
+    "2",
+    "--train.seq_len",
+    "32",
+    "--train.steps",
+    "5",
+    "--train.warmup_steps",
+    "1",
+    "--log.progress",
+    "false",
+]
 
 
 def _snapshot(trainer) -> dict[str, torch.Tensor]:
@@ -46,8 +66,11 @@ def poisoned_run(argv: list[str], poison: list[int]) -> dict:
     return {"records": records, "params": params, "error": error}
 
 
-MODES = {"ddp": [], "fsdp": ["--parallel.dp_mode", "fsdp"], "zero2": ["--parallel.dp_mode", "zero",
-                                                                       "--parallel.zero_stage", "2"]}
+MODES = {
+    "ddp": [],
+    "fsdp": ["--parallel.dp_mode", "fsdp"],
+    "zero2": ["--parallel.dp_mode", "zero", "--parallel.zero_stage", "2"],
+}
 
 
 @pytest.mark.parametrize("mode", list(MODES))

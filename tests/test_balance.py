@@ -1,5 +1,6 @@
 """parallel.pp_layers: auto (engine/planning/balance.py): the split minimising the slowest stage, the config value,
 the planner's use of it, and a pp 2 run with the balanced split against one process."""
+
 from __future__ import annotations
 
 import itertools
@@ -61,6 +62,7 @@ def test_auto_split_is_the_best_of_every_split(layers, pp, vocab):
 
     def squares(c):
         return sum(stage_cost(cfg, pp, s, k) ** 2 for s, k in enumerate(c))
+
     assert squares(counts) == min(squares(c) for c in _compositions(layers, pp) if _slowest(cfg, c) == best)
 
 
@@ -76,6 +78,7 @@ def test_best_split_on_random_costs():
 
         def cost(s, k):
             return per[s] * k + extra[s]
+
         counts = best_split(layers, pp, cost)
         assert len(counts) == pp and sum(counts) == layers and min(counts) >= 1
         worst = max(cost(s, k) for s, k in enumerate(counts))
@@ -96,12 +99,15 @@ def test_config_accepts_auto_and_lists(value, want):
     resolve_layout(cfg, 2)
 
 
-@pytest.mark.parametrize("value,needle", [
-    ("junk", "parallel.pp_layers='junk' is not valid; use auto"),
-    ("Auto", "parallel.pp_layers='Auto' is not valid; use auto"),
-    ("3", "parallel.pp_layers=3 is neither a list [a,b] nor a word such as auto"),
-    ("[1,x]", "parallel.pp_layers[1]='x' is not an integer"),
-])
+@pytest.mark.parametrize(
+    "value,needle",
+    [
+        ("junk", "parallel.pp_layers='junk' is not valid; use auto"),
+        ("Auto", "parallel.pp_layers='Auto' is not valid; use auto"),
+        ("3", "parallel.pp_layers=3 is neither a list [a,b] nor a word such as auto"),
+        ("[1,x]", "parallel.pp_layers[1]='x' is not an integer"),
+    ],
+)
 def test_config_refuses_junk(value, needle):
     with pytest.raises(ConfigError) as e:
         _cfg("--parallel.pp", "2", "--parallel.pp_layers", value)
@@ -109,8 +115,16 @@ def test_config_refuses_junk(value, needle):
 
 
 def test_interleaved_refuses_auto():
-    cfg = _cfg("--parallel.pp", "2", "--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2",
-               "--parallel.pp_layers", "auto")
+    cfg = _cfg(
+        "--parallel.pp",
+        "2",
+        "--parallel.schedule",
+        "interleaved",
+        "--parallel.virtual_stages",
+        "2",
+        "--parallel.pp_layers",
+        "auto",
+    )
     with pytest.raises(ConfigError, match="parallel.pp_layers=auto is not supported with schedule=interleaved"):
         resolve_layout(cfg, 2)
 

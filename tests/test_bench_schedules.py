@@ -1,6 +1,7 @@
 """launch/bench/schedules.py (1F1B, interleaved and zero bubble side by side): its arguments, its theory column
 and its per-rank measurement, on a tiny model at pp = 2. No timing is asserted, only what the schedule tables
 fix: activations in flight, that zero bubble's W queue is counted, that every figure is produced."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,12 +15,15 @@ def test_defaults_cover_the_issue_grid():
     assert (args.pp, args.micro_batches, args.virtual_stages, args.layers) == ([2, 4], [4, 8, 16], 2, 8)
 
 
-@pytest.mark.parametrize("argv, names", [
-    (["--pp", "4", "--micro-batches", "6"], "--micro-batches [6]"),   # interleaved needs m % pp == 0
-    (["--pp", "4", "--micro-batches", "2"], "--micro-batches [2]"),   # m < pp
-    (["--pp", "4", "--layers", "4"], "--layers 4"),                    # 4 layers in pp*v = 8 chunks
-    (["--virtual-stages", "1", "--layers", "8"], "--virtual-stages"),
-])
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["--pp", "4", "--micro-batches", "6"], "--micro-batches [6]"),  # interleaved needs m % pp == 0
+        (["--pp", "4", "--micro-batches", "2"], "--micro-batches [2]"),  # m < pp
+        (["--pp", "4", "--layers", "4"], "--layers 4"),  # 4 layers in pp*v = 8 chunks
+        (["--virtual-stages", "1", "--layers", "8"], "--virtual-stages"),
+    ],
+)
 def test_bad_arguments_are_one_line_exit_2(argv, names, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
@@ -33,14 +37,17 @@ def test_rotation_puts_each_schedule_in_each_position_once():
     assert all(len({o[pos] for o in orders}) == len(NAMES) for pos in range(len(NAMES)))
 
 
-@pytest.mark.parametrize("name, v, ops, closed", [
-    ("1f1b", 1, {"F": 1.0, "B": 2.0}, 3 / 11),
-    ("interleaved", 2, {"F": 0.5, "B": 1.0}, 3 / 19),
-    # ZB-H1, W <= min(F, B) (exact there, schedules/zero_bubble.py): bubble (p-1)(F+B-W) = 9 over m(F+B+W) = 40 of work
-    ("zero_bubble", 1, {"F": 2.0, "Bi": 2.0, "W": 1.0}, 9 / 49),
-    # ZB-V at F = B = W per chunk: rank r starts r chunk-F's late, (p-1)F = 3 over 2m(F+B+W) = 48 of work
-    ("zbv", 2, {"F": 1.0, "Bi": 1.0, "W": 1.0}, 3 / 51),
-])
+@pytest.mark.parametrize(
+    "name, v, ops, closed",
+    [
+        ("1f1b", 1, {"F": 1.0, "B": 2.0}, 3 / 11),
+        ("interleaved", 2, {"F": 0.5, "B": 1.0}, 3 / 19),
+        # ZB-H1, W <= min(F, B) (exact there, schedules/zero_bubble.py): bubble (p-1)(F+B-W) = 9 over m(F+B+W) = 40 of work
+        ("zero_bubble", 1, {"F": 2.0, "Bi": 2.0, "W": 1.0}, 9 / 49),
+        # ZB-V at F = B = W per chunk: rank r starts r chunk-F's late, (p-1)F = 3 over 2m(F+B+W) = 48 of work
+        ("zbv", 2, {"F": 1.0, "Bi": 1.0, "W": 1.0}, 3 / 51),
+    ],
+)
 def test_theory_at_pp4_m8(name, v, ops, closed):
     """The closed forms of the papers, and the simulator fed with the same uniform times agrees with them on
     every stage. 1F1B holds pp - stage micro-batches, ZB-H1 pp on every stage (until W: schedules/zero_bubble.py)."""
@@ -55,8 +62,25 @@ def test_theory_at_pp4_m8(name, v, ops, closed):
 def measured():
     """pp = 2, m = 2 and 4 on a tiny model, one measured step (a fixture: the forked ranks need the real
     stderr, which capsys replaces)."""
-    args = parse_args(["--pp", "2", "--micro-batches", "2", "4", "--steps", "1", "--hidden", "32", "--ffn", "64",
-                       "--seq-len", "16", "--vocab", "64"])
+    args = parse_args(
+        [
+            "--pp",
+            "2",
+            "--micro-batches",
+            "2",
+            "4",
+            "--steps",
+            "1",
+            "--hidden",
+            "32",
+            "--ffn",
+            "64",
+            "--seq-len",
+            "16",
+            "--vocab",
+            "64",
+        ]
+    )
     return args, run_ranks(rank_main, 2, args, timeout_s=120, threads=1)
 
 

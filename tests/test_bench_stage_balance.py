@@ -1,5 +1,6 @@
 """launch/bench/stage_balance.py (pp_layers auto against even): its arguments and one small run at pp 2. No timing
 is asserted, only that both splits run side by side and every figure is produced."""
+
 from __future__ import annotations
 
 import math
@@ -10,11 +11,14 @@ from launch.bench.stage_balance import SPLITS, parse_args, rank_main, report
 from tests.dist import run_ranks
 
 
-@pytest.mark.parametrize("argv, names", [
-    (["--pp", "1"], "(1, 8)"),                       # no pipeline
-    (["--pp", "4", "--micro-batches", "2"], "(4, 2)"),  # m < pp
-    (["--pp", "4", "--layers", "3"], "(4, 8)"),         # a stage without a layer
-])
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["--pp", "1"], "(1, 8)"),  # no pipeline
+        (["--pp", "4", "--micro-batches", "2"], "(4, 2)"),  # m < pp
+        (["--pp", "4", "--layers", "3"], "(4, 8)"),  # a stage without a layer
+    ],
+)
 def test_bad_arguments_are_one_line_exit_2(argv, names, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
@@ -26,8 +30,24 @@ def test_bad_arguments_are_one_line_exit_2(argv, names, capsys):
 def measured():
     """pp 2, m 2, one measured step of a model whose head (4096 x 64) outweighs its 4 layers (a fixture: the forked
     ranks need the real stderr, which capsys replaces)."""
-    args = parse_args(["--pp", "2", "--layers", "4", "--hidden", "64", "--ffn", "128", "--seq-len", "16",
-                       "--micro-batches", "2", "--steps", "1"])
+    args = parse_args(
+        [
+            "--pp",
+            "2",
+            "--layers",
+            "4",
+            "--hidden",
+            "64",
+            "--ffn",
+            "128",
+            "--seq-len",
+            "16",
+            "--micro-batches",
+            "2",
+            "--steps",
+            "1",
+        ]
+    )
     return args, run_ranks(rank_main, 2, args, timeout_s=120, threads=1)
 
 

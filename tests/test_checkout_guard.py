@@ -1,4 +1,5 @@
 """tests/checkout_guard.py, which tests/conftest.py runs around the session: what a test wrote into the checkout."""
+
 import os
 
 from tests.checkout_guard import changes, shallow, snapshot
@@ -24,8 +25,13 @@ def test_changes_name_added_rewritten_and_removed_paths_but_not_caches(tmp_path)
     (tmp_path / ".pytest_cache").mkdir()
     (tmp_path / "basetemp" / "test_x0").mkdir()
     got = changes(before, snapshot(tmp_path, skip=(tmp_path / "basetemp",)))
-    assert got == ["removed README.md", "modified configs/tiny.yaml", "added runs/tiny", "added runs/tiny/LOCK",
-                   "added tests"], got
+    assert got == [
+        "removed README.md",
+        "modified configs/tiny.yaml",
+        "added runs/tiny",
+        "added runs/tiny/LOCK",
+        "added tests",
+    ], got
 
 
 def test_no_change_is_no_line(tmp_path):

@@ -12,6 +12,7 @@
 Each scenario is a list of phases run one after another in one set of forked ranks (one Trainer per phase), so the
 ranks start and import once.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,10 +37,30 @@ from tests.dist import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 # tests/test_zero.py's shrunk tiny model: a clip threshold below the gradient norm, so clipping is active.
-SMALL = ["--config", "configs/tiny.yaml", "--model.num_layers", "2", "--model.hidden_size", "64",
-         "--model.intermediate_size", "128", "--model.num_heads", "4", "--model.num_kv_heads", "2",
-         "--train.seq_len", "32", "--train.steps", "20", "--train.warmup_steps", "3", "--train.grad_clip", "0.5",
-         "--log.progress", "false"]
+SMALL = [
+    "--config",
+    "configs/tiny.yaml",
+    "--model.num_layers",
+    "2",
+    "--model.hidden_size",
+    "64",
+    "--model.intermediate_size",
+    "128",
+    "--model.num_heads",
+    "4",
+    "--model.num_kv_heads",
+    "2",
+    "--train.seq_len",
+    "32",
+    "--train.steps",
+    "20",
+    "--train.warmup_steps",
+    "3",
+    "--train.grad_clip",
+    "0.5",
+    "--log.progress",
+    "false",
+]
 DDP_DP2_PP2 = ["--parallel.pp", "2"]
 TP2_PP2 = ["--parallel.tp", "2", "--parallel.pp", "2"]
 # Evaluation right before a save leaves FSDP's root unsharded (forward only): the save must reshard it first.
@@ -55,14 +76,29 @@ def zero(stage: int, *extra: str) -> list[str]:
 
 def straight(root: Path, *layout: str) -> tuple:
     """20 steps from scratch, checkpoints at steps 10 and 20 in ``root``."""
-    return ("train", [*SMALL, *layout, "--checkpoint.dir", str(root), "--checkpoint.every", "10",
-                      "--checkpoint.resume", "none", "--train.out_dir", str(root / "out")])
+    return (
+        "train",
+        [
+            *SMALL,
+            *layout,
+            "--checkpoint.dir",
+            str(root),
+            "--checkpoint.every",
+            "10",
+            "--checkpoint.resume",
+            "none",
+            "--train.out_dir",
+            str(root / "out"),
+        ],
+    )
 
 
 def resumed(path: Path, *layout: str) -> tuple:
     """Resume from ``path`` at ``layout`` and train to step 20 (without saving)."""
-    return ("train", [*SMALL, *layout, "--checkpoint.resume", str(path), "--train.out_dir",
-                      str(path.parent / "resumed_out")])
+    return (
+        "train",
+        [*SMALL, *layout, "--checkpoint.resume", str(path), "--train.out_dir", str(path.parent / "resumed_out")],
+    )
 
 
 def run_phases(phases: list[tuple]) -> list:
@@ -77,7 +113,7 @@ def run_phases(phases: list[tuple]) -> list:
             dist.barrier()
             out.append(None)
             continue
-        argv, signal_rank, signal_step = (arg if kind == "signal" else (arg, None, None))
+        argv, signal_rank, signal_step = arg if kind == "signal" else (arg, None, None)
         cfg = load(argv)
         try:
             trainer = Trainer(cfg, ParallelContext.from_config(cfg))
@@ -94,9 +130,16 @@ def run_phases(phases: list[tuple]) -> list:
                 if trainer.step == signal_step - 1:
                     os.kill(os.getpid(), signal.SIGTERM)  # only this rank is signalled
                 return step(batch)
+
             trainer.train_step = signalled
-        out.append({"start": start, "loss": [r["loss"] for r in trainer.fit()], "end": trainer.step,
-                    "skipped": trainer.checkpointer.skipped})
+        out.append(
+            {
+                "start": start,
+                "loss": [r["loss"] for r in trainer.fit()],
+                "end": trainer.step,
+                "skipped": trainer.checkpointer.skipped,
+            }
+        )
     return out
 
 
@@ -157,45 +200,76 @@ def check_resumes(tmp_path: Path, world: int, runs: dict) -> None:
 
 
 def test_ddp_and_fsdp_resume_at_the_same_and_at_other_layouts(tmp_path):
-    check_resumes(tmp_path, 4, {
-        "ddp dp4": ([], [("same layout", [], SAME), ("dp2 pp2", DDP_DP2_PP2, MOVED), ("tp2 pp2", TP2_PP2, MOVED)]),
-        "ddp tp2 pp2": (TP2_PP2, [("same layout", TP2_PP2, SAME), ("tp1 dp4", [], MOVED)]),
-        "fsdp dp2 tp2": (FSDP_TP2, [("same layout", FSDP_TP2, SAME), ("ddp dp2 pp2", DDP_DP2_PP2, MOVED)]),
-        "fsdp dp2 pp2": (FSDP_PP2, [("same layout", FSDP_PP2, SAME)]),
-        # Saved under pp 2 the last stage's copy of a tied embedding is not written; loaded under pp 2 it is read
-        # from the embedding's pieces.
-        "tied ddp tp2 pp2": ([*TIED, *TP2_PP2], [("tied fsdp dp2 pp2", [*TIED, *FSDP_PP2], MOVED)])})
+    check_resumes(
+        tmp_path,
+        4,
+        {
+            "ddp dp4": ([], [("same layout", [], SAME), ("dp2 pp2", DDP_DP2_PP2, MOVED), ("tp2 pp2", TP2_PP2, MOVED)]),
+            "ddp tp2 pp2": (TP2_PP2, [("same layout", TP2_PP2, SAME), ("tp1 dp4", [], MOVED)]),
+            "fsdp dp2 tp2": (FSDP_TP2, [("same layout", FSDP_TP2, SAME), ("ddp dp2 pp2", DDP_DP2_PP2, MOVED)]),
+            "fsdp dp2 pp2": (FSDP_PP2, [("same layout", FSDP_PP2, SAME)]),
+            # Saved under pp 2 the last stage's copy of a tied embedding is not written; loaded under pp 2 it is read
+            # from the embedding's pieces.
+            "tied ddp tp2 pp2": ([*TIED, *TP2_PP2], [("tied fsdp dp2 pp2", [*TIED, *FSDP_PP2], MOVED)]),
+        },
+    )
 
 
 def test_zero_resumes_at_the_same_and_at_other_layouts(tmp_path):
     pytest.importorskip("deepspeed")
     z2_pp2, z3_tp2 = zero(2, *DDP_DP2_PP2), zero(3, "--parallel.tp", "2")
-    check_resumes(tmp_path, 4, {
-        "zero-2 dp2 pp2": (z2_pp2, [("same layout", z2_pp2, SAME),
-                                    ("fsdp dp4", ["--parallel.dp_mode", "fsdp"], MOVED)]),
-        "zero-3 dp2 tp2": (z3_tp2, [("same layout", z3_tp2, SAME),
-                                    ("zero-1 dp2 pp2", zero(1, *DDP_DP2_PP2), MOVED)])})
+    check_resumes(
+        tmp_path,
+        4,
+        {
+            "zero-2 dp2 pp2": (
+                z2_pp2,
+                [("same layout", z2_pp2, SAME), ("fsdp dp4", ["--parallel.dp_mode", "fsdp"], MOVED)],
+            ),
+            "zero-3 dp2 tp2": (
+                z3_tp2,
+                [("same layout", z3_tp2, SAME), ("zero-1 dp2 pp2", zero(1, *DDP_DP2_PP2), MOVED)],
+            ),
+        },
+    )
 
 
 def test_damaged_checkpoints_fall_back_and_a_signal_saves(tmp_path):
     c, s = tmp_path / "c", tmp_path / "signal"
-    every4 = ["--checkpoint.dir", str(c), "--checkpoint.every", "4", "--checkpoint.keep", "0",
-              "--checkpoint.async_save", "true", "--train.out_dir", str(tmp_path / "out")]
+    every4 = [
+        "--checkpoint.dir",
+        str(c),
+        "--checkpoint.every",
+        "4",
+        "--checkpoint.keep",
+        "0",
+        "--checkpoint.async_save",
+        "true",
+        "--train.out_dir",
+        str(tmp_path / "out"),
+    ]
     auto = [*SMALL, *every4, "--checkpoint.resume", "auto"]
     out = ["--train.out_dir", str(tmp_path / "out")]
     on_signal = ["--checkpoint.dir", str(s), *out]
-    phases = [("train", [*SMALL, *every4, "--checkpoint.resume", "none"]),  # saves 4, 8, ..., 20 (async)
-              ("damage", [("truncate", c / "step_000020" / "rank_00001.safetensors"),
-                          ("remove", c / "step_000016" / "rank_00000.safetensors"),
-                          ("flip", c / "step_000012" / "rank_00001.safetensors"),
-                          ("index", c / "step_000008" / "index.json"),
-                          ("partial", c / "step_000024.tmp-cutshort")]),
-              ("train", auto),  # falls back to step 4, trains to 20, saves 8, ..., 20 again
-              ("train", auto),  # latest (the new step 20) is good: nothing left to train
-              ("error", [*SMALL, *out, "--checkpoint.resume", str(tmp_path / "nonexistent")]),
-              ("error", [*SMALL, *out, "--model.hidden_size", "128", "--checkpoint.resume", str(c / "step_000020")]),
-              ("signal", ([*SMALL, *on_signal, "--checkpoint.resume", "none"], 1, 7)),  # SIGTERM to rank 1 only
-              ("train", [*SMALL, *on_signal, "--checkpoint.keep", "1"])]  # resumes at 7; keeps only step 20
+    phases = [
+        ("train", [*SMALL, *every4, "--checkpoint.resume", "none"]),  # saves 4, 8, ..., 20 (async)
+        (
+            "damage",
+            [
+                ("truncate", c / "step_000020" / "rank_00001.safetensors"),
+                ("remove", c / "step_000016" / "rank_00000.safetensors"),
+                ("flip", c / "step_000012" / "rank_00001.safetensors"),
+                ("index", c / "step_000008" / "index.json"),
+                ("partial", c / "step_000024.tmp-cutshort"),
+            ],
+        ),
+        ("train", auto),  # falls back to step 4, trains to 20, saves 8, ..., 20 again
+        ("train", auto),  # latest (the new step 20) is good: nothing left to train
+        ("error", [*SMALL, *out, "--checkpoint.resume", str(tmp_path / "nonexistent")]),
+        ("error", [*SMALL, *out, "--model.hidden_size", "128", "--checkpoint.resume", str(c / "step_000020")]),
+        ("signal", ([*SMALL, *on_signal, "--checkpoint.resume", "none"], 1, 7)),  # SIGTERM to rank 1 only
+        ("train", [*SMALL, *on_signal, "--checkpoint.keep", "1"]),
+    ]  # resumes at 7; keeps only step 20
     r = run_ranks(run_phases, 2, phases, timeout_s=300)[0]
     full = r[0]["loss"]
     assert r[2]["start"] == 4 and r[2]["loss"] == full[4:], "auto did not fall back to the good step 4"
@@ -212,15 +286,28 @@ def test_damaged_checkpoints_fall_back_and_a_signal_saves(tmp_path):
     assert sorted(p.name for p in s.iterdir()) == ["latest", "step_000020"]
     # The cut-short save was ignored, then cleaned up by the next successful save; the damaged steps above the
     # one resumed from were set aside (engine/checkpoint/lineage.py), not deleted.
-    assert sorted(p.name for p in c.iterdir()) == ["latest", "set_aside",
-                                                   *(f"step_{i:06d}" for i in (4, 8, 12, 16, 20))]
-    assert sorted(p.name.split("-")[0] for p in (c / "set_aside").iterdir()) == \
-        [f"step_{i:06d}" for i in (8, 12, 16, 20)]
+    assert sorted(p.name for p in c.iterdir()) == [
+        "latest",
+        "set_aside",
+        *(f"step_{i:06d}" for i in (4, 8, 12, 16, 20)),
+    ]
+    assert sorted(p.name.split("-")[0] for p in (c / "set_aside").iterdir()) == [
+        f"step_{i:06d}" for i in (8, 12, 16, 20)
+    ]
 
 
 def test_pretrain_sigterm_saves_and_exits_0_and_a_bad_path_exits_2(tmp_path):
-    cmd = [sys.executable, "launch/pretrain.py", *SMALL, "--train.steps", "1000", "--checkpoint.dir",
-           str(tmp_path / "c"), "--train.out_dir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "launch/pretrain.py",
+        *SMALL,
+        "--train.steps",
+        "1000",
+        "--checkpoint.dir",
+        str(tmp_path / "c"),
+        "--train.out_dir",
+        str(tmp_path),
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 120
@@ -231,16 +318,28 @@ def test_pretrain_sigterm_saves_and_exits_0_and_a_bad_path_exits_2(tmp_path):
     assert proc.returncode == 0, out[-2000:]
     steps = len(metrics.read_text().splitlines())
     assert (tmp_path / "c" / "latest").read_text().strip() == f"step_{steps:06d}", out[-2000:]
-    bad = run_script("launch/pretrain.py", *SMALL, "--train.out_dir", tmp_path, "--checkpoint.resume",
-                     tmp_path / "missing", timeout=120)
+    bad = run_script(
+        "launch/pretrain.py",
+        *SMALL,
+        "--train.out_dir",
+        tmp_path,
+        "--checkpoint.resume",
+        tmp_path / "missing",
+        timeout=120,
+    )
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1].startswith("error: checkpoint.resume"), bad.stderr[-2000:]
     shutil.rmtree(tmp_path / "c")
 
 
-@pytest.mark.parametrize("arg,value,words", [("every", "-1", "checkpoint.every=-1"),
-                                              ("keep", "-2", "checkpoint.keep=-2"),
-                                              ("resume", "", "checkpoint.resume is empty")])
+@pytest.mark.parametrize(
+    "arg,value,words",
+    [
+        ("every", "-1", "checkpoint.every=-1"),
+        ("keep", "-2", "checkpoint.keep=-2"),
+        ("resume", "", "checkpoint.resume is empty"),
+    ],
+)
 def test_checkpoint_config_is_checked(arg, value, words):
     with pytest.raises(ConfigError, match=words):
         load([*SMALL, f"--checkpoint.{arg}", value])
@@ -265,7 +364,14 @@ def stalled_exchange(argv: list[str]) -> str | None:
 
 def test_checkpoint_group_times_out_after_parallel_timeout_s(tmp_path):
     # 3 s: long enough for rank 0 to claim the directory before rank 1 gives up on the start-up broadcast.
-    argv = [*SMALL, "--checkpoint.dir", str(tmp_path / "c"), "--train.out_dir", str(tmp_path / "out"),
-            "--parallel.timeout_s", "3"]
+    argv = [
+        *SMALL,
+        "--checkpoint.dir",
+        str(tmp_path / "c"),
+        "--train.out_dir",
+        str(tmp_path / "out"),
+        "--parallel.timeout_s",
+        "3",
+    ]
     error = run_ranks(stalled_exchange, 2, argv, timeout_s=60)[0]
     assert error is not None and "timed out" in error.lower(), error

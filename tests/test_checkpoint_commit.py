@@ -6,6 +6,7 @@ from it. Mutation testing found that pruning moved before the commit passed ever
 it deletes steps 1-3 before the injected crash and fails. The crash-free case checks that the same call does
 prune (the injection is not vacuous).
 """
+
 from __future__ import annotations
 
 import errno
@@ -21,11 +22,14 @@ OLDER = [step_name(s) for s in (1, 2, 3)]
 
 def injected(crash: str, real):
     """``os.rename`` / ``os.replace`` (pathlib's rename and replace call them) failing at the named commit step."""
+
     def op(src, dst, *args, **kwargs):
-        if (crash == "rename to step_N" and Path(src).name.startswith(f"{step_name(4)}.tmp-")) or \
-                (crash == "latest repointed" and Path(dst).name == "latest"):
+        if (crash == "rename to step_N" and Path(src).name.startswith(f"{step_name(4)}.tmp-")) or (
+            crash == "latest repointed" and Path(dst).name == "latest"
+        ):
             raise OSError(errno.EIO, f"injected crash at {crash}")
         return real(src, dst, *args, **kwargs)
+
     return op
 
 

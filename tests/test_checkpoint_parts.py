@@ -7,6 +7,7 @@ a load fills parts and hands the position back, and every checkpoint directory i
 - A Hugging Face import that fails half-way (a tensor missing from the folder) publishes nothing: no
   checkpoint directory, and its temporary folder (beside it) is removed.
 """
+
 from __future__ import annotations
 
 import pytest

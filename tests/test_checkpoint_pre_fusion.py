@@ -9,6 +9,7 @@ tp 1 and tp 4 (both reshard the tp-2 pieces), the fused model must:
   of the tensor the checkpoint stores under its Hugging Face name, and every stored tensor is held;
 - resume at the saved step and data position, with Adam's step count.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -41,8 +42,9 @@ def load_rank(path: str, tp: int) -> dict:
     cfg.parallel.tp, cfg.train.seed, cfg.checkpoint.resume = tp, 99, path
     cfg.train.out_dir = str(Path(path).parent / "out")  # the checkpointer claims it (default: runs/tiny of the cwd)
     ctx = ParallelContext.from_config(cfg)
-    model = materialize(apply_tensor_parallel(model_lib.build(cfg.model), ctx.tp_group), ctx.device,
-                        cfg.train.seed, cfg.model.init_std)
+    model = materialize(
+        apply_tensor_parallel(model_lib.build(cfg.model), ctx.tp_group), ctx.device, cfg.train.seed, cfg.model.init_std
+    )
     optimizer = build_optimizer(model, cfg.train)
     parts = CheckpointParts(model, lambda: TorchState(model, optimizer, ctx, fsdp=False), cfg, ctx)
     position = Checkpointer(cfg, ctx).resume(parts)
@@ -50,8 +52,9 @@ def load_rank(path: str, tp: int) -> dict:
     reader = Reader(step, read_index(step))
     mismatched, held = [], set()
     for state in ("param", "exp_avg", "exp_avg_sq"):
-        tensors = {n: (p if state == "param" else optimizer.state[p][state]).detach()
-                   for n, p in model.named_parameters()}
+        tensors = {
+            n: (p if state == "param" else optimizer.state[p][state]).detach() for n, p in model.named_parameters()
+        }
         for name, (value, module, attr) in by_hf_name(model, tensors).items():
             want = reader.full(name, state)
             dim = getattr(module, "tp_dims", {}).get(attr) if tp > 1 else None
@@ -60,8 +63,14 @@ def load_rank(path: str, tp: int) -> dict:
             if not torch.equal(value, want):
                 mismatched.append(f"{name} {state}")
     adam_steps = {float(s["step"]) for s in optimizer.state.values()}
-    return {"logits": gathered_logits(model, ctx), "position": (position.step, position.consumed_samples),
-            "adam_steps": adam_steps, "mismatched": mismatched, "held": held, "stored": set(reader.params)}
+    return {
+        "logits": gathered_logits(model, ctx),
+        "position": (position.step, position.consumed_samples),
+        "adam_steps": adam_steps,
+        "mismatched": mismatched,
+        "held": held,
+        "stored": set(reader.params),
+    }
 
 
 @pytest.mark.parametrize("tp", [1, 4])

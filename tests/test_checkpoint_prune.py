@@ -8,6 +8,7 @@
 - publish's pruning alone (the start-up check above makes the end-to-end runs pass without it): only steps below
   the committed one are candidates, and each removal is named.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def pretrain(out_dir: Path, ckpt: Path, *args: str) -> subprocess.CompletedProcess:
     """One process of launch/pretrain.py on SMALL's model, its metrics in ``out_dir``."""
-    return run_script("launch/pretrain.py", *SMALL, "--train.out_dir", out_dir, "--checkpoint.dir", ckpt, *args,
-                      timeout=600)  # a fork of the test process (tests/cli.py): the script as a user runs it
+    return run_script(
+        "launch/pretrain.py", *SMALL, "--train.out_dir", out_dir, "--checkpoint.dir", ckpt, *args, timeout=600
+    )  # a fork of the test process (tests/cli.py): the script as a user runs it
 
 
 def losses(out_dir: Path) -> dict[int, float]:
@@ -46,8 +48,9 @@ def test_resume_none_beside_another_runs_newer_steps_is_refused(tmp_path):
     ok(pretrain(tmp_path / "old", ckpt, "--train.steps", "6", "--checkpoint.every", "3", "--checkpoint.keep", "0"))
     before = listing(ckpt)
     assert before == {"step_000003": "", "step_000006": "", "latest": "step_000006\n"}
-    out = pretrain(tmp_path / "new", ckpt, "--train.steps", "3", "--checkpoint.resume", "none",
-                   "--checkpoint.keep", "1")
+    out = pretrain(
+        tmp_path / "new", ckpt, "--train.steps", "3", "--checkpoint.resume", "none", "--checkpoint.keep", "1"
+    )
     assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
@@ -67,16 +70,20 @@ def test_corrupt_newest_is_set_aside_and_keep_1_keeps_the_good_lineage(tmp_path)
     first = pretrain(tmp_path / "a", ckpt, "--train.steps", "4", *keep1)  # as if killed after step 4's save
     ok(first)
     assert f"resumed from {ckpt / 'step_000003'}" in first.stdout, first.stdout[-3000:]
-    assert {k: v for k, v in listing(ckpt).items() if k != "set_aside"} == \
-        {"step_000004": "", "latest": "step_000004\n"}, first.stdout[-3000:]
+    assert {k: v for k, v in listing(ckpt).items() if k != "set_aside"} == {
+        "step_000004": "",
+        "latest": "step_000004\n",
+    }, first.stdout[-3000:]
     restart = pretrain(tmp_path / "b", ckpt, "--train.steps", "6", *keep1)
     ok(restart)
     assert f"resumed from {ckpt / 'step_000004'}" in restart.stdout, restart.stdout[-3000:]
     got = {**losses(tmp_path / "a"), **losses(tmp_path / "b")}
     assert sorted(got) == [4, 5, 6], got
     assert_curves([got[s] for s in (4, 5, 6)], [full[s] for s in (4, 5, 6)], SAME, "resumed vs uninterrupted")
-    assert {k: v for k, v in listing(ckpt).items() if k != "set_aside"} == \
-        {"step_000006": "", "latest": "step_000006\n"}
+    assert {k: v for k, v in listing(ckpt).items() if k != "set_aside"} == {
+        "step_000006": "",
+        "latest": "step_000006\n",
+    }
     # The corrupt step was moved aside whole, with one line; the prunes were named.
     aside = list((ckpt / "set_aside").iterdir())
     assert [p.name.split("-")[0] for p in aside] == ["step_000006"] and (aside[0] / shard.name).is_file()
@@ -93,5 +100,7 @@ def test_prune_spares_the_new_checkpoint_and_steps_above_it(tmp_path, capsys):
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000003", "step_000004", "step_000006"]
     assert (root / "latest").read_text() == "step_000004\n"
     printed = capsys.readouterr().out.splitlines()
-    assert printed == [f"checkpoint: pruned {root / name} (checkpoint.keep=2; kept step_000004 and 1 older)"
-                       for name in ("step_000002", "step_000001")], printed
+    assert printed == [
+        f"checkpoint: pruned {root / name} (checkpoint.keep=2; kept step_000004 and 1 older)"
+        for name in ("step_000002", "step_000001")
+    ], printed

@@ -16,6 +16,7 @@ SystemExit) in one forked process, so each case costs a model build, not an inte
 A dense resume inside warmup (step 3 of train.warmup_steps 8) equals the uninterrupted run (losses and grad norms,
 same layout: bit-identical in practice, rel <= 1e-6); the other dense resume tests all resume after warmup.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -70,20 +71,27 @@ def nan_router(step: Path) -> None:
     key = next(k for k in tensors if k.startswith(f"{ROUTER}/param/"))
     tensors[key][0] = float("nan")
     save_file(tensors, str(step / SHARD), metadata={"format": "pt"})
-    edit_index(step, lambda i: i["files"][SHARD].update(bytes=(step / SHARD).stat().st_size,
-                                                        crc32=file_crc32(step / SHARD)))
+    edit_index(
+        step, lambda i: i["files"][SHARD].update(bytes=(step / SHARD).stat().st_size, crc32=file_crc32(step / SHARD))
+    )
 
 
 # name -> (what it does to step 6, words of the one line that must name it)
 DAMAGES = {
-    "files entry a number": (lambda s: edit_index(s, lambda i: i["files"].update({SHARD: 5})),
-                             f"files['{SHARD}'] is 5, not an object"),
-    "consumed_samples missing": (lambda s: edit_index(s, lambda i: i.pop("consumed_samples")),
-                                 "consumed_samples is missing"),
+    "files entry a number": (
+        lambda s: edit_index(s, lambda i: i["files"].update({SHARD: 5})),
+        f"files['{SHARD}'] is 5, not an object",
+    ),
+    "consumed_samples missing": (
+        lambda s: edit_index(s, lambda i: i.pop("consumed_samples")),
+        "consumed_samples is missing",
+    ),
     "ranks empty": (lambda s: edit_index(s, lambda i: i.update(ranks=[])), "ranks is [], not a list of at least 1"),
     "adam_step abc": (lambda s: edit_index(s, lambda i: i.update(adam_step="abc")), "adam_step is 'abc'"),
-    "piece of 3 numbers": (lambda s: edit_index(s, lambda i: first_piece(i).pop()),
-                           "['param'][0] is ['rank_00000.safetensors', 0, 0], not a piece"),
+    "piece of 3 numbers": (
+        lambda s: edit_index(s, lambda i: first_piece(i).pop()),
+        "['param'][0] is ['rank_00000.safetensors', 0, 0], not a piece",
+    ),
     "shard outside the step dir": (outside, "outside the checkpoint directory"),
     "NaN router weight": (nan_router, f"NaN/inf values in {ROUTER} (param) of step 6"),
 }
@@ -97,6 +105,7 @@ def launched(script: str, argv: list[str]) -> dict:
 
     def exit_(code):
         raise SystemExit(code)
+
     os._exit = exit_  # launch/pretrain.py ends with os._exit (skipping teardown): here it must return
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -118,9 +127,22 @@ def cases_rank(base: Path, tmp: Path) -> dict:
     dist.destroy_process_group()  # run_ranks' group: each launch makes and destroys its own, in memory
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
-    train = launched("launch/pretrain.py", [*MOE, "--train.steps", "6", "--checkpoint.every", "3",
-                                            "--checkpoint.keep", "0", "--checkpoint.dir", str(base),
-                                            "--train.out_dir", str(tmp / "base_out")])
+    train = launched(
+        "launch/pretrain.py",
+        [
+            *MOE,
+            "--train.steps",
+            "6",
+            "--checkpoint.every",
+            "3",
+            "--checkpoint.keep",
+            "0",
+            "--checkpoint.dir",
+            str(base),
+            "--train.out_dir",
+            str(tmp / "base_out"),
+        ],
+    )
     got = {"base": train}
     for name, (damage, _) in {**DAMAGES, "latest not UTF-8": (None, "")}.items():
         ckpt = tmp / name.replace(" ", "_") / "ckpt"
@@ -132,10 +154,12 @@ def cases_rank(base: Path, tmp: Path) -> dict:
             damage(ckpt / "step_000006")
             target = ckpt / "step_000006"
         run = [*MOE, "--train.steps", "3", "--train.out_dir", str(ckpt.parent / "out")]  # resumed: nothing to do
-        got[name] = {"explicit": launched("launch/pretrain.py", [*run, "--checkpoint.resume", str(target)]),
-                     "export": launched("launch/convert.py", ["export", str(target), str(ckpt.parent / "hf")]),
-                     # last: it sets the damaged step 6 aside (engine/checkpoint/lineage.py)
-                     "auto": launched("launch/pretrain.py", [*run, "--checkpoint.dir", str(ckpt)])}
+        got[name] = {
+            "explicit": launched("launch/pretrain.py", [*run, "--checkpoint.resume", str(target)]),
+            "export": launched("launch/convert.py", ["export", str(target), str(ckpt.parent / "hf")]),
+            # last: it sets the damaged step 6 aside (engine/checkpoint/lineage.py)
+            "auto": launched("launch/pretrain.py", [*run, "--checkpoint.dir", str(ckpt)]),
+        }
     return got
 
 
@@ -202,23 +226,25 @@ def test_unreadable_shard_and_latest_fall_back_and_are_refused_when_named(cases)
     def launch(*args: str) -> dict:
         p = subprocess.run([*prefix, sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
         return {"code": p.returncode, "out": p.stdout, "err": p.stderr}
+
     auto = launch("launch/pretrain.py", *run, "--checkpoint.dir", str(ckpt))
     assert auto["code"] == 0, auto["err"][-3000:]
     assert f"checkpoint: ignoring {ckpt / 'latest'}: cannot read" in auto["out"], auto["out"][-3000:]
-    assert f"checkpoint: skipping {ckpt / 'step_000006'}: shard {shard} cannot be read (Permission denied)" in \
-        auto["out"], auto["out"][-3000:]
+    assert (
+        f"checkpoint: skipping {ckpt / 'step_000006'}: shard {shard} cannot be read (Permission denied)" in auto["out"]
+    ), auto["out"][-3000:]
     assert f"resumed from {ckpt / 'step_000003'}" in auto["out"], auto["out"][-3000:]
     aside = ckpt / "set_aside"  # the unreadable step lay above the start: moved aside, not deleted
     shard = next(aside.iterdir()) / SHARD
     one_error_line(launch("launch/pretrain.py", *run, "--checkpoint.resume", str(shard.parent)), "Permission denied")
-    one_error_line(launch("launch/convert.py", "export", str(shard.parent), str(tmp / "unreadable" / "hf")),
-                   "Permission denied")
+    one_error_line(
+        launch("launch/convert.py", "export", str(shard.parent), str(tmp / "unreadable" / "hf")), "Permission denied"
+    )
     restored = tmp / "unreadable" / "with_latest"
     restored.mkdir()
     shutil.copyfile(ckpt / "latest", restored / "latest")
     (restored / "latest").chmod(0)
-    one_error_line(launch("launch/convert.py", "export", str(restored), str(tmp / "unreadable" / "hf")),
-                   "cannot read")
+    one_error_line(launch("launch/convert.py", "export", str(restored), str(tmp / "unreadable" / "hf")), "cannot read")
 
 
 def metrics(out_dir: Path) -> dict[int, dict]:
@@ -226,17 +252,48 @@ def metrics(out_dir: Path) -> dict[int, dict]:
 
 
 def test_a_dense_resume_inside_warmup_equals_the_uninterrupted_run(tmp_path):
-    warm = [*SMALL, "--train.steps", "6", "--train.warmup_steps", "8", "--checkpoint.every", "3",
-            "--checkpoint.keep", "0", "--checkpoint.dir", str(tmp_path / "ckpt")]
-    straight = run_script("launch/pretrain.py", *warm, "--checkpoint.resume", "none", "--train.out_dir",
-                          tmp_path / "straight", timeout=600)
+    warm = [
+        *SMALL,
+        "--train.steps",
+        "6",
+        "--train.warmup_steps",
+        "8",
+        "--checkpoint.every",
+        "3",
+        "--checkpoint.keep",
+        "0",
+        "--checkpoint.dir",
+        str(tmp_path / "ckpt"),
+    ]
+    straight = run_script(
+        "launch/pretrain.py",
+        *warm,
+        "--checkpoint.resume",
+        "none",
+        "--train.out_dir",
+        tmp_path / "straight",
+        timeout=600,
+    )
     assert straight.returncode == 0, straight.stderr[-3000:]
-    resumed = run_script("launch/pretrain.py", *warm, "--checkpoint.dir", tmp_path / "c2", "--checkpoint.resume",
-                         tmp_path / "ckpt" / "step_000003", "--train.out_dir", tmp_path / "resumed", timeout=600)
+    resumed = run_script(
+        "launch/pretrain.py",
+        *warm,
+        "--checkpoint.dir",
+        tmp_path / "c2",
+        "--checkpoint.resume",
+        tmp_path / "ckpt" / "step_000003",
+        "--train.out_dir",
+        tmp_path / "resumed",
+        timeout=600,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     want, got = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
     assert sorted(got) == [4, 5, 6], sorted(got)
     for key in ("loss", "grad_norm"):
-        assert_curves([got[s][key] for s in (4, 5, 6)], [want[s][key] for s in (4, 5, 6)], SAME,
-                      f"{key} resumed at step 3 of 8 warmup steps vs uninterrupted")
+        assert_curves(
+            [got[s][key] for s in (4, 5, 6)],
+            [want[s][key] for s in (4, 5, 6)],
+            SAME,
+            f"{key} resumed at step 3 of 8 warmup steps vs uninterrupted",
+        )
     assert all(torch.isfinite(torch.tensor(want[s]["grad_norm"])) for s in want)

@@ -1,6 +1,7 @@
 """Every dp mode's checkpoint state class follows engine/checkpoint/state.py's CheckpointState protocol (issue 25):
 the classes each DpModeSpec names (TorchState for ddp and fsdp, ZeRO's two) define all eight methods themselves
 (an explicit subclass of a Protocol would otherwise inherit its empty bodies) with the protocol's parameters."""
+
 from __future__ import annotations
 
 import inspect

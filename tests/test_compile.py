@@ -2,6 +2,7 @@
 activation checkpointing mode, at tp = 1 and 2 and under FSDP2; the Trainer compiles every block; compile with
 ZeRO is refused. The fast tests use the aot_eager backend (dynamo + AOTAutograd, eager kernels: the wiring);
 inductor (generated C++ kernels on CPU, ~10-40 s per compile here) is slow-marked."""
+
 from __future__ import annotations
 
 import pytest
@@ -72,6 +73,7 @@ def test_inductor_matches_eager():
 def _built_rank(argv: list[str]) -> list[bool]:
     from engine.parallel.layout.context import ParallelContext
     from engine.trainer import build_model
+
     cfg = load(argv)
     model = build_model(cfg, ParallelContext.from_config(cfg))
     return [layer._compiled_call_impl is not None for layer in model.model.layers.values()]

@@ -2,6 +2,7 @@
 bf16 (tables in the hidden fp32 would promote them to fp32), and with parallel.p2p_dtype bf16 pipeline activations
 and their gradients cross stages in bf16, half the p2p bytes of the fp32 parameter dtype (the receiving stage casts
 them back to its residual dtype); the default keeps the weights' dtype, exact against one process."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,6 +29,7 @@ def test_rope_rotates_q_and_k_in_the_compute_dtype(monkeypatch, autocast):
         out = rope(x, cos, sin)
         rotated.append(out.dtype)
         return out
+
     monkeypatch.setattr(model_lib, "apply_rope", spy)
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
         model(torch.randint(0, CFG.vocab_size, (2, 8)))
@@ -43,6 +45,7 @@ def p2p_dtypes(argv: list[str]) -> dict:
     def spy(ops):
         seen.extend((op.op.__name__, op.tensor.dtype, op.tensor.numel() * op.tensor.element_size()) for op in ops)
         return post(ops)
+
     dist.batch_isend_irecv = spy  # a forked rank: the patch dies with the process
     cfg = load(argv)
     trainer = Trainer(cfg, ParallelContext.from_config(cfg))
@@ -50,18 +53,41 @@ def p2p_dtypes(argv: list[str]) -> dict:
     return {"ops": seen, "loss": history[-1]["loss"]}
 
 
-SMALL = ["--config", "configs/tiny.yaml", "--model.num_layers", "2", "--model.hidden_size", "64",
-         "--model.intermediate_size", "128", "--model.num_heads", "4", "--model.num_kv_heads", "2",
-         "--train.seq_len", "32", "--train.steps", "1", "--train.global_batch_size", "4",
-         "--train.micro_batch_size", "2", "--log.progress", "false", "--parallel.pp", "2"]
+SMALL = [
+    "--config",
+    "configs/tiny.yaml",
+    "--model.num_layers",
+    "2",
+    "--model.hidden_size",
+    "64",
+    "--model.intermediate_size",
+    "128",
+    "--model.num_heads",
+    "4",
+    "--model.num_kv_heads",
+    "2",
+    "--train.seq_len",
+    "32",
+    "--train.steps",
+    "1",
+    "--train.global_batch_size",
+    "4",
+    "--train.micro_batch_size",
+    "2",
+    "--log.progress",
+    "false",
+    "--parallel.pp",
+    "2",
+]
 
 
 @pytest.mark.parametrize("dtype,p2p", [("fp32", "auto"), ("bf16", "auto"), ("bf16", "bf16")])
 def test_pipeline_activations_cross_in_parallel_p2p_dtype(tmp_path, dtype, p2p):
     """auto: the weights' dtype (fp32 under bf16 autocast: the residual stream, exact against one process);
     bf16: half the bytes."""
-    ranks = run_ranks(p2p_dtypes, 2, [*SMALL, "--train.dtype", dtype, "--parallel.p2p_dtype", p2p,
-                                      "--train.out_dir", str(tmp_path)])
+    ranks = run_ranks(
+        p2p_dtypes, 2, [*SMALL, "--train.dtype", dtype, "--parallel.p2p_dtype", p2p, "--train.out_dir", str(tmp_path)]
+    )
     want = torch.bfloat16 if p2p == "bf16" else torch.float32
     for rank in ranks:
         ops = rank["ops"]

@@ -1,4 +1,5 @@
 """Config loading: YAML + dotted overrides, types, unknown keys, and the layout checks of ParallelContext."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,19 @@ from engine.parallel.layout.context import apply_tf32
 def test_defaults_yaml_and_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model:\n  num_layers: 6\ntrain:\n  lr: 1.0e-3\n")
-    cfg = load(["--config", str(path), "--train.lr", "2e-4", "--parallel.tp=2", "--data.paths", "[a, b]",
-                "--model.tie_embeddings", "true"])
+    cfg = load(
+        [
+            "--config",
+            str(path),
+            "--train.lr",
+            "2e-4",
+            "--parallel.tp=2",
+            "--data.paths",
+            "[a, b]",
+            "--model.tie_embeddings",
+            "true",
+        ]
+    )
     assert cfg.model.num_layers == 6  # from the file
     assert cfg.train.lr == 2e-4 and isinstance(cfg.train.lr, float)  # CLI beats the file
     assert cfg.parallel.tp == 2
@@ -27,22 +39,25 @@ def test_deepspeed_local_rank_argument_is_accepted():
     assert config_path is None and overrides == [("train.steps", "5")]
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--train.stepz", "5"], "unknown config key 'train.stepz'"),
-    (["--modle.tp", "5"], "unknown config key 'modle.tp'"),
-    (["--train.steps", "five"], "train.steps='five' is not an integer"),
-    (["--train.steps", "2.5"], "train.steps=2.5 is not an integer"),
-    (["--parallel.dp_mode", "zero4"], "parallel.dp_mode='zero4' is not one of ddp, fsdp, zero"),
-    (["--model.num_heads", "6"], "model.hidden_size=256 is not divisible by model.num_heads=6"),
-    (["--train.seq_len", "4096"], "train.seq_len=4096 exceeds model.max_seq_len"),
-    (["--train.steps", "0"], "train.steps=0 must be > 0"),
-    (["--config", "/nonexistent/x.yaml"], "config file '/nonexistent/x.yaml' does not exist"),
-    (["--train.steps"], "argument '--train.steps' has no value"),
-    (["stray"], "unexpected argument 'stray'"),
-    (["--train.tf32", "maybe"], "train.tf32='maybe' is not a boolean; use true or false"),
-    (["--parallel.p2p_dtype", "fp16"], "parallel.p2p_dtype='fp16' is not one of auto, bf16"),
-    (["--parallel.p2p_dtype", "bf16", "--train.dtype", "fp32"], "parallel.p2p_dtype=bf16 needs train.dtype=bf16"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--train.stepz", "5"], "unknown config key 'train.stepz'"),
+        (["--modle.tp", "5"], "unknown config key 'modle.tp'"),
+        (["--train.steps", "five"], "train.steps='five' is not an integer"),
+        (["--train.steps", "2.5"], "train.steps=2.5 is not an integer"),
+        (["--parallel.dp_mode", "zero4"], "parallel.dp_mode='zero4' is not one of ddp, fsdp, zero"),
+        (["--model.num_heads", "6"], "model.hidden_size=256 is not divisible by model.num_heads=6"),
+        (["--train.seq_len", "4096"], "train.seq_len=4096 exceeds model.max_seq_len"),
+        (["--train.steps", "0"], "train.steps=0 must be > 0"),
+        (["--config", "/nonexistent/x.yaml"], "config file '/nonexistent/x.yaml' does not exist"),
+        (["--train.steps"], "argument '--train.steps' has no value"),
+        (["stray"], "unexpected argument 'stray'"),
+        (["--train.tf32", "maybe"], "train.tf32='maybe' is not a boolean; use true or false"),
+        (["--parallel.p2p_dtype", "fp16"], "parallel.p2p_dtype='fp16' is not one of auto, bf16"),
+        (["--parallel.p2p_dtype", "bf16", "--train.dtype", "fp32"], "parallel.p2p_dtype=bf16 needs train.dtype=bf16"),
+    ],
+)
 def test_bad_values_name_key_and_value(argv, needle):
     with pytest.raises(ConfigError) as e:
         load(argv)
@@ -76,12 +91,17 @@ def test_bad_yaml_sections(tmp_path):
         load_yaml(path)
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("train:\n  steps: 3\n  lr: 1.0e-3\n  steps: 5\n", "key 'steps' is given twice (lines 2 and 4)"),
-    ("model:\n  num_layers: 2\ntrain:\n  steps: 3\nmodel:\n  num_layers: 4\n",
-     "key 'model' is given twice (lines 1 and 5)"),
-    ("train: {steps: 3, steps: 4}\n", "key 'steps' is given twice (lines 1 and 1)"),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("train:\n  steps: 3\n  lr: 1.0e-3\n  steps: 5\n", "key 'steps' is given twice (lines 2 and 4)"),
+        (
+            "model:\n  num_layers: 2\ntrain:\n  steps: 3\nmodel:\n  num_layers: 4\n",
+            "key 'model' is given twice (lines 1 and 5)",
+        ),
+        ("train: {steps: 3, steps: 4}\n", "key 'steps' is given twice (lines 1 and 1)"),
+    ],
+)
 def test_duplicate_yaml_key_names_key_and_both_lines(tmp_path, text, needle):
     """Before: PyYAML kept the last value silently (issue 23 item 5)."""
     path = tmp_path / "c.yaml"
@@ -110,36 +130,72 @@ def test_layout_resolves_dp():
     assert (layout.tp, layout.pp, layout.dp) == (2, 2, 2)
 
 
-@pytest.mark.parametrize("parallel,world,needle", [
-    ({"tp": 3}, 3, "parallel.tp=3 must divide model.num_heads=8 and model.num_kv_heads=4"),
-    ({"tp": 8}, 8, "parallel.tp=8 must divide model.num_heads=8 and model.num_kv_heads=4"),
-    ({"tp": 2, "pp": 2, "dp": 3}, 8, "tp(2) * pp(2) * cp(1) * dp(3) != world size(8); set parallel.dp=2 or -1 (auto)"),
-    # issue 23 item 6: dp set wrong was answered with "choose tp and pp"
-    ({"dp": 3}, 2, "tp(1) * pp(1) * cp(1) * dp(3) != world size(2); set parallel.dp=2 or -1 (auto)"),
-    ({"tp": 2, "dp": 2}, 3, "tp(2) * pp(1) * cp(1) * dp(2) != world size(3); choose tp, pp and cp whose product "
-                            "divides 3, and dp=-1"),
-    ({"tp": 2}, 3, "tp(2) * pp(1) * cp(1) * dp(auto) != world size(3)"),
-    ({"cp": 2, "cp_mode": "all_to_all", "dp": 2}, 8, "tp(1) * pp(1) * cp(2) * dp(2) != world size(8); set parallel.dp=4"),
-    ({"pp": 5}, 5, "parallel.pp=5 exceeds model.num_layers=4"),
-    ({"pp": 2, "dp": 2}, 4, "parallel.schedule=1f1b with 1 micro-batches per step (global_batch_size 16 / (micro_batch_size 8 * dp 2)) and parallel.pp=2: 1f1b needs micro_batches >= pp"),
-    ({"pp": 2, "schedule": "interleaved", "virtual_stages": 4}, 2,
-     "splits model.num_layers=4 into pp*virtual_stages=8 equal chunks"),
-    ({"pp": 2, "schedule": "interleaved"}, 2, "interleaved needs virtual_stages >= 2"),
-    ({"pp": 1, "schedule": "interleaved", "virtual_stages": 2}, 1, "interleaved needs parallel.pp >= 2"),
-    ({"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "pp_layers": [1, 3]}, 2,
-     "parallel.pp_layers=[1, 3] is not supported with schedule=interleaved"),
-    ({"pp": 2, "virtual_stages": 2}, 2, "virtual_stages=2 needs schedule 'interleaved'"),
-    ({"virtual_stages": 2}, 1, "parallel.virtual_stages=2 needs parallel.schedule=interleaved and pp >= 2"),
-    ({"pp": 2, "schedule": "zero_bubble", "dp_mode": "zero", "zero_stage": 2}, 2,
-     "parallel.schedule=zero_bubble with parallel.dp_mode=zero, zero_stage=2 and train.dtype=fp32 is not supported: "
-     "DeepSpeed's ZeRO-2 reduce-scatters each gradient in the hooks autograd fires as it accumulates "
-     "(DeepSpeedZeroOptimizer.reduce_ready_partitions_and_remove_grads)"),
-    ({"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "dp_mode": "zero", "zero_stage": 2,
-      "offload": "optimizer"}, 2,
-     "parallel.schedule=interleaved with parallel.dp_mode=zero, zero_stage=2, the optimizer offloaded and "
-     "train.dtype=fp32 is not supported: DeepSpeed's fp32 ZeRO-Offload adds each gradient to its host accumulator"),
-    ({"sequence_parallel": True}, 1, "parallel.sequence_parallel=true needs parallel.tp >= 2"),
-])
+@pytest.mark.parametrize(
+    "parallel,world,needle",
+    [
+        ({"tp": 3}, 3, "parallel.tp=3 must divide model.num_heads=8 and model.num_kv_heads=4"),
+        ({"tp": 8}, 8, "parallel.tp=8 must divide model.num_heads=8 and model.num_kv_heads=4"),
+        (
+            {"tp": 2, "pp": 2, "dp": 3},
+            8,
+            "tp(2) * pp(2) * cp(1) * dp(3) != world size(8); set parallel.dp=2 or -1 (auto)",
+        ),
+        # issue 23 item 6: dp set wrong was answered with "choose tp and pp"
+        ({"dp": 3}, 2, "tp(1) * pp(1) * cp(1) * dp(3) != world size(2); set parallel.dp=2 or -1 (auto)"),
+        (
+            {"tp": 2, "dp": 2},
+            3,
+            "tp(2) * pp(1) * cp(1) * dp(2) != world size(3); choose tp, pp and cp whose product divides 3, and dp=-1",
+        ),
+        ({"tp": 2}, 3, "tp(2) * pp(1) * cp(1) * dp(auto) != world size(3)"),
+        (
+            {"cp": 2, "cp_mode": "all_to_all", "dp": 2},
+            8,
+            "tp(1) * pp(1) * cp(2) * dp(2) != world size(8); set parallel.dp=4",
+        ),
+        ({"pp": 5}, 5, "parallel.pp=5 exceeds model.num_layers=4"),
+        (
+            {"pp": 2, "dp": 2},
+            4,
+            "parallel.schedule=1f1b with 1 micro-batches per step (global_batch_size 16 / (micro_batch_size 8 * dp 2)) and parallel.pp=2: 1f1b needs micro_batches >= pp",
+        ),
+        (
+            {"pp": 2, "schedule": "interleaved", "virtual_stages": 4},
+            2,
+            "splits model.num_layers=4 into pp*virtual_stages=8 equal chunks",
+        ),
+        ({"pp": 2, "schedule": "interleaved"}, 2, "interleaved needs virtual_stages >= 2"),
+        ({"pp": 1, "schedule": "interleaved", "virtual_stages": 2}, 1, "interleaved needs parallel.pp >= 2"),
+        (
+            {"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "pp_layers": [1, 3]},
+            2,
+            "parallel.pp_layers=[1, 3] is not supported with schedule=interleaved",
+        ),
+        ({"pp": 2, "virtual_stages": 2}, 2, "virtual_stages=2 needs schedule 'interleaved'"),
+        ({"virtual_stages": 2}, 1, "parallel.virtual_stages=2 needs parallel.schedule=interleaved and pp >= 2"),
+        (
+            {"pp": 2, "schedule": "zero_bubble", "dp_mode": "zero", "zero_stage": 2},
+            2,
+            "parallel.schedule=zero_bubble with parallel.dp_mode=zero, zero_stage=2 and train.dtype=fp32 is not supported: "
+            "DeepSpeed's ZeRO-2 reduce-scatters each gradient in the hooks autograd fires as it accumulates "
+            "(DeepSpeedZeroOptimizer.reduce_ready_partitions_and_remove_grads)",
+        ),
+        (
+            {
+                "pp": 2,
+                "schedule": "interleaved",
+                "virtual_stages": 2,
+                "dp_mode": "zero",
+                "zero_stage": 2,
+                "offload": "optimizer",
+            },
+            2,
+            "parallel.schedule=interleaved with parallel.dp_mode=zero, zero_stage=2, the optimizer offloaded and "
+            "train.dtype=fp32 is not supported: DeepSpeed's fp32 ZeRO-Offload adds each gradient to its host accumulator",
+        ),
+        ({"sequence_parallel": True}, 1, "parallel.sequence_parallel=true needs parallel.tp >= 2"),
+    ],
+)
 def test_layout_errors_name_every_factor(parallel, world, needle):
     cfg = _cfg(**parallel)
     if parallel.get("pp") == 2 and parallel.get("dp") == 2:
@@ -152,7 +208,9 @@ def test_layout_errors_name_every_factor(parallel, world, needle):
 def test_global_batch_must_split_into_micro_batches():
     cfg = Config()
     cfg.train.global_batch_size, cfg.train.micro_batch_size = 10, 4
-    with pytest.raises(ConfigError, match=r"global_batch_size=10 is not divisible by .*micro_batch_size\(4\) \* dp\(1\)"):
+    with pytest.raises(
+        ConfigError, match=r"global_batch_size=10 is not divisible by .*micro_batch_size\(4\) \* dp\(1\)"
+    ):
         resolve_layout(cfg, 1)
 
 

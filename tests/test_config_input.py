@@ -6,6 +6,7 @@ size passed the config checks and failed in DeepSpeed's own validation on every 
 key given twice kept the last silently. A YAML alias bomb (nine lines) gave a 39 MB error line, and any long value
 quoted in an error gave a line as long as it (engine/config_yaml.py, engine/errors.py).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,16 +21,26 @@ ZERO2 = ["--parallel.dp_mode", "zero", "--parallel.zero_stage", "2", "--train.st
 DS_CASES = {
     "nested-200000": ('{"a": ' * 200_000 + "1" + "}" * 200_000, "nests objects or lists too deep to read"),
     "nested-40": ('{"zero_optimization": ' + '{"a": ' * 40 + "1" + "}" * 41, "nests objects or lists 41 levels deep"),
-    "nan": ('{"zero_optimization": {"reduce_bucket_size": NaN}}',
-            "sets 'zero_optimization.reduce_bucket_size'=NaN; it must be a finite number"),
-    "infinity": ('{"zero_optimization": {"allgather_bucket_size": Infinity}}',
-                 "sets 'zero_optimization.allgather_bucket_size'=Infinity; it must be a finite number"),
-    "string": ('{"zero_optimization": {"reduce_bucket_size": "lots"}}',
-               "sets 'zero_optimization.reduce_bucket_size'=\"lots\"; it must be a whole number >= 0"),
-    "flag-number": ('{"zero_optimization": {"contiguous_gradients": 1}}',
-                    "sets 'zero_optimization.contiguous_gradients'=1; it must be true or false"),
-    "key-twice": ('{"zero_optimization": {"reduce_bucket_size": 5000, "reduce_bucket_size": 6000}}',
-                  "gives the key 'reduce_bucket_size' twice in one object"),
+    "nan": (
+        '{"zero_optimization": {"reduce_bucket_size": NaN}}',
+        "sets 'zero_optimization.reduce_bucket_size'=NaN; it must be a finite number",
+    ),
+    "infinity": (
+        '{"zero_optimization": {"allgather_bucket_size": Infinity}}',
+        "sets 'zero_optimization.allgather_bucket_size'=Infinity; it must be a finite number",
+    ),
+    "string": (
+        '{"zero_optimization": {"reduce_bucket_size": "lots"}}',
+        "sets 'zero_optimization.reduce_bucket_size'=\"lots\"; it must be a whole number >= 0",
+    ),
+    "flag-number": (
+        '{"zero_optimization": {"contiguous_gradients": 1}}',
+        "sets 'zero_optimization.contiguous_gradients'=1; it must be true or false",
+    ),
+    "key-twice": (
+        '{"zero_optimization": {"reduce_bucket_size": 5000, "reduce_bucket_size": 6000}}',
+        "gives the key 'reduce_bucket_size' twice in one object",
+    ),
 }
 
 
@@ -53,11 +64,14 @@ def bomb(levels: int = 7) -> str:
 def test_a_yaml_alias_bomb_is_one_short_line(tmp_path):
     path = tmp_path / "bomb.yaml"
     path.write_text(f"model:\n  name: {bomb()}\n")
-    line = one_error_line(launch("pretrain.py", "--config", path),
-                          f"config file '{path}': the document expands to more than 100000 values through its aliases")
+    line = one_error_line(
+        launch("pretrain.py", "--config", path),
+        f"config file '{path}': the document expands to more than 100000 values through its aliases",
+    )
     assert len(line) < 300, line[:400]
-    line = one_error_line(launch("pretrain.py", "--model.name", bomb()),
-                          "--model.name: the document expands to more than 100000 values")
+    line = one_error_line(
+        launch("pretrain.py", "--model.name", bomb()), "--model.name: the document expands to more than 100000 values"
+    )
     assert len(line) < 300, line[:400]
 
 
@@ -71,8 +85,9 @@ def test_a_long_value_in_an_error_is_cut_to_a_sane_line(tmp_path):
     """No alias: 20000 plain values (under the expansion bound) quoted by the type check."""
     path = tmp_path / "long.yaml"
     path.write_text("model:\n  name: [" + ", ".join(["lol"] * 20_000) + "]\n")
-    line = one_error_line(launch("pretrain.py", "--config", path), "error: model.name=['lol'",
-                          "characters cut]", "is not a string")
+    line = one_error_line(
+        launch("pretrain.py", "--config", path), "error: model.name=['lol'", "characters cut]", "is not a string"
+    )
     assert len(line) <= MAX_LINE + len("error: "), len(line)
 
 

@@ -6,6 +6,7 @@
 - import: a folder written by transformers itself (a random LlamaForCausalLM) becomes a model-only checkpoint; the
   engine resumed from it gives transformers' logits, and 5 training steps at tp 2 x pp 2 equal 5 at tp 1.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,18 +47,26 @@ def compare(ckpt: Path, exported: Path, run: list[str], source: Path) -> dict:
     import transformers
 
     ids = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(0))
-    ours, trainer = engine_logits([*TIED, "--checkpoint.resume", str(ckpt), "--train.out_dir",
-                                   str(ckpt.parent / "out")], ids)
+    ours, trainer = engine_logits(
+        [*TIED, "--checkpoint.resume", str(ckpt), "--train.out_dir", str(ckpt.parent / "out")], ids
+    )
     with torch.no_grad():
         exported_rel = max_rel(ours, transformers.AutoModelForCausalLM.from_pretrained(str(exported))(ids).logits)
     text = "To be, or not to be"
-    same_tokens = transformers.AutoTokenizer.from_pretrained(str(exported))(text)["input_ids"] == \
-        trainer.tokenizer(text)["input_ids"]
+    same_tokens = (
+        transformers.AutoTokenizer.from_pretrained(str(exported))(text)["input_ids"]
+        == trainer.tokenizer(text)["input_ids"]
+    )
     ours, trainer = engine_logits(run, ids)
     with torch.no_grad():
         imported_rel = max_rel(ours, transformers.AutoModelForCausalLM.from_pretrained(str(source))(ids).logits)
-    return {"exported_rel": exported_rel, "same_tokens": same_tokens, "imported_rel": imported_rel,
-            "start": trainer.step, "loss": [r["loss"] for r in trainer.fit()]}
+    return {
+        "exported_rel": exported_rel,
+        "same_tokens": same_tokens,
+        "imported_rel": imported_rel,
+        "start": trainer.step,
+        "loss": [r["loss"] for r in trainer.fit()],
+    }
 
 
 def hf_source(folder: Path) -> None:
@@ -79,11 +88,23 @@ def test_export_then_import_round_trip(tmp_path):
     ckpt, exported, source, imported = (tmp_path / n for n in ("ckpt", "hf", "src", "imported"))
     hf_source(source)
     hf.import_hf(source, imported)
-    run = ["--config", str(imported / "config.yaml"), "--train.seq_len", "32", "--train.steps", "5",
-           "--log.progress", "false", "--train.out_dir", str(tmp_path / "out")]
+    run = [
+        "--config",
+        str(imported / "config.yaml"),
+        "--train.seq_len",
+        "32",
+        "--train.steps",
+        "5",
+        "--log.progress",
+        "false",
+        "--train.out_dir",
+        str(tmp_path / "out"),
+    ]
     tp2pp2 = ["--parallel.tp", "2", "--parallel.pp", "2"]
-    phases = [("train", [*TIED, *tp2pp2, "--checkpoint.dir", str(ckpt), "--train.out_dir", str(tmp_path / "out")]),
-              ("train", [*run, *tp2pp2])]
+    phases = [
+        ("train", [*TIED, *tp2pp2, "--checkpoint.dir", str(ckpt), "--train.out_dir", str(tmp_path / "out")]),
+        ("train", [*run, *tp2pp2]),
+    ]
     _, from_import = run_ranks(run_phases, 4, phases)[0]
 
     cli = run_script("launch/convert.py", "export", ckpt, exported, "--max-shard-size", "400KB")
@@ -103,5 +124,6 @@ def test_export_then_import_round_trip(tmp_path):
 def test_convert_errors_exit_2_with_one_line(tmp_path):
     bad = run_script("launch/convert.py", "import", tmp_path / "nope", tmp_path / "c", timeout=120)
     assert bad.returncode == 2
-    assert bad.stderr.strip().splitlines() == [f"error: {tmp_path / 'nope'} is not a Hugging Face model folder: "
-                                               f"{tmp_path / 'nope' / 'config.json'} is missing"]
+    assert bad.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'nope'} is not a Hugging Face model folder: {tmp_path / 'nope' / 'config.json'} is missing"
+    ]

@@ -8,6 +8,7 @@
 - A second import into the folder of a first one: refused unless --overwrite; a folder no import wrote: refused
   even with --overwrite (tests/test_overwrite.py has the rest of what --overwrite never replaces).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,8 +53,20 @@ def files(folder: Path) -> dict[str, bytes]:
 
 def train_six_steps(root: Path) -> Path:
     """root/ckpt: checkpoints at steps 3 and 6 of SMALL's model (their weights differ); root/out: its out_dir."""
-    out = launch("pretrain.py", *SMALL, "--train.steps", "6", "--checkpoint.dir", root / "ckpt",
-                 "--checkpoint.every", "3", "--checkpoint.keep", "0", "--train.out_dir", root / "out")
+    out = launch(
+        "pretrain.py",
+        *SMALL,
+        "--train.steps",
+        "6",
+        "--checkpoint.dir",
+        root / "ckpt",
+        "--checkpoint.every",
+        "3",
+        "--checkpoint.keep",
+        "0",
+        "--train.out_dir",
+        root / "out",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return root / "ckpt"
 
@@ -91,9 +104,14 @@ def test_export_over_an_export_is_refused_and_overwrite_replaces_it_whole(ckpt, 
     assert files(out) == files(tmp_path / "fresh"), "--overwrite left files of the first export"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "a temporary folder was left"
     common = [*SMALL, "--train.out_dir", str(tmp_path / "o")]
-    init, step6, step3 = (run_ranks(weights, 1, argv)[0] for argv in (
-        [*common, "--model.init_from", str(out)], [*common, "--checkpoint.resume", str(ckpt / "step_000006")],
-        [*common, "--checkpoint.resume", str(ckpt / "step_000003")]))
+    init, step6, step3 = (
+        run_ranks(weights, 1, argv)[0]
+        for argv in (
+            [*common, "--model.init_from", str(out)],
+            [*common, "--checkpoint.resume", str(ckpt / "step_000006")],
+            [*common, "--checkpoint.resume", str(ckpt / "step_000003")],
+        )
+    )
     assert any(not torch.equal(step6[n], step3[n]) for n in step6), "steps 3 and 6 should differ"
     for name, tensor in step6.items():  # fp32 export: exact
         assert torch.equal(init[name], tensor), f"init_from's {name} is not step 6's"
@@ -110,8 +128,9 @@ def test_init_from_and_import_of_a_damaged_shard_are_one_line(sharded, tmp_path,
         with open(shard, "r+b") as f:
             f.truncate(shard.stat().st_size // 2)
     want = (str(shard), "missing" if damage == "missing" else "truncated")
-    line = one_error_line(launch("pretrain.py", *SMALL, "--model.init_from", hf, "--train.out_dir", tmp_path / "o"),
-                          *want)
+    line = one_error_line(
+        launch("pretrain.py", *SMALL, "--model.init_from", hf, "--train.out_dir", tmp_path / "o"), *want
+    )
     assert line.startswith("error: model.init_from: "), line
     one_error_line(launch("convert.py", "import", hf, tmp_path / "imported"), *want)
     assert not [p.name for p in tmp_path.iterdir() if "imported" in p.name], "the failed import left a folder"
@@ -121,8 +140,11 @@ def test_init_from_and_import_of_a_damaged_shard_are_one_line(sharded, tmp_path,
 def read_only(folder: Path):
     """``folder`` made unwritable: mode 0555, or immutable (chattr +i) where the tests run as root."""
     folder.chmod(0o555)
-    immutable = os.geteuid() == 0 and shutil.which("chattr") is not None and \
-        subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0
+    immutable = (
+        os.geteuid() == 0
+        and shutil.which("chattr") is not None
+        and subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0
+    )
     try:
         probe = folder / "probe"
         with contextlib.suppress(OSError):
@@ -156,8 +178,9 @@ def test_import_over_an_import_needs_overwrite_and_an_unrelated_folder_is_never_
     one_error_line(launch("convert.py", "import", sharded, again), str(again), "not empty", "--overwrite")
     out = launch("convert.py", "import", sharded, again, "--overwrite")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert sorted(p.name for p in again.iterdir()) == sorted([MARKER, "config.yaml", "hf_files", "latest",
-                                                               "step_000000"])
+    assert sorted(p.name for p in again.iterdir()) == sorted(
+        [MARKER, "config.yaml", "hf_files", "latest", "step_000000"]
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "imported"], "a temporary folder was left"
 
 
@@ -166,8 +189,14 @@ def test_exported_files_share_one_mode_from_the_umask(tmp_path):
     config.json beside it. Under umask 027 every exported file is 0640."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(ROOT / "tests" / "fixtures" / "pre_fusion_checkpoint", ckpt)  # the fixture stays untouched
-    out = subprocess.run([sys.executable, "launch/convert.py", "export", str(ckpt), str(tmp_path / "hf")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300, preexec_fn=lambda: os.umask(0o027))
+    out = subprocess.run(
+        [sys.executable, "launch/convert.py", "export", str(ckpt), str(tmp_path / "hf")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: os.umask(0o027),
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "hf").iterdir()}
     assert "model.safetensors" in modes and set(modes.values()) == {"0o640"}, modes

@@ -9,6 +9,7 @@ process on the whole rows, with and without document masks, GQA (8 heads, 4 kv h
 (cp 2 and 4): loss rel <= 1.1e-7, gradients rel <= 1.9e-7 (fp32 reorderings); local RoPE positions, contiguous
 chunks in the feed, or an all-to-all backward without the exchange moved a gradient by 0.6 to 1.4.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -37,8 +38,9 @@ def _rows() -> torch.Tensor:
     return rows
 
 
-def _loss_and_grads(cp: int, cp_rank: int, group, doc_mask: bool, mode: str = "all_to_all"
-                    ) -> tuple[torch.Tensor, dict]:
+def _loss_and_grads(
+    cp: int, cp_rank: int, group, doc_mask: bool, mode: str = "all_to_all"
+) -> tuple[torch.Tensor, dict]:
     model = model_lib.build(SHAPE, device="meta")
     apply_context_parallel(model, mode, group, cp)
     materialize(model, torch.device("cpu"), seed=0, std=0.1)
@@ -102,16 +104,44 @@ def test_cp_in_the_layout(tmp_path):
         _layout(tmp_path, 6, "--parallel.cp", "4", "--parallel.cp_mode", "all_to_all")
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--parallel.cp", "4", "--train.seq_len", "36"], "train.seq_len=36 divisible by 2 * cp = 8"),
-    (["--parallel.cp", "2", "--parallel.cp_mode", "all_to_all", "--parallel.tp", "2", "--model.num_kv_heads", "2"],
-     "model.num_kv_heads=2 divisible by cp * tp = 2 * 2 = 4"),
-    (["--parallel.cp", "0"], "parallel.cp=0 must be > 0"),
-    (["--parallel.cp", "2", "--parallel.cp_mode", "all_to_all", "--parallel.tp", "4", "--model.num_kv_heads", "8",
-      "--train.seq_len", "36", "--parallel.sequence_parallel", "true"],
-     "train.seq_len / cp = 18 divisible by parallel.tp=4"),
-    (["--parallel.cp_mode", "ulysses"], "parallel.cp_mode='ulysses' is not one of ring, all_to_all"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--parallel.cp", "4", "--train.seq_len", "36"], "train.seq_len=36 divisible by 2 * cp = 8"),
+        (
+            [
+                "--parallel.cp",
+                "2",
+                "--parallel.cp_mode",
+                "all_to_all",
+                "--parallel.tp",
+                "2",
+                "--model.num_kv_heads",
+                "2",
+            ],
+            "model.num_kv_heads=2 divisible by cp * tp = 2 * 2 = 4",
+        ),
+        (["--parallel.cp", "0"], "parallel.cp=0 must be > 0"),
+        (
+            [
+                "--parallel.cp",
+                "2",
+                "--parallel.cp_mode",
+                "all_to_all",
+                "--parallel.tp",
+                "4",
+                "--model.num_kv_heads",
+                "8",
+                "--train.seq_len",
+                "36",
+                "--parallel.sequence_parallel",
+                "true",
+            ],
+            "train.seq_len / cp = 18 divisible by parallel.tp=4",
+        ),
+        (["--parallel.cp_mode", "ulysses"], "parallel.cp_mode='ulysses' is not one of ring, all_to_all"),
+    ],
+)
 def test_refusals(tmp_path, argv, words):
     with pytest.raises(ConfigError, match=words.replace("*", r"\*").replace("(", r"\(")):
         _layout(tmp_path, 8, *argv)
@@ -126,9 +156,14 @@ def test_resume_across_cp_sizes(tmp_path):
     heads = ["--model.num_kv_heads", "4"]  # all_to_all at cp 4 needs 4 kv heads (SMALL has 4 heads, 2 kv)
     ring2 = [*heads, "--parallel.cp", "2", "--parallel.cp_mode", "ring"]
     cp4 = [*heads, "--parallel.cp", "4", "--parallel.cp_mode", "all_to_all"]
-    check_resumes(tmp_path, 4, {
-        "ddp cp2 ring dp2": (ring2, [("cp1 dp4", heads, MOVED), ("cp4 all_to_all", cp4, MOVED)]),
-        "fsdp cp2 ring dp2": ([*ring2, "--parallel.dp_mode", "fsdp"], [("ddp cp4 all_to_all", cp4, MOVED)])})
+    check_resumes(
+        tmp_path,
+        4,
+        {
+            "ddp cp2 ring dp2": (ring2, [("cp1 dp4", heads, MOVED), ("cp4 all_to_all", cp4, MOVED)]),
+            "fsdp cp2 ring dp2": ([*ring2, "--parallel.dp_mode", "fsdp"], [("ddp cp4 all_to_all", cp4, MOVED)]),
+        },
+    )
 
 
 def _saved_rank(argv: list[str]) -> dict:
@@ -141,8 +176,12 @@ def _saved_rank(argv: list[str]) -> dict:
     model = model_lib.build(cfg.model, device="meta")
     apply_context_parallel(model, cfg.parallel.cp_mode, dist.group.WORLD, cp)
     materialize(model, torch.device("cpu"), seed=0, std=0.02)
-    rows = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
-                         generator=torch.Generator().manual_seed(0))
+    rows = torch.randint(
+        0,
+        cfg.model.vocab_size,
+        (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
+        generator=torch.Generator().manual_seed(0),
+    )
     eos = 3 if cfg.data.document_mask else None
     inputs, labels, extra = micro_batch_inputs([rows], 1, eos, cp, rank, cfg.train.seq_len)
     tracker = SavedActivations(model)
@@ -155,20 +194,46 @@ def _saved_rank(argv: list[str]) -> dict:
 RING = ["--parallel.cp_mode", "ring"]
 
 
-@pytest.mark.parametrize("cp,extra", [(1, []), (2, []), (4, []), (1, ["--data.document_mask", "true"]),
-                                      (2, ["--data.document_mask", "true"]),
-                                      # Slow (out of CI) for now: this case failed in three complete suite runs on
-                                      # the merged tree of issue 35's wave, yet passes alone, after every earlier
-                                      # file, and with the whole suite collected; the cause is not found yet.
-                                      pytest.param(2, ["--train.dtype", "bf16"], marks=pytest.mark.slow),
-                                      (2, RING), (4, RING), (2, [*RING, "--data.document_mask", "true"]),
-                                      (2, [*RING, "--train.dtype", "bf16"])])
+@pytest.mark.parametrize(
+    "cp,extra",
+    [
+        (1, []),
+        (2, []),
+        (4, []),
+        (1, ["--data.document_mask", "true"]),
+        (2, ["--data.document_mask", "true"]),
+        # Slow (out of CI) for now: this case failed in three complete suite runs on
+        # the merged tree of issue 35's wave, yet passes alone, after every earlier
+        # file, and with the whole suite collected; the cause is not found yet.
+        pytest.param(2, ["--train.dtype", "bf16"], marks=pytest.mark.slow),
+        (2, RING),
+        (4, RING),
+        (2, [*RING, "--data.document_mask", "true"]),
+        (2, [*RING, "--train.dtype", "bf16"]),
+    ],
+)
 def test_saved_activations_per_rank_match_the_planner(cp, extra):
     """all_to_all keeps the activations of s/cp tokens per rank (attention: the same bytes as whole heads of s
     tokens), the document mask whole; the planner's ledger (engine/planning/activations.py) says so."""
-    argv = ["--config", "configs/tiny.yaml", "--model.hidden_size", "128", "--model.intermediate_size", "256",
-            "--model.num_layers", "2", "--train.seq_len", "64", "--train.micro_batch_size", "2",
-            "--parallel.cp", str(cp), "--parallel.cp_mode", "all_to_all", *extra]
+    argv = [
+        "--config",
+        "configs/tiny.yaml",
+        "--model.hidden_size",
+        "128",
+        "--model.intermediate_size",
+        "256",
+        "--model.num_layers",
+        "2",
+        "--train.seq_len",
+        "64",
+        "--train.micro_batch_size",
+        "2",
+        "--parallel.cp",
+        str(cp),
+        "--parallel.cp_mode",
+        "all_to_all",
+        *extra,
+    ]
     for got in run_ranks(_saved_rank, cp, argv, threads=1):
         assert got["saved"] == pytest.approx(got["planned"], rel=1e-3), got
 
@@ -193,8 +258,11 @@ def test_evaluation_loss_is_the_whole_sequences(tmp_path):
 
     argv = [*runner.BASE, "--train.steps", "2", "--train.eval_every", "2", "--train.eval_batches", "2"]
     want = run_ranks(_eval_losses, 1, [*argv, "--train.out_dir", str(tmp_path / "one")])[0]
-    got = run_ranks(_eval_losses, 2, [*argv, "--train.out_dir", str(tmp_path / "cp"), "--parallel.cp", "2",
-                                      "--parallel.cp_mode", "all_to_all"])
+    got = run_ranks(
+        _eval_losses,
+        2,
+        [*argv, "--train.out_dir", str(tmp_path / "cp"), "--parallel.cp", "2", "--parallel.cp_mode", "all_to_all"],
+    )
     assert len(want) == 1
     for losses in got:
         assert losses == pytest.approx(want, rel=runner.FP32.loss), (losses, want)
@@ -208,7 +276,16 @@ def test_zero_resume_across_cp_sizes(tmp_path):
 
     heads = ["--model.num_kv_heads", "4"]
     cp2 = [*heads, "--parallel.cp", "2", "--parallel.cp_mode", "all_to_all"]
-    check_resumes(tmp_path, 4, {
-        "zero-2 cp2 dp2": ([*cp2, *zero(2)], [("zero-1 cp1 dp4", [*heads, *zero(1)], MOVED),
-                                             ("ddp cp4", [*heads, "--parallel.cp", "4", "--parallel.cp_mode",
-                                                          "all_to_all"], MOVED)])})
+    check_resumes(
+        tmp_path,
+        4,
+        {
+            "zero-2 cp2 dp2": (
+                [*cp2, *zero(2)],
+                [
+                    ("zero-1 cp1 dp4", [*heads, *zero(1)], MOVED),
+                    ("ddp cp4", [*heads, "--parallel.cp", "4", "--parallel.cp_mode", "all_to_all"], MOVED),
+                ],
+            )
+        },
+    )

@@ -1,4 +1,5 @@
 """The load-balanced head/tail split of a sequence over context-parallel ranks (engine/parallel/cp/layout.py)."""
+
 import pytest
 import torch
 

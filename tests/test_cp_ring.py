@@ -19,6 +19,7 @@ document-border check dropped or loosened (the planned-kinds test).
     python -m pytest -q tests/test_cp_ring.py
     python -m tests.test_cp_ring         # prints the measured errors behind the bounds
 """
+
 from __future__ import annotations
 
 import pytest
@@ -61,22 +62,38 @@ def _reference(nh: int, nkv: int, dtype: torch.dtype, docs, seed: int) -> dict:
     doc_ids = _doc_ids(docs)
     rep = nh // nkv  # head h reads kv head h // rep
     mask = None if doc_ids is None else block_causal_mask(doc_ids)
-    o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                       attn_mask=mask, is_causal=mask is None)
+    o = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask, is_causal=mask is None
+    )
     dq, dk, dv = torch.autograd.grad(o, (q, k, v), up)
-    return {"q": q.detach(), "k": k.detach(), "v": v.detach(), "up": up, "doc_ids": doc_ids, "dtype": dtype,
-            "want": (o.detach(), dq, dk, dv)}
+    return {
+        "q": q.detach(),
+        "k": k.detach(),
+        "v": v.detach(),
+        "up": up,
+        "doc_ids": doc_ids,
+        "dtype": dtype,
+        "want": (o.detach(), dq, dk, dv),
+    }
 
 
 def _ring_run(case: dict, group, cp: int, r: int, kernel: str = "auto") -> tuple[torch.Tensor, ...]:
     """This cp rank's o, dq, dk, dv (fp64) from ring attention over its tokens. q, k, v are (b, h, L, hd) views of
     (b, L, h, hd) tensors, as the model's attention hands them over (strided, not contiguous)."""
+
     def mine(x):
         return layout.take(x, S, cp, r, dim=2).to(case["dtype"])
 
     q, k, v = (mine(case[n]).transpose(1, 2).contiguous().requires_grad_() for n in "qkv")  # (b, L, h, hd)
-    o = ring_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group, layout.all_chunk_indices(S, cp),
-                       case["doc_ids"], kernel)
+    o = ring_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        group,
+        layout.all_chunk_indices(S, cp),
+        case["doc_ids"],
+        kernel,
+    )
     o.backward(mine(case["up"]))
     grads = (x.grad.transpose(1, 2) for x in (q, k, v))
     return tuple(t.double() for t in (o.detach(), *grads))
@@ -91,8 +108,9 @@ def _settled(result):
 
 def _rank_cases(cases: list) -> dict:
     cp, r = dist.get_world_size(), dist.get_rank()
-    return _settled({kernel: [_ring_run(case, dist.group.WORLD, cp, r, kernel) for case in cases]
-                     for kernel in ring.KERNELS})
+    return _settled(
+        {kernel: [_ring_run(case, dist.group.WORLD, cp, r, kernel) for case in cases] for kernel in ring.KERNELS}
+    )
 
 
 def _errors(got: tuple, want: tuple, cp: int, r: int) -> list[float]:
@@ -107,8 +125,9 @@ def _check(cases: list, results: list[dict], cp: int) -> None:
         for r, per_rank in enumerate(results):
             for kernel, got in per_rank.items():
                 errs = _errors(got[i], cases[i]["want"], cp, r)
-                assert max(errs) < bound, (f"{name} cp={cp} rank {r} kernel {kernel}: o, dq, dk, dv errors {errs} "
-                                           f"(bound {bound})")
+                assert max(errs) < bound, (
+                    f"{name} cp={cp} rank {r} kernel {kernel}: o, dq, dk, dv errors {errs} (bound {bound})"
+                )
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -144,6 +163,7 @@ def _rank_count(case: dict) -> tuple[int, ...]:
         def wrapped(*args):
             counts[key] += 1
             return fn(*args)
+
         return wrapped
 
     ring.attend_part, ring.grad_part = count("fwd", ring.attend_part), count("bwd", ring.grad_part)
@@ -171,7 +191,10 @@ def test_block_parts_skips_a_key_chunk_after_the_query_chunk():
     # only chunk 3's queries see rank 1's keys, all of them
     assert [(p[0].start, p[1].start, p[2]) for p in parts] == [(2, 0, ring_plan.FULL), (2, 2, ring_plan.FULL)]
     assert [p[2] for p in ring_plan.block_parts(rows[1], rows[1], None, None)] == [
-        ring_plan.CAUSAL, ring_plan.FULL, ring_plan.CAUSAL]  # chunks 1 and 2 against themselves; 2 sees 1
+        ring_plan.CAUSAL,
+        ring_plan.FULL,
+        ring_plan.CAUSAL,
+    ]  # chunks 1 and 2 against themselves; 2 sees 1
     docs = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1]])  # chunk 3 a document of its own: rank 1's keys are not seen
     for docs_sorted in (True, False):
         assert ring_plan.block_parts(rows[0], rows[1], docs[:, rows[0]], docs[:, rows[1]], docs_sorted) == []
@@ -193,9 +216,14 @@ def test_planned_kinds_equal_the_masks(cp):
                 want = []
                 for qs in (slice(0, 4), slice(4, 8)):
                     for ks in (slice(0, 4), slice(4, 8)):
-                        kind = ring_plan.mask_kind(ring_plan.part_mask(
-                            q_idx[qs], k_idx[ks], None if q_doc is None else q_doc[:, qs],
-                            None if k_doc is None else k_doc[:, ks]))
+                        kind = ring_plan.mask_kind(
+                            ring_plan.part_mask(
+                                q_idx[qs],
+                                k_idx[ks],
+                                None if q_doc is None else q_doc[:, qs],
+                                None if k_doc is None else k_doc[:, ks],
+                            )
+                        )
                         want += [] if kind is None else [(qs, ks, kind)]
                 assert ring_plan.block_parts(q_idx, k_idx, q_doc, k_doc, True) == want, (doc_ids, r, src)
 

@@ -2,6 +2,7 @@
 fp32 logits (the engine's loss before chunking, at tp = 1): loss and gradient at tp = 1 and 2, several chunks
 (the last one short), ignored targets, fp32 and bf16 logits; and its peak memory, which must not hold an fp32
 copy of the whole logits."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,7 +18,7 @@ V, B, S = 48, 3, 7  # n = 21 tokens; chunk_elements 120 at V/tp = 24 gives chunk
 # Measured worst relative error of a correct run (fp32): loss 0, gradient 3.1e-7; bf16 logits: the
 # gradient is the fp32 one rounded once to bf16 (2^-8 relative), the loss reads the same bf16 values.
 REL = 1e-6
-REL_BF16_GRAD = 2 ** -8
+REL_BF16_GRAD = 2**-8
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -40,15 +41,18 @@ def _compare(dtype: torch.dtype, chunk_elements: int) -> dict:
     loss.backward()
     assert torch.equal(local.detach(), full.chunk(size, dim=-1)[rank]), "the loss changed its input logits"
     ref_grad = ref_logits.grad.to(dtype).chunk(size, dim=-1)[rank]
-    return {"loss": rel_err(loss.detach(), ref.detach()), "grad": rel_err(local.grad, ref_grad),
-            "grad_dtype": local.grad.dtype == dtype}
+    return {
+        "loss": rel_err(loss.detach(), ref.detach()),
+        "grad": rel_err(local.grad, ref_grad),
+        "grad_dtype": local.grad.dtype == dtype,
+    }
 
 
 def _rank(dtype_name: str) -> dict:
     return _compare(getattr(torch, dtype_name), 120)
 
 
-@pytest.mark.parametrize("chunk_elements", [120, 1, 10 ** 9])  # 5-token chunks, 1 token, one chunk
+@pytest.mark.parametrize("chunk_elements", [120, 1, 10**9])  # 5-token chunks, 1 token, one chunk
 def test_tp1_matches_f_cross_entropy(chunk_elements):
     errs = _compare(torch.float32, chunk_elements)
     assert errs["loss"] <= REL and errs["grad"] <= REL and errs["grad_dtype"], errs

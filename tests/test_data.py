@@ -1,4 +1,5 @@
 """Data pipeline: bundled tokenizer, file tokenization, packing, the global batch order and its resume, errors."""
+
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ from engine.data import blend
 from engine.data import dataset as data
 from engine.data.dataset import DataError, GlobalBatchSampler, PackedDataset, check_consumed
 
-ROUND_TRIP = "First Citizen:\nBefore we proceed,  hear me.\t\n\n caf\u00e9 \u00fcber \u65e5\u672c \U0001F600 <|endoftext|> \r\n  "
+ROUND_TRIP = "First Citizen:\nBefore we proceed,  hear me.\t\n\n caf\u00e9 \u00fcber \u65e5\u672c \U0001f600 <|endoftext|> \r\n  "
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def test_load_tokenizer_missing_path_names_it(tmp_path):
 
 def test_tokenize_files_txt_and_jsonl(tok, tmp_path):
     txt_docs = ["Speak, speak.\n\nAll:\nResolved.  resolved.\n", "Second file\u2014caf\u00e9\n"]
-    json_docs = ["First Citizen:\nBefore we proceed", "  two spaces", "\U0001F600 and more\n"]
+    json_docs = ["First Citizen:\nBefore we proceed", "  two spaces", "\U0001f600 and more\n"]
     txt_paths = []
     for i, d in enumerate(txt_docs):
         (tmp_path / f"doc{i}.txt").write_text(d, encoding="utf-8")
@@ -128,13 +129,16 @@ def test_sampler_resume_at_another_dp_continues_with_the_next_ids():
     assert again.batch(36) == stream[3][3:6]
 
 
-@pytest.mark.parametrize("content, name, match", [
-    (None, "missing.txt", r"missing\.txt: no such file"),
-    ("", "empty.txt", r"empty\.txt: no text"),
-    ("", "empty.jsonl", r"empty\.jsonl"),
-    ('{"body": "x"}\n', "nokey.jsonl", r"nokey\.jsonl: no field 'text'"),
-    ("x", "notes.csv", r"notes\.csv: unsupported file type"),
-])
+@pytest.mark.parametrize(
+    "content, name, match",
+    [
+        (None, "missing.txt", r"missing\.txt: no such file"),
+        ("", "empty.txt", r"empty\.txt: no text"),
+        ("", "empty.jsonl", r"empty\.jsonl"),
+        ('{"body": "x"}\n', "nokey.jsonl", r"nokey\.jsonl: no field 'text'"),
+        ("x", "notes.csv", r"notes\.csv: unsupported file type"),
+    ],
+)
 def test_tokenize_files_errors_name_the_file(tok, tmp_path, content, name, match):
     if content is not None:
         (tmp_path / name).write_text(content)
@@ -155,6 +159,7 @@ def test_too_short_and_bad_batch_errors():
 
 
 # ---- indexed datasets, TrainData: blending, the validation split, resume ----------------------------------------
+
 
 @pytest.fixture(scope="module")
 def megatron_indexed():
@@ -249,12 +254,14 @@ def test_long_documents_continue_in_the_next_samples(tok, tmp_path):
     by_index = {td.locate(g)[1]: td.train_sample(g) for g in range(td.num_train_samples)}
     assert sorted(by_index) == list(range(td.num_train_samples))  # every packed sample exactly once per epoch
     for i, sample in by_index.items():
-        assert sample.tolist() == stream[16 * i:16 * i + 17]  # sample i+1 continues where sample i stops
+        assert sample.tolist() == stream[16 * i : 16 * i + 17]  # sample i+1 continues where sample i stops
 
 
 def test_blend_weights_are_honoured(megatron_indexed, tmp_path):
-    paths = [stream_dataset(megatron_indexed, tmp_path, f"d{i}", n, start=i * 100_000)
-             for i, n in enumerate([3000, 9000, 500])]
+    paths = [
+        stream_dataset(megatron_indexed, tmp_path, f"d{i}", n, start=i * 100_000)
+        for i, n in enumerate([3000, 9000, 500])
+    ]
     td = blend.TrainData(spec(paths, weights=[5, 3, 2], seed=3), None)  # normalised to 0.5 / 0.3 / 0.2
     assert td.num_train_samples == 12_500 and td.weights.tolist() == pytest.approx([0.5, 0.3, 0.2])
     sampler = GlobalBatchSampler(td.num_train_samples, 16, seed=3)

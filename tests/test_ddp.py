@@ -11,6 +11,7 @@ The hooks are observed by wrapping ``engine.parallel.dp.ddp.comm_hook`` in the f
 (launch/bench/compression.py ``spy``): DDP then calls the wrapper for every bucket, which records the bucket and
 calls the configured hook (torch's ``allreduce_hook`` for ``none``, which averages like DDP's built-in one).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -102,8 +103,12 @@ def test_lossy_hooks_converge_with_one_process(tmp_path):
     argv = [*DDP, "--train.steps", "40"]
     (ref,) = run_ranks(train_rank, 1, [[*argv, "--train.out_dir", str(tmp_path / "dp1")]], timeout_s=600)[0]
     hooks = ("bf16", "fp16", "powersgd")
-    runs = run_ranks(train_rank, 2, [[*argv, "--parallel.grad_compression", hook, "--train.out_dir",
-                                      str(tmp_path / hook)] for hook in hooks], timeout_s=1200)[0]
+    runs = run_ranks(
+        train_rank,
+        2,
+        [[*argv, "--parallel.grad_compression", hook, "--train.out_dir", str(tmp_path / hook)] for hook in hooks],
+        timeout_s=1200,
+    )[0]
     for hook, run in zip(hooks, runs):
         got = differences(run, ref)
         assert all(got[k] <= CONVERGE[k] for k in CONVERGE), (hook, got, CONVERGE)

@@ -4,6 +4,7 @@ free space, the run exits 3 after saving what it can (engine/storage.py), `lates
 checkpoint, and the same command then resumes from it. SIGHUP saves and stops like SIGTERM; a second SIGINT during
 a save is one line (exit 130); train.out_dir '' is refused. Full disks are small tmpfs mounts inside tmp_path
 (root needed: skipped with the reason elsewhere, a failure under CI=true)."""
+
 from __future__ import annotations
 
 import json
@@ -45,13 +46,24 @@ def tmpfs():
 
 
 def _pretrain(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "launch/pretrain.py"), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.run(
+        [sys.executable, str(ROOT / "launch/pretrain.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
 def _start(*args: str, prefix: list[str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen(prefix or [sys.executable, "launch/pretrain.py", *args], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        prefix or [sys.executable, "launch/pretrain.py", *args],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def _one_error_line(stderr: str, stdout: str, *needles: str) -> str:
@@ -78,8 +90,17 @@ def test_metrics_disk_full_saves_then_exits_3(tmp_path, tmpfs, tensorboard):
     """Was: OSError ENOSPC traceback from engine/metrics/logger.py (or TensorBoard's writer thread and flush),
     exit 1, nothing saved since the last save."""
     out, ckpt = tmpfs(tmp_path / "out", size="64k"), tmp_path / "ckpt"
-    args = [*ARGS, "--train.steps", "400", "--train.out_dir", str(out), "--checkpoint.dir", str(ckpt),
-            "--log.tensorboard", str(tensorboard).lower()]
+    args = [
+        *ARGS,
+        "--train.steps",
+        "400",
+        "--train.out_dir",
+        str(out),
+        "--checkpoint.dir",
+        str(ckpt),
+        "--log.tensorboard",
+        str(tensorboard).lower(),
+    ]
     proc = _start(*args)
     for line in proc.stdout:
         if line.startswith("step "):  # training: fill the rest of the disk (metrics.jsonl's next page fails)
@@ -92,8 +113,9 @@ def test_metrics_disk_full_saves_then_exits_3(tmp_path, tmpfs, tensorboard):
             break
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 3, stderr[-3000:]
-    line = _one_error_line(stderr, stdout, "No space left on device (ENOSPC); 0 B of 64.0 KiB",
-                           "free on the file system of", "saved in")
+    line = _one_error_line(
+        stderr, stdout, "No space left on device (ENOSPC); 0 B of 64.0 KiB", "free on the file system of", "saved in"
+    )
     records = f"cannot write '{out / 'metrics.jsonl'}'" in line  # else TensorBoard's events: first come, first fail
     assert records or (tensorboard and f"cannot write '{out / 'tensorboard'}" in line), line
     step = _latest(ckpt)
@@ -107,12 +129,27 @@ def test_metrics_disk_full_saves_then_exits_3(tmp_path, tmpfs, tensorboard):
 def test_checkpoint_disk_full_keeps_latest(tmp_path, tmpfs):
     """Was: exit 2 (a bad-input status) and the failed save's partial staging directory left behind."""
     ckpt = tmpfs(tmp_path / "ckpt", size="10m")  # one shard of SMALL's model (~7 MiB) fits, not two
-    args = [*ARGS, "--train.steps", "6", "--checkpoint.every", "2", "--train.out_dir", str(tmp_path / "out"),
-            "--checkpoint.dir", str(ckpt)]
+    args = [
+        *ARGS,
+        "--train.steps",
+        "6",
+        "--checkpoint.every",
+        "2",
+        "--train.out_dir",
+        str(tmp_path / "out"),
+        "--checkpoint.dir",
+        str(ckpt),
+    ]
     run = _pretrain(*args)
     assert run.returncode == 3, run.stderr[-3000:]
-    _one_error_line(run.stderr, run.stdout, "could not save step 4: cannot write", "No space left on device "
-                    "(ENOSPC)", "of 10.0 MiB", "the latest checkpoint stays step_000002")
+    _one_error_line(
+        run.stderr,
+        run.stdout,
+        "could not save step 4: cannot write",
+        "No space left on device (ENOSPC)",
+        "of 10.0 MiB",
+        "the latest checkpoint stays step_000002",
+    )
     assert _latest(ckpt) == "step_000002" and not list(ckpt.glob("step_*.tmp-*"))  # staging removed
     subprocess.run(["mount", "-o", "remount,size=64m", str(ckpt)], check=True)  # make room
     _resumes(args, ckpt, "step_000002")
@@ -122,12 +159,27 @@ def test_checkpoint_inodes_exhausted_at_the_staging_mkdir(tmp_path, tmpfs):
     """Was: OSError traceback from engine/checkpoint/publish.py staging_dir. 6 inodes: the root, LOCK and one
     checkpoint (directory, shard, index, latest); the next save's staging mkdir finds none."""
     ckpt = tmpfs(tmp_path / "ckpt", size="64m", nr_inodes="6")
-    args = [*ARGS, "--train.steps", "6", "--checkpoint.every", "2", "--train.out_dir", str(tmp_path / "out"),
-            "--checkpoint.dir", str(ckpt)]
+    args = [
+        *ARGS,
+        "--train.steps",
+        "6",
+        "--checkpoint.every",
+        "2",
+        "--train.out_dir",
+        str(tmp_path / "out"),
+        "--checkpoint.dir",
+        str(ckpt),
+    ]
     run = _pretrain(*args)
     assert run.returncode == 3, run.stderr[-3000:]
-    _one_error_line(run.stderr, run.stdout, f"cannot write '{ckpt}/step_000004.tmp-", "(ENOSPC)",
-                    "0 of 6 inodes free", "the latest checkpoint stays step_000002")
+    _one_error_line(
+        run.stderr,
+        run.stdout,
+        f"cannot write '{ckpt}/step_000004.tmp-",
+        "(ENOSPC)",
+        "0 of 6 inodes free",
+        "the latest checkpoint stays step_000002",
+    )
     subprocess.run(["mount", "-o", "remount,nr_inodes=64", str(ckpt)], check=True)
     _resumes(args, ckpt, "step_000002")
 
@@ -135,8 +187,17 @@ def test_checkpoint_inodes_exhausted_at_the_staging_mkdir(tmp_path, tmpfs):
 def test_checkpoint_dir_remounted_read_only_mid_run(tmp_path, tmpfs):
     """Was: OSError (EROFS) traceback from publish.py staging_dir, exit 1."""
     ckpt = tmpfs(tmp_path / "ckpt", size="64m")
-    args = [*ARGS, "--train.steps", "400", "--checkpoint.every", "2", "--train.out_dir", str(tmp_path / "out"),
-            "--checkpoint.dir", str(ckpt)]
+    args = [
+        *ARGS,
+        "--train.steps",
+        "400",
+        "--checkpoint.every",
+        "2",
+        "--train.out_dir",
+        str(tmp_path / "out"),
+        "--checkpoint.dir",
+        str(ckpt),
+    ]
     proc = _start(*args)
     deadline = time.monotonic() + 240
     while not (ckpt / "latest").exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -146,8 +207,13 @@ def test_checkpoint_dir_remounted_read_only_mid_run(tmp_path, tmpfs):
         time.sleep(0.01)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 3, stderr[-3000:]
-    _one_error_line(stderr, stdout, "Read-only file system (EROFS)", "mounted read-only", "the latest checkpoint "
-                    f"stays {_latest(ckpt)}")
+    _one_error_line(
+        stderr,
+        stdout,
+        "Read-only file system (EROFS)",
+        "mounted read-only",
+        f"the latest checkpoint stays {_latest(ckpt)}",
+    )
     good = _latest(ckpt)
     subprocess.run(["mount", "-o", "remount,rw", str(ckpt)], check=True)
     _resumes([*args, "--train.steps", str(int(good[5:]) + 1)], ckpt, good)  # the last of repeated keys wins
@@ -205,13 +271,26 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def test_second_sigint_during_a_save_is_one_line(tmp_path):
     """Was: a KeyboardInterrupt traceback from inside the save."""
     ckpt = tmp_path / "ckpt"
-    args = [*ARGS, "--train.steps", "6", "--checkpoint.every", "2", "--train.out_dir", str(tmp_path),
-            "--checkpoint.dir", str(ckpt)]
+    args = [
+        *ARGS,
+        "--train.steps",
+        "6",
+        "--checkpoint.every",
+        "2",
+        "--train.out_dir",
+        str(tmp_path),
+        "--checkpoint.dir",
+        str(ckpt),
+    ]
     proc = _start(prefix=[sys.executable, "-c", DOUBLE_SIGINT, "launch/pretrain.py", *args])
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 130, stderr[-3000:]
-    _one_error_line(stderr, stdout, "interrupted: a second SIGINT during the save of step 4: that save was dropped, "
-                    "the latest checkpoint stays step_000002")
+    _one_error_line(
+        stderr,
+        stdout,
+        "interrupted: a second SIGINT during the save of step 4: that save was dropped, "
+        "the latest checkpoint stays step_000002",
+    )
     assert _latest(ckpt) == "step_000002" and not list(ckpt.glob("step_*.tmp-*"))
     _resumes(args, ckpt, "step_000002")
 

@@ -8,6 +8,7 @@
   tokens too) gives the single-process losses (rel <= 1e-5, the tolerance between layouts), which differ from
   the unmasked run's (by ~4e-4): the data are short paragraphs, several to a 32-token row.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,19 @@ from tests.test_checkpoint import SMALL, run_phases
 
 ROOT = Path(__file__).resolve().parents[1]
 EOS = 0
-CFG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                  attention_bias=True, rope_scaling="llama3", rope_factor=8.0,
-                  rope_original_max_position_embeddings=8, family="qwen2")
+CFG = ModelConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    attention_bias=True,
+    rope_scaling="llama3",
+    rope_factor=8.0,
+    rope_original_max_position_embeddings=8,
+    family="qwen2",
+)
 
 
 def documents() -> list[torch.Tensor]:
@@ -81,9 +92,23 @@ def test_packed_row_equals_each_document_alone():
     assert ((unmasked - want).abs().max() / want.abs().max()).item() > 1e-2  # the mask is what makes it equal
 
 
-MASKED = [*SMALL, "--data.document_mask", "true", "--train.steps", "3", "--train.global_batch_size", "8",
-          "--train.micro_batch_size", "2", "--model.attention_bias", "true", "--model.family", "qwen2",
-          "--model.num_layers", "4"]
+MASKED = [
+    *SMALL,
+    "--data.document_mask",
+    "true",
+    "--train.steps",
+    "3",
+    "--train.global_batch_size",
+    "8",
+    "--train.micro_batch_size",
+    "2",
+    "--model.attention_bias",
+    "true",
+    "--model.family",
+    "qwen2",
+    "--model.num_layers",
+    "4",
+]
 
 
 def paragraphs(path: Path) -> None:
@@ -95,10 +120,18 @@ def paragraphs(path: Path) -> None:
 
 def test_document_mask_at_tp_pp_dp(tmp_path):
     paragraphs(tmp_path / "docs.jsonl")
-    argv = [*MASKED, "--data.paths", str(tmp_path / "docs.jsonl"), "--train.out_dir", str(tmp_path / "out"),
-            "--checkpoint.resume", "none"]
-    reference, unmasked = run_ranks(run_phases, 1, [("train", argv),
-                                                    ("train", [*argv, "--data.document_mask", "false"])])[0]
+    argv = [
+        *MASKED,
+        "--data.paths",
+        str(tmp_path / "docs.jsonl"),
+        "--train.out_dir",
+        str(tmp_path / "out"),
+        "--checkpoint.resume",
+        "none",
+    ]
+    reference, unmasked = run_ranks(
+        run_phases, 1, [("train", argv), ("train", [*argv, "--data.document_mask", "false"])]
+    )[0]
     layouts = [["--parallel.tp", "2", "--parallel.pp", "2"], ["--parallel.dp_mode", "fsdp"], ["--parallel.pp", "4"]]
     got = run_ranks(run_phases, 4, [("train", [*argv, *layout]) for layout in layouts])[0]
     # At initialisation the loss is near log(V) either way; the mask still moves it far beyond the tolerance.

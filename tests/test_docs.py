@@ -1,6 +1,7 @@
 """The README and docs/ as a user meets them: install, quick start and the multi-node commands on the README's first
 120 lines, the test command the one CI runs, every relative link and anchor resolving, and the parity writer
 (``python -m tests.parity --full --write-readme``) touching only its table in docs/proofs.md. Reads files only."""
+
 from __future__ import annotations
 
 import re
@@ -22,10 +23,14 @@ def _anchors(path: Path) -> set[str]:
 
 def test_install_quick_start_and_multi_node_commands_on_the_first_screens():
     first = (ROOT / "README.md").read_text().splitlines()[:120]
-    for command in ("pip install -c constraints-cpu.txt -e .",
-                    "pip install -c constraints-cpu.txt -e . && python launch/pretrain.py --config configs/tiny.yaml",
-                    "python launch/preflight.py --hostfile", "deepspeed --hostfile", "torchrun --nnodes",
-                    "sbatch examples/slurm.sbatch"):
+    for command in (
+        "pip install -c constraints-cpu.txt -e .",
+        "pip install -c constraints-cpu.txt -e . && python launch/pretrain.py --config configs/tiny.yaml",
+        "python launch/preflight.py --hostfile",
+        "deepspeed --hostfile",
+        "torchrun --nnodes",
+        "sbatch examples/slurm.sbatch",
+    ):
         assert any(line.startswith(command) for line in first), f"not on the README's first 120 lines: {command}"
 
 

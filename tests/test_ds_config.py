@@ -1,6 +1,7 @@
 """DeepSpeed's tunable settings (engine/parallel/dp/ds_json.py): the defaults ship in the package, not in the
 repository's configs/ (what a non-editable ``pip install .`` lacks); parallel.ds_config merges over them; a bad
 file is one ConfigError line at load time. No DeepSpeed needed: ds_config() only builds the dict."""
+
 from __future__ import annotations
 
 import json
@@ -27,13 +28,16 @@ class Ctx:
 def test_defaults_are_found_in_a_copy_of_the_package_without_the_repository(tmp_path):
     # Only engine/ is copied (as pip installs it); run from there so neither the checkout nor its configs/ is seen.
     shutil.copytree(ROOT / "engine", tmp_path / "engine", ignore=shutil.ignore_patterns("__pycache__"))
-    code = ("import json, engine; from engine.config import load; from engine.parallel.dp.zero import ds_config\n"
-            "class Ctx: dp = 1\n"
-            "print(engine.__file__); print(json.dumps({s: ds_config(load(['--parallel.dp_mode', 'zero', "
-            "'--parallel.zero_stage', str(s)]), Ctx())['zero_optimization'] for s in (1, 2, 3)}))")
+    code = (
+        "import json, engine; from engine.config import load; from engine.parallel.dp.zero import ds_config\n"
+        "class Ctx: dp = 1\n"
+        "print(engine.__file__); print(json.dumps({s: ds_config(load(['--parallel.dp_mode', 'zero', "
+        "'--parallel.zero_stage', str(s)]), Ctx())['zero_optimization'] for s in (1, 2, 3)}))"
+    )
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     where, got = out.stdout.strip().splitlines()[-2:]
     assert where.startswith(str(tmp_path)), where
@@ -53,16 +57,19 @@ def test_user_file_is_merged_key_by_key_and_our_keys_are_filled_in(tmp_path):
     assert ds_config(load(ZERO2), Ctx())["zero_optimization"]["overlap_comm"] is False  # defaults untouched
 
 
-@pytest.mark.parametrize("content,words", [
-    (None, "is not a file"),
-    ("{not json", r"is not valid JSON \(line 1"),
-    ("[1, 2]", "holds a JSON list"),
-    ('{"optimizer": {"type": "Adam"}}', "sets 'optimizer'; remove it"),
-    ('{"scheduler": {}}', "sets 'scheduler'; remove it"),
-    ('{"fp16": {"enabled": true}}', "enables fp16; use train.dtype=bf16"),
-    ('{"train_batch_size": 8}', "from train.global_batch_size"),
-    ('{"zero_optimization": {"stage": 3}}', "from parallel.zero_stage"),
-])
+@pytest.mark.parametrize(
+    "content,words",
+    [
+        (None, "is not a file"),
+        ("{not json", r"is not valid JSON \(line 1"),
+        ("[1, 2]", "holds a JSON list"),
+        ('{"optimizer": {"type": "Adam"}}', "sets 'optimizer'; remove it"),
+        ('{"scheduler": {}}', "sets 'scheduler'; remove it"),
+        ('{"fp16": {"enabled": true}}', "enables fp16; use train.dtype=bf16"),
+        ('{"train_batch_size": 8}', "from train.global_batch_size"),
+        ('{"zero_optimization": {"stage": 3}}', "from parallel.zero_stage"),
+    ],
+)
 def test_bad_user_file_is_one_line_at_load(tmp_path, content, words):
     path = tmp_path / "ds.json"
     if content is not None:
@@ -79,11 +86,16 @@ def test_ds_config_without_dp_mode_zero_is_refused(tmp_path):
         load(["--parallel.ds_config", str(path)])
 
 
-@pytest.mark.parametrize("stage,value,words", [
-    (1, "true", "allows only when it partitions gradients (zero_stage 2 or 3; got parallel.zero_stage=1)"),
-    (2, '"yes"', "it must be true or false"),
-    (1, "false", None), (2, "true", None), (3, "true", None),
-])
+@pytest.mark.parametrize(
+    "stage,value,words",
+    [
+        (1, "true", "allows only when it partitions gradients (zero_stage 2 or 3; got parallel.zero_stage=1)"),
+        (2, '"yes"', "it must be true or false"),
+        (1, "false", None),
+        (2, "true", None),
+        (3, "true", None),
+    ],
+)
 def test_overlap_comm_is_refused_at_zero_1_in_one_line(tmp_path, stage, value, words):
     """DeepSpeed asserts overlap_comm only with partitioned gradients when the engine owns the accumulation
     boundary (managed_gradient_accumulation false): before, ZeRO-1 with it was a traceback on every rank."""
@@ -102,8 +114,19 @@ def test_overlap_comm_is_refused_at_zero_1_in_one_line(tmp_path, stage, value, w
 def test_overlap_comm_at_zero_1_exits_2_with_one_line_from_the_launcher(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text('{"zero_optimization": {"overlap_comm": true}}')
-    out = run_script("launch/pretrain.py", "--config", "configs/tiny.yaml", "--parallel.dp_mode", "zero",
-                     "--parallel.zero_stage", "1", "--parallel.ds_config", path, "--train.out_dir", tmp_path / "run")
+    out = run_script(
+        "launch/pretrain.py",
+        "--config",
+        "configs/tiny.yaml",
+        "--parallel.dp_mode",
+        "zero",
+        "--parallel.zero_stage",
+        "1",
+        "--parallel.ds_config",
+        path,
+        "--train.out_dir",
+        tmp_path / "run",
+    )
     assert out.returncode == 2, out.stderr[-3000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "overlap_comm" in errors[0] and "Traceback" not in out.stderr, out.stderr[-3000:]

@@ -2,6 +2,7 @@
 for good (agent and workers) after a checkpoint; the survivor restarts its workers alone, they resume the
 checkpoint at the layout that fits the world left (dp 2 -> 1, more accumulation for the same global batch), and
 the losses are an uninterrupted run's. A layout that cannot shrink ends the job with one line and exit 2."""
+
 from __future__ import annotations
 
 import json
@@ -30,10 +31,26 @@ def elastic_agent(port: int, args: list[str], host_store: bool, restarts: int = 
     can only restart while the store's host lives (an etcd rendezvous has no such host), so the other one is
     the one killed."""
     conf = f"{RDZV_CONF},is_host={'true' if host_store else 'false'}"
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"elastic-{port}",
-            "--rdzv-conf", conf,
-            "--max-restarts", str(restarts), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        f"elastic-{port}",
+        "--rdzv-conf",
+        conf,
+        "--max-restarts",
+        str(restarts),
+        *args,
+    ]
 
 
 def two_agents(job: Job, args: list[str], restarts: int = 3) -> tuple[subprocess.Popen, subprocess.Popen]:
@@ -69,13 +86,31 @@ def make_hosts(tmp_path):
 
 def host_agent(job: Job, host: hosts.Host, endpoint: str, args: list[str], store: bool) -> subprocess.Popen:
     """One agent of a 1-to-2-node job on ``host``, one worker; ``store``: this host serves the rendezvous store."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "elastic",
-           "--rdzv-conf", f"{RDZV_CONF},is_host={'true' if store else 'false'}", "--max-restarts", "3", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        "elastic",
+        "--rdzv-conf",
+        f"{RDZV_CONF},is_host={'true' if store else 'false'}",
+        "--max-restarts",
+        "3",
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     with (job.log_dir / f"agent{len(job.procs)}.log").open("w") as log:
-        job.procs.append(host.popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True))
+        job.procs.append(
+            host.popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        )
     return job.procs[-1]
 
 
@@ -84,14 +119,31 @@ def test_survivor_host_continues_at_the_shrunk_layout(make_hosts, tmp_path):
     good (every process on it, its sshd too). h1's agent restarts its worker alone: it resumes the checkpoint at
     dp 1 with twice the accumulation, says so in one line, and the losses are an uninterrupted run's."""
     out, ckpt, reference = tmp_path / "run", tmp_path / "ckpt", tmp_path / "reference"
-    run = subprocess.run([sys.executable, *train_args(reference), "--parallel.tp", "1"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = subprocess.run(
+        [sys.executable, *train_args(reference), "--parallel.tp", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     cluster, job = make_hosts(2), Job(tmp_path)
     h1, h2 = cluster.hosts
     try:
-        args = train_args(out, "--parallel.tp", "1", "--checkpoint.dir", str(ckpt), "--checkpoint.every", "3",
-                          "--checkpoint.resume", "auto", "--parallel.timeout_s", "30")
+        args = train_args(
+            out,
+            "--parallel.tp",
+            "1",
+            "--checkpoint.dir",
+            str(ckpt),
+            "--checkpoint.every",
+            "3",
+            "--checkpoint.resume",
+            "auto",
+            "--parallel.timeout_s",
+            "30",
+        )
         keeper = host_agent(job, h1, f"{h1.addr}:29400", args, True)
         gone = host_agent(job, h2, f"{h1.addr}:29400", args, False)
         job.wait_for(lambda: (ckpt / "latest").exists(), "checkpoint", timeout=400)
@@ -104,8 +156,14 @@ def test_survivor_host_continues_at_the_shrunk_layout(make_hosts, tmp_path):
     finally:
         job.kill_all()
     assert "hosts: h1 ranks 0, h2 ranks 1" in text, text[-4000:]
-    assert_shrunk(text, out, reference, "tp=1 pp=1 dp=2 on 2 x", "tp=1 pp=1 dp=1 on 1 x",
-                  "saved at tp1 pp1 dp2 (2 ranks); continuing at tp1 pp1 dp1 on 1 rank: the world shrank from 2 to 1")
+    assert_shrunk(
+        text,
+        out,
+        reference,
+        "tp=1 pp=1 dp=2 on 2 x",
+        "tp=1 pp=1 dp=1 on 1 x",
+        "saved at tp1 pp1 dp2 (2 ranks); continuing at tp1 pp1 dp1 on 1 rank: the world shrank from 2 to 1",
+    )
     print(f"survivor finished {elapsed:.0f} s after h2 died")
 
 
@@ -113,13 +171,27 @@ def test_survivor_host_continues_at_the_shrunk_layout(make_hosts, tmp_path):
 def test_survivor_resumes_at_the_shrunk_layout(tmp_path):
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     reference = tmp_path / "reference"
-    run = subprocess.run([sys.executable, *train_args(reference), "--parallel.tp", "1"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, *train_args(reference), "--parallel.tp", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     job = Job(tmp_path)
     try:
-        args = train_args(out, "--checkpoint.dir", str(ckpt), "--checkpoint.every", "3", "--checkpoint.resume",
-                          "auto", "--parallel.timeout_s", "30")
+        args = train_args(
+            out,
+            "--checkpoint.dir",
+            str(ckpt),
+            "--checkpoint.every",
+            "3",
+            "--checkpoint.resume",
+            "auto",
+            "--parallel.timeout_s",
+            "30",
+        )
         keeper, gone = two_agents(job, args)
         job.wait_for(lambda: (ckpt / "latest").exists(), "checkpoint", timeout=400)
         start = time.monotonic()
@@ -129,8 +201,14 @@ def test_survivor_resumes_at_the_shrunk_layout(tmp_path):
         text = job.output()
     finally:
         job.kill_all()
-    assert_shrunk(text, out, reference, "tp=2 pp=1 dp=2 on 4 x", "tp=2 pp=1 dp=1 on 2 x",
-                  "saved at tp2 pp1 dp2 (4 ranks); continuing at tp2 pp1 dp1 on 2 ranks: the world shrank from 4 to 2")
+    assert_shrunk(
+        text,
+        out,
+        reference,
+        "tp=2 pp=1 dp=2 on 4 x",
+        "tp=2 pp=1 dp=1 on 2 x",
+        "saved at tp2 pp1 dp2 (4 ranks); continuing at tp2 pp1 dp1 on 2 ranks: the world shrank from 4 to 2",
+    )
     print(f"survivor finished {elapsed:.0f} s after the kill")
 
 
@@ -142,8 +220,21 @@ def test_layout_that_cannot_shrink_exits_2_with_one_line(tmp_path):
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     job = Job(tmp_path)
     try:
-        args = train_args(out, "--checkpoint.dir", str(ckpt), "--checkpoint.every", "3", "--checkpoint.resume",
-                          "auto", "--parallel.timeout_s", "30", "--parallel.tp", "4", "--model.num_kv_heads", "4")
+        args = train_args(
+            out,
+            "--checkpoint.dir",
+            str(ckpt),
+            "--checkpoint.every",
+            "3",
+            "--checkpoint.resume",
+            "auto",
+            "--parallel.timeout_s",
+            "30",
+            "--parallel.tp",
+            "4",
+            "--model.num_kv_heads",
+            "4",
+        )
         keeper, gone = two_agents(job, args, restarts=1)
         job.wait_for(lambda: (ckpt / "latest").exists(), "checkpoint", timeout=400)
         kill_for_good(job, gone)
@@ -153,16 +244,19 @@ def test_layout_that_cannot_shrink_exits_2_with_one_line(tmp_path):
         job.kill_all()
     assert code != 0, text[-4000:]
     refusals = [x for x in text.splitlines() if "cannot shrink" in x]
-    assert refusals == ["error: elastic restart 1: the layout cannot shrink to the 2 ranks left: invalid layout: "
-                        "tp(4) * pp(1) * cp(1) * dp(auto) != world size(2); choose tp, pp and cp whose product "
-                        "divides 2"], text[-4000:]
+    assert refusals == [
+        "error: elastic restart 1: the layout cannot shrink to the 2 ranks left: invalid layout: "
+        "tp(4) * pp(1) * cp(1) * dp(auto) != world size(2); choose tp, pp and cp whose product "
+        "divides 2"
+    ], text[-4000:]
     assert re.search(r"exitcode\s+: 2", text), text[-4000:]
 
 
 def _foreign_lock(root: Path, elastic) -> None:
     root.mkdir()
-    (root / LOCK).write_text(json.dumps({"host": "gone-host", "pid": 4242, "started": 1.0, "run": "r0",
-                                         "elastic": elastic}) + "\n")
+    (root / LOCK).write_text(
+        json.dumps({"host": "gone-host", "pid": 4242, "started": 1.0, "run": "r0", "elastic": elastic}) + "\n"
+    )
 
 
 def test_lock_of_an_earlier_round_of_this_job_on_a_gone_host_is_taken_over(tmp_path, monkeypatch):
@@ -189,15 +283,21 @@ def test_layout_change_line_names_both_layouts_and_why():
     """The resume line (engine/checkpoint/contents.py layout_change) for a shrink, a growth, a changed setting at
     the same world, none at the same layout, and an index without world_size."""
     cfg = SimpleNamespace(parallel=SimpleNamespace(dp_mode="ddp", zero_stage=0))
+
     def ctx(tp, pp, dp, cp=1):
         return SimpleNamespace(tp=tp, pp=pp, dp=dp, world_size=tp * pp * dp * cp, size=lambda axis: cp)
+
     index = {"step": 6, "layout": {"tp": 2, "pp": 1, "dp": 2, "world_size": 4}}
-    assert layout_change(index, cfg, ctx(2, 1, 1)) == ("resume: checkpoint step 6 was saved at tp2 pp1 dp2 (4 "
-                                                       "ranks); continuing at tp2 pp1 dp1 on 2 ranks: the world "
-                                                       "shrank from 4 to 2")
-    assert layout_change(index, cfg, ctx(2, 1, 2, cp=2)).endswith("at tp2 pp1 dp2 cp2 on 8 ranks: the world grew "
-                                                                  "from 4 to 8")
-    assert layout_change(index, cfg, ctx(1, 2, 2)).endswith("parallel.tp, pp, dp or cp differ from the "
-                                                            "checkpoint's run")
+    assert layout_change(index, cfg, ctx(2, 1, 1)) == (
+        "resume: checkpoint step 6 was saved at tp2 pp1 dp2 (4 "
+        "ranks); continuing at tp2 pp1 dp1 on 2 ranks: the world "
+        "shrank from 4 to 2"
+    )
+    assert layout_change(index, cfg, ctx(2, 1, 2, cp=2)).endswith(
+        "at tp2 pp1 dp2 cp2 on 8 ranks: the world grew from 4 to 8"
+    )
+    assert layout_change(index, cfg, ctx(1, 2, 2)).endswith(
+        "parallel.tp, pp, dp or cp differ from the checkpoint's run"
+    )
     assert layout_change(index, cfg, ctx(2, 1, 2)) is None
     assert "(4 ranks)" in layout_change({"step": 6, "layout": {"tp": 2, "pp": 1, "dp": 2}}, cfg, ctx(2, 1, 1))

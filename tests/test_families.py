@@ -10,6 +10,7 @@ For each family a tiny random model built by transformers itself (from a config 
 - the tp2 x pp2 checkpoint exported loads in transformers as the same architecture with the engine's logits,
   and the tokenizer files and generation_config.json come through the round trip unchanged.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,10 +33,23 @@ from tests.cli import run_script
 from tests.dist import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPE = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
-LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 16}
+SHAPE = dict(
+    vocab_size=4096,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+)
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 FAMILIES = {
     "llama": lambda: transformers.LlamaConfig(**SHAPE, rope_theta=500000.0, rope_scaling=LLAMA31_ROPE),
     "qwen2": lambda: transformers.Qwen2Config(**SHAPE, rope_theta=1e6, tie_word_embeddings=True),
@@ -99,9 +113,25 @@ def layout_logits(argv: list[str], tokens: torch.Tensor) -> torch.Tensor | None:
 
 
 def run(imported: Path, out: Path, *extra: str) -> list[str]:
-    return ["--config", str(imported / "config.yaml"), "--train.seq_len", "32", "--train.global_batch_size", "4",
-            "--train.micro_batch_size", "2", "--train.steps", "5", "--train.warmup_steps", "2",
-            "--log.progress", "false", "--train.out_dir", str(out), *extra]
+    return [
+        "--config",
+        str(imported / "config.yaml"),
+        "--train.seq_len",
+        "32",
+        "--train.global_batch_size",
+        "4",
+        "--train.micro_batch_size",
+        "2",
+        "--train.steps",
+        "5",
+        "--train.warmup_steps",
+        "2",
+        "--log.progress",
+        "false",
+        "--train.out_dir",
+        str(out),
+        *extra,
+    ]
 
 
 def train(argv: list[str]) -> list[float]:
@@ -113,8 +143,11 @@ def layout_phase(argv: list[str], ckpt: Path, init_from: list[list[str]] = ()) -
     """Rank function: logits at the layout of argv, then 5 training steps saved to ``ckpt``; then 5 steps of
     each ``init_from`` argv (runs started straight from the HF folder)."""
     logits = layout_logits(argv, ids())
-    return {"logits": logits, "loss": train([*argv, "--checkpoint.dir", str(ckpt)]),
-            "init_from": [train(a) for a in init_from]}
+    return {
+        "logits": logits,
+        "loss": train([*argv, "--checkpoint.dir", str(ckpt)]),
+        "init_from": [train(a) for a in init_from],
+    }
 
 
 def reference_phase(argv: list[str], ckpt: Path) -> dict:
@@ -129,7 +162,8 @@ def hf_source(family: str, folder: Path) -> transformers.PreTrainedModel:
     model.save_pretrained(str(folder))
     load_tokenizer("").save_pretrained(str(folder))
     transformers.GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, eos_token_id=[2, 7]).save_pretrained(
-        str(folder))
+        str(folder)
+    )
     return model
 
 
@@ -143,10 +177,13 @@ def test_import_tp2_pp2_train_export(family, tmp_path):
         want = source(ids()).logits
     tp2pp2 = ["--parallel.tp", "2", "--parallel.pp", "2"]
     # --model.init_from: the same run without the import step, at tp2 x pp2 and (Qwen2) at fsdp dp 4
-    direct = [[*run(imported, tmp_path / "out")[2:], "--model.init_from", str(src), *layout]
-              for layout in [tp2pp2, ["--parallel.dp_mode", "fsdp", "--train.micro_batch_size", "1"]]]
-    layout = run_ranks(layout_phase, 4, run(imported, tmp_path / "out", *tp2pp2), ckpt,
-                       direct if family == "qwen2" else direct[:1])[3]
+    direct = [
+        [*run(imported, tmp_path / "out")[2:], "--model.init_from", str(src), *layout]
+        for layout in [tp2pp2, ["--parallel.dp_mode", "fsdp", "--train.micro_batch_size", "1"]]
+    ]
+    layout = run_ranks(
+        layout_phase, 4, run(imported, tmp_path / "out", *tp2pp2), ckpt, direct if family == "qwen2" else direct[:1]
+    )[3]
     ref = run_ranks(reference_phase, 1, run(imported, tmp_path / "out1"), ckpt)[0]
     assert max_rel(ref["logits"], want) <= TOL, f"tp1 vs transformers: {max_rel(ref['logits'], want):.2e}"
     assert max_rel(layout["logits"], ref["logits"]) <= TOL
@@ -173,14 +210,18 @@ def test_unsupported_architecture_is_one_line_exit_2(tmp_path):
     assert cli.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'src'}: architecture GPT2LMHeadModel is not supported; import handles "
         f"LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
-        f"OlmoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"]
+        f"OlmoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"
+    ]
 
 
 def test_sequence_longer_than_sliding_window_is_refused():
     from engine.config import ConfigError
 
     assert load(["--model.sliding_window", "128", "--train.seq_len", "128"]).model.sliding_window == 128
-    with pytest.raises(ConfigError, match=r"^train.seq_len=129 exceeds model.sliding_window=128; sliding-window "
-                                          r"attention is not implemented"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^train.seq_len=129 exceeds model.sliding_window=128; sliding-window "
+        r"attention is not implemented",
+    ):
         load(["--model.sliding_window", "128", "--train.seq_len", "129"])
     assert load(["--model.max_position_embeddings", "64", "--train.seq_len", "64"]).model.max_seq_len == 64

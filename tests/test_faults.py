@@ -2,6 +2,7 @@
 (SIGSTOP: the heartbeat, engine/cluster/heartbeat.py), a dead rank (kill -9: the collective error explained by the
 heartbeat, not a traceback per rank), a host missing at launch (engine/cluster/startup.py). Two torchrun agents
 on loopback as in tests/test_multinode.py; the bounds are wall-clock times with room for a loaded machine."""
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,7 @@ def _resumes_exactly(job: Job, args: list[str], out: Path, reference: list[float
 def _fault_args(tmp_path: Path) -> tuple[Path, list[str]]:
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     # the collective timeout stays at its 600 s default: only the heartbeat can end the job within the bound
-    return out, train_args(out, "--checkpoint.dir", str(ckpt), "--checkpoint.every", "3", "--checkpoint.resume",
-                           "auto")
+    return out, train_args(out, "--checkpoint.dir", str(ckpt), "--checkpoint.every", "3", "--checkpoint.resume", "auto")
 
 
 def _one_error_line(text: str, pattern: str) -> str:
@@ -72,10 +72,13 @@ def test_frozen_host_ends_the_job_in_one_line(tmp_path, job, reference):
     assert code != 0
     # The two SIGSTOPs can land up to one beat (timeout / 10) apart, so at the bound the silent set may still be
     # rank 2 or 3 alone: either names node 1's host.
-    line = _one_error_line(job.output(), r"^error: (ranks 2, 3|rank [23]) on host \S+ \(127\.0\.0\.1\) silent for "
-                                         r"\d+ s .* at step \d+")
+    line = _one_error_line(
+        job.output(),
+        r"^error: (ranks 2, 3|rank [23]) on host \S+ \(127\.0\.0\.1\) silent for "
+        r"\d+ s .* at step \d+",
+    )
     print(f"frozen node 1: node 0 ended in {elapsed:.1f} s: {line}")
-    assert "launch/pretrain.py\", line" not in job.output()  # no rank's traceback (torchrun's own is allowed)
+    assert 'launch/pretrain.py", line' not in job.output()  # no rank's traceback (torchrun's own is allowed)
     _resumes_exactly(job, args, out, reference)
 
 
@@ -92,10 +95,11 @@ def test_dead_rank_ends_the_job_in_one_line(tmp_path, job, reference):
     assert all(c != 0 for c in codes)
     text = job.output()
     lines = [line for line in text.splitlines() if line.startswith("error: ")]
-    assert lines and all(re.search(r"^error: ranks? (2, )?3 on host \S+ \(127\.0\.0\.1\) (silent|failed)", x)
-                         for x in lines), text[-4000:]
+    assert lines and all(
+        re.search(r"^error: ranks? (2, )?3 on host \S+ \(127\.0\.0\.1\) (silent|failed)", x) for x in lines
+    ), text[-4000:]
     assert len(lines) <= 2, lines  # once per host
-    assert "launch/pretrain.py\", line" not in text, text[-4000:]  # no rank's traceback (torchrun's own is allowed)
+    assert 'launch/pretrain.py", line' not in text, text[-4000:]  # no rank's traceback (torchrun's own is allowed)
     print(f"killed rank 3: the job ended in {elapsed:.1f} s: {lines[0]}")
     _resumes_exactly(job, args, out, reference)
 
@@ -106,19 +110,33 @@ def _ranks(ranks: list[int], world: int, port: int, extra: list[str], out: Path)
     status as "exit RANK CODE"."""
     script = []
     for rank in ranks:
-        env = (f"RANK={rank} LOCAL_RANK={rank % 2} WORLD_SIZE={world} LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "
-               f"MASTER_PORT={port}")
+        env = (
+            f"RANK={rank} LOCAL_RANK={rank % 2} WORLD_SIZE={world} LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "
+            f"MASTER_PORT={port}"
+        )
         script.append(f"{env} {shlex.join([sys.executable, *train_args(out / str(rank), *extra)])} & p{rank}=$!")
     script += [f"wait $p{rank}; echo exit {rank} $?" for rank in ranks]
-    return subprocess.Popen(["bash", "-c", "\n".join(script)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        ["bash", "-c", "\n".join(script)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
-@pytest.mark.parametrize("started, pattern", [
-    ([0, 1], r"^error: ranks 2-3 \(node 1 at 2 ranks per node\) of 4 did not join within 20 s .* joined: ranks 0, 1 "
-             r"on host \S+ \(127\.0\.0\.1\)$"),
-    pytest.param([2, 3], r"^error: rank [23] on host \S+ \(127\.0\.0\.1\) could not reach the job's store at 127\.0\.0\.1:\d+ "
-             r"within 20 s", marks=pytest.mark.slow)])  # CI: the other case; same mechanism
+@pytest.mark.parametrize(
+    "started, pattern",
+    [
+        (
+            [0, 1],
+            r"^error: ranks 2-3 \(node 1 at 2 ranks per node\) of 4 did not join within 20 s .* joined: ranks 0, 1 "
+            r"on host \S+ \(127\.0\.0\.1\)$",
+        ),
+        pytest.param(
+            [2, 3],
+            r"^error: rank [23] on host \S+ \(127\.0\.0\.1\) could not reach the job's store at 127\.0\.0\.1:\d+ "
+            r"within 20 s",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)  # CI: the other case; same mechanism
 def test_missing_host_at_launch_is_named(tmp_path, started, pattern):
     """Node 1 never starts (ranks 0, 1 wait for 2, 3), or node 0 never does (no store to join): every started rank
     exits 1 within parallel.startup_timeout_s (20 s here) plus the time to start python, naming who is missing,
@@ -152,17 +170,37 @@ def test_rank_failing_while_connecting_is_bounded_by_the_startup_timeout(tmp_pat
     port, procs = free_port(), []
     start = time.monotonic()
     for rank, prefix in ((1, [str(wrapper)]), (0, [])):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        args = train_args(tmp_path / str(rank), "--parallel.heartbeat_timeout_s", "0", "--parallel.startup_timeout_s",
-                          "20")
-        procs.append(subprocess.Popen([sys.executable, *prefix, *args], cwd=ROOT, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        args = train_args(
+            tmp_path / str(rank), "--parallel.heartbeat_timeout_s", "0", "--parallel.startup_timeout_s", "20"
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *prefix, *args],
+                cwd=ROOT,
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
     text = procs[1].communicate(timeout=20 + BOUND_S)[0]
     elapsed = time.monotonic() - start
     assert procs[0].wait(timeout=60) == 7 and procs[1].returncode == 1, text[-3000:]
-    _one_error_line(text, r"^error: rank 0 on host \S+ \(127\.0\.0\.1\): the process group did not connect "
-                          r"within 20 s \(parallel\.startup_timeout_s\): rank 1 never posted its address")
+    _one_error_line(
+        text,
+        r"^error: rank 0 on host \S+ \(127\.0\.0\.1\): the process group did not connect "
+        r"within 20 s \(parallel\.startup_timeout_s\): rank 1 never posted its address",
+    )
     assert "Traceback" not in text, text[-3000:]
     assert elapsed < 20 + BOUND_S, elapsed
     print(f"rank 1 failed while connecting: rank 0 ended in {elapsed:.1f} s")
@@ -183,8 +221,11 @@ def test_lock_of_a_dead_job_on_another_host_is_taken_over(tmp_path, capsys):
     _foreign_lock(tmp_path, STALE_S + 30)
     lock = CheckpointLock(tmp_path, "new")
     message = lock.acquire()
-    assert re.fullmatch(r"checkpoint.dir: taking over the lock of pid 4242 on host elsewhere \(run old, since .*\), "
-                        r"not refreshed for \d+ s \(> 60 s\)", message), message
+    assert re.fullmatch(
+        r"checkpoint.dir: taking over the lock of pid 4242 on host elsewhere \(run old, since .*\), "
+        r"not refreshed for \d+ s \(> 60 s\)",
+        message,
+    ), message
     assert json.loads((tmp_path / LOCK).read_text())["run"] == "new"
     lock.release()
     _foreign_lock(tmp_path, STALE_S - 30)
@@ -215,9 +256,15 @@ def test_ssh_keepalive_ends_the_deepspeed_launcher(tmp_path, local_sshd, keepali
     env = local_sshd.pdsh_env()
     if keepalive:
         env[VARIABLE] += " " + KEEPALIVE.replace("=10", "=2").replace("=3", "=2")
-    launcher = subprocess.Popen([*deepspeed_over_ssh(tmp_path, local_sshd, 1), "--no_python", "--no_local_rank",
-                                 "sleep", "600"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    launcher = subprocess.Popen(
+        [*deepspeed_over_ssh(tmp_path, local_sshd, 1), "--no_python", "--no_local_rank", "sleep", "600"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     sshd = psutil.Process(int((local_sshd.key.parent / "sshd.pid").read_text()))
     try:
         deadline = time.monotonic() + 120

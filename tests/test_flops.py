@@ -1,5 +1,6 @@
 """FLOPs per token (PaLM's 6N + 12 L H Q T), the device peak table and MFU, against hand-computed figures and
 torch.utils.flop_counter.FlopCounterMode run on the engine's model."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -48,12 +49,24 @@ def test_matches_torch_flop_counter():
     assert counter.get_total_flops() == flops.flops_per_token(cfg.model, 32) * 2 * 32
 
 
-@pytest.mark.parametrize("name,dtype,peak", [
-    ("NVIDIA H100 80GB HBM3", "bf16", 989.0), ("NVIDIA H100 PCIe", "bf16", 756.0), ("NVIDIA H100 NVL", "bf16", 835.0),
-    ("NVIDIA H200", "bf16", 989.0), ("NVIDIA A100-SXM4-80GB", "bf16", 312.0), ("NVIDIA A100 80GB PCIe", "fp32", 19.5),
-    ("NVIDIA H100 80GB HBM3", "tf32", 494.7), ("NVIDIA H100 80GB HBM3", "fp32", 67.0), ("NVIDIA L40S", "bf16", 362.0),
-    ("NVIDIA L4", "bf16", 121.0), ("NVIDIA A10G", "bf16", 125.0), ("Tesla V100-SXM2-16GB", "bf16", None),
-    ("cpu", "bf16", None)])
+@pytest.mark.parametrize(
+    "name,dtype,peak",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.0),
+        ("NVIDIA H100 PCIe", "bf16", 756.0),
+        ("NVIDIA H100 NVL", "bf16", 835.0),
+        ("NVIDIA H200", "bf16", 989.0),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+        ("NVIDIA A100 80GB PCIe", "fp32", 19.5),
+        ("NVIDIA H100 80GB HBM3", "tf32", 494.7),
+        ("NVIDIA H100 80GB HBM3", "fp32", 67.0),
+        ("NVIDIA L40S", "bf16", 362.0),
+        ("NVIDIA L4", "bf16", 121.0),
+        ("NVIDIA A10G", "bf16", 125.0),
+        ("Tesla V100-SXM2-16GB", "bf16", None),
+        ("cpu", "bf16", None),
+    ],
+)
 def test_peak_table(name, dtype, peak):
     assert flops.peak_tflops(name, dtype) == peak
 

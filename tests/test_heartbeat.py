@@ -1,6 +1,7 @@
 """The heartbeat's watchdog (engine/cluster/heartbeat.py) on forked gloo ranks, its exit replaced by a record: a
 frozen peer is named while this rank's main thread is blocked in a pipeline recv, and a frozen store host is
 named as the store's. SIGSTOP freezes a rank's threads with it, as a hung host would; SIGCONT lets it finish."""
+
 from __future__ import annotations
 
 import os
@@ -49,8 +50,9 @@ def _watch(frozen: int, recv: bool):
 def test_frozen_peer_is_named_while_a_rank_waits_in_a_pipeline_recv():
     results = run_ranks(_watch, 3, 2, True, timeout_s=300)
     for verdict, elapsed, codes in results[:2]:
-        assert verdict and re.match(r"error: rank 2 on host \S+ \(127\.0\.0\.1\) silent for \d+ s .* at step 0",
-                                    verdict), verdict
+        assert verdict and re.match(
+            r"error: rank 2 on host \S+ \(127\.0\.0\.1\) silent for \d+ s .* at step 0", verdict
+        ), verdict
         assert codes == [1] and elapsed < BOUND_S, (elapsed, codes)
 
 
@@ -59,6 +61,9 @@ def test_frozen_store_host_is_named_as_the_store():
     the store and its host instead of waiting for it."""
     results = run_ranks(_watch, 3, 0, False, timeout_s=300)
     for verdict, elapsed, codes in results[1:]:
-        assert verdict and re.match(r"error: the job's store at 127\.0\.0\.1:\d+ \(host \S+ \(127\.0\.0\.1\)\) has "
-                                    r"not answered for \d+ s", verdict), verdict
+        assert verdict and re.match(
+            r"error: the job's store at 127\.0\.0\.1:\d+ \(host \S+ \(127\.0\.0\.1\)\) has "
+            r"not answered for \d+ s",
+            verdict,
+        ), verdict
         assert codes == [1] and elapsed < BOUND_S, (elapsed, codes)

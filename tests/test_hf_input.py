@@ -9,6 +9,7 @@ letter-by-letter architecture list; ``rms_norm_eps`` NaN and ``num_experts_per_t
 imported; ``vocab_size`` 2**31 - 1 through init_from allocated a 256 GiB embedding before comparing it with the
 weights; a tensor the model has no place for was dropped without a word.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,15 +24,29 @@ from safetensors.torch import load_file, save_file
 from tests.test_checkpoint import SMALL
 from tests.test_convert_publish import launch, one_error_line
 
-TINY = dict(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64)
-CONFIGS = {"llama": lambda: transformers.LlamaConfig(**TINY),
-           "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2,
-                                                            moe_intermediate_size=16,
-                                                            shared_expert_intermediate_size=24)}
+TINY = dict(
+    vocab_size=4096,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**TINY),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24
+    ),
+}
 DROP = object()  # the key removed from config.json
-LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 16}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 # id: (family, config.json change: {key: value or DROP} or the file's whole text, words the error line holds)
 CASES = {
     "not-json": ("llama", '{"vocab_size": 4096,', ["config.json is not valid JSON (line 1"]),
@@ -42,24 +57,47 @@ CASES = {
     "eps-string": ("llama", {"rms_norm_eps": "abc"}, ['rms_norm_eps="abc" is not valid; use a finite number > 0']),
     "eps-nan": ("llama", {"rms_norm_eps": float("nan")}, ["rms_norm_eps=NaN is not valid; use a finite number > 0"]),
     "rope-list": ("llama", {"rope_parameters": [1, 2]}, ["rope_parameters=[1, 2] is not valid; use an object"]),
-    "llama3-no-factor": ("llama", {"rope_parameters": LLAMA3},
-                         ["rope_parameters has rope_type 'llama3' but no 'factor'"]),
-    "architectures-string": ("llama", {"architectures": "LlamaForCausalLM"},
-                             ['architectures="LlamaForCausalLM" is not valid; use a list of one class name']),
-    "vocab-beyond-int32": ("llama", {"vocab_size": 10**12}, ["vocab_size=1000000000000 is not valid; use a whole "
-                                                             "number in [1, 2147483647]"]),
+    "llama3-no-factor": (
+        "llama",
+        {"rope_parameters": LLAMA3},
+        ["rope_parameters has rope_type 'llama3' but no 'factor'"],
+    ),
+    "architectures-string": (
+        "llama",
+        {"architectures": "LlamaForCausalLM"},
+        ['architectures="LlamaForCausalLM" is not valid; use a list of one class name'],
+    ),
+    "vocab-beyond-int32": (
+        "llama",
+        {"vocab_size": 10**12},
+        ["vocab_size=1000000000000 is not valid; use a whole number in [1, 2147483647]"],
+    ),
     # in range, but not the weights' (4096): refused from the headers before an embedding of 2**31 rows exists
-    "vocab-not-the-weights": ("llama", {"vocab_size": 2**31 - 1},
-                              ["vocab_size=2147483647 and hidden_size=32, but the weights' model.embed_tokens.weight "
-                               "is [4096, 32]"]),
-    "layers-not-the-weights": ("llama", {"num_hidden_layers": 3},
-                               ["num_hidden_layers=3, but the weights hold layers 0..1 (2)"]),
-    "sparse-step-0": ("qwen2_moe", {"decoder_sparse_step": 0}, ["decoder_sparse_step=0 is not valid; use a whole "
-                                                                "number in [1, "]),
-    "no-moe-width": ("qwen2_moe", {"moe_intermediate_size": DROP}, ["config.json of qwen2_moe has no "
-                                                                    "'moe_intermediate_size'"]),
-    "k-over-experts": ("qwen2_moe", {"num_experts_per_tok": 5}, ["num_experts_per_tok=5 is not valid; it must be at "
-                                                                 "most num_experts=4"]),
+    "vocab-not-the-weights": (
+        "llama",
+        {"vocab_size": 2**31 - 1},
+        ["vocab_size=2147483647 and hidden_size=32, but the weights' model.embed_tokens.weight is [4096, 32]"],
+    ),
+    "layers-not-the-weights": (
+        "llama",
+        {"num_hidden_layers": 3},
+        ["num_hidden_layers=3, but the weights hold layers 0..1 (2)"],
+    ),
+    "sparse-step-0": (
+        "qwen2_moe",
+        {"decoder_sparse_step": 0},
+        ["decoder_sparse_step=0 is not valid; use a whole number in [1, "],
+    ),
+    "no-moe-width": (
+        "qwen2_moe",
+        {"moe_intermediate_size": DROP},
+        ["config.json of qwen2_moe has no 'moe_intermediate_size'"],
+    ),
+    "k-over-experts": (
+        "qwen2_moe",
+        {"num_experts_per_tok": 5},
+        ["num_experts_per_tok=5 is not valid; it must be at most num_experts=4"],
+    ),
 }
 # The cases also run through init_from (each launch costs seconds: one of each kind of check)
 INIT_FROM = ("not-json", "eps-nan", "architectures-string", "vocab-not-the-weights", "k-over-experts")
@@ -116,13 +154,19 @@ def with_tensors(folders: dict[str, Path], tmp_path: Path, extra: dict[str, torc
 
 
 def test_an_unexpected_tensor_is_refused_by_name(folders, tmp_path):
-    src = with_tensors(folders, tmp_path, {"model.layers.0.mlp.extra_proj.weight": torch.ones(4, 4),
-                                           "score.weight": torch.ones(2, 32)})
-    want = ("the weights hold 2 tensor(s) the model of config.json has no place for: "
-            "model.layers.0.mlp.extra_proj.weight, score.weight")
+    src = with_tensors(
+        folders, tmp_path, {"model.layers.0.mlp.extra_proj.weight": torch.ones(4, 4), "score.weight": torch.ones(2, 32)}
+    )
+    want = (
+        "the weights hold 2 tensor(s) the model of config.json has no place for: "
+        "model.layers.0.mlp.extra_proj.weight, score.weight"
+    )
     one_error_line(launch("convert.py", "import", src, tmp_path / "ckpt"), want)
-    one_error_line(launch("pretrain.py", *SMALL, "--model.init_from", src, "--train.out_dir", tmp_path / "o"),
-                   "error: model.init_from: ", want)
+    one_error_line(
+        launch("pretrain.py", *SMALL, "--model.init_from", src, "--train.out_dir", tmp_path / "o"),
+        "error: model.init_from: ",
+        want,
+    )
 
 
 def test_rotary_inv_freq_is_skipped_and_said_so(folders, tmp_path):
@@ -131,5 +175,7 @@ def test_rotary_inv_freq_is_skipped_and_said_so(folders, tmp_path):
     src = with_tensors(folders, tmp_path, {name: torch.ones(4)})
     out = launch("convert.py", "import", src, tmp_path / "ckpt")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"import: skipping {name} (RoPE inverse frequencies, which the engine computes from rope_theta)" in \
-        out.stdout.splitlines()
+    assert (
+        f"import: skipping {name} (RoPE inverse frequencies, which the engine computes from rope_theta)"
+        in out.stdout.splitlines()
+    )

@@ -9,6 +9,7 @@ The 5 steps must also have moved the model away from the source folder (so the c
 weights). ``LAYOUTS`` lists the parallel settings trained under: tp 2 with the fused layers, with and without
 sequence parallelism.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,8 +25,16 @@ from tests.dist import run_ranks
 
 REL = 1e-5
 LAYOUTS = {"tp2": ["--parallel.tp", "2"], "tp2-sp": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]}
-SHAPE = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+SHAPE = dict(
+    vocab_size=4096,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
 
 
 def hf_folder(folder: Path, family: str) -> None:
@@ -82,11 +91,35 @@ def test_hf_folder_trained_at_tp_exports_the_engine_logits(tmp_path, family, lay
 
     source, ckpt, exported = tmp_path / "src", tmp_path / "ckpt", tmp_path / "exported"
     hf_folder(source, family)
-    argv = ["--config", "configs/tiny.yaml", "--model.init_from", str(source), "--train.seq_len", "32",
-            "--train.steps", "5", "--train.warmup_steps", "1", "--train.lr", "1e-3", "--train.global_batch_size", "4",
-            "--train.micro_batch_size", "2", "--log.progress", "false", "--checkpoint.dir", str(ckpt),
-            "--checkpoint.every", "5", "--checkpoint.resume", "none", "--train.out_dir", str(tmp_path / "out"),
-            *LAYOUTS[layout]]
+    argv = [
+        "--config",
+        "configs/tiny.yaml",
+        "--model.init_from",
+        str(source),
+        "--train.seq_len",
+        "32",
+        "--train.steps",
+        "5",
+        "--train.warmup_steps",
+        "1",
+        "--train.lr",
+        "1e-3",
+        "--train.global_batch_size",
+        "4",
+        "--train.micro_batch_size",
+        "2",
+        "--log.progress",
+        "false",
+        "--checkpoint.dir",
+        str(ckpt),
+        "--checkpoint.every",
+        "5",
+        "--checkpoint.resume",
+        "none",
+        "--train.out_dir",
+        str(tmp_path / "out"),
+        *LAYOUTS[layout],
+    ]
     engine = run_ranks(train_and_save, 2, argv, timeout_s=600)
     hf.export(ckpt, exported)
     got = hf_logits(exported)

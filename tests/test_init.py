@@ -2,6 +2,7 @@
 block of the whole tensor (whatever its alignment with the tiles), every tile has its own stream, and the values
 are N(0, std). That tp 1, 2 and 4 start from the same weights is checked by tests/test_tensor_parallel.py
 (torch.equal per HF tensor), and pp by the parity matrix."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,12 +11,15 @@ import torch
 from engine.model import init
 
 
-@pytest.mark.parametrize("shape,start,block", [
-    ((12, 10), (4, 0), (4, 10)),  # a row cut (column-parallel weight, tp 3, rank 1)
-    ((12, 10), (0, 5), (12, 5)),  # a column cut (row-parallel weight, tp 2, rank 1)
-    ((12, 10), (3, 2), (5, 7)),  # straddling tile edges on both dims
-    ((30,), (20,), (10,)),  # 1-d
-])
+@pytest.mark.parametrize(
+    "shape,start,block",
+    [
+        ((12, 10), (4, 0), (4, 10)),  # a row cut (column-parallel weight, tp 3, rank 1)
+        ((12, 10), (0, 5), (12, 5)),  # a column cut (row-parallel weight, tp 2, rank 1)
+        ((12, 10), (3, 2), (5, 7)),  # straddling tile edges on both dims
+        ((30,), (20,), (10,)),  # 1-d
+    ],
+)
 def test_a_block_alone_equals_that_block_of_the_whole(monkeypatch, shape, start, block):
     monkeypatch.setattr(init, "TILE", 2)  # 1-d tiles of 4: blocks cross several tiles, edge tiles are partial
     full = torch.Size(shape)
@@ -28,7 +32,7 @@ def test_a_block_alone_equals_that_block_of_the_whole(monkeypatch, shape, start,
 def test_every_tile_has_its_own_stream(monkeypatch):
     monkeypatch.setattr(init, "TILE", 4)
     whole = init.draw_box(5, torch.Size([16, 16]), (0, 0), (16, 16), 1.0)
-    tiles = [whole[r:r + 4, c:c + 4].flatten() for r in range(0, 16, 4) for c in range(0, 16, 4)]
+    tiles = [whole[r : r + 4, c : c + 4].flatten() for r in range(0, 16, 4) for c in range(0, 16, 4)]
     firsts = {t[0].item() for t in tiles}
     assert len(firsts) == len(tiles)  # no two tiles start alike (a seed ignoring a coordinate would repeat)
 

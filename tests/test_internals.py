@@ -1,6 +1,7 @@
 """engine/internals.py: an undocumented DeepSpeed / FSDP2 attribute that a release renamed fails with one line
 naming the attribute, the installed version and the tested one (ConfigError: exit 2), not an AttributeError deep
 inside a save or a step; the call sites in ckpt_state.py and memory.py go through it."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace

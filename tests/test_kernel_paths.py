@@ -35,6 +35,7 @@ FSDP_BF16_DEEP's loss (was 1e-3) and BF16_MOE's params (was 3e-1); the defects t
 gradients summed over dp (own path: FSDP_BF16_DEEP 3.2e-4 1.01 3.0e-1, BF16_MOE 7.8e-4 1.01 2.2e-1, caught by the
 grad norm), are in tests/parity/runner.py.
 """
+
 from __future__ import annotations
 
 import os
@@ -62,14 +63,18 @@ def run_slice(root: str) -> list[str]:
     torch.set_num_threads(1)  # the parent forks the ranks (tests/conftest.py says why)
     warm_imports()
     failures = []
-    combos = [matrix.Combo(1, 1, 2, "ddp", "-", "fp32", False, False, False),
-              matrix.Combo(1, 1, 2, "fsdp-keep", "-", "bf16", False, False, True),
-              matrix.Combo(1, 2, 1, "ddp", "1f1b", "fp32", True, False, True)]
+    combos = [
+        matrix.Combo(1, 1, 2, "ddp", "-", "fp32", False, False, False),
+        matrix.Combo(1, 1, 2, "fsdp-keep", "-", "bf16", False, False, True),
+        matrix.Combo(1, 2, 1, "ddp", "1f1b", "fp32", True, False, True),
+    ]
     for combo, outcome in runner.run_combos(combos, f"{root}/combos").items():
         if outcome.failure:
             failures.append(f"{combo.name}: {outcome.failure}")
-    move = matrix.Resume(matrix.Combo(1, 1, 2, "fsdp-keep", "-", "fp32", False, False, False),
-                         matrix.Combo(1, 2, 1, "ddp", "gpipe", "fp32", False, False, False))
+    move = matrix.Resume(
+        matrix.Combo(1, 1, 2, "fsdp-keep", "-", "fp32", False, False, False),
+        matrix.Combo(1, 2, 1, "ddp", "gpipe", "fp32", False, False, False),
+    )
     for scenario, outcome in resume.run_resumes([move], f"{root}/resume").items():
         if outcome.failure:
             failures.append(f"{scenario.name}: {outcome.failure}")
@@ -84,8 +89,11 @@ def run_slice(root: str) -> list[str]:
 
 def test_bounds_hold_under_another_kernel_path(tmp_path):
     env = {**os.environ, **KERNEL_PATH, "OMP_NUM_THREADS": "1"}
-    code = ("import sys; from tests.test_kernel_paths import run_slice; "
-            "failures = run_slice(sys.argv[1]); print(*failures, sep='\\n'); sys.exit(1 if failures else 0)")
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=1800)
+    code = (
+        "import sys; from tests.test_kernel_paths import run_slice; "
+        "failures = run_slice(sys.argv[1]); print(*failures, sep='\\n'); sys.exit(1 if failures else 0)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800
+    )
     assert proc.returncode == 0, f"under {KERNEL_PATH}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"

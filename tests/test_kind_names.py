@@ -9,6 +9,7 @@ argument of startswith/endswith, or a key of a dict literal looked up on the spo
 A name that is also the value of another config key ("none": grad_compression, rope_scaling, ...) counts only where
 the comparison names one of the kind's config keys (``p.offload != "none"``, not ``m.rope_scaling == "none"``).
 Scanned: engine/ and the launchers launch/*.py (launch/bench/ names its own table rows, "zero1" and the like)."""
+
 from __future__ import annotations
 
 import ast
@@ -34,8 +35,7 @@ KINDS = {  # kind -> (its names, the config keys holding one, the paths (prefixe
     "offload": (set(OFFLOADS), ("offload",), ("engine/kinds/offload.py",)),
 }
 # Values of more than one config key: a comparison of one is a kind's only where it names that kind's key
-SHARED = {v for v in set().union(*map(set, CHOICES.values()))
-          if sum(v in values for values in CHOICES.values()) > 1}
+SHARED = {v for v in set().union(*map(set, CHOICES.values())) if sum(v in values for values in CHOICES.values()) > 1}
 
 
 def _literals(node: ast.AST) -> set[str]:
@@ -48,8 +48,7 @@ def _literals(node: ast.AST) -> set[str]:
 
 def _compared(node: ast.AST) -> set[str]:
     """The string literals ``node`` compares something against (module docstring), else nothing."""
-    if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
-                                             for op in node.ops):
+    if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
         return set().union(*map(_literals, [node.left, *node.comparators]))
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
         if node.func.attr in ("startswith", "endswith"):
@@ -61,8 +60,9 @@ def _compared(node: ast.AST) -> set[str]:
     return set()
 
 
-def name_comparisons(source: str, names: set[str], keys: tuple[str, ...] = (),
-                     shared: set[str] = frozenset()) -> list[str]:
+def name_comparisons(
+    source: str, names: set[str], keys: tuple[str, ...] = (), shared: set[str] = frozenset()
+) -> list[str]:
     """'line: names' of every comparison of one of ``names`` in ``source``; one of ``shared`` counts only where the
     comparison mentions one of ``keys`` (module docstring)."""
     out = []
@@ -78,24 +78,44 @@ def name_comparisons(source: str, names: set[str], keys: tuple[str, ...] = (),
 
 def test_finder_sees_comparisons():
     names = {"zero", "interleaved"}
-    bad = ['p.dp_mode == "zero"', 'mode != "zero"', 'x in ("fsdp", "zero")', 'mode.startswith("zero")',
-           '{"interleaved": 2}.get(s, 1)', '{"zero": 1}[mode]', '("interleaved", 1) != (s, v)']
+    bad = [
+        'p.dp_mode == "zero"',
+        'mode != "zero"',
+        'x in ("fsdp", "zero")',
+        'mode.startswith("zero")',
+        '{"interleaved": 2}.get(s, 1)',
+        '{"zero": 1}[mode]',
+        '("interleaved", 1) != (s, v)',
+    ]
     assert [name_comparisons(line, names) != [] for line in bad] == [True] * len(bad)
-    good = ['MODES = {"zero": spec}', 'f(schedule="interleaved")', 'p.offload == "optimizer"', 'names = ["zero"]',
-            'SCHEDULES[p.schedule].chunks']
+    good = [
+        'MODES = {"zero": spec}',
+        'f(schedule="interleaved")',
+        'p.offload == "optimizer"',
+        'names = ["zero"]',
+        "SCHEDULES[p.schedule].chunks",
+    ]
     assert [name_comparisons(line, names) for line in good] == [[]] * len(good)
 
 
 def test_finder_tells_a_shared_value_by_its_key():
-    """"none" is an offload, a recompute mode, a grad compression and a RoPE scaling: it counts where the kind's key
+    """ "none" is an offload, a recompute mode, a grad compression and a RoPE scaling: it counts where the kind's key
     is compared."""
     names, keys = set(OFFLOADS), ("offload",)
     assert "none" in SHARED and "optimizer" not in SHARED
-    bad = ['p.offload != "none"', '{"none": "", "optimizer": "+off"}[p.offload]', 'offload == "none"',
-           'mode == "optimizer"']
+    bad = [
+        'p.offload != "none"',
+        '{"none": "", "optimizer": "+off"}[p.offload]',
+        'offload == "none"',
+        'mode == "optimizer"',
+    ]
     assert [name_comparisons(line, names, keys, SHARED) != [] for line in bad] == [True] * len(bad)
-    good = ['m.rope_scaling == "none"', 'p.grad_compression != "none"', 'run_id in ("", "none")',
-            'OFFLOADS[p.offload].offloads']
+    good = [
+        'm.rope_scaling == "none"',
+        'p.grad_compression != "none"',
+        'run_id in ("", "none")',
+        "OFFLOADS[p.offload].offloads",
+    ]
     assert [name_comparisons(line, names, keys, SHARED) for line in good] == [[]] * len(good)
 
 
@@ -110,15 +130,22 @@ def test_kind_names_are_compared_only_in_their_packages():
             source = path.read_text(encoding="utf-8")
             if not rel.startswith(homes) and (found := name_comparisons(source, names, keys, SHARED)):
                 bad[f"{kind} in {rel}"] = found
-    assert bad == {}, ("ask the kind's spec (engine/kinds/, engine/parallel/dp/registry.py, engine/parallel/pp/actions.py "
-                       "ScheduleSpec; docs/recipes.md)")
+    assert bad == {}, (
+        "ask the kind's spec (engine/kinds/, engine/parallel/dp/registry.py, engine/parallel/pp/actions.py "
+        "ScheduleSpec; docs/recipes.md)"
+    )
 
 
 def test_every_kind_is_a_config_choice_read_from_its_registry():
     """The config checks take each kind's names from its registry (a kind registered there is accepted)."""
-    for key, registry in {"parallel.dp_mode": MODES, "parallel.schedule": SCHEDULES, "model.family": FAMILIES,
-                          "parallel.cp_mode": CP_MODES, "train.activation_checkpointing": RECOMPUTE,
-                          "parallel.offload": OFFLOADS}.items():
+    for key, registry in {
+        "parallel.dp_mode": MODES,
+        "parallel.schedule": SCHEDULES,
+        "model.family": FAMILIES,
+        "parallel.cp_mode": CP_MODES,
+        "train.activation_checkpointing": RECOMPUTE,
+        "parallel.offload": OFFLOADS,
+    }.items():
         assert CHOICES[key] is registry, key
 
 
@@ -136,12 +163,21 @@ def test_config_checks_read_the_registries_without_torch():
     import os
     import subprocess
     import sys
-    code = ("import sys\nfrom engine.config import load\nload(['--parallel.dp_mode', 'zero', '--parallel.zero_stage', "
-            "'1', '--parallel.schedule', 'gpipe', '--train.activation_checkpointing', 'selective', '--model.family', "
-            "'qwen2', '--model.attention_bias', 'true', '--parallel.cp_mode', 'all_to_all', '--parallel.offload', "
-            "'optimizer'])\nprint(sorted(m for m in ('torch', 'deepspeed') if m in "
-            "sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    code = (
+        "import sys\nfrom engine.config import load\nload(['--parallel.dp_mode', 'zero', '--parallel.zero_stage', "
+        "'1', '--parallel.schedule', 'gpipe', '--train.activation_checkpointing', 'selective', '--model.family', "
+        "'qwen2', '--model.attention_bias', 'true', '--parallel.cp_mode', 'all_to_all', '--parallel.offload', "
+        "'optimizer'])\nprint(sorted(m for m in ('torch', 'deepspeed') if m in "
+        "sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

@@ -1,4 +1,5 @@
 """launch/pretrain.py under the two real launchers, torchrun and deepspeed (one host, two processes)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -34,26 +35,79 @@ def reference(tmp_path_factory) -> list[float]:
 
 @pytest.mark.slow  # CI: tp 2 x pp 2 across two hosts under the deepspeed launcher (tests/test_hosts.py)
 def test_torchrun_tp2_pp2(tmp_path, reference):
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
-         *TRAIN, "--parallel.tp", "2", "--parallel.pp", "2", "--train.out_dir", str(tmp_path)])
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "4",
+            "--master-port",
+            str(free_port()),
+            *TRAIN,
+            "--parallel.tp",
+            "2",
+            "--parallel.pp",
+            "2",
+            "--train.out_dir",
+            str(tmp_path),
+        ]
+    )
     assert read_losses(tmp_path) == pytest.approx(reference, rel=1e-5)
 
 
 @pytest.mark.skipif(shutil.which("deepspeed") is None, reason="the deepspeed launcher is not installed")
-@pytest.mark.parametrize("mode", [[], pytest.param(["--parallel.dp_mode", "zero", "--parallel.zero_stage", "2"],
-                                                    marks=pytest.mark.slow)],  # CI: ZeRO-2 across two hosts
-                         ids=["ddp", "zero2"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        [],
+        pytest.param(["--parallel.dp_mode", "zero", "--parallel.zero_stage", "2"], marks=pytest.mark.slow),
+    ],  # CI: ZeRO-2 across two hosts
+    ids=["ddp", "zero2"],
+)
 def test_deepspeed_launcher_dp2(tmp_path, reference, mode):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
-    run(["deepspeed", "--hostfile", str(hostfile), "--no_ssh_check", "--master_addr", "127.0.0.1",
-         "--master_port", str(free_port()), *TRAIN, *mode, "--parallel.dp", "2", "--train.out_dir", str(tmp_path)])
+    run(
+        [
+            "deepspeed",
+            "--hostfile",
+            str(hostfile),
+            "--no_ssh_check",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            *TRAIN,
+            *mode,
+            "--parallel.dp",
+            "2",
+            "--train.out_dir",
+            str(tmp_path),
+        ]
+    )
     assert read_losses(tmp_path) == pytest.approx(reference, rel=1e-5)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 def test_torchrun_zero3_dp2(tmp_path, reference):
     # ZeRO under torchrun: DeepSpeed wraps the process group the engine already made.
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         *TRAIN, "--parallel.dp_mode", "zero", "--parallel.zero_stage", "3", "--train.out_dir", str(tmp_path)])
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            *TRAIN,
+            "--parallel.dp_mode",
+            "zero",
+            "--parallel.zero_stage",
+            "3",
+            "--train.out_dir",
+            str(tmp_path),
+        ]
+    )
     assert read_losses(tmp_path) == pytest.approx(reference, rel=1e-5)

@@ -1,6 +1,7 @@
 """launch/pretrain.py's refusals as users meet them (issue 17, cases 2, 4, 5 and 7): under torchrun the one
 error line reaches stderr every time, once; DeepSpeed missing; checkpoint.dir locked by a live job or not a
 directory; SIGTERM with nothing to save."""
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,9 @@ def _pretrain(*args: str, env: dict | None = None) -> subprocess.CompletedProces
     act at its start (PYTHONPATH)."""
     if env is None:
         return run_script("launch/pretrain.py", *args, timeout=300)
-    return subprocess.run([sys.executable, "launch/pretrain.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "launch/pretrain.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
@@ -42,9 +44,24 @@ def _pretrain(*args: str, env: dict | None = None) -> subprocess.CompletedProces
 def test_config_error_under_torchrun_is_printed_once_every_time(tries):
     """Before: only rank 0 printed, and torchrun killed it first when rank 1 exited first (2 tries in 3)."""
     for _ in range(tries):
-        out = subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()), "launch/pretrain.py",
-                              "--config", "configs/tiny.yaml", "--parallel.foo", "1"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [
+                "torchrun",
+                "--nproc-per-node",
+                "2",
+                "--master-port",
+                str(free_port()),
+                "launch/pretrain.py",
+                "--config",
+                "configs/tiny.yaml",
+                "--parallel.foo",
+                "1",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode != 0
         _one_error_line(out, "unknown config key 'parallel.foo'", launcher=True)
 
@@ -54,8 +71,16 @@ def test_zero_without_deepspeed_is_one_line(tmp_path):
     fake.mkdir()
     (fake / "__init__.py").write_text("raise ImportError(\"No module named 'deepspeed'\")\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    out = _pretrain(*SMALL, "--parallel.dp_mode", "zero", "--parallel.zero_stage", "1", "--train.out_dir",
-                    str(tmp_path / "run"), env=env)
+    out = _pretrain(
+        *SMALL,
+        "--parallel.dp_mode",
+        "zero",
+        "--parallel.zero_stage",
+        "1",
+        "--train.out_dir",
+        str(tmp_path / "run"),
+        env=env,
+    )
     assert out.returncode == 2
     _one_error_line(out, 'pip install -e ".[deepspeed]"')
 
@@ -75,9 +100,23 @@ def test_locked_or_unwritable_checkpoint_dir_is_one_line(tmp_path, live_pid):
 
 
 def test_sigterm_with_nothing_to_save_says_so_and_fails(tmp_path):
-    proc = subprocess.Popen([sys.executable, "launch/pretrain.py", *SMALL, "--train.steps", "100000",
-                             "--log.progress", "true", "--train.out_dir", str(tmp_path)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "launch/pretrain.py",
+            *SMALL,
+            "--train.steps",
+            "100000",
+            "--log.progress",
+            "true",
+            "--train.out_dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     seen = []
     for line in proc.stdout:  # wait for the first step: the signal handler is installed by then
         seen.append(line)
@@ -107,8 +146,13 @@ def test_out_dir_or_tensorboard_that_is_a_file_is_one_line(tmp_path, what):
     """Issue 23 item 3: FileExistsError tracebacks (out_dir's mkdir; SummaryWriter's)."""
     target = tmp_path / "run" if what == "out_dir" else tmp_path / "tensorboard"
     target.write_text("x")
-    out = _pretrain(*SMALL, "--train.out_dir", str(target if what == "out_dir" else tmp_path),
-                    "--log.tensorboard", str(what == "tensorboard").lower())
+    out = _pretrain(
+        *SMALL,
+        "--train.out_dir",
+        str(target if what == "out_dir" else tmp_path),
+        "--log.tensorboard",
+        str(what == "tensorboard").lower(),
+    )
     assert out.returncode == 2
     _one_error_line(out, f"'{target}' is not a directory")
 
@@ -130,9 +174,23 @@ def test_resume_past_the_end_and_changed_batch_say_so(tmp_path):
 def test_two_real_runs_on_one_out_dir(tmp_path):
     """Issue 23 item 4 as users met it: while one run trains, a second on its out_dir exits 2 naming the first
     (its pid); the first's metrics.jsonl holds only its own steps, in order."""
-    first = subprocess.Popen([sys.executable, "launch/pretrain.py", *SMALL, "--train.steps", "100000",
-                              "--log.progress", "true", "--train.out_dir", str(tmp_path)], cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "launch/pretrain.py",
+            *SMALL,
+            "--train.steps",
+            "100000",
+            "--log.progress",
+            "true",
+            "--train.out_dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for line in first.stdout:  # the first has its lock once it trains
             if line.startswith("step "):

@@ -3,6 +3,7 @@ second): no import circle among engine modules, no engine function over 60 lines
 its length), every engine file in the docs' file list, the library never imports the launchers or the tests (a
 harness inside the library is what issue 13 took out of it), and nothing but engine/parallel/layout/mesh.py indexes
 the rank mesh by position (issue 25: axes are asked for by name)."""
+
 from __future__ import annotations
 
 import ast
@@ -27,8 +28,9 @@ def engine_modules(root: Path = ROOT) -> dict[str, Path]:
 
 def _type_checking(node: ast.stmt) -> bool:
     test = getattr(node, "test", None)
-    return isinstance(node, ast.If) and (getattr(test, "id", None) == "TYPE_CHECKING" or
-                                         getattr(test, "attr", None) == "TYPE_CHECKING")
+    return isinstance(node, ast.If) and (
+        getattr(test, "id", None) == "TYPE_CHECKING" or getattr(test, "attr", None) == "TYPE_CHECKING"
+    )
 
 
 def module_level_imports(tree: ast.Module) -> list[ast.stmt]:
@@ -54,7 +56,7 @@ def imported_names(node: ast.stmt, current: str, is_package: bool) -> list[str]:
     base = node.module or ""
     if node.level:  # relative: resolve against this module's package
         package = current.split(".") if is_package else current.split(".")[:-1]
-        package = package[:len(package) - (node.level - 1)]
+        package = package[: len(package) - (node.level - 1)]
         base = ".".join(package + ([base] if base else []))
     return [base] + [f"{base}.{a.name}" for a in node.names]
 
@@ -118,9 +120,12 @@ def test_no_import_cycle_among_engine_modules():
 
 def long_functions(tree: ast.Module, limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
     """name:line -> length of every function or method (nested ones too) longer than ``limit`` lines."""
-    return {f"{node.name}:{node.lineno}": n for node in ast.walk(tree)
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and (n := node.end_lineno - node.lineno + 1) > limit}
+    return {
+        f"{node.name}:{node.lineno}": n
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (n := node.end_lineno - node.lineno + 1) > limit
+    }
 
 
 def test_long_function_finder_counts_lines():
@@ -130,8 +135,11 @@ def test_long_function_finder_counts_lines():
 
 
 def test_no_engine_function_over_60_lines():
-    long = {f"{p.relative_to(ROOT)}:{name}": n for p in engine_modules().values()
-            for name, n in long_functions(ast.parse(p.read_text(encoding="utf-8"))).items()}
+    long = {
+        f"{p.relative_to(ROOT)}:{name}": n
+        for p in engine_modules().values()
+        for name, n in long_functions(ast.parse(p.read_text(encoding="utf-8"))).items()
+    }
     assert long == {}, f"engine functions over {MAX_FUNCTION_LINES} lines (split by step; a file may be any length)"
 
 
@@ -152,8 +160,9 @@ def needs_a_line(path: Path) -> bool:
 def test_every_engine_file_is_in_the_docs_file_list():
     listed = listed_files(DOCS.read_text(encoding="utf-8"))
     every = {str(p.relative_to(ROOT)) for p in engine_modules().values()}
-    assert sorted({f for f in every if needs_a_line(ROOT / f)} - listed) == [], \
+    assert sorted({f for f in every if needs_a_line(ROOT / f)} - listed) == [], (
         "engine files missing from docs/architecture.md's file list"
+    )
     assert sorted(listed - every) == [], "docs/architecture.md lists files that do not exist"
 
 
@@ -188,6 +197,9 @@ def test_positional_mesh_finder_sees_positions():
 def test_no_positional_mesh_indexing_outside_the_mesh_module():
     files = sorted([*(ROOT / "engine").rglob("*.py"), *(ROOT / "launch").rglob("*.py")])
     assert files, "no sources found"
-    bad = {str(p.relative_to(ROOT)): found for p in files if str(p.relative_to(ROOT)) != MESH_MODULE
-           and (found := positional_mesh_uses(p.read_text(encoding="utf-8")))}
+    bad = {
+        str(p.relative_to(ROOT)): found
+        for p in files
+        if str(p.relative_to(ROOT)) != MESH_MODULE and (found := positional_mesh_uses(p.read_text(encoding="utf-8")))
+    }
     assert bad == {}, "index the mesh by axis name (ctx.group, ctx.axis_rank, ctx.ranks_along: layout/mesh.py)"

@@ -17,6 +17,7 @@ through the CUDA RNG tracker; we overwrite the weights anyway). ``gradient_accum
 Neither apex nor transformer_engine is needed. megatron's layers take [s, b, h]; they only act on the last dim, so
 the (b, s, h) tensors we feed are equally valid. world == tp, so megatron's tp group spans every rank.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -39,9 +40,12 @@ CASES = ["column", "column_gather", "row", "embedding", "cross_entropy"]
 # megatron-core 0.16.1 mappings._gather_along_last_dim (used by ColumnParallelLinear(gather_output=True)) does
 # torch.empty(..., device=torch.cuda.current_device()): "Torch not compiled with CUDA enabled" on a CPU build, and a
 # CUDA output buffer for our CPU tensors elsewhere. Re-enabled automatically once megatron-core stops doing that.
-GATHER_SKIP = (None if "torch.cuda.current_device()" not in inspect.getsource(megatron_mappings._gather_along_last_dim)
-               else "megatron-core's _gather_along_last_dim allocates its output with "
-                    "device=torch.cuda.current_device(), so ColumnParallelLinear(gather_output=True) cannot run on CPU")
+GATHER_SKIP = (
+    None
+    if "torch.cuda.current_device()" not in inspect.getsource(megatron_mappings._gather_along_last_dim)
+    else "megatron-core's _gather_along_last_dim allocates its output with "
+    "device=torch.cuda.current_device(), so ColumnParallelLinear(gather_output=True) cannot run on CPU"
+)
 
 
 def _full(seed: int, *shape: int) -> torch.Tensor:
@@ -65,8 +69,9 @@ def _load(module: torch.nn.Module, weight: torch.Tensor) -> None:
 def _column(cfg, group, rank, tp, gather):
     w = _full(1, FFN, HIDDEN)  # (out, in); column-parallel shards dim 0
     mine = ours.ColumnParallelLinear(HIDDEN, FFN, group, gather_output=gather)
-    ref = tensor_parallel.ColumnParallelLinear(HIDDEN, FFN, config=cfg, init_method=torch.nn.init.zeros_,
-                                               bias=False, gather_output=gather)
+    ref = tensor_parallel.ColumnParallelLinear(
+        HIDDEN, FFN, config=cfg, init_method=torch.nn.init.zeros_, bias=False, gather_output=gather
+    )
     for m in (mine, ref):
         _load(m, _shard(w, 0, rank, tp))
     x = _full(2, B, S, HIDDEN)
@@ -89,8 +94,15 @@ def _run_linear_pair(mine, ref, x, dy) -> dict:
 def _row(cfg, group, rank, tp):
     w = _full(4, HIDDEN, FFN)  # (out, in); row-parallel shards dim 1
     mine = ours.RowParallelLinear(FFN, HIDDEN, group, input_is_parallel=True)
-    ref = tensor_parallel.RowParallelLinear(FFN, HIDDEN, config=cfg, init_method=torch.nn.init.zeros_,
-                                            bias=False, input_is_parallel=True, skip_bias_add=False)
+    ref = tensor_parallel.RowParallelLinear(
+        FFN,
+        HIDDEN,
+        config=cfg,
+        init_method=torch.nn.init.zeros_,
+        bias=False,
+        input_is_parallel=True,
+        skip_bias_add=False,
+    )
     for m in (mine, ref):
         _load(m, _shard(w, 1, rank, tp))
     x = _shard(_full(5, B, S, FFN), -1, rank, tp)
@@ -125,15 +137,15 @@ def _cross_entropy(group, rank, tp):
     mean = ours.vocab_parallel_cross_entropy(lo, target, group)
     mean.backward()
     # a chunk of 3 tokens, so that the chunking itself is compared too
-    per_token = ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), group,
-                                          3).reshape(B, S)
+    per_token = ChunkedCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), group, 3).reshape(
+        B, S
+    )
     out["ours"] = {"per_token_loss": per_token.detach(), "mean_loss": mean.detach(), "logits_grad": lo.grad}
     # megatron: subtracts the max in place from its (fp32) input, so feed it a non-leaf copy of the leaf
     lm = _leaf(logits)
     losses = tensor_parallel.vocab_parallel_cross_entropy(lm.clone(), target)  # (b, s) per-token
     losses.mean().backward()
-    out["megatron"] = {"per_token_loss": losses.detach(), "mean_loss": losses.mean().detach(),
-                       "logits_grad": lm.grad}
+    out["megatron"] = {"per_token_loss": losses.detach(), "mean_loss": losses.mean().detach(), "logits_grad": lm.grad}
     return out
 
 
@@ -144,9 +156,14 @@ def _rank_compare(tp: int) -> dict:
         group = parallel_state.get_tensor_model_parallel_group()
         rank = parallel_state.get_tensor_model_parallel_rank()
         assert dist.get_world_size(group) == tp
-        cfg = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True,
-                                  perform_initialization=False, params_dtype=torch.float32,
-                                  gradient_accumulation_fusion=False, sequence_parallel=False)
+        cfg = ModelParallelConfig(
+            tensor_model_parallel_size=tp,
+            use_cpu_initialization=True,
+            perform_initialization=False,
+            params_dtype=torch.float32,
+            gradient_accumulation_fusion=False,
+            sequence_parallel=False,
+        )
         out = {
             "column": _column(cfg, group, rank, tp, gather=False),
             "row": _row(cfg, group, rank, tp),
@@ -185,5 +202,6 @@ def test_matches_megatron_core(results, case, tp):
         for key in ref:
             assert mine[key] is not None and ref[key] is not None, f"{case} {key} missing on rank {rank}"
             assert mine[key].shape == ref[key].shape, f"{case} {key} shape on rank {rank}"
-            torch.testing.assert_close(mine[key], ref[key], rtol=RTOL, atol=ATOL,
-                                       msg=lambda m: f"{case} {key}, tp={tp}, rank {rank}: {m}")
+            torch.testing.assert_close(
+                mine[key], ref[key], rtol=RTOL, atol=ATOL, msg=lambda m: f"{case} {key}, tp={tp}, rank {rank}: {m}"
+            )

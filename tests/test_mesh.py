@@ -1,6 +1,7 @@
 """The named mesh (engine/parallel/layout/mesh.py, issue 25): every group asked for by name equals the group the
 positional (pp, dp, tp) grid gave before it, at several layouts; the rank arithmetic equals torch's DeviceMesh layout
 for any axis sizes (cp > 1 included); and ParallelContext's real process groups hold exactly those ranks."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,20 +27,33 @@ def positional_groups(tp: int, pp: int, dp: int) -> dict[int, dict]:
         for d in range(dp):
             for t in range(tp):
                 rank, end = grid[p, d, t].item(), pp > 1 and p in (0, pp - 1)  # middle stages: no embed group
-                out[rank] = {"coords": {"pp": p, "dp": d, "cp": 0, "tp": t}, "cp": [rank],
-                             "tp": grid[p, d, :].tolist(), "pp": grid[:, d, t].tolist(), "dp": grid[p, :, t].tolist(),
-                             "mp": grid[:, d, :].flatten().tolist(),
-                             "embed": [grid[0, d, t].item(), grid[-1, d, t].item()] if end else None,
-                             "mp_rank": p * tp + t, "mp_size": tp * pp, "tp_src": grid[p, d, 0].item()}
+                out[rank] = {
+                    "coords": {"pp": p, "dp": d, "cp": 0, "tp": t},
+                    "cp": [rank],
+                    "tp": grid[p, d, :].tolist(),
+                    "pp": grid[:, d, t].tolist(),
+                    "dp": grid[p, :, t].tolist(),
+                    "mp": grid[:, d, :].flatten().tolist(),
+                    "embed": [grid[0, d, t].item(), grid[-1, d, t].item()] if end else None,
+                    "mp_rank": p * tp + t,
+                    "mp_size": tp * pp,
+                    "tp_src": grid[p, d, 0].item(),
+                }
     return out
 
 
 def by_name(mesh: Mesh, rank: int) -> dict:
     ends = {r: pair for pair in mesh.ends_along("pp") for r in pair}
     mp = mesh.ranks_spanning(MODEL_PARALLEL, rank)
-    return {"coords": mesh.coords(rank), **{axis: mesh.ranks_along(axis, rank) for axis in AXES}, "mp": mp,
-            "embed": ends.get(rank), "mp_rank": mp.index(rank), "mp_size": len(mp),
-            "tp_src": mesh.ranks_along("tp", rank)[0]}
+    return {
+        "coords": mesh.coords(rank),
+        **{axis: mesh.ranks_along(axis, rank) for axis in AXES},
+        "mp": mp,
+        "embed": ends.get(rank),
+        "mp_rank": mp.index(rank),
+        "mp_size": len(mp),
+        "tp_src": mesh.ranks_along("tp", rank)[0],
+    }
 
 
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS)
@@ -83,12 +97,18 @@ def _context_groups(layouts: list[tuple[int, int, int]]) -> list[dict]:
         cfg.parallel.tp, cfg.parallel.pp, cfg.train.micro_batch_size = tp, pp, 1
         ctx = ParallelContext.from_config(cfg)
         groups = {name: ctx.group(name) for name in AXES + DERIVED}
-        out.append({"coords": {axis: ctx.mesh.get_local_rank(axis) for axis in AXES},
-                    **{name: None if g is None else dist.get_process_group_ranks(g) for name, g in groups.items()},
-                    "mp_rank": ctx.get_model_parallel_rank(), "mp_size": ctx.get_model_parallel_world_size(),
-                    "tp_src": ctx.get_tensor_model_parallel_src_rank(),
-                    "dp_ranks": ctx.get_data_parallel_group_ranks(), "stages": ctx.stage_ranks,
-                    "shortcuts": (ctx.tp_rank, ctx.pp_rank, ctx.dp_rank, ctx.tp, ctx.pp, ctx.dp)})
+        out.append(
+            {
+                "coords": {axis: ctx.mesh.get_local_rank(axis) for axis in AXES},
+                **{name: None if g is None else dist.get_process_group_ranks(g) for name, g in groups.items()},
+                "mp_rank": ctx.get_model_parallel_rank(),
+                "mp_size": ctx.get_model_parallel_world_size(),
+                "tp_src": ctx.get_tensor_model_parallel_src_rank(),
+                "dp_ranks": ctx.get_data_parallel_group_ranks(),
+                "stages": ctx.stage_ranks,
+                "shortcuts": (ctx.tp_rank, ctx.pp_rank, ctx.dp_rank, ctx.tp, ctx.pp, ctx.dp),
+            }
+        )
     return out
 
 
@@ -127,13 +147,23 @@ def _ep_context(ep: int) -> dict:
     cfg.parallel.ep, cfg.train.micro_batch_size, cfg.train.global_batch_size = ep, 1, 8
     ctx = ParallelContext.from_config(cfg)
     ranks = {n: None if ctx.group(n) is None else dist.get_process_group_ranks(ctx.group(n)) for n in ("ep", "edp")}
-    return {**ranks, "sizes": (ctx.size("ep"), ctx.size("edp")), "at": (ctx.axis_rank("ep"), ctx.axis_rank("edp")),
-            "along": (ctx.ranks_along("ep"), ctx.ranks_along("edp")),
-            "mesh": ctx.mesh_for("edp").mesh.tolist()}  # what fsdp shards the experts over: the edp group
+    return {
+        **ranks,
+        "sizes": (ctx.size("ep"), ctx.size("edp")),
+        "at": (ctx.axis_rank("ep"), ctx.axis_rank("edp")),
+        "along": (ctx.ranks_along("ep"), ctx.ranks_along("edp")),
+        "mesh": ctx.mesh_for("edp").mesh.tolist(),
+    }  # what fsdp shards the experts over: the edp group
 
 
 def test_context_builds_ep_and_expert_dp_groups_at_world_4():
     for rank, got in enumerate(run_ranks(_ep_context, 4, 2, timeout_s=300)):
         ep_group, edp_group = [rank // 2 * 2, rank // 2 * 2 + 1], [rank % 2, rank % 2 + 2]
-        assert got == {"ep": ep_group, "edp": edp_group, "sizes": (2, 2), "at": (rank % 2, rank // 2),
-                       "along": (ep_group, edp_group), "mesh": edp_group}, rank
+        assert got == {
+            "ep": ep_group,
+            "edp": edp_group,
+            "sizes": (2, 2),
+            "at": (rank % 2, rank // 2),
+            "along": (ep_group, edp_group),
+            "mesh": edp_group,
+        }, rank

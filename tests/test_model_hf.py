@@ -1,4 +1,5 @@
 """At tp = 1 our model is Hugging Face's LlamaForCausalLM: same parameter names, same logits (<= 1e-5)."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,10 +13,20 @@ from engine.model.init import materialize
 
 def hf_config(m: ModelConfig) -> transformers.LlamaConfig:
     return transformers.LlamaConfig(
-        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-        num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
-        max_position_embeddings=m.max_seq_len, rope_theta=m.rope_theta, rms_norm_eps=m.norm_eps,
-        tie_word_embeddings=m.tie_embeddings, attention_bias=False, mlp_bias=False, hidden_act="silu")
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads,
+        max_position_embeddings=m.max_seq_len,
+        rope_theta=m.rope_theta,
+        rms_norm_eps=m.norm_eps,
+        tie_word_embeddings=m.tie_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+    )
 
 
 @pytest.mark.parametrize("kv_heads,tie,theta", [(4, False, 10000.0), (8, True, 500000.0), (2, False, 1e6)])

@@ -8,6 +8,7 @@
   coef * (mean over MoE layers of HF's aux loss) + coef * z-loss, computed by hand from the same batch: a step
   that weighs the aux loss without dividing by the micro-batch count fails it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,10 +21,32 @@ from engine.model import transformer as model_lib
 from engine.parallel.layout.context import ParallelContext
 from tests.dist import run_ranks
 
-SMALL = ["--config", "configs/tiny-moe.yaml", "--model.hidden_size", "64", "--model.intermediate_size", "96",
-         "--model.num_layers", "2", "--model.num_experts", "4", "--train.seq_len", "32",
-         "--train.global_batch_size", "4", "--train.micro_batch_size", "2", "--train.lr", "0",
-         "--train.moe_aux_loss_coef", "0.5", "--train.moe_z_loss_coef", "0.1", "--log.progress", "false"]
+SMALL = [
+    "--config",
+    "configs/tiny-moe.yaml",
+    "--model.hidden_size",
+    "64",
+    "--model.intermediate_size",
+    "96",
+    "--model.num_layers",
+    "2",
+    "--model.num_experts",
+    "4",
+    "--train.seq_len",
+    "32",
+    "--train.global_batch_size",
+    "4",
+    "--train.micro_batch_size",
+    "2",
+    "--train.lr",
+    "0",
+    "--train.moe_aux_loss_coef",
+    "0.5",
+    "--train.moe_z_loss_coef",
+    "0.1",
+    "--log.progress",
+    "false",
+]
 
 
 def test_tied_logits_route_to_the_lower_expert():
@@ -35,8 +58,16 @@ def test_tied_logits_route_to_the_lower_expert():
 
 
 def test_capacity_drops_the_later_copies_and_counts_them():
-    m = ModelConfig(family="mixtral", hidden_size=16, intermediate_size=8, num_heads=2, num_kv_heads=2,
-                    num_experts=2, experts_per_token=1, moe_capacity_factor=1.0)
+    m = ModelConfig(
+        family="mixtral",
+        hidden_size=16,
+        intermediate_size=8,
+        num_heads=2,
+        num_kv_heads=2,
+        num_experts=2,
+        experts_per_token=1,
+        moe_capacity_factor=1.0,
+    )
     block = moe.MoE(m).train()
     torch.nn.init.normal_(block.experts.gate_up_proj)
     torch.nn.init.normal_(block.experts.down_proj)
@@ -52,8 +83,18 @@ def test_capacity_drops_the_later_copies_and_counts_them():
 
 
 def test_recorded_aux_loss_is_transformers_load_balancing_loss():
-    m = ModelConfig(family="qwen2_moe", hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
-                    num_kv_heads=2, vocab_size=64, num_experts=8, experts_per_token=2, moe_norm_topk_prob=False)
+    m = ModelConfig(
+        family="qwen2_moe",
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=64,
+        num_experts=8,
+        experts_per_token=2,
+        moe_norm_topk_prob=False,
+    )
     model = model_lib.build(m, device="cpu").train()
     torch.nn.init.normal_(model.model.layers["0"].mlp.gate.weight, std=0.5)
     logits = []
@@ -73,8 +114,12 @@ def _step_and_reference(argv: list[str]) -> dict:
     ctx = ParallelContext.from_config(cfg)
     trainer = Trainer(cfg, ctx)
     grads = {}
-    trainer.observers.append(lambda event: event == "update" and grads.update(
-        {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}))
+    trainer.observers.append(
+        lambda event: (
+            event == "update"
+            and grads.update({n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()})
+        )
+    )
     batch = trainer.next_local_batch()
     record = trainer.train_step(batch)
 
@@ -128,8 +173,18 @@ def test_grouped_gemm_path_computes_the_loop():
 def test_moe_metrics_reach_tensorboard_tags():
     from engine.metrics.tensorboard import scalars
 
-    tags = scalars({"loss": 2.0, "lm_loss": 1.9, "moe_aux_loss": 1.1, "moe_z_loss": 3.0, "moe_dropped_tokens": 0,
-                    "moe_tokens_per_expert_min": 5, "moe_tokens_per_expert_max": 9, "moe_tokens_per_expert_cv": 0.2})
+    tags = scalars(
+        {
+            "loss": 2.0,
+            "lm_loss": 1.9,
+            "moe_aux_loss": 1.1,
+            "moe_z_loss": 3.0,
+            "moe_dropped_tokens": 0,
+            "moe_tokens_per_expert_min": 5,
+            "moe_tokens_per_expert_max": 9,
+            "moe_tokens_per_expert_cv": 0.2,
+        }
+    )
     assert tags["loss/lm"] == 1.9 and tags["moe/aux_loss"] == 1.1 and tags["moe/tokens_per_expert_cv"] == 0.2
     assert tags["moe/dropped_tokens"] == 0 and tags["moe/tokens_per_expert_max"] == 9
 
@@ -154,22 +209,29 @@ def test_stacked_experts_are_the_published_per_expert_tensors():
     gate), Qwen2-MoE/OLMoE's gate/up/down_proj under mlp; a slice of dim 0 (expert parallelism) keeps global names."""
     from engine.model.fused import part_blocks
 
-    mixtral = moe.MoE(ModelConfig(family="mixtral", hidden_size=8, intermediate_size=4, num_heads=2,
-                                  num_kv_heads=2, num_experts=3))
+    mixtral = moe.MoE(
+        ModelConfig(family="mixtral", hidden_size=8, intermediate_size=4, num_heads=2, num_kv_heads=2, num_experts=3)
+    )
     prefix = "model.layers.5.mlp"
     blocks = part_blocks(mixtral.experts, f"{prefix}.experts.gate_up_proj", torch.Size([3, 8, 8]))
     assert [(n, at, tuple(s)) for n, at, s in blocks[:3]] == [
         ("model.layers.5.block_sparse_moe.experts.0.w1.weight", 0, (4, 8)),
         ("model.layers.5.block_sparse_moe.experts.0.w3.weight", 32, (4, 8)),
-        ("model.layers.5.block_sparse_moe.experts.1.w1.weight", 64, (4, 8))]
-    assert part_blocks(mixtral.gate, f"{prefix}.gate.weight", torch.Size([3, 8]))[0][0] == \
-        "model.layers.5.block_sparse_moe.gate.weight"
-    qwen = moe.MoE(ModelConfig(family="qwen2_moe", hidden_size=8, intermediate_size=4, num_heads=2,
-                               num_kv_heads=2, num_experts=4))
+        ("model.layers.5.block_sparse_moe.experts.1.w1.weight", 64, (4, 8)),
+    ]
+    assert (
+        part_blocks(mixtral.gate, f"{prefix}.gate.weight", torch.Size([3, 8]))[0][0]
+        == "model.layers.5.block_sparse_moe.gate.weight"
+    )
+    qwen = moe.MoE(
+        ModelConfig(family="qwen2_moe", hidden_size=8, intermediate_size=4, num_heads=2, num_kv_heads=2, num_experts=4)
+    )
     qwen.experts.first_expert = 2
     down = part_blocks(qwen.experts, f"{prefix}.experts.down_proj", torch.Size([2, 8, 4]))
-    assert [(n, at) for n, at, _ in down] == [("model.layers.5.mlp.experts.2.down_proj.weight", 0),
-                                              ("model.layers.5.mlp.experts.3.down_proj.weight", 32)]
+    assert [(n, at) for n, at, _ in down] == [
+        ("model.layers.5.mlp.experts.2.down_proj.weight", 0),
+        ("model.layers.5.mlp.experts.3.down_proj.weight", 32),
+    ]
 
 
 def test_plot_adds_the_moe_panels(tmp_path):
@@ -182,10 +244,28 @@ def test_plot_adds_the_moe_panels(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
     import plot
 
-    records = [{"step": s, "loss": 8 - s / 10, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0,
-                "moe_aux_loss": 2.0 + s / 100, "moe_z_loss": 4.0, "moe_tokens_per_expert_cv": 0.3} for s in (1, 2)]
+    records = [
+        {
+            "step": s,
+            "loss": 8 - s / 10,
+            "lr": 1e-3,
+            "grad_norm": 1.0,
+            "tokens_per_s": 10.0,
+            "moe_aux_loss": 2.0 + s / 100,
+            "moe_z_loss": 4.0,
+            "moe_tokens_per_expert_cv": 0.3,
+        }
+        for s in (1, 2)
+    ]
     fig = plot.plot({"moe": records}, tmp_path / "moe.png")
     titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
     assert titles[-3:] == ["MoE load-balancing loss", "Tokens per expert", "Router z-loss"]
-    assert len(plot.plot({"dense": [{k: v for k, v in r.items() if not k.startswith("moe")} for r in records]},
-                         tmp_path / "dense.png").axes) == 6  # a dense run keeps the 2 x 3 grid
+    assert (
+        len(
+            plot.plot(
+                {"dense": [{k: v for k, v in r.items() if not k.startswith("moe")} for r in records]},
+                tmp_path / "dense.png",
+            ).axes
+        )
+        == 6
+    )  # a dense run keeps the 2 x 3 grid

@@ -12,6 +12,7 @@ engine/parallel/ep/, engine/parallel/layout/mesh.py split_along):
 - a checkpoint at ep 2 (dp 1, cp 2) resumed at ep 1 (cp 2) and then on one process continues the uninterrupted run;
 - capacity with cp is refused in one line, and ep must divide dp x cp.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -32,8 +33,15 @@ CP, B, S, H = 2, 2, 16, 8
 
 
 def _block(tied: bool) -> moe.MoE:
-    m = ModelConfig(family="mixtral", hidden_size=H, intermediate_size=12, num_heads=2, num_kv_heads=2,
-                    num_experts=4, experts_per_token=2)
+    m = ModelConfig(
+        family="mixtral",
+        hidden_size=H,
+        intermediate_size=12,
+        num_heads=2,
+        num_kv_heads=2,
+        num_experts=4,
+        experts_per_token=2,
+    )
     torch.manual_seed(0)
     block = moe.MoE(m).double().train()
     for p in block.parameters():
@@ -51,8 +59,14 @@ def _run(block: moe.MoE, x: torch.Tensor) -> dict:
     out = block(x)
     (out * torch.linspace(-1, 1, H, dtype=x.dtype)).sum(-1).mean().backward()
     r = block.records[-1]
-    return {"out": out.detach(), "x": x.grad, "aux": r["aux"], "z": r["z"], "counts": r["counts"],
-            "grads": {n: p.grad.clone() for n, p in block.named_parameters()}}
+    return {
+        "out": out.detach(),
+        "x": x.grad,
+        "aux": r["aux"],
+        "z": r["z"],
+        "counts": r["counts"],
+        "grads": {n: p.grad.clone() for n, p in block.named_parameters()},
+    }
 
 
 def _cp_block(tied: bool) -> dict:
@@ -69,11 +83,15 @@ def _cp_block(tied: bool) -> dict:
     aux, z, counts = got["aux"].clone(), got["z"].clone(), got["counts"].clone()
     for t in (aux, z, counts):
         dist.all_reduce(t)
-    return {"out": (got["out"] - layout.take(want["out"], S, CP, rank)).abs().max().item(),
-            "x": (got["x"] / CP - layout.take(want["x"], S, CP, rank)).abs().max().item(),
-            "grads": max((got["grads"][n] - g).abs().max().item() for n, g in want["grads"].items()),
-            "aux": abs(aux.item() / CP / want["aux"].item() - 1), "z": abs(z.item() / CP / want["z"].item() - 1),
-            "counts": counts.tolist() == want["counts"].tolist(), "ties": tied and _lower_wins(x)}
+    return {
+        "out": (got["out"] - layout.take(want["out"], S, CP, rank)).abs().max().item(),
+        "x": (got["x"] / CP - layout.take(want["x"], S, CP, rank)).abs().max().item(),
+        "grads": max((got["grads"][n] - g).abs().max().item() for n, g in want["grads"].items()),
+        "aux": abs(aux.item() / CP / want["aux"].item() - 1),
+        "z": abs(z.item() / CP / want["z"].item() - 1),
+        "counts": counts.tolist() == want["counts"].tolist(),
+        "ties": tied and _lower_wins(x),
+    }
 
 
 def _lower_wins(x: torch.Tensor) -> bool:
@@ -108,8 +126,10 @@ def test_ep_is_carved_from_dp_x_cp_in_grad_rank_order():
 
 
 BASE = [*runner.BASE, *MOE_ARGS, "--train.grad_clip", "0"]
-CP_RUNS = [["--parallel.cp", "2", "--parallel.cp_mode", "ring"],
-           ["--parallel.cp", "2", "--parallel.cp_mode", "all_to_all", "--parallel.ep", "2"]]
+CP_RUNS = [
+    ["--parallel.cp", "2", "--parallel.cp_mode", "ring"],
+    ["--parallel.cp", "2", "--parallel.cp_mode", "all_to_all", "--parallel.ep", "2"],
+]
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +156,10 @@ def test_engine_at_cp_2_with_ep_equals_one_process(reference, tmp_path):
 def test_resume_from_ep_2_over_cp_to_ep_1_matches_the_uninterrupted_run(reference, tmp_path):
     """Save every step at ep 2 (dp 1, cp 2: each rank writes its own experts), resume step 1 at ep 1 (cp 2: the
     experts replicated over cp, written once per expert-dp position), resume that run's step 2 on one process."""
+
     def hop(world, extra, name, resume):
         return runner.checkpointed_run(world, [*BASE, *extra], tmp_path, name, resume)
+
     cp2 = ["--parallel.cp", "2", "--parallel.cp_mode", "ring"]
     hop(2, [*cp2, "--parallel.ep", "2"], "a", "none")
     b = hop(2, cp2, "b", str(tmp_path / "a" / "step_000001"))
@@ -146,13 +168,19 @@ def test_resume_from_ep_2_over_cp_to_ep_1_matches_the_uninterrupted_run(referenc
         runner.assert_matches(run, reference, offset, offset)
 
 
-@pytest.mark.parametrize("extra,world,words", [
-    (["--parallel.cp", "2", "--model.moe_capacity_factor", "1.5"], 2,
-     "model.moe_capacity_factor=1.5 with parallel.cp=2 is not supported: capacity keeps"),
-    (["--parallel.cp", "2", "--parallel.ep", "2"], 2, None),
-    (["--parallel.cp", "2", "--parallel.dp", "2", "--parallel.ep", "4"], 4, None),
-    (["--parallel.cp", "2", "--parallel.ep", "4"], 2, "parallel.ep=4 must divide dp * cp = 1 * 2 = 2"),
-])
+@pytest.mark.parametrize(
+    "extra,world,words",
+    [
+        (
+            ["--parallel.cp", "2", "--model.moe_capacity_factor", "1.5"],
+            2,
+            "model.moe_capacity_factor=1.5 with parallel.cp=2 is not supported: capacity keeps",
+        ),
+        (["--parallel.cp", "2", "--parallel.ep", "2"], 2, None),
+        (["--parallel.cp", "2", "--parallel.dp", "2", "--parallel.ep", "4"], 4, None),
+        (["--parallel.cp", "2", "--parallel.ep", "4"], 2, "parallel.ep=4 must divide dp * cp = 1 * 2 = 2"),
+    ],
+)
 def test_refusals_name_the_value(extra, world, words):
     try:
         resolve_layout(load([*BASE, *extra]), world)

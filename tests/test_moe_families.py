@@ -12,6 +12,7 @@ Qwen2-MoE has a dense layer (mlp_only_layers) and a shared expert; Qwen3-MoE a d
 head_dim 24 on hidden 64 (4 heads); OLMoE's q/k norms and all norms and biases are perturbed (HF initialises them
 to 1 and 0, which would hide a dropped one).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,20 +31,42 @@ from tests.dist import run_ranks
 from tests.test_families import ids, layout_logits, max_rel, train
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPE = dict(vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
+SHAPE = dict(
+    vocab_size=4096,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+)
 FAMILIES = {
-    "mixtral": lambda: transformers.MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2,
-                                                  sliding_window=None),
-    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**SHAPE, num_experts=4, num_experts_per_tok=2,
-                                                     moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                                                     mlp_only_layers=[0], norm_topk_prob=False),
-    "olmoe": lambda: transformers.OlmoeConfig(**SHAPE, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
-                                              pad_token_id=0, eos_token_id=2),
+    "mixtral": lambda: transformers.MixtralConfig(
+        **SHAPE, num_local_experts=4, num_experts_per_tok=2, sliding_window=None
+    ),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **SHAPE,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[0],
+        norm_topk_prob=False,
+    ),
+    "olmoe": lambda: transformers.OlmoeConfig(
+        **SHAPE, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, pad_token_id=0, eos_token_id=2
+    ),
     # head_dim 24 != hidden / heads = 16; per-head q/k norms, a dense layer, no shared expert
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SHAPE, head_dim=24, num_experts=4, num_experts_per_tok=2,
-                                                     moe_intermediate_size=32, mlp_only_layers=[0],
-                                                     norm_topk_prob=True),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **SHAPE,
+        head_dim=24,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        mlp_only_layers=[0],
+        norm_topk_prob=True,
+    ),
 }
 TOL = 1e-5
 # The logits after 4 steps at a layout against 4 at one process. Measured (fp32): <= 9e-6 at pp 2, <= 1.3e-5 at
@@ -77,6 +100,7 @@ def test_engine_moe_computes_the_hf_logits(family):
 def test_unnormalised_top_k_computes_the_hf_logits(family):
     """norm_topk_prob false (OLMoE-1B-7B's published value): the k softmax weights are used as they are, not
     renormalised to sum 1 (engine/model/moe.py moe_norm_topk_prob)."""
+
     def config():
         c = FAMILIES[family]()
         c.norm_topk_prob = False
@@ -88,10 +112,29 @@ def test_unnormalised_top_k_computes_the_hf_logits(family):
 
 
 def run(imported: Path, out: Path, *extra: str) -> list[str]:
-    return ["--config", str(imported / "config.yaml"), "--train.seq_len", "32", "--train.global_batch_size", "4",
-            "--train.micro_batch_size", "2", "--train.steps", "4", "--train.warmup_steps", "2",
-            "--train.moe_aux_loss_coef", "0.1", "--train.moe_z_loss_coef", "0.01",
-            "--log.progress", "false", "--train.out_dir", str(out), *extra]
+    return [
+        "--config",
+        str(imported / "config.yaml"),
+        "--train.seq_len",
+        "32",
+        "--train.global_batch_size",
+        "4",
+        "--train.micro_batch_size",
+        "2",
+        "--train.steps",
+        "4",
+        "--train.warmup_steps",
+        "2",
+        "--train.moe_aux_loss_coef",
+        "0.1",
+        "--train.moe_z_loss_coef",
+        "0.01",
+        "--log.progress",
+        "false",
+        "--train.out_dir",
+        str(out),
+        *extra,
+    ]
 
 
 def phase(argv: list[str], ckpt: Path, trained: bool) -> dict:
@@ -108,9 +151,13 @@ def trained_phase(argv: list[str], ckpt: Path, init_from: list[list[str]]) -> di
     return {**got, "trained": layout_logits([*argv, "--checkpoint.resume", str(ckpt)], ids())}
 
 
-LAYOUTS = {"pp2": (2, ["--parallel.pp", "2"]),
-           "tp2-ep2": (4, ["--parallel.tp", "2", "--parallel.dp", "2", "--parallel.ep", "2",
-                           "--parallel.sequence_parallel", "true"])}
+LAYOUTS = {
+    "pp2": (2, ["--parallel.pp", "2"]),
+    "tp2-ep2": (
+        4,
+        ["--parallel.tp", "2", "--parallel.dp", "2", "--parallel.ep", "2", "--parallel.sequence_parallel", "true"],
+    ),
+}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -127,10 +174,12 @@ def test_import_train_export_at_layout(family, layout, tmp_path):
     # tp 2 x ep 2 also starts straight from the HF folder (--model.init_from: each rank reads its experts' rows;
     # the imported config.yaml stays for its MoE keys, which the layout check reads before the trainer adopts the
     # folder's shape as launch/pretrain.py does first)
-    direct = [[*run(imported, tmp_path / "od"), "--model.init_from", str(src), "--checkpoint.resume", "none", *extra]
-              ] if world == 4 else []
-    at = run_ranks(trained_phase, world, run(imported, tmp_path / "o2", *extra), tmp_path / "ck2",
-                   direct)[world - 1]
+    direct = (
+        [[*run(imported, tmp_path / "od"), "--model.init_from", str(src), "--checkpoint.resume", "none", *extra]]
+        if world == 4
+        else []
+    )
+    at = run_ranks(trained_phase, world, run(imported, tmp_path / "o2", *extra), tmp_path / "ck2", direct)[world - 1]
     one = run_ranks(phase, 1, run(imported, tmp_path / "o1"), tmp_path / "ck1", True)[0]
     assert max_rel(one["logits"], want) <= TOL and max_rel(at["logits"], want) <= TOL
     assert len(one["loss"]) == 4 and at["loss"] == pytest.approx(one["loss"], rel=TOL)
@@ -150,8 +199,11 @@ def test_what_the_moe_block_does_not_compute_is_refused_naming_the_key():
     from engine.checkpoint.format import CheckpointError
 
     mixtral = FAMILIES["mixtral"]().to_dict()
-    with pytest.raises(CheckpointError, match=r"^src: router_jitter_noise=0.1 is not supported by "
-                                              r"engine/model/moe.py \(0 only\)$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^src: router_jitter_noise=0.1 is not supported by "
+        r"engine/model/moe.py \(0 only\)$",
+    ):
         families.model_config({**mixtral, "router_jitter_noise": 0.1}, Path("src"))
     olmoe = FAMILIES["olmoe"]().to_dict()
     with pytest.raises(CheckpointError, match=r"^src: clip_qkv=8.0 is not supported"):

@@ -10,6 +10,7 @@
   uninterrupted single-process run (tests/parity/runner.py, fp32 bounds);
 - an expert width tp does not divide is refused in one line.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -28,12 +29,27 @@ from tests.dist import run_ranks
 from tests.parity import runner
 from tests.test_ep import BASE
 
-SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-             num_experts=4, experts_per_token=2)
+SHAPE = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    num_experts=4,
+    experts_per_token=2,
+)
 FAMILIES = {
     "mixtral": ModelConfig(**SHAPE, family="mixtral"),
-    "qwen2_moe": ModelConfig(**SHAPE, family="qwen2_moe", moe_intermediate_size=24, moe_shared_expert_size=16,
-                             moe_layers=[1], moe_norm_topk_prob=False, attention_bias=True),
+    "qwen2_moe": ModelConfig(
+        **SHAPE,
+        family="qwen2_moe",
+        moe_intermediate_size=24,
+        moe_shared_expert_size=16,
+        moe_layers=[1],
+        moe_norm_topk_prob=False,
+        attention_bias=True,
+    ),
     "olmoe": ModelConfig(**SHAPE, family="olmoe"),
 }
 # Measured at tp 2 (fp32): loss <= 1.1e-7, gradients <= 1.8e-6 relative to the largest element of each; the bound
@@ -53,8 +69,10 @@ def _step(cfg: ModelConfig, group, sp: bool) -> tuple[torch.Tensor, dict]:
     loss = vocab_parallel_cross_entropy(model(ids[:, :-1]), ids[:, 1:], group)
     loss.backward()
     grads = by_hf_name(model, {n: p.grad for n, p in model.named_parameters()})
-    return loss.detach(), {name: (g, getattr(m, "tp_dims", {}).get(attr) if getattr(m, "tp_size", 1) > 1 else None)
-                           for name, (g, m, attr) in grads.items()}
+    return loss.detach(), {
+        name: (g, getattr(m, "tp_dims", {}).get(attr) if getattr(m, "tp_size", 1) > 1 else None)
+        for name, (g, m, attr) in grads.items()
+    }
 
 
 def _compare(cfg: ModelConfig, sp: bool) -> dict:
@@ -103,21 +121,32 @@ def reference(tmp_path_factory):
 
 def test_resume_from_tp2_ep2_at_tp1_and_at_tp2_ep1_matches_the_uninterrupted_run(reference, tmp_path):
     """Save every step at tp 2 x ep 2 (dp 2); resume its step 1 at tp 1 (one process) and its step 2 at tp 2 ep 1."""
+
     def hop(world, extra, name, resume):
         return runner.checkpointed_run(world, [*BASE, *extra], tmp_path, name, resume)
-    a = hop(4, ["--parallel.tp", "2", "--parallel.dp", "2", "--parallel.ep", "2", "--parallel.sequence_parallel",
-                "true"], "a", "none")
+
+    a = hop(
+        4,
+        ["--parallel.tp", "2", "--parallel.dp", "2", "--parallel.ep", "2", "--parallel.sequence_parallel", "true"],
+        "a",
+        "none",
+    )
     b = hop(1, [], "b", str(tmp_path / "a" / "step_000001"))
     c = hop(2, ["--parallel.tp", "2"], "c", str(tmp_path / "a" / "step_000002"))
     for run, offset in ((a, 0), (b, 1), (c, 2)):
         runner.assert_matches(run, reference, offset, offset)
 
 
-@pytest.mark.parametrize("extra,words", [
-    (["--model.moe_intermediate_size", "33"], "model.moe_intermediate_size=33 must be divisible by parallel.tp=2"),
-    (["--model.family", "qwen2_moe", "--model.moe_shared_expert_size", "17"],
-     "model.moe_shared_expert_size=17 must be divisible by parallel.tp=2"),
-])
+@pytest.mark.parametrize(
+    "extra,words",
+    [
+        (["--model.moe_intermediate_size", "33"], "model.moe_intermediate_size=33 must be divisible by parallel.tp=2"),
+        (
+            ["--model.family", "qwen2_moe", "--model.moe_shared_expert_size", "17"],
+            "model.moe_shared_expert_size=17 must be divisible by parallel.tp=2",
+        ),
+    ],
+)
 def test_an_expert_width_tp_does_not_divide_is_refused_in_one_line(extra, words):
     with pytest.raises(ConfigError) as e:
         resolve_layout(load([*BASE, "--parallel.tp", "2", *extra]), 2)

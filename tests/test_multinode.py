@@ -1,6 +1,7 @@
 """Multi-node for real on one machine, and faults: two torchrun agents with their own node ranks on loopback, a
 rank killed mid-run, restarts and SIGTERM with checkpoints, collective timeouts, and the deepspeed launcher over
 real ssh (pdsh) to localhost. Preflight (launch/preflight.py) has its own file, tests/test_preflight.py."""
+
 from __future__ import annotations
 
 import json
@@ -27,9 +28,26 @@ from tests.test_launch import ROOT, read_losses
 STEPS = 12
 # A shrunk tiny model (each process start costs ~10 s of imports here; the steps are cheap); tp 2 keeps the tensor
 # parallel peers on one node and puts dp across the nodes, as a real multi-node layout does.
-SHRUNK = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.intermediate_size", "128",
-          "--model.num_heads", "4", "--model.num_kv_heads", "2", "--train.seq_len", "32", "--log.progress", "false",
-          "--parallel.tp", "2", "--train.steps", str(STEPS)]
+SHRUNK = [
+    "--model.num_layers",
+    "2",
+    "--model.hidden_size",
+    "64",
+    "--model.intermediate_size",
+    "128",
+    "--model.num_heads",
+    "4",
+    "--model.num_kv_heads",
+    "2",
+    "--train.seq_len",
+    "32",
+    "--log.progress",
+    "false",
+    "--parallel.tp",
+    "2",
+    "--train.steps",
+    str(STEPS),
+]
 
 
 def train_args(out_dir: Path, *extra: str) -> list[str]:
@@ -45,9 +63,26 @@ RDZV_CONF = "read_timeout=300,join_timeout=600,keep_alive_interval=10,keep_alive
 
 def torchrun(nnodes: int, nproc: int, node_rank: int, port: int, args: list[str], restarts: int = 0) -> list[str]:
     """One torchrun agent: a node of an ``nnodes``-node job that meets the others at 127.0.0.1:port."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
-            "--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-conf", RDZV_CONF, "--max-restarts", str(restarts), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--nproc-per-node",
+        str(nproc),
+        "--node-rank",
+        str(node_rank),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-conf",
+        RDZV_CONF,
+        "--max-restarts",
+        str(restarts),
+        *args,
+    ]
 
 
 class Job:
@@ -58,8 +93,9 @@ class Job:
 
     def start(self, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
         with (self.log_dir / f"agent{len(self.procs)}.log").open("w") as log:  # the child keeps its own handle
-            self.procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                               start_new_session=True, env=env))
+            self.procs.append(
+                subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+            )
         return self.procs[-1]
 
     def nodes(self, nnodes: int, nproc: int, args: list[str], restarts: int = 0) -> list[subprocess.Popen]:
@@ -179,8 +215,17 @@ def test_max_restarts_resume_from_the_last_checkpoint(tmp_path, job, reference):
     """Done 3 (second half): with --max-restarts 1 both agents restart their workers after a rank dies; the workers
     resume (checkpoint.resume auto) from the last checkpoint, and the losses are those of an uninterrupted run."""
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    args = train_args(out, "--checkpoint.dir", str(ckpt), "--checkpoint.every", "3", "--checkpoint.resume", "auto",
-                      "--parallel.timeout_s", "30")
+    args = train_args(
+        out,
+        "--checkpoint.dir",
+        str(ckpt),
+        "--checkpoint.every",
+        "3",
+        "--checkpoint.resume",
+        "auto",
+        "--parallel.timeout_s",
+        "30",
+    )
     agents = job.nodes(2, 2, args, restarts=1)
     job.wait_for(lambda: (ckpt / "latest").exists(), "checkpoint")
     job.worker(3).kill()
@@ -193,8 +238,17 @@ def test_sigterm_saves_exits_zero_and_resumes_exactly(tmp_path, job, reference):
     """Done 4: SIGTERM to every worker of a running job (a scheduler's preemption notice) saves a checkpoint and
     the job exits 0; a new launch with checkpoint.resume auto continues with the uninterrupted losses."""
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    args = train_args(out, "--checkpoint.dir", str(ckpt), "--checkpoint.every", "1000", "--checkpoint.resume",
-                      "auto", "--parallel.timeout_s", "30")
+    args = train_args(
+        out,
+        "--checkpoint.dir",
+        str(ckpt),
+        "--checkpoint.every",
+        "1000",
+        "--checkpoint.resume",
+        "auto",
+        "--parallel.timeout_s",
+        "30",
+    )
     (agent,) = job.nodes(1, 2, args)
     job.wait_for(lambda: logged_steps(out) >= 1, "a logged step")
     for rank in range(2):
@@ -245,17 +299,22 @@ def test_collective_timeout_applies_to_every_group(tmp_path):
     2 s. The bound is a ratio to the configured timeout, loose enough for a loaded machine and still 30 times
     below the 30-minute default it guards against."""
     timeout = 2.0
-    elapsed, error = run_ranks(_stuck_peer, 4, ["--parallel.timeout_s", str(timeout), "--parallel.tp", "2",
-                                                "--model.num_layers", "2"], str(tmp_path / "done"),
-                               timeout_s=600)[0]
+    elapsed, error = run_ranks(
+        _stuck_peer,
+        4,
+        ["--parallel.timeout_s", str(timeout), "--parallel.tp", "2", "--model.num_layers", "2"],
+        str(tmp_path / "done"),
+        timeout_s=600,
+    )[0]
     assert "Timed out" in error or "timeout" in error.lower(), error
     assert 0.75 <= elapsed / timeout <= 30, elapsed
 
 
 # Outside CI only: .ci/run installs pdsh, so under CI=true a missing one fails the test instead of skipping it.
-needs_pdsh = pytest.mark.skipif((shutil.which("deepspeed") is None or shutil.which("pdsh") is None)
-                                and os.environ.get("CI") != "true",
-                                reason="needs the deepspeed launcher and pdsh (apt-get install -y pdsh)")
+needs_pdsh = pytest.mark.skipif(
+    (shutil.which("deepspeed") is None or shutil.which("pdsh") is None) and os.environ.get("CI") != "true",
+    reason="needs the deepspeed launcher and pdsh (apt-get install -y pdsh)",
+)
 
 
 def deepspeed_over_ssh(tmp_path: Path, sshd, slots: int) -> list[str]:
@@ -263,8 +322,19 @@ def deepspeed_over_ssh(tmp_path: Path, sshd, slots: int) -> list[str]:
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(f"localhost slots={slots}\n")
     # --no_ssh_check: the launcher's own check runs a plain `ssh HOST hostname`, without our key; preflight checks.
-    return ["deepspeed", "--hostfile", str(hostfile), "--force_multi", "--ssh_port", str(sshd.port),
-            "--no_ssh_check", "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    return [
+        "deepspeed",
+        "--hostfile",
+        str(hostfile),
+        "--force_multi",
+        "--ssh_port",
+        str(sshd.port),
+        "--no_ssh_check",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+    ]
 
 
 @needs_pdsh
@@ -272,8 +342,14 @@ def deepspeed_over_ssh(tmp_path: Path, sshd, slots: int) -> list[str]:
 def test_deepspeed_launcher_over_ssh_with_pdsh(tmp_path, local_sshd, reference):
     """Training started by the deepspeed launcher through pdsh and ssh; losses as the one-node reference."""
     out = tmp_path / "run"
-    run = subprocess.run([*deepspeed_over_ssh(tmp_path, local_sshd, 2), *train_args(out)], cwd=ROOT,
-                         env=local_sshd.pdsh_env(), capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [*deepspeed_over_ssh(tmp_path, local_sshd, 2), *train_args(out)],
+        cwd=ROOT,
+        env=local_sshd.pdsh_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "localhost: layout tp=2 pp=1 dp=1" in run.stdout  # printed by rank 0 under pdsh (its host prefix)
     assert read_losses(out) == pytest.approx(reference, rel=1e-5)
@@ -286,7 +362,13 @@ def test_deepspeed_env_file_reaches_the_ranks_over_ssh(tmp_path, local_sshd):
     env_file = tmp_path / "deepspeed_env"
     env_file.write_text("ENGINE_TEST_MARK=from-deepspeed-env\n")
     env = {**local_sshd.pdsh_env(), "DS_ENV_FILE": str(env_file)}  # absolute: the launcher's os.path.join keeps it
-    run = subprocess.run([*deepspeed_over_ssh(tmp_path, local_sshd, 2), "--no_python", "--no_local_rank", "env"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [*deepspeed_over_ssh(tmp_path, local_sshd, 2), "--no_python", "--no_local_rank", "env"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.count("localhost: ENGINE_TEST_MARK=from-deepspeed-env") == 2, run.stdout[-3000:]

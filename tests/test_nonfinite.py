@@ -5,6 +5,7 @@ was applied and ``step_000002`` held 117 of 119 non-finite tensors. Here the two
 NaN gradients behind a finite loss (an identity whose backward multiplies by NaN, after the final norm), and an
 infinite learning rate for one step (finite loss and norm, non-finite weights and moments after the update).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -40,7 +41,8 @@ def nonfinite_run(argv: list[str]) -> dict:
     poison = {"on": False}
     if trainer.ctx.is_last_stage:
         trainer.model.model.norm.register_forward_hook(
-            lambda module, args, out: NanGradient.apply(out) if poison["on"] else out)
+            lambda module, args, out: NanGradient.apply(out) if poison["on"] else out
+        )
     records = [trainer.train_step(trainer.next_local_batch())]
     first = trainer.checkpointer.save(trainer.parts, trainer.position)
     before = _snapshot(trainer)
@@ -54,8 +56,7 @@ def nonfinite_run(argv: list[str]) -> dict:
     refused = trainer.checkpointer.save(trainer.parts, trainer.position)
     trainer.checkpointer.finish()
     unchanged = all(torch.equal(before[n], after[n]) for n in before)
-    return {"records": records, "first": str(first), "refused": refused, "unchanged": unchanged,
-            "poisoned": poisoned}
+    return {"records": records, "first": str(first), "refused": refused, "unchanged": unchanged, "poisoned": poisoned}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -63,8 +64,7 @@ def test_nan_gradients_skip_the_update_and_never_reach_a_checkpoint(tmp_path, mo
     if mode.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed")
     ckpt = tmp_path / "ckpt"
-    argv = [*SMALL, *MODES[mode], "--parallel.dp", "2", "--train.out_dir", str(tmp_path),
-            "--checkpoint.dir", str(ckpt)]
+    argv = [*SMALL, *MODES[mode], "--parallel.dp", "2", "--train.out_dir", str(tmp_path), "--checkpoint.dir", str(ckpt)]
     got = run_ranks(nonfinite_run, 2, argv, timeout_s=300)[0]
     loss, norm = got["records"][1]["loss"], got["records"][1]["grad_norm"]
     assert math.isfinite(loss) and not math.isfinite(norm), (loss, norm)

@@ -1,5 +1,6 @@
 """What a run leaves to look at (issue 17): TensorBoard events equal to metrics.jsonl, metrics without the
 rolled-back steps of a crash, and launch/plot.py's picture of several runs."""
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,16 @@ def test_tensorboard_events_equal_metrics_jsonl(tmp_path):
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"loss/train", "loss/eval", "lr", "grad_norm", "throughput/tokens_per_s", "memory/peak_GiB",
-            "time/forward_s", "time/optimizer_s"} <= tags, tags
+    assert {
+        "loss/train",
+        "loss/eval",
+        "lr",
+        "grad_norm",
+        "throughput/tokens_per_s",
+        "memory/peak_GiB",
+        "time/forward_s",
+        "time/optimizer_s",
+    } <= tags, tags
     for tag, key in (("loss/train", "loss"), ("loss/eval", "eval_loss"), ("lr", "lr")):
         got = [(e.step, e.value) for e in events.Scalars(tag)]
         want = [(r["step"], r[key]) for r in records if key in r]
@@ -85,9 +94,18 @@ def test_plot_draws_every_run(tmp_path):
     for name, scale in (("tiny", 1.0), ("tp2", 1.1)):
         run = tmp_path / name
         run.mkdir()
-        lines = [{"step": s, "loss": scale * (8 - s / 10), "lr": 1e-3 * s, "grad_norm": 1.0 / s,
-                  "tokens_per_s": 1000.0 * scale, "peak_mem_bytes": 2**24, **({"eval_loss": 8.0} if s % 5 == 0
-                                                                               else {})} for s in range(1, 11)]
+        lines = [
+            {
+                "step": s,
+                "loss": scale * (8 - s / 10),
+                "lr": 1e-3 * s,
+                "grad_norm": 1.0 / s,
+                "tokens_per_s": 1000.0 * scale,
+                "peak_mem_bytes": 2**24,
+                **({"eval_loss": 8.0} if s % 5 == 0 else {}),
+            }
+            for s in range(1, 11)
+        ]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
         runs[name] = plot.read_run(run)
     fig = plot.plot(runs, tmp_path / "curves.png")
@@ -108,8 +126,10 @@ def test_plot_says_which_lines_it_skipped(tmp_path, capsys):
 
     (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": 2.0}\n{"step": 2, "lo\xff\n{"step": 3}\n{"ste')
     assert [r["step"] for r in plot.read_run(tmp_path)] == [1, 3]
-    assert f"warning: {tmp_path / 'metrics.jsonl'}: skipped 2 lines that are not a step record (line 2, 4)" \
+    assert (
+        f"warning: {tmp_path / 'metrics.jsonl'}: skipped 2 lines that are not a step record (line 2, 4)"
         in capsys.readouterr().err
+    )
 
 
 def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch, capsys):
@@ -128,6 +148,7 @@ def test_plot_tensorboard_writes_a_finished_runs_records_once(tmp_path, capsys):
     tags log.tensorboard uses; a second call (or a run that logged its own) is refused in one line."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     sys.path.insert(0, str(ROOT / "launch"))
     import plot
 
@@ -137,7 +158,8 @@ def test_plot_tensorboard_writes_a_finished_runs_records_once(tmp_path, capsys):
     assert capsys.readouterr().out == f"wrote {tmp_path / 'tensorboard'}\n"
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
-    assert [(e.step, round(e.value, 5)) for e in events.Scalars("loss/train")] == \
-        [(r["step"], round(r["loss"], 5)) for r in records]
+    assert [(e.step, round(e.value, 5)) for e in events.Scalars("loss/train")] == [
+        (r["step"], round(r["loss"], 5)) for r in records
+    ]
     assert plot.main([str(tmp_path), "--tensorboard"]) == 2
     assert "already holds event files; view them with tensorboard --logdir" in capsys.readouterr().err

@@ -7,6 +7,7 @@ offload_to_cpu) and that it trains exactly like the same dp mode without offload
 offload_slice compares the offload modes with one process). Bounds: fp32 losses and grad norms rel 1e-5, final
 parameters 1e-3 of their update, parity's FP32 tolerance (tests/parity/runner.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -31,28 +32,34 @@ def _file(tmp_path, content: dict) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["--parallel.offload", "optimizer"], "needs parallel.dp_mode zero (got ddp)"),  # the modes honouring it
-    (["--parallel.offload", "optimizer_and_params"], "needs parallel.dp_mode fsdp or zero (got ddp)"),
-    (["--parallel.offload", "cpu"], "parallel.offload='cpu' is not one of none, optimizer, optimizer_and_params"),
-    (["--parallel.dp_mode", "fsdp", "--parallel.offload", "optimizer"], "use offload=optimizer_and_params"),
-    ([*ZERO, "2", "--parallel.offload", "optimizer_and_params"], "needs parallel.zero_stage=3"),
-])
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--parallel.offload", "optimizer"], "needs parallel.dp_mode zero (got ddp)"),  # the modes honouring it
+        (["--parallel.offload", "optimizer_and_params"], "needs parallel.dp_mode fsdp or zero (got ddp)"),
+        (["--parallel.offload", "cpu"], "parallel.offload='cpu' is not one of none, optimizer, optimizer_and_params"),
+        (["--parallel.dp_mode", "fsdp", "--parallel.offload", "optimizer"], "use offload=optimizer_and_params"),
+        ([*ZERO, "2", "--parallel.offload", "optimizer_and_params"], "needs parallel.zero_stage=3"),
+    ],
+)
 def test_bad_offload_key_is_one_line(argv, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")) as e:
         load([*BASE, *argv])
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("zero,extra,words", [
-    ({"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}, [], "offload_optimizer.nvme_path"),
-    ({"offload_optimizer": {"device": "nvme"}}, [], "NVMe offload is not supported"),
-    ({"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, [], "offload_optimizer.ratio"),
-    ({"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}, [], "only in ZeRO-3"),
-    ({"cpu_offload": True}, [], "deprecated by DeepSpeed"),
-    ({"offload_optimizer": {"device": "none"}}, ["--parallel.offload", "optimizer"], "disagree"),
-    ({"offload_optimizer": "cpu"}, [], "not an object of keys"),
-])
+@pytest.mark.parametrize(
+    "zero,extra,words",
+    [
+        ({"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}, [], "offload_optimizer.nvme_path"),
+        ({"offload_optimizer": {"device": "nvme"}}, [], "NVMe offload is not supported"),
+        ({"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, [], "offload_optimizer.ratio"),
+        ({"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}, [], "only in ZeRO-3"),
+        ({"cpu_offload": True}, [], "deprecated by DeepSpeed"),
+        ({"offload_optimizer": {"device": "none"}}, ["--parallel.offload", "optimizer"], "disagree"),
+        ({"offload_optimizer": "cpu"}, [], "not an object of keys"),
+    ],
+)
 def test_unhonourable_ds_config_offload_is_one_line(tmp_path, zero, extra, words):
     with pytest.raises(ConfigError, match=words) as e:
         load([*BASE, *ZERO, "2", "--parallel.ds_config", _file(tmp_path, {"zero_optimization": zero}), *extra])
@@ -89,6 +96,7 @@ def test_ds_config_offloads_from_the_key_or_the_file(tmp_path):
 
 # ---- training ----------------------------------------------------------------------------------------------------
 
+
 def train(argv: list[str]) -> dict:
     """Rank function: train; losses, grad norms, final fp32 parameters, and whether offload was on."""
     from engine.parallel.layout.context import ParallelContext
@@ -99,13 +107,20 @@ def train(argv: list[str]) -> dict:
     history = trainer.fit()
     dp = trainer.dp
     if cfg.parallel.dp_mode == "zero":
-        on = (bool(dp.engine.zero_cpu_offload()), dp.engine.zero_offload_param() is not None,
-              type(dp.engine.basic_optimizer).__name__)
+        on = (
+            bool(dp.engine.zero_cpu_offload()),
+            dp.engine.zero_offload_param() is not None,
+            type(dp.engine.basic_optimizer).__name__,
+        )
     else:  # FSDP2 marks every parameter it offloads
         state = dp.module._get_fsdp_state()._fsdp_param_group
         on = (all(p.offload_to_cpu for p in state.fsdp_params),)
-    return {"loss": [r["loss"] for r in history], "grad_norm": [r["grad_norm"] for r in history],
-            "params": {n: v for n, (v, *_) in runner.held_parameters(trainer).items()}, "on": on}
+    return {
+        "loss": [r["loss"] for r in history],
+        "grad_norm": [r["grad_norm"] for r in history],
+        "params": {n: v for n, (v, *_) in runner.held_parameters(trainer).items()},
+        "on": on,
+    }
 
 
 def _compare(got: dict, want: dict, init: dict | None = None) -> None:
@@ -129,6 +144,7 @@ def init(tmp_path_factory):
     def rank(argv):
         cfg = load(argv)
         return {n: v for n, (v, *_) in runner.held_parameters(Trainer(cfg, ParallelContext.from_config(cfg))).items()}
+
     return run_ranks(rank, 1, [*runner.BASE, "--parallel.dp", "1", *_out(tmp_path_factory.mktemp("init"))])[0]
 
 
@@ -139,8 +155,10 @@ def _out(folder) -> list[str]:
 def _pair(tmp_path, offloaded: list[str], plain: list[str]) -> tuple[list, list]:
     from tests.dist import run_ranks
 
-    return (run_ranks(train, 2, [*BASE, *offloaded, *_out(tmp_path / "offloaded")], timeout_s=600),
-            run_ranks(train, 2, [*BASE, *plain, *_out(tmp_path / "plain")], timeout_s=600))
+    return (
+        run_ranks(train, 2, [*BASE, *offloaded, *_out(tmp_path / "offloaded")], timeout_s=600),
+        run_ranks(train, 2, [*BASE, *plain, *_out(tmp_path / "plain")], timeout_s=600),
+    )
 
 
 def test_issue_ds_config_zero2_offload_trains_like_zero2(tmp_path, init):
@@ -166,10 +184,15 @@ def test_fsdp_cpu_offload_trains_like_fsdp(init, tmp_path):
 
 # ---- planner ------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", [[*ZERO, "2", "--parallel.offload", "optimizer"],
-                                  [*ZERO, "3", "--parallel.offload", "optimizer_and_params"],
-                                  ["--parallel.dp_mode", "fsdp", "--parallel.offload", "optimizer_and_params",
-                                   "--train.global_batch_size", "2"]])
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        [*ZERO, "2", "--parallel.offload", "optimizer"],
+        [*ZERO, "3", "--parallel.offload", "optimizer_and_params"],
+        ["--parallel.dp_mode", "fsdp", "--parallel.offload", "optimizer_and_params", "--train.global_batch_size", "2"],
+    ],
+)
 def test_planner_moves_state_to_host_and_keeps_the_total(mode):
     """What offload takes off the device is what the host gets: the model state (plus AdamW's temporaries for
     fsdp) before equals device state + host after, at one micro-batch (several keep fsdp's unsharded gradients

@@ -1,6 +1,7 @@
 """engine.optim.build_optimizer picks torch's fused (CUDA) or foreach AdamW, and that gives torch's per-tensor loop's
 result up to rounding, on plain and on FSDP2-sharded (DTensor) parameters; the gradient norm and clipping are
 multi-tensor ops equal to the loop."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -41,8 +42,11 @@ def _steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, n: int = 3)
 def _worst_rel(a: torch.nn.Module, b: torch.nn.Module) -> float:
     def local(p):
         return p.to_local() if hasattr(p, "to_local") else p
-    return max(((local(p) - local(q)).abs().max() / local(q).abs().max()).item()
-               for p, q in zip(a.parameters(), b.parameters()))
+
+    return max(
+        ((local(p) - local(q)).abs().max() / local(q).abs().max()).item()
+        for p, q in zip(a.parameters(), b.parameters())
+    )
 
 
 def _loop_twin(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -105,8 +109,9 @@ def test_foreach_norm_and_clip_equal_the_per_tensor_loop(monkeypatch):
     # Measured: rel 0.0 here (bound: a few fp32 roundings, the norm squared again vs the squares summed)
     assert norm == pytest.approx(want, rel=1e-6)
     coef = max_norm / (norm + 1e-6)
-    assert max(((p.grad - g * coef).abs().max() / g.abs().max()).item()
-               for p, g in zip(model.parameters(), grads)) <= REL  # measured 5e-8
+    assert (
+        max(((p.grad - g * coef).abs().max() / g.abs().max()).item() for p, g in zip(model.parameters(), grads)) <= REL
+    )  # measured 5e-8
     assert sorted(calls) == ["_foreach_mul_", "_foreach_norm"]
 
 

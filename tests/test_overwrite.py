@@ -11,6 +11,7 @@
   to transformers' prompt (before: the engine left it to the prompt, and "y" ran it).
 - A hostfile host beginning with ``-`` (ssh would read it as an option): refused at parse, ssh never started.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def launch(script: str, *args, cwd: Path = ROOT, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "launch" / script), *map(str, args)], cwd=cwd, input=stdin,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "launch" / script), *map(str, args)],
+        cwd=cwd,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def tree(folder: Path) -> dict[str, bytes | str]:
@@ -41,8 +48,9 @@ def tree(folder: Path) -> dict[str, bytes | str]:
         for name in dirs + names:
             path = Path(top) / name
             rel = str(path.relative_to(folder))
-            out[rel] = f"link {os.readlink(path)}" if path.is_symlink() else "dir" if path.is_dir() else \
-                path.read_bytes()
+            out[rel] = (
+                f"link {os.readlink(path)}" if path.is_symlink() else "dir" if path.is_dir() else path.read_bytes()
+            )
     return out
 
 
@@ -93,16 +101,22 @@ def _trained_into(run: Path) -> Path:
 # (argv after `convert.py` given the run copy, the cwd (None: the checkout), what the line must name)
 CASES = {
     "checkpoint-dir-itself": (lambda r: ("export", r / "ckpt", r / "ckpt"), None, ["ckpt", "source"]),
-    "step-dir-latest-names": (lambda r: ("export", r / "ckpt/step_000003", r / "ckpt/step_000006"), None,
-                              ["step_000006", "lies inside", "checkpoint directory (latest)"]),
+    "step-dir-latest-names": (
+        lambda r: ("export", r / "ckpt/step_000003", r / "ckpt/step_000006"),
+        None,
+        ["step_000006", "lies inside", "checkpoint directory (latest)"],
+    ),
     "run-out-dir": (lambda r: ("export", r / "ckpt", r / "out"), None, ["run's out_dir (metrics.jsonl)"]),
     "parent-of-source": (lambda r: ("export", r / "ckpt", r), None, ["holds the source"]),
     "dot-above-source": (lambda r: ("export", "ckpt", "."), "run", ["current directory"]),
     "import-onto-its-source": (lambda r: ("import", _hf_with_license(r), r / "hf"), None, ["source"]),
     "live-run-out-dir": (lambda r: ("export", r / "ckpt", _live_out_dir(r)), None, ["LOCK"]),
     "unrelated-folder": (lambda r: ("export", r / "ckpt", _docs(r)), None, ["notes.md", "not written by"]),
-    "export-with-user-files": (lambda r: ("export", r / "ckpt", _hf_with_license(r)), None,
-                               ["LICENSE", "README.md", "did not write"]),
+    "export-with-user-files": (
+        lambda r: ("export", r / "ckpt", _hf_with_license(r)),
+        None,
+        ["LICENSE", "README.md", "did not write"],
+    ),
     "import-a-run-saved-into": (lambda r: ("import", r / "hf", _trained_into(r)), None, ["step_000006"]),
 }
 
@@ -136,7 +150,8 @@ def test_overwrite_follows_a_symlink_and_replaces_an_earlier_import(run, tmp_pat
     out = launch("convert.py", "import", run / "hf", run / "imported", "--overwrite")
     assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(p.name for p in (run / "imported").iterdir()) == sorted(
-        [MARKER, "config.yaml", "hf_files", "latest", "step_000000"])
+        [MARKER, "config.yaml", "hf_files", "latest", "step_000000"]
+    )
 
 
 def test_a_run_that_starts_in_the_folder_during_an_overwrite_keeps_it(run):
@@ -160,12 +175,22 @@ def test_tokenizer_that_needs_remote_code_is_refused_even_if_stdin_says_yes(tmp_
     config.update(tokenizer_class="EvilTokenizer", auto_map={"AutoTokenizer": [None, "evil.EvilTokenizer"]})
     (evil / "tokenizer_config.json").write_text(json.dumps(config))
     ran = tmp_path / "RAN"
-    (evil / "evil.py").write_text(f"import pathlib\npathlib.Path({str(ran)!r}).write_text('ran')\n"
-                                  "from transformers import PreTrainedTokenizerFast\n\n\n"
-                                  "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    (evil / "evil.py").write_text(
+        f"import pathlib\npathlib.Path({str(ran)!r}).write_text('ran')\n"
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
     (tmp_path / "doc.txt").write_text("hello world\n")
-    out = launch("preprocess.py", "--input", tmp_path / "doc.txt", "--output", tmp_path / "data" / "c",
-                 "--tokenizer", evil, stdin="y\n")
+    out = launch(
+        "preprocess.py",
+        "--input",
+        tmp_path / "doc.txt",
+        "--output",
+        tmp_path / "data" / "c",
+        "--tokenizer",
+        evil,
+        stdin="y\n",
+    )
     one_error_line(out, str(evil), "needs trust_remote_code", "never runs")
     assert not ran.exists(), "the tokenizer folder's Python ran"
 
@@ -173,7 +198,7 @@ def test_tokenizer_that_needs_remote_code_is_refused_even_if_stdin_says_yes(tmp_
 def test_preflight_refuses_a_host_ssh_would_read_as_an_option(tmp_path):
     called = tmp_path / "ssh-called"
     fake = tmp_path / "fake_ssh"
-    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {called}\nexit 255\n")
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {called}\nexit 255\n')
     fake.chmod(0o755)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node1 slots=1\n-Essh-debug.log slots=1\n")
@@ -182,11 +207,24 @@ def test_preflight_refuses_a_host_ssh_would_read_as_an_option(tmp_path):
     assert not called.exists(), "ssh was started with the hostfile's hosts"
 
 
-@pytest.mark.parametrize("host, ok", [("root@10.0.0.3", True), ("[::1]", True), ("fe80::1", True),
-                                      ("node-1.cluster", True), ("gpu_node1", True), ("-oProxyJump", False),
-                                      ("-x@node1", False), ("node1..x", False), ("node-", False), ("@node1", False)])
+@pytest.mark.parametrize(
+    "host, ok",
+    [
+        ("root@10.0.0.3", True),
+        ("[::1]", True),
+        ("fe80::1", True),
+        ("node-1.cluster", True),
+        ("gpu_node1", True),
+        ("-oProxyJump", False),
+        ("-x@node1", False),
+        ("node1..x", False),
+        ("node-", False),
+        ("@node1", False),
+    ],
+)
 def test_hostfile_host_names(host, ok):
     from engine.cluster.hostfile import HostfileError, parse_hostfile_text
+
     if ok:
         assert parse_hostfile_text(f"{host} slots=2\n")[0].name == host
     else:

@@ -21,6 +21,7 @@ correct runs against what known defects produce, each defect patched into the en
 The grad norm separates every defect from correct runs by more than 30x; the loss alone would not (Adam is almost
 invariant to a constant gradient factor), which is why the grad norm is compared at every step.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -37,8 +38,11 @@ CI = matrix.ci_combos()
 @pytest.fixture(scope="module")
 def ci_results(request, tmp_path_factory):
     """Runs the combinations of the selected tests only (all of CI unless -k narrows it), in one batch."""
-    wanted = [item.callspec.params["combo"] for item in request.session.items
-              if hasattr(item, "callspec") and "combo" in item.callspec.params]
+    wanted = [
+        item.callspec.params["combo"]
+        for item in request.session.items
+        if hasattr(item, "callspec") and "combo" in item.callspec.params
+    ]
     return runner.run_combos(wanted or CI, tmp_path_factory.mktemp("parity"))
 
 
@@ -84,8 +88,11 @@ def test_no_supported_combination_is_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def resume_results(request, tmp_path_factory):
-    wanted = [item.callspec.params["scenario"] for item in request.session.items
-              if hasattr(item, "callspec") and "scenario" in item.callspec.params]
+    wanted = [
+        item.callspec.params["scenario"]
+        for item in request.session.items
+        if hasattr(item, "callspec") and "scenario" in item.callspec.params
+    ]
     return resume.run_resumes(wanted or matrix.resume_scenarios(), tmp_path_factory.mktemp("resume"))
 
 

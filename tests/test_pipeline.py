@@ -1,5 +1,6 @@
 """Pipeline parallelism against the single-stage model from the same seed: loss and every gradient (fp32,
 rel <= 1e-5), for 1F1B and GPipe, pp = 2 and 4, 4 and 8 micro-batches; and a 3D run's loss curve."""
+
 from __future__ import annotations
 
 import subprocess
@@ -15,9 +16,26 @@ from tests.dist import run_ranks
 from tests.test_tensor_parallel import rel_err
 from tests.test_train import assert_curves_match, losses, train
 
-SMALL = ["--config", "configs/tiny.yaml", "--model.num_layers", "4", "--model.hidden_size", "64",
-         "--model.intermediate_size", "128", "--model.num_heads", "4", "--model.num_kv_heads", "2",
-         "--train.seq_len", "32", "--train.micro_batch_size", "1", "--log.progress", "false"]
+SMALL = [
+    "--config",
+    "configs/tiny.yaml",
+    "--model.num_layers",
+    "4",
+    "--model.hidden_size",
+    "64",
+    "--model.intermediate_size",
+    "128",
+    "--model.num_heads",
+    "4",
+    "--model.num_kv_heads",
+    "2",
+    "--train.seq_len",
+    "32",
+    "--train.micro_batch_size",
+    "1",
+    "--log.progress",
+    "false",
+]
 
 
 def one_step_grads(argv: list[str]) -> dict:
@@ -37,10 +55,18 @@ def reference(tmp_path_factory):
 
     def get(micro_batches: int, tie: bool) -> dict:
         if (micro_batches, tie) not in cache:
-            argv = [*SMALL, "--train.global_batch_size", str(micro_batches), "--model.tie_embeddings", str(tie),
-                    "--train.out_dir", str(tmp_path_factory.mktemp("ref"))]
+            argv = [
+                *SMALL,
+                "--train.global_batch_size",
+                str(micro_batches),
+                "--model.tie_embeddings",
+                str(tie),
+                "--train.out_dir",
+                str(tmp_path_factory.mktemp("ref")),
+            ]
             cache[micro_batches, tie] = run_ranks(one_step_grads, 1, argv)[0]
         return cache[micro_batches, tie]
+
     return get
 
 
@@ -48,8 +74,19 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("pp,micro_batches,tie", [(2, 4, False), (2, 8, True), (4, 4, False), (4, 8, False)])
 def test_pipeline_matches_single_stage(tmp_path, reference, schedule, pp, micro_batches, tie):
     want = reference(micro_batches, tie)
-    argv = [*SMALL, "--train.global_batch_size", str(micro_batches), "--model.tie_embeddings", str(tie),
-            "--parallel.pp", str(pp), "--parallel.schedule", schedule, "--train.out_dir", str(tmp_path)]
+    argv = [
+        *SMALL,
+        "--train.global_batch_size",
+        str(micro_batches),
+        "--model.tie_embeddings",
+        str(tie),
+        "--parallel.pp",
+        str(pp),
+        "--parallel.schedule",
+        schedule,
+        "--train.out_dir",
+        str(tmp_path),
+    ]
     seen, results = set(), run_ranks(one_step_grads, pp, argv)
     for stage, got in enumerate(results):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), f"stage {stage} loss"
@@ -63,8 +100,18 @@ def test_pipeline_matches_single_stage(tmp_path, reference, schedule, pp, micro_
 
 
 def test_3d_tp2_pp2_dp2_follows_single_process_curve(tmp_path):
-    argv = ["--config", "configs/tiny.yaml", "--train.steps", "10", "--log.progress", "false",
-            "--train.out_dir", str(tmp_path), "--train.eval_every", "5"]
+    argv = [
+        "--config",
+        "configs/tiny.yaml",
+        "--train.steps",
+        "10",
+        "--log.progress",
+        "false",
+        "--train.out_dir",
+        str(tmp_path),
+        "--train.eval_every",
+        "5",
+    ]
 
     def curve(history: list[dict]) -> list[float]:  # training losses, then the two held-out losses
         return losses(history) + [r["eval_loss"] for r in history if "eval_loss" in r]
@@ -80,8 +127,9 @@ def test_uneven_explicit_stage_split(tmp_path):
     argv = [*SMALL, "--train.global_batch_size", "4", "--train.out_dir", str(tmp_path)]
     want = run_ranks(one_step_grads, 1, argv)[0]
     got = run_ranks(one_step_grads, 2, [*argv, "--parallel.pp", "2", "--parallel.pp_layers", "[1,3]"])
-    assert {n for n in got[1]["grads"] if ".layers." in n} == {f"model.layers.{i}.{s}" for i in (1, 2, 3)
-                                                                for s in _layer_param_suffixes()}
+    assert {n for n in got[1]["grads"] if ".layers." in n} == {
+        f"model.layers.{i}.{s}" for i in (1, 2, 3) for s in _layer_param_suffixes()
+    }
     for stage in got:
         for name, grad in stage["grads"].items():
             assert rel_err(grad, want["grads"][name]) <= 1e-5, name
@@ -89,13 +137,24 @@ def test_uneven_explicit_stage_split(tmp_path):
 
 def _layer_param_suffixes() -> list[str]:
     # named_parameters: q/k/v and gate/up are fused (engine/model/fused.py; state_dict gives the HF names)
-    return ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.qkv_proj.weight",
-            "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight"]
+    return [
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.qkv_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_up_proj.weight",
+        "mlp.down_proj.weight",
+    ]
 
 
 def test_timeline_cli_prints_every_stage():
-    out = subprocess.run([sys.executable, "-m", "engine.parallel.pp.executor", "--pp", "4", "--micro-batches", "8"],
-                         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "engine.parallel.pp.executor", "--pp", "4", "--micro-batches", "8"],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     for stage in range(4):
         assert f"stage {stage} |" in out.stdout

@@ -13,6 +13,7 @@ batch 6 [send#5->r1 ...] waits for rank 1 to start its recv#5 of 0->1" about 2 s
     python -m pytest -q tests/test_pipeline_nccl_rules.py              # CI subset
     python -m pytest -q -m slow tests/test_pipeline_nccl_rules.py      # the rest
 """
+
 from __future__ import annotations
 
 import time
@@ -28,8 +29,9 @@ from tests.parity.matrix import Combo
 
 
 def _batch(ops: list[tuple[str, torch.Tensor, int]]) -> list:
-    return dist.batch_isend_irecv([dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer)
-                                   for kind, t, peer in ops])
+    return dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer) for kind, t, peer in ops]
+    )
 
 
 def _outcome(fn):
@@ -101,7 +103,7 @@ def _crossed(first: str) -> tuple:
     def both():
         order = [("send", torch.ones(2), other), ("recv", torch.zeros(2), other)]
         sends = []
-        for op in (order if first == "send" else order[::-1]):
+        for op in order if first == "send" else order[::-1]:
             works = _batch([op])
             if op[0] == "recv":
                 for w in works:
@@ -110,6 +112,7 @@ def _crossed(first: str) -> tuple:
                 sends += works
         for w in sends:
             w.wait()
+
     return _outcome(both)
 
 
@@ -161,13 +164,24 @@ def _layers(pp: int, v: int) -> int:
 
 
 def _argv(c: Combo, root, m: int, v: int) -> list[str]:
-    return runner.combo_argv(c, f"{root}/{c.name}-m{m}", "--train.global_batch_size", str(m),
-                             *(["--parallel.virtual_stages", str(v)] if v > 1 else []))
+    return runner.combo_argv(
+        c,
+        f"{root}/{c.name}-m{m}",
+        "--train.global_batch_size",
+        str(m),
+        *(["--parallel.virtual_stages", str(v)] if v > 1 else []),
+    )
 
 
-@pytest.mark.parametrize("schedule,v,pp,m", [pytest.param(*case, id=f"{case[0]}-v{case[1]}-pp{case[2]}-m{case[3]}",
-                                                           marks=() if case in CI else pytest.mark.slow)
-                                             for case in CASES])
+@pytest.mark.parametrize(
+    "schedule,v,pp,m",
+    [
+        pytest.param(
+            *case, id=f"{case[0]}-v{case[1]}-pp{case[2]}-m{case[3]}", marks=() if case in CI else pytest.mark.slow
+        )
+        for case in CASES
+    ],
+)
 def test_schedule_under_nccl_rules_matches_single_process(tmp_path_factory, schedule, v, pp, m):
     _assert_matches_single_process(tmp_path_factory, schedule, v, pp, m)
 
@@ -182,8 +196,9 @@ def _assert_matches_single_process(tmp_path_factory, schedule: str, v: int, pp: 
     layers = _layers(pp, v)
     if (layers, m) not in _references:
         ref = Combo(1, 1, 1, "ddp", "-", "fp32", False, False, False, layers=layers)
-        _references[layers, m] = runner.run_group(1, [_argv(ref, tmp_path_factory.mktemp("ref"), m, 1)],
-                                                  want_init=True)[0][0]
+        _references[layers, m] = runner.run_group(
+            1, [_argv(ref, tmp_path_factory.mktemp("ref"), m, 1)], want_init=True
+        )[0][0]
     combo = Combo(1, pp, 1, "ddp", schedule, "fp32", False, False, False, layers=layers)
     (run,) = runner.run_group(pp, [_argv(combo, tmp_path_factory.mktemp("pp"), m, v)])
     runner.assert_matches(run, _references[layers, m], combo.name)

@@ -41,6 +41,7 @@ Making the two comparable:
   "Failed to run stage backward ... Output gradient: ('None',)").
 - Inputs. ``step`` splits the whole batch along dim 0 into equal micro-batches; we pass contiguous tensors.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -68,19 +69,50 @@ from tests.dist import run_ranks  # noqa: E402
 
 REL = 1e-5
 MBS, STEPS = 2, 2
-SMALL = ["--config", "configs/tiny.yaml", "--model.num_layers", "4", "--model.hidden_size", "64",
-         "--model.intermediate_size", "128", "--model.num_heads", "4", "--model.num_kv_heads", "2",
-         "--model.vocab_size", "512", "--train.seq_len", "32", "--train.micro_batch_size", str(MBS)]
-TORCH_SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe, "interleaved": ScheduleInterleaved1F1B,
-                   "zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
+SMALL = [
+    "--config",
+    "configs/tiny.yaml",
+    "--model.num_layers",
+    "4",
+    "--model.hidden_size",
+    "64",
+    "--model.intermediate_size",
+    "128",
+    "--model.num_heads",
+    "4",
+    "--model.num_kv_heads",
+    "2",
+    "--model.vocab_size",
+    "512",
+    "--train.seq_len",
+    "32",
+    "--train.micro_batch_size",
+    str(MBS),
+]
+TORCH_SCHEDULES = {
+    "1f1b": Schedule1F1B,
+    "gpipe": ScheduleGPipe,
+    "interleaved": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
 MULTI = {"interleaved": 2, "zero_bubble": 1, "zbv": 2}  # torch's multi-stage schedules (a list of stages): our v
-CASES = [pytest.param(pp, name, m, 1, id=f"{name}-pp{pp}-m{m}")
-         for pp in (2, 4) for name in ("1f1b", "gpipe") for m in (4, 6, 8)]
+CASES = [
+    pytest.param(pp, name, m, 1, id=f"{name}-pp{pp}-m{m}")
+    for pp in (2, 4)
+    for name in ("1f1b", "gpipe")
+    for m in (4, 6, 8)
+]
 # interleaved needs m a multiple of pp; m = pp at pp = 4 is the case where warmup takes every forward
-CASES += [pytest.param(pp, name, m, MULTI[name], id=f"{name}-pp{pp}-m{m}") for name, cases in (
-    ("interleaved", ((2, 4), (2, 6), (4, 4), (4, 8))), ("zero_bubble", ((2, 4), (2, 6), (4, 6), (4, 8))),
-    ("zbv", ((2, 2), (2, 4), (2, 6), (4, 8))))
-    for pp, m in cases]
+CASES += [
+    pytest.param(pp, name, m, MULTI[name], id=f"{name}-pp{pp}-m{m}")
+    for name, cases in (
+        ("interleaved", ((2, 4), (2, 6), (4, 4), (4, 8))),
+        ("zero_bubble", ((2, 4), (2, 6), (4, 6), (4, 8))),
+        ("zbv", ((2, 2), (2, 4), (2, 6), (4, 8))),
+    )
+    for pp, m in cases
+]
 TORCH_OP = {Op.FWD: "F", Op.BWD: "B", Op.BWD_INPUT: "I", Op.BWD_WEIGHT: "W"}  # torch's _ComputationType values
 
 
@@ -96,14 +128,17 @@ def torch_schedule(chunks: list, cfg, ctx, name: str, m: int):
         x = torch.zeros(MBS, s, dtype=torch.long) if g == 0 else torch.empty(MBS, s, h, requires_grad=True)
         y = torch.empty(MBS, s, vocab if g == n - 1 else h, requires_grad=True)
         stages.append(PipelineStage(module, g, n, ctx.device, input_args=x, output_args=y, group=ctx.pp_group))
-    return TORCH_SCHEDULES[name](stages if name in MULTI else stages[0], m, loss_fn=lambda logits, target:
-                                 vocab_parallel_cross_entropy(logits, target, ctx.tp_group), scale_grads=True)
+    return TORCH_SCHEDULES[name](
+        stages if name in MULTI else stages[0],
+        m,
+        loss_fn=lambda logits, target: vocab_parallel_cross_entropy(logits, target, ctx.tp_group),
+        scale_grads=True,
+    )
 
 
 def compute_order(actions: list, pp: int, rank: int, vshape: bool = False) -> list[str]:
     """Our compute actions in torch's notation: "<virtual stage><F|B|I|W><micro-batch>"."""
-    return [f"{virtual_stage(pp, rank, a.chunk, vshape)}{TORCH_OP[a.op]}{a.mb}" for a in actions
-            if a.op in COMPUTE_OPS]
+    return [f"{virtual_stage(pp, rank, a.chunk, vshape)}{TORCH_OP[a.op]}{a.mb}" for a in actions if a.op in COMPUTE_OPS]
 
 
 def torch_compute_order(actions: list) -> list[str]:
@@ -126,19 +161,34 @@ def count_deferred(store, counts: list[int]) -> None:
     def counted(key):
         counts.append(store.pending().get(key, 0))
         flush(key)
+
     store.flush = counted
 
 
 def compare_on_rank(pp: int, name: str, m: int, v: int) -> dict:
     """Rank function: one step-pair per batch; returns per step the loss of each side and each gradient's error,
     and for torch's multi-stage schedules both compute orders of this rank."""
-    cfg = load([*SMALL, "--model.num_layers", str(max(4, pp * v)), "--parallel.pp", str(pp), "--parallel.schedule",
-                name, "--parallel.virtual_stages", str(v), "--train.global_batch_size", str(m * MBS)])
+    cfg = load(
+        [
+            *SMALL,
+            "--model.num_layers",
+            str(max(4, pp * v)),
+            "--parallel.pp",
+            str(pp),
+            "--parallel.schedule",
+            name,
+            "--parallel.virtual_stages",
+            str(v),
+            "--train.global_batch_size",
+            str(m * MBS),
+        ]
+    )
     ctx = ParallelContext.from_config(cfg)
     ours, theirs = build_model(cfg, ctx), build_model(cfg, ctx)
     same_init = all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters()))
-    executor = PipelineExecutor(ctx, name, m, (MBS, cfg.train.seq_len, cfg.model.hidden_size), torch.float32,
-                                virtual_stages=v, stage=ours)
+    executor = PipelineExecutor(
+        ctx, name, m, (MBS, cfg.train.seq_len, cfg.model.hidden_size), torch.float32, virtual_stages=v, stage=ours
+    )
     vshape = sched.SCHEDULES[name].vshape  # zbv: rank 0 holds the first and the last virtual stage
     loss_here = virtual_stage(pp, ctx.pp_rank, v - 1, vshape) == pp * v - 1
     forwards = model_chunks(ours, pp, ctx.pp_rank, v, vshape)
@@ -150,8 +200,10 @@ def compare_on_rank(pp: int, name: str, m: int, v: int) -> dict:
         linears = sum(getattr(mod, "weight_grad_store", None) is executor.weight_grads for mod in ours.modules())
     orders = None
     if name in MULTI:
-        orders = (compute_order(executor.actions, pp, ctx.pp_rank, vshape),
-                  torch_compute_order(schedule.pipeline_order[ctx.pp_rank]))
+        orders = (
+            compute_order(executor.actions, pp, ctx.pp_rank, vshape),
+            torch_compute_order(schedule.pipeline_order[ctx.pp_rank]),
+        )
     gen = torch.Generator().manual_seed(cfg.train.seed)
     steps = []
     for _ in range(STEPS):
@@ -159,20 +211,35 @@ def compare_on_rank(pp: int, name: str, m: int, v: int) -> dict:
         inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()  # (m*mbs, s) each
         ys = labels.split(MBS)
         loss_ours = executor.run(
-            forwards, lambda logits, mb: vocab_parallel_cross_entropy(logits, ys[mb], ctx.tp_group) / m,
-            list(inputs.split(MBS)))
+            forwards,
+            lambda logits, mb: vocab_parallel_cross_entropy(logits, ys[mb], ctx.tp_group) / m,
+            list(inputs.split(MBS)),
+        )
         losses: list[torch.Tensor] = []
-        schedule.step(*([inputs] if ctx.is_first_stage else []),
-                      **({"target": labels, "losses": losses} if loss_here else {}))
-        grads = {n: rel_err(a.grad, b.grad)
-                 for (n, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters())}
-        steps.append({"loss": (loss_ours.item(), torch.stack(losses).mean().item()) if losses else None,
-                      "grads": grads, "deferred": deferred[:]})
+        schedule.step(
+            *([inputs] if ctx.is_first_stage else []), **({"target": labels, "losses": losses} if loss_here else {})
+        )
+        grads = {
+            n: rel_err(a.grad, b.grad) for (n, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters())
+        }
+        steps.append(
+            {
+                "loss": (loss_ours.item(), torch.stack(losses).mean().item()) if losses else None,
+                "grads": grads,
+                "deferred": deferred[:],
+            }
+        )
         deferred.clear()
         ours.zero_grad(set_to_none=True)
         theirs.zero_grad(set_to_none=True)
-    return {"stage": ctx.pp_rank, "last": loss_here, "same_init": same_init, "steps": steps,
-            "orders": orders, "linears": linears}
+    return {
+        "stage": ctx.pp_rank,
+        "last": loss_here,
+        "same_init": same_init,
+        "steps": steps,
+        "orders": orders,
+        "linears": linears,
+    }
 
 
 @pytest.mark.parametrize("pp,name,m,v", CASES)
@@ -213,8 +280,9 @@ def torch_order_without_ranks(name: str, pp: int, v: int, m: int, rank: int) -> 
 
 
 ORDER_CASES = [("interleaved", pp, v, m) for pp in (2, 3, 4, 8) for v in (2, 3, 4) for m in (pp, 2 * pp, 3 * pp)]
-ORDER_CASES += [("zero_bubble", pp, 1, m) for pp in (2, 3, 4, 8) for m in range(pp, 3 * pp + 1)
-                if m % max(1, m // pp) == 0]  # torch's constraint on m (rounds of pp micro-batches)
+ORDER_CASES += [
+    ("zero_bubble", pp, 1, m) for pp in (2, 3, 4, 8) for m in range(pp, 3 * pp + 1) if m % max(1, m // pp) == 0
+]  # torch's constraint on m (rounds of pp micro-batches)
 
 
 def test_compute_order_matches_torch():

@@ -9,6 +9,7 @@ with decay on matrices only, the norm summed in float64 with ``torch.nn.utils.cl
 last update). Compared: loss and pre-clip grad norm at every step (rel <= 1e-5) and every parameter at the end,
 with clipping off and on (a threshold below every step's norm).
 """
+
 from __future__ import annotations
 
 import math
@@ -41,9 +42,15 @@ def plain_loop(cfg, init: dict, batches: list[torch.Tensor]) -> dict:
     model = model_lib.build(cfg.model, device="cpu")
     model.load_state_dict(init)
     params = [p for p in model.parameters()]  # a tied weight appears once
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        eps=t.adam_eps,
+    )
     losses, norms = [], []
     for update, batch in enumerate(batches, start=1):
         micro = batch.split(t.micro_batch_size)
@@ -76,16 +83,28 @@ def both(argv: list[str]) -> tuple[dict, dict]:
     feed = BatchFeed(cfg, ctx, trainer.tokenizer)  # a second reader of the same sequence of global batches
     batches = [feed.next_train() for _ in range(cfg.train.steps)]
     history = trainer.fit()
-    got = {"loss": [r["loss"] for r in history], "grad_norm": [r["grad_norm"] for r in history],
-           "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()}}
+    got = {
+        "loss": [r["loss"] for r in history],
+        "grad_norm": [r["grad_norm"] for r in history],
+        "params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+    }
     return got, plain_loop(cfg, init, batches)
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.5])
 @pytest.mark.parametrize("tied", [False, True])
 def test_trainer_matches_plain_pytorch_loop(tmp_path, clip, tied):
-    argv = [*BASE, "--train.steps", str(STEPS), "--train.grad_clip", str(clip), "--model.tie_embeddings",
-            str(tied).lower(), "--train.out_dir", str(tmp_path)]
+    argv = [
+        *BASE,
+        "--train.steps",
+        str(STEPS),
+        "--train.grad_clip",
+        str(clip),
+        "--model.tie_embeddings",
+        str(tied).lower(),
+        "--train.out_dir",
+        str(tmp_path),
+    ]
     got, want = run_ranks(both, 1, argv)[0]
     for key in ("loss", "grad_norm"):
         worst = max(abs(g - w) / abs(w) for g, w in zip(got[key], want[key]))

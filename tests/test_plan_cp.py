@@ -2,6 +2,7 @@
 the ring's wire buffers against what the engine's ring and all-to-all send on CPU (launch/bench/cp.py's rank
 function counts them), and the search choosing cp for
 long sequences only."""
+
 import pytest
 
 from engine.config import load
@@ -9,12 +10,28 @@ from engine.planning.search import Hardware, search
 from launch.bench.cp import micro_batch
 from tests.dist import run_ranks
 
-ARGV = ["--config", "configs/tiny.yaml", "--model.num_layers", "2", "--train.seq_len", "64",
-        "--train.micro_batch_size", "2"]
+ARGV = [
+    "--config",
+    "configs/tiny.yaml",
+    "--model.num_layers",
+    "2",
+    "--train.seq_len",
+    "64",
+    "--train.micro_batch_size",
+    "2",
+]
 
 
-@pytest.mark.parametrize("mode,cp,extra", [("ring", 2, []), ("ring", 4, []), ("ring", 2, ["--train.dtype", "bf16"]),
-                                           ("all_to_all", 2, []), ("all_to_all", 4, [])])
+@pytest.mark.parametrize(
+    "mode,cp,extra",
+    [
+        ("ring", 2, []),
+        ("ring", 4, []),
+        ("ring", 2, ["--train.dtype", "bf16"]),
+        ("all_to_all", 2, []),
+        ("all_to_all", 4, []),
+    ],
+)
 def test_planned_cp_bytes_are_what_the_engine_sends(mode, cp, extra):
     """Every byte the ring (K/V blocks forward and backward, dK/dV accumulators in fp32) and all_to_all (q, k, v, o and
     their gradients) send is counted by the planner, and the ring's buffers posted at once are its wire bytes."""
@@ -25,8 +42,18 @@ def test_planned_cp_bytes_are_what_the_engine_sends(mode, cp, extra):
 
 
 def _best(seq_len: int):
-    cfg = load(["--config", "configs/llama-3.1-8b.yaml", "--train.seq_len", str(seq_len),
-                "--train.global_batch_size", "64", "--parallel.backend", "nccl"])
+    cfg = load(
+        [
+            "--config",
+            "configs/llama-3.1-8b.yaml",
+            "--train.seq_len",
+            str(seq_len),
+            "--train.global_batch_size",
+            "64",
+            "--parallel.backend",
+            "nccl",
+        ]
+    )
     return search(cfg, 8, Hardware())
 
 

@@ -1,6 +1,7 @@
 """Expert parallelism in the planner (engine/planning/ep.py, planner.py state_groups): the experts' state per rank
 under ep and each dp mode against the parameters of the engine's own model, the all-to-all's bytes against what the
 engine sends, the memory of an ep 2 step against measurement, and the search choosing ep for Mixtral."""
+
 import pytest
 
 from engine.config import load
@@ -13,8 +14,20 @@ from engine.planning.search import Hardware, search, step_time
 from launch.bench.measure import measure_rank
 from tests.dist import run_ranks
 
-TINY_MOE = ["--config", "configs/tiny-moe.yaml", "--model.num_layers", "2", "--train.seq_len", "64",
-            "--train.micro_batch_size", "2", "--train.global_batch_size", "4", "--log.progress", "false"]
+TINY_MOE = [
+    "--config",
+    "configs/tiny-moe.yaml",
+    "--model.num_layers",
+    "2",
+    "--train.seq_len",
+    "64",
+    "--train.micro_batch_size",
+    "2",
+    "--train.global_batch_size",
+    "4",
+    "--log.progress",
+    "false",
+]
 
 
 def _counts(cfg) -> tuple[int, int]:
@@ -70,14 +83,25 @@ def test_all_to_all_bytes_and_time():
     micro_batches = 16 // (2 * 8)
     assert st.ep_comm == pytest.approx(2 * micro_batches * ep_plan.EP_IMBALANCE * (fwd + bwd) / 100e9)
     # the busiest rank's experts compute EP_IMBALANCE x the mean copies: 6 FLOPs a weight, k 3 h f of them a copy
-    extra = (ep_plan.EP_IMBALANCE - 1) * t.micro_batch_size * t.seq_len * m.experts_per_token * 3 * m.hidden_size \
-        * m.intermediate_size * 6 * 2 * micro_batches
+    extra = (
+        (ep_plan.EP_IMBALANCE - 1)
+        * t.micro_batch_size
+        * t.seq_len
+        * m.experts_per_token
+        * 3
+        * m.hidden_size
+        * m.intermediate_size
+        * 6
+        * 2
+        * micro_batches
+    )
     assert st.compute - step_time(cfg, 8, hw).compute == pytest.approx(extra / (100e12 * 0.5))
 
 
 def _bench_rank(argv):
     from engine.parallel.ep import dispatch
     from launch.bench.moe import Counter
+
     counter = Counter()
     dispatch.dist.all_to_all_single = counter
     try:
@@ -154,6 +178,7 @@ def test_zero_with_ep_is_refused_by_the_planner_in_one_line():
     """zero does not reduce expert gradients over expert-dp: the planner refuses it (resolve_layout's check) rather
     than pricing its buckets over the wrong group, and the search never offers it."""
     from engine.config import ConfigError
+
     cfg = with_layout(load(TINY_MOE), dp_mode="zero", zero_stage=1, ep=2, global_batch_size=16)
     with pytest.raises(ConfigError, match="parallel.ep=2 with parallel.dp_mode=zero is not supported") as e:
         stage_memory(cfg, 8, 0)

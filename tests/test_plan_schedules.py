@@ -2,6 +2,7 @@
 launch/plan.py): activations in flight per stage are what the schedule tables hold, the planned bubble is the
 simulator's, and the search offers interleaved and zero-bubble layouts that resolve_layout accepts. The measured
 check of the new schedules' memory is tests/test_planner.py's NEW_SCHEDULE_LAYOUTS (waits for the executor)."""
+
 import functools
 import importlib.util
 from pathlib import Path
@@ -27,14 +28,27 @@ FREE_COMM = Hardware(peak_tflops=100.0, efficiency=0.5, intra_node_gbps=1e12, la
 
 @functools.lru_cache(maxsize=None)
 def _model(layers: int):
-    return load(["--config", "configs/tiny.yaml", "--model.hidden_size", "128", "--model.intermediate_size", "344",
-                 "--model.num_layers", str(layers), "--train.seq_len", "32", "--train.micro_batch_size", "1"])
+    return load(
+        [
+            "--config",
+            "configs/tiny.yaml",
+            "--model.hidden_size",
+            "128",
+            "--model.intermediate_size",
+            "344",
+            "--model.num_layers",
+            str(layers),
+            "--train.seq_len",
+            "32",
+            "--train.micro_batch_size",
+            "1",
+        ]
+    )
 
 
 def plan_cfg(schedule: str, pp: int, m: int, v: int = 1, layers: int = 12, **train):
     """tp = dp = 1 on pp ranks, m micro-batches of one 32-token sequence, fp32."""
-    return with_layout(_model(layers), pp=pp, dp=1, schedule=schedule, virtual_stages=v, global_batch_size=m,
-                       **train)
+    return with_layout(_model(layers), pp=pp, dp=1, schedule=schedule, virtual_stages=v, global_batch_size=m, **train)
 
 
 def w_state(cfg, layers: int) -> float:
@@ -75,10 +89,12 @@ def table_peak(cfg, pp: int, m: int, stage: int) -> float:
     return peak
 
 
-CASES = ([("1f1b", pp, m, 1) for pp in (1, 2, 3, 4) for m in (pp, pp + 1, 3 * pp)]
-         + [("gpipe", pp, m, 1) for pp in (2, 4) for m in (1, pp + 1)]
-         + [("interleaved", pp, m, v) for pp in (2, 3, 4) for v in (2, 3, 4) for m in (pp, 2 * pp, 3 * pp)]
-         + [("zero_bubble", pp, m, 1) for pp in (2, 3, 4) for m in (pp, pp + 1, 3 * pp)])
+CASES = (
+    [("1f1b", pp, m, 1) for pp in (1, 2, 3, 4) for m in (pp, pp + 1, 3 * pp)]
+    + [("gpipe", pp, m, 1) for pp in (2, 4) for m in (1, pp + 1)]
+    + [("interleaved", pp, m, v) for pp in (2, 3, 4) for v in (2, 3, 4) for m in (pp, 2 * pp, 3 * pp)]
+    + [("zero_bubble", pp, m, 1) for pp in (2, 3, 4) for m in (pp, pp + 1, 3 * pp)]
+)
 
 
 @pytest.mark.parametrize("name", ["1f1b", "gpipe", "interleaved", "zero_bubble"])
@@ -141,8 +157,9 @@ def test_zero_bubble_holds_1f1bs_peak(pp):
         assert zb[0].activations == pytest.approx(ofob[0].activations, rel=1e-12)
 
 
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 4),
-                                        ("zero_bubble", 1)])
+@pytest.mark.parametrize(
+    "schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 4), ("zero_bubble", 1)]
+)
 def test_planned_bubble_is_the_simulators(schedule, v):
     pp, m = 4, 8
     cfg = plan_cfg(schedule, pp, m, v, layers=16, activation_checkpointing="selective")
@@ -164,8 +181,9 @@ def test_interleaved_and_zero_bubble_plan_smaller_bubbles_than_1f1b():
     pp, m = 4, 8
     ofob = step_time(plan_cfg("1f1b", pp, m, layers=16), pp, FREE_COMM).bubble_fraction
     assert ofob == pytest.approx(3 / 11)
-    assert step_time(plan_cfg("interleaved", pp, m, 2, layers=16), pp, FREE_COMM).bubble_fraction \
-        == pytest.approx(3 / (2 * 8 + 3))
+    assert step_time(plan_cfg("interleaved", pp, m, 2, layers=16), pp, FREE_COMM).bubble_fraction == pytest.approx(
+        3 / (2 * 8 + 3)
+    )
     assert step_time(plan_cfg("zero_bubble", pp, m, layers=16), pp, FREE_COMM).bubble_fraction < ofob
     # with F = B = W the zero-bubble schedule leaves a third of 1F1B's idle time (Qi et al. 2023, Sec. 3.1)
     _, zb_idle = schedules.makespan_and_idle("zero_bubble", pp, m, 1, 1.0, 2.0, 1.0, 1.0)
@@ -175,8 +193,14 @@ def test_interleaved_and_zero_bubble_plan_smaller_bubbles_than_1f1b():
 
 def test_long_steps_extend_the_simulation_exactly():
     costs = [(1.0, 2.0, 1.0, 1.0), (0.7, 1.9, 1.3, 0.6), (1.0, 4.0, 1.0, 3.0)]
-    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 3), ("zero_bubble", 1),
-                        ("zbv", 2)):
+    for schedule, v in (
+        ("1f1b", 1),
+        ("gpipe", 1),
+        ("interleaved", 2),
+        ("interleaved", 3),
+        ("zero_bubble", 1),
+        ("zbv", 2),
+    ):
         for pp in (2, 3, 4):
             for f, b, bi, w in costs:
                 for m in range(pp * 4, pp * 8, pp if schedule == "interleaved" else 3):
@@ -229,22 +253,38 @@ def test_plan_cli_prints_the_schedule_bubble_and_activations(capsys):
         assert cells[1] == "2" and cells[7] == "il-v2" and cells[15].endswith("%") and cells[16].count("/") == 1
     assert main(base + ["--set", "parallel.schedule=zero_bubble"]) == 0
     assert all(row.split()[7] == "zb-h1" for row in capsys.readouterr().out.splitlines()[2:])
-    bad = {("--parallel.virtual_stages", "2"): r"^parallel.virtual_stages=2 needs parallel.schedule=interleaved",
-           ("--parallel.schedule", "interleaved"): r"interleaved needs virtual_stages >= 2, got virtual_stages=1",
-           ("--parallel.virtual_stages", "3", "--parallel.schedule", "interleaved"):
-               r"^parallel.schedule=interleaved splits model.num_layers=4 into pp\*virtual_stages=6"}
+    bad = {
+        ("--parallel.virtual_stages", "2"): r"^parallel.virtual_stages=2 needs parallel.schedule=interleaved",
+        ("--parallel.schedule", "interleaved"): r"interleaved needs virtual_stages >= 2, got virtual_stages=1",
+        (
+            "--parallel.virtual_stages",
+            "3",
+            "--parallel.schedule",
+            "interleaved",
+        ): r"^parallel.schedule=interleaved splits model.num_layers=4 into pp\*virtual_stages=6",
+    }
     for extra, message in bad.items():
         with pytest.raises(ValueError, match=message):
             main(base + list(extra))
 
 
 def test_plan_cli_bad_virtual_stages_exits_2_with_one_line():
-    result = run_script("launch/plan.py", "--config", "configs/tiny.yaml", "--world-size", "4", "--device-memory", "1",
-                        "--parallel.virtual_stages", "2")
+    result = run_script(
+        "launch/plan.py",
+        "--config",
+        "configs/tiny.yaml",
+        "--world-size",
+        "4",
+        "--device-memory",
+        "1",
+        "--parallel.virtual_stages",
+        "2",
+    )
     assert result.returncode == 2
     # the refusal comes from the search, which on a busy machine may outlast plan.py's progress interval
     assert [line for line in result.stderr.strip().splitlines() if not line.startswith("plan: searching ")] == [
-        "error: parallel.virtual_stages=2 needs parallel.schedule=interleaved and pp >= 2"]
+        "error: parallel.virtual_stages=2 needs parallel.schedule=interleaved and pp >= 2"
+    ]
 
 
 @pytest.mark.parametrize("name", list(sched.SCHEDULES))

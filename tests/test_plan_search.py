@@ -1,6 +1,7 @@
 """The layout search and step-time model (engine/planning/search.py) and the planner's command line, launch/plan.py.
 Step times are checked against figures computed by hand from the documented model; memory is checked against
 measurement in tests/test_planner.py."""
+
 import importlib.util
 import json
 import time
@@ -89,11 +90,15 @@ def test_cli_table_json_and_errors(capsys):
     assert cli.main(["--config", "configs/tiny.yaml", "--world-size", "4", "--device-memory", "1", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     # the config leaves the schedule open: every schedule is searched
-    assert len(rows) == len(search(tiny(), 4, Hardware(), SEARCHED)) and {"tp", "peak_memory_gb", "step_s"} <= set(rows[0])
-    bad = {("--world-size", "0"): "--world-size=0 must be > 0",
-           ("--device", "cpu"): "no fp32 peak known for --device='cpu'",
-           ("--set", "train.bogus=1"): "unknown config key 'train.bogus'",
-           ("--device-memory", "0.001"): "no layout fits in --device-memory=0.001 GB"}
+    assert len(rows) == len(search(tiny(), 4, Hardware(), SEARCHED)) and {"tp", "peak_memory_gb", "step_s"} <= set(
+        rows[0]
+    )
+    bad = {
+        ("--world-size", "0"): "--world-size=0 must be > 0",
+        ("--device", "cpu"): "no fp32 peak known for --device='cpu'",
+        ("--set", "train.bogus=1"): "unknown config key 'train.bogus'",
+        ("--device-memory", "0.001"): "no layout fits in --device-memory=0.001 GB",
+    }
     for (flag, value), message in bad.items():
         argv = {"--config": "configs/tiny.yaml", "--world-size": "4", "--device-memory": "1", flag: value}
         with pytest.raises(ValueError, match=message):
@@ -120,12 +125,14 @@ def test_long_search_shows_progress_on_stderr_only(capsys, monkeypatch):
     def slow(*args):
         time.sleep(2.0)  # 20 progress intervals
         return searched(*args)
+
     monkeypatch.setattr(cli, "search", slow)
     monkeypatch.setattr(cli, "PROGRESS_EVERY_S", 0.1)
     assert cli.main(argv) == 0
     got = capsys.readouterr()
     assert got.out == quiet.out
     lines = got.err.splitlines()
-    assert len(lines) >= 2 and all(line.startswith("plan: searching the layouts of tiny on 4 devices: ")
-                                   for line in lines), lines
+    assert len(lines) >= 2 and all(
+        line.startswith("plan: searching the layouts of tiny on 4 devices: ") for line in lines
+    ), lines
     assert lines[-1].startswith("plan: searching the layouts of tiny on 4 devices: done in ")

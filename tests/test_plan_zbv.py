@@ -1,6 +1,7 @@
 """The planner's knowledge of ZB-V (engine/planning/schedules.py, planner.py, search.py): its activations in flight
 are its tables' (chunks in a V, W state from B to W), rank 0 holds the embedding and the head (a tied one once),
 and its planned bubble is the simulator's."""
+
 import pytest
 
 from engine.parallel.layout.checks import resolve_layout

@@ -4,6 +4,7 @@ model_state_bytes reproduces the ZeRO paper's figures (Rajbhandari et al. 2020, 
 data-parallel devices, K = 12); the parameters per stage match the engine's split model; the activation ledger
 (engine/planning/activations.py) matches the bytes autograd saves; and stage_memory matches per-rank memory measured on
 forked gloo ranks running the Trainer."""
+
 import pytest
 import torch
 
@@ -31,6 +32,7 @@ def test_dp_mode_without_planner_model_is_refused_in_one_line(monkeypatch):
     from engine.parallel.dp.registry import DpModeSpec
     from engine.planning.planner import plan_memory
     from engine.planning.search import Hardware, step_time
+
     monkeypatch.setitem(dp.MODES, "x", DpModeSpec("x", dp.MODES["ddp"].impl, dp.MODES["ddp"].state))
     cfg = load(["--config", "configs/tiny.yaml", "--parallel.dp_mode", "x"])  # the config checks accept it
     for plan in (lambda: plan_memory(cfg, 2), lambda: step_time(cfg, 2, Hardware())):
@@ -48,9 +50,22 @@ def test_fp32_and_errors():
 
 
 # ---- the engine's parameters per stage and activations per micro-batch (one process) ------------------------------
-SMALL = ["--config", "configs/tiny.yaml", "--model.hidden_size", "128", "--model.intermediate_size", "344",
-         "--train.seq_len", "64", "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
-         "--log.progress", "false"]
+SMALL = [
+    "--config",
+    "configs/tiny.yaml",
+    "--model.hidden_size",
+    "128",
+    "--model.intermediate_size",
+    "344",
+    "--train.seq_len",
+    "64",
+    "--train.micro_batch_size",
+    "2",
+    "--train.global_batch_size",
+    "4",
+    "--log.progress",
+    "false",
+]
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -92,8 +107,20 @@ def saved_and_planned(argv: list[str], dtype: str, dp_mode: str) -> tuple[int, f
 # 32 tokens so that a step takes seconds on a shared CPU. Nine layouts run in CI; the slow-marked ones add dp
 # replicas, FSDP with resharding, bf16 autocast through the Trainer (its ledger is checked above), 50m under pp, and
 # sequence parallelism at tp 4, under pp, with autocast and with selective recomputation.
-FIFTY = ["--config", "configs/50m.yaml", "--model.num_layers", "2", "--train.seq_len", "32",
-         "--train.micro_batch_size", "1", "--train.global_batch_size", "2", "--log.progress", "false"]
+FIFTY = [
+    "--config",
+    "configs/50m.yaml",
+    "--model.num_layers",
+    "2",
+    "--train.seq_len",
+    "32",
+    "--train.micro_batch_size",
+    "1",
+    "--train.global_batch_size",
+    "2",
+    "--log.progress",
+    "false",
+]
 LAYOUTS = {
     "tiny-single": (1, SMALL),
     "tiny-tp2": (2, SMALL + ["--parallel.tp", "2"]),
@@ -111,30 +138,69 @@ SLOW_LAYOUTS = {
     "tiny-bf16-autocast": (1, SMALL + ["--train.dtype", "bf16"]),
     "50m-pp2": (2, FIFTY + ["--parallel.pp", "2"]),
     "tiny-tp4-sp": (4, SMALL + ["--parallel.tp", "4", "--parallel.sequence_parallel", "true"]),
-    "tiny-tp2-pp2-sp": (4, SMALL + ["--parallel.tp", "2", "--parallel.pp", "2",
-                                    "--parallel.sequence_parallel", "true"]),
-    "tiny-tp2-sp-bf16-autocast": (2, SMALL + ["--parallel.tp", "2", "--parallel.sequence_parallel", "true",
-                                              "--train.dtype", "bf16"]),
-    "tiny-tp2-sp-selective": (2, SMALL + ["--parallel.tp", "2", "--parallel.sequence_parallel", "true",
-                                          "--train.activation_checkpointing", "selective"]),
+    "tiny-tp2-pp2-sp": (
+        4,
+        SMALL + ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.sequence_parallel", "true"],
+    ),
+    "tiny-tp2-sp-bf16-autocast": (
+        2,
+        SMALL + ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--train.dtype", "bf16"],
+    ),
+    "tiny-tp2-sp-selective": (
+        2,
+        SMALL
+        + [
+            "--parallel.tp",
+            "2",
+            "--parallel.sequence_parallel",
+            "true",
+            "--train.activation_checkpointing",
+            "selective",
+        ],
+    ),
 }
 LAYOUTS.update(SLOW_LAYOUTS)
 # The interleaved and zero-bubble plans (engine/planning/schedules.py) measured the same way.
 # (The zero-bubble W state, output gradients kept from B to W, is not a saved tensor: it shows in "peak" only.)
 NEW_SCHEDULE_LAYOUTS = {
-    "tiny-pp2-interleaved2": (2, SMALL + ["--parallel.pp", "2", "--parallel.schedule", "interleaved",
-                                          "--parallel.virtual_stages", "2"]),
+    "tiny-pp2-interleaved2": (
+        2,
+        SMALL + ["--parallel.pp", "2", "--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2"],
+    ),
     "tiny-pp2-zero-bubble": (2, SMALL + ["--parallel.pp", "2", "--parallel.schedule", "zero_bubble"]),
 }
 # Zero bubble with sequence parallelism: W queues the qkv and gate/up inputs as (b, s/tp, h) shards (slow: 4 ranks).
 SLOW_LAYOUTS["tiny-tp2-pp2-sp-zero-bubble"] = NEW_SCHEDULE_LAYOUTS["tiny-tp2-pp2-sp-zero-bubble"] = (
-    4, SMALL + ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.sequence_parallel", "true",
-                "--parallel.schedule", "zero_bubble"])
+    4,
+    SMALL
+    + [
+        "--parallel.tp",
+        "2",
+        "--parallel.pp",
+        "2",
+        "--parallel.sequence_parallel",
+        "true",
+        "--parallel.schedule",
+        "zero_bubble",
+    ],
+)
 LAYOUTS.update(NEW_SCHEDULE_LAYOUTS)
 # The tiny MoE (configs/tiny-moe.yaml, 2 layers of 8 experts, top 2): expert weights, routing activations
 # (engine/planning/moe.py), at ep 1 in one process and over two pipeline stages.
-TINY_MOE = ["--config", "configs/tiny-moe.yaml", "--model.num_layers", "2", "--train.seq_len", "64",
-            "--train.micro_batch_size", "2", "--train.global_batch_size", "4", "--log.progress", "false"]
+TINY_MOE = [
+    "--config",
+    "configs/tiny-moe.yaml",
+    "--model.num_layers",
+    "2",
+    "--train.seq_len",
+    "64",
+    "--train.micro_batch_size",
+    "2",
+    "--train.global_batch_size",
+    "4",
+    "--log.progress",
+    "false",
+]
 LAYOUTS.update({"tiny-moe-single": (1, TINY_MOE), "tiny-moe-pp2": (2, TINY_MOE + ["--parallel.pp", "2"])})
 
 
@@ -150,8 +216,12 @@ def test_planned_memory_matches_measured(tmp_path, name):
     for got in run_ranks(measure_rank, world, argv, threads=1):
         plan = stage_memory(cfg, world, got["stage"])  # AdamW runs foreach on CPU (engine.optim)
         where = f"{name} stage {got['stage']} tp rank {got['tp_rank']}"
-        for key, planned in (("params", plan.weights), ("grads", plan.grads), ("optimizer", plan.optimizer),
-                             ("gathered", plan.gathered)):
+        for key, planned in (
+            ("params", plan.weights),
+            ("grads", plan.grads),
+            ("optimizer", plan.optimizer),
+            ("gathered", plan.gathered),
+        ):
             assert got[key] == pytest.approx(planned, rel=0.01, abs=1), f"{where}: {key}"
         if cfg.train.activation_checkpointing == "none":  # checkpoint's own saved-tensor hooks hide what it keeps
             saved = plan.activations - plan.w_state  # W's queue (zero bubble) holds no saved tensor

@@ -1,4 +1,5 @@
 """launch/preflight.py and its parts: the hostfile parser, host checks over (fake and real) ssh, the link test."""
+
 from __future__ import annotations
 
 import shlex
@@ -37,8 +38,9 @@ def fake_ssh(tmp_path) -> str:
 
 
 def preflight(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "launch/preflight.py", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "launch/preflight.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_hostfile_parser_reads_deepspeed_format():
@@ -46,14 +48,17 @@ def test_hostfile_parser_reads_deepspeed_format():
     assert parse_hostfile_text(text) == [Host("node1", 8, 2), Host("node2", 4, 4), Host("root@10.0.0.3", 1, 5)]
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("node1 slots=8\nnode2 slots=x\n", "hosts line 2: 'node2 slots=x' is not valid"),
-    ("node1 slots=8\nnode2 slots=4 gpus=2\n", "hosts line 2: 'node2 slots=4 gpus=2' is not valid"),
-    ("node1\n", "hosts line 1: 'node1' is not valid"),
-    ("node1 slots=0\n", "hosts line 1: 'node1 slots=0' has slots=0"),
-    ("node1 slots=2\nnode1 slots=2\n", "hosts line 2: host 'node1' is already listed on line 1"),
-    ("# nothing\n\n", "hosts lists no hosts"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("node1 slots=8\nnode2 slots=x\n", "hosts line 2: 'node2 slots=x' is not valid"),
+        ("node1 slots=8\nnode2 slots=4 gpus=2\n", "hosts line 2: 'node2 slots=4 gpus=2' is not valid"),
+        ("node1\n", "hosts line 1: 'node1' is not valid"),
+        ("node1 slots=0\n", "hosts line 1: 'node1 slots=0' has slots=0"),
+        ("node1 slots=2\nnode1 slots=2\n", "hosts line 2: host 'node1' is already listed on line 1"),
+        ("# nothing\n\n", "hosts lists no hosts"),
+    ],
+)
 def test_hostfile_errors_name_the_line_and_what_is_valid(text, expected):
     with pytest.raises(HostfileError) as e:
         parse_hostfile_text(text, "hosts")
@@ -75,8 +80,14 @@ def test_link_pairs_all_pairs_small_and_host_links_large():
     assert link_pairs(["a", "a", "b"]) == [(0, 1), (0, 2), (1, 2)]
     labels = [f"n{r // 8}" for r in range(32)]  # 4 hosts x 8 ranks
     pairs = link_pairs(labels)
-    assert [(a, b) for a, b in pairs if labels[a] != labels[b]] == [(0, 8), (0, 16), (0, 24), (8, 16), (8, 24),
-                                                                    (16, 24)]
+    assert [(a, b) for a, b in pairs if labels[a] != labels[b]] == [
+        (0, 8),
+        (0, 16),
+        (0, 24),
+        (8, 16),
+        (8, 24),
+        (16, 24),
+    ]
     assert len(pairs) == 6 + 4 * 7  # plus each host's first rank with its 7 local peers
 
 
@@ -85,8 +96,10 @@ def test_preflight_malformed_hostfile_exits_2_naming_the_line(tmp_path):
     hostfile.write_text("node1 slots=2\nnode2 slots=two\n")
     run = preflight("--hostfile", str(hostfile))
     assert run.returncode == 2
-    assert run.stderr.strip() == (f"error: {hostfile} line 2: 'node2 slots=two' is not valid; each line must be "
-                                  "'HOSTNAME slots=N' with N >= 1 (blank lines and '#' comments are allowed)")
+    assert run.stderr.strip() == (
+        f"error: {hostfile} line 2: 'node2 slots=two' is not valid; each line must be "
+        "'HOSTNAME slots=N' with N >= 1 (blank lines and '#' comments are allowed)"
+    )
 
 
 def test_preflight_config_must_fit_the_world(tmp_path):
@@ -124,8 +137,20 @@ def test_preflight_link_test_across_two_hosts(tmp_path, fake_ssh):
     and the all-reduce are measured and printed, labelled with the hostfile names."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
-    run = preflight("--hostfile", str(hostfile), "--ssh", fake_ssh, "--config", job_config(tmp_path),
-                    "--port", str(free_port()), "--size-mb", "1", "--iters", "3")
+    run = preflight(
+        "--hostfile",
+        str(hostfile),
+        "--ssh",
+        fake_ssh,
+        "--config",
+        job_config(tmp_path),
+        "--port",
+        str(free_port()),
+        "--size-mb",
+        "1",
+        "--iters",
+        "3",
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     out = run.stdout
     assert "link test on 127.0.0.1: cd " in out and "--rdzv-backend c10d" in out
@@ -147,8 +172,15 @@ def test_preflight_over_real_ssh(tmp_path, local_sshd):
     """The host checks through a real sshd on loopback with a key: the ssh command comes from --ssh."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
-    run = preflight("--hostfile", str(hostfile), "--ssh", shlex.join(local_sshd.ssh_command()), "--config",
-                    job_config(tmp_path), "--skip-links")
+    run = preflight(
+        "--hostfile",
+        str(hostfile),
+        "--ssh",
+        shlex.join(local_sshd.ssh_command()),
+        "--config",
+        job_config(tmp_path),
+        "--skip-links",
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert any(line.startswith("ok   localhost (") for line in run.stdout.splitlines()), run.stdout
 
@@ -156,8 +188,11 @@ def test_preflight_over_real_ssh(tmp_path, local_sshd):
 def test_link_test_failure_names_the_cause_not_torchruns_frame():
     """A failed link test's stderr ends with torchrun's failure summary; the cause is a rank's `error:` line."""
     from launch.preflight import failure_cause
-    err = ("error: host h2: its host name resolves to 127.0.1.1, a loopback address, ...\n"
-           "Traceback (most recent call last):\n  File x\ntorch.distributed.elastic...ChildFailedError:\n"
-           "============================================================\n")
+
+    err = (
+        "error: host h2: its host name resolves to 127.0.1.1, a loopback address, ...\n"
+        "Traceback (most recent call last):\n  File x\ntorch.distributed.elastic...ChildFailedError:\n"
+        "============================================================\n"
+    )
     assert failure_cause(err) == "error: host h2: its host name resolves to 127.0.1.1, a loopback address, ..."
     assert failure_cause("RuntimeError: Connection refused\n-----\n=====\n") == "RuntimeError: Connection refused"

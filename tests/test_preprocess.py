@@ -1,5 +1,6 @@
 """launch/preprocess.py: local jsonl/parquet/txt -> Megatron's indexed format, read back by megatron-core's
 IndexedDataset and by TrainData; bad input exits 2 with one line naming the file."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -39,7 +40,7 @@ def make_documents(n: int, seed: int = 0) -> list[str]:
     rng = np.random.default_rng(seed)
     words = data.BUNDLED_CORPUS.read_text(encoding="utf-8").split()
     docs = [" ".join(rng.choice(words, size=int(rng.integers(0, 250)))) for _ in range(n)]
-    docs[3], docs[7], docs[11] = "caf\u00e9 \u00fcber \u65e5\u672c \U0001F600\n\n", "", "before <|endoftext|> after"
+    docs[3], docs[7], docs[11] = "caf\u00e9 \u00fcber \u65e5\u672c \U0001f600\n\n", "", "before <|endoftext|> after"
     return docs
 
 
@@ -56,8 +57,13 @@ def corpus(tmp_path_factory):
     (folder / "c.txt").write_text(txt_doc)
     inputs = [str(folder / name) for name in ("a.jsonl", "b.parquet", "c.txt")]
     prefix = folder / "out" / "corpus"
-    out = subprocess.run([sys.executable, str(SCRIPT), "--input", *inputs, "--output", str(prefix),
-                          "--workers", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--input", *inputs, "--output", str(prefix), "--workers", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     docs = [d for d in jsonl_docs + parquet_docs + [txt_doc] if d]
     return {"prefix": str(prefix), "docs": docs, "inputs": inputs, "stdout": out.stdout, "stderr": out.stderr}
@@ -81,16 +87,19 @@ def test_megatron_reads_back_the_tokenizer_ids(corpus, tok):
 
 
 def test_train_data_reads_back_the_same_stream(corpus, tok):
-    stream = np.concatenate([tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-                             for d in corpus["docs"]])
+    stream = np.concatenate(
+        [tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for d in corpus["docs"]]
+    )
     np.testing.assert_array_equal(blend.read_indexed(corpus["prefix"]), stream)
     np.testing.assert_array_equal(data.tokenize_files(corpus["inputs"], tok), stream)  # on the fly: the same ids
     seq_len = 32
-    td = blend.TrainData(blend.DataSpec([corpus["prefix"]], [], seq_len, seed=0, vocab_size=4096, valid_fraction=0), tok)
+    td = blend.TrainData(
+        blend.DataSpec([corpus["prefix"]], [], seq_len, seed=0, vocab_size=4096, valid_fraction=0), tok
+    )
     assert td.num_train_samples == (len(stream) - 1) // seq_len
     for g in range(td.num_train_samples):
         i = td.locate(g)[1]
-        assert td.train_sample(g).tolist() == stream[i * seq_len:i * seq_len + seq_len + 1].tolist()
+        assert td.train_sample(g).tolist() == stream[i * seq_len : i * seq_len + seq_len + 1].tolist()
 
 
 def test_index_dtype_follows_megatron(script):
@@ -104,18 +113,26 @@ def test_index_dtype_follows_megatron(script):
 
 def test_missing_file_exits_2_with_one_line(tmp_path):
     missing = tmp_path / "missing.jsonl"
-    out = subprocess.run([sys.executable, str(SCRIPT), "--input", str(missing), "--output", str(tmp_path / "x")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--input", str(missing), "--output", str(tmp_path / "x")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and out.stderr == f"error: {missing}: no such file\n"
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("content, match", [
-    ("", "empty.jsonl: no text (the file is empty)"),
-    ('{"body": "x"}\n', "empty.jsonl: no field 'text'; its fields are ['body']"),
-    ('{"text": ""}\n{"text": null}\n', "empty.jsonl: no text (every 'text' field is empty)"),
-    ('{"text": 5}\n', "empty.jsonl: field 'text' must hold strings"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ("", "empty.jsonl: no text (the file is empty)"),
+        ('{"body": "x"}\n', "empty.jsonl: no field 'text'; its fields are ['body']"),
+        ('{"text": ""}\n{"text": null}\n', "empty.jsonl: no text (every 'text' field is empty)"),
+        ('{"text": 5}\n', "empty.jsonl: field 'text' must hold strings"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line_naming_the_file(script, tmp_path, capsys, content, match):
     (tmp_path / "empty.jsonl").write_text(content)
     assert script.main(["--input", str(tmp_path / "empty.jsonl"), "--output", str(tmp_path / "out" / "x")]) == 2

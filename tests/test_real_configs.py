@@ -5,6 +5,7 @@ meta device, transformers' own class for the family built on the meta device fro
 (engine/model/families.py), and the planner's per-rank counts summed over stages at tp 1. And launch/plan.py plans
 each one on 8 H100s (four in CI, the others marked slow).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -59,10 +60,13 @@ def _plan_main():
 PLANNED_IN_CI = ("qwen2.5-0.5b", "qwen3-0.6b", "smollm2-135m", "olmoe-1b-7b")
 
 
-@pytest.mark.parametrize("name", [n if n in PLANNED_IN_CI else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in PUBLISHED])
+@pytest.mark.parametrize(
+    "name", [n if n in PLANNED_IN_CI else pytest.param(n, marks=pytest.mark.slow) for n in PUBLISHED]
+)
 def test_plan_real_config(name, capsys):
-    assert _plan_main()(["--config", f"configs/{name}.yaml", "--world-size", "8", "--device-memory", "80",
-                         "--top", "3"]) == 0
+    assert (
+        _plan_main()(["--config", f"configs/{name}.yaml", "--world-size", "8", "--device-memory", "80", "--top", "3"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith(f"{name}: seq_len") and "valid layouts fit" in out

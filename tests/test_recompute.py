@@ -1,6 +1,7 @@
 """Activation checkpointing modes (engine/model/recompute.py): full and selective give the loss and every gradient
 of no checkpointing (fp32), at tp = 1 and tp = 2; selective keeps less than none and more than full; the old
 boolean spellings still load."""
+
 from __future__ import annotations
 
 import pytest
@@ -45,8 +46,11 @@ def _worst(a: tuple, b: tuple) -> float:
 
 def _compare(group=None) -> dict:
     runs = {mode: _run(mode, group) for mode in ("none", "full", "selective")}
-    return {"full": _worst(runs["full"], runs["none"]), "selective": _worst(runs["selective"], runs["none"]),
-            "kept": {mode: r[2] for mode, r in runs.items()}}
+    return {
+        "full": _worst(runs["full"], runs["none"]),
+        "selective": _worst(runs["selective"], runs["none"]),
+        "kept": {mode: r[2] for mode, r in runs.items()},
+    }
 
 
 def _tp_rank() -> dict:
@@ -60,8 +64,7 @@ def test_modes_match_no_checkpointing_and_keep_less():
     assert kept["full"] < kept["selective"] < kept["none"], kept
     # What selective keeps beyond full (the matmul outputs) is what the planner counts, exactly.
     cfg = {m: Config(model=SHAPE, train=TrainConfig(activation_checkpointing=m)) for m in ("full", "selective")}
-    extra = checkpointed_layer_bytes_per_token(cfg["selective"], 1) - \
-        checkpointed_layer_bytes_per_token(cfg["full"], 1)
+    extra = checkpointed_layer_bytes_per_token(cfg["selective"], 1) - checkpointed_layer_bytes_per_token(cfg["full"], 1)
     assert kept["selective"] - kept["full"] == extra * 2 * 16 * SHAPE.num_layers  # (2, 16) tokens
 
 
@@ -71,8 +74,9 @@ def test_modes_match_at_tp2():
         assert got["kept"]["full"] < got["kept"]["selective"] < got["kept"]["none"], got["kept"]
 
 
-@pytest.mark.parametrize("value,mode", [("true", "full"), ("false", "none"), ("selective", "selective"),
-                                        ("none", "none")])
+@pytest.mark.parametrize(
+    "value,mode", [("true", "full"), ("false", "none"), ("selective", "selective"), ("none", "none")]
+)
 def test_old_boolean_spellings_load(value, mode):
     assert load(["--train.activation_checkpointing", value]).train.activation_checkpointing == mode
 

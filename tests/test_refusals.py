@@ -1,6 +1,7 @@
 """Bad input refused with one line (issue 17, cases 2, 5 and 6), in process: config values, files that are
 directories or binary, a hand-edited index.json, a missing DeepSpeed, a jsonl without the text field, an
 unwritable or locked checkpoint.dir."""
+
 from __future__ import annotations
 
 import json
@@ -23,15 +24,18 @@ from engine.data import dataset as data
 from engine.parallel.dp.zero import _import_deepspeed
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--train.lr", "nan"], "train.lr='nan' is not a finite number"),
-    (["--train.lr", "inf"], "train.lr='inf' is not a finite number"),
-    (["--model.rope_theta", "nan"], "model.rope_theta='nan' is not a finite number"),
-    (["--train.grad_clip", "nan"], "train.grad_clip='nan' is not a finite number"),
-    (["--train.beta1", "2"], "train.beta1=2.0 must be in [0, 1)"),
-    (["--train.beta2", "1"], "train.beta2=1.0 must be in [0, 1)"),
-    (["--train.grad_clip", "-1"], "train.grad_clip=-1.0 and train.weight_decay=0.1 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--train.lr", "nan"], "train.lr='nan' is not a finite number"),
+        (["--train.lr", "inf"], "train.lr='inf' is not a finite number"),
+        (["--model.rope_theta", "nan"], "model.rope_theta='nan' is not a finite number"),
+        (["--train.grad_clip", "nan"], "train.grad_clip='nan' is not a finite number"),
+        (["--train.beta1", "2"], "train.beta1=2.0 must be in [0, 1)"),
+        (["--train.beta2", "1"], "train.beta2=1.0 must be in [0, 1)"),
+        (["--train.grad_clip", "-1"], "train.grad_clip=-1.0 and train.weight_decay=0.1 must be >= 0"),
+    ],
+)
 def test_non_finite_and_out_of_range_numbers_are_refused(argv, needle):
     with pytest.raises(ConfigError) as e:
         load(argv)
@@ -57,8 +61,16 @@ def test_hostfile_that_is_a_directory_or_binary(tmp_path):
 
 
 def test_index_with_a_step_that_is_not_a_number(tmp_path):
-    index = {"format": FORMAT, "version": VERSION, "step": "abc", "params": {}, "files": {}, "ranks": [],
-             "config": {}, "layout": {}}
+    index = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": "abc",
+        "params": {},
+        "files": {},
+        "ranks": [],
+        "config": {},
+        "layout": {},
+    }
     (tmp_path / "index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="step is 'abc', not an integer"):
         read_index(tmp_path)
@@ -145,8 +157,10 @@ def test_out_dir_is_probed_and_locked_like_checkpoint_dir(tmp_path, live_pid):
     (out / LOCK).write_text(json.dumps(holder))
     with pytest.raises(CheckpointError) as e:
         _checkpointer(tmp_path / "ckpt", out)
-    assert f"train.out_dir '{out}' is in use by pid {live_pid} on host {socket.gethostname()} (run other, since 20" \
+    assert (
+        f"train.out_dir '{out}' is in use by pid {live_pid} on host {socket.gethostname()} (run other, since 20"
         in str(e.value)
+    )
     assert not (tmp_path / "ckpt" / LOCK).exists()  # refused before taking checkpoint.dir's lock
     holder["pid"] = os.getppid()  # the process that forked this one (tests/dist.py ranks): the same job
     (out / LOCK).write_text(json.dumps(holder))
@@ -165,8 +179,11 @@ def test_out_dir_or_its_tensorboard_that_is_a_file(tmp_path):
     with pytest.raises(CheckpointError, match=f"train.out_dir '{tmp_path / 'file'}' is not a directory"):
         _checkpointer(tmp_path / "ckpt", tmp_path / "file")
     (tmp_path / "tensorboard").write_text("x")
-    with pytest.raises(CheckpointError, match=r"log.tensorboard's directory '.*tensorboard' is not a directory; "
-                                              r"move it away, or set log.tensorboard=false"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"log.tensorboard's directory '.*tensorboard' is not a directory; "
+        r"move it away, or set log.tensorboard=false",
+    ):
         _checkpointer(tmp_path / "ckpt", tmp_path, "--log.tensorboard", "true")
 
 
@@ -212,18 +229,48 @@ def test_every_rank_refuses_a_bad_out_dir(tmp_path):
     assert errors[0] == errors[1] and "train.out_dir" in errors[0] and "is not a directory" in errors[0]
 
 
-ZERO_PP = ["--config", "configs/tiny.yaml", "--parallel.pp", "2", "--parallel.dp", "2", "--parallel.dp_mode", "zero",
-           "--train.micro_batch_size", "1", "--train.global_batch_size", "8"]
+ZERO_PP = [
+    "--config",
+    "configs/tiny.yaml",
+    "--parallel.pp",
+    "2",
+    "--parallel.dp",
+    "2",
+    "--parallel.dp_mode",
+    "zero",
+    "--train.micro_batch_size",
+    "1",
+    "--train.global_batch_size",
+    "8",
+]
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--parallel.schedule", "zero_bubble", "--parallel.zero_stage", "2"],
-     "DeepSpeedZeroOptimizer.reduce_ready_partitions_and_remove_grads"),
-    (["--parallel.schedule", "zero_bubble", "--parallel.zero_stage", "1", "--train.dtype", "bf16"],
-     "DeepSpeedZeroOptimizer._fill_param_grad_accum_attribute"),
-    (["--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2", "--parallel.zero_stage", "2",
-      "--parallel.offload", "optimizer"], "DeepSpeedZeroOptimizer.async_accumulate_grad_in_cpu_via_gpu"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (
+            ["--parallel.schedule", "zero_bubble", "--parallel.zero_stage", "2"],
+            "DeepSpeedZeroOptimizer.reduce_ready_partitions_and_remove_grads",
+        ),
+        (
+            ["--parallel.schedule", "zero_bubble", "--parallel.zero_stage", "1", "--train.dtype", "bf16"],
+            "DeepSpeedZeroOptimizer._fill_param_grad_accum_attribute",
+        ),
+        (
+            [
+                "--parallel.schedule",
+                "interleaved",
+                "--parallel.virtual_stages",
+                "2",
+                "--parallel.zero_stage",
+                "2",
+                "--parallel.offload",
+                "optimizer",
+            ],
+            "DeepSpeedZeroOptimizer.async_accumulate_grad_in_cpu_via_gpu",
+        ),
+    ],
+)
 def test_zero_under_split_schedules_names_deepspeeds_limit(argv, needle):
     """Issue 27: the ZeRO x schedule combinations DeepSpeed cannot run are refused in one line that names the
     DeepSpeed function whose assumption breaks and what to use instead (checked before any process group)."""

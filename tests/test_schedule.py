@@ -4,6 +4,7 @@ Every property is checked from the action lists or the simulated timeline agains
 pp in (1, 2, 3, 4, 8) and micro_batches in pp..2pp+1 plus 16 for 1F1B, GPipe and ZB-H1, and pp in 1..8,
 v in 2..4, m in (pp, 2pp, 3pp) for interleaved; two small tables are written out by hand.
 """
+
 from __future__ import annotations
 
 import re
@@ -59,8 +60,10 @@ def test_sends_and_receives_pair_up(name, pp, m):
         assert mbs(stages[s + 1], Op.SEND_BWD) == mbs(stages[s], Op.RECV_BWD) == list(range(m))
     # Each receive sits right before its compute and each send right after it, on the stages that have them.
     for s, actions in enumerate(stages):
-        wrap = {Op.FWD: (Op.RECV_FWD if s > 0 else None, Op.SEND_FWD if s < pp - 1 else None),
-                Op.BWD: (Op.RECV_BWD if s < pp - 1 else None, Op.SEND_BWD if s > 0 else None)}
+        wrap = {
+            Op.FWD: (Op.RECV_FWD if s > 0 else None, Op.SEND_FWD if s < pp - 1 else None),
+            Op.BWD: (Op.RECV_BWD if s < pp - 1 else None, Op.SEND_BWD if s > 0 else None),
+        }
         computes = [i for i, a in enumerate(actions) if a.op in wrap]
         assert len(computes) == 2 * m
         for i in computes:
@@ -122,11 +125,17 @@ def test_simulated_intervals_respect_dependencies(name, pp, m):
 
 
 def test_simulate_reports_deadlock_naming_each_stage():
-    stages = [[Action(Op.RECV_BWD, 0), Action(Op.FWD, 0), Action(Op.SEND_FWD, 0), Action(Op.BWD, 0)],
-              [Action(Op.RECV_FWD, 0), Action(Op.FWD, 0), Action(Op.BWD, 0), Action(Op.SEND_BWD, 0)]]
-    with pytest.raises(RuntimeError, match=re.escape(
+    stages = [
+        [Action(Op.RECV_BWD, 0), Action(Op.FWD, 0), Action(Op.SEND_FWD, 0), Action(Op.BWD, 0)],
+        [Action(Op.RECV_FWD, 0), Action(Op.FWD, 0), Action(Op.BWD, 0), Action(Op.SEND_BWD, 0)],
+    ]
+    with pytest.raises(
+        RuntimeError,
+        match=re.escape(
             "deadlock: stage 0 in [recvB0]: recvB0 waits for stage 1's sendB0 in its batch [sendB0]; "
-            "stage 1 in [recvF0]: recvF0 waits for stage 0's sendF0 in its batch [sendF0]")):
+            "stage 1 in [recvF0]: recvF0 waits for stage 0's sendF0 in its batch [sendF0]"
+        ),
+    ):
         simulate_actions(stages)
 
 
@@ -137,12 +146,20 @@ def test_steps_group_consecutive_comm_actions_into_one_batch():
     assert steps([]) == []
 
 
-_TOKENS = {"recvF": Op.RECV_FWD, "sendF": Op.SEND_FWD, "recvB": Op.RECV_BWD, "sendB": Op.SEND_BWD, "F": Op.FWD,
-           "Bi": Op.BWD_INPUT, "B": Op.BWD, "W": Op.BWD_WEIGHT}
+_TOKENS = {
+    "recvF": Op.RECV_FWD,
+    "sendF": Op.SEND_FWD,
+    "recvB": Op.RECV_BWD,
+    "sendB": Op.SEND_BWD,
+    "F": Op.FWD,
+    "Bi": Op.BWD_INPUT,
+    "B": Op.BWD,
+    "W": Op.BWD_WEIGHT,
+}
 
 
 def parse(table: str) -> list[Action]:
-    """"F0 sendF0 Bi0 W0" -> Actions (one chunk; Bi: zero bubble's input-gradient B)."""
+    """ "F0 sendF0 Bi0 W0" -> Actions (one chunk; Bi: zero bubble's input-gradient B)."""
     out = []
     for tok in table.split():
         name, mb = re.fullmatch(r"([a-zA-Z]+)(\d+)", tok).groups()
@@ -163,9 +180,13 @@ def test_a_send_waits_for_its_receiver_and_batches_run_in_order():
     s0 = parse("F0 sendF0 F1 sendF1 F2 sendF2 recvB0 Bi0 W0 recvB1 Bi1 W1 recvB2 Bi2 W2")
     split = parse("recvF0 F0 Bi0 sendB0 W0 recvF1 F1 Bi1 sendB1 W1 recvF2 F2 Bi2 sendB2 W2")
     paired = parse("recvF0 F0 Bi0 sendB0 recvF1 W0 F1 Bi1 sendB1 recvF2 W1 F2 Bi2 sendB2 W2")
-    with pytest.raises(RuntimeError, match=re.escape(
+    with pytest.raises(
+        RuntimeError,
+        match=re.escape(
             "deadlock: stage 0 in [sendF1]: sendF1 waits for stage 1's recvF1 in its batch [recvF1]; "
-            "stage 1 in [sendB0]: sendB0 waits for stage 0's recvB0 in its batch [sendF2 recvB0]")):
+            "stage 1 in [sendB0]: sendB0 waits for stage 0's recvB0 in its batch [sendF2 recvB0]"
+        ),
+    ):
         simulate_actions([s0, split])
     t = simulate_actions([s0, paired])
     assert t.makespan > 0
@@ -186,20 +207,25 @@ def test_rendezvous_timing_send_only_batches_do_not_hold_computes():
 
 
 def test_simulate_rejects_mismatched_order():
-    stages = [[Action(Op.FWD, 0), Action(Op.FWD, 1), Action(Op.SEND_FWD, 1), Action(Op.SEND_FWD, 0)],
-              [Action(Op.RECV_FWD, 0), Action(Op.FWD, 0), Action(Op.RECV_FWD, 1), Action(Op.FWD, 1)]]
+    stages = [
+        [Action(Op.FWD, 0), Action(Op.FWD, 1), Action(Op.SEND_FWD, 1), Action(Op.SEND_FWD, 0)],
+        [Action(Op.RECV_FWD, 0), Action(Op.FWD, 0), Action(Op.RECV_FWD, 1), Action(Op.FWD, 1)],
+    ]
     with pytest.raises(RuntimeError, match=r"stage 1 recvF0 matched sendF1 of stage 0"):
         simulate_actions(stages)
 
 
-@pytest.mark.parametrize("args,match", [
-    (("zb", 4, 8, 0), r"'zb'.*1f1b, gpipe, interleaved, zero_bubble"),
-    (("1f1b", 0, 8, 0), r"pp=0"),
-    (("gpipe", 4, 8, 4), r"stage=4.*0\.\.3"),
-    (("gpipe", 4, 8, -1), r"stage=-1.*0\.\.3"),
-    (("gpipe", 4, 0, 0), r"micro_batches=0"),
-    (("1f1b", 4, 3, 0), r"1f1b needs micro_batches >= pp.*micro_batches=3.*pp=4"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (("zb", 4, 8, 0), r"'zb'.*1f1b, gpipe, interleaved, zero_bubble"),
+        (("1f1b", 0, 8, 0), r"pp=0"),
+        (("gpipe", 4, 8, 4), r"stage=4.*0\.\.3"),
+        (("gpipe", 4, 8, -1), r"stage=-1.*0\.\.3"),
+        (("gpipe", 4, 0, 0), r"micro_batches=0"),
+        (("1f1b", 4, 3, 0), r"1f1b needs micro_batches >= pp.*micro_batches=3.*pp=4"),
+    ],
+)
 def test_build_errors_name_the_bad_value(args, match):
     with pytest.raises(ValueError, match=match):
         build(*args)
@@ -255,8 +281,12 @@ def test_main_prints_new_schedules(capsys):
 
 # ---- Interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2.2; Megatron-LM's order) ----
 
-INTERLEAVED = [pytest.param(pp, v, m, id=f"pp{pp}-v{v}-m{m}")
-               for pp in range(1, 9) for v in (2, 3, 4) for m in (pp, 2 * pp, 3 * pp)]
+INTERLEAVED = [
+    pytest.param(pp, v, m, id=f"pp{pp}-v{v}-m{m}")
+    for pp in range(1, 9)
+    for v in (2, 3, 4)
+    for m in (pp, 2 * pp, 3 * pp)
+]
 
 
 def computes(actions: list[Action]) -> list[str]:
@@ -334,11 +364,13 @@ def test_interleaved_hand_checked_table():
         "F0 [sendF0] F1 [sendF1 recvF0.1] F0.1 [sendF0.1 recvF1.1] F1.1 [sendF1.1 recvB0.1] "
         "F2 B0.1 [sendF2 sendB0.1 recvB1.1] F3 B1.1 [sendF3 sendB1.1 recvF2.1 recvB0] "
         "F2.1 B0 [sendF2.1 recvF3.1 recvB1] F3.1 B1 [sendF3.1 recvB2.1] B2.1 [sendB2.1 recvB3.1] "
-        "B3.1 [sendB3.1 recvB2] B2 [recvB3] B3")
+        "B3.1 [sendB3.1 recvB2] B2 [recvB3] B3"
+    )
     assert render_steps(stages[1]) == (
         "[recvF0] F0 [sendF0 recvF1] F1 [sendF1 recvF0.1] F0.1 B0.1 [sendB0.1 recvF1.1] "
         "F1.1 B1.1 [sendB1.1 recvF2 recvB0] F2 B0 [sendF2 sendB0 recvF3 recvB1] F3 B1 [sendF3 sendB1 recvF2.1] "
-        "F2.1 B2.1 [sendB2.1 recvF3.1] F3.1 B3.1 [sendB3.1 recvB2] B2 [sendB2 recvB3] B3 [sendB3]")
+        "F2.1 B2.1 [sendB2.1 recvF3.1] F3.1 B3.1 [sendB3.1 recvB2] B2 [sendB2 recvB3] B3 [sendB3]"
+    )
     t = simulate_actions(stages, 1.0, 2.0)
     assert (t.makespan, t.virtual_stages, t.micro_batches, t.peak_in_flight) == (27.0, 2, 4, [5, 3])
 
@@ -377,8 +409,9 @@ def test_zero_bubble_is_a_third_of_1f1b_with_the_same_peak_memory(pp, m):
     assert max(zb.peak_in_flight) == max(ofob.peak_in_flight) == pp
 
 
-@pytest.mark.parametrize("f,b,w", [(1.0, 1.0, 0.5), (1.0, 2.0, 1.0), (2.0, 1.0, 1.0), (1.0, 1.0, 2.0),
-                                   (1.0, 0.5, 1.0), (0.7, 1.3, 0.6)])
+@pytest.mark.parametrize(
+    "f,b,w", [(1.0, 1.0, 0.5), (1.0, 2.0, 1.0), (2.0, 1.0, 1.0), (1.0, 1.0, 2.0), (1.0, 0.5, 1.0), (0.7, 1.3, 0.6)]
+)
 @pytest.mark.parametrize("pp,m", [(2, 2), (2, 5), (4, 4), (4, 9), (8, 16)])
 def test_zero_bubble_other_time_ratios(f, b, w, pp, m):
     """The paper's (p-1)(F+B-W) is exact while W fits the gaps (W <= min(F, B)); longer W's leave a bubble
@@ -395,9 +428,11 @@ def test_zero_bubble_hand_checked_table():
     """pp=2, m=4 by hand: stage 0 warms up with F0 then runs F B W; stage 1 defers each W by one B.
     Makespan 3*4 + 1 = 13 against 1F1B's 15."""
     stages = [build("zero_bubble", 2, 4, s) for s in range(2)]
-    assert " ".join(map(str, stages[0])) == ("F0 sendF0 F1 sendF1 recvB0 B0 W0 F2 sendF2 recvB1 B1 W1 "
-                                             "F3 sendF3 recvB2 B2 W2 recvB3 B3 W3")
-    assert " ".join(map(str, stages[1])) == ("recvF0 F0 B0 sendB0 recvF1 F1 B1 sendB1 W0 recvF2 F2 B2 sendB2 W1 "
-                                             "recvF3 F3 B3 sendB3 W2 W3")
+    assert " ".join(map(str, stages[0])) == (
+        "F0 sendF0 F1 sendF1 recvB0 B0 W0 F2 sendF2 recvB1 B1 W1 F3 sendF3 recvB2 B2 W2 recvB3 B3 W3"
+    )
+    assert " ".join(map(str, stages[1])) == (
+        "recvF0 F0 B0 sendB0 recvF1 F1 B1 sendB1 W0 recvF2 F2 B2 sendB2 W1 recvF3 F3 B3 sendB3 W2 W3"
+    )
     t = simulate_actions(stages)
     assert (t.makespan, t.idle, t.peak_in_flight) == (13.0, [1.0, 1.0], [2, 2])

@@ -7,6 +7,7 @@ and its forward-only (evaluation) table. The full sweep is marked slow (152 s in
 under the shared machine's load: it grows with pp^2 m); the unmarked subset (pp 2..5 in full, pp 8 at m = pp,
 2pp, 4pp) takes seconds.
 """
+
 from __future__ import annotations
 
 import pytest

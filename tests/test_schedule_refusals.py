@@ -3,6 +3,7 @@
 rank pair, one batch at a time in issue order) and refuse broken or deadlocking tables before anything runs; the
 builders refuse bad arguments naming the value. Pure Python, no processes.
 """
+
 from __future__ import annotations
 
 import re
@@ -25,21 +26,48 @@ def _swap(actions: list[Action], a: str, b: str) -> list[Action]:
     return actions
 
 
-@pytest.mark.parametrize("name,v,stage,edit,match", [
-    ("zero_bubble", 1, 1, lambda x: [a for a in x if str(a) != "W2"], r"stage 1 micro-batch 2 chunk 0 ran fwd "
-     r"bwd_input \(expected fwd bwd or fwd bwd_input bwd_weight\)"),
-    ("zero_bubble", 1, 1, lambda x: _swap(x, "B1", "W1"), r"stage 1 runs W1 after fwd of micro-batch 1"),
-    ("zero_bubble", 1, 0, lambda x: x + [Action(Op.BWD_WEIGHT, 0)], r"stage 0 runs W0 after fwd bwd_input "
-     r"bwd_weight"),
-    ("zero_bubble", 1, 3, lambda x: _swap(x, "B0", "sendB0"), r"stage 3 runs sendB0 before computing"),
-    ("interleaved", 2, 0, lambda x: _swap(x, "recvF0.1", "F0.1"), r"stage 0 runs F0.1 before receiving"),
-    ("interleaved", 2, 0, lambda x: _swap(x, "recvF0.1", "recvF1.1"), r"stage 0 recvF1.1 matched sendF0 of "
-     r"stage 3"),
-    ("interleaved", 2, 3, lambda x: [a for a in x if str(a) != "recvB5"], r"stage 3 runs B5 before receiving"),
-    ("interleaved", 2, 3, lambda x: x + [Action(Op.SEND_FWD, 0)], r"stage 3 sendF0 to stage 0 is never received"),
-    ("interleaved", 2, 3, lambda x: x + [Action(Op.SEND_FWD, 0, 1)], r"stage 3 sendF0.1: no virtual stage 8 "
-     r"\(valid: 0..7\)"),
-])
+@pytest.mark.parametrize(
+    "name,v,stage,edit,match",
+    [
+        (
+            "zero_bubble",
+            1,
+            1,
+            lambda x: [a for a in x if str(a) != "W2"],
+            r"stage 1 micro-batch 2 chunk 0 ran fwd "
+            r"bwd_input \(expected fwd bwd or fwd bwd_input bwd_weight\)",
+        ),
+        ("zero_bubble", 1, 1, lambda x: _swap(x, "B1", "W1"), r"stage 1 runs W1 after fwd of micro-batch 1"),
+        (
+            "zero_bubble",
+            1,
+            0,
+            lambda x: x + [Action(Op.BWD_WEIGHT, 0)],
+            r"stage 0 runs W0 after fwd bwd_input "
+            r"bwd_weight",
+        ),
+        ("zero_bubble", 1, 3, lambda x: _swap(x, "B0", "sendB0"), r"stage 3 runs sendB0 before computing"),
+        ("interleaved", 2, 0, lambda x: _swap(x, "recvF0.1", "F0.1"), r"stage 0 runs F0.1 before receiving"),
+        (
+            "interleaved",
+            2,
+            0,
+            lambda x: _swap(x, "recvF0.1", "recvF1.1"),
+            r"stage 0 recvF1.1 matched sendF0 of "
+            r"stage 3",
+        ),
+        ("interleaved", 2, 3, lambda x: [a for a in x if str(a) != "recvB5"], r"stage 3 runs B5 before receiving"),
+        ("interleaved", 2, 3, lambda x: x + [Action(Op.SEND_FWD, 0)], r"stage 3 sendF0 to stage 0 is never received"),
+        (
+            "interleaved",
+            2,
+            3,
+            lambda x: x + [Action(Op.SEND_FWD, 0, 1)],
+            r"stage 3 sendF0.1: no virtual stage 8 "
+            r"\(valid: 0..7\)",
+        ),
+    ],
+)
 def test_simulator_refuses_broken_schedules(name, v, stage, edit, match):
     with pytest.raises(RuntimeError, match=match):
         simulate_actions(_broken(name, 4, 8, v, stage, edit))
@@ -57,8 +85,10 @@ def test_simulator_keeps_one_channel_per_rank_pair():
     """At pp=2 the next and previous rank coincide: in rank 0's batch [sendF2 sendB0.1 recvB1.1] both sends go to
     rank 1 (F2 to its chunk 0, B0.1 to its chunk 0's backward), so rank 1 must receive them in that order; NCCL
     has no tags to sort them. Swapping the two sends on rank 0 alone is caught."""
+
     def edit(x: list[Action]) -> list[Action]:
         return _swap(x, "sendF2", "sendB0.1")
+
     stages = _broken("interleaved", 2, 4, 2, 0, edit)
     assert "[sendF2 sendB0 recvF3 recvB1]" in render_steps(stages[1])  # rank 1 takes F2 before B0.1's gradient
     with pytest.raises(RuntimeError, match=r"stage 1 recvF2 matched sendB0.1 of stage 0: the two post in different"):
@@ -70,13 +100,16 @@ def test_simulator_finds_the_deadlock_of_a_short_warmup(monkeypatch):
     receiving B0.1's gradient waits on rank 1's batch sending it, which rank 1 reaches only after forwards that
     need rank 0's F2.1, now behind that backward."""
     from engine.parallel.pp.schedules import interleaved
+
     megatron = interleaved.interleaved_warmup
-    monkeypatch.setattr(interleaved, "interleaved_warmup",
-                        lambda pp, m, s, v: 6 if s == 0 else megatron(pp, m, s, v))
+    monkeypatch.setattr(interleaved, "interleaved_warmup", lambda pp, m, s, v: 6 if s == 0 else megatron(pp, m, s, v))
     stages = [build("interleaved", 4, 8, s, 2) for s in range(4)]
-    with pytest.raises(RuntimeError, match=r"^deadlock: stage 0 in \[sendF1.1 recvF2.1 recvB0.1\]: recvB0.1 waits "
-                                           r"for stage 1's sendB0.1 in its batch \[sendF4 sendB0.1 recvF5 recvB1.1\]; "
-                                           r"stage 1 in \[sendF1.1 recvF2.1\]: recvF2.1 waits for stage 0's sendF2.1"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^deadlock: stage 0 in \[sendF1.1 recvF2.1 recvB0.1\]: recvB0.1 waits "
+        r"for stage 1's sendB0.1 in its batch \[sendF4 sendB0.1 recvF5 recvB1.1\]; "
+        r"stage 1 in \[sendF1.1 recvF2.1\]: recvF2.1 waits for stage 0's sendF2.1",
+    ):
         simulate_actions(stages)
 
 
@@ -85,6 +118,7 @@ def old_interleaved(pp: int, m: int, stage: int, v: int) -> list[Action]:
     order, but each receive right before its compute and each send right after it."""
     from engine.parallel.pp.actions import backward_actions, forward_actions
     from engine.parallel.pp.schedules.interleaved import interleaved_order, interleaved_warmup
+
     order, warmup = interleaved_order(pp, m, v), interleaved_warmup(pp, m, stage, v)
     total = len(order)
     fwd = [forward_actions(pp, stage, mb, c, v) for mb, c in order]
@@ -103,9 +137,13 @@ def test_old_interleaved_order_deadlocks_under_nccl_rules():
     the new placement finishes all of them."""
     stages = [old_interleaved(2, 4, s, 2) for s in range(2)]
     assert [computes(x) for x in stages] == [computes(build("interleaved", 2, 4, s, 2)) for s in range(2)]
-    with pytest.raises(RuntimeError, match=re.escape(
+    with pytest.raises(
+        RuntimeError,
+        match=re.escape(
             "deadlock: stage 0 in [sendB0.1]: sendB0.1 waits for stage 1's recvB0 in its batch [sendF2 recvB0]; "
-            "stage 1 in [sendB1.1 recvF2]: sendB1.1 waits for stage 0's recvB1.1 in its batch [sendF3 recvB1.1]")):
+            "stage 1 in [sendB1.1 recvF2]: sendB1.1 waits for stage 0's recvB1.1 in its batch [sendF3 recvB1.1]"
+        ),
+    ):
         simulate_actions(stages)
     for pp in range(2, 9):
         for v in (2, 3):
@@ -119,13 +157,16 @@ def test_old_interleaved_order_deadlocks_under_nccl_rules():
                 simulate("interleaved", pp, m, virtual_stages=v)
 
 
-@pytest.mark.parametrize("args,match", [
-    (("interleaved", 4, 8, 0, 1), r"interleaved needs virtual_stages >= 2, got virtual_stages=1"),
-    (("interleaved", 4, 6, 0, 2), r"multiple of pp.*micro_batches=6, pp=4; valid: 4, 8, \.\.\."),
-    (("1f1b", 4, 8, 0, 2), r"virtual_stages=2 needs schedule 'interleaved'; 1f1b runs one"),
-    (("zero_bubble", 4, 8, 0, 3), r"virtual_stages=3 needs schedule 'interleaved'"),
-    (("zero_bubble", 4, 3, 0, 1), r"zero_bubble needs micro_batches >= pp.*micro_batches=3 < pp=4"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (("interleaved", 4, 8, 0, 1), r"interleaved needs virtual_stages >= 2, got virtual_stages=1"),
+        (("interleaved", 4, 6, 0, 2), r"multiple of pp.*micro_batches=6, pp=4; valid: 4, 8, \.\.\."),
+        (("1f1b", 4, 8, 0, 2), r"virtual_stages=2 needs schedule 'interleaved'; 1f1b runs one"),
+        (("zero_bubble", 4, 8, 0, 3), r"virtual_stages=3 needs schedule 'interleaved'"),
+        (("zero_bubble", 4, 3, 0, 1), r"zero_bubble needs micro_batches >= pp.*micro_batches=3 < pp=4"),
+    ],
+)
 def test_build_errors_for_new_schedules(args, match):
     with pytest.raises(ValueError, match=match):
         build(*args)

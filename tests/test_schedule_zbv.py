@@ -2,6 +2,7 @@
 ScheduleZBVZeroBubble (the oracle, computed without ranks as tests/test_pipeline_reference.py does for the
 others), its messages along the V, and its run under NCCL's rendezvous rules (engine/parallel/pp/simulator.py).
 Pure Python, no processes."""
+
 from __future__ import annotations
 
 import re
@@ -20,8 +21,11 @@ TORCH_OP = {Op.FWD: "F", Op.BWD_INPUT: "I", Op.BWD_WEIGHT: "W"}  # torch's _Comp
 
 def ours(pp: int, m: int, rank: int) -> list[str]:
     """Our compute order of `rank` in torch's notation "<virtual stage><F|I|W><micro-batch>"."""
-    return [f"{virtual_stage(pp, rank, a.chunk, True)}{TORCH_OP[a.op]}{a.mb}"
-            for a in build("zbv", pp, m, rank) if a.op in COMPUTE_OPS]
+    return [
+        f"{virtual_stage(pp, rank, a.chunk, True)}{TORCH_OP[a.op]}{a.mb}"
+        for a in build("zbv", pp, m, rank)
+        if a.op in COMPUTE_OPS
+    ]
 
 
 def torch_zbv(pp: int, m: int, rank: int) -> list[str]:
@@ -30,8 +34,11 @@ def torch_zbv(pp: int, m: int, rank: int) -> list[str]:
     upgrade that renames them fails here loudly). None entries are torch's idle slots."""
     schedule = object.__new__(torch_schedules.ScheduleZBVZeroBubble)
     schedule.pp_group_size, schedule._n_microbatches, schedule.num_stages, schedule.n_local_stages = pp, m, 2 * pp, 2
-    return [f"{a.stage_index}{a.computation_type.value}{a.microbatch_index}"
-            for a in schedule._calculate_single_rank_operations(rank) if a is not None]
+    return [
+        f"{a.stage_index}{a.computation_type.value}{a.microbatch_index}"
+        for a in schedule._calculate_single_rank_operations(rank)
+        if a is not None
+    ]
 
 
 @pytest.mark.parametrize("pp,m", CASES)
@@ -111,9 +118,11 @@ def test_hand_checked_table_pp2_m4():
     """pp=2, m=4 worked out from torch's rules: rank 0 runs 3 forwards of chunk 0 (2(p-r)-1), rank 1 one pair of
     (F chunk 1, F chunk 0) after its first; rank 1's chunk 0 feeds its chunk 1 with no message."""
     assert " ".join(ours(2, 4, 0)) == (
-        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 0W2 0I3 0W3")
+        "0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 0W2 0I3 0W3"
+    )
     assert " ".join(ours(2, 4, 1)) == (
-        "1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 1I3 1W2 2W3 1W3")
+        "1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 1I3 1W2 2W3 1W3"
+    )
     rank1 = [str(a) for a in build("zbv", 2, 4, 1)]
     assert rank1[:6] == ["recvF0", "F0", "recvF1", "F0.1", "sendF0.1", "recvF2"]  # F0 -> F0.1 is local
 
@@ -148,6 +157,7 @@ def naive_zbv(pp: int, m: int, stage: int) -> list[Action]:
     placement of the other tables): the fixture showing why schedules/zbv.py places messages by a timed run."""
     from engine.parallel.pp.actions import backward_actions, forward_actions
     from engine.parallel.pp.schedules.zbv import zbv_order
+
     out: list[Action] = []
     for a in zbv_order(pp, m, stage):
         if a.op is Op.FWD:
@@ -173,28 +183,44 @@ def test_naive_placement_fails_under_nccl_rules():
 
 # ---- parallel.schedule: zbv in the config: what it needs, refused in one line naming the value ----
 
+
 def _cfg(**parallel):
     from engine.config import Config
+
     cfg = Config()  # 4 layers
     for k, v in parallel.items():
         setattr(cfg.parallel, k, v)
     return cfg
 
 
-@pytest.mark.parametrize("parallel,world,needle", [
-    ({"pp": 1, "schedule": "zbv"}, 1, "parallel.schedule=zbv needs parallel.pp >= 2"),
-    ({"pp": 4, "schedule": "zbv"}, 4, "parallel.schedule=zbv splits model.num_layers=4 into 2*pp=8 equal chunks"),
-    ({"pp": 2, "schedule": "zbv", "pp_layers": [1, 3]}, 2,
-     "parallel.pp_layers=[1, 3] is not supported with schedule=zbv"),
-    ({"pp": 2, "schedule": "zbv", "virtual_stages": 3}, 2,
-     "parallel.virtual_stages=3 with schedule=zbv: its 2 chunks per rank are implied"),
-    ({"pp": 2, "schedule": "zbv", "dp_mode": "zero", "zero_stage": 1}, 4, "parallel.schedule=zbv with "
-     "parallel.dp_mode=zero is not supported (the gradient sync would have to follow each of its 2 chunks' last W); "
-     "use dp_mode=ddp or fsdp"),
-])
+@pytest.mark.parametrize(
+    "parallel,world,needle",
+    [
+        ({"pp": 1, "schedule": "zbv"}, 1, "parallel.schedule=zbv needs parallel.pp >= 2"),
+        ({"pp": 4, "schedule": "zbv"}, 4, "parallel.schedule=zbv splits model.num_layers=4 into 2*pp=8 equal chunks"),
+        (
+            {"pp": 2, "schedule": "zbv", "pp_layers": [1, 3]},
+            2,
+            "parallel.pp_layers=[1, 3] is not supported with schedule=zbv",
+        ),
+        (
+            {"pp": 2, "schedule": "zbv", "virtual_stages": 3},
+            2,
+            "parallel.virtual_stages=3 with schedule=zbv: its 2 chunks per rank are implied",
+        ),
+        (
+            {"pp": 2, "schedule": "zbv", "dp_mode": "zero", "zero_stage": 1},
+            4,
+            "parallel.schedule=zbv with "
+            "parallel.dp_mode=zero is not supported (the gradient sync would have to follow each of its 2 chunks' last W); "
+            "use dp_mode=ddp or fsdp",
+        ),
+    ],
+)
 def test_config_refusals_name_the_value(parallel, world, needle):
     from engine.config import ConfigError
     from engine.parallel.layout.checks import resolve_layout
+
     with pytest.raises(ConfigError) as e:
         resolve_layout(_cfg(**parallel), world)
     assert needle in str(e.value) and "\n" not in str(e.value)
@@ -205,17 +231,20 @@ def test_fsdp_runs_zbv_untied_and_refuses_a_tied_embedding():
     but rank 0's two chunks, each an FSDP root unit, cannot both hold a tied embedding: one line, naming it."""
     from engine.config import ConfigError
     from engine.parallel.layout.checks import resolve_layout
+
     assert resolve_layout(_cfg(pp=2, schedule="zbv", dp_mode="fsdp"), 4).dp == 2
     cfg = _cfg(pp=2, schedule="zbv", dp_mode="fsdp")
     cfg.model.tie_embeddings = True
     with pytest.raises(ConfigError) as e:
         resolve_layout(cfg, 4)
-    assert "parallel.dp_mode=fsdp with parallel.schedule=zbv and model.tie_embeddings=true is not supported" \
-        in str(e.value) and "\n" not in str(e.value)
+    assert "parallel.dp_mode=fsdp with parallel.schedule=zbv and model.tie_embeddings=true is not supported" in str(
+        e.value
+    ) and "\n" not in str(e.value)
 
 
 def test_config_accepts_zbv_with_implied_chunks_and_few_micro_batches():
     from engine.parallel.layout.checks import resolve_layout
+
     for v in (1, 2):
         assert resolve_layout(_cfg(pp=2, schedule="zbv", virtual_stages=v), 2).pp == 2
     cfg = _cfg(pp=2, schedule="zbv")
@@ -225,11 +254,13 @@ def test_config_accepts_zbv_with_implied_chunks_and_few_micro_batches():
 
 def test_grad_compression_refused_with_zbv():
     from engine.config import ConfigError, load
+
     with pytest.raises(ConfigError, match=r"grad_compression=bf16 is not supported with parallel.schedule=zbv"):
         load(["--parallel.schedule", "zbv", "--parallel.grad_compression", "bf16"])
 
 
 # ---- The V's stage split (engine/parallel/pp/virtual.py, pipeline.split_stage) ----
+
 
 def test_v_split_keeps_global_names_and_puts_embedding_and_head_on_rank_0():
     """8 layers at pp = 2: rank 0 holds layers 0,1 (chunk 0) and 6,7 (chunk 1) with the embedding, the final norm
@@ -239,9 +270,17 @@ def test_v_split_keeps_global_names_and_puts_embedding_and_head_on_rank_0():
     from engine.parallel.pp.executor import split_stage
     from engine.parallel.pp.split import chunk_layer_ranges
     from engine.parallel.pp.virtual import model_chunks
+
     assert chunk_layer_ranges(8, 2, 2, vshape=True) == [[range(0, 2), range(6, 8)], [range(2, 4), range(4, 6)]]
-    cfg = ModelConfig(num_layers=8, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
-                      vocab_size=128, tie_embeddings=True)
+    cfg = ModelConfig(
+        num_layers=8,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=128,
+        tie_embeddings=True,
+    )
     stages = [split_stage(transformer.build(cfg, device="meta"), 2, r, None, 2, vshape=True) for r in range(2)]
     assert [sorted(map(int, s.model.layers.keys())) for s in stages] == [[0, 1, 6, 7], [2, 3, 4, 5]]
     assert stages[0].lm_head.weight is stages[0].model.embed_tokens.weight and stages[0].model.norm is not None

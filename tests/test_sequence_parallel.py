@@ -3,6 +3,7 @@ engine/parallel/autograd/comm.py against an all-gather reference, forward and ba
 (the residual stream is (b, s/tp, h)) against the planner's ledger; selective recomputation under it against one
 process. The trainer's parity at tp 2 and 4 with pp, every dp mode and full recomputation is the parity matrix's
 ``sp`` axis (tests/parity/matrix.py)."""
+
 from __future__ import annotations
 
 import re
@@ -67,8 +68,12 @@ def _collectives_rank() -> dict:
     ref = F.linear(full, w_ref, b_ref)
     ref.backward(g)
     want_x = sum(_all(full.grad)).chunk(tp, 1)[rank]  # every rank's output depends on this rank's chunk
-    errs["linear"] = max((out - ref).abs().max(), (x.grad - want_x).abs().max(), (w.grad - w_ref.grad).abs().max(),
-                         (b.grad - b_ref.grad).abs().max())
+    errs["linear"] = max(
+        (out - ref).abs().max(),
+        (x.grad - want_x).abs().max(),
+        (w.grad - w_ref.grad).abs().max(),
+        (b.grad - b_ref.grad).abs().max(),
+    )
     return {k: float(v) for k, v in errs.items()}
 
 
@@ -78,9 +83,13 @@ def test_sequence_collectives_match_all_gather_reference(tp):
         assert all(err <= 1e-5 for err in got.values()), got  # fp32 sums in another order
 
 
-@pytest.mark.parametrize("extra,words", [
-    (["--parallel.tp", "1"], "parallel.sequence_parallel=true needs parallel.tp >= 2 (got tp=1)"),
-    (["--parallel.tp", "4", "--train.seq_len", "30"], "needs train.seq_len=30 divisible by parallel.tp=4")])
+@pytest.mark.parametrize(
+    "extra,words",
+    [
+        (["--parallel.tp", "1"], "parallel.sequence_parallel=true needs parallel.tp >= 2 (got tp=1)"),
+        (["--parallel.tp", "4", "--train.seq_len", "30"], "needs train.seq_len=30 divisible by parallel.tp=4"),
+    ],
+)
 def test_sequence_parallel_refusals(extra, words):
     from engine.config import ConfigError
     from engine.parallel.layout.checks import resolve_layout
@@ -96,9 +105,26 @@ def test_group_of_one_is_identity():
 
 
 # ---- activations per rank: the residual stream shrinks by tp, and the ledger counts what autograd saves ----------
-SMALL = ["--config", "configs/tiny.yaml", "--model.hidden_size", "128", "--model.intermediate_size", "256",
-         "--model.num_heads", "4", "--model.num_kv_heads", "4", "--model.num_layers", "2", "--train.seq_len", "32",
-         "--train.micro_batch_size", "2", "--train.global_batch_size", "2"]
+SMALL = [
+    "--config",
+    "configs/tiny.yaml",
+    "--model.hidden_size",
+    "128",
+    "--model.intermediate_size",
+    "256",
+    "--model.num_heads",
+    "4",
+    "--model.num_kv_heads",
+    "4",
+    "--model.num_layers",
+    "2",
+    "--train.seq_len",
+    "32",
+    "--train.micro_batch_size",
+    "2",
+    "--train.global_batch_size",
+    "2",
+]
 
 
 def _activations_rank(argv: list[str]) -> dict:
@@ -112,22 +138,30 @@ def _activations_rank(argv: list[str]) -> dict:
     residual = []
     for layer in model.model.layers.values():
         layer.register_forward_hook(lambda m, i, o: residual.append(o.numel() * o.element_size()))
-    ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
-                        generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0,
+        cfg.model.vocab_size,
+        (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
+        generator=torch.Generator().manual_seed(0),
+    )
     tracker = SavedActivations(model)
     with tracker.hooks(), torch.autocast("cpu", torch.bfloat16, enabled=cfg.train.dtype == "bf16"):
         loss = vocab_parallel_cross_entropy(model(ids[:, :-1]), ids[:, 1:], dist.group.WORLD)
     loss.backward()
-    return {"residual": max(residual), "saved": tracker.peak,
-            "planned": acts.micro_batch_bytes(cfg, tp, 1, 0, cfg.model.num_layers)}
+    return {
+        "residual": max(residual),
+        "saved": tracker.peak,
+        "planned": acts.micro_batch_bytes(cfg, tp, 1, 0, cfg.model.num_layers),
+    }
 
 
 @pytest.mark.parametrize("tp,dtype", [(2, "fp32"), (4, "fp32"), (2, "bf16")])  # bf16: autocast over fp32 weights
 def test_sequence_parallel_shrinks_residual_stream_and_matches_ledger(tp, dtype):
     argv = SMALL + ["--train.dtype", dtype]
     tp_only = run_ranks(_activations_rank, tp, argv, threads=1)
-    sp = run_ranks(_activations_rank, tp, argv + ["--parallel.tp", str(tp), "--parallel.sequence_parallel", "true"],
-                   threads=1)
+    sp = run_ranks(
+        _activations_rank, tp, argv + ["--parallel.tp", str(tp), "--parallel.sequence_parallel", "true"], threads=1
+    )
     for without, with_sp in zip(tp_only, sp):
         assert with_sp["residual"] * tp == without["residual"], (without, with_sp)
         assert with_sp["saved"] < without["saved"]
@@ -142,8 +176,9 @@ def _positions_rank(argv: list[str]) -> dict:
     from engine.model.docmask import document_layout
 
     cfg = load(argv)
-    ids = torch.randint(0, 16, (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
-                        generator=torch.Generator().manual_seed(0))  # token 3 is the EOS: ~6 % of the tokens
+    ids = torch.randint(
+        0, 16, (cfg.train.micro_batch_size, cfg.train.seq_len + 1), generator=torch.Generator().manual_seed(0)
+    )  # token 3 is the EOS: ~6 % of the tokens
     position_ids, doc_ids = document_layout(ids[:, :-1], eos_id=3)
     errs = {}
     for docs in (False, True):
@@ -173,8 +208,12 @@ def _recompute_rank(argv: list[str]) -> dict:
     from engine.model.recompute import apply_activation_checkpointing
 
     cfg = load(argv)
-    ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
-                        generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0,
+        cfg.model.vocab_size,
+        (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
+        generator=torch.Generator().manual_seed(0),
+    )
     runs = {}
     for mode in ("none", "full", "selective"):
         model = model_lib.build(cfg.model, device="meta")
@@ -184,8 +223,10 @@ def _recompute_rank(argv: list[str]) -> dict:
         loss = vocab_parallel_cross_entropy(model(ids[:, :-1]), ids[:, 1:], dist.group.WORLD)
         loss.backward()
         runs[mode] = [loss.detach()] + [p.grad for p in model.parameters()]
-    return {mode: max(((g - w).abs().max() / w.abs().max()).item() for g, w in zip(runs[mode], runs["none"]))
-            for mode in ("full", "selective")}
+    return {
+        mode: max(((g - w).abs().max() / w.abs().max()).item() for g, w in zip(runs[mode], runs["none"]))
+        for mode in ("full", "selective")
+    }
 
 
 def test_recomputation_under_sequence_parallel_matches_none():

@@ -2,6 +2,7 @@
 first used to close its gloo connections while a peer was still in its last collective: "Connection reset by
 peer"), and a rank that raised still fails the run at once, its traceback reaching the caller (not a peer's lost
 connection), with its peers waiting in a collective or in that final barrier."""
+
 from __future__ import annotations
 
 import time
@@ -25,6 +26,7 @@ def _uneven_finish(out_dir: str) -> int:
     def recorded_destroy(*args, **kwargs):
         Path(out_dir, f"destroy{rank}").write_text(repr(time.time()))
         return destroy(*args, **kwargs)
+
     dist.destroy_process_group = recorded_destroy
     if rank == 1:
         time.sleep(SLOW)

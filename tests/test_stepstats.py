@@ -1,4 +1,5 @@
 """Each step's record carries throughput, TFLOP/s and MFU, memory and the time per phase (engine/metrics/stepstats.py)."""
+
 from __future__ import annotations
 
 import time
@@ -11,9 +12,28 @@ from engine.planning.flops import flops_per_token
 from engine.trainer import Trainer
 from tests.dist import run_ranks
 
-SMALL = ["--config", "configs/tiny.yaml", "--model.num_layers", "2", "--model.hidden_size", "64",
-         "--model.intermediate_size", "128", "--model.num_heads", "4", "--model.num_kv_heads", "2",
-         "--train.seq_len", "32", "--train.steps", "2", "--log.progress", "false", "--log.peak_tflops", "0.5"]
+SMALL = [
+    "--config",
+    "configs/tiny.yaml",
+    "--model.num_layers",
+    "2",
+    "--model.hidden_size",
+    "64",
+    "--model.intermediate_size",
+    "128",
+    "--model.num_heads",
+    "4",
+    "--model.num_kv_heads",
+    "2",
+    "--train.seq_len",
+    "32",
+    "--train.steps",
+    "2",
+    "--log.progress",
+    "false",
+    "--log.peak_tflops",
+    "0.5",
+]
 
 
 def two_steps(argv: list[str]) -> dict:
@@ -62,7 +82,9 @@ def slowed_fit(argv: list[str]) -> list[dict]:
         def slow(*args, **kwargs):
             time.sleep(seconds)
             return fn(*args, **kwargs)
+
         return slow
+
     trainer.next_local_batch = slowed(trainer.next_local_batch, SLOW)
     trainer.checkpointer.after_step = slowed(trainer.checkpointer.after_step, SLOW)
     trainer.evaluate = slowed(trainer.evaluate, EXCLUDED)
@@ -73,8 +95,21 @@ def slowed_fit(argv: list[str]) -> list[dict]:
 def test_step_time_runs_from_record_to_record_with_data_and_logging(tmp_path):
     """Step 1 counts its data phase; step 2 also the after_step of step 1; step 3 leaves out step 2's evaluation
     and checkpoint save (both every 2 steps)."""
-    argv = [*SMALL, "--train.steps", "3", "--train.eval_every", "2", "--train.eval_batches", "1",
-            "--checkpoint.dir", str(tmp_path / "ckpt"), "--checkpoint.every", "2", "--train.out_dir", str(tmp_path)]
+    argv = [
+        *SMALL,
+        "--train.steps",
+        "3",
+        "--train.eval_every",
+        "2",
+        "--train.eval_batches",
+        "1",
+        "--checkpoint.dir",
+        str(tmp_path / "ckpt"),
+        "--checkpoint.every",
+        "2",
+        "--train.out_dir",
+        str(tmp_path),
+    ]
     history = run_ranks(slowed_fit, 1, argv)[0]
     assert [r.get("warmup", False) for r in history] == [True, False, False]
     t = load(argv).train

@@ -3,6 +3,7 @@
 Each TP layer and the whole model at tp = 2 and 4 must give the tp = 1 outputs, loss and every gradient
 (fp32; relative error <= 1e-5, measured as max|a - b| / max|b|).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -128,8 +129,9 @@ def _model_rank(tp: int, tie: bool, qwen2: bool = False) -> dict:
     cfg.train.global_batch_size, cfg.train.micro_batch_size = 4, 4
     ctx = ParallelContext.from_config(cfg)
     ref = materialize(model_lib.build(cfg.model), torch.device("cpu"), seed=7, std=0.02)
-    par = materialize(apply_tensor_parallel(model_lib.build(cfg.model), ctx.tp_group), torch.device("cpu"),
-                      seed=7, std=0.02)
+    par = materialize(
+        apply_tensor_parallel(model_lib.build(cfg.model), ctx.tp_group), torch.device("cpu"), seed=7, std=0.02
+    )
     ids = torch.randint(0, cfg.model.vocab_size, (2, 33), generator=torch.Generator().manual_seed(11))
     inputs, labels = ids[:, :-1], ids[:, 1:]
 
@@ -140,11 +142,15 @@ def _model_rank(tp: int, tie: bool, qwen2: bool = False) -> dict:
     loss = vocab_parallel_cross_entropy(logits, labels, ctx.tp_group)
     loss.backward()
 
-    errs = {"logits": rel_err(logits.detach(), _chunk(ref_logits.detach(), -1)),
-            "loss": rel_err(loss.detach(), ref_loss.detach())}
+    errs = {
+        "logits": rel_err(logits.detach(), _chunk(ref_logits.detach(), -1)),
+        "loss": rel_err(loss.detach(), ref_loss.detach()),
+    }
+
     # Compared per Hugging Face tensor: a fused qkv_proj holds [q_r; k_r; v_r], the tp chunk of each part.
     def tensors(model, grad):
         return by_hf_name(model, {n: (p.grad if grad else p).detach() for n, p in model.named_parameters()})
+
     ref_w, ref_g, par_w, par_g = tensors(ref, False), tensors(ref, True), tensors(par, False), tensors(par, True)
     assert set(par_w) == set(ref_w)
     for name, (w, module, attr) in par_w.items():

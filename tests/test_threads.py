@@ -1,6 +1,7 @@
 """Torch threads per process (engine/parallel/layout/threads.py): the usable cores shared among the node's ranks unless
 OMP_NUM_THREADS says otherwise, set where the device is picked (ParallelContext.from_config, which rank 0 logs) and
 the same in forked test ranks (engine/cluster/spawn.py)."""
+
 import contextlib
 import io
 import os
@@ -13,14 +14,17 @@ from engine.parallel.layout import threads
 from tests.dist import run_ranks
 
 
-@pytest.mark.parametrize("local_world,cores,env,want", [
-    (1, 2, {}, (2, "2 cores / 1 local rank; OMP_NUM_THREADS overrides")),
-    (2, 2, {}, (1, "2 cores / 2 local ranks; OMP_NUM_THREADS overrides")),
-    (4, 2, {}, (1, "2 cores / 4 local ranks; OMP_NUM_THREADS overrides")),  # never 0
-    (2, 16, {}, (8, "16 cores / 2 local ranks; OMP_NUM_THREADS overrides")),
-    (2, 16, {"OMP_NUM_THREADS": "3"}, (3, "OMP_NUM_THREADS=3")),
-    (1, 2, {"OMP_NUM_THREADS": ""}, (2, "2 cores / 1 local rank; OMP_NUM_THREADS overrides")),  # empty: unset
-])
+@pytest.mark.parametrize(
+    "local_world,cores,env,want",
+    [
+        (1, 2, {}, (2, "2 cores / 1 local rank; OMP_NUM_THREADS overrides")),
+        (2, 2, {}, (1, "2 cores / 2 local ranks; OMP_NUM_THREADS overrides")),
+        (4, 2, {}, (1, "2 cores / 4 local ranks; OMP_NUM_THREADS overrides")),  # never 0
+        (2, 16, {}, (8, "16 cores / 2 local ranks; OMP_NUM_THREADS overrides")),
+        (2, 16, {"OMP_NUM_THREADS": "3"}, (3, "OMP_NUM_THREADS=3")),
+        (1, 2, {"OMP_NUM_THREADS": ""}, (2, "2 cores / 1 local rank; OMP_NUM_THREADS overrides")),  # empty: unset
+    ],
+)
 def test_thread_count(local_world, cores, env, want):
     assert threads.thread_count(local_world, cores, env) == want
 
@@ -56,8 +60,10 @@ def test_forked_rank_keeps_its_count_through_from_config(monkeypatch):
     (got,) = run_ranks(_threads_in_rank, 1, argv)
     assert got["spawned"] == got["after"] == cores
     s = "s" * (cores != 1)
-    assert got["printed"] == f"torch threads: {cores} per process ({cores} core{s} / 1 local rank; " \
-                             f"OMP_NUM_THREADS overrides)\n"
+    assert (
+        got["printed"] == f"torch threads: {cores} per process ({cores} core{s} / 1 local rank; "
+        f"OMP_NUM_THREADS overrides)\n"
+    )
     (got,) = run_ranks(_threads_in_rank, 1, argv, threads=1)
     assert got["spawned"] == got["after"] == 1, got
     assert got["printed"] == "torch threads: 1 per process (OMP_NUM_THREADS=1)\n"

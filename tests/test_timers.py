@@ -3,6 +3,7 @@ step time from boundary to boundary with the data phase, warm-up steps marked an
 
 The CUDA path runs on CPU with a fake device: FakeStream's Event stamps the stream's own clock when recorded, so a
 figure taken from events differs from one taken from the host clock, which the fake work does not advance."""
+
 from __future__ import annotations
 
 import time
@@ -43,6 +44,7 @@ class FakeStream:
             def elapsed_time(self, end) -> float:  # milliseconds, as torch.cuda.Event
                 stream.reads += 1
                 return 1000.0 * (end.at - self.at)
+
         self.Event = Event
 
     def run(self, seconds: float) -> None:
@@ -106,16 +108,25 @@ def test_pp_wait_is_the_stream_stall_around_each_receive(monkeypatch):
 
         def is_completed(self):
             return True
+
     monkeypatch.setattr(dist, "P2POp", lambda op, t, peer, group: types.SimpleNamespace(op=op, t=t))
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda batch: ops.extend(batch) or [Work(o) for o in batch])
     # the first of two stages (1F1B, 3 micro-batches): it receives one output gradient per micro-batch
-    ctx = types.SimpleNamespace(pp=2, pp_rank=0, stage_ranks=[0, 1], pp_group=None, device=torch.device("cpu"),
-                                is_first_stage=True, is_last_stage=False)
+    ctx = types.SimpleNamespace(
+        pp=2,
+        pp_rank=0,
+        stage_ranks=[0, 1],
+        pp_group=None,
+        device=torch.device("cpu"),
+        is_first_stage=True,
+        is_last_stage=False,
+    )
     timer = PhaseTimer(torch.device("cuda"))
     executor = PipelineExecutor(ctx, "1f1b", 3, (1, 4), torch.float32, waiting=timer.waiting)
     weight = torch.ones(4, requires_grad=True)
-    executor.run(timer.wrap("forward", lambda x: x * weight), None, [torch.ones(1, 4)] * 3,
-                 backward=lambda out, grad: None)
+    executor.run(
+        timer.wrap("forward", lambda x: x * weight), None, [torch.ones(1, 4)] * 3, backward=lambda out, grad: None
+    )
     receives = sum(o.op is dist.irecv for o in ops)
     assert receives == 3 and syncs == []
     assert executor.wait_s < stall  # the host did not block
@@ -139,6 +150,7 @@ def fit_with_cuda_timer(argv: list[str]) -> dict:
 
         def elapsed_time(self, end) -> float:
             return 1000.0 * (end.at - self.at)
+
     cfg = load(argv)
     trainer = Trainer(cfg, ParallelContext.from_config(cfg))
     timer = PhaseTimer(torch.device("cuda"), event=Event)

@@ -18,6 +18,7 @@ the local chunk), and one all-reduce per norm weight (input_layernorm, post_atte
 inside backward) = 2 + 4 + 2. Full checkpointing recomputes the forward up to down_proj's input: both all-gathers
 and o_proj's reduce-scatter, + 2 all-gathers + 1 reduce-scatter.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -25,19 +26,40 @@ import pytest
 from launch.bench.tp_collectives import count_layer
 from tests.dist import run_ranks
 
-ARGV = ["--model.num_layers", "1", "--model.family", "qwen2", "--model.attention_bias", "true",
-        "--model.num_heads", "4", "--model.num_kv_heads", "2", "--model.hidden_size", "64",
-        "--model.intermediate_size", "96", "--parallel.tp", "2", "--train.micro_batch_size", "2",
-        "--train.global_batch_size", "2"]
+ARGV = [
+    "--model.num_layers",
+    "1",
+    "--model.family",
+    "qwen2",
+    "--model.attention_bias",
+    "true",
+    "--model.num_heads",
+    "4",
+    "--model.num_kv_heads",
+    "2",
+    "--model.hidden_size",
+    "64",
+    "--model.intermediate_size",
+    "96",
+    "--parallel.tp",
+    "2",
+    "--train.micro_batch_size",
+    "2",
+    "--train.global_batch_size",
+    "2",
+]
 B, S, H = 2, 8, 64
 
 
-@pytest.mark.parametrize("sp,recompute,forward,backward", [
-    (False, "none", {"all_reduce": 2}, {"all_reduce": 2}),
-    (False, "full", {"all_reduce": 2}, {"all_reduce": 3}),
-    (True, "none", {"all_gather": 2, "reduce_scatter": 2}, {"all_reduce": 2, "all_gather": 4, "reduce_scatter": 2}),
-    (True, "full", {"all_gather": 2, "reduce_scatter": 2}, {"all_reduce": 2, "all_gather": 6, "reduce_scatter": 3}),
-])
+@pytest.mark.parametrize(
+    "sp,recompute,forward,backward",
+    [
+        (False, "none", {"all_reduce": 2}, {"all_reduce": 2}),
+        (False, "full", {"all_reduce": 2}, {"all_reduce": 3}),
+        (True, "none", {"all_gather": 2, "reduce_scatter": 2}, {"all_reduce": 2, "all_gather": 4, "reduce_scatter": 2}),
+        (True, "full", {"all_gather": 2, "reduce_scatter": 2}, {"all_reduce": 2, "all_gather": 6, "reduce_scatter": 3}),
+    ],
+)
 def test_collectives_per_layer_at_tp2(sp, recompute, forward, backward):
     argv = ARGV + ["--parallel.sequence_parallel", str(sp).lower()]
     for rank, counts in enumerate(run_ranks(count_layer, 2, argv, recompute, S)):

@@ -1,6 +1,7 @@
 """End-to-end training through the Trainer: the tiny model learns, and at tp 2 the training and
 validation losses (fp32, rel <= 1e-5) and grad norms (rel <= 1e-4) follow the single-process run. Every other
 layout is compared with one process by the parity matrix (tests/test_parity.py)."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,16 @@ def test_tiny_loss_falls(tmp_path):
     """The README's quick start, shortened to 60 steps (its warmup, then a cosine over the rest): the model learns.
     The full 200 steps took two minutes of CI; the check is the same."""
     steps = 60
-    argv = ["--config", "configs/tiny.yaml", "--train.out_dir", str(tmp_path), "--log.progress", "false",
-            "--train.steps", str(steps)]
+    argv = [
+        "--config",
+        "configs/tiny.yaml",
+        "--train.out_dir",
+        str(tmp_path),
+        "--log.progress",
+        "false",
+        "--train.steps",
+        str(steps),
+    ]
     (history,) = run_ranks(train, 1, argv, timeout_s=600)
     curve = losses(history)
     assert len(curve) == steps
@@ -46,8 +55,19 @@ def _short_run(tmp_path, world: int, *extra: str, **spawn) -> dict:
     """Losses of 20 steps with the two validation losses, and the global grad norms (clipping is active: the norm
     starts near 3.5 > 1.0), so a grad norm that counted tp-replicated parameters tp times would show. ``spawn``:
     run_ranks' threads. 600 s: one process at two threads took over 120 s on a loaded 2-core machine."""
-    argv = ["--config", "configs/tiny.yaml", "--train.steps", "20", "--train.out_dir", str(tmp_path),
-            "--log.progress", "false", "--train.eval_every", "10", *extra]
+    argv = [
+        "--config",
+        "configs/tiny.yaml",
+        "--train.steps",
+        "20",
+        "--train.out_dir",
+        str(tmp_path),
+        "--log.progress",
+        "false",
+        "--train.eval_every",
+        "10",
+        *extra,
+    ]
     history = run_ranks(train, world, argv, timeout_s=600, **spawn)[0]
     evals = [r["eval_loss"] for r in history if "eval_loss" in r]
     assert len(evals) == 2  # held-out loss at steps 10 and 20
@@ -87,8 +107,18 @@ def test_tp2_follows_tp1_loss_curve(tmp_path, tp1_curve):
 def test_bf16_autocast_is_close_to_fp32(tmp_path):
     # bf16 matmuls are slow on CPUs without bf16 units, so this compares 2 small steps only; bf16 keeps ~3
     # significant digits, hence the looser bound.
-    small = ["--train.steps", "2", "--train.global_batch_size", "4", "--train.out_dir", str(tmp_path),
-             "--config", "configs/tiny.yaml", "--log.progress", "false"]
+    small = [
+        "--train.steps",
+        "2",
+        "--train.global_batch_size",
+        "4",
+        "--train.out_dir",
+        str(tmp_path),
+        "--config",
+        "configs/tiny.yaml",
+        "--log.progress",
+        "false",
+    ]
     fp32 = losses(run_ranks(train, 1, small)[0])
     bf16 = losses(run_ranks(train, 1, [*small, "--train.dtype", "bf16"])[0])
     assert_curves_match(bf16, fp32, rel=2e-2)

@@ -8,6 +8,7 @@ Measured: bitwise equal (0.0) in every case here, fp32 and bf16 (W's g^T x is th
 runs, and two micro-batches sum the same either way round); the bound only allows for a kernel picking another
 reduction order.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,9 @@ SHAPE = ["--config", "configs/tiny.yaml", "--model.num_layers", "2", "--model.at
 LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
 
 
-def _model(mode: str = "none", tie: bool = False, group=None, stage: bool = False, store=None,
-           sp: bool = False) -> nn.Module:
+def _model(
+    mode: str = "none", tie: bool = False, group=None, stage: bool = False, store=None, sp: bool = False
+) -> nn.Module:
     """The model; ``stage``: without the embedding (a later pipeline stage, fed hidden states); ``sp``: sequence
     parallelism over ``group``."""
     cfg = load(SHAPE + ["--model.tie_embeddings", str(tie).lower()]).model
@@ -86,12 +88,17 @@ def _worst(got: dict, want: dict) -> float:
 
 def _linear_params(model: nn.Module) -> set[str]:
     """The parameters of the split linears: every linear but the LM head, whose gradient stays in B."""
-    return {f"{m}.{a}" for m, mod in model.named_modules() if isinstance(mod, LINEARS) and m != "lm_head"
-            for a, _ in mod.named_parameters(recurse=False)}
+    return {
+        f"{m}.{a}"
+        for m, mod in model.named_modules()
+        if isinstance(mod, LINEARS) and m != "lm_head"
+        for a, _ in mod.named_parameters(recurse=False)
+    }
 
 
-def _split_vs_plain(mode: str = "none", bf16: bool = False, tie: bool = False, group=None,
-                    stage: bool = True, sp: bool = False) -> dict:
+def _split_vs_plain(
+    mode: str = "none", bf16: bool = False, tie: bool = False, group=None, stage: bool = True, sp: bool = False
+) -> dict:
     """B of both micro-batches under defer, checked against the plain backward, then W in reverse order."""
     plain = _model(mode, tie, group, stage, sp=sp)
     batches = _batches(plain, stage, sp)
@@ -110,11 +117,14 @@ def _split_vs_plain(mode: str = "none", bf16: bool = False, tie: bool = False, g
     # embedding's part of its gradient.
     partial = {"model.embed_tokens.weight"} if tie else set()
     final_in_b = [n for n in want if n not in linear | partial]
-    out = {"deferred": sorted(n for n, g in after_b.items() if g is None),
-           "linear": sorted(linear & set(want)), "pending": store.pending(),
-           "b": _worst({n: after_b[n] for n in final_in_b}, {n: want[n] for n in final_in_b}),
-           "dx": max([_worst({0: b[0].grad}, {0: w}) for b, w in zip(batches, want_dx)], default=0.0),
-           "bytes": store.bytes_pending()}
+    out = {
+        "deferred": sorted(n for n, g in after_b.items() if g is None),
+        "linear": sorted(linear & set(want)),
+        "pending": store.pending(),
+        "b": _worst({n: after_b[n] for n in final_in_b}, {n: want[n] for n in final_in_b}),
+        "dx": max([_worst({0: b[0].grad}, {0: w}) for b, w in zip(batches, want_dx)], default=0.0),
+        "bytes": store.bytes_pending(),
+    }
     store.flush((1,))
     store.flush((0,))
     out["w"], out["left"] = _worst(_grads(split), want), store.pending()
@@ -159,8 +169,11 @@ def test_tensor_parallel_split_matches_plain():
 
 
 def _sp_rank() -> list[dict]:
-    return [_split_vs_plain(mode, bf16, group=dist.group.WORLD, sp=True) for mode in ("none", "full", "selective")
-            for bf16 in (False, True)]
+    return [
+        _split_vs_plain(mode, bf16, group=dist.group.WORLD, sp=True)
+        for mode in ("none", "full", "selective")
+        for bf16 in (False, True)
+    ]
 
 
 def test_sequence_parallel_split_matches_plain():
@@ -172,9 +185,23 @@ def test_sequence_parallel_split_matches_plain():
     for results in run_ranks(_sp_rank, 2):
         for got, bf16 in zip(results, [False, True] * 3):
             _check(got)
-            cfg = load(SHAPE + ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--parallel.schedule",
-                                "zero_bubble", "--train.seq_len", "16", "--train.micro_batch_size", "2",
-                                "--train.dtype", "bf16" if bf16 else "fp32"])
+            cfg = load(
+                SHAPE
+                + [
+                    "--parallel.tp",
+                    "2",
+                    "--parallel.sequence_parallel",
+                    "true",
+                    "--parallel.schedule",
+                    "zero_bubble",
+                    "--train.seq_len",
+                    "16",
+                    "--train.micro_batch_size",
+                    "2",
+                    "--train.dtype",
+                    "bf16" if bf16 else "fp32",
+                ]
+            )
             assert got["bytes"] == 2 * w_state_bytes(cfg, 2, 1, 0)[0], got["bytes"]
 
 

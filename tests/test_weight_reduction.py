@@ -3,6 +3,7 @@ each bucket completes (engine/parallel/dp/buckets.py ReadyBuckets), instead of o
 last W; the buckets launch in the same order on every dp rank (NCCL's rule). Recorded, not timed: the trainer
 runs pp 2 x dp 2 with tiny buckets (about one parameter each), W's and all-reduces are logged in the order they
 are issued. That the reduced gradients are right is the parity matrix's job (tests/parity, zero_bubble slices)."""
+
 from __future__ import annotations
 
 import types
@@ -12,8 +13,21 @@ import pytest
 from tests.dist import run_ranks
 from tests.parity.runner import BASE
 
-ZB = [*BASE, "--parallel.pp", "2", "--parallel.dp", "2", "--parallel.schedule", "zero_bubble",
-      "--parallel.dp_mode", "ddp", "--parallel.bucket_mb", "0.01", "--train.steps", "2"]
+ZB = [
+    *BASE,
+    "--parallel.pp",
+    "2",
+    "--parallel.dp",
+    "2",
+    "--parallel.schedule",
+    "zero_bubble",
+    "--parallel.dp_mode",
+    "ddp",
+    "--parallel.bucket_mb",
+    "0.01",
+    "--train.steps",
+    "2",
+]
 
 
 def order_rank(argv: list[str], overlap: bool) -> dict:
@@ -37,36 +51,47 @@ def order_rank(argv: list[str], overlap: bool) -> dict:
         events.append(("W", key, "start"))
         flush(key, done)
         events.append(("W", key, "end"))
+
     store.flush = recorded_flush
     last_weight = trainer.dp.last_weight
 
     def recorded_last_weight(store, key, chunk=0):  # the executor's call for a chunk's last W
         events.append(("last W", key, "start"))
         last_weight(store, key, chunk)
+
     trainer.dp.last_weight = recorded_last_weight
 
     def recorded_all_reduce(t, group=None, async_op=False):
         events.append(("all_reduce", t.numel()))
         return dist.all_reduce(t, group=group, async_op=async_op)
+
     buckets.dist = types.SimpleNamespace(all_reduce=recorded_all_reduce, get_world_size=dist.get_world_size)
     trainer.observers.append(lambda event: events.append(("update",)) if event == "update" else None)
     trainer.fit()
     # The first step: its W's, the all-reduces issued during them, and those issued in reduce_gradients after
     # the "update" observer (before the next step's first W).
-    step, after = events[:events.index(("update",))], []
-    for e in events[events.index(("update",)) + 1:]:
+    step, after = events[: events.index(("update",))], []
+    for e in events[events.index(("update",)) + 1 :]:
         if e[0] == "W":
             break
         after.append(e)
-    return {"pp_rank": ctx.pp_rank, "events": step + after, "micro_batches": trainer.micro_batches,
-            "embedding": cfg.model.vocab_size * cfg.model.hidden_size,
-            "params": sum(p.numel() for p in trainer.dp.module.parameters() if p.requires_grad)}
+    return {
+        "pp_rank": ctx.pp_rank,
+        "events": step + after,
+        "micro_batches": trainer.micro_batches,
+        "embedding": cfg.model.vocab_size * cfg.model.hidden_size,
+        "params": sum(p.numel() for p in trainer.dp.module.parameters() if p.requires_grad),
+    }
 
 
 @pytest.fixture(scope="module")
 def orders(tmp_path_factory):
-    return {overlap: run_ranks(order_rank, 4, [*ZB, "--train.out_dir", str(tmp_path_factory.mktemp(str(overlap)))],
-                               overlap, timeout_s=300) for overlap in (True, False)}
+    return {
+        overlap: run_ranks(
+            order_rank, 4, [*ZB, "--train.out_dir", str(tmp_path_factory.mktemp(str(overlap)))], overlap, timeout_s=300
+        )
+        for overlap in (True, False)
+    }
 
 
 def _positions(run: dict) -> tuple[int, int, int, list[int]]:
@@ -113,8 +138,9 @@ def test_bench_prints_both_variants_side_by_side(capsys):
     variant, and the two variants' losses equal (they average the same gradients); no timing is asserted."""
     from launch.bench import zb_dp
 
-    args = zb_dp.parse_args(["--steps", "1", "--layers", "2", "--hidden", "32", "--seq-len", "16",
-                             "--micro-batches", "2"])
+    args = zb_dp.parse_args(
+        ["--steps", "1", "--layers", "2", "--hidden", "32", "--seq-len", "16", "--micro-batches", "2"]
+    )
     with capsys.disabled():  # the forked ranks need the real stderr
         ranks = zb_dp.measure(args)
     zb_dp.print_table(ranks, args)

@@ -1,6 +1,7 @@
 """ZB-V's evaluation table (schedule.forward_only with vshape: every micro-batch down chunk 0, then back up chunk
 1, the turn handed over on rank pp-1) against one process: the held-out loss of the same weights, tied and
 untied (the tied embedding and head one parameter on rank 0). Measured equal bit for bit at pp 2; bound 1e-6."""
+
 from __future__ import annotations
 
 import pytest

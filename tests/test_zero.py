@@ -8,6 +8,7 @@ Both runs are engine.trainer.Trainer; with dp_mode zero its ddp pieces (dp all-r
 AdamW.step) are replaced by the ZeRO DataParallel: forward through the DeepSpeed engine, backward through
 ``ZeRO.backward`` (the pipeline executor's backward hook), one ``ZeRO.step(lr)`` per global batch.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -29,10 +30,30 @@ from tests.dist import run_ranks  # noqa: E402
 STEPS = 10
 # A shrunk tiny model; a short warmup so the cosine part of the schedule runs, and a clip threshold below the
 # gradient norm (~1-3 here) so clipping is active at every step.
-SMALL = ["--config", "configs/tiny.yaml", "--model.num_layers", "2", "--model.hidden_size", "64",
-         "--model.intermediate_size", "128", "--model.num_heads", "4", "--model.num_kv_heads", "2",
-         "--train.seq_len", "32", "--train.steps", str(STEPS), "--train.warmup_steps", "3",
-         "--train.grad_clip", "0.5", "--log.progress", "false"]
+SMALL = [
+    "--config",
+    "configs/tiny.yaml",
+    "--model.num_layers",
+    "2",
+    "--model.hidden_size",
+    "64",
+    "--model.intermediate_size",
+    "128",
+    "--model.num_heads",
+    "4",
+    "--model.num_kv_heads",
+    "2",
+    "--train.seq_len",
+    "32",
+    "--train.steps",
+    str(STEPS),
+    "--train.warmup_steps",
+    "3",
+    "--train.grad_clip",
+    "0.5",
+    "--log.progress",
+    "false",
+]
 TIED = [*SMALL, "--model.tie_embeddings", "true"]
 # ZeRO-3 keeps parameters under 1e5 elements whole on every rank by default; 0 partitions every one of them.
 PARTITION_ALL = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
@@ -50,8 +71,12 @@ def reference(argv: list[str]) -> dict:
     trainer = Trainer(cfg, ParallelContext.from_config(cfg))
     init = hf_params(trainer.model, {n: p.detach() for n, p in trainer.model.named_parameters()})
     history = trainer.fit()
-    return {"loss": [r["loss"] for r in history], "grad_norm": [r["grad_norm"] for r in history], "init": init,
-            "params": hf_params(trainer.model, {n: p.detach() for n, p in trainer.model.named_parameters()})}
+    return {
+        "loss": [r["loss"] for r in history],
+        "grad_norm": [r["grad_norm"] for r in history],
+        "init": init,
+        "params": hf_params(trainer.model, {n: p.detach() for n, p in trainer.model.named_parameters()}),
+    }
 
 
 def hf_params(model, values: dict) -> dict:
@@ -70,12 +95,20 @@ def zero_train(argv: list[str], extra: dict) -> dict:
     history = trainer.fit()
     zero = trainer.dp
     params = by_hf_name(zero.module, zero.full_parameters())
-    layout = {name: (mod.tp_dims.get(attr), mod.tp_rank, mod.tp_size) if hasattr(mod, "tp_dims") else None
-              for name, (_, mod, attr) in params.items()}
-    return {"loss": [r["loss"] for r in history], "grad_norm": [r["grad_norm"] for r in history],
-            "params": {n: t.clone() for n, (t, _, _) in params.items()}, "layout": layout,
-            "lr": zero.engine.optimizer.param_groups[0]["lr"], "dtype": next(zero.module.parameters()).dtype,
-            "managed": zero.managed, "overlap_comm": zero.engine.zero_overlap_comm()}
+    layout = {
+        name: (mod.tp_dims.get(attr), mod.tp_rank, mod.tp_size) if hasattr(mod, "tp_dims") else None
+        for name, (_, mod, attr) in params.items()
+    }
+    return {
+        "loss": [r["loss"] for r in history],
+        "grad_norm": [r["grad_norm"] for r in history],
+        "params": {n: t.clone() for n, (t, _, _) in params.items()},
+        "layout": layout,
+        "lr": zero.engine.optimizer.param_groups[0]["lr"],
+        "dtype": next(zero.module.parameters()).dtype,
+        "managed": zero.managed,
+        "overlap_comm": zero.engine.zero_overlap_comm(),
+    }
 
 
 def assert_close(got: list[float], want: list[float], rel: float, what: str) -> None:
@@ -130,11 +163,15 @@ def ref(tmp_path_factory):
     return run_ranks(reference, 1, [*SMALL, *out(tmp_path_factory.mktemp("ref"))])[0]
 
 
-def zero_run(folder, world: int, stage: int, *extra_argv: str, ds: dict | None = None,
-             argv: list[str] = SMALL) -> list:
+def zero_run(folder, world: int, stage: int, *extra_argv: str, ds: dict | None = None, argv: list[str] = SMALL) -> list:
     ds = _merge(_merge({}, PARTITION_ALL) if stage == 3 else {}, ds or {})  # key by key: ds may add to it
-    return run_ranks(zero_train, world, [*argv, "--parallel.dp_mode", "zero", "--parallel.zero_stage", str(stage),
-                                         *extra_argv, *out(folder)], ds, timeout_s=300)
+    return run_ranks(
+        zero_train,
+        world,
+        [*argv, "--parallel.dp_mode", "zero", "--parallel.zero_stage", str(stage), *extra_argv, *out(folder)],
+        ds,
+        timeout_s=300,
+    )
 
 
 def test_zero3_dp2_matches_single_process(ref, tmp_path):
@@ -188,9 +225,12 @@ def test_ds_config_is_derived_from_ours():
 
     class Ctx:
         dp = 2
+
     c = ds_config(cfg, Ctx())
     assert (c["train_batch_size"], c["train_micro_batch_size_per_gpu"], c["gradient_accumulation_steps"]) == (16, 4, 2)
-    assert c["zero_optimization"]["stage"] == 2 and c["zero_optimization"]["reduce_bucket_size"] > 0  # from the defaults
+    assert (
+        c["zero_optimization"]["stage"] == 2 and c["zero_optimization"]["reduce_bucket_size"] > 0
+    )  # from the defaults
     assert c["bf16"]["enabled"] and not c["fp16"]["enabled"] and c["gradient_clipping"] == 0.5
     assert c["managed_gradient_accumulation"] is False and "optimizer" not in c
 
@@ -198,10 +238,12 @@ def test_ds_config_is_derived_from_ours():
 def test_unsupported_combinations_are_refused():
     class Ctx:
         pp, dp = 2, 1
-    for extra, words in [(["--parallel.zero_stage", "0"], "zero_stage 1, 2 or 3"),
-                         (["--parallel.zero_stage", "3"], "zero_stage=3 and parallel.pp>1"),
-                         (["--parallel.zero_stage", "2", "--model.tie_embeddings", "true"], "tie_embeddings"),
-                         (["--parallel.zero_stage", "1", "--model.tie_embeddings", "true", "--train.dtype", "bf16"],
-                          "tie_embeddings")]:
+
+    for extra, words in [
+        (["--parallel.zero_stage", "0"], "zero_stage 1, 2 or 3"),
+        (["--parallel.zero_stage", "3"], "zero_stage=3 and parallel.pp>1"),
+        (["--parallel.zero_stage", "2", "--model.tie_embeddings", "true"], "tie_embeddings"),
+        (["--parallel.zero_stage", "1", "--model.tie_embeddings", "true", "--train.dtype", "bf16"], "tie_embeddings"),
+    ]:
         with pytest.raises(ConfigError, match=words):
             check_zero_supported(load([*SMALL, "--parallel.dp_mode", "zero", *extra]), Ctx())

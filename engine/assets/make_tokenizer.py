@@ -11,6 +11,7 @@ tok.decode(tok.encode(text)) == text. Training is single-threaded-equivalent and
 the same corpus with the same `tokenizers` version reproduces tokenizer.json byte for byte. The committed JSON
 files, not this script, are what the engine loads.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,12 @@ def train_tokenizer(corpus: pathlib.Path = CORPUS, vocab_size: int = VOCAB_SIZE)
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train([str(corpus)], trainer)
     if tok.get_vocab_size() != vocab_size:
         raise RuntimeError(f"trained {tok.get_vocab_size()} tokens, expected {vocab_size}; the corpus is too small")
@@ -53,8 +58,16 @@ def save_hf(tok: Tokenizer, out_dir: pathlib.Path = OUT_DIR) -> None:
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "added_tokens_decoder": {str(eos_id): {"content": EOS, "lstrip": False, "normalized": False,
-                                               "rstrip": False, "single_word": False, "special": True}},
+        "added_tokens_decoder": {
+            str(eos_id): {
+                "content": EOS,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+        },
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")

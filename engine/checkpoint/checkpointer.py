@@ -28,6 +28,7 @@ pp, dp and dp_mode may all change; ``resume`` returns the saved run position, wh
 A model-only checkpoint (``launch/convert.py import``) starts at step 0 with a fresh optimizer and the data from
 the beginning.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -131,16 +132,19 @@ class Checkpointer:
         self.timings = {"snapshot_s": time.perf_counter() - start}
         args = (position.step, tensors, meta, header)
         if self.cfg.checkpoint.async_save:
-            self.pending = threading.Thread(target=self._write_and_commit, args=args, name="checkpoint-writer",
-                                            daemon=True)
+            self.pending = threading.Thread(
+                target=self._write_and_commit, args=args, name="checkpoint-writer", daemon=True
+            )
             self.pending.start()
         else:
             try:
                 self._write_and_commit(*args)
             except KeyboardInterrupt:  # a second SIGINT (signals.py): drop this save, `latest` stays the last good
                 discard(self.root, position.step, self.token)
-                raise Interrupted(f"a second SIGINT during the save of step {position.step}: that save was dropped, "
-                                  f"the latest checkpoint stays {latest_name(self.root)}") from None
+                raise Interrupted(
+                    f"a second SIGINT during the save of step {position.step}: that save was dropped, "
+                    f"the latest checkpoint stays {latest_name(self.root)}"
+                ) from None
             self._raise_pending_error()
         self.last_saved = position.step
         return self.root / step_name(position.step)
@@ -152,8 +156,10 @@ class Checkpointer:
         found = [(rank, key) for rank, key in enumerate(self._gather(bad)) if key is not None]
         if found and self.ctx.rank == 0:
             (rank, key), more = found[0], (f" (and on {len(found) - 1} more ranks)" if len(found) > 1 else "")
-            say(f"checkpoint: not saving step {step}: rank {rank} holds NaN/inf values in {key.split('/tp')[0]}"
-                f"{more}; the latest checkpoint stays {latest_name(self.root)}")
+            say(
+                f"checkpoint: not saving step {step}: rank {rank} holds NaN/inf values in {key.split('/tp')[0]}"
+                f"{more}; the latest checkpoint stays {latest_name(self.root)}"
+            )
         return not found
 
     def _write_and_commit(self, step: int, tensors: dict, meta: dict, header: dict) -> None:
@@ -212,9 +218,14 @@ class Checkpointer:
                     raise StorageError(f"{self.stop.failure}; and {e}") from None
                 raise
         if stop and not self.stop.failed and self.ctx.rank == 0:
-            say(f"stop signal ({self.stop.signal_name or 'on another rank'}): stopping after step {step}" + (
-                f", checkpoint saved in {self.root}" if self.root is not None else
-                "; nothing saved (checkpoint.dir is empty), exit status 1"))
+            say(
+                f"stop signal ({self.stop.signal_name or 'on another rank'}): stopping after step {step}"
+                + (
+                    f", checkpoint saved in {self.root}"
+                    if self.root is not None
+                    else "; nothing saved (checkpoint.dir is empty), exit status 1"
+                )
+            )
         self.stopped_unsaved = stop and self.root is None
         return stop
 
@@ -225,8 +236,14 @@ class Checkpointer:
         finally:
             self.release()
         if self.stop.failed:
-            raise StorageError(f"{self.stop.failure}; " + (f"checkpoint {step_name(self.last_saved)} saved in "
-                               f"{self.root}" if self.last_saved is not None else "no checkpoint saved"))
+            raise StorageError(
+                f"{self.stop.failure}; "
+                + (
+                    f"checkpoint {step_name(self.last_saved)} saved in {self.root}"
+                    if self.last_saved is not None
+                    else "no checkpoint saved"
+                )
+            )
 
     # ---- resume ----------------------------------------------------------------------------------------------
     def _validate(self, path: Path) -> tuple[dict | None, str | None]:
@@ -274,8 +291,10 @@ class Checkpointer:
             self.resumed_from = path
             return position
         if candidates:
-            raise CheckpointError(f"no usable checkpoint among {[str(p) for p in candidates]}; fix or remove them, "
-                                  f"or set checkpoint.resume=none to start fresh")
+            raise CheckpointError(
+                f"no usable checkpoint among {[str(p) for p in candidates]}; fix or remove them, "
+                f"or set checkpoint.resume=none to start fresh"
+            )
         self._settle(0, bad)
         return None
 

@@ -7,6 +7,7 @@ follow. Under ``resume: auto`` it costs one line and the step directories are tr
 a traceback, and a name like ``../x`` would have been followed out of the directory); for an explicit PATH or an
 export it is one CheckpointError.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,8 +26,9 @@ def resolve(path: Path, what: str = "checkpoint path") -> list[Path]:
 
 def _resolve(path: Path, what: str) -> list[Path]:
     if not path.exists():
-        raise CheckpointError(f"{what} '{path}' does not exist; give a step_* directory or a checkpoint "
-                              f"directory with a 'latest' file")
+        raise CheckpointError(
+            f"{what} '{path}' does not exist; give a step_* directory or a checkpoint directory with a 'latest' file"
+        )
     if (path / INDEX).exists() or STEP_DIR.match(path.name):
         return [path]
     if (path / "latest").exists():
@@ -66,7 +68,9 @@ def to_try(mode: str, root: Path | None, announce: bool) -> list[Path]:
     named, error = read_latest(root)
     if error is not None:  # the step_* directories still say what there is, newest first
         if announce:
-            print(f"checkpoint: ignoring {root / 'latest'}: {error}; trying the step_* directories, newest first",
-                  flush=True)
+            print(
+                f"checkpoint: ignoring {root / 'latest'}: {error}; trying the step_* directories, newest first",
+                flush=True,
+            )
         return found
     return [named] + [p for p in found if p != named]

@@ -8,6 +8,7 @@ validates it first) and returns the position it was saved at. RNG streams belong
 restored only at the layout that wrote them; nothing in training draws from them (initialisation and the data
 order use their own seeded generators), so losses do not depend on it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,10 +61,11 @@ def snapshot(parts: CheckpointParts) -> tuple[dict, dict, int | None]:
             if part.write is None:
                 continue
             lo, hi = part.write
-            entry = params.setdefault(part.name, {"shape": part.shape, "tp_dim": slot.tp_dim,
-                                                  "tp_size": slot.tp_size, "states": {}})
+            entry = params.setdefault(
+                part.name, {"shape": part.shape, "tp_dim": slot.tp_dim, "tp_size": slot.tp_size, "states": {}}
+            )
             for state, values in held.items():
-                piece = values[part.at + lo - slot.start:part.at + hi - slot.start]
+                piece = values[part.at + lo - slot.start : part.at + hi - slot.start]
                 tensors[piece_key(part.name, state, slot.tp_rank, lo)] = host_copy(piece)
                 entry["states"].setdefault(state, []).append([slot.tp_rank, lo, hi])
     if parts.ctx.device.type == "cuda":
@@ -83,8 +85,13 @@ def host_copy(piece: torch.Tensor) -> torch.Tensor:
 
 def header(position: RunPosition, cfg, layout: dict, model_only: bool = False) -> dict:
     """The index's run-wide entries (everything but the pieces, files and ranks; Adam's step is added on commit)."""
-    out = {"step": position.step, "consumed_samples": position.consumed_samples, "model_only": model_only,
-           "config": cfg.to_dict(), "layout": layout}
+    out = {
+        "step": position.step,
+        "consumed_samples": position.consumed_samples,
+        "model_only": model_only,
+        "config": cfg.to_dict(),
+        "layout": layout,
+    }
     if not model_only:
         out["scheduler"] = {"kind": "warmup_cosine (engine.optim.lr_at)", "step": position.step}
     return out
@@ -96,8 +103,14 @@ def contents(parts: CheckpointParts, position: RunPosition) -> tuple[dict, dict,
     tensors, params, adam_step = snapshot(parts)
     rng_tensors, rng = _rng_state(ctx.device)
     tensors.update(rng_tensors)
-    meta = {"rank": ctx.rank, "file": shard_name(ctx.rank), "coords": ctx.coords(),
-            "rng": rng, "params": params, "adam_step": adam_step}
+    meta = {
+        "rank": ctx.rank,
+        "file": shard_name(ctx.rank),
+        "coords": ctx.coords(),
+        "rng": rng,
+        "params": params,
+        "adam_step": adam_step,
+    }
     return tensors, meta, header(position, parts.cfg, layout_of(parts.cfg, ctx))
 
 
@@ -117,8 +130,12 @@ def load_into(parts: CheckpointParts, path: Path, index: dict) -> RunPosition:
                 raise CheckpointError(f"{path / INDEX}: {part.name} has shape {saved}, this model needs {part.shape}")
         for state in ["param", *names]:
             if slot.start < slot.end:  # the held range, assembled part by part (a fused q/k/v: in stacking order)
-                value = torch.cat([reader.read(p.name, state, slot.tp_dim, slot.tp_size, slot.tp_rank, p.start,
-                                               p.end) for p in slot.parts])
+                value = torch.cat(
+                    [
+                        reader.read(p.name, state, slot.tp_dim, slot.tp_size, slot.tp_rank, p.start, p.end)
+                        for p in slot.parts
+                    ]
+                )
                 access.set(slot, state, value.to(ctx.device))
     access.finish()
     reader.close()
@@ -131,8 +148,15 @@ def load_into(parts: CheckpointParts, path: Path, index: dict) -> RunPosition:
 def layout_of(cfg, ctx) -> dict:
     p = cfg.parallel
     cp = {"cp": ctx.size("cp")} if ctx.size("cp") > 1 else {}  # absent at cp 1: a pre-cp checkpoint's layout
-    return {"tp": ctx.tp, "pp": ctx.pp, "dp": ctx.dp, **cp, "dp_mode": p.dp_mode, "zero_stage": p.zero_stage,
-            "world_size": ctx.world_size}
+    return {
+        "tp": ctx.tp,
+        "pp": ctx.pp,
+        "dp": ctx.dp,
+        **cp,
+        "dp_mode": p.dp_mode,
+        "zero_stage": p.zero_stage,
+        "world_size": ctx.world_size,
+    }
 
 
 def layout_change(index: dict, cfg, ctx) -> str | None:
@@ -142,15 +166,24 @@ def layout_change(index: dict, cfg, ctx) -> str | None:
     axes = ("tp", "pp", "dp", "cp")
     if all(saved.get(a, 1) == now.get(a, 1) for a in axes):
         return None
+
     def named(layout: dict) -> str:
         return " ".join(f"{a}{layout.get(a, 1)}" for a in axes if a != "cp" or layout.get("cp", 1) > 1)
+
     before, after = saved.get("world_size") or math.prod(saved.get(a, 1) for a in axes), now["world_size"]
-    why = (f"the world {'shrank' if after < before else 'grew'} from {before} to {after}" if before != after else
-           "parallel.tp, pp, dp or cp differ from the checkpoint's run")
+    why = (
+        f"the world {'shrank' if after < before else 'grew'} from {before} to {after}"
+        if before != after
+        else "parallel.tp, pp, dp or cp differ from the checkpoint's run"
+    )
+
     def ranks(n: int) -> str:
         return f"{n} rank{'s' * (n != 1)}"
-    return (f"resume: checkpoint step {index['step']} was saved at {named(saved)} ({ranks(before)}); continuing at "
-            f"{named(now)} on {ranks(after)}: {why}")
+
+    return (
+        f"resume: checkpoint step {index['step']} was saved at {named(saved)} ({ranks(before)}); continuing at "
+        f"{named(now)} on {ranks(after)}: {why}"
+    )
 
 
 def check_model(path: Path, index: dict, model_cfg) -> None:
@@ -158,11 +191,16 @@ def check_model(path: Path, index: dict, model_cfg) -> None:
     # before model.head_dim) resolves from its own hidden_size / num_heads
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     saved = ModelConfig(**{k: v for k, v in index["config"].get("model", {}).items() if k in known})
-    diff = [f"model.{k}={getattr(saved, k)!r} (this run: {getattr(model_cfg, k)!r})" for k in MODEL_SHAPE_KEYS
-            if getattr(saved, k) != getattr(model_cfg, k)]
+    diff = [
+        f"model.{k}={getattr(saved, k)!r} (this run: {getattr(model_cfg, k)!r})"
+        for k in MODEL_SHAPE_KEYS
+        if getattr(saved, k) != getattr(model_cfg, k)
+    ]
     if diff:
-        raise CheckpointError(f"{path / INDEX} was written for another model: {', '.join(diff)}; use its model "
-                              f"settings, another checkpoint.dir, or checkpoint.resume=none")
+        raise CheckpointError(
+            f"{path / INDEX} was written for another model: {', '.join(diff)}; use its model "
+            f"settings, another checkpoint.dir, or checkpoint.resume=none"
+        )
 
 
 def data_changes(index: dict, train_cfg) -> list[str]:
@@ -171,12 +209,16 @@ def data_changes(index: dict, train_cfg) -> list[str]:
     saved, consumed = index["config"].get("train", {}), index["consumed_samples"]
     notes = []
     if saved.get("seq_len", train_cfg.seq_len) != train_cfg.seq_len:
-        notes.append(f"train.seq_len is {train_cfg.seq_len}, the checkpoint's run had {saved['seq_len']}: the corpus "
-                     f"is cut into other samples in another order, so the {consumed} samples consumed no longer say "
-                     f"which text was seen (some will repeat, some be skipped)")
+        notes.append(
+            f"train.seq_len is {train_cfg.seq_len}, the checkpoint's run had {saved['seq_len']}: the corpus "
+            f"is cut into other samples in another order, so the {consumed} samples consumed no longer say "
+            f"which text was seen (some will repeat, some be skipped)"
+        )
     if saved.get("global_batch_size", train_cfg.global_batch_size) != train_cfg.global_batch_size:
-        notes.append(f"train.global_batch_size is {train_cfg.global_batch_size}, the checkpoint's run had "
-                     f"{saved['global_batch_size']}: the data continues after sample {consumed} exactly, but each "
-                     f"step from here takes {train_cfg.global_batch_size} samples (the step count and learning-rate "
-                     f"schedule no longer match the samples seen)")
+        notes.append(
+            f"train.global_batch_size is {train_cfg.global_batch_size}, the checkpoint's run had "
+            f"{saved['global_batch_size']}: the data continues after sample {consumed} exactly, but each "
+            f"step from here takes {train_cfg.global_batch_size} samples (the step count and learning-rate "
+            f"schedule no longer match the samples seen)"
+        )
     return notes

@@ -19,6 +19,7 @@ resolved first, so a link is followed, never replaced, and a link to the source 
 before anything is written (the probe goes inside the target only once it passed), and again right before the
 old target is moved aside.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,8 +37,12 @@ from engine.checkpoint.publish import STEP_DIR, fsync_dir
 MARKER = ".written-by-convert.json"
 # A run's and a checkpoint's own files: LOCK (engine/checkpoint/lock.py), the out_dir's metrics file
 # (engine/metrics/logger.py), a checkpoint directory's `latest` and a step's index.json (publish.py, format.py).
-RUN_FILES = ((LOCK, "a run's lock"), ("metrics.jsonl", "a run's out_dir"), ("latest", "a checkpoint directory"),
-             (INDEX, "a checkpoint step"))
+RUN_FILES = (
+    (LOCK, "a run's lock"),
+    ("metrics.jsonl", "a run's out_dir"),
+    ("latest", "a checkpoint directory"),
+    (INDEX, "a checkpoint step"),
+)
 
 
 def _run_files(folder: Path) -> str | None:
@@ -111,15 +116,19 @@ def begin(target: Path, overwrite: bool, what: str, sources: Iterable[Path] = ()
                 only = "; --overwrite replaces only a folder an earlier export or import wrote" if overwrite else ""
                 raise CheckpointError(f"{what} '{target}' {reason}{only}; give a new or empty directory")
             if not overwrite:
-                raise CheckpointError(f"{what} '{target}' exists and is not empty; give a new or empty directory, "
-                                      f"or --overwrite to replace it as a whole")
+                raise CheckpointError(
+                    f"{what} '{target}' exists and is not empty; give a new or empty directory, "
+                    f"or --overwrite to replace it as a whole"
+                )
         probe_writable(target, uuid.uuid4().hex[:8], what, "give a writable directory")
     tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         tmp.mkdir(parents=True)
     except OSError as e:
-        raise CheckpointError(f"{what} '{target}': cannot create {tmp} beside it to write into "
-                              f"({e.strerror or e}); give a directory in a writable place") from None
+        raise CheckpointError(
+            f"{what} '{target}': cannot create {tmp} beside it to write into "
+            f"({e.strerror or e}); give a directory in a writable place"
+        ) from None
     return tmp
 
 
@@ -132,8 +141,9 @@ def finish(tmp: Path, target: Path, what: str = "folder", sources: Iterable[Path
     """Write the marker, make the files of ``tmp`` durable and rename it to ``target`` (an old target, checked
     again, is replaced as a whole)."""
     target = resolved(target)
-    (tmp / MARKER).write_text(json.dumps({"written_by": f"launch/convert.py ({what})", "files": _files(tmp)},
-                                         indent=1) + "\n")
+    (tmp / MARKER).write_text(
+        json.dumps({"written_by": f"launch/convert.py ({what})", "files": _files(tmp)}, indent=1) + "\n"
+    )
     for path in tmp.rglob("*"):
         if path.is_file():
             with open(path, "rb+") as f:

@@ -15,6 +15,7 @@ Directory of one checkpoint: ``index.json`` (INDEX, written last, by rank 0) and
 ``index.json`` holds: format/version, step, data position, Adam step, the config and layout that wrote it, every
 parameter's global shape and tp cut with its pieces, each shard's byte size and CRC-32, and per-rank RNG state.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,17 @@ INDEX = "index.json"
 # The process umask, read once at import (in the main thread: os.umask can only be read by setting it).
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
-MODEL_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                    "head_dim", "tie_embeddings", "attention_bias")
+MODEL_SHAPE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "tie_embeddings",
+    "attention_bias",
+)
 
 
 def shard_name(rank: int) -> str:
@@ -84,8 +94,9 @@ def merge_index(ranks: list[dict], header: dict) -> dict:
     params: dict[str, dict] = {}
     for r in ranks:
         for name, p in r.pop("params").items():
-            entry = params.setdefault(name, {"shape": p["shape"], "tp_dim": p["tp_dim"], "tp_size": p["tp_size"],
-                                             "states": {}})
+            entry = params.setdefault(
+                name, {"shape": p["shape"], "tp_dim": p["tp_dim"], "tp_size": p["tp_size"], "states": {}}
+            )
             if (entry["shape"], entry["tp_dim"], entry["tp_size"]) != (p["shape"], p["tp_dim"], p["tp_size"]):
                 raise RuntimeError(f"ranks disagree on the layout of {name}: {entry} vs {p}")  # a bug, not input
             for state, pieces in p["states"].items():
@@ -121,8 +132,9 @@ def _read_index(path: Path, index_path: Path) -> dict:
             raise CheckpointError(f"shard {shard} listed in {index_path} is missing")
         size = shard.stat().st_size
         if size != info["bytes"]:
-            raise CheckpointError(f"shard {shard} has {size} bytes, {index_path} records {info['bytes']} "
-                                  f"(truncated or overwritten)")
+            raise CheckpointError(
+                f"shard {shard} has {size} bytes, {index_path} records {info['bytes']} (truncated or overwritten)"
+            )
     return index
 
 
@@ -137,19 +149,27 @@ def verify_shard(path: Path, index: dict, file: str) -> None:
         raise CheckpointError(f"shard {shard} cannot be read ({e.strerror or e})") from None
     if crc != index["files"][file]["crc32"]:
         raise CheckpointError(f"shard {shard} fails its CRC-32 check (corrupt)")
-    expected = {piece_key(name, state, tp, s): e - s for name, p in index["params"].items()
-                for state, pieces in p["states"].items() for f, tp, s, e in pieces if f == file}
+    expected = {
+        piece_key(name, state, tp, s): e - s
+        for name, p in index["params"].items()
+        for state, pieces in p["states"].items()
+        for f, tp, s, e in pieces
+        if f == file
+    }
     try:
         with safe_open(str(shard), framework="pt") as f:
             keys = set(f.keys())
             for key, numel in expected.items():
                 if key not in keys or f.get_slice(key).get_shape() != [numel]:
-                    raise CheckpointError(f"shard {shard} does not hold piece '{key}' of {numel} elements "
-                                          f"recorded in {path / INDEX}")
+                    raise CheckpointError(
+                        f"shard {shard} does not hold piece '{key}' of {numel} elements recorded in {path / INDEX}"
+                    )
                 if not _finite(f.get_slice(key), numel):
                     name, state = key.split("/")[:2]
-                    raise CheckpointError(f"shard {shard} holds NaN/inf values in {name} ({state}) of step "
-                                          f"{index['step']}: resuming it would train on garbage")
+                    raise CheckpointError(
+                        f"shard {shard} holds NaN/inf values in {name} ({state}) of step "
+                        f"{index['step']}: resuming it would train on garbage"
+                    )
     except CheckpointError:
         raise
     except Exception as e:  # a header safetensors cannot parse
@@ -158,7 +178,7 @@ def verify_shard(path: Path, index: dict, file: str) -> None:
 
 def _finite(piece, numel: int, chunk: int = 1 << 24) -> bool:
     """No NaN/inf in a piece, read a chunk (64 MB of fp32) at a time: memory stays bounded whatever its size."""
-    return all(torch.isfinite(piece[a:a + chunk]).all() for a in range(0, numel, chunk))
+    return all(torch.isfinite(piece[a : a + chunk]).all() for a in range(0, numel, chunk))
 
 
 def _as_2d(shape: list[int]) -> tuple[int, int]:
@@ -215,19 +235,23 @@ class Reader:
             if tp != tp_rank or lo >= hi:
                 continue
             try:
-                piece = self._open(file).get_slice(piece_key(name, state, tp, s))[lo - s:hi - s]
+                piece = self._open(file).get_slice(piece_key(name, state, tp, s))[lo - s : hi - s]
             except Exception as err:
-                raise CheckpointError(f"shard {self.path / file}: cannot read piece of {name} {state} ({err})") \
-                    from None
-            out[lo - a:hi - a] = piece
+                raise CheckpointError(
+                    f"shard {self.path / file}: cannot read piece of {name} {state} ({err})"
+                ) from None
+            out[lo - a : hi - a] = piece
             covered += hi - lo
         if covered != b - a:
-            raise CheckpointError(f"{self.path / INDEX}: {name} {state} elements [{a}, {b}) of tp block "
-                                  f"{tp_rank} are covered {covered} times over {b - a} (a missing shard?)")
+            raise CheckpointError(
+                f"{self.path / INDEX}: {name} {state} elements [{a}, {b}) of tp block "
+                f"{tp_rank} are covered {covered} times over {b - a} (a missing shard?)"
+            )
         return out
 
-    def read(self, name: str, state: str, tp_dim: int | None, tp_size: int, tp_rank: int, start: int,
-             end: int) -> torch.Tensor:
+    def read(
+        self, name: str, state: str, tp_dim: int | None, tp_size: int, tp_rank: int, start: int, end: int
+    ) -> torch.Tensor:
         """Elements [start, end) of the flattened tp block (tp_dim, tp_size, tp_rank) of ``name``'s ``state``:
         a (end - start,) fp32 tensor, assembled from the writer's tp blocks that overlap it."""
         meta = self._param(name)
@@ -248,9 +272,10 @@ class Reader:
             q_width = q_c1 - q_c0
             i0, i1 = rows[0] - q_r0, rows[1] - q_r0
             block = self._flat(name, state, q, i0 * q_width, i1 * q_width).view(i1 - i0, q_width)
-            out[rows[0] - want_r0:rows[1] - want_r0, cols[0] - c0:cols[1] - c0] = \
-                block[:, cols[0] - q_c0:cols[1] - q_c0]
-        return out.view(-1)[start - ra * width:end - ra * width]
+            out[rows[0] - want_r0 : rows[1] - want_r0, cols[0] - c0 : cols[1] - c0] = block[
+                :, cols[0] - q_c0 : cols[1] - q_c0
+            ]
+        return out.view(-1)[start - ra * width : end - ra * width]
 
     def full(self, name: str, state: str = "param") -> torch.Tensor:
         """The whole global tensor (export)."""

@@ -13,6 +13,7 @@ the new save was pruned at once, or a restart resumed another run's weights. The
     a save's rename and its ``latest``; the line names the step to give as checkpoint.resume.)
 Afterwards every step in the directory is at or below the start, so ``prune`` and ``resume: auto`` see one lineage.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,8 +25,9 @@ from engine.checkpoint.publish import list_checkpoints, step_of
 SET_ASIDE = "set_aside"
 
 
-def settle(root: Path, start: int, mode: str, validate: Callable[[Path], str | None],
-           known: dict[Path, str]) -> dict[Path, str]:
+def settle(
+    root: Path, start: int, mode: str, validate: Callable[[Path], str | None], known: dict[Path, str]
+) -> dict[Path, str]:
     """Collective (``validate`` is): the steps of ``root`` above ``start`` and why each is unusable; raises the
     refusal (on every rank alike) if any validates. ``known``: the errors resume already found (not validated
     twice); ``mode``: checkpoint.resume, for the refusal's advice."""
@@ -33,12 +35,17 @@ def settle(root: Path, start: int, mode: str, validate: Callable[[Path], str | N
     errors = {p: known[p] if p in known else validate(p) for p in above}
     good = [p.name for p in above if errors[p] is None]
     if good:
-        way = f"resume from it with checkpoint.resume={root / good[0]}" if mode == "auto" else \
-            "continue the newest with checkpoint.resume=auto"
-        raise CheckpointError(f"checkpoint.dir '{root}' holds valid checkpoints above step {start}, where this run "
-                              f"starts: {', '.join(reversed(good))}; saving beside another run's steps would mix "
-                              f"them (and prune the wrong ones): use another checkpoint.dir, move them out of "
-                              f"'{root}', or {way}")
+        way = (
+            f"resume from it with checkpoint.resume={root / good[0]}"
+            if mode == "auto"
+            else "continue the newest with checkpoint.resume=auto"
+        )
+        raise CheckpointError(
+            f"checkpoint.dir '{root}' holds valid checkpoints above step {start}, where this run "
+            f"starts: {', '.join(reversed(good))}; saving beside another run's steps would mix "
+            f"them (and prune the wrong ones): use another checkpoint.dir, move them out of "
+            f"'{root}', or {way}"
+        )
     return errors
 
 
@@ -52,5 +59,8 @@ def set_aside(root: Path, start: int, unusable: dict[Path, str], token: str) -> 
             (dest / "SET_ASIDE.txt").write_text(f"set aside at start-up by run {token}: {error}\n")
         except OSError:  # the note is a courtesy; the rename is what matters
             pass
-        print(f"checkpoint: set aside {path} as {dest}: it lies above step {start}, where this run starts, and is "
-              f"unusable ({error})", flush=True)
+        print(
+            f"checkpoint: set aside {path} as {dest}: it lies above step {start}, where this run starts, and is "
+            f"unusable ({error})",
+            flush=True,
+        )

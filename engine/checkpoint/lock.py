@@ -19,6 +19,7 @@ A lock held by this process or by the process that forked it (tests/dist.py rank
 this job's own. Because only the lock holder saves, the clean-up of ``step_*.tmp-*`` directories never meets
 another live job's.
 """
+
 from __future__ import annotations
 
 import json
@@ -97,8 +98,11 @@ def _describe(holder: dict) -> str:
     if holder.get("unreadable"):
         return f"an unreadable lock file ({holder['unreadable']}; its writer was probably killed mid-write)"
     started = holder.get("started")
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) \
-        and started > 0 else "an unknown time"
+    since = (
+        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+        if isinstance(started, (int, float)) and started > 0
+        else "an unknown time"
+    )
     return f"pid {holder.get('pid')} on host {holder.get('host')} (run {holder.get('run')}, since {since})"
 
 
@@ -108,8 +112,13 @@ class CheckpointLock:
 
     def __init__(self, root: Path, run: str, setting: str = "checkpoint.dir"):
         self.path, self.setting = root / LOCK, setting
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "run": run,
-                   "elastic": _elastic_round()}
+        self.me = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.time(),
+            "run": run,
+            "elastic": _elastic_round(),
+        }
         self.held = False
         self._released = threading.Event()
 
@@ -126,7 +135,8 @@ class CheckpointLock:
                 if not self._stale(holder):
                     raise CheckpointError(
                         f"{self.setting} '{self.path.parent}' is in use by {_describe(holder)}; use another "
-                        f"{self.setting}, or delete {self.path} if that job is gone") from None
+                        f"{self.setting}, or delete {self.path} if that job is gone"
+                    ) from None
                 if not self._ours(holder):
                     message = f"{self.setting}: taking over {self._taken_over(holder)}"
                 try:
@@ -188,8 +198,14 @@ class CheckpointLock:
 
     def _earlier_round(self, holder: dict) -> bool:
         mine, theirs = self.me["elastic"], holder.get("elastic")
-        return bool(mine) and isinstance(theirs, list) and len(theirs) == 2 and theirs[0] == mine[0] \
-            and isinstance(theirs[1], int) and theirs[1] < mine[1]
+        return (
+            bool(mine)
+            and isinstance(theirs, list)
+            and len(theirs) == 2
+            and theirs[0] == mine[0]
+            and isinstance(theirs[1], int)
+            and theirs[1] < mine[1]
+        )
 
     def _stale(self, holder: dict) -> bool:
         """Ours, or dead on this host (a crash, kill -9, a torchrun restart), or from an earlier round of this
@@ -236,13 +252,17 @@ def claim_run_directories(cfg, root: Path | None, token: str) -> tuple[list[Chec
             if message:
                 print(message, flush=True)
         if cfg.log.tensorboard:  # SummaryWriter would raise FileExistsError from deep inside
-            probe_writable(out / "tensorboard", token, "log.tensorboard's directory",
-                           "move it away, or set log.tensorboard=false")
+            probe_writable(
+                out / "tensorboard", token, "log.tensorboard's directory", "move it away, or set log.tensorboard=false"
+            )
     except CheckpointError as e:
         for lock in locks:
             lock.release()
         return [], str(e)
     if root is None:
-        print("checkpoint.dir is empty: no checkpoint will be saved, not even on SIGTERM (set "
-              "--checkpoint.dir DIR to keep the weights)", flush=True)
+        print(
+            "checkpoint.dir is empty: no checkpoint will be saved, not even on SIGTERM (set "
+            "--checkpoint.dir DIR to keep the weights)",
+            flush=True,
+        )
     return locks, None

@@ -7,6 +7,7 @@ layout. The run's position (``RunPosition``: optimizer steps taken and global sa
 trainer passes it to a save and applies the one a load returns (``step``; ``BatchFeed.seek``). The RNG states of
 the rank are the process's own and stay inside engine/checkpoint/contents.py.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class CheckpointParts:
     """The state of one rank that a save reads and a load overwrites in place."""
+
     model: nn.Module  # this rank's stage: parameters as a checkpoint names them (a DataParallel's ``module``)
     state: Callable[[], CheckpointState]  # DataParallel.checkpoint_state (engine/checkpoint/state.py's protocol)
     cfg: Config
@@ -33,5 +35,6 @@ class CheckpointParts:
 class RunPosition:
     """Where a run stands: optimizer steps taken, and global samples consumed (the position in the global sample
     order, engine/data/dataset.py GlobalBatchSampler; recorded as it is, not derived from the step)."""
+
     step: int
     consumed_samples: int

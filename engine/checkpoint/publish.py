@@ -11,6 +11,7 @@ disk, a read-only remount, a second SIGINT) puts the directory back under its te
 checkpoint stays ``latest`` and no complete step lies above it (which the next start-up would refuse,
 engine/checkpoint/lineage.py); the caller then ``discard``s the staging directory where the file system lets it.
 """
+
 from __future__ import annotations
 
 import errno
@@ -106,8 +107,11 @@ def _commit(root: Path, tmp: Path, final: Path, token: str) -> Path | None:
         fsync_write(latest_tmp, final.name + "\n")
         os.replace(latest_tmp, root / "latest")
     except BaseException:
-        for undo in ((lambda: final.rename(tmp)) if renamed else None,
-                     (lambda: aside.rename(final)) if aside is not None else None, latest_tmp.unlink):
+        for undo in (
+            (lambda: final.rename(tmp)) if renamed else None,
+            (lambda: aside.rename(final)) if aside is not None else None,
+            latest_tmp.unlink,
+        ):
             try:
                 if undo is not None:
                     undo()
@@ -130,9 +134,11 @@ def prune(root: Path, step: int, keep: int) -> list[Path]:
     if keep <= 0:
         return []
     older = [p for p in list_checkpoints(root) if step_of(p) < step]
-    gone = older[keep - 1:]  # newest first: the keep - 1 newest older ones stay beside the new one
+    gone = older[keep - 1 :]  # newest first: the keep - 1 newest older ones stay beside the new one
     for old in gone:
-        say(f"checkpoint: pruned {old} (checkpoint.keep={keep}; kept {step_name(step)} and "
-            f"{len(older) - len(gone)} older)")  # after `latest`: a closed stdout must not fail the save
+        say(
+            f"checkpoint: pruned {old} (checkpoint.keep={keep}; kept {step_name(step)} and "
+            f"{len(older) - len(gone)} older)"
+        )  # after `latest`: a closed stdout must not fail the save
         shutil.rmtree(old, ignore_errors=True)
     return gone

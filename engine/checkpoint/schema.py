@@ -9,6 +9,7 @@ raises ``_Bad`` with the path of the field (``params['x'].states.param[0]``) and
 named here are allowed (another version's additions); the cross-field rules (a piece's file is a listed shard,
 its range inside its tp block, one rank entry per rank) follow the type check.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -40,6 +41,7 @@ def integer(lo: int = 0, hi: int | None = None) -> Spec:
     def check(v, where):
         if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
             raise _Bad(where, v, f"an integer >= {lo}" + (f" and <= {hi}" if hi is not None else ""))
+
     return check
 
 
@@ -62,6 +64,7 @@ def maybe(spec: Spec) -> Spec:
     def check(v, where):
         if v is not None:
             spec(v, where)
+
     return check
 
 
@@ -71,31 +74,37 @@ def list_of(spec: Spec, min_len: int = 0) -> Spec:
             raise _Bad(where, v, f"a list of at least {min_len} entries" if min_len else "a list")
         for i, item in enumerate(v):
             spec(item, f"{where}[{i}]")
+
     return check
 
 
 def row(*specs: Spec, what: str) -> Spec:
     """A fixed-length list, e.g. a piece [file, tp_rank, start, end]."""
+
     def check(v, where):
         if not isinstance(v, list) or len(v) != len(specs):
             raise _Bad(where, v, what)
         for i, (spec, item) in enumerate(zip(specs, v)):
             spec(item, f"{where}[{i}]")
+
     return check
 
 
 def mapping(spec: Spec) -> Spec:
     """An object of any keys, each value ``spec``."""
+
     def check(v, where):
         if not isinstance(v, dict):
             raise _Bad(where, v, "an object")
         for key, item in v.items():
             spec(item, f"{where}[{key!r}]")
+
     return check
 
 
 def fields(required: dict[str, Spec], optional: dict[str, Spec] | None = None) -> Spec:
     """An object with the ``required`` keys (and, when present, the ``optional`` ones) of the given specs."""
+
     def check(v, where):
         if not isinstance(v, dict):
             raise _Bad(where, v, f"an object with {', '.join(map(repr, required)) or 'entries'}")
@@ -104,24 +113,65 @@ def fields(required: dict[str, Spec], optional: dict[str, Spec] | None = None) -
                 spec(v[key], f"{where}.{key}" if where else key)
             elif key in required:
                 raise _Missing(f"{where}.{key}" if where else key)
+
     return check
 
 
 PIECE = row(text, integer(), integer(), integer(), what="a piece [shard file, tp rank, start, end]")
-RNG = fields({"python": row(integer(), list_of(integer(0, 2**32 - 1)), maybe(number),
-                            what="Python's random state [version, [ints], gauss]"),
-              "numpy": row(text, integer(), integer(), number, what="NumPy's state [kind, pos, has_gauss, gauss]")})
+RNG = fields(
+    {
+        "python": row(
+            integer(),
+            list_of(integer(0, 2**32 - 1)),
+            maybe(number),
+            what="Python's random state [version, [ints], gauss]",
+        ),
+        "numpy": row(text, integer(), integer(), number, what="NumPy's state [kind, pos, has_gauss, gauss]"),
+    }
+)
 # The model shape an export builds from (absent keys take ModelConfig's defaults: an older checkpoint's)
-MODEL = fields({}, {**{k: integer() for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                                              "num_heads", "num_kv_heads", "head_dim", "num_experts")},
-                    "tie_embeddings": boolean, "attention_bias": boolean, "family": text})
-INDEX = fields({"step": integer(), "consumed_samples": integer(),
-                "config": fields({"model": MODEL}, {"train": fields({})}), "layout": fields({}),
-                "files": mapping(fields({"bytes": integer(), "crc32": integer(0, 2**32 - 1)})),
-                "ranks": list_of(fields({"rank": integer(), "file": text}, {"rng": RNG}), 1),
-                "params": mapping(fields({"shape": list_of(integer(), 1), "tp_dim": maybe(integer(0, 1)),
-                                          "tp_size": integer(1), "states": mapping(list_of(PIECE, 1))}))},
-               {"adam_step": maybe(integer()), "model_only": boolean})
+MODEL = fields(
+    {},
+    {
+        **{
+            k: integer()
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_layers",
+                "num_heads",
+                "num_kv_heads",
+                "head_dim",
+                "num_experts",
+            )
+        },
+        "tie_embeddings": boolean,
+        "attention_bias": boolean,
+        "family": text,
+    },
+)
+INDEX = fields(
+    {
+        "step": integer(),
+        "consumed_samples": integer(),
+        "config": fields({"model": MODEL}, {"train": fields({})}),
+        "layout": fields({}),
+        "files": mapping(fields({"bytes": integer(), "crc32": integer(0, 2**32 - 1)})),
+        "ranks": list_of(fields({"rank": integer(), "file": text}, {"rng": RNG}), 1),
+        "params": mapping(
+            fields(
+                {
+                    "shape": list_of(integer(), 1),
+                    "tp_dim": maybe(integer(0, 1)),
+                    "tp_size": integer(1),
+                    "states": mapping(list_of(PIECE, 1)),
+                }
+            )
+        ),
+    },
+    {"adam_step": maybe(integer()), "model_only": boolean},
+)
 
 
 def _consistent(index: dict) -> None:
@@ -129,8 +179,11 @@ def _consistent(index: dict) -> None:
     files, ranks, world = index["files"], index["ranks"], index["layout"].get("world_size")
     for i, r in enumerate(ranks):
         if r["rank"] != i or r["file"] not in files:
-            raise _Bad(f"ranks[{i}]", {"rank": r["rank"], "file": r["file"]},
-                       f"rank {i}'s entry, with a shard file listed in 'files'")
+            raise _Bad(
+                f"ranks[{i}]",
+                {"rank": r["rank"], "file": r["file"]},
+                f"rank {i}'s entry, with a shard file listed in 'files'",
+            )
     if isinstance(world, int) and len(ranks) != world:
         raise _Bad("ranks", f"{len(ranks)} entries", f"one per rank of layout.world_size={world}")
     moments = False
@@ -143,8 +196,11 @@ def _consistent(index: dict) -> None:
             moments = moments or state != "param"
             for i, (file, tp, start, end) in enumerate(pieces):
                 if file not in files or tp >= tp_size or not start <= end <= block:
-                    raise _Bad(f"params[{name!r}].states.{state}[{i}]", pieces[i],
-                               f"a piece of a listed shard, tp rank < {tp_size}, 0 <= start <= end <= {block}")
+                    raise _Bad(
+                        f"params[{name!r}].states.{state}[{i}]",
+                        pieces[i],
+                        f"a piece of a listed shard, tp rank < {tp_size}, 0 <= start <= end <= {block}",
+                    )
     if moments and not index.get("model_only") and index.get("adam_step") is None:
         raise _Bad("adam_step", index.get("adam_step"), "Adam's step count (the index holds Adam moments)")
 
@@ -171,6 +227,8 @@ def shard_path(step_dir: Path, file: str, index_path: Path) -> Path:
     (or an absolute path, or a symlink out) must not make a resume read another directory's files."""
     path = step_dir / file
     if not path.resolve().is_relative_to(step_dir.resolve()):
-        raise CheckpointError(f"{index_path}: shard '{file}' resolves to {path.resolve()}, outside the checkpoint "
-                              f"directory {step_dir} (a hand-edited or foreign index)")
+        raise CheckpointError(
+            f"{index_path}: shard '{file}' resolves to {path.resolve()}, outside the checkpoint "
+            f"directory {step_dir} (a hand-edited or foreign index)"
+        )
     return path

@@ -12,6 +12,7 @@ checkpointer.py), and the launcher prints one line, exit status 130 (128 + SIGIN
 The same flag stops a run whose metrics cannot be written (``fail``, engine/metrics/logger.py, rank 0 only): the
 flag then carries 2, so every rank learns that this stop is a failure (saved, then exit 3: engine/storage.py).
 """
+
 from __future__ import annotations
 
 import signal

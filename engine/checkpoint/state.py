@@ -17,6 +17,7 @@ Each dp mode hands its state object to the checkpointer (``DataParallel.checkpoi
 tests/test_checkpoint_state.py checks them against it).
 Adam's bias correction needs its step count, stored once in the index (every parameter steps every step).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ TIED_COPY, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 @dataclass
 class Part:
     """One Hugging Face tensor a slot holds (the slot itself, or q/k/v of a fused qkv_proj), in its own terms."""
+
     name: str  # the name its pieces are stored under (a tied LM-head copy: the embedding's)
     shape: list[int]  # global shape
     at: int  # flat offset of its tp block in the local parameter
@@ -109,14 +111,18 @@ class TorchState(CheckpointState):
         if not self.fsdp:
             return 0, numel
         # FSDP shards over dp x cp (ctx.grad_mesh), an expert-parallel weight over its expert-dp group (fsdp.py)
-        size, rank = (self.ctx.size("edp"), self.ctx.axis_rank("edp")) if id(p) in self.experts else \
-            (self.ctx.grad_size, self.ctx.grad_rank)
+        size, rank = (
+            (self.ctx.size("edp"), self.ctx.axis_rank("edp"))
+            if id(p) in self.experts
+            else (self.ctx.grad_size, self.ctx.grad_rank)
+        )
         rows = p.shape[0]  # FSDP2 chunks dim 0 like torch.chunk: ceil(rows / size) rows per rank, the last fewer
         per = -(-rows // size)
         first = min(rank * per, rows)
         if _local(p).shape[0] != min(per, rows - first):
-            raise RuntimeError(f"unexpected FSDP shard of {tuple(p.shape)} on rank {rank} of {size}: "
-                               f"{tuple(_local(p).shape)}")  # FSDP2 changed its sharding: a bug here
+            raise RuntimeError(
+                f"unexpected FSDP shard of {tuple(p.shape)} on rank {rank} of {size}: {tuple(_local(p).shape)}"
+            )  # FSDP2 changed its sharding: a bug here
         row = numel // rows if rows else 0
         return first * row, (first + _local(p).shape[0]) * row
 
@@ -126,8 +132,9 @@ class TorchState(CheckpointState):
         if self.fsdp:
             return start, end
         expert = param is not None and id(param) in self.experts
-        size, rank = (self.ctx.size("edp"), self.ctx.axis_rank("edp")) if expert else \
-            (self.ctx.grad_size, self.ctx.grad_rank)  # the replicas: dp x cp ranks
+        size, rank = (
+            (self.ctx.size("edp"), self.ctx.axis_rank("edp")) if expert else (self.ctx.grad_size, self.ctx.grad_rank)
+        )  # the replicas: dp x cp ranks
         per = -(-(end - start) // size)
         lo = min(start + rank * per, end)
         return lo, min(lo + per, end)
@@ -170,16 +177,32 @@ def _cut(lo: int, hi: int, at: int, numel: int) -> tuple[int, int]:
     return a, max(a, min(hi - at, numel))
 
 
-def _parts(module: nn.Module, name: str, attr: str, local_shape: torch.Size, dim: int | None, start: int, end: int,
-           write: tuple[int, int] | None) -> list[Part]:
+def _parts(
+    module: nn.Module,
+    name: str,
+    attr: str,
+    local_shape: torch.Size,
+    dim: int | None,
+    start: int,
+    end: int,
+    write: tuple[int, int] | None,
+) -> list[Part]:
     """The slot's Hugging Face tensors (engine/model/fused.py part_blocks) with their global shapes and ranges."""
     out = []
     for part, at, shape in part_blocks(module, name, local_shape):
         numel = shape.numel()
         lo, hi = _cut(start, end, at, numel)
         w = _cut(*write, at, numel) if write else None
-        out.append(Part(part, list(full_shape(module, attr, shape)) if dim is not None else list(shape), at, lo, hi,
-                        w if w and w[0] < w[1] else None))
+        out.append(
+            Part(
+                part,
+                list(full_shape(module, attr, shape)) if dim is not None else list(shape),
+                at,
+                lo,
+                hi,
+                w if w and w[0] < w[1] else None,
+            )
+        )
     return out
 
 

@@ -18,6 +18,7 @@ and is never called silent; one that fails on its own writes ``failed`` and is n
 After the main thread saw a collective fail (``explain``: a killed peer closes its sockets, gloo fails within
 seconds), the silence needed drops to ``ALARM_BEATS`` beats, so a dead peer is named in seconds, in one line.
 """
+
 from __future__ import annotations
 
 import os
@@ -56,8 +57,14 @@ def namespace() -> str:
 def connect(timeout_s: float):
     """A client of the job's store with its own connection (the process group's is not shared with a thread)."""
     import torch.distributed as dist
-    store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+    store = dist.TCPStore(
+        os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
     return dist.PrefixStore(namespace(), store)
 
 
@@ -110,6 +117,7 @@ class Heartbeat:
                 connect(self.op_timeout).set(f"hb/{self.rank}", state)
             except Exception:  # noqa: BLE001  the store may already be gone with the job; nothing to tell then
                 pass
+
         teller = threading.Thread(target=tell, daemon=True)  # a frozen store would hold a store call forever
         teller.start()
         teller.join(timeout=self.op_timeout)
@@ -156,8 +164,7 @@ class Heartbeat:
                 if v != last.get(r):
                     last[r], seen[r] = v, now
             failed = [r for r in range(self.world) if last.get(r) == "failed"]
-            silent = failed or [r for r in range(self.world)
-                                if last.get(r) != "done" and now - seen[r] > self._limit()]
+            silent = failed or [r for r in range(self.world) if last.get(r) != "done" and now - seen[r] > self._limit()]
             if silent:
                 self._end(self._verdict(store, silent, bool(failed), now - min(seen[r] for r in silent)))
 
@@ -188,11 +195,16 @@ class Heartbeat:
             pass
 
     def _verdict(self, store, silent: list[int], failed: bool, quiet_s: float) -> str:
-        what = ("failed (its own error is printed above)" if failed else
-                f"silent for {quiet_s:.0f} s (no heartbeat: dead, frozen or cut off)")
-        line = (f"error: {describe_ranks(silent, self.hosts)} {what} at step {self.step_of()}; ending the job (seen "
-                f"first by rank {self.rank} on host {self.hosts.get(self.rank, host_name())}; the last "
-                f"checkpoint is intact)")
+        what = (
+            "failed (its own error is printed above)"
+            if failed
+            else f"silent for {quiet_s:.0f} s (no heartbeat: dead, frozen or cut off)"
+        )
+        line = (
+            f"error: {describe_ranks(silent, self.hosts)} {what} at step {self.step_of()}; ending the job (seen "
+            f"first by rank {self.rank} on host {self.hosts.get(self.rank, host_name())}; the last "
+            f"checkpoint is intact)"
+        )
         try:
             return store.compare_set("verdict", "", line).decode() or line
         except Exception:  # noqa: BLE001
@@ -200,8 +212,10 @@ class Heartbeat:
 
     def _store_line(self, quiet_s: float) -> str:
         holder = self.hosts.get(0, "that of rank 0")
-        return (f"error: the job's store at {self.store_addr} (host {holder}) has not answered for {quiet_s:.0f} s "
-                f"(dead, frozen or cut off) at step {self.step_of()}; ending rank {self.rank} on host {host_name()}")
+        return (
+            f"error: the job's store at {self.store_addr} (host {holder}) has not answered for {quiet_s:.0f} s "
+            f"(dead, frozen or cut off) at step {self.step_of()}; ending rank {self.rank} on host {host_name()}"
+        )
 
     def _end(self, line: str) -> None:
         with self._ending:  # the beat and the guard thread may both decide; one line

@@ -4,6 +4,7 @@ Each host runs engine/cluster/hostreport.py, sent on stdin (``ssh HOST PYTHON - 
 process's path in the same checkout path: the deepspeed launcher (pdsh) and torchrun-over-ssh both assume that.
 The ssh command is a parameter so that tests (and sites with their own ssh wrappers) can replace it.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,8 +60,7 @@ def query_host(ssh: list[str], host: str, root: str, config: str, timeout_s: flo
     command = remote_command([sys.executable, "-", root, *([config] if config else [])])
     script = Path(hostreport.__file__).read_text()
     try:
-        out = subprocess.run([*ssh, host, command], input=script, capture_output=True, text=True,
-                             timeout=timeout_s)
+        out = subprocess.run([*ssh, host, command], input=script, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return None, f"no answer over ssh within {timeout_s:.0f} s"
     except FileNotFoundError:
@@ -90,8 +90,10 @@ def compare(local: dict, remote: dict, slots: int, config: str) -> list[str]:
             problems.append(f"{name} {theirs.get('version')} != {ours.get('version')} here")
     engine = remote["engine"]
     if "error" not in engine and engine["digest"] != local["engine"]["digest"]:
-        problems.append(f"engine source differs from this checkout (digest {engine['digest']} != "
-                        f"{local['engine']['digest']}); sync the checkout")
+        problems.append(
+            f"engine source differs from this checkout (digest {engine['digest']} != "
+            f"{local['engine']['digest']}); sync the checkout"
+        )
     for package, version in remote["packages"].items():
         if version != local["packages"].get(package):
             problems.append(f"{package} {version} != {local['packages'].get(package)} here")
@@ -105,8 +107,9 @@ def compare(local: dict, remote: dict, slots: int, config: str) -> list[str]:
     return problems
 
 
-def check_hosts(hosts: list[Host], ssh: list[str], root: str, config: str = "",
-                timeout_s: float = 60.0) -> list[HostResult]:
+def check_hosts(
+    hosts: list[Host], ssh: list[str], root: str, config: str = "", timeout_s: float = 60.0
+) -> list[HostResult]:
     """Query every host at once; each result lists its problems (empty: the host is fit to run the job)."""
     local = hostreport.report(root, config)
 
@@ -131,6 +134,8 @@ def describe(r: HostResult) -> str:
     if r.problems:
         return f"FAIL {r.host.name}: " + "; ".join(r.problems)
     rep = r.report
-    return (f"ok   {r.host.name} ({rep['host']}): python {rep['python']}, torch {rep['torch']['version']}, "
-            f"engine {rep['engine']['version']} [{rep['engine']['digest']}], "
-            f"{rep['torch']['cuda_devices']} CUDA devices, slots={r.host.slots}")
+    return (
+        f"ok   {r.host.name} ({rep['host']}): python {rep['python']}, torch {rep['torch']['version']}, "
+        f"engine {rep['engine']['version']} [{rep['engine']['digest']}], "
+        f"{rep['torch']['cuda_devices']} CUDA devices, slots={r.host.slots}"
+    )

@@ -9,6 +9,7 @@ A host must be a host name (RFC 1123 labels; ``_`` allowed, as in /etc/hosts) or
 optional ``user@``: ssh and pdsh take their argument list from it, and a "host" such as ``-oProxyCommand=...`` or
 ``-Elog`` would reach ssh as an option and run or write what it says (DeepSpeed's launcher passes it on).
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -66,13 +67,17 @@ def parse_hostfile_text(text: str, source: str = "hostfile") -> list[Host]:
         name, slots = match["host"], int(match["slots"])
         problem = host_problem(name)
         if problem:
-            raise HostfileError(f"{source} line {number}: host {name!r} is not valid ({problem}); a host is a name "
-                                f"such as node1 or node1.cluster, or an IPv4/IPv6 address, optionally user@ first")
+            raise HostfileError(
+                f"{source} line {number}: host {name!r} is not valid ({problem}); a host is a name "
+                f"such as node1 or node1.cluster, or an IPv4/IPv6 address, optionally user@ first"
+            )
         if slots < 1:
             raise HostfileError(f"{source} line {number}: {raw.strip()!r} has slots={slots}; {VALID}")
         if name in seen:
-            raise HostfileError(f"{source} line {number}: host {name!r} is already listed on line {seen[name]}; "
-                                f"list each host once with all its slots")
+            raise HostfileError(
+                f"{source} line {number}: host {name!r} is already listed on line {seen[name]}; "
+                f"list each host once with all its slots"
+            )
         seen[name] = number
         hosts.append(Host(name, slots, number))
     if not hosts:

@@ -4,6 +4,7 @@ Preflight (launch/preflight.py) sends this file's text to every host as ``ssh HO
 script on stdin) and compares the answers with the local one, so it must run on a host that has no engine at all:
 standard library only, torch imported inside a try. Also runnable here: ``python engine/cluster/hostreport.py ROOT CONFIG``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -54,10 +55,17 @@ def _engine(root: Path) -> dict:
 
 def report(root: str, config: str = "") -> dict:
     """The host's answers; ``config`` is an absolute path ('' = none to check)."""
-    out = {"host": socket.gethostname(), "python": sys.version.split()[0], "executable": sys.executable,
-           "torch": _torch(), "engine": _engine(Path(root)), "packages": {p: _version(p) for p in PACKAGES}}
+    out = {
+        "host": socket.gethostname(),
+        "python": sys.version.split()[0],
+        "executable": sys.executable,
+        "torch": _torch(),
+        "engine": _engine(Path(root)),
+        "packages": {p: _version(p) for p in PACKAGES},
+    }
     if "error" not in out["engine"]:  # the address gloo would advertise here (engine/cluster/netcheck.py)
         from engine.cluster.netcheck import my_record
+
         out["net"] = my_record()
     if config:
         path = Path(config)

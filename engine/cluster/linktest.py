@@ -6,6 +6,7 @@ Bandwidths follow nccl-tests' definitions (github.com/NVIDIA/nccl-tests, doc/PER
     algbw   size / time of one all-reduce
     busbw   algbw * 2 (n - 1) / n, the rate each link of a ring all-reduce must sustain; comparable to p2p.
 """
+
 from __future__ import annotations
 
 import time
@@ -36,7 +37,7 @@ def link_pairs(labels: list[str], max_all: int = 16) -> list[tuple[int, int]]:
     for rank, label in enumerate(labels):
         first.setdefault(label, rank)
     leaders = sorted(first.values())
-    pairs = [(a, b) for i, a in enumerate(leaders) for b in leaders[i + 1:]]
+    pairs = [(a, b) for i, a in enumerate(leaders) for b in leaders[i + 1 :]]
     pairs += [(first[label], rank) for rank, label in enumerate(labels) if rank != first[label]]
     return sorted(pairs)
 
@@ -91,8 +92,14 @@ def measure(label: str, size_bytes: int, iters: int, device: torch.device) -> Li
     dist.all_gather_object(gathered, mine)
     if me != 0:
         return None
-    return LinkReport(labels, buf.numel() * buf.element_size(), dist.get_backend(),
-                      sorted(p for part in gathered for p in part), algbw, algbw * 2 * (n - 1) / n if n > 1 else 0.0)
+    return LinkReport(
+        labels,
+        buf.numel() * buf.element_size(),
+        dist.get_backend(),
+        sorted(p for part in gathered for p in part),
+        algbw,
+        algbw * 2 * (n - 1) / n if n > 1 else 0.0,
+    )
 
 
 def format_report(r: LinkReport) -> str:
@@ -100,6 +107,8 @@ def format_report(r: LinkReport) -> str:
     lines = [f"links ({r.backend}, {r.size_bytes / 2**20:.1f} MiB messages, {len(r.labels)} ranks):"]
     for a, b, gbps in r.p2p:
         lines.append(f"  p2p rank {a} ({r.labels[a]}) <-> rank {b} ({r.labels[b]}): {gbps:8.2f} GB/s")
-    lines.append(f"  all-reduce over {len(r.labels)} ranks: algbw {r.allreduce_algbw:8.2f} GB/s, "
-                 f"busbw {r.allreduce_busbw:8.2f} GB/s")
+    lines.append(
+        f"  all-reduce over {len(r.labels)} ranks: algbw {r.allreduce_algbw:8.2f} GB/s, "
+        f"busbw {r.allreduce_busbw:8.2f} GB/s"
+    )
     return "\n".join(lines)

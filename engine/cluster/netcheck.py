@@ -11,6 +11,7 @@ Done over the rendezvous store, before init_process_group: every rank posts (hos
 for the world and posts the verdict, so every host refuses with the same line and none is left waiting in a gloo
 connect. A world on one host never refuses (loopback reaches every rank there).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -74,10 +75,12 @@ def loopback_line(r: dict) -> str | None:
     if r["addr"] is None or not ipaddress.ip_address(r["addr"].split("%")[0]).is_loopback:
         return None
     iface = r.get("iface", "IFACE")
-    return (f"host {r['host']}: its host name resolves to {r['addr']}, a loopback address, so the other hosts "
-            f"would connect to themselves (gloo: Connection refused); set {IFNAME_ENV}={iface} (and "
-            f"NCCL_SOCKET_IFNAME={iface} under nccl) for every rank - under the deepspeed launcher as lines "
-            f"in .deepspeed_env - or map {r['host']} to its network address in /etc/hosts")
+    return (
+        f"host {r['host']}: its host name resolves to {r['addr']}, a loopback address, so the other hosts "
+        f"would connect to themselves (gloo: Connection refused); set {IFNAME_ENV}={iface} (and "
+        f"NCCL_SOCKET_IFNAME={iface} under nccl) for every rank - under the deepspeed launcher as lines "
+        f"in .deepspeed_env - or map {r['host']} to its network address in /etc/hosts"
+    )
 
 
 def verdict(records: list[dict]) -> str | None:

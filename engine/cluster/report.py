@@ -8,6 +8,7 @@ done; the others wait for that (bounded) and exit silently, so none of them exit
 The marker's name holds the launcher's pid and start time (all local workers share that parent) and the restart
 round, so another job or a restarted round never finds a stale one.
 """
+
 from __future__ import annotations
 
 import os

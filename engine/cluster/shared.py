@@ -8,6 +8,7 @@ a rank whose token rank 0 cannot see, or that cannot see rank 0's, is on a host 
 directory. Tokens are removed again. A file system that shows a new file late (NFS attribute caching) gets
 ``SETTLE_S`` seconds before a missing token counts.
 """
+
 from __future__ import annotations
 
 import shlex
@@ -81,20 +82,25 @@ def check_shared(directories: list[tuple[Path, str]], token: str, rank: int, gat
 
 
 def _refusal(setting: str, directory: Path, bad: list[str], first: str) -> str:
-    return (f"{setting} '{directory}' is not shared by host(s) {', '.join(bad)}: rank 0 (on {first}) and their "
-            f"ranks do not see each other's files there, so a checkpoint would lack their shards; give a directory "
-            f"on a file system every host mounts")
+    return (
+        f"{setting} '{directory}' is not shared by host(s) {', '.join(bad)}: rank 0 (on {first}) and their "
+        f"ranks do not see each other's files there, so a checkpoint would lack their shards; give a directory "
+        f"on a file system every host mounts"
+    )
 
 
-def check_shared_over_ssh(ssh: list[str], names: list[str], directories: list[tuple[Path, str]],
-                          timeout_s: float) -> str | None:
+def check_shared_over_ssh(
+    ssh: list[str], names: list[str], directories: list[tuple[Path, str]], timeout_s: float
+) -> str | None:
     """Preflight's version: the first host writes a token into each directory over ssh, every other host looks
     for it (SETTLE_S for a late one), the first removes it. The refusal line, or None."""
+
     def run(host: str, command: str) -> bool:
         try:
             return subprocess.run([*ssh, host, command], capture_output=True, timeout=timeout_s).returncode == 0
         except subprocess.TimeoutExpired:
             return False
+
     for directory, setting in directories:
         path = shlex.quote(str(directory / f"{_PREFIX}preflight-{uuid.uuid4().hex[:8]}"))
         if not run(names[0], f"mkdir -p {shlex.quote(str(directory))} && touch {path}"):
@@ -118,6 +124,7 @@ def describe_hosts(hosts: list[str]) -> str | None:
         ranks.setdefault(h, []).append(r)
     if len(ranks) < 2:
         return None
+
     def runs(rs: list[int]) -> str:
         out, start = [], rs[0]
         for a, b in zip(rs, rs[1:] + [None]):
@@ -125,4 +132,5 @@ def describe_hosts(hosts: list[str]) -> str | None:
                 out.append(f"{start}" if start == a else f"{start}-{a}")
                 start = b
         return ",".join(out)
+
     return "hosts: " + ", ".join(f"{h} ranks {runs(rs)}" for h, rs in ranks.items())

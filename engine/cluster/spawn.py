@@ -6,6 +6,7 @@ an initialised gloo process group, so the code runs the same path as under a lau
 engine/parallel/layout/context.py), whatever GPUs the machine has. The caller must not have
 run multi-threaded torch ops before forking (GNU OpenMP is not fork-safe; see tests/conftest.py).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -31,10 +32,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn, args: tuple, result_dir: str, timeout_s: float,
-            threads: int | None) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+def _worker(
+    rank: int, world_size: int, port: int, fn, args: tuple, result_dir: str, timeout_s: float, threads: int | None
+) -> None:
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     # Gloo ranks run on the CPU even where GPUs are visible: pick_device_and_backend would give each forked rank
     # cuda:LOCAL_RANK % GPUs with nccl (on one GPU all of them cuda:0), and a forked child cannot use CUDA at all
     # once its parent has initialised it. The child never asks torch.cuda, and hides the GPUs from what it starts.
@@ -48,8 +58,7 @@ def _worker(rank: int, world_size: int, port: int, fn, args: tuple, result_dir: 
     # A rank stuck outside a collective (which the process-group timeout would catch) prints its stack and exits,
     # so a hang fails the test instead of stalling the suite.
     faulthandler.dump_traceback_later(timeout_s, exit=True)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     try:
         result = fn(*args)
         torch.save(result, Path(result_dir) / f"{rank}.pt")
@@ -86,8 +95,13 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, threads: int
     ``threads``: torch threads per rank (default: the cores shared evenly)."""
     with tempfile.TemporaryDirectory() as result_dir:
         try:
-            mp.start_processes(_worker, args=(world_size, free_port(), fn, args, result_dir, timeout_s, threads),
-                               nprocs=world_size, join=True, start_method="fork")
+            mp.start_processes(
+                _worker,
+                args=(world_size, free_port(), fn, args, result_dir, timeout_s, threads),
+                nprocs=world_size,
+                join=True,
+                start_method="fork",
+            )
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             first = _first_failure(Path(result_dir))
             if first is None:  # killed without raising (a signal, the faulthandler timeout): torch's own message

@@ -10,6 +10,7 @@ and counts itself in; the ranks wait for the count to reach the world size with 
 group is then built on this store with the start-up timeout (gloo's full-mesh connect and NCCL's bootstrap are
 bounded by it) and given ``parallel.timeout_s`` for its collectives afterwards (engine/parallel/layout/context.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -54,13 +55,22 @@ def join(rank: int, world: int, timeout_s: float):
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     deadline, me = time.monotonic() + timeout_s, host_name()
     try:
-        store = dist.TCPStore(addr, port, world_size=None, is_master=rank == 0 and not agent,
-                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False, multi_tenant=True)
+        store = dist.TCPStore(
+            addr,
+            port,
+            world_size=None,
+            is_master=rank == 0 and not agent,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            multi_tenant=True,
+        )
     except Exception as e:  # noqa: BLE001  DistNetworkError, RuntimeError: a refused or timed-out connect
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise StartupError(f"rank {rank} on host {me} could not reach the job's store at {addr}:{port} within "
-                           f"{timeout_s:.0f} s (parallel.startup_timeout_s): the first host (rank 0's) is down, "
-                           f"unreachable or not started ({first})") from None
+        raise StartupError(
+            f"rank {rank} on host {me} could not reach the job's store at {addr}:{port} within "
+            f"{timeout_s:.0f} s (parallel.startup_timeout_s): the first host (rank 0's) is down, "
+            f"unreachable or not started ({first})"
+        ) from None
     ours = dist.PrefixStore(namespace(), store)
     try:
         ours.set(f"host/{rank}", me)
@@ -76,8 +86,10 @@ def join(rank: int, world: int, timeout_s: float):
             time.sleep(0.2)
             joined = ours.add("joined", 0)
     except (RuntimeError, dist.DistError) as e:  # the store's host gave up (or died) before this rank read why
-        raise StartupError(f"rank {rank} on host {me}: the job's store at {addr}:{port} went away during start-up "
-                           f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+        raise StartupError(
+            f"rank {rank} on host {me}: the job's store at {addr}:{port} went away during start-up "
+            f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})"
+        ) from None
     return store
 
 
@@ -95,9 +107,11 @@ def _missing_line(ours, world: int, timeout_s: float) -> str:
     present = [r for r in range(world) if ours.check([f"host/{r}"])]
     missing = [r for r in range(world) if r not in present]
     hosts = dict(zip(present, (v.decode() for v in ours.multi_get([f"host/{r}" for r in present]))))
-    return (f"ranks {_ranges(missing)}{_nodes(missing)} of {world} did not join within {timeout_s:.0f} s "
-            f"(parallel.startup_timeout_s): their host is down, unreachable or did not start them; joined: "
-            f"{describe_ranks(present, hosts)}")
+    return (
+        f"ranks {_ranges(missing)}{_nodes(missing)} of {world} did not join within {timeout_s:.0f} s "
+        f"(parallel.startup_timeout_s): their host is down, unreachable or did not start them; joined: "
+        f"{describe_ranks(present, hosts)}"
+    )
 
 
 def connect_failed(error: Exception, rank: int, timeout_s: float) -> StartupError:
@@ -109,13 +123,14 @@ def connect_failed(error: Exception, rank: int, timeout_s: float) -> StartupErro
     waited = re.search(r"keys: \S*/(\d+)(?!\S)", text)  # greedy: the key's last number
     who = f"rank {waited.group(1)}" if waited else "a rank"
     first = text.splitlines()[0] if text else type(error).__name__
-    return StartupError(f"rank {rank} on host {host_name()}: the process group did not connect within "
-                        f"{timeout_s:.0f} s (parallel.startup_timeout_s): {who} never posted its address (it failed "
-                        f"while connecting, or its host is unreachable) ({first})")
+    return StartupError(
+        f"rank {rank} on host {host_name()}: the process group did not connect within "
+        f"{timeout_s:.0f} s (parallel.startup_timeout_s): {who} never posted its address (it failed "
+        f"while connecting, or its host is unreachable) ({first})"
+    )
 
 
 def default_store(store):
     """The process group's view of the store, as torch's env:// path prefixes it, and per torchrun restart round
     (a restarted round sharing the agent's store must not read the dead round's addresses)."""
     return dist.PrefixStore(f"default_pg/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-

@@ -5,6 +5,7 @@ tokenized on the fly), blends them by weight (the idea of Megatron's BlendedData
 dataset index whose running fractions track the weights), and holds each one's tail out for validation. Sample ids
 are positions in the blend; engine.data.dataset.GlobalBatchSampler orders them.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,24 +36,30 @@ def read_indexed(prefix: str) -> np.ndarray:
     idx, bin_ = pathlib.Path(prefix + ".idx"), pathlib.Path(prefix + ".bin")
     for path, other in ((idx, bin_), (bin_, idx)):
         if not path.is_file():
-            raise DataError(f"{path}: no such file ({other.name} is {'there' if other.is_file() else 'missing too'}); "
-                            f"launch/preprocess.py writes both, the .idx last: rerun it")
+            raise DataError(
+                f"{path}: no such file ({other.name} is {'there' if other.is_file() else 'missing too'}); "
+                f"launch/preprocess.py writes both, the .idx last: rerun it"
+            )
     with open(idx, "rb") as f:
         head = f.read(34)
     if len(head) < 34 or head[:9] != INDEX_HEADER:
         raise DataError(f"{idx}: not a Megatron indexed-dataset index (bad header)")
     version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:])
     if version != 1 or code not in INDEX_DTYPES:
-        raise DataError(f"{idx}: unsupported index (version {version}, dtype code {code}); "
-                        f"expected version 1 with integer token ids")
+        raise DataError(
+            f"{idx}: unsupported index (version {version}, dtype code {code}); "
+            f"expected version 1 with integer token ids"
+        )
     if idx.stat().st_size < 34 + 12 * n_seq + 8 * n_doc:
         raise DataError(f"{idx}: truncated ({idx.stat().st_size} bytes for {n_seq} sequences, {n_doc} documents)")
     dtype = np.dtype(INDEX_DTYPES[code])
     lengths = np.memmap(idx, dtype=np.int32, mode="r", offset=34, shape=(n_seq,)) if n_seq else np.zeros(0)
     n_tokens = int(lengths.sum(dtype=np.int64))
     if bin_.stat().st_size != n_tokens * dtype.itemsize:
-        raise DataError(f"{bin_}: {bin_.stat().st_size} bytes, but {idx.name} describes {n_tokens} tokens of "
-                        f"{dtype.name} ({n_tokens * dtype.itemsize} bytes); the pair is mismatched or truncated")
+        raise DataError(
+            f"{bin_}: {bin_.stat().st_size} bytes, but {idx.name} describes {n_tokens} tokens of "
+            f"{dtype.name} ({n_tokens * dtype.itemsize} bytes); the pair is mismatched or truncated"
+        )
     if n_tokens == 0:
         raise DataError(f"{prefix}: no tokens (the indexed dataset is empty)")
     return np.memmap(bin_, dtype=dtype, mode="r")
@@ -68,16 +75,20 @@ def _open_source(path: str, tokenizer: PreTrainedTokenizerBase, text_key: str) -
         return f"indexed {tokens.dtype.name}", tokens
     if pathlib.Path(path).suffix.lower() in BUILDERS:
         return "raw", tokenize_files([path], tokenizer, text_key)
-    raise DataError(f"data path {path!r}: found neither {prefix}.bin/.idx (an indexed dataset from "
-                    f"launch/preprocess.py) nor a raw {'/'.join(BUILDERS)} file")
+    raise DataError(
+        f"data path {path!r}: found neither {prefix}.bin/.idx (an indexed dataset from "
+        f"launch/preprocess.py) nor a raw {'/'.join(BUILDERS)} file"
+    )
 
 
 def _check_vocab(name: str, tokens: np.ndarray, vocab_size: int) -> None:
     """DataError naming the dataset unless every token id is in [0, vocab_size) (one pass per bound, at load)."""
     lo, hi = 0 if tokens.dtype.kind == "u" else int(tokens.min()), int(tokens.max())
     if lo < 0 or hi >= vocab_size:
-        raise DataError(f"dataset {name}: token ids span [{lo}, {hi}] (max id {hi}) but the model's vocab_size is "
-                        f"{vocab_size}; tokenize it with the model's tokenizer or raise model.vocab_size")
+        raise DataError(
+            f"dataset {name}: token ids span [{lo}, {hi}] (max id {hi}) but the model's vocab_size is "
+            f"{vocab_size}; tokenize it with the model's tokenizer or raise model.vocab_size"
+        )
 
 
 def _split(name: str, tokens: np.ndarray, seq_len: int, valid_fraction: float) -> tuple[PackedDataset, list]:
@@ -87,8 +98,9 @@ def _split(name: str, tokens: np.ndarray, seq_len: int, valid_fraction: float) -
     so a stream of fewer than 2*seq_len + 2 tokens gives no validation sample."""
     s, total = seq_len, len(tokens)
     if total < s + 1:
-        raise DataError(f"dataset {name}: {total} tokens; one sample of seq_len={s} needs {s + 1}; "
-                        f"add data or lower train.seq_len")
+        raise DataError(
+            f"dataset {name}: {total} tokens; one sample of seq_len={s} needs {s + 1}; add data or lower train.seq_len"
+        )
     n = (total - 1) // s
     n_valid = 0 if valid_fraction == 0 else min(max(1, math.floor(valid_fraction * n + 0.5)), (total - s - 2) // s)
     if n_valid <= 0:
@@ -102,7 +114,7 @@ def blend_counts(weights: np.ndarray, total: int) -> np.ndarray:
     ties to the lower dataset index). ``weights`` must be normalised."""
     raw = np.asarray(weights, dtype=np.float64) * total
     counts = np.floor(raw).astype(np.int64)
-    counts[np.argsort(-(raw - counts), kind="stable")[:max(0, total - int(counts.sum()))]] += 1
+    counts[np.argsort(-(raw - counts), kind="stable")[: max(0, total - int(counts.sum()))]] += 1
     return counts
 
 
@@ -125,6 +137,7 @@ class DataSpec:
     .txt/.json/.jsonl/.parquet files, each one dataset; [] = the bundled corpus. ``weights``: one per path, any
     positive scale ([] = proportional to each dataset's training samples). ``vocab_size``: the model's; every token
     id must be below it. ``valid_fraction`` in [0, 1): the share of each dataset held out for validation."""
+
     paths: list[str]
     weights: list[float]
     seq_len: int
@@ -137,8 +150,15 @@ class DataSpec:
 def spec_from_config(cfg) -> DataSpec:
     """The DataSpec of an engine.config.Config: data.paths/weights/valid_fraction/text_key, train.seq_len/seed,
     model.vocab_size."""
-    return DataSpec(list(cfg.data.paths), list(cfg.data.weights), cfg.train.seq_len, cfg.train.seed,
-                    cfg.model.vocab_size, cfg.data.valid_fraction, cfg.data.text_key)
+    return DataSpec(
+        list(cfg.data.paths),
+        list(cfg.data.weights),
+        cfg.train.seq_len,
+        cfg.train.seed,
+        cfg.model.vocab_size,
+        cfg.data.valid_fraction,
+        cfg.data.text_key,
+    )
 
 
 class TrainData:
@@ -158,15 +178,24 @@ class TrainData:
         if spec.seq_len < 1 or not 0 <= spec.valid_fraction < 1:
             raise DataError(f"seq_len={spec.seq_len} must be >= 1 and valid_fraction={spec.valid_fraction} in [0, 1)")
         weights = list(spec.weights)
-        if weights and (len(weights) != len(spec.paths) or not all(math.isfinite(w) and w >= 0 for w in weights)
-                        or sum(weights) <= 0):
-            raise DataError(f"data.weights={weights}: give one finite weight >= 0 per path "
-                            f"({len(spec.paths)} paths), not all zero, or none")
+        if weights and (
+            len(weights) != len(spec.paths)
+            or not all(math.isfinite(w) and w >= 0 for w in weights)
+            or sum(weights) <= 0
+        ):
+            raise DataError(
+                f"data.weights={weights}: give one finite weight >= 0 per path "
+                f"({len(spec.paths)} paths), not all zero, or none"
+            )
         self.spec = spec
         self.names = list(spec.paths) or ["bundled corpus"]
         self.kinds, self.sizes, self.train, self.valid = [], [], [], []
         for name in self.names:
-            kind, tokens = _open_source(name, tokenizer, spec.text_key) if spec.paths else ("raw", load_train_tokens([], tokenizer))
+            kind, tokens = (
+                _open_source(name, tokenizer, spec.text_key)
+                if spec.paths
+                else ("raw", load_train_tokens([], tokenizer))
+            )
             _check_vocab(name, tokens, spec.vocab_size)
             train, valid = _split(name, tokens, spec.seq_len, spec.valid_fraction)
             self.kinds.append(kind)
@@ -211,15 +240,23 @@ class TrainData:
             for b in range(num):
                 pos = [(b * batch_size + j) % n for j in range(batch_size)]
                 yield torch.stack([self.valid[self._valid_dataset[p]][int(self._valid_sample[p])] for p in pos])
+
         return batches()
 
     def describe(self) -> str:
         """One line: each dataset with its kind, tokens, weight and sample counts; the totals."""
-        parts = [f"{name} [{kind}, {size} tokens] weight {w:.3f}: {c} of {len(t)} train samples in the blend, "
-                 f"{len(v) if v is not None else 0} valid" for name, kind, size, w, c, t, v in
-                 zip(self.names, self.kinds, self.sizes, self.weights, self.counts, self.train, self.valid)]
-        return (f"data: {len(self.names)} dataset(s), seq_len {self.spec.seq_len}: " + "; ".join(parts)
-                + f" | blend {self.num_train_samples} train samples per epoch, {self.num_valid_samples} valid")
+        parts = [
+            f"{name} [{kind}, {size} tokens] weight {w:.3f}: {c} of {len(t)} train samples in the blend, "
+            f"{len(v) if v is not None else 0} valid"
+            for name, kind, size, w, c, t, v in zip(
+                self.names, self.kinds, self.sizes, self.weights, self.counts, self.train, self.valid
+            )
+        ]
+        return (
+            f"data: {len(self.names)} dataset(s), seq_len {self.spec.seq_len}: "
+            + "; ".join(parts)
+            + f" | blend {self.num_train_samples} train samples per epoch, {self.num_valid_samples} valid"
+        )
 
 
 def batch_from(data: TrainData, ids: list[int]) -> torch.Tensor:

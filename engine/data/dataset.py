@@ -9,6 +9,7 @@ only on the seed, so any data-parallel layout sees the same global batches, and 
 size) continues with the next samples. ``transformers`` and ``datasets`` are imported lazily; megatron-core is not
 needed here (its format is read with numpy).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,18 +48,24 @@ def load_tokenizer(name_or_path: str = "") -> PreTrainedTokenizerBase:
     looks_local = target.startswith(("/", ".", "~")) or local.exists()
     if looks_local and not local.is_dir():
         problem = "is not a folder" if local.exists() else "does not exist"
-        raise DataError(f"tokenizer {name_or_path!r} {problem}; give a folder with tokenizer.json, "
-                        f"a Hugging Face hub name, or '' for the bundled tokenizer")
+        raise DataError(
+            f"tokenizer {name_or_path!r} {problem}; give a folder with tokenizer.json, "
+            f"a Hugging Face hub name, or '' for the bundled tokenizer"
+        )
     try:  # never the folder's own Python: transformers would ask on stdin, and a "y" there would run it
         return AutoTokenizer.from_pretrained(str(local) if looks_local else target, trust_remote_code=False)
     except (OSError, ValueError) as e:
         if "trust_remote_code" in str(e):
-            raise DataError(f"tokenizer {target!r} needs trust_remote_code (its config's auto_map names Python code "
-                            f"of its own), which the engine never runs; give a tokenizer that loads without it "
-                            f"(tokenizer.json), or '' for the bundled tokenizer") from None
+            raise DataError(
+                f"tokenizer {target!r} needs trust_remote_code (its config's auto_map names Python code "
+                f"of its own), which the engine never runs; give a tokenizer that loads without it "
+                f"(tokenizer.json), or '' for the bundled tokenizer"
+            ) from None
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DataError(f"could not load tokenizer {target!r} ({reason}); give a folder with tokenizer.json, "
-                        f"a hub name (online), or '' for the bundled tokenizer") from e
+        raise DataError(
+            f"could not load tokenizer {target!r} ({reason}); give a folder with tokenizer.json, "
+            f"a hub name (online), or '' for the bundled tokenizer"
+        ) from e
 
 
 @contextlib.contextmanager
@@ -122,8 +129,10 @@ def _bad_json_line(path: pathlib.Path) -> str | None:
 def check_text_column(ds, column: str, name: str) -> None:
     """DataError naming ``name`` unless ``ds`` (a datasets.Dataset) has a string (or all-null) field ``column``."""
     if column not in ds.column_names:
-        raise DataError(f"{name}: no field {column!r}; its fields are {ds.column_names} (set data.text_key, or "
-                        f"--text-key in launch/preprocess.py, to the one holding the text)")
+        raise DataError(
+            f"{name}: no field {column!r}; its fields are {ds.column_names} (set data.text_key, or "
+            f"--text-key in launch/preprocess.py, to the one holding the text)"
+        )
     if getattr(ds.features[column], "dtype", None) not in ("string", "large_string", "null"):
         raise DataError(f"{name}: field {column!r} must hold strings, it holds {ds.features[column]}")
 
@@ -200,8 +209,10 @@ class PackedDataset:
         self.tokens = np.asarray(tokens).reshape(-1)  # (n_tokens,)
         self.seq_len = seq_len
         if len(self) < 1:
-            raise DataError(f"the data has {len(self.tokens)} tokens; one sample of seq_len={seq_len} needs "
-                            f"{seq_len + 1}; add data or lower train.seq_len")
+            raise DataError(
+                f"the data has {len(self.tokens)} tokens; one sample of seq_len={seq_len} needs "
+                f"{seq_len + 1}; add data or lower train.seq_len"
+            )
 
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
@@ -210,7 +221,7 @@ class PackedDataset:
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range [0, {len(self)})")
         start = i * self.seq_len
-        return torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))  # (s+1,)
+        return torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))  # (s+1,)
 
 
 def check_consumed(consumed) -> int:
@@ -232,8 +243,10 @@ class GlobalBatchSampler:
         if num_samples < 1:
             raise DataError(f"num_samples={num_samples}; the dataset must have at least one sample")
         if global_batch_size < 1 or dp_size < 1 or global_batch_size % dp_size:
-            raise DataError(f"global_batch_size={global_batch_size} must be a positive multiple of the data-parallel "
-                            f"size dp={dp_size}")
+            raise DataError(
+                f"global_batch_size={global_batch_size} must be a positive multiple of the data-parallel "
+                f"size dp={dp_size}"
+            )
         if not 0 <= dp_rank < dp_size:
             raise DataError(f"dp_rank={dp_rank} must be in [0, {dp_size})")
         self.num_samples, self.global_batch_size, self.seed = num_samples, global_batch_size, seed

@@ -8,6 +8,7 @@ same tokens. The batch is split over dp only: the cp ranks of a dp rank each rea
 Every rank counts consumed samples (``consumed_samples``, the run's one data position: the sampler
 holds none), so the position is known everywhere (checkpoints); ``seek`` moves it on resume.
 """
+
 from __future__ import annotations
 
 from typing import Iterator
@@ -35,8 +36,9 @@ class BatchFeed:
         self.data = self.sampler = None
         if self.reads:
             self.data = blend.TrainData(blend.spec_from_config(cfg), tokenizer)
-            self.sampler = data_lib.GlobalBatchSampler(self.data.num_train_samples, t.global_batch_size, t.seed,
-                                                       dp_rank=ctx.dp_rank, dp_size=ctx.dp)
+            self.sampler = data_lib.GlobalBatchSampler(
+                self.data.num_train_samples, t.global_batch_size, t.seed, dp_rank=ctx.dp_rank, dp_size=ctx.dp
+            )
 
     def seek(self, consumed_samples: int) -> None:
         """Continue after ``consumed_samples`` global samples (a resume, at any dp size: the order is global)."""

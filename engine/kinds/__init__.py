@@ -19,6 +19,7 @@ A spec names the code of its kind that lives higher up (a cp mode's attention co
 "module:name" string, imported where it is used (``load``), so this floor imports nothing above it.
 A new kind of an existing sort is one spec here plus its code: docs/recipes.md.
 """
+
 from __future__ import annotations
 
 import importlib

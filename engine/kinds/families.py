@@ -17,6 +17,7 @@ names on disk) and the planner (q/k norm parameters and activations) ask the spe
 
 No torch, and nothing above engine/errors.py: the config checks read it before torch is loaded.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -60,15 +61,19 @@ class LayerWindow(NoWindow):
 
     def read(self, hf: dict, source, architecture: str) -> int:
         if hf.get("use_sliding_window"):
-            raise CheckpointError(f"{source}: use_sliding_window={hf['use_sliding_window']!r} is not supported for "
-                                  f"{architecture} (engine/model/transformer.py has no sliding window for "
-                                  f"its layers from max_window_layers on); use a config with use_sliding_window false")
+            raise CheckpointError(
+                f"{source}: use_sliding_window={hf['use_sliding_window']!r} is not supported for "
+                f"{architecture} (engine/model/transformer.py has no sliding window for "
+                f"its layers from max_window_layers on); use a config with use_sliding_window false"
+            )
         return 0
 
     def write(self, window: int, architecture: str) -> dict:
         if window:
-            raise CheckpointError(f"model.sliding_window={window} cannot be written as {architecture}, whose window "
-                                  f"covers only some layers; set it to 0")
+            raise CheckpointError(
+                f"model.sliding_window={window} cannot be written as {architecture}, whose window "
+                f"covers only some layers; set it to 0"
+            )
         return {"use_sliding_window": False, "sliding_window": None}
 
 
@@ -84,6 +89,7 @@ class MoeSpec:
     ``shared_expert``: shared_expert_intermediate_size behind a sigmoid gate (export also writes qkv_bias).
     ``hf_extra``: fixed keys export writes. ``disk``: the published per-expert tensors, (block module, gate, up,
     down), as in model.layers.3.block_sparse_moe.experts.0.w1.weight."""
+
     gating: str
     count_keys: tuple[str, ...] = ("num_experts",)
     norm_topk_key: bool = True
@@ -101,6 +107,7 @@ class FamilySpec:
     projection, weights (nh hd,), (nkv hd,), OLMoE's; "head", one (hd,) weight each applied per head before RoPE,
     Qwen3's; None), ``window`` (how config.json says the sliding window), ``hf_extra`` (fixed keys export writes),
     ``moe`` (the MoE part; None: dense)."""
+
     name: str
     architecture: str
     config_class: str
@@ -114,23 +121,55 @@ class FamilySpec:
 _NO_BIASES = {"attention_bias": False, "mlp_bias": False}
 _QWEN3_MOE = MoeSpec("softmax_topk", count_keys=("num_experts", "num_local_experts"), layer_keys=True)
 
-FAMILIES: dict[str, FamilySpec] = {s.name: s for s in (  # model.family -> its FamilySpec
-    FamilySpec("llama", "LlamaForCausalLM", "LlamaConfig", hf_extra=_NO_BIASES),
-    FamilySpec("qwen2", "Qwen2ForCausalLM", "Qwen2Config", qkv_bias=True, window=UseSlidingWindow()),
-    FamilySpec("mistral", "MistralForCausalLM", "MistralConfig", window=SlidingWindow()),
-    # Mixtral writes its count as num_local_experts, always normalises (softmax over the k) and names its experts
-    # block_sparse_moe.experts.e.w1 / w3 / w2
-    FamilySpec("mixtral", "MixtralForCausalLM", "MixtralConfig", window=SlidingWindow(),
-               moe=MoeSpec("topk_softmax", count_keys=("num_local_experts",), norm_topk_key=False,
-                           hf_extra={"router_jitter_noise": 0.0}, disk=("block_sparse_moe", "w1", "w3", "w2"))),
-    FamilySpec("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeConfig", qkv_bias=True, window=UseSlidingWindow(),
-               moe=MoeSpec("softmax_topk", layer_keys=True, shared_expert=True)),
-    FamilySpec("olmoe", "OlmoeForCausalLM", "OlmoeConfig", qk_norm="projection", moe=MoeSpec("softmax_topk")),
-    FamilySpec("qwen3", "Qwen3ForCausalLM", "Qwen3Config", qk_norm="head", window=LayerWindow(),
-               hf_extra={"attention_bias": False}),
-    # transformers 5 writes Qwen3-MoE's count as num_local_experts (its attribute_map), the published config.json
-    # as num_experts: both are read
-    FamilySpec("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", qk_norm="head", window=LayerWindow(),
-               hf_extra={"attention_bias": False}, moe=_QWEN3_MOE),
-)}
+FAMILIES: dict[str, FamilySpec] = {
+    s.name: s
+    for s in (  # model.family -> its FamilySpec
+        FamilySpec("llama", "LlamaForCausalLM", "LlamaConfig", hf_extra=_NO_BIASES),
+        FamilySpec("qwen2", "Qwen2ForCausalLM", "Qwen2Config", qkv_bias=True, window=UseSlidingWindow()),
+        FamilySpec("mistral", "MistralForCausalLM", "MistralConfig", window=SlidingWindow()),
+        # Mixtral writes its count as num_local_experts, always normalises (softmax over the k) and names its experts
+        # block_sparse_moe.experts.e.w1 / w3 / w2
+        FamilySpec(
+            "mixtral",
+            "MixtralForCausalLM",
+            "MixtralConfig",
+            window=SlidingWindow(),
+            moe=MoeSpec(
+                "topk_softmax",
+                count_keys=("num_local_experts",),
+                norm_topk_key=False,
+                hf_extra={"router_jitter_noise": 0.0},
+                disk=("block_sparse_moe", "w1", "w3", "w2"),
+            ),
+        ),
+        FamilySpec(
+            "qwen2_moe",
+            "Qwen2MoeForCausalLM",
+            "Qwen2MoeConfig",
+            qkv_bias=True,
+            window=UseSlidingWindow(),
+            moe=MoeSpec("softmax_topk", layer_keys=True, shared_expert=True),
+        ),
+        FamilySpec("olmoe", "OlmoeForCausalLM", "OlmoeConfig", qk_norm="projection", moe=MoeSpec("softmax_topk")),
+        FamilySpec(
+            "qwen3",
+            "Qwen3ForCausalLM",
+            "Qwen3Config",
+            qk_norm="head",
+            window=LayerWindow(),
+            hf_extra={"attention_bias": False},
+        ),
+        # transformers 5 writes Qwen3-MoE's count as num_local_experts (its attribute_map), the published config.json
+        # as num_experts: both are read
+        FamilySpec(
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            "Qwen3MoeConfig",
+            qk_norm="head",
+            window=LayerWindow(),
+            hf_extra={"attention_bias": False},
+            moe=_QWEN3_MOE,
+        ),
+    )
+}
 MOE_FAMILIES = tuple(name for name, s in FAMILIES.items() if s.moe)  # in registry order (messages list them)

@@ -5,6 +5,7 @@ policy: recompute_run.py); the planner's FLOPs (engine/planning/flops.py), its a
 (engine/planning/activations.py), the collectives it repeats (engine/planning/search.py, ep.py) ask the spec and
 never compare the name. No torch: the config checks read it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ class RecomputeSpec:
     micro-batch, one layer rebuilt at a time). ``keeps_matmul_outputs``: the ledger also keeps the GEMM outputs
     (selective). FLOPs per token and layer (PaLM's hardware FLOPs) add one more forward of: the matmuls,
     2 N (``matmul_flops``), and of the attention core, 4 H Q T (``attention_flops``)."""
+
     name: str
     recomputes: bool = False
     keeps_matmul_outputs: bool = False
@@ -24,10 +26,13 @@ class RecomputeSpec:
     attention_flops: bool = False
 
 
-RECOMPUTE: dict[str, RecomputeSpec] = {s.name: s for s in (  # train.activation_checkpointing -> its spec
-    RecomputeSpec("none"),
-    # Chen et al. 2016: keep each block's input, recompute the whole block in backward
-    RecomputeSpec("full", recomputes=True, matmul_flops=True, attention_flops=True),
-    # Korthikanti et al. 2022 Sec. 5 (op-level, as torchtitan): keep the matmul outputs, recompute the cheap rest
-    RecomputeSpec("selective", recomputes=True, keeps_matmul_outputs=True, attention_flops=True),
-)}
+RECOMPUTE: dict[str, RecomputeSpec] = {
+    s.name: s
+    for s in (  # train.activation_checkpointing -> its spec
+        RecomputeSpec("none"),
+        # Chen et al. 2016: keep each block's input, recompute the whole block in backward
+        RecomputeSpec("full", recomputes=True, matmul_flops=True, attention_flops=True),
+        # Korthikanti et al. 2022 Sec. 5 (op-level, as torchtitan): keep the matmul outputs, recompute the cheap rest
+        RecomputeSpec("selective", recomputes=True, keeps_matmul_outputs=True, attention_flops=True),
+    )
+}

@@ -1,4 +1,5 @@
 """Per-step metrics: one JSON object per logged step in <out_dir>/metrics.jsonl, and a progress line on rank 0."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,15 @@ class MetricsLogger:
     checkpoint after this step, then exit 3) and nothing more is written; without ``on_failure`` it raises
     StorageError."""
 
-    def __init__(self, out_dir: str, enabled: bool, progress: bool, total_steps: int, sinks: list | None = None,
-                 on_failure: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        out_dir: str,
+        enabled: bool,
+        progress: bool,
+        total_steps: int,
+        sinks: list | None = None,
+        on_failure: Callable[[str], None] | None = None,
+    ):
         self.enabled, self.progress, self.total_steps = enabled, progress, total_steps
         self.path = Path(out_dir) / "metrics.jsonl"
         self.start_time, self.start_step = time.perf_counter(), None
@@ -69,8 +77,10 @@ class MetricsLogger:
         except OSError as e:  # before the first step: nothing to save yet, the run is refused (exit 3)
             raise StorageError(f"metrics: {describe(self.path, e)}") from None
         bad = f" and {unreadable} unreadable lines" if unreadable else ""
-        print(f"metrics: {len(dropped) - unreadable} records past step {step}{bad} moved to "
-              f"metrics.rolled_back.jsonl", flush=True)
+        print(
+            f"metrics: {len(dropped) - unreadable} records past step {step}{bad} moved to metrics.rolled_back.jsonl",
+            flush=True,
+        )
 
     def log(self, record: dict) -> None:
         """Append ``record`` (which must hold 'step') and print the progress line with an ETA."""
@@ -107,6 +117,8 @@ class MetricsLogger:
                 self.start_step, self.start_time = step - 1, time.perf_counter() - r.get("step_time", 0.0)
             per_step = (time.perf_counter() - self.start_time) / max(1, step - self.start_step)
             eta = _fmt_duration(per_step * (self.total_steps - step))
-        say(f"step {step:>6}/{self.total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | "
-              f"grad_norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | "
-              f"{1000 * r['step_time']:.0f} ms/step | ETA {eta}")
+        say(
+            f"step {step:>6}/{self.total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.3e} | "
+            f"grad_norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | "
+            f"{1000 * r['step_time']:.0f} ms/step | ETA {eta}"
+        )

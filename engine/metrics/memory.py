@@ -11,6 +11,7 @@ There is no allocator to ask on CPU, so memory is counted as tensor storages (ea
 launch/bench/measure.py runs a Trainer's step under all three; engine/planning/planner.py is checked against it
 (tests/test_planner.py, launch/bench/tp.py).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -72,11 +73,20 @@ def tensor_bytes_held(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     params = list(model.parameters())
     out = {"params": storage_bytes(params, seen)}
     # _unsharded_param appears at FSDP2's first all-gather, so its absence before that is no version change.
-    unsharded = [g for fp in fsdp_params(model) for g in (private(fp, "torch", "unsharded_accumulated_grad"),
-                 getattr(getattr(fp, "_unsharded_param", None), "grad", None))]
+    unsharded = [
+        g
+        for fp in fsdp_params(model)
+        for g in (
+            private(fp, "torch", "unsharded_accumulated_grad"),
+            getattr(getattr(fp, "_unsharded_param", None), "grad", None),
+        )
+    ]
     out["grads"] = storage_bytes([p.grad for p in params] + unsharded, seen)
-    state = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()
-                                          if isinstance(v, torch.Tensor)]
+    state = (
+        []
+        if optimizer is None
+        else [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    )
     out["optimizer"] = storage_bytes(state, seen)
     return out
 

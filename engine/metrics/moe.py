@@ -9,6 +9,7 @@
 - ``moe_dropped_tokens``: token copies over capacity (model.moe_capacity_factor), summed likewise; 0 when dropless.
 Sums over pipeline stages (each holds its own layers) and dp x cp ranks: one all-reduce each of E + 3 numbers.
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,10 +43,14 @@ def collect(model: nn.Module, cfg: Config, ctx, micro_batches: int) -> dict:
     layers = sum(is_moe_layer(m, i) for i in range(m.num_layers))
     mean_over = layers * micro_batches * ctx.grad_size  # a cp rank's aux and z average to the micro-batch's
     counts = sums[3:]
-    return {"moe_aux_loss": (sums[0] / mean_over).item(), "moe_z_loss": (sums[1] / mean_over).item(),
-            "moe_tokens_per_expert_min": int(counts.min()), "moe_tokens_per_expert_max": int(counts.max()),
-            "moe_tokens_per_expert_cv": (counts.std(unbiased=False) / counts.mean().clamp(min=1)).item(),
-            "moe_dropped_tokens": int(sums[2])}
+    return {
+        "moe_aux_loss": (sums[0] / mean_over).item(),
+        "moe_z_loss": (sums[1] / mean_over).item(),
+        "moe_tokens_per_expert_min": int(counts.min()),
+        "moe_tokens_per_expert_max": int(counts.max()),
+        "moe_tokens_per_expert_cv": (counts.std(unbiased=False) / counts.mean().clamp(min=1)).item(),
+        "moe_dropped_tokens": int(sums[2]),
+    }
 
 
 def step_loss(lm_loss: float, model: nn.Module, cfg: Config, ctx, micro_batches: int) -> tuple[float, dict]:

@@ -19,6 +19,7 @@
   DeepSpeed's step() with its reductions under zero). FSDP's and ZeRO-2/3's collectives run inside forward and
   backward.
 """
+
 from __future__ import annotations
 
 import torch
@@ -75,8 +76,9 @@ class StepStats:
             torch.cuda.reset_peak_memory_stats(self.ctx.device)
         else:
             peak = self.state_bytes
-        record.update(peak_mem_bytes=self.max_over_ranks(peak),
-                      mem_source="cuda_allocator" if self.cuda else "tensors_held")
+        record.update(
+            peak_mem_bytes=self.max_over_ranks(peak), mem_source="cuda_allocator" if self.cuda else "tensors_held"
+        )
         if self.timer.enabled:
             record["time"] = {k: round(v, 6) for k, v in self.timer.pop().items()}
         return record

@@ -9,6 +9,7 @@ peak_mem_bytes (as memory/peak_GiB), step_time and time/<phase> seconds; an MoE 
 tokens per expert (min, max, CV) and dropped tokens. Only the rank that writes metrics.jsonl
 (rank 0) makes a sink.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -17,14 +18,25 @@ import threading
 
 from engine.config import ConfigError
 
-SCALARS = {"loss": "loss/train", "eval_loss": "loss/eval", "lr": "lr", "grad_norm": "grad_norm",
-           "tokens_per_s": "throughput/tokens_per_s", "tflops": "throughput/tflops_per_device",
-           "mfu": "throughput/mfu", "step_time": "time/step_s", "skipped_steps": "skipped_steps",
-           # mixture of experts (engine/metrics/moe.py)
-           "lm_loss": "loss/lm", "moe_aux_loss": "moe/aux_loss", "moe_z_loss": "moe/z_loss",
-           "moe_tokens_per_expert_min": "moe/tokens_per_expert_min", "moe_tokens_per_expert_max":
-           "moe/tokens_per_expert_max", "moe_tokens_per_expert_cv": "moe/tokens_per_expert_cv",
-           "moe_dropped_tokens": "moe/dropped_tokens"}
+SCALARS = {
+    "loss": "loss/train",
+    "eval_loss": "loss/eval",
+    "lr": "lr",
+    "grad_norm": "grad_norm",
+    "tokens_per_s": "throughput/tokens_per_s",
+    "tflops": "throughput/tflops_per_device",
+    "mfu": "throughput/mfu",
+    "step_time": "time/step_s",
+    "skipped_steps": "skipped_steps",
+    # mixture of experts (engine/metrics/moe.py)
+    "lm_loss": "loss/lm",
+    "moe_aux_loss": "moe/aux_loss",
+    "moe_z_loss": "moe/z_loss",
+    "moe_tokens_per_expert_min": "moe/tokens_per_expert_min",
+    "moe_tokens_per_expert_max": "moe/tokens_per_expert_max",
+    "moe_tokens_per_expert_cv": "moe/tokens_per_expert_cv",
+    "moe_dropped_tokens": "moe/dropped_tokens",
+}
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -41,9 +53,11 @@ def _quiet_writer_thread(hook):
     """tensorboard writes events from a thread of its own; an OSError there (a full disk) is raised again by the
     next flush in the main thread, where engine/metrics/logger.py turns it into one line, so the thread's own
     traceback would be a second, noisier report of it. Every other thread's exception goes to ``hook``."""
+
     def quiet(args):
         if not (issubclass(args.exc_type, OSError) and type(args.thread).__module__.startswith("tensorboard.")):
             hook(args)
+
     quiet.quiet_tensorboard = True
     return quiet
 
@@ -51,6 +65,7 @@ def _quiet_writer_thread(hook):
 class TensorBoardSink:
     def __init__(self, out_dir: str):
         from torch.utils.tensorboard import SummaryWriter
+
         if not getattr(threading.excepthook, "quiet_tensorboard", False):
             threading.excepthook = _quiet_writer_thread(threading.excepthook)
         self.path = os.path.join(out_dir, "tensorboard")  # named by a failed write (engine/metrics/logger.py)
@@ -70,8 +85,7 @@ class WandbSink:
         import wandb
 
         self.path = out_dir
-        self.run = wandb.init(project=project, dir=out_dir, config=config,
-                              mode=os.environ.get("WANDB_MODE", "offline"))
+        self.run = wandb.init(project=project, dir=out_dir, config=config, mode=os.environ.get("WANDB_MODE", "offline"))
 
     def log(self, record: dict) -> None:
         self.run.log(scalars(record), step=record["step"])
@@ -82,8 +96,10 @@ class WandbSink:
 
 def _require(module: str, setting: str) -> None:
     if importlib.util.find_spec(module) is None:
-        raise ConfigError(f"{setting} needs the {module} package: pip install {module}"
-                          + (' (or pip install -e ".[dev]")' if module == "tensorboard" else ""))
+        raise ConfigError(
+            f"{setting} needs the {module} package: pip install {module}"
+            + (' (or pip install -e ".[dev]")' if module == "tensorboard" else "")
+        )
 
 
 def build_sinks(cfg, create: bool) -> list:

@@ -16,6 +16,7 @@ event only (``Event.synchronize``), which the step's end has usually reached alr
 metrics logging and the checkpointer's stop-signal all-reduce are part of the step; evaluation and checkpoint
 saves are excluded (``excluded()``), as Megatron stops its interval timer around them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -68,9 +69,11 @@ class PhaseTimer:
 
     def wrap(self, name: str, fn):
         """fn, timed as ``name`` on every call."""
+
         def timed(*args, **kwargs):
             with self.phase(name):
                 return fn(*args, **kwargs)
+
         return timed
 
     def pop(self) -> dict[str, float]:

@@ -19,6 +19,7 @@ On sm90 cuDNN attention may take the flash path's place (same saved tensors: q, 
 FlexAttention with a document block mask is left out: in eager mode (and on CPU) it runs an unfused reference that
 materialises the scores, and it needs torch.compile to be O(s).
 """
+
 from __future__ import annotations
 
 import torch

@@ -9,6 +9,7 @@ place: parameter names and the module tree stay as they are (checkpoints and HF 
 
 The combinations that do not work are refused by engine/config_checks.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,4 +25,3 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> None:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, CACHE_SIZE_LIMIT)
     for layer in model.model.layers.values():
         layer.compile(backend=backend)
-

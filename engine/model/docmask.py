@@ -6,6 +6,7 @@ document index (the number of EOS tokens before it) and its RoPE position within
 row computes exactly what each of its documents would compute on its own. The mask is SDPA's boolean form
 (True: attend): causal and block-diagonal over documents.
 """
+
 from __future__ import annotations
 
 import torch

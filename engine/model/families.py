@@ -11,6 +11,7 @@ RoPE scaling (none, linear, llama3) is read and written for any of them, as tran
 ``rope_parameters``) into our ModelConfig and refuses, naming the key, what engine/model/transformer.py does not compute;
 ``hf_config`` is the inverse, for export.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,8 +32,10 @@ def family_of(hf: dict, source: Path) -> str:
         return hf["model_type"]
     by_architecture = {s.architecture: name for name, s in FAMILIES.items()}
     if len(archs) != 1 or archs[0] not in by_architecture:
-        raise CheckpointError(f"{source}: architecture {', '.join(map(str, archs)) or '(none)'} is not supported; "
-                              f"import handles {', '.join(by_architecture)}")
+        raise CheckpointError(
+            f"{source}: architecture {', '.join(map(str, archs)) or '(none)'} is not supported; "
+            f"import handles {', '.join(by_architecture)}"
+        )
     return by_architecture[archs[0]]
 
 
@@ -44,13 +47,16 @@ def _rope(hf: dict, source: Path) -> dict:
     if kind == "default":
         return out
     if kind not in ("linear", "llama3"):
-        raise CheckpointError(f"{source}: rope_type={kind!r} is not supported by engine/model/rope.py (default, "
-                              f"linear, llama3)")
+        raise CheckpointError(
+            f"{source}: rope_type={kind!r} is not supported by engine/model/rope.py (default, linear, llama3)"
+        )
     out.update(rope_scaling=kind, rope_factor=float(rope["factor"]))
     if kind == "llama3":
-        out.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
-                   rope_high_freq_factor=float(rope["high_freq_factor"]),
-                   rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+        out.update(
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
     return out
 
 
@@ -63,23 +69,38 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
     check_family(hf, family, source)
     spec = FAMILIES[family]
     # Llama's attention_bias also puts a bias on o_proj, which Qwen2 (the family with q/k/v biases) lacks.
-    for key, ok in (("attention_bias", spec.qkv_bias or not hf.get("attention_bias")),
-                    ("qkv_bias", not spec.qkv_bias or hf.get("qkv_bias", True)),
-                    ("clip_qkv", hf.get("clip_qkv") is None),
-                    ("mlp_bias", not hf.get("mlp_bias")), ("hidden_act", hf.get("hidden_act", "silu") == "silu")):
+    for key, ok in (
+        ("attention_bias", spec.qkv_bias or not hf.get("attention_bias")),
+        ("qkv_bias", not spec.qkv_bias or hf.get("qkv_bias", True)),
+        ("clip_qkv", hf.get("clip_qkv") is None),
+        ("mlp_bias", not hf.get("mlp_bias")),
+        ("hidden_act", hf.get("hidden_act", "silu") == "silu"),
+    ):
         if not ok:
-            raise CheckpointError(f"{source}: {key}={hf.get(key)!r} is not supported by engine/model/transformer.py for "
-                                  f"{spec.architecture} (no o_proj or MLP biases, SiLU)")
+            raise CheckpointError(
+                f"{source}: {key}={hf.get(key)!r} is not supported by engine/model/transformer.py for "
+                f"{spec.architecture} (no o_proj or MLP biases, SiLU)"
+            )
     heads = hf["num_attention_heads"]
-    m = ModelConfig(name=str(hf.get("_name_or_path") or source.name), vocab_size=hf["vocab_size"],
-                    hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
-                    num_layers=hf["num_hidden_layers"], num_heads=heads,
-                    num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=int(hf.get("head_dim") or 0),
-                    max_seq_len=hf.get("max_position_embeddings", 2048),
-                    norm_eps=float(hf.get("rms_norm_eps", 1e-5)), tie_embeddings=bool(hf.get("tie_word_embeddings")),
-                    init_std=float(hf.get("initializer_range", 0.02)), family=family,
-                    attention_bias=spec.qkv_bias, sliding_window=spec.window.read(hf, source, spec.architecture),
-                    **_rope(hf, source), **moe_model_keys(hf, family, source))
+    m = ModelConfig(
+        name=str(hf.get("_name_or_path") or source.name),
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=int(hf.get("head_dim") or 0),
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings")),
+        init_std=float(hf.get("initializer_range", 0.02)),
+        family=family,
+        attention_bias=spec.qkv_bias,
+        sliding_window=spec.window.read(hf, source, spec.architecture),
+        **_rope(hf, source),
+        **moe_model_keys(hf, family, source),
+    )
     return m
 
 
@@ -88,8 +109,11 @@ def _rope_scaling(m: ModelConfig) -> dict | None:
         return None
     out = {"rope_type": m.rope_scaling, "factor": m.rope_factor}
     if m.rope_scaling == "llama3":
-        out.update(low_freq_factor=m.rope_low_freq_factor, high_freq_factor=m.rope_high_freq_factor,
-                   original_max_position_embeddings=m.rope_original_max_position_embeddings)
+        out.update(
+            low_freq_factor=m.rope_low_freq_factor,
+            high_freq_factor=m.rope_high_freq_factor,
+            original_max_position_embeddings=m.rope_original_max_position_embeddings,
+        )
     return out
 
 
@@ -100,19 +124,38 @@ def hf_config(m: ModelConfig, dtype: str = "fp32", tokenizer=None):
 
     spec = FAMILIES[m.family]
     if m.attention_bias != spec.qkv_bias:
-        raise CheckpointError(f"model.attention_bias={m.attention_bias} cannot be written as "
-                              f"{spec.architecture}: only Qwen2 has q/k/v biases (and always has them)")
+        raise CheckpointError(
+            f"model.attention_bias={m.attention_bias} cannot be written as "
+            f"{spec.architecture}: only Qwen2 has q/k/v biases (and always has them)"
+        )
     special = {}
     if tokenizer is not None:
-        special = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-                   if getattr(tokenizer, k, None) is not None}
+        special = {
+            k: getattr(tokenizer, k)
+            for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+            if getattr(tokenizer, k, None) is not None
+        }
     # the family's fixed keys, then its window's (in this order: the config's own attributes keep it)
     extra = {**spec.hf_extra, **spec.window.write(m.sliding_window, spec.architecture)}
     extra.update(moe_hf_keys(m))
     cls = getattr(transformers, spec.config_class)
-    return cls(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-               num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
-               head_dim=m.head_dim, max_position_embeddings=m.max_seq_len, rope_theta=m.rope_theta,
-               rope_scaling=_rope_scaling(m), rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings,
-               hidden_act="silu", initializer_range=m.init_std, architectures=[spec.architecture],
-               torch_dtype=DTYPE_NAMES[dtype], **extra, **special)
+    return cls(
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        max_position_embeddings=m.max_seq_len,
+        rope_theta=m.rope_theta,
+        rope_scaling=_rope_scaling(m),
+        rms_norm_eps=m.norm_eps,
+        tie_word_embeddings=m.tie_embeddings,
+        hidden_act="silu",
+        initializer_range=m.init_std,
+        architectures=[spec.architecture],
+        torch_dtype=DTYPE_NAMES[dtype],
+        **extra,
+        **special,
+    )

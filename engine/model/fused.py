@@ -17,6 +17,7 @@ The parts stay the model's identity outside the forward:
 - ``hf_state_dict_hooks``: ``model.state_dict()`` gives HF names (each rank's tp block of them under tp) and
   ``load_state_dict`` takes them; names of the fused form are accepted too.
 """
+
 from __future__ import annotations
 
 import torch
@@ -78,7 +79,7 @@ def by_hf_name(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, 
         mod_name, _, attr = name.rpartition(".")
         module, flat = modules[mod_name], t.reshape(-1)
         for part, at, shape in part_blocks(module, name, t.shape):
-            out[part] = (flat[at:at + shape.numel()].view(shape), module, attr)
+            out[part] = (flat[at : at + shape.numel()].view(shape), module, attr)
     return out
 
 

@@ -17,6 +17,7 @@ renamed into place and named by ``latest`` last. Both directions write the whole
 temporary name and rename it into place (engine/checkpoint/folder.py), so a failure leaves the target as it was
 and two exports never mix; a non-empty target is refused unless ``overwrite`` (which replaces it as a whole).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,8 +53,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # Copied verbatim from an imported folder to the checkpoint and from there to an export (chat template, special
 # tokens, sampling defaults), so a round trip gives back what the user brought.
-CARRIED_FILES = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt", "vocab.json",
-                 "chat_template.jinja", "generation_config.json")
+CARRIED_FILES = (
+    *TOKENIZER_FILES,
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "merges.txt",
+    "vocab.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 def _shards(sizes: dict[str, int], limit: int) -> list[list[str]]:
@@ -69,8 +77,9 @@ def _shards(sizes: dict[str, int], limit: int) -> list[list[str]]:
     return shards + [current] if current else shards
 
 
-def export(ckpt: Path, out: Path, max_shard_bytes: int = 5 * 2**30, dtype: str = "fp32",
-           overwrite: bool = False) -> dict:
+def export(
+    ckpt: Path, out: Path, max_shard_bytes: int = 5 * 2**30, dtype: str = "fp32", overwrite: bool = False
+) -> dict:
     """Write the HF folder ``out`` from the checkpoint ``ckpt`` (a step_* dir, or a dir with ``latest``): into a
     temporary folder beside it, renamed into place at the end (engine/checkpoint/folder.py; ``overwrite``: an
     existing non-empty ``out`` is replaced as a whole)."""
@@ -91,8 +100,11 @@ def _write_export(path: Path, index: dict, out: Path, max_shard_bytes: int, dtyp
     reader = Reader(path, index)
     element = torch.tensor([], dtype=DTYPES[dtype]).element_size()
     groups = _shards({n: torch.Size(s).numel() * element for n, s in shapes.items()}, max_shard_bytes)
-    files = ["model.safetensors"] if len(groups) == 1 else \
-        [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    files = (
+        ["model.safetensors"]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
     weight_map = {}
     for file, names in zip(files, groups):
         tensors = {n: reader.full(n).to(DTYPES[dtype]).contiguous() for n in names}
@@ -101,7 +113,8 @@ def _write_export(path: Path, index: dict, out: Path, max_shard_bytes: int, dtyp
     if len(groups) > 1:
         total = sum(torch.Size(s).numel() * element for s in shapes.values())
         (out / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
     from engine.data.dataset import load_tokenizer
 
     source = cfg.get("data", {}).get("tokenizer", "")
@@ -135,8 +148,9 @@ def import_hf(hf_dir: Path, root: Path, max_file_bytes: int = 2 * 2**30, overwri
     return root / step_name(0)
 
 
-def _write_import(hf_dir: Path, m: ModelConfig, shapes: dict, where: dict, root: Path, tmp: Path,
-                  max_file_bytes: int) -> None:
+def _write_import(
+    hf_dir: Path, m: ModelConfig, shapes: dict, where: dict, root: Path, tmp: Path, max_file_bytes: int
+) -> None:
     """The checkpoint's files, written into ``tmp``; paths inside them (config.yaml) name the final ``root``."""
     token = uuid.uuid4().hex[:8]
     path = staging_dir(tmp, 0, token)
@@ -148,8 +162,12 @@ def _write_import(hf_dir: Path, m: ModelConfig, shapes: dict, where: dict, root:
             with safe_open(str(where[name]), framework="pt") as f:
                 t = f.get_tensor(name)
             tensors[piece_key(name, "param", 0, 0)] = t.float().reshape(-1).contiguous()
-            params[name] = {"shape": shapes[name], "tp_dim": None, "tp_size": 1,
-                            "states": {"param": [[0, 0, t.numel()]]}}
+            params[name] = {
+                "shape": shapes[name],
+                "tp_dim": None,
+                "tp_size": 1,
+                "states": {"param": [[0, 0, t.numel()]]},
+            }
         file = f"import_{i:05d}.safetensors"
         metas.append({"rank": i, "file": file, "params": params, **write_shard(path / file, tensors)})
     cfg = Config(model=m)
@@ -158,8 +176,11 @@ def _write_import(hf_dir: Path, m: ModelConfig, shapes: dict, where: dict, root:
     if carry_files(hf_dir, tmp / "hf_files", extra=("config.json",)):
         cfg.data.tokenizer = str((root / "hf_files").resolve())
     cfg.checkpoint.resume = str(root.resolve())
-    fsync_write(tmp / "config.yaml", "# written by launch/convert.py import: the imported model's shape\n" +
-                yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    fsync_write(
+        tmp / "config.yaml",
+        "# written by launch/convert.py import: the imported model's shape\n"
+        + yaml.safe_dump(cfg.to_dict(), sort_keys=False),
+    )
     # Published last, through the one commit path of every checkpoint: `latest` appears only once all is written.
     run = header(RunPosition(0, 0), cfg, {"imported_from": str(hf_dir.resolve())}, model_only=True)
     publish(tmp, 0, token, merge_index(metas, {**run, "adam_step": None}))

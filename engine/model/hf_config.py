@@ -7,6 +7,7 @@ family needs for being there, and the keys that must agree (heads, experts), eac
 the value and what is valid (CheckpointError). Before: a string, a fraction, NaN or a list where a number belongs
 became a Python traceback or a model that transformers would not build. No torch.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,23 +19,44 @@ from engine.kinds.families import FAMILIES
 
 # Whole-number keys and their least value; none above 2**31 - 1 (more than any published model has, and every
 # tensor size stays an int64).
-INTS = {"vocab_size": 1, "hidden_size": 1, "intermediate_size": 1, "num_hidden_layers": 1,
-        "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 1, "max_position_embeddings": 1,
-        "sliding_window": 0, "num_experts": 0, "num_local_experts": 0, "num_experts_per_tok": 1,
-        "moe_intermediate_size": 1, "shared_expert_intermediate_size": 0, "decoder_sparse_step": 1,
-        "original_max_position_embeddings": 1}
+INTS = {
+    "vocab_size": 1,
+    "hidden_size": 1,
+    "intermediate_size": 1,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+    "head_dim": 1,
+    "max_position_embeddings": 1,
+    "sliding_window": 0,
+    "num_experts": 0,
+    "num_local_experts": 0,
+    "num_experts_per_tok": 1,
+    "moe_intermediate_size": 1,
+    "shared_expert_intermediate_size": 0,
+    "decoder_sparse_step": 1,
+    "original_max_position_embeddings": 1,
+}
 MAX_INT = 2**31 - 1
 # Number keys: the least value and whether it may be equal to it (rope factors: engine/model/rope.py)
-FLOATS = {"rms_norm_eps": (0.0, False), "initializer_range": (0.0, True), "rope_theta": (0.0, False),
-          "router_jitter_noise": (0.0, True), "factor": (1.0, True), "low_freq_factor": (0.0, False),
-          "high_freq_factor": (0.0, False)}
+FLOATS = {
+    "rms_norm_eps": (0.0, False),
+    "initializer_range": (0.0, True),
+    "rope_theta": (0.0, False),
+    "router_jitter_noise": (0.0, True),
+    "factor": (1.0, True),
+    "low_freq_factor": (0.0, False),
+    "high_freq_factor": (0.0, False),
+}
 BOOLS = ("tie_word_embeddings", "use_sliding_window", "norm_topk_prob", "attention_bias", "mlp_bias", "qkv_bias")
 STRINGS = ("hidden_act", "model_type", "_name_or_path", "rope_type", "type")
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 ROPE_KEYS = ("rope_parameters", "rope_scaling")
 # What each RoPE type needs beside rope_type (transformers' rope_config_validation)
-ROPE_NEEDS = {"linear": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+ROPE_NEEDS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
 def read_config_json(folder: Path) -> dict:
@@ -57,8 +79,7 @@ def _bad(source, key: str, value, valid: str) -> CheckpointError:
 def _check_value(source, key: str, value) -> None:
     """The type and range of one key's value (None: absent, checked by the caller where required)."""
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if key in INTS and not (isinstance(value, int) and not isinstance(value, bool)
-                            and INTS[key] <= value <= MAX_INT):
+    if key in INTS and not (isinstance(value, int) and not isinstance(value, bool) and INTS[key] <= value <= MAX_INT):
         raise _bad(source, key, value, f"use a whole number in [{INTS[key]}, {MAX_INT}]")
     if key in FLOATS:
         low, equal = FLOATS[key]
@@ -92,10 +113,10 @@ def checked(hf: dict, source) -> dict:
     for key, value in out.items():
         _check_value(source, key, value)
     layers = out.get("mlp_only_layers", [])
-    if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool)
-                                               and 0 <= i < out["num_hidden_layers"] for i in layers):
-        raise _bad(source, "mlp_only_layers", layers, f"use a list of layer indices in [0, "
-                                                      f"{out['num_hidden_layers']})")
+    if not isinstance(layers, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < out["num_hidden_layers"] for i in layers
+    ):
+        raise _bad(source, "mlp_only_layers", layers, f"use a list of layer indices in [0, {out['num_hidden_layers']})")
     for key in ROPE_KEYS:
         if key in out:
             _check_rope(source, key, out[key])
@@ -114,11 +135,17 @@ def _check_rope(source, key: str, rope) -> None:
     kind = rope.get("rope_type", rope.get("type")) or "default"
     for need in ROPE_NEEDS.get(kind, ()):
         if rope.get(need) is None:
-            raise CheckpointError(f"{source}: config.json {key} has rope_type {kind!r} but no '{need}'; "
-                                  f"{kind} needs {', '.join(ROPE_NEEDS[kind])}")
+            raise CheckpointError(
+                f"{source}: config.json {key} has rope_type {kind!r} but no '{need}'; "
+                f"{kind} needs {', '.join(ROPE_NEEDS[kind])}"
+            )
     if kind == "llama3" and not rope["low_freq_factor"] < rope["high_freq_factor"]:
-        raise _bad(source, f"{key}.high_freq_factor", rope["high_freq_factor"],
-                   f"it must exceed low_freq_factor={shown(rope['low_freq_factor'])}")
+        raise _bad(
+            source,
+            f"{key}.high_freq_factor",
+            rope["high_freq_factor"],
+            f"it must exceed low_freq_factor={shown(rope['low_freq_factor'])}",
+        )
 
 
 def _check_sub(source, key: str, sub: str, value) -> None:
@@ -135,12 +162,18 @@ def _check_heads(source, hf: dict) -> None:
     if heads % kv:
         raise _bad(source, "num_key_value_heads", kv, f"it must divide num_attention_heads={heads}")
     if "head_dim" not in hf and hf["hidden_size"] % heads:
-        raise _bad(source, "hidden_size", hf["hidden_size"], f"without head_dim it must be divisible by "
-                                                              f"num_attention_heads={heads}")
+        raise _bad(
+            source,
+            "hidden_size",
+            hf["hidden_size"],
+            f"without head_dim it must be divisible by num_attention_heads={heads}",
+        )
     width = hf.get("head_dim") or hf["hidden_size"] // heads
     if width % 2:
-        raise CheckpointError(f"{source}: config.json gives heads {width} wide (head_dim, or hidden_size / "
-                              f"num_attention_heads); RoPE needs an even width")
+        raise CheckpointError(
+            f"{source}: config.json gives heads {width} wide (head_dim, or hidden_size / "
+            f"num_attention_heads); RoPE needs an even width"
+        )
 
 
 def check_family(hf: dict, family: str, source) -> None:
@@ -150,8 +183,7 @@ def check_family(hf: dict, family: str, source) -> None:
     if moe is None:
         return
     if moe.layer_keys and "moe_intermediate_size" not in hf:
-        raise CheckpointError(f"{source}: config.json of {family} has no 'moe_intermediate_size' (each expert's "
-                              f"width)")
+        raise CheckpointError(f"{source}: config.json of {family} has no 'moe_intermediate_size' (each expert's width)")
     count_key = next((k for k in moe.count_keys if hf.get(k)), None)
     k = hf.get("num_experts_per_tok", 2)
     if count_key and k > hf[count_key]:

@@ -9,6 +9,7 @@ tensor the model has no place for is refused by name, except the known-harmless 
 returned so that the caller says it skips them. Before: ``vocab_size`` 10^12 with init_from allocated the
 embedding before comparing it with the weights, and an extra tensor was dropped without a word.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ SHOWN = 5  # names listed in a message; the count says how many more
 @dataclass
 class HfFolder:
     """A checked folder: the model its config.json describes, each tensor's file, the harmless tensors skipped."""
+
     model: ModelConfig
     where: dict[str, Path]
     skipped: list[str]
@@ -43,8 +45,11 @@ def param_shapes(m: ModelConfig) -> dict[str, list[int]]:
     q/k/v or gate/up weight is its parts, engine/model/fused.py)."""
     model = model_lib.build(m, device="meta")
     modules = dict(model.named_modules())
-    return {part: list(shape) for n, p in model.named_parameters()
-            for part, _, shape in part_blocks(modules[n.rpartition(".")[0]], n, p.shape)}
+    return {
+        part: list(shape)
+        for n, p in model.named_parameters()
+        for part, _, shape in part_blocks(modules[n.rpartition(".")[0]], n, p.shape)
+    }
 
 
 def _weight_map(hf_dir: Path) -> dict[str, str] | None:
@@ -56,13 +61,16 @@ def _weight_map(hf_dir: Path) -> dict[str, str] | None:
         except CheckpointError:
             weight_map = None
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise CheckpointError(f"{sharded} is not a safetensors index (JSON with a 'weight_map' of tensor "
-                                  f"name -> file name)")
+            raise CheckpointError(
+                f"{sharded} is not a safetensors index (JSON with a 'weight_map' of tensor name -> file name)"
+            )
         return weight_map
     if single.is_file():
         return None
-    raise CheckpointError(f"{hf_dir} has no model.safetensors or model.safetensors.index.json (save the model "
-                          f"with save_pretrained(..., safe_serialization=True) first)")
+    raise CheckpointError(
+        f"{hf_dir} has no model.safetensors or model.safetensors.index.json (save the model "
+        f"with save_pretrained(..., safe_serialization=True) first)"
+    )
 
 
 def load_index(path: Path) -> dict:
@@ -83,8 +91,9 @@ def _header(file: Path, listed_in: str) -> dict[str, list[int]]:
         with safe_open(str(file), framework="pt") as f:  # checks that the header covers the file's bytes
             return {n: list(f.get_slice(n).get_shape()) for n in f.keys()}
     except Exception as e:  # SafetensorError: truncated, or not a safetensors file
-        raise CheckpointError(f"weight file {file}{listed_in} is not a readable safetensors file, truncated or "
-                              f"damaged ({e})") from None
+        raise CheckpointError(
+            f"weight file {file}{listed_in} is not a readable safetensors file, truncated or damaged ({e})"
+        ) from None
 
 
 def tensor_shapes(hf_dir: Path) -> tuple[dict[str, Path], dict[str, list[int]]]:
@@ -127,11 +136,16 @@ def read_folder(folder: Path) -> HfFolder:
     skipped = [n for n in extra if n.endswith(tuple(HARMLESS))]
     unknown = [n for n in extra if n not in skipped]
     if unknown:
-        tied = " (tie_word_embeddings is true: the LM head is the embedding)" \
-            if m.tie_embeddings and "lm_head.weight" in unknown else ""
-        raise CheckpointError(f"{folder}: the weights hold {len(unknown)} tensor(s) the model of config.json has no "
-                              f"place for: {', '.join(unknown[:SHOWN])}{_more(unknown, SHOWN)}{tied}; remove them "
-                              f"or correct config.json (nothing is dropped silently)")
+        tied = (
+            " (tie_word_embeddings is true: the LM head is the embedding)"
+            if m.tie_embeddings and "lm_head.weight" in unknown
+            else ""
+        )
+        raise CheckpointError(
+            f"{folder}: the weights hold {len(unknown)} tensor(s) the model of config.json has no "
+            f"place for: {', '.join(unknown[:SHOWN])}{_more(unknown, SHOWN)}{tied}; remove them "
+            f"or correct config.json (nothing is dropped silently)"
+        )
     return HfFolder(m, where, skipped)
 
 
@@ -151,9 +165,13 @@ def _check_outline(folder: Path, m: ModelConfig, got: dict[str, list[int]]) -> N
     layers = {int(n.split(".")[2]) for n in got if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
     if layers != set(range(m.num_layers)):
         held = f"layers 0..{max(layers)} ({len(layers)})" if layers else "no layers"
-        raise CheckpointError(f"{folder}: config.json num_hidden_layers={m.num_layers}, but the weights hold {held}; "
-                              f"correct num_hidden_layers")
+        raise CheckpointError(
+            f"{folder}: config.json num_hidden_layers={m.num_layers}, but the weights hold {held}; "
+            f"correct num_hidden_layers"
+        )
     embed = got.get("model.embed_tokens.weight")
     if embed is not None and embed != [m.vocab_size, m.hidden_size]:
-        raise CheckpointError(f"{folder}: config.json vocab_size={m.vocab_size} and hidden_size={m.hidden_size}, but "
-                              f"the weights' model.embed_tokens.weight is {embed}; correct config.json")
+        raise CheckpointError(
+            f"{folder}: config.json vocab_size={m.vocab_size} and hidden_size={m.hidden_size}, but "
+            f"the weights' model.embed_tokens.weight is {embed}; correct config.json"
+        )

@@ -8,6 +8,7 @@ tensors: each rank reads only its tp block of each parameter, through the same s
 (engine/checkpoint/state.py). A checkpoint to resume from (checkpoint.resume) wins over init_from, so a restarted
 job continues where it stopped.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,8 +37,9 @@ def adopt_shape(cfg: Config) -> None:
         checked = read_folder(folder)
     except CheckpointError as e:
         raise ConfigError(f"model.init_from: {e}") from None
-    m = dataclasses.replace(checked.model, name=cfg.model.name if cfg.model.name != "tiny" else checked.model.name,
-                            init_from=source)
+    m = dataclasses.replace(
+        checked.model, name=cfg.model.name if cfg.model.name != "tiny" else checked.model.name, init_from=source
+    )
     if m != cfg.model:  # the first call (launch/pretrain.py, then the trainer again)
         for name in checked.skipped:
             print(f"model.init_from: skipping {name} ({skip_reason(name)})", flush=True)
@@ -75,10 +77,11 @@ def load_weights(parts: CheckpointParts, folder: Path) -> None:
             with safe_open(str(where[part.name]), framework="pt") as f:
                 shape = list(f.get_slice(part.name).get_shape())
                 if shape != part.shape:
-                    raise CheckpointError(f"{where[part.name]}: {part.name} has shape {shape}, config.json implies "
-                                          f"{part.shape}")
+                    raise CheckpointError(
+                        f"{where[part.name]}: {part.name} has shape {shape}, config.json implies {part.shape}"
+                    )
                 block = _block(f, part.name, slot.tp_dim, slot.tp_size, slot.tp_rank)
-            held.append(block.reshape(-1)[part.start:part.end].to(torch.float32))
+            held.append(block.reshape(-1)[part.start : part.end].to(torch.float32))
         if slot.start < slot.end:
             access.set(slot, "param", torch.cat(held).to(ctx.device))
     access.finish()

@@ -10,6 +10,7 @@ whole tensor and slicing it cost every rank the whole stage's draw at any tp (la
 Distributions follow HF ``LlamaPreTrainedModel._init_weights``: N(0, std) for linears and embeddings, ones for
 norms, zeros for biases.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -62,7 +63,7 @@ def _draw_2d(key: int, full: tuple, start: tuple, size: tuple, std: float, tile:
                 grid[i, j, :h, :w] = torch.empty(h, w).normal_(0.0, std, generator=gen)
     top, left = t_rows[0] * th, t_cols[0] * tw
     band = grid.permute(0, 2, 1, 3).reshape(len(t_rows) * th, len(t_cols) * tw)  # tiles side by side
-    return band[r0 - top:r0 - top + rows, c0 - left:c0 - left + cols]
+    return band[r0 - top : r0 - top + rows, c0 - left : c0 - left + cols]
 
 
 def _fill_slice(out: torch.Tensor, name: str, module: nn.Module, attr: str, seed: int, std: float) -> None:
@@ -106,7 +107,7 @@ def init_parameters(model: nn.Module, seed: int, std: float, aliases: dict[str, 
             flat = param.view(-1)
             # Each Hugging Face tensor the parameter holds (q, k and v of a fused qkv_proj) from its own name.
             for part, at, shape in part_blocks(module, name, param.shape):
-                _fill_slice(flat[at:at + shape.numel()].view(shape), aliases.get(part, part), module, attr, seed, std)
+                _fill_slice(flat[at : at + shape.numel()].view(shape), aliases.get(part, part), module, attr, seed, std)
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int, std: float) -> nn.Module:

@@ -34,6 +34,7 @@ takes its own T/cp tokens' mean, so its aux E sum_i f_i P_i^rank and its z avera
 process's values, and the gradients, averaged over dp x cp as the cross-entropy's are (each cp rank's CE is the
 mean over its T/cp tokens), equal one process's.
 """
+
 from __future__ import annotations
 
 import math
@@ -104,11 +105,16 @@ class Experts(nn.Module):
         e_count, rows, cols = local_shape
         per, first = rows * cols, self.first_expert
         if attr == "down_proj":
-            return [(f"{block}.experts.{first + e}.{down}.weight", e * per, torch.Size([rows, cols]))
-                    for e in range(e_count)]
+            return [
+                (f"{block}.experts.{first + e}.{down}.weight", e * per, torch.Size([rows, cols]))
+                for e in range(e_count)
+            ]
         half = torch.Size([rows // 2, cols])
-        return [(f"{block}.experts.{first + e}.{part}.weight", e * per + j * half.numel(), half)
-                for e in range(e_count) for j, part in enumerate((gate, up))]
+        return [
+            (f"{block}.experts.{first + e}.{part}.weight", e * per + j * half.numel(), half)
+            for e in range(e_count)
+            for j, part in enumerate((gate, up))
+        ]
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (N, h): token copies sorted by expert, counts (E_local,) copies per expert -> (N, h)."""
@@ -119,7 +125,7 @@ class Experts(nn.Module):
         gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
         for e, n in enumerate(counts.tolist()):  # one host sync per layer; experts without tokens skipped
             if n:
-                gate, up = F.linear(x[at:at + n], gate_up[e]).chunk(2, dim=-1)  # (n, ffn) each
+                gate, up = F.linear(x[at : at + n], gate_up[e]).chunk(2, dim=-1)  # (n, ffn) each
                 out.append(F.linear(F.silu(gate) * up, down[e]))
             at += n
         return torch.cat(out) if out else x.new_zeros(0, x.shape[-1])
@@ -228,8 +234,7 @@ class MoE(nn.Module):
         aux = logits.shape[-1] * (f * probs.mean(0)).sum()
         z = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
         if not in_backward():  # activation checkpointing re-runs the forward in backward: record once
-            self.records.append({"aux": aux.detach(), "z": z.detach(), "counts": counts.detach(),
-                                 "dropped": dropped})
+            self.records.append({"aux": aux.detach(), "z": z.detach(), "counts": counts.detach(), "dropped": dropped})
         if self.aux_coef or self.z_coef:
             out = _AddLossGrad.apply(out, self.aux_coef * aux + self.z_coef * z, self.loss_scale)
         return out

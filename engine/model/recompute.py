@@ -15,6 +15,7 @@ Blocks are not wrapped in another module (parameter names stay Hugging Face's): 
 (engine/model/compile.py) sees the checkpoint inside it. The modes are declared in engine/kinds/recompute.py
 (``RECOMPUTE``: what the planner counts for each), which the config checks read before torch is loaded.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -1,6 +1,7 @@
 """The checkpointed forward of one decoder block under ``train.activation_checkpointing`` (the modes and what they
 keep: engine/model/recompute.py): full recomputes the whole block, selective keeps the GEMM outputs and recomputes
 the rest (torch.utils.checkpoint with a create_selective_checkpoint_contexts policy, as torchtitan does)."""
+
 from __future__ import annotations
 
 import torch

@@ -7,6 +7,7 @@
   original / high_freq_factor are kept, and the band in between is interpolated smoothly.
 Positions are per token (b, s), so packed documents can each start again at 0 (engine/model/docmask.py).
 """
+
 from __future__ import annotations
 
 import math

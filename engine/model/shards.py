@@ -5,6 +5,7 @@ They live with the model, in a leaf module that imports nothing from the engine,
 without an import circle and initialisation (engine/model/init.py) without importing parallel/: the answers are
 records on the modules (``tp_dims``, ``tp_size``, set by engine/parallel/tp/layers.py), not process groups.
 """
+
 from __future__ import annotations
 
 import torch

@@ -6,6 +6,7 @@ a ModuleDict keyed by the global layer index, and ``embed_tokens``/``norm``/``lm
 q/k/v and gate/up run as one GEMM each (``qkv_proj``, ``gate_up_proj``: engine/model/fused.py); ``state_dict`` and
 ``load_state_dict`` speak the names of Hugging Face ``LlamaForCausalLM`` (``model.layers.3.self_attn.q_proj.weight``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -74,8 +75,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(k_width, cfg.norm_eps) if kind else None
         hf_state_dict_hooks(self)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """mask: what ``self.core.mask`` built: None (causal) or, by default, a (b, 1, s, s) block-causal mask of
         packed documents, bool (True: attend) or additive (0 / -inf, engine/model/attention.py additive_mask)."""
         # Head counts come from the (possibly tensor-parallel) projection: local heads = heads / tp. The length
@@ -127,12 +129,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg, shared) if is_moe_layer(cfg, index) else MLP(cfg)
         self.recompute = "none"
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return run_block(self, self.recompute, x, cos, sin, mask)
 
-    def _block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               mask: torch.Tensor | None) -> torch.Tensor:
+    def _block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -149,19 +151,28 @@ class LlamaModel(nn.Module):
         # Sequence parallelism (set by engine/parallel/tp/layers.py) runs the layers on 1/sequence_shards of the tokens
         self.sequence_shards = 1
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x: token ids (b, s) on the first stage, else hidden states (b, s, h). position_ids (b, s): RoPE
         positions (default 0..s-1); doc_ids (b, s): document index of each token, attention stays within a
         document (default: one document). Returns (b, s, h); (b, s/sequence_shards, h) in and out under sequence
         parallelism, where RoPE and the mask still cover the whole sequence (attention sees it gathered)."""
-        return decode(self.cfg, self.embed_tokens, self.layers.values(), self.norm, x, position_ids, doc_ids,
-                      self.sequence_shards)
+        return decode(
+            self.cfg, self.embed_tokens, self.layers.values(), self.norm, x, position_ids, doc_ids, self.sequence_shards
+        )
 
 
-def decode(cfg: ModelConfig, embed: nn.Module | None, layers, norm: nn.Module | None, x: torch.Tensor,
-           position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
-           sequence_shards: int = 1) -> torch.Tensor:
+def decode(
+    cfg: ModelConfig,
+    embed: nn.Module | None,
+    layers,
+    norm: nn.Module | None,
+    x: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    doc_ids: torch.Tensor | None = None,
+    sequence_shards: int = 1,
+) -> torch.Tensor:
     """The decoder's forward over any run of its parts: embed (if given) the token ids x (b, s), else take hidden
     states x (b, s, h); run ``layers`` in order; apply ``norm`` (if given). LlamaModel runs all of its parts; a
     pipeline chunk runs its own (engine/parallel/pp/virtual.py). Returns (b, s, h), or (b, s/sequence_shards, h)
@@ -192,8 +203,9 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Returns logits (b, s, vocab/tp) on the last stage, hidden states (b, s, h) elsewhere."""
         h = self.model(x, position_ids, doc_ids)
         return self.lm_head(h) if self.lm_head is not None else h

@@ -43,6 +43,7 @@ all_to_all (engine/parallel/cp/ulysses.py) runs attention on a/(t cp) whole head
 bytes as a/t heads of s/cp tokens, plus 4 (s,) int64 reorder indices a layer; the ring saves q, k, v (n_kv heads,
 never repeated), its output and the fp32 lse (engine/parallel/cp/ring.py) (tests/test_cp.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -156,7 +157,7 @@ def document_mask_bytes(cfg: Config, num_layers: int) -> float:
     ring = cp_mode(cfg) and cp_mode(cfg).masks_from_doc_ids  # the ring: masks from the doc ids
     if not cfg.data.document_mask or num_layers == 0 or not kept or ring:
         return 0.0
-    return t.micro_batch_size * t.seq_len ** 2 * logit_bytes(cfg)
+    return t.micro_batch_size * t.seq_len**2 * logit_bytes(cfg)
 
 
 def layer_bytes_per_token(cfg: Config, tp: int) -> float:
@@ -243,8 +244,14 @@ def micro_batch_bytes(cfg: Config, tp: int, pp: int, stage: int, num_layers: int
         per_token += h * res / sequence_share(cfg, tp)  # the received input: the first norm saves an fp32 copy
     # cos and sin tables in the compute dtype, built once per forward: (s, hd), or (b, s, hd) from the document
     # mask's per-row positions
-    rope = 2 * (t.micro_batch_size if cfg.data.document_mask else 1) * t.seq_len // cfg.parallel.cp \
-        * cfg.model.head_dim * logit_bytes(cfg)
+    rope = (
+        2
+        * (t.micro_batch_size if cfg.data.document_mask else 1)
+        * t.seq_len
+        // cfg.parallel.cp
+        * cfg.model.head_dim
+        * logit_bytes(cfg)
+    )
     copies = 0.0 if recomputes(cfg) else weight_copy_bytes(cfg, tp, num_layers, last)
     if (cp := cp_mode(cfg)) and not recomputes(cfg):  # all_to_all: per layer its 4 (s,) int64 token-order
         copies += num_layers * cp.reorder_indices * 8 * t.seq_len  # indices, which index_select saves (cp/layout.py)

@@ -23,6 +23,7 @@ The default stays the even split: auto balances compute, not memory, and the lay
 stages, which under 1F1B already hold the most micro-batches in flight (pp - stage), so auto can raise the peak
 memory of stage 0 where the even split fits (launch/plan.py prints both, per stage).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -34,8 +35,9 @@ from engine.planning.flops import stage_flops_per_token
 
 def stage_cost(cfg: Config, pp: int, stage: int, layers: int) -> int:
     """FLOPs per token of pipeline ``stage`` holding ``layers`` decoder layers (the LM head on the last stage)."""
-    return stage_flops_per_token(cfg.model, cfg.train.seq_len, layers, stage == pp - 1,
-                                 cfg.train.activation_checkpointing)
+    return stage_flops_per_token(
+        cfg.model, cfg.train.seq_len, layers, stage == pp - 1, cfg.train.activation_checkpointing
+    )
 
 
 def best_split(num_layers: int, pp: int, cost: Callable[[int, int], int]) -> list[int]:
@@ -59,12 +61,14 @@ def best_split(num_layers: int, pp: int, cost: Callable[[int, int], int]) -> lis
     squares[pp][0] = 0
     for s in reversed(range(pp)):
         for n in range(pp - s, num_layers + 1):
-            squares[s][n] = min((table[s][k] ** 2 + squares[s + 1][n - k] for k in choices(s, n)
-                                 if table[s][k] <= cap), default=inf)
+            squares[s][n] = min(
+                (table[s][k] ** 2 + squares[s + 1][n - k] for k in choices(s, n) if table[s][k] <= cap), default=inf
+            )
     counts, n = [], num_layers
     for s in range(pp):  # forward, the most layers first: earlier stages take more among equals
-        k = max(k for k in choices(s, n) if table[s][k] <= cap
-                and table[s][k] ** 2 + squares[s + 1][n - k] == squares[s][n])
+        k = max(
+            k for k in choices(s, n) if table[s][k] <= cap and table[s][k] ** 2 + squares[s + 1][n - k] == squares[s][n]
+        )
         counts.append(k)
         n -= k
     return counts
@@ -89,6 +93,8 @@ def describe(cfg: Config, pp: int) -> str:
     counts, even = layer_counts(cfg, pp), even_layers(cfg.model.num_layers, pp)
     costs = [stage_cost(cfg, pp, s, k) for s, k in enumerate(counts)]
     slowest_even = max(stage_cost(cfg, pp, s, k) for s, k in enumerate(even))
-    return (f"pipeline: parallel.pp_layers={cfg.parallel.pp_layers} -> layers per stage {counts}, stage cost "
-            f"{[round(c / 1e6, 2) for c in costs]} MFLOP/token (slowest {max(costs) / 1e6:.2f}; the even split "
-            f"{even}: {slowest_even / 1e6:.2f}, x{slowest_even / max(costs):.2f})")
+    return (
+        f"pipeline: parallel.pp_layers={cfg.parallel.pp_layers} -> layers per stage {counts}, stage cost "
+        f"{[round(c / 1e6, 2) for c in costs]} MFLOP/token (slowest {max(costs) / 1e6:.2f}; the even split "
+        f"{even}: {slowest_even / 1e6:.2f}, x{slowest_even / max(costs):.2f})"
+    )

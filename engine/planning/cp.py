@@ -16,6 +16,7 @@ token forward, twice that backward, halved by the causal mask that the load-bala
 only the excess shows, plus a latency per step; all_to_all is not overlapped (it sits between the projections and
 attention). The cp group spans cp tp consecutive ranks (engine/parallel/layout/mesh.py: tp fastest, then cp).
 """
+
 from __future__ import annotations
 
 from engine.config import Config
@@ -40,11 +41,13 @@ class RingModel:
 
     def bytes_per_layer(self, cfg: Config, tp: int) -> tuple[float, float]:
         cp = cfg.parallel.cp
-        return (cp - 1) * _block_bytes(cfg, tp, logit_bytes(cfg)), \
-            (cp - 1) * _block_bytes(cfg, tp, logit_bytes(cfg)) + cp * _block_bytes(cfg, tp, 4)
+        return (cp - 1) * _block_bytes(cfg, tp, logit_bytes(cfg)), (cp - 1) * _block_bytes(
+            cfg, tp, logit_bytes(cfg)
+        ) + cp * _block_bytes(cfg, tp, 4)
 
-    def exposed(self, cfg: Config, tp: int, fwd: float, bwd: float, rate: float, bw_gbps: float,
-                lat: float) -> tuple[float, float]:
+    def exposed(
+        self, cfg: Config, tp: int, fwd: float, bwd: float, rate: float, bw_gbps: float, lat: float
+    ) -> tuple[float, float]:
         m, t, cp = cfg.model, cfg.train, cfg.parallel.cp
         # per ring step: 1/cp of the layer's causal attention on this rank's s/cp queries
         attn = t.micro_batch_size * t.seq_len / cp * 4 * m.num_heads / tp * m.head_dim * t.seq_len / 2 / rate / cp
@@ -64,8 +67,9 @@ class AllToAllModel:
         moved = 2 * (m.num_heads + m.num_kv_heads) / tp * local * (cp - 1) / cp  # q, o; k, v
         return moved, moved
 
-    def exposed(self, cfg: Config, tp: int, fwd: float, bwd: float, rate: float, bw_gbps: float,
-                lat: float) -> tuple[float, float]:
+    def exposed(
+        self, cfg: Config, tp: int, fwd: float, bwd: float, rate: float, bw_gbps: float, lat: float
+    ) -> tuple[float, float]:
         cp = cfg.parallel.cp
         return fwd / (bw_gbps * 1e9) + (cp - 1) * lat, bwd / (bw_gbps * 1e9) + (cp - 1) * lat
 

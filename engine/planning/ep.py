@@ -23,6 +23,7 @@ mean, and that rank sets the exchange time (it receives the most), holds the mos
 (``straggler_weights``). The margin is engine/planning/moe.py's EP_IMBALANCE, launch/bench/moe.py's
 measured ``rows/rank max/mean``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,8 +63,9 @@ def a2a_bytes_per_layer(cfg: Config, ep: int) -> tuple[float, float]:
     return forward, backward
 
 
-def a2a_time_per_layer(cfg: Config, ep: int, bw_gbps: float, latency_us: float,
-                       imbalance: float = EP_IMBALANCE) -> tuple[float, float]:
+def a2a_time_per_layer(
+    cfg: Config, ep: int, bw_gbps: float, latency_us: float, imbalance: float = EP_IMBALANCE
+) -> tuple[float, float]:
     """(forward, backward) exposed seconds of one MoE layer's all-to-alls for one micro-batch: the busiest rank
     receives ``imbalance`` times the mean bytes over a ``bw_gbps`` link, ep - 1 peers a latency each per exchange."""
     fwd, bwd = a2a_bytes_per_layer(cfg, ep)
@@ -80,8 +82,13 @@ def straggler_weights(cfg: Config, ep: int) -> float:
     compute EP_IMBALANCE times the mean copies, k 3 h f_e weights each, and the other ranks wait for them at the
     combine (0 at ep = 1, where each rank computes its own copies)."""
     m = cfg.model
-    return (expert_rows(ep) - 1) * m.experts_per_token * 3 * m.hidden_size * (m.moe_intermediate_size
-                                                                                 or m.intermediate_size)
+    return (
+        (expert_rows(ep) - 1)
+        * m.experts_per_token
+        * 3
+        * m.hidden_size
+        * (m.moe_intermediate_size or m.intermediate_size)
+    )
 
 
 def ep_span(layout: Layout) -> int:

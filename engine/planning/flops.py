@@ -15,6 +15,7 @@ embedding is a lookup and the norms and q/k/v biases (Qwen2) are element-wise, s
 estimate_mfu likewise drops the position embedding). FLOPs spent recomputing activations (activation checkpointing) are not model FLOPs:
 ``hardware_flops_per_token`` adds them (PaLM's HFU).
 """
+
 from __future__ import annotations
 
 from engine.config import ModelConfig
@@ -40,8 +41,9 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     return 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
 
 
-def stage_flops_per_token(cfg: ModelConfig, seq_len: int, layers: int, lm_head: bool,
-                          recompute: str | bool = "none") -> int:
+def stage_flops_per_token(
+    cfg: ModelConfig, seq_len: int, layers: int, lm_head: bool, recompute: str | bool = "none"
+) -> int:
     """FLOPs per token of ``layers`` decoder layers (and the LM head): 6 N + 12 H Q T per layer, plus one more
     forward of each layer (2 N + 4 H Q T) when full activation checkpointing recomputes it (PaLM's hardware
     FLOPs), or of its attention core (4 H Q T) under selective recomputation (the matmul outputs are kept).
@@ -81,12 +83,12 @@ DEVICE_PEAKS: tuple[tuple[tuple[str, ...], float | None, float | None, float | N
     (("gb200",), 2500.0, None, None),
     (("b200",), 2250.0, None, None),
     (("h200", "nvl"), 836.0, 417.5, 60.0),
-    (("h200",), 989.0, 494.7, 67.0),           # H200 SXM: same compute as H100 SXM, more and faster memory
+    (("h200",), 989.0, 494.7, 67.0),  # H200 SXM: same compute as H100 SXM, more and faster memory
     (("h100", "nvl"), 835.0, 417.5, 60.0),
     (("h100", "pcie"), 756.0, 378.0, 51.0),
-    (("h100",), 989.0, 494.7, 67.0),           # H100 SXM ("NVIDIA H100 80GB HBM3")
+    (("h100",), 989.0, 494.7, 67.0),  # H100 SXM ("NVIDIA H100 80GB HBM3")
     (("h800",), 756.0, 378.0, 51.0),
-    (("a100",), 312.0, 156.0, 19.5),           # SXM and PCIe alike
+    (("a100",), 312.0, 156.0, 19.5),  # SXM and PCIe alike
     (("a800",), 312.0, 156.0, 19.5),
     (("l40s",), 362.0, 183.0, 91.6),
     (("l40",), 181.0, 90.5, 90.5),

@@ -2,6 +2,7 @@
 dp mode, micro-batch size, activation checkpointing, schedule) that engine/parallel/layout/checks.py accepts, as
 configs.
 """
+
 from __future__ import annotations
 
 from engine.config import Config, ConfigError
@@ -55,8 +56,13 @@ def _ep_sizes(cfg: Config, dp: int) -> list[int]:
     return [ep for ep in _divisors(dp) if cfg.model.num_experts % ep == 0] if cfg.model.num_experts else [1]
 
 
-def layouts(cfg: Config, world_size: int, schedules: tuple[tuple[str, int], ...] | None = None,
-            refused: list[tuple[Layout, str]] | None = None, offload: str | None = None):
+def layouts(
+    cfg: Config,
+    world_size: int,
+    schedules: tuple[tuple[str, int], ...] | None = None,
+    refused: list[tuple[Layout, str]] | None = None,
+    offload: str | None = None,
+):
     """Every valid (tp, pp, dp, cp, cp mode, ep, dp mode, micro-batch size, activation checkpointing, schedule) of
     ``cfg`` on ``world_size`` ranks, as configs. ``schedules``: (schedule, virtual stages) pairs to try (default: the
     config's; engine.planning.schedules.SEARCHED is every one), the first alone at pp = 1 where no pipeline
@@ -78,11 +84,24 @@ def layouts(cfg: Config, world_size: int, schedules: tuple[tuple[str, int], ...]
             for mbs, ep in ((mbs, ep) for mbs in _divisors(gbs // dp) for ep in _ep_sizes(cfg, dp * cp)):
                 for mode, stage, reshard, off in dp_modes(offload or cfg.parallel.offload, dp * cp):
                     for ac in RECOMPUTE:
-                        c = with_layout(cfg, tp=tp, pp=pp, dp=dp, cp=cp, cp_mode=cp_mode, ep=ep, dp_mode=mode,
-                                        zero_stage=stage, reshard_after_forward=reshard, offload=off,
-                                        pp_layers=pp_layers,
-                                        micro_batch_size=mbs, activation_checkpointing=ac, schedule=schedule,
-                                        virtual_stages=v)
+                        c = with_layout(
+                            cfg,
+                            tp=tp,
+                            pp=pp,
+                            dp=dp,
+                            cp=cp,
+                            cp_mode=cp_mode,
+                            ep=ep,
+                            dp_mode=mode,
+                            zero_stage=stage,
+                            reshard_after_forward=reshard,
+                            offload=off,
+                            pp_layers=pp_layers,
+                            micro_batch_size=mbs,
+                            activation_checkpointing=ac,
+                            schedule=schedule,
+                            virtual_stages=v,
+                        )
                         asked = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)
                         try:
                             # the dp-mode refusals first: resolve_layout's schedule check builds a table

@@ -6,6 +6,7 @@ Qwen2-MoE's shared expert (3 h f_s) with its gate (h); a token passes through th
 expert, so its ACTIVE matmul weights are E h + k 3 h f_e + 3 h f_s + h (Mixtral 8x7B: 12.9B of 46.7B; the 6N of
 MFU counts these, as Mixtral's and DeepSeek's reports do).
 """
+
 from __future__ import annotations
 
 from engine.config import ModelConfig

@@ -31,6 +31,7 @@ In fp32 training (as on CPU) weights and gradients take 4 bytes each and Adam's 
   the sharded weights, gradients, AdamW state and its temporaries; the device keeps the gathered weights and,
   with several micro-batches, the unsharded accumulated gradients.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,9 +53,12 @@ from engine.planning.moe import expert_params, mlp_params
 from engine.planning.schedules import activations_in_flight, head_stage, one_embedding
 
 # bytes per parameter: (weights, gradients, optimizer state)
-PRECISIONS = {"mixed": (2, 2, 12), "fp32": (4, 4, 8),
-              "fp32_master": (4, 4, 12),  # DeepSpeed ZeRO in fp32: a flat fp32 master partition besides the weights
-              "bf16_fp32_grads": (2, 4, 12)}  # DeepSpeed bf16 with grad_accum_dtype fp32 (engine/parallel/dp/zero.py)
+PRECISIONS = {
+    "mixed": (2, 2, 12),
+    "fp32": (4, 4, 8),
+    "fp32_master": (4, 4, 12),  # DeepSpeed ZeRO in fp32: a flat fp32 master partition besides the weights
+    "bf16_fp32_grads": (2, 4, 12),
+}  # DeepSpeed bf16 with grad_accum_dtype fp32 (engine/parallel/dp/zero.py)
 
 
 def model_state_bytes(params: int, dp: int, zero_stage: int, precision: str = "mixed") -> float:
@@ -73,8 +77,11 @@ def model_state_parts(params: int, dp: int, zero_stage: int, precision: str = "m
         raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
     w, g, k = PRECISIONS[precision]
     # ZeRO's stage s shards the last s of (optimizer state, gradients, weights).
-    return (params * w / (dp if zero_stage >= 3 else 1), params * g / (dp if zero_stage >= 2 else 1),
-            params * k / (dp if zero_stage >= 1 else 1))
+    return (
+        params * w / (dp if zero_stage >= 3 else 1),
+        params * g / (dp if zero_stage >= 2 else 1),
+        params * k / (dp if zero_stage >= 1 else 1),
+    )
 
 
 def layer_params(m: ModelConfig, tp: int, index: int = 0) -> tuple[int, int]:
@@ -103,8 +110,9 @@ def stage_params(cfg: Config, tp: int, pp: int, stage: int) -> dict[str, int]:
     indices = stage_layer_ranges(m.num_layers, pp, layer_counts(cfg, pp))[stage]
     experts = [expert_params(m, i) // tp // ep for i in indices] or [0]  # this rank's slice of each layer's experts
     # a layer's weights with all E experts, less the (ep - 1)/ep of them held elsewhere
-    sizes = [sum(layer_params(m, tp, i)) - expert_params(m, i) // tp + e for i, e in zip(indices, experts)] \
-        or [sum(layer_params(m, tp))]
+    sizes = [sum(layer_params(m, tp, i)) - expert_params(m, i) // tp + e for i, e in zip(indices, experts)] or [
+        sum(layer_params(m, tp))
+    ]
     n_layers = len(indices)
     vocab = m.vocab_size * m.hidden_size // tp  # embedding or LM head: vocab rows split by tp
     root = 0
@@ -112,8 +120,14 @@ def stage_params(cfg: Config, tp: int, pp: int, stage: int) -> dict[str, int]:
         root += vocab
     if stage == head_stage(cfg, pp):  # tied at pp=1 or in zbv's V: one tensor
         root += m.hidden_size + (0 if one_embedding(cfg, pp) else vocab)
-    return {"layers": sum(sizes) if n_layers else 0, "root": root, "num_layers": n_layers, "layer": max(sizes),
-            "experts": sum(experts) if n_layers else 0, "expert_layer": max(experts)}
+    return {
+        "layers": sum(sizes) if n_layers else 0,
+        "root": root,
+        "num_layers": n_layers,
+        "layer": max(sizes),
+        "experts": sum(experts) if n_layers else 0,
+        "expert_layer": max(experts),
+    }
 
 
 @dataclass
@@ -124,6 +138,7 @@ class StageMemory:
     stage, a layer's gradients, a recomputed layer); ``step_buffers``: those of the step after the backward, when
     activations are gone (AdamW's temporaries). ``new_at_peak``: what the forward /
     backward allocates at its peak (activations, gradients, buffers), from the schedule."""
+
     stage: int
     weights: float
     grads: float
@@ -168,8 +183,10 @@ def planner_model(name: str):
     spec = dp_modes.MODES[name]
     if spec.planner is None:
         modelled = ", ".join(n for n, s in dp_modes.MODES.items() if s.planner)
-        raise ConfigError(f"dp mode '{name}' has no planner model; declare one (DpModeSpec.planner, "
-                          f"engine/parallel/dp/plan_models.py) or plan parallel.dp_mode {modelled}")
+        raise ConfigError(
+            f"dp mode '{name}' has no planner model; declare one (DpModeSpec.planner, "
+            f"engine/parallel/dp/plan_models.py) or plan parallel.dp_mode {modelled}"
+        )
     return _model(spec.planner)
 
 
@@ -178,8 +195,9 @@ def dp_model(cfg: Config):
     return planner_model(cfg.parallel.dp_mode)
 
 
-def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True,
-                 layout: Layout | None = None) -> StageMemory:
+def stage_memory(
+    cfg: Config, world_size: int, stage: int, foreach: bool = True, layout: Layout | None = None
+) -> StageMemory:
     """Planned bytes held by one rank of pipeline ``stage`` at the peak of a training step (layout from
     ``cfg.parallel`` and ``cfg.train``, checked by engine.parallel.layout.checks.resolve_layout, unless the caller
     passes the ``layout`` it has resolved). ``foreach``: AdamW's multi-tensor path (engine.optim's choice off
@@ -189,8 +207,10 @@ def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True,
     params = stage_params(cfg, layout.tp, layout.pp, stage)
     model, groups = dp_model(cfg), state_groups(layout, params)
     counters = 4 * _param_tensors(cfg, layout, stage)  # AdamW's fp32 `step` per parameter tensor (dense group's)
-    parts = [_group_state(cfg, model, lay, p, micro_batches, foreach, counters if i == 0 else 0)
-             for i, (lay, p) in enumerate(groups)]
+    parts = [
+        _group_state(cfg, model, lay, p, micro_batches, foreach, counters if i == 0 else 0)
+        for i, (lay, p) in enumerate(groups)
+    ]
     # (weights, grads, optimizer, step_buffers, host, gathered, bucket) summed over the dense and expert groups;
     # the per-tensor AdamW loop's temporaries are one tensor's, the largest of either group's
     weights, grads, optimizer, step_buffers, host, gathered, bucket = (sum(x) for x in zip(*parts))
@@ -205,8 +225,20 @@ def stage_memory(cfg: Config, world_size: int, stage: int, foreach: bool = True,
         # to `held.peak_after_grads` is (1F1B: the same once past the warmup, if m is large enough; GPipe: one
         # micro-batch fewer)
         new_at_peak = gathered + buffers + max(held.peak, grads + held.peak_after_grads)
-    return StageMemory(stage, weights, grads, optimizer, held.peak, gathered, buffers, step_buffers, held.count,
-                       new_at_peak, held.w_state, host)
+    return StageMemory(
+        stage,
+        weights,
+        grads,
+        optimizer,
+        held.peak,
+        gathered,
+        buffers,
+        step_buffers,
+        held.count,
+        new_at_peak,
+        held.w_state,
+        host,
+    )
 
 
 def state_groups(layout: Layout, params: dict) -> list[tuple[Layout, dict]]:
@@ -216,15 +248,27 @@ def state_groups(layout: Layout, params: dict) -> list[tuple[Layout, dict]]:
     dense = data_layout(layout)
     if layout.ep == 1 or not params["experts"]:
         return [(dense, params)]
-    experts = {"layers": params["experts"], "root": 0, "layer": params["expert_layer"],
-               "num_layers": params["num_layers"], "experts": 0, "expert_layer": 0}
-    rest = {**params, "layers": params["layers"] - params["experts"],
-            "layer": params["layer"] - params["expert_layer"], "experts": 0, "expert_layer": 0}
+    experts = {
+        "layers": params["experts"],
+        "root": 0,
+        "layer": params["expert_layer"],
+        "num_layers": params["num_layers"],
+        "experts": 0,
+        "expert_layer": 0,
+    }
+    rest = {
+        **params,
+        "layers": params["layers"] - params["experts"],
+        "layer": params["layer"] - params["expert_layer"],
+        "experts": 0,
+        "expert_layer": 0,
+    }
     return [(dense, rest), (ep_plan.expert_layout(layout), experts)]
 
 
-def _group_state(cfg: Config, model, layout: Layout, params: dict, micro_batches: int,
-                 foreach: bool, counters: float) -> tuple[float, ...]:
+def _group_state(
+    cfg: Config, model, layout: Layout, params: dict, micro_batches: int, foreach: bool, counters: float
+) -> tuple[float, ...]:
     """(weights, grads, optimizer, step_buffers, host, gathered, bucket) of one state group under the dp mode's
     planner model, ``counters`` bytes of optimizer state added before offloading."""
     local = params["layers"] + params["root"]
@@ -245,8 +289,7 @@ def _param_tensors(cfg: Config, layout: Layout, stage: int) -> int:
     return (12 if cfg.model.attention_bias else 9) * p["num_layers"] + root
 
 
-def plan_memory(cfg: Config, world_size: int, foreach: bool = True,
-                layout: Layout | None = None) -> list[StageMemory]:
+def plan_memory(cfg: Config, world_size: int, foreach: bool = True, layout: Layout | None = None) -> list[StageMemory]:
     """stage_memory of every pipeline stage, stage 0 first (``layout`` as for stage_memory)."""
     layout = layout or resolve_layout(cfg, world_size)
     return [stage_memory(cfg, world_size, s, foreach, layout) for s in range(layout.pp)]
@@ -257,5 +300,6 @@ def with_layout(cfg: Config, **parallel_and_train) -> Config:
     the two), for planning a layout other than the configured one."""
     parallel = {k: v for k, v in parallel_and_train.items() if hasattr(cfg.parallel, k)}
     train = {k: v for k, v in parallel_and_train.items() if k not in parallel}
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel),
-                               train=dataclasses.replace(cfg.train, **train))
+    return dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, **parallel), train=dataclasses.replace(cfg.train, **train)
+    )

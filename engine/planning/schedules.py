@@ -26,6 +26,7 @@ same time, so the makespan is extended along the line through the simulations at
 (equal to the full simulation in every case tests/test_plan_schedules.py and a wider sweep tried), which keeps a search over global
 batches of thousands of micro-batches fast.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -104,6 +105,7 @@ class InFlight:
     of the stage under interleaving); ``peak``: the most bytes held; ``peak_after_grads``: the most once the
     weight gradients exist (from the first BWD, or the first W); ``w_state``: zero bubble's W state within
     ``peak``."""
+
     count: int
     peak: float
     peak_after_grads: float
@@ -157,8 +159,9 @@ def activations_in_flight(cfg: Config, tp: int, pp: int, micro_batches: int, sta
 SIMULATED_GROUPS = 2
 
 
-def makespan_and_idle(schedule: str, pp: int, micro_batches: int, v: int, fwd: float, bwd: float,
-                      bwd_input: float, bwd_weight: float) -> tuple[float, list[float]]:
+def makespan_and_idle(
+    schedule: str, pp: int, micro_batches: int, v: int, fwd: float, bwd: float, bwd_input: float, bwd_weight: float
+) -> tuple[float, list[float]]:
     """(makespan, idle time of each rank) of the simulated step (``timeline``), extended linearly in the
     micro-batches beyond SIMULATED_GROUPS * pp of them (module docstring)."""
     costs = (v, fwd, bwd, bwd_input, bwd_weight)
@@ -172,11 +175,11 @@ def makespan_and_idle(schedule: str, pp: int, micro_batches: int, v: int, fwd: f
 
 
 @lru_cache(maxsize=4096)
-def timeline(schedule: str, pp: int, micro_batches: int, v: int, fwd: float, bwd: float, bwd_input: float,
-             bwd_weight: float) -> sched.Timeline:
+def timeline(
+    schedule: str, pp: int, micro_batches: int, v: int, fwd: float, bwd: float, bwd_input: float, bwd_weight: float
+) -> sched.Timeline:
     """The simulated step (engine.parallel.pp.schedule.simulate, on the cached tables) with the costs of one
     micro-batch on one virtual stage: fwd, bwd (whole backward), and zero bubble's bwd_input (B) and bwd_weight
     (W). Cached: layouts that differ only in their dp mode share their costs."""
     tables = [actions(schedule, pp, micro_batches, s, v) for s in range(pp)]
-    return sched.simulate_actions(tables, fwd, bwd, schedule, bwd_input, bwd_weight,
-                                  sched.SCHEDULES[schedule].vshape)
+    return sched.simulate_actions(tables, fwd, bwd, schedule, bwd_input, bwd_weight, sched.SCHEDULES[schedule].vshape)

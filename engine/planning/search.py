@@ -24,6 +24,7 @@ all-gather the updated weights; ep (engine/planning/ep.py): the token all-to-all
 extra expert rows, and the experts' own reduction over expert-dp (after the backward under ddp). Not modelled: the
 optimizer update, data loading, kernel launch overheads.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from engine.planning.schedules import head_stage, virtual_stages
 class Hardware:
     """One device and its links. Defaults: an H100 SXM node (NVLink 4 at 450 GB/s per direction, 8 per node,
     400 Gb/s InfiniBand per GPU between nodes)."""
+
     peak_tflops: float = 989.0  # dense TFLOP/s of one device in the training dtype (engine.planning.flops.peak_tflops)
     efficiency: float = 0.5  # fraction of the peak that the matmuls achieve
     memory_gb: float = 80.0  # device memory per rank, GB (1e9 bytes)
@@ -60,6 +62,7 @@ class Hardware:
 @dataclass
 class StepTime:
     """Seconds per optimizer step, by part (the pipeline parts are whole-step totals on the slowest stage)."""
+
     compute: float
     tp_comm: float
     pp_comm: float
@@ -90,6 +93,7 @@ class StageCost:
     """Seconds of one micro-batch on one pipeline stage (all its chunks): the forward, the input-gradient backward
     B (recomputation and the backward's all-reduces with it) and the weight-gradient backward W, which the
     schedules other than zero bubble run as one backward; ``compute``, ``tp_comm``, ``pp_comm`` are their parts."""
+
     fwd: float
     bwd_input: float
     bwd_weight: float
@@ -118,12 +122,17 @@ def stage_cost(cfg: Config, layout: Layout, hw: Hardware, stage: int) -> StageCo
     params = stage_params(cfg, layout.tp, layout.pp, stage)
     layers, first, last = params["num_layers"], stage == 0, stage == head_stage(cfg, layout.pp)
     rate = hw.peak_tflops * 1e12 * hw.efficiency * layout.tp  # a tp rank does 1/tp of the stage's FLOPs
-    cp_fwd, cp_bwd = (layers * x for x in cp_plan.comm_time(cfg, layout.tp, rate / layout.tp,
-                                                             link_bandwidth(hw, layout.cp * layout.tp),
-                                                             hw.latency_us))
+    cp_fwd, cp_bwd = (
+        layers * x
+        for x in cp_plan.comm_time(
+            cfg, layout.tp, rate / layout.tp, link_bandwidth(hw, layout.cp * layout.tp), hw.latency_us
+        )
+    )
     moe = ep_plan.moe_layers(m, stage_layer_ranges(m.num_layers, layout.pp, layer_counts(cfg, layout.pp))[stage])
-    ep_fwd, ep_bwd = (moe * x for x in ep_plan.a2a_time_per_layer(
-        cfg, layout.ep, link_bandwidth(hw, ep_plan.ep_span(layout)), hw.latency_us))
+    ep_fwd, ep_bwd = (
+        moe * x
+        for x in ep_plan.a2a_time_per_layer(cfg, layout.ep, link_bandwidth(hw, ep_plan.ep_span(layout)), hw.latency_us)
+    )
     compute = tokens * flops.stage_flops_per_token(m, t.seq_len, layers, last, t.activation_checkpointing) / rate
     fwd = tokens * flops.stage_flops_per_token(m, t.seq_len, layers, last) / 3 / rate
     weight = tokens * flops.weight_grad_flops_per_token(m, layers, last) / rate
@@ -139,17 +148,33 @@ def stage_cost(cfg: Config, layout: Layout, hw: Hardware, stage: int) -> StageCo
     # one transfer each way per micro-batch and model chunk (v chunks under interleaving: v times the messages)
     sent = act / sequence_share(cfg, layout.tp)  # (b, s/tp, h) between stages under sequence parallelism
     p2p = 0.0 if layout.pp == 1 else virtual_stages(cfg) * (sent / (pp_bw * 1e9) + hw.latency_us * 1e-6)
-    return StageCost(fwd + tp_fwd + p2p + cp_fwd + ep_fwd, compute - fwd - weight + tp_bwd + p2p + cp_bwd + ep_bwd,
-                     weight, compute, tp_fwd + tp_bwd, 2 * p2p, params, cp_fwd + cp_bwd, ep_fwd + ep_bwd)
+    return StageCost(
+        fwd + tp_fwd + p2p + cp_fwd + ep_fwd,
+        compute - fwd - weight + tp_bwd + p2p + cp_bwd + ep_bwd,
+        weight,
+        compute,
+        tp_fwd + tp_bwd,
+        2 * p2p,
+        params,
+        cp_fwd + cp_bwd,
+        ep_fwd + ep_bwd,
+    )
 
 
 def pipeline_time(cfg: Config, layout: Layout, cost: StageCost, micro_batches: int) -> tuple[float, list[float]]:
     """(makespan, idle per rank) of the configured schedule, simulated with every virtual stage at ``cost`` / v
     (the slowest stage's pace, as it sets the makespan; the simulator takes one cost per op)."""
     v = virtual_stages(cfg)
-    return schedules.makespan_and_idle(cfg.parallel.schedule, layout.pp, micro_batches, v, cost.fwd / v,
-                                       (cost.bwd_input + cost.bwd_weight) / v, cost.bwd_input / v,
-                                       cost.bwd_weight / v)
+    return schedules.makespan_and_idle(
+        cfg.parallel.schedule,
+        layout.pp,
+        micro_batches,
+        v,
+        cost.fwd / v,
+        (cost.bwd_input + cost.bwd_weight) / v,
+        cost.bwd_input / v,
+        cost.bwd_weight / v,
+    )
 
 
 def step_time(cfg: Config, world_size: int, hw: Hardware, layout: Layout | None = None) -> StepTime:
@@ -163,20 +188,39 @@ def step_time(cfg: Config, world_size: int, hw: Hardware, layout: Layout | None 
     # the mode's exposed communication (engine/parallel/dp/plan_models.py), over dp x cp and, under expert
     # parallelism, the experts' over expert-dp
     model = dp_model(cfg)
-    dp = sum(model.dp_comm(cfg, lay, hw, p["layers"] + p["root"], micro_batches,
-                           worst.compute if i == 0 or model.experts_overlap else 0.0)
-             for i, (lay, p) in enumerate(state_groups(layout, worst.params)))
+    dp = sum(
+        model.dp_comm(
+            cfg,
+            lay,
+            hw,
+            p["layers"] + p["root"],
+            micro_batches,
+            worst.compute if i == 0 or model.experts_overlap else 0.0,
+        )
+        for i, (lay, p) in enumerate(state_groups(layout, worst.params))
+    )
     total = makespan + dp
     tokens_per_s = t.global_batch_size * t.seq_len / total
     mfu = flops.mfu(tokens_per_s / world_size, flops.flops_per_token(m, t.seq_len), hw.peak_tflops) or 0.0
-    return StepTime(micro_batches * worst.compute, micro_batches * worst.tp_comm, micro_batches * worst.pp_comm,
-                    max(idle), dp, total, tokens_per_s, mfu, max(idle) / makespan, micro_batches * worst.cp_comm,
-                    micro_batches * worst.ep_comm)
+    return StepTime(
+        micro_batches * worst.compute,
+        micro_batches * worst.tp_comm,
+        micro_batches * worst.pp_comm,
+        max(idle),
+        dp,
+        total,
+        tokens_per_s,
+        mfu,
+        max(idle) / makespan,
+        micro_batches * worst.cp_comm,
+        micro_batches * worst.ep_comm,
+    )
 
 
 @dataclass
 class Candidate:
     """One layout with its plan: the config that runs it, per-stage memory (bytes) and the step time."""
+
     cfg: Config
     layout: Layout
     memory: list[StageMemory]
@@ -191,24 +235,45 @@ class Candidate:
         p, t = self.cfg.parallel, self.cfg.train
         mode = dp_model(self.cfg).label(self.cfg, data_layout(self.layout))
         mode += OFFLOADS[p.offload].label
-        return {"tp": self.layout.tp, "pp": self.layout.pp, "dp": self.layout.dp, "cp": self.layout.cp,
-                "ep": self.layout.ep, "cp_mode": p.cp_mode if self.layout.cp > 1 else "", "dp_mode": mode,
-                "schedule": p.schedule, "virtual_stages": p.virtual_stages,
-                "pp_layers": layer_counts(self.cfg, self.layout.pp),
-                "micro_batch_size": t.micro_batch_size,
-                "micro_batches": micro_batches_per_step(t, self.layout.dp),
-                "activation_checkpointing": t.activation_checkpointing, "peak_memory_gb": self.peak_bytes / 1e9,
-                "host_gb": max(s.host for s in self.memory) / 1e9,
-                "step_s": self.time.total, "tokens_per_s": self.time.tokens_per_s, "mfu": self.time.mfu,
-                "bubble_s": self.time.bubble, "bubble_fraction": self.time.bubble_fraction,
-                "activation_gb_per_stage": [s.activations / 1e9 for s in self.memory],
-                "in_flight_per_stage": [s.in_flight for s in self.memory], "tp_comm_s": self.time.tp_comm,
-                "pp_comm_s": self.time.pp_comm, "dp_comm_s": self.time.dp_comm, "cp_comm_s": self.time.cp_comm,
-                "ep_comm_s": self.time.ep_comm, "fits": self.fits}
+        return {
+            "tp": self.layout.tp,
+            "pp": self.layout.pp,
+            "dp": self.layout.dp,
+            "cp": self.layout.cp,
+            "ep": self.layout.ep,
+            "cp_mode": p.cp_mode if self.layout.cp > 1 else "",
+            "dp_mode": mode,
+            "schedule": p.schedule,
+            "virtual_stages": p.virtual_stages,
+            "pp_layers": layer_counts(self.cfg, self.layout.pp),
+            "micro_batch_size": t.micro_batch_size,
+            "micro_batches": micro_batches_per_step(t, self.layout.dp),
+            "activation_checkpointing": t.activation_checkpointing,
+            "peak_memory_gb": self.peak_bytes / 1e9,
+            "host_gb": max(s.host for s in self.memory) / 1e9,
+            "step_s": self.time.total,
+            "tokens_per_s": self.time.tokens_per_s,
+            "mfu": self.time.mfu,
+            "bubble_s": self.time.bubble,
+            "bubble_fraction": self.time.bubble_fraction,
+            "activation_gb_per_stage": [s.activations / 1e9 for s in self.memory],
+            "in_flight_per_stage": [s.in_flight for s in self.memory],
+            "tp_comm_s": self.time.tp_comm,
+            "pp_comm_s": self.time.pp_comm,
+            "dp_comm_s": self.time.dp_comm,
+            "cp_comm_s": self.time.cp_comm,
+            "ep_comm_s": self.time.ep_comm,
+            "fits": self.fits,
+        }
 
 
-def search(cfg: Config, world_size: int, hw: Hardware, schedules: tuple[tuple[str, int], ...] | None = None,
-           refused: list[tuple[Layout, str]] | None = None) -> list[Candidate]:
+def search(
+    cfg: Config,
+    world_size: int,
+    hw: Hardware,
+    schedules: tuple[tuple[str, int], ...] | None = None,
+    refused: list[tuple[Layout, str]] | None = None,
+) -> list[Candidate]:
     """Every valid layout (``schedules`` and ``refused`` as for layouts), planned; those that fit in
     hw.memory_gb first, each group by step time."""
     out = _planned(cfg, world_size, hw, schedules, refused)

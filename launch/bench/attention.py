@@ -10,6 +10,7 @@ repeated k/v, or math's s x s softmax), the document mask once per micro-batch, 
 it, what the math kernel would hold (the fallback before this path selection). Part 2 measures on CPU (fp32, the config's heads, one layer's SDPA call at --measure-seq tokens) the
 bytes autograd saves on each path, forced, against the planner's figure for it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,7 @@ from engine.model.docmask import block_causal_mask  # noqa: E402
 from engine.planning import activations as acts  # noqa: E402
 from engine.planning.planner import with_layout  # noqa: E402
 
-MiB, GiB = 2 ** 20, 2 ** 30
+MiB, GiB = 2**20, 2**30
 
 
 def planned_attention(cfg, path: str) -> float:
@@ -63,8 +64,10 @@ def measured_attention(cfg, path: str) -> int:
     real = attn.attention_path
     attn.attention_path = lambda *a: path
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x), \
-                sdpa_kernel(SDPBackend.MATH if path == attn.MATH else SDPBackend.FLASH_ATTENTION):
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x),
+            sdpa_kernel(SDPBackend.MATH if path == attn.MATH else SDPBackend.FLASH_ATTENTION),
+        ):
             out = attn.attend(q, k, v, mask)
     finally:
         attn.attention_path = real
@@ -88,27 +91,59 @@ def main() -> None:
     a = p.parse_args()
     base = ["--config", a.config, "--train.micro_batch_size", str(a.micro_batch)]
     m = load(base).model
-    print(f"{a.config}: {m.num_heads} heads, {m.num_kv_heads} kv heads, head_dim {m.head_dim}; "
-          f"micro-batch {a.micro_batch}, seq {a.seq}; one layer's attention, MiB saved for backward (planned)")
+    print(
+        f"{a.config}: {m.num_heads} heads, {m.num_kv_heads} kv heads, head_dim {m.head_dim}; "
+        f"micro-batch {a.micro_batch}, seq {a.seq}; one layer's attention, MiB saved for backward (planned)"
+    )
     print(f"{'':39} {'-------- this path --------':>26}  {'-- math kernel (before) --':>26}")
-    print(f"{'device':6} {'dtype':5} {'mask':5} {'path':20} {'layer':>9} {'mask':>6} {'32 (GiB)':>9}  "
-          f"{'layer':>9} {'mask':>6} {'32 (GiB)':>9}")
+    print(
+        f"{'device':6} {'dtype':5} {'mask':5} {'path':20} {'layer':>9} {'mask':>6} {'32 (GiB)':>9}  "
+        f"{'layer':>9} {'mask':>6} {'32 (GiB)':>9}"
+    )
     for backend, device in (("nccl", "cuda"), ("gloo", "cpu")):
         for dtype in ("fp32", "bf16"):
             for mask in (False, True):
-                cfg = with_layout(load(base + ["--train.seq_len", str(a.seq), "--parallel.backend", backend,
-                                               "--data.document_mask", str(mask).lower()]), dtype=dtype)
+                cfg = with_layout(
+                    load(
+                        base
+                        + [
+                            "--train.seq_len",
+                            str(a.seq),
+                            "--parallel.backend",
+                            backend,
+                            "--data.document_mask",
+                            str(mask).lower(),
+                        ]
+                    ),
+                    dtype=dtype,
+                )
                 path = acts.planned_attention_path(cfg)
                 print(f"{device:6} {dtype:5} {str(mask):5} {path:20} {row(cfg, path)}  {row(cfg, attn.MATH)}")
     print(f"\nCPU fp32, micro-batch 1, seq {a.measure_seq}: one attend() call forced onto each path, MiB")
     print(f"{'mask':5} {'path':20} {'measured':>9} {'planned':>9}")
     for mask in (False, True):
-        cfg = with_layout(load(["--config", a.config, "--train.micro_batch_size", "1", "--train.seq_len",
-                                str(a.measure_seq), "--parallel.backend", "gloo",
-                                "--data.document_mask", str(mask).lower()]), dtype="fp32")
+        cfg = with_layout(
+            load(
+                [
+                    "--config",
+                    a.config,
+                    "--train.micro_batch_size",
+                    "1",
+                    "--train.seq_len",
+                    str(a.measure_seq),
+                    "--parallel.backend",
+                    "gloo",
+                    "--data.document_mask",
+                    str(mask).lower(),
+                ]
+            ),
+            dtype="fp32",
+        )
         for path in (attn.CPU_FLASH, attn.EFFICIENT_REPEAT_KV, attn.MATH):
-            print(f"{str(mask):5} {path:20} {measured_attention(cfg, path) / MiB:9.2f} "
-                  f"{sum(planned_attention(cfg, path)) / MiB:9.2f}")
+            print(
+                f"{str(mask):5} {path:20} {measured_attention(cfg, path) / MiB:9.2f} "
+                f"{sum(planned_attention(cfg, path)) / MiB:9.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ moments exist; a small batch: the size of a checkpoint does not depend on it), t
   load     resume into a fresh Trainer: validation (sizes, every shard's CRC) and reading the pieces;
   size     bytes on disk (fp32 weights + 2 Adam moments, written once whatever the number of replicas).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,6 +62,7 @@ def bench_rank(argv: list[str], root: str) -> dict:
         out["async blocked"] = timed(lambda: ckpt.save(trainer.parts, trainer.position))
         steps()
         ckpt.wait()
+
     out["3 steps + async save"] = timed(async_save_while_training)
     resume = load([*argv, "--checkpoint.resume", str(path)])
     fresh = Trainer(resume, trainer.ctx)
@@ -72,8 +74,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", action="append", help="config files (default: tiny and 50m)")
     p.add_argument("--world", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--dp-mode", nargs="+", default=["ddp", "fsdp"], choices=["ddp", "fsdp", *MODES],
-                   help="zero1/zero2/zero3: dp_mode zero at that stage")
+    p.add_argument(
+        "--dp-mode",
+        nargs="+",
+        default=["ddp", "fsdp"],
+        choices=["ddp", "fsdp", *MODES],
+        help="zero1/zero2/zero3: dp_mode zero at that stage",
+    )
     p.add_argument("--dir", default="/tmp/bench_ckpt")
     p.add_argument("--repeat", type=int, default=1, help="runs per case; the fastest is printed (a shared machine)")
     args = p.parse_args()
@@ -82,26 +89,43 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     configs = args.config or ["configs/tiny.yaml", "configs/50m.yaml"]
     keys = ["size_mb", "save", "async blocked", "3 steps", "3 steps + async save", "load"]
-    print(f"torch {torch.__version__}, one thread per rank; times in seconds (slowest rank, fastest of "
-          f"{args.repeat} runs)")
+    print(
+        f"torch {torch.__version__}, one thread per rank; times in seconds (slowest rank, fastest of "
+        f"{args.repeat} runs)"
+    )
     print("| config | ranks | dp_mode | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 3) + "|")
     for config in configs:
         for world in args.world:
             for mode in args.dp_mode if world > 1 else ["ddp"]:
                 dp_mode = MODES.get(mode, ["--parallel.dp_mode", mode])
-                argv = ["--config", config, *dp_mode, "--train.global_batch_size", str(world),
-                        "--train.micro_batch_size", "1", "--train.seq_len", "32", "--log.progress", "false",
-                        "--train.out_dir", f"{args.dir}/out"]
+                argv = [
+                    "--config",
+                    config,
+                    *dp_mode,
+                    "--train.global_batch_size",
+                    str(world),
+                    "--train.micro_batch_size",
+                    "1",
+                    "--train.seq_len",
+                    "32",
+                    "--log.progress",
+                    "false",
+                    "--train.out_dir",
+                    f"{args.dir}/out",
+                ]
                 rows = []
                 for _ in range(args.repeat):
                     shutil.rmtree(args.dir, ignore_errors=True)
                     results = run_ranks(bench_rank, world, argv, args.dir, timeout_s=1800, threads=1)
                     rows.append({k: max(r[k] for r in results) for k in keys})
                 row = {k: min(r[k] for r in rows) for k in keys}
-                print(f"| {Path(config).stem} | {world} | {mode} | " +
-                      " | ".join(f"{row[k]:.2f}" if k != "size_mb" else f"{row[k]:.1f} MB" for k in keys) + " |",
-                      flush=True)
+                print(
+                    f"| {Path(config).stem} | {world} | {mode} | "
+                    + " | ".join(f"{row[k]:.2f}" if k != "size_mb" else f"{row[k]:.1f} MB" for k in keys)
+                    + " |",
+                    flush=True,
+                )
     shutil.rmtree(args.dir, ignore_errors=True)
 
 

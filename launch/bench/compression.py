@@ -13,6 +13,7 @@ buckets not reduced: each rank keeps its own gradient there) and ``sum`` (all-re
 The hook is observed by wrapping ``engine.parallel.dp.ddp.comm_hook`` in the forked ranks (``spy``), which tests
 also use (tests/test_ddp.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,18 +56,27 @@ def spy(log: list, broken: str | None = None) -> None:
                 fut = torch.futures.Future()
                 fut.set_result(buf)
             elif broken == "sum":
-                fut = dist.all_reduce(buf, group=ctx.dp_group, async_op=True).get_future().then(
-                    lambda f: f.value()[0])
+                fut = dist.all_reduce(buf, group=ctx.dp_group, async_op=True).get_future().then(lambda f: f.value()[0])
             else:
                 fut = hook(state, bucket)
             # PowerSGD counts the elements it all-reduces (P, Q, uncompressed tensors) once past its warm-up.
             compressed = getattr(state, "total_numel_after_compression", 0) - before
-            wire = compressed * buf.element_size() if compressed else buf.numel() * (wire_itemsize or
-                                                                                   buf.element_size())
-            log.append({"index": bucket.index(), "numel": buf.numel(), "storage": buf.untyped_storage().data_ptr(),
-                        "storage_bytes": buf.untyped_storage().nbytes(), "wire": wire})
+            wire = (
+                compressed * buf.element_size() if compressed else buf.numel() * (wire_itemsize or buf.element_size())
+            )
+            log.append(
+                {
+                    "index": bucket.index(),
+                    "numel": buf.numel(),
+                    "storage": buf.untyped_storage().data_ptr(),
+                    "storage_bytes": buf.untyped_storage().nbytes(),
+                    "wire": wire,
+                }
+            )
             return fut
+
         return state, spying
+
     comm_hook.original = original
     ddp.comm_hook = comm_hook
 
@@ -91,13 +101,19 @@ def train_rank(argvs: list[list[str]], broken: str | None = None) -> list[dict]:
             if event == "update":
                 per_step.append(log[:])
                 log.clear()
+
         trainer.observers.append(end_of_backward)
         history = trainer.fit()
         params = list(trainer.model.parameters())
-        out.append({"loss": [r["loss"] for r in history], "grad_norm": [r["grad_norm"] for r in history],
-                    "buckets": per_step, "bytes": trainer.dp.bytes_held(),
-                    "grad_storages": [None if p.grad is None else p.grad.untyped_storage().data_ptr()
-                                      for p in params]})
+        out.append(
+            {
+                "loss": [r["loss"] for r in history],
+                "grad_norm": [r["grad_norm"] for r in history],
+                "buckets": per_step,
+                "bytes": trainer.dp.bytes_held(),
+                "grad_storages": [None if p.grad is None else p.grad.untyped_storage().data_ptr() for p in params],
+            }
+        )
     return out
 
 
@@ -121,27 +137,48 @@ def main(argv: list[str]) -> None:
     ap.add_argument("overrides", nargs="*", help="more dotted overrides, e.g. train.seq_len 64")
     args = ap.parse_args(argv)
     # 4 MB buckets: several even for the tiny model (5M fp32 gradients), so that ``local`` leaves some unreduced.
-    base = ["--config", args.config, "--log.progress", "false", "--log.breakdown", "false", "--parallel.bucket_mb",
-            "4", "--train.steps", str(args.steps), *[f"--{a}" if i % 2 == 0 else a
-                                                     for i, a in enumerate(args.overrides)]]
+    base = [
+        "--config",
+        args.config,
+        "--log.progress",
+        "false",
+        "--log.breakdown",
+        "false",
+        "--parallel.bucket_mb",
+        "4",
+        "--train.steps",
+        str(args.steps),
+        *[f"--{a}" if i % 2 == 0 else a for i, a in enumerate(args.overrides)],
+    ]
     out = "/tmp/bench_compression"
     (ref,) = run_ranks(train_rank, 1, [[*base, "--train.out_dir", f"{out}/dp1"]], timeout_s=7200)[0]
-    runs = run_ranks(train_rank, 2, [[*base, "--parallel.grad_compression", h, "--train.out_dir", f"{out}/{h}"]
-                                     for h in HOOKS], timeout_s=7200)[0]
+    runs = run_ranks(
+        train_rank,
+        2,
+        [[*base, "--parallel.grad_compression", h, "--train.out_dir", f"{out}/{h}"] for h in HOOKS],
+        timeout_s=7200,
+    )[0]
     rows = list(zip(HOOKS, runs))
     if args.broken:
         for bad in BROKEN:
             argv = [*base, "--train.out_dir", f"{out}/{bad}"]
             rows.append((f"none+{bad}", run_ranks(train_rank, 2, [argv], bad, timeout_s=7200)[0][0]))
-    print(f"{args.config}, {args.steps} steps ({' '.join(args.overrides) or 'no overrides'}); dp=1 loss "
-          f"{ref['loss'][0]:.3f} -> {ref['loss'][-1]:.3f}; {len(ref['buckets'][-1])} bucket(s) at dp=2")
-    print(f"{'dp=2 hook':<14} {'max |dloss|':>11} {'mean |dloss|':>12} {'final |dloss|':>13} "
-          f"{'mean rel dnorm':>14} {'wire B/step':>12} {'vs none':>8}")
+    print(
+        f"{args.config}, {args.steps} steps ({' '.join(args.overrides) or 'no overrides'}); dp=1 loss "
+        f"{ref['loss'][0]:.3f} -> {ref['loss'][-1]:.3f}; {len(ref['buckets'][-1])} bucket(s) at dp=2"
+    )
+    print(
+        f"{'dp=2 hook':<14} {'max |dloss|':>11} {'mean |dloss|':>12} {'final |dloss|':>13} "
+        f"{'mean rel dnorm':>14} {'wire B/step':>12} {'vs none':>8}"
+    )
     full = wire_bytes(runs[0])
     for name, run in rows:
         d, wire = differences(run, ref), wire_bytes(run)
-        print(f"{name:<14} {d['max']:>11.4f} {d['mean']:>12.4f} {d['final']:>13.4f} {d['grad_norm']:>14.4f} "
-              f"{wire:>12,} {wire / full:>8.3f}", flush=True)
+        print(
+            f"{name:<14} {d['max']:>11.4f} {d['mean']:>12.4f} {d['final']:>13.4f} {d['grad_norm']:>14.4f} "
+            f"{wire:>12,} {wire / full:>8.3f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

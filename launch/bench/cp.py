@@ -15,6 +15,7 @@ cp core the trainer applies (engine/parallel/cp/apply.py), fed as the trainer fe
 Figures on CPU gloo: the time compares the two modes on this machine, not a GPU's; the bytes and memory do not
 depend on it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,7 @@ import torch.distributed as dist  # noqa: E402
 from engine.cluster.spawn import run_ranks  # noqa: E402
 from engine.config import load  # noqa: E402
 
-HEADER = ["seq", "cp", "mode", "saved MB", "planned MB", "sent MB", "planned MB", "wire MB", "planned MB",
-          "fwd+bwd ms"]
+HEADER = ["seq", "cp", "mode", "saved MB", "planned MB", "sent MB", "planned MB", "wire MB", "planned MB", "fwd+bwd ms"]
 
 
 @contextmanager
@@ -77,8 +77,9 @@ def micro_batch(argv: list[str], repeats: int = 0) -> dict:
     model = model_lib.build(cfg.model, device="meta")
     apply_context_parallel(model, cfg.parallel.cp_mode, dist.group.WORLD, cp)
     materialize(model, torch.device("cpu"), seed=0, std=0.02)
-    rows = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1),
-                         generator=torch.Generator().manual_seed(0))
+    rows = torch.randint(
+        0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1), generator=torch.Generator().manual_seed(0)
+    )
     eos = 3 if cfg.data.document_mask else None
     inputs, labels, extra = micro_batch_inputs([rows], 1, eos, cp, dist.get_rank(), t.seq_len)
 
@@ -98,10 +99,15 @@ def micro_batch(argv: list[str], repeats: int = 0) -> dict:
         times.append(time.perf_counter() - start)
     fwd, bwd = cp_plan.bytes_per_layer(cfg, 1)
     layers = cfg.model.num_layers
-    return {"saved": tracker.peak, "planned_saved": acts.micro_batch_bytes(cfg, 1, 1, 0, layers),
-            "sent": seen["sent"], "planned_sent": layers * (fwd + bwd), "wire": seen["wire"],
-            "planned_wire": max(cp_plan.ring_wire_bytes(cfg, 1)),
-            "seconds": statistics.median(times) if times else 0.0}
+    return {
+        "saved": tracker.peak,
+        "planned_saved": acts.micro_batch_bytes(cfg, 1, 1, 0, layers),
+        "sent": seen["sent"],
+        "planned_sent": layers * (fwd + bwd),
+        "wire": seen["wire"],
+        "planned_wire": max(cp_plan.ring_wire_bytes(cfg, 1)),
+        "seconds": statistics.median(times) if times else 0.0,
+    }
 
 
 def cases(cps: list[int]) -> list[tuple[int, str]]:
@@ -116,8 +122,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = p.parse_args(argv)
-    base = ["--config", args.config] + [x for item in args.set for x in ("--" + item.partition("=")[0],
-                                                                           item.partition("=")[2])]
+    base = ["--config", args.config] + [
+        x for item in args.set for x in ("--" + item.partition("=")[0], item.partition("=")[2])
+    ]
     print(" | ".join(HEADER))
     for seq in args.seq_lens:
         for cp, mode in cases(args.cp):
@@ -125,8 +132,13 @@ def main(argv: list[str]) -> int:
             got = run_ranks(micro_batch, cp, run, args.repeats, timeout_s=600.0, threads=1)
             r = max(got, key=lambda g: g["saved"])
             mb = [r[k] / 1e6 for k in ("saved", "planned_saved", "sent", "planned_sent", "wire", "planned_wire")]
-            print(" | ".join([str(seq), str(cp), mode if cp > 1 else "-"] + [f"{x:.3f}" for x in mb]
-                             + [f"{1e3 * max(g['seconds'] for g in got):.1f}"]))
+            print(
+                " | ".join(
+                    [str(seq), str(cp), mode if cp > 1 else "-"]
+                    + [f"{x:.3f}" for x in mb]
+                    + [f"{1e3 * max(g['seconds'] for g in got):.1f}"]
+                )
+            )
     return 0
 
 

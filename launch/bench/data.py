@@ -9,6 +9,7 @@
    ``batch_from(data, sampler.batch(consumed))``, against the tiny model's ~600 ms step on 2 cores.
 3. For comparison, the start-up cost of the same corpus as a raw file (tokenized on the fly by TrainData).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,18 +87,26 @@ def main(argv: list[str]) -> int:
     pre._builder_class()
     print(f"import launch/preprocess.py + megatron-core: {time.perf_counter() - t0:.1f} s (not counted below)")
     for workers in args.workers:
-        best = max((pre.preprocess([str(corpus)], str(out / "corpus"), workers=workers)
-                    for _ in range(args.repeats)), key=lambda s: s["tokens_per_s"])
-        print(f"preprocess --workers {workers}: {best['tokens']} tokens in {best['seconds']:.2f} s = "
-              f"{best['tokens_per_s']:,.0f} tokens/s")
+        best = max(
+            (pre.preprocess([str(corpus)], str(out / "corpus"), workers=workers) for _ in range(args.repeats)),
+            key=lambda s: s["tokens_per_s"],
+        )
+        print(
+            f"preprocess --workers {workers}: {best['tokens']} tokens in {best['seconds']:.2f} s = "
+            f"{best['tokens_per_s']:,.0f} tokens/s"
+        )
     build, per_batch, line = bench_batches(str(out / "corpus"), seq_len=128, gbs=16, n=500)
     print(line)
-    print(f"TrainData from the prefix: {build * 1e3:.0f} ms to build; one global batch (16 x 129): "
-          f"{per_batch * 1e3:.3f} ms = {per_batch / TINY_STEP_S:.3%} of a {TINY_STEP_S * 1e3:.0f} ms tiny step")
+    print(
+        f"TrainData from the prefix: {build * 1e3:.0f} ms to build; one global batch (16 x 129): "
+        f"{per_batch * 1e3:.3f} ms = {per_batch / TINY_STEP_S:.3%} of a {TINY_STEP_S * 1e3:.0f} ms tiny step"
+    )
     t0 = time.perf_counter()
     td = blend.TrainData(blend.DataSpec([str(corpus)], [], 128, 1234, 4096), data.load_tokenizer(""))
-    print(f"the same corpus as a raw .jsonl (tokenized on the fly at start-up): {time.perf_counter() - t0:.2f} s, "
-          f"{td.num_train_samples} train samples")
+    print(
+        f"the same corpus as a raw .jsonl (tokenized on the fly at start-up): {time.perf_counter() - t0:.2f} s, "
+        f"{td.num_train_samples} train samples"
+    )
     return 0
 
 

@@ -16,6 +16,7 @@ b) Step time. At --time-dp ranks one process holds a trainer of every mode over 
 DeepSpeed's reduction buckets come from engine/parallel/dp/ds_json.py (5e7 elements): they dominate a small model's
 "other" column on purpose, as they would on a GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,11 +38,13 @@ from engine.model.transformer import build, count_params  # noqa: E402
 from engine.parallel.layout.context import ParallelContext  # noqa: E402
 from engine.planning.planner import model_state_bytes  # noqa: E402
 
-MODES = {"ddp": ["--parallel.dp_mode", "ddp"],
-         "fsdp": ["--parallel.dp_mode", "fsdp", "--parallel.reshard_after_forward", "true"],
-         "zero1": ["--parallel.dp_mode", "zero", "--parallel.zero_stage", "1"],
-         "zero2": ["--parallel.dp_mode", "zero", "--parallel.zero_stage", "2"],
-         "zero3": ["--parallel.dp_mode", "zero", "--parallel.zero_stage", "3"]}
+MODES = {
+    "ddp": ["--parallel.dp_mode", "ddp"],
+    "fsdp": ["--parallel.dp_mode", "fsdp", "--parallel.reshard_after_forward", "true"],
+    "zero1": ["--parallel.dp_mode", "zero", "--parallel.zero_stage", "1"],
+    "zero2": ["--parallel.dp_mode", "zero", "--parallel.zero_stage", "2"],
+    "zero3": ["--parallel.dp_mode", "zero", "--parallel.zero_stage", "3"],
+}
 STAGE = {"ddp": 0, "fsdp": 3, "zero1": 1, "zero2": 2, "zero3": 3}
 
 
@@ -79,10 +82,14 @@ def timing_rank(argv: list[str], modes: list[str], steps: int, warmup: int) -> d
 
 def memory_table(base: list[str], dps: list[int], modes: list[str]) -> None:
     mib = 2**20
-    print("a) per-rank model-state bytes (MiB) right before the optimizer update; formula = "
-          "engine.planning.planner.model_state_bytes(Ψ, N, stage)")
-    print(f"{'precision':<9} {'mode':<6} {'dp':>3} {'params':>8} {'grads':>8} {'optim':>8} {'p+g+o':>8} "
-          f"{'formula':>8} {'ratio':>6} {'other':>8}")
+    print(
+        "a) per-rank model-state bytes (MiB) right before the optimizer update; formula = "
+        "engine.planning.planner.model_state_bytes(Ψ, N, stage)"
+    )
+    print(
+        f"{'precision':<9} {'mode':<6} {'dp':>3} {'params':>8} {'grads':>8} {'optim':>8} {'p+g+o':>8} "
+        f"{'formula':>8} {'ratio':>6} {'other':>8}"
+    )
     for precision, dtype in (("fp32", "fp32"), ("mixed", "bf16")):
         for mode in modes:
             if precision == "mixed" and not mode.startswith("zero"):
@@ -92,11 +99,16 @@ def memory_table(base: list[str], dps: list[int], modes: list[str]) -> None:
                 b, psi = r["bytes"], r["params"]
                 pgo = b["params"] + b["grads"] + b["optimizer"]
                 want = model_state_bytes(psi, dp, STAGE[mode], precision)
-                print(f"{precision:<9} {mode:<6} {dp:>3} {b['params'] / mib:>8.2f} {b['grads'] / mib:>8.2f} "
-                      f"{b['optimizer'] / mib:>8.2f} {pgo / mib:>8.2f} {want / mib:>8.2f} {pgo / want:>6.3f} "
-                      f"{b.get('other', 0) / mib:>8.2f}", flush=True)
-    print(f"Ψ = {psi:,} parameters. DeepSpeed keeps an fp32 master partition even in fp32 training (+4Ψ/N over "
-          "the fp32 formula); in bf16 it accumulates gradients in fp32 (train.dtype=bf16 sets grad_accum_dtype).")
+                print(
+                    f"{precision:<9} {mode:<6} {dp:>3} {b['params'] / mib:>8.2f} {b['grads'] / mib:>8.2f} "
+                    f"{b['optimizer'] / mib:>8.2f} {pgo / mib:>8.2f} {want / mib:>8.2f} {pgo / want:>6.3f} "
+                    f"{b.get('other', 0) / mib:>8.2f}",
+                    flush=True,
+                )
+    print(
+        f"Ψ = {psi:,} parameters. DeepSpeed keeps an fp32 master partition even in fp32 training (+4Ψ/N over "
+        "the fp32 formula); in bf16 it accumulates gradients in fp32 (train.dtype=bf16 sets grad_accum_dtype)."
+    )
 
 
 def main(argv: list[str]) -> None:
@@ -109,19 +121,32 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--skip-memory", action="store_true")
     args = ap.parse_args(argv)
-    base = ["--config", args.config, "--log.progress", "false", "--train.global_batch_size", "16",
-            "--train.micro_batch_size", "2", "--train.out_dir", "/tmp/bench_dp"]
+    base = [
+        "--config",
+        args.config,
+        "--log.progress",
+        "false",
+        "--train.global_batch_size",
+        "16",
+        "--train.micro_batch_size",
+        "2",
+        "--train.out_dir",
+        "/tmp/bench_dp",
+    ]
     if not args.skip_memory:
         memory_table(base, args.dp, args.modes)
     r = run_ranks(timing_rank, args.time_dp, base, args.modes, args.steps, args.warmup, timeout_s=1800)[0]
     ddp = r["median"].get("ddp")
-    print(f"\nb) step time at dp={args.time_dp}, modes alternating step by step, median of {args.steps} "
-          f"(after {args.warmup} warm-up)")
+    print(
+        f"\nb) step time at dp={args.time_dp}, modes alternating step by step, median of {args.steps} "
+        f"(after {args.warmup} warm-up)"
+    )
     for mode, t in r["median"].items():
         ratio = f"{t / ddp:.3f}" if ddp else "-"
         same = max(abs(a - b) / abs(b) for a, b in zip(r["losses"][mode], r["losses"][args.modes[0]]))
-        print(f"  {mode:<6} {1000 * t:8.1f} ms/step   / ddp = {ratio}   max rel loss diff vs "
-              f"{args.modes[0]}: {same:.1e}")
+        print(
+            f"  {mode:<6} {1000 * t:8.1f} ms/step   / ddp = {ratio}   max rel loss diff vs {args.modes[0]}: {same:.1e}"
+        )
 
 
 if __name__ == "__main__":

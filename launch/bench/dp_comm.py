@@ -19,6 +19,7 @@ held at the update plus the peak of new storages alive while the reduction runs 
 LiveTensorBytes around reduce_gradients, and around each DDP comm-hook call: the flat copy, a compression
 buffer); DDP's buckets are counted with the gradients they are views of, once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -140,7 +141,9 @@ def memory_rank(argv: list[str], mode: str) -> dict:
                 fut.wait()
             probe["peak"] = max(probe["peak"], live.peak)
             return fut
+
         return state, measured
+
     ddp.comm_hook = comm_hook
     trainer = build(argv, mode)
     for _ in range(2):  # DDP re-buckets after its first step
@@ -163,22 +166,36 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("overrides", nargs="*", help="more dotted overrides, e.g. train.seq_len 64")
     args = ap.parse_args(argv)
-    base = ["--config", args.config, "--log.progress", "false", "--log.breakdown", "true",
-            *[f"--{a}" if i % 2 == 0 else a for i, a in enumerate(args.overrides)]]
+    base = [
+        "--config",
+        args.config,
+        "--log.progress",
+        "false",
+        "--log.breakdown",
+        "true",
+        *[f"--{a}" if i % 2 == 0 else a for i, a in enumerate(args.overrides)],
+    ]
     mib = 2**20
-    print(f"{args.config} ({' '.join(args.overrides) or 'no overrides'}); medians of {args.steps} steps after "
-          f"{args.warmup} warm-up, variants alternating step by step")
-    print(f"{'dp':>3} {'mode':<5} {'dp_comm ms':>10} {'step ms':>9} {'no-comm ms':>10} {'exposed ms':>10} "
-          f"{'grads MiB':>9} {'temp MiB':>8} {'peak MiB':>8} {'/ params':>8}")
+    print(
+        f"{args.config} ({' '.join(args.overrides) or 'no overrides'}); medians of {args.steps} steps after "
+        f"{args.warmup} warm-up, variants alternating step by step"
+    )
+    print(
+        f"{'dp':>3} {'mode':<5} {'dp_comm ms':>10} {'step ms':>9} {'no-comm ms':>10} {'exposed ms':>10} "
+        f"{'grads MiB':>9} {'temp MiB':>8} {'peak MiB':>8} {'/ params':>8}"
+    )
     for dp in args.dp:
         t = run_ranks(timing_rank, dp, base, args.steps, args.warmup, timeout_s=3600)[0]
         for mode in ("flat", "ddp"):
             m = run_ranks(memory_rank, dp, base, mode, timeout_s=1800)[0]
             (step, comm), (off, _) = t[(mode, True)], t[(mode, False)]
             peak = m["held"] + m["temporary"]
-            print(f"{dp:>3} {mode:<5} {1e3 * comm:>10.1f} {1e3 * step:>9.1f} {1e3 * off:>10.1f} "
-                  f"{1e3 * (step - off):>10.1f} {m['held'] / mib:>9.1f} {m['temporary'] / mib:>8.1f} "
-                  f"{peak / mib:>8.1f} {peak / m['params']:>8.2f}", flush=True)
+            print(
+                f"{dp:>3} {mode:<5} {1e3 * comm:>10.1f} {1e3 * step:>9.1f} {1e3 * off:>10.1f} "
+                f"{1e3 * (step - off):>10.1f} {m['held'] / mib:>9.1f} {m['temporary'] / mib:>8.1f} "
+                f"{peak / mib:>8.1f} {peak / m['params']:>8.2f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ TF32 is switched off in this process (``--train.tf32 false``, which the engine a
 and ``torch.backends.cudnn.allow_tf32 = False``): an fp32 CUDA loss is compared with a CPU loss, and TF32's 10-bit
 mantissa would dominate that difference.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,17 @@ def trainer_on(device: str, argv: list[str]):
     from engine.trainer import Trainer
 
     os.environ.pop("MASTER_ADDR", None)  # one rank: an in-memory store, no rendezvous
-    cfg = load([*argv, "--parallel.backend", "nccl" if device == "cuda" else "gloo", "--log.progress", "false",
-                "--train.tf32", "false"])  # train.tf32 defaults to true on CUDA: it would override main()'s flag
+    cfg = load(
+        [
+            *argv,
+            "--parallel.backend",
+            "nccl" if device == "cuda" else "gloo",
+            "--log.progress",
+            "false",
+            "--train.tf32",
+            "false",
+        ]
+    )  # train.tf32 defaults to true on CUDA: it would override main()'s flag
     return Trainer(cfg, ParallelContext.from_config(cfg))
 
 

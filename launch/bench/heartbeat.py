@@ -7,6 +7,7 @@ the default one (parallel.heartbeat_timeout_s 30: a beat every 3 s) and with a 1
 every 0.3 s), alternating ``--repeats`` times so drift in machine load hits all alike. Printed: the median step
 time of each and its ratio to no heartbeat.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         times = run_ranks(measure, args.ranks, args.config, out, args.steps, args.repeats, timeout_s=1800)[0]
     base = statistics.median(times["off"])
-    print(f"{'heartbeat':>16}{'step s':>10}{'ratio':>8}  (rank 0, median of {args.steps * args.repeats} steps, "
-          f"{args.ranks} ranks)")
+    print(
+        f"{'heartbeat':>16}{'step s':>10}{'ratio':>8}  (rank 0, median of {args.steps * args.repeats} steps, "
+        f"{args.ranks} ranks)"
+    )
     for name, ts in times.items():
         print(f"{name:>16}{statistics.median(ts):>10.4f}{statistics.median(ts) / base:>8.3f}", flush=True)
 

@@ -8,6 +8,7 @@ Prints seconds per weight and ns per element of the whole tensor, and the estima
 its 1/tp slice. The former draw is reproduced here (torch.Generator().manual_seed, normal_ on the CPU, chunk, copy
 to the device) as it was in engine/model/init.py.
 """
+
 from __future__ import annotations
 
 import argparse

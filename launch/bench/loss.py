@@ -8,6 +8,7 @@ Memory is the peak of the storages the loss allocates, counted by engine.metrics
 CPU; the logits themselves are allocated before and not counted). Runs alternate (before, after, before, ...);
 the times are medians. Both give the same loss and gradient (tests/test_cross_entropy.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,15 +59,19 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.repeats):
         for name, fn in (("before", before), ("after", after)):
             results[name].append(run(fn, logits, target))
-    mib = 2 ** 20
+    mib = 2**20
     logit_mib = logits.numel() * logits.element_size() / mib
-    print(f"loss forward+backward: {args.tokens} tokens x vocab {args.vocab}, {args.dtype} logits "
-          f"({logit_mib:.0f} MiB), chunk {max(1, CHUNK_ELEMENTS // args.vocab)} tokens, torch {torch.__version__}")
+    print(
+        f"loss forward+backward: {args.tokens} tokens x vocab {args.vocab}, {args.dtype} logits "
+        f"({logit_mib:.0f} MiB), chunk {max(1, CHUNK_ELEMENTS // args.vocab)} tokens, torch {torch.__version__}"
+    )
     print(f"{'':8}{'peak MiB':>10}{'x logits':>10}{'median s':>10}{'loss':>12}")
     for name, runs in results.items():
         peak = max(r[0] for r in runs)
-        print(f"{name:8}{peak / mib:>10.1f}{peak / mib / logit_mib:>10.2f}"
-              f"{statistics.median(r[1] for r in runs):>10.3f}{runs[-1][2]:>12.6f}")
+        print(
+            f"{name:8}{peak / mib:>10.1f}{peak / mib / logit_mib:>10.2f}"
+            f"{statistics.median(r[1] for r in runs):>10.3f}{runs[-1][2]:>12.6f}"
+        )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 (tensors held, saved for backward, live allocations), sampling gradients and FSDP's gathered weights before each
 backward and before the update through ``Trainer.observers``. Used by tests/test_planner.py and launch/bench/tp.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,9 +46,16 @@ def measure_step(trainer, local_batch: torch.Tensor | None) -> dict[str, int]:
     finally:
         trainer.observers.pop()
     before = sum(held.values())
-    return {"params": held["params"], "grads": max(grads), "optimizer": held["optimizer"],
-            "activations": saved.peak, "gathered": max(gathered), "before": before,
-            "backward_peak": before + backward_peak[0], "peak": before + live.peak}
+    return {
+        "params": held["params"],
+        "grads": max(grads),
+        "optimizer": held["optimizer"],
+        "activations": saved.peak,
+        "gathered": max(gathered),
+        "before": before,
+        "backward_peak": before + backward_peak[0],
+        "peak": before + live.peak,
+    }
 
 
 def measure_rank(argv: list[str]) -> dict:

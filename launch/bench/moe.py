@@ -19,6 +19,7 @@ For each ep (dividing the world, all of it dp), the tiny MoE trains ``steps`` st
   rank's (its EP_IMBALANCE margin, engine/planning/moe.py, from this bench's rows/rank column).
 At ep 1 there is no all-to-all and every rank computes its own tokens' copies for all E experts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,10 +75,14 @@ def bench_rank(argv: list[str], steps: int, warmup: int) -> dict:
         dispatch.dist.all_to_all_single = counter.inner
     last = history[-1]
     measured = measure_step(trainer, trainer.next_local_batch())["peak"]  # optimizer state exists: a later step
-    return {"peak": measured, "stage": trainer.ctx.pp_rank,
-            "step_s": statistics.median(r["step_time"] for r in history[warmup:]), "sent": counter.sent / steps,
-            "rows": counter.rows / steps, "tok": (last["moe_tokens_per_expert_min"], last["moe_tokens_per_expert_max"],
-                                                   last["moe_tokens_per_expert_cv"])}
+    return {
+        "peak": measured,
+        "stage": trainer.ctx.pp_rank,
+        "step_s": statistics.median(r["step_time"] for r in history[warmup:]),
+        "sent": counter.sent / steps,
+        "rows": counter.rows / steps,
+        "tok": (last["moe_tokens_per_expert_min"], last["moe_tokens_per_expert_max"], last["moe_tokens_per_expert_cv"]),
+    }
 
 
 def main() -> None:
@@ -89,20 +94,38 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     args, extra = ap.parse_known_args()
     extra = [a for a in extra if a != "--"]
-    print(f"{'ep':>3} {'step_s':>8} {'a2a_MB':>8} {'planned':>8} {'rows/rank max/mean':>19} "
-          f"{'tok/expert min/max/cv':>22} {'peak MB meas/plan':>18} {'ratio':>6}")
+    print(
+        f"{'ep':>3} {'step_s':>8} {'a2a_MB':>8} {'planned':>8} {'rows/rank max/mean':>19} "
+        f"{'tok/expert min/max/cv':>22} {'peak MB meas/plan':>18} {'ratio':>6}"
+    )
     for ep in args.ep:
         with tempfile.TemporaryDirectory() as out:
-            argv = ["--config", args.config, "--train.steps", str(args.steps), "--parallel.ep", str(ep),
-                    "--log.progress", "false", "--train.eval_every", "0", "--train.out_dir", out, *extra]
+            argv = [
+                "--config",
+                args.config,
+                "--train.steps",
+                str(args.steps),
+                "--parallel.ep",
+                str(ep),
+                "--log.progress",
+                "false",
+                "--train.eval_every",
+                "0",
+                "--train.out_dir",
+                out,
+                *extra,
+            ]
             per_rank = run_ranks(bench_rank, args.world, argv, args.steps, args.warmup, timeout_s=1800)
         rows = [r["rows"] for r in per_rank]
         imbalance = max(rows) / statistics.mean(rows) if ep > 1 else 1.0
         tmin, tmax, cv = per_rank[0]["tok"]
         planned_sent, measured, planned = planned_figures(load(argv), args.world, per_rank)
-        print(f"{ep:>3} {per_rank[0]['step_s']:>8.3f} {statistics.mean(r['sent'] for r in per_rank) / 2**20:>8.2f} "
-              f"{planned_sent / 2**20:>8.2f} {imbalance:>19.2f} {f'{tmin}/{tmax}/{cv:.2f}':>22} "
-              f"{f'{measured / 2**20:.2f}/{planned / 2**20:.2f}':>18} {measured / planned:>6.3f}", flush=True)
+        print(
+            f"{ep:>3} {per_rank[0]['step_s']:>8.3f} {statistics.mean(r['sent'] for r in per_rank) / 2**20:>8.2f} "
+            f"{planned_sent / 2**20:>8.2f} {imbalance:>19.2f} {f'{tmin}/{tmax}/{cv:.2f}':>22} "
+            f"{f'{measured / 2**20:.2f}/{planned / 2**20:.2f}':>18} {measured / planned:>6.3f}",
+            flush=True,
+        )
 
 
 def planned_figures(cfg, world: int, per_rank: list[dict]) -> tuple[float, float, float]:

@@ -16,6 +16,7 @@ c) step time (makespan) of our 1F1B vs ``torch.distributed.pipelining.Schedule1F
    ours/theirs (< 1: ours is faster), and the largest difference of their losses (same batches).
 With more ranks than cores, ranks share cores and measured waits include time a neighbour was descheduled.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,19 +69,38 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def model_line(args: argparse.Namespace) -> str:
     """The machine and the sizes of add_model_args, for a benchmark's first line."""
-    return (f"{os.cpu_count()} cores, 1 torch thread per rank; layers={args.layers} hidden={args.hidden} "
-            f"ffn={args.ffn} vocab={args.vocab} seq_len={args.seq_len} micro_batch_size={args.micro_batch_size} fp32")
+    return (
+        f"{os.cpu_count()} cores, 1 torch thread per rank; layers={args.layers} hidden={args.hidden} "
+        f"ffn={args.ffn} vocab={args.vocab} seq_len={args.seq_len} micro_batch_size={args.micro_batch_size} fp32"
+    )
 
 
 def config(args: argparse.Namespace, pp: int, *overrides: str):
     """tiny.yaml's heads with the sizes given, pp stages, and further dotted overrides (launch/bench/schedules.py:
     the schedule)."""
-    return load(["--config", str(ROOT / "configs/tiny.yaml"), "--parallel.pp", str(pp),
-                 "--model.num_layers", str(args.layers), "--model.hidden_size", str(args.hidden),
-                 "--model.intermediate_size", str(args.ffn), "--model.vocab_size", str(args.vocab),
-                 "--train.seq_len", str(args.seq_len), "--train.micro_batch_size", str(args.micro_batch_size),
-                 "--train.global_batch_size", str(max(args.micro_batches + [pp]) * args.micro_batch_size),
-                 *overrides])
+    return load(
+        [
+            "--config",
+            str(ROOT / "configs/tiny.yaml"),
+            "--parallel.pp",
+            str(pp),
+            "--model.num_layers",
+            str(args.layers),
+            "--model.hidden_size",
+            str(args.hidden),
+            "--model.intermediate_size",
+            str(args.ffn),
+            "--model.vocab_size",
+            str(args.vocab),
+            "--train.seq_len",
+            str(args.seq_len),
+            "--train.micro_batch_size",
+            str(args.micro_batch_size),
+            "--train.global_batch_size",
+            str(max(args.micro_batches + [pp]) * args.micro_batch_size),
+            *overrides,
+        ]
+    )
 
 
 def setup(args: argparse.Namespace, pp: int):
@@ -93,8 +113,9 @@ def setup(args: argparse.Namespace, pp: int):
 def batch(cfg, m: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The same random (m*mbs, s) inputs and labels on every rank."""
     gen = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, cfg.model.vocab_size, (m * cfg.train.micro_batch_size, cfg.train.seq_len + 1),
-                           generator=gen)
+    tokens = torch.randint(
+        0, cfg.model.vocab_size, (m * cfg.train.micro_batch_size, cfg.train.seq_len + 1), generator=gen
+    )
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
@@ -103,8 +124,9 @@ def run_ours(executor: PipelineExecutor, model, cfg, ctx, m: int, step: int) -> 
     inputs, labels = batch(cfg, m, step)
     mbs = cfg.train.micro_batch_size
     ys = labels.split(mbs)
-    loss = executor.run(model, lambda out, mb: vocab_parallel_cross_entropy(out, ys[mb], ctx.tp_group) / m,
-                        list(inputs.split(mbs)))
+    loss = executor.run(
+        model, lambda out, mb: vocab_parallel_cross_entropy(out, ys[mb], ctx.tp_group) / m, list(inputs.split(mbs))
+    )
     model.zero_grad(set_to_none=True)
     return loss.item()
 
@@ -158,8 +180,9 @@ def run_theirs(schedule: Schedule1F1B, model, cfg, ctx, m: int, step: int) -> fl
     """The same step through torch's schedule; the mean loss on the last stage."""
     inputs, labels = batch(cfg, m, step)
     losses: list[torch.Tensor] = []
-    schedule.step(*([inputs] if ctx.is_first_stage else []),
-                  **({"target": labels, "losses": losses} if ctx.is_last_stage else {}))
+    schedule.step(
+        *([inputs] if ctx.is_first_stage else []), **({"target": labels, "losses": losses} if ctx.is_last_stage else {})
+    )
     model.zero_grad(set_to_none=True)
     return torch.stack(losses).mean().item() if losses else 0.0
 
@@ -169,8 +192,10 @@ def compare_torch(args, cfg, ctx, model) -> dict:
     m = args.compare_m
     act_shape = (cfg.train.micro_batch_size, cfg.train.seq_len, cfg.model.hidden_size)
     executor, schedule = PipelineExecutor(ctx, "1f1b", m, act_shape, torch.float32), torch_1f1b(cfg, ctx, model, m)
-    runs = {"ours": lambda i: run_ours(executor, model, cfg, ctx, m, i),
-            "torch": lambda i: run_theirs(schedule, model, cfg, ctx, m, i)}
+    runs = {
+        "ours": lambda i: run_ours(executor, model, cfg, ctx, m, i),
+        "torch": lambda i: run_theirs(schedule, model, cfg, ctx, m, i),
+    }
     times: dict[str, list[float]] = {name: [] for name in runs}
     loss_diff = 0.0
     for i in range(args.warmup + args.compare_steps):
@@ -187,9 +212,11 @@ def rank_main(args: argparse.Namespace) -> dict:
     """One forked rank: the measurements of tables a, b (at --memory-pp) and c for this pp."""
     world = dist.get_world_size()
     cfg, ctx, model = setup(args, world)
-    return {"bubble": {m: measure_bubble(args, cfg, ctx, model, m) for m in args.micro_batches if m >= world},
-            "memory": measure_memory(args, cfg, ctx, model) if world == args.memory_pp else None,
-            "torch": compare_torch(args, cfg, ctx, model)}
+    return {
+        "bubble": {m: measure_bubble(args, cfg, ctx, model, m) for m in args.micro_batches if m >= world},
+        "memory": measure_memory(args, cfg, ctx, model) if world == args.memory_pp else None,
+        "torch": compare_torch(args, cfg, ctx, model),
+    }
 
 
 def spawn(world: int, args: argparse.Namespace) -> list[dict]:
@@ -199,31 +226,43 @@ def spawn(world: int, args: argparse.Namespace) -> list[dict]:
 
 def print_tables(results: dict[int, list[dict]], args: argparse.Namespace) -> None:
     mib = 2**20
-    print("\na) bubble per stage, our 1F1B (medians; wait = executor.wait_s/step, idle adds the tail after a "
-          "stage's last op)")
+    print(
+        "\na) bubble per stage, our 1F1B (medians; wait = executor.wait_s/step, idle adds the tail after a "
+        "stage's last op)"
+    )
     print(f"{'pp':>3} {'m':>3} {'stage':>5} {'theory':>7} {'wait':>7} {'idle':>7} {'step ms':>8} {'busy ms':>8}")
     for pp, ranks in results.items():
         for m in ranks[0]["bubble"]:
             for stage, r in enumerate(ranks):
                 b = r["bubble"][m]
-                print(f"{pp:>3} {m:>3} {stage:>5} {(pp - 1) / (m + pp - 1):>7.3f} {b['wait']:>7.3f} "
-                      f"{b['idle']:>7.3f} {b['step'] * 1e3:>8.1f} {b['busy'] * 1e3:>8.1f}")
+                print(
+                    f"{pp:>3} {m:>3} {stage:>5} {(pp - 1) / (m + pp - 1):>7.3f} {b['wait']:>7.3f} "
+                    f"{b['idle']:>7.3f} {b['step'] * 1e3:>8.1f} {b['busy'] * 1e3:>8.1f}"
+                )
     if args.memory_pp in results:
-        print(f"\nb) peak saved activations per stage, pp={args.memory_pp} m={args.memory_m} (MiB; in flight = "
-              "max micro-batches forwarded, not yet backwarded)")
+        print(
+            f"\nb) peak saved activations per stage, pp={args.memory_pp} m={args.memory_m} (MiB; in flight = "
+            "max micro-batches forwarded, not yet backwarded)"
+        )
         print(f"{'stage':>5} {'GPipe':>8} {'1F1B':>8} {'1F1B/GPipe':>10} {'in flight':>10} {'expected':>8}")
         for stage, r in enumerate(results[args.memory_pp]):
             (g, g_fly), (o, o_fly) = r["memory"]["gpipe"], r["memory"]["1f1b"]
-            print(f"{stage:>5} {g / mib:>8.2f} {o / mib:>8.2f} {o / g:>10.3f} {f'{o_fly}/{g_fly}':>10} "
-                  f"{o_fly / g_fly:>8.3f}")
-    print(f"\nc) step time, our 1F1B vs torch.distributed.pipelining.Schedule1F1B, m={args.compare_m} "
-          f"(medians over {args.compare_steps} alternating steps; ratio: median of ours/torch per step pair)")
+            print(
+                f"{stage:>5} {g / mib:>8.2f} {o / mib:>8.2f} {o / g:>10.3f} {f'{o_fly}/{g_fly}':>10} "
+                f"{o_fly / g_fly:>8.3f}"
+            )
+    print(
+        f"\nc) step time, our 1F1B vs torch.distributed.pipelining.Schedule1F1B, m={args.compare_m} "
+        f"(medians over {args.compare_steps} alternating steps; ratio: median of ours/torch per step pair)"
+    )
     print(f"{'pp':>3} {'ours ms':>8} {'torch ms':>8} {'ours/torch':>10} {'max |loss diff|':>15}")
     for pp, ranks in results.items():
         c = ranks[0]["torch"]
         ratio = statistics.median(o / t for o, t in zip(c["ours"], c["torch"]))
-        print(f"{pp:>3} {statistics.median(c['ours']) * 1e3:>8.1f} {statistics.median(c['torch']) * 1e3:>8.1f} "
-              f"{ratio:>10.3f} {c['loss_diff']:>15.2e}")
+        print(
+            f"{pp:>3} {statistics.median(c['ours']) * 1e3:>8.1f} {statistics.median(c['torch']) * 1e3:>8.1f} "
+            f"{ratio:>10.3f} {c['loss_diff']:>15.2e}"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,6 +6,7 @@ One process builds a Trainer (tp = pp = dp = 1) per variant on the same config a
 batches; steps run alternately (variant A, B, C, ... then again), so drift in machine load hits all alike; the
 figures are medians. The warmup steps include compilation (train.compile, inductor), whose time is shown apart.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,14 @@ from engine.config import load  # noqa: E402
 from engine.parallel.layout.context import ParallelContext, destroy  # noqa: E402
 from engine.trainer import Trainer  # noqa: E402
 
-VARIANTS = [("eager", "none"), ("eager", "full"), ("eager", "selective"),
-            ("compile", "none"), ("compile", "full"), ("compile", "selective")]
+VARIANTS = [
+    ("eager", "none"),
+    ("eager", "full"),
+    ("eager", "selective"),
+    ("compile", "none"),
+    ("compile", "full"),
+    ("compile", "selective"),
+]
 
 
 def main() -> None:
@@ -38,8 +45,20 @@ def main() -> None:
     variants = [v for v in VARIANTS if not (args.no_compile and v[0] == "compile")]
     trainers, ctx = {}, None
     for run, ac in variants:
-        cfg = load(["--config", args.config, "--log.progress", "false", "--train.out_dir", "/tmp/engine-bench",
-                    "--train.activation_checkpointing", ac, "--train.compile", str(run == "compile").lower()])
+        cfg = load(
+            [
+                "--config",
+                args.config,
+                "--log.progress",
+                "false",
+                "--train.out_dir",
+                "/tmp/engine-bench",
+                "--train.activation_checkpointing",
+                ac,
+                "--train.compile",
+                str(run == "compile").lower(),
+            ]
+        )
         ctx = ctx or ParallelContext.from_config(cfg)
         trainers[(run, ac)] = Trainer(cfg, ctx)
     t = cfg.train
@@ -57,8 +76,10 @@ def main() -> None:
             elif i >= args.warmup:
                 times[v].append(elapsed)
     destroy()
-    print(f"{args.config}: {t.global_batch_size} x {t.seq_len} tokens per step, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; median of {args.steps} steps after {args.warmup} warmup")
+    print(
+        f"{args.config}: {t.global_batch_size} x {t.seq_len} tokens per step, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; median of {args.steps} steps after {args.warmup} warmup"
+    )
     base = statistics.median(times[("eager", "none")])
     print(f"{'run':<9}{'recompute':<11}{'step ms':>9}{'vs eager/none':>15}{'first step s':>14}{'step-1 loss':>13}")
     for v in variants:

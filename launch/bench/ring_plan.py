@@ -7,6 +7,7 @@ For each (seq, cp), plain causal and with documents of about --doc-len tokens (r
 full (c, c) mask instead (``mask_kind(part_mask(...))``, what planning cost before), with the parts computed and
 how many of them need the math path's mask.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,10 @@ def main() -> None:
                 masks = time.perf_counter() - start
                 kinds = [kind for step in p.steps for *_, kind in step]
                 assert len(kinds) == n, (len(kinds), n)
-                print(f"{s:>7} {cp:>3} {str(doc_ids is not None):>5} {planned * 1e3:>9.1f} {masks * 1e3:>12.1f} "
-                      f"{len(kinds):>6} {kinds.count(ring_plan.MASKED):>7}")
+                print(
+                    f"{s:>7} {cp:>3} {str(doc_ids is not None):>5} {planned * 1e3:>9.1f} {masks * 1e3:>12.1f} "
+                    f"{len(kinds):>6} {kinds.count(ring_plan.MASKED):>7}"
+                )
 
 
 if __name__ == "__main__":

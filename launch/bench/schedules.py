@@ -36,6 +36,7 @@ neighbour was descheduled (it looks busy, its receiver idle), a stage deschedule
 The simulator has one cost per op for all stages, so with uniform costs its bubble equals the closed form; its
 makespan (communication and per-action overhead free) is the figure to compare step times with.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,14 +79,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for pp in args.pp:
         bad = [m for m in args.micro_batches if m < pp or m % pp]
         if pp < 2 or bad:
-            p.error(f"--pp {pp} with --micro-batches {bad}: need pp >= 2 and each m a multiple of pp (interleaved "
-                    f"runs groups of pp micro-batches); valid m: {pp}, {2 * pp}, ...")
+            p.error(
+                f"--pp {pp} with --micro-batches {bad}: need pp >= 2 and each m a multiple of pp (interleaved "
+                f"runs groups of pp micro-batches); valid m: {pp}, {2 * pp}, ..."
+            )
         if args.layers % (pp * args.virtual_stages):
-            p.error(f"--layers {args.layers} does not split into pp*v = {pp * args.virtual_stages} equal chunks; "
-                    f"choose --layers a multiple of {pp * args.virtual_stages}")
+            p.error(
+                f"--layers {args.layers} does not split into pp*v = {pp * args.virtual_stages} equal chunks; "
+                f"choose --layers a multiple of {pp * args.virtual_stages}"
+            )
     if args.virtual_stages < 2 or args.steps < 1 or args.warmup < 1:
-        p.error(f"need --virtual-stages >= 2, --steps >= 1, --warmup >= 1 (got {args.virtual_stages}, "
-                f"{args.steps}, {args.warmup})")
+        p.error(
+            f"need --virtual-stages >= 2, --steps >= 1, --warmup >= 1 (got {args.virtual_stages}, "
+            f"{args.steps}, {args.warmup})"
+        )
     return args
 
 
@@ -96,7 +103,7 @@ def chunks_of(name: str, args: argparse.Namespace) -> int:
 def rotated(names, i: int) -> list:
     """The order of step i: the names rotated by i, so each runs first, second, ... equally often."""
     names = list(names)
-    return names[i % len(names):] + names[:i % len(names)]
+    return names[i % len(names) :] + names[: i % len(names)]
 
 
 class Run:
@@ -128,14 +135,16 @@ class Run:
                 self.step_cpu += spent
                 if self.recording:
                     self.cpu[op].append(spent)
+
         return run
 
     def _run(self, i: int) -> None:
         inputs, labels = batch(self.cfg, self.m, i)
         ys = labels.split(self.cfg.train.micro_batch_size)
         loss = self._timed("L", lambda out, mb: vocab_parallel_cross_entropy(out, ys[mb], self.ctx.tp_group) / self.m)
-        self.executor.run(self.forwards, loss, list(inputs.split(self.cfg.train.micro_batch_size)),
-                          backward=self.backward)
+        self.executor.run(
+            self.forwards, loss, list(inputs.split(self.cfg.train.micro_batch_size)), backward=self.backward
+        )
         self.stage.zero_grad(set_to_none=True)
 
     def _tracked(self, i: int) -> tuple[int, int]:
@@ -144,6 +153,7 @@ class Run:
 
         def sample() -> None:  # at every save and use in backward: the W queue is alive alongside
             peak[0] = max(peak[0], tracker.live + (store.bytes_pending() if store is not None else 0))
+
         tracker = SavedActivations(self.stage, on_event=sample)
         with tracker.hooks():
             self._run(i)
@@ -157,21 +167,33 @@ class Run:
             self.memory = mem
         if self.recording:
             busy = own - self.executor.wait_s
-            self.rows.append({"wait": self.executor.wait_s / step, "idle": (step - busy) / step,
-                              "cpu": self.step_cpu / step, "step": step})
+            self.rows.append(
+                {
+                    "wait": self.executor.wait_s / step,
+                    "idle": (step - busy) / step,
+                    "cpu": self.step_cpu / step,
+                    "step": step,
+                }
+            )
 
     def summary(self) -> dict:
         med = {k: statistics.median(r[k] for r in self.rows) for k in self.rows[0]}
-        return {**med, "steps": [r["step"] for r in self.rows], "memory": self.memory,
-                "in_flight": max_in_flight(self.executor.actions),
-                "ops": {op: statistics.median(t) for op, t in self.cpu.items() if t}}
+        return {
+            **med,
+            "steps": [r["step"] for r in self.rows],
+            "memory": self.memory,
+            "in_flight": max_in_flight(self.executor.actions),
+            "ops": {op: statistics.median(t) for op, t in self.cpu.items() if t},
+        }
 
 
 def rank_main(args: argparse.Namespace) -> dict:
     """One forked rank: for each m, the three schedules alternating step by step; {m: {name: summary}}."""
     pp = dist.get_world_size()
-    cfgs = {n: config(args, pp, "--parallel.schedule", n, "--parallel.virtual_stages", str(chunks_of(n, args)))
-            for n in NAMES}
+    cfgs = {
+        n: config(args, pp, "--parallel.schedule", n, "--parallel.virtual_stages", str(chunks_of(n, args)))
+        for n in NAMES
+    }
     ctx = ParallelContext.from_config(cfgs["1f1b"])
     stages = {n: build_model(cfg, ctx) for n, cfg in cfgs.items()}
     out = {}
@@ -197,8 +219,13 @@ def expected(name: str, pp: int, m: int, v: int, ops: dict[str, float]) -> dict:
     bi, w = ops.get("Bi", b / 2), ops.get("W", b / 2)
     formula, closed = theory(name, pp, m, v, f, b, bi, w)
     timeline = simulate(name, pp, m, f, b, v, bi, w)
-    return {"formula": formula, "closed": closed, "sim": bubble_fraction(timeline), "makespan": timeline.makespan,
-            "in_flight": timeline.peak_in_flight}
+    return {
+        "formula": formula,
+        "closed": closed,
+        "sim": bubble_fraction(timeline),
+        "makespan": timeline.makespan,
+        "in_flight": timeline.peak_in_flight,
+    }
 
 
 def analyse(pp: int, m: int, ranks: list[dict], args: argparse.Namespace) -> dict:
@@ -216,67 +243,108 @@ def settings(results: dict[int, list[dict]], args: argparse.Namespace):
 
 def print_stages(results: dict[int, list[dict]], args: argparse.Namespace) -> None:
     mib = 2**20
-    print("\na) per stage: bubble fraction (closed form, simulator with measured op times; measured idle, wait, "
-          "cpu) and peak activations (MiB; exp/meas relative to 1F1B's)")
-    print(f"{'pp':>2} {'m':>3} {'schedule':>11} {'st':>2} {'closed':>6} {'sim':>6} {'idle':>6} {'wait':>6} "
-          f"{'cpu':>6} {'saved':>6} {'+Wq':>6} {'flight':>6} {'exp':>5} {'meas':>5}")
+    print(
+        "\na) per stage: bubble fraction (closed form, simulator with measured op times; measured idle, wait, "
+        "cpu) and peak activations (MiB; exp/meas relative to 1F1B's)"
+    )
+    print(
+        f"{'pp':>2} {'m':>3} {'schedule':>11} {'st':>2} {'closed':>6} {'sim':>6} {'idle':>6} {'wait':>6} "
+        f"{'cpu':>6} {'saved':>6} {'+Wq':>6} {'flight':>6} {'exp':>5} {'meas':>5}"
+    )
     for pp, m, ranks, theory_ in settings(results, args):
         for n in NAMES:
             for s, r in enumerate(ranks):
                 got, base, t = r[n], r["1f1b"], theory_[n]
                 exp = got["in_flight"] / chunks_of(n, args) / base["in_flight"]
-                print(f"{pp:>2} {m:>3} {n:>11} {s:>2} {t['closed']:>6.3f} {t['sim'][s]:>6.3f} "
-                      f"{got['idle']:>6.3f} {got['wait']:>6.3f} {got['cpu']:>6.3f} {got['memory'][0] / mib:>6.2f} "
-                      f"{got['memory'][1] / mib:>6.2f} {got['in_flight']:>6} {exp:>5.2f} "
-                      f"{got['memory'][1] / base['memory'][1]:>5.2f}")
+                print(
+                    f"{pp:>2} {m:>3} {n:>11} {s:>2} {t['closed']:>6.3f} {t['sim'][s]:>6.3f} "
+                    f"{got['idle']:>6.3f} {got['wait']:>6.3f} {got['cpu']:>6.3f} {got['memory'][0] / mib:>6.2f} "
+                    f"{got['memory'][1] / mib:>6.2f} {got['in_flight']:>6} {exp:>5.2f} "
+                    f"{got['memory'][1] / base['memory'][1]:>5.2f}"
+                )
 
 
 def print_steps(results: dict[int, list[dict]], args: argparse.Namespace) -> None:
-    print("\nb) step time (medians; /1F1B: measured = median per step of the ratio, closed = (1-bubble_1F1B)/"
-          "(1-bubble), sim = simulated makespans)")
-    print(f"{'pp':>2} {'m':>3} {'schedule':>11} {'step ms':>8} {'sim ms':>7} {'meas/1F1B':>9} {'closed/1F1B':>11} "
-          f"{'sim/1F1B':>8}")
+    print(
+        "\nb) step time (medians; /1F1B: measured = median per step of the ratio, closed = (1-bubble_1F1B)/"
+        "(1-bubble), sim = simulated makespans)"
+    )
+    print(
+        f"{'pp':>2} {'m':>3} {'schedule':>11} {'step ms':>8} {'sim ms':>7} {'meas/1F1B':>9} {'closed/1F1B':>11} "
+        f"{'sim/1F1B':>8}"
+    )
     for pp, m, ranks, t in settings(results, args):
         row = ranks[0]
         for n in NAMES:
             ratio = statistics.median(a / b for a, b in zip(row[n]["steps"], row["1f1b"]["steps"]))
-            print(f"{pp:>2} {m:>3} {n:>11} {row[n]['step'] * 1e3:>8.1f} {t[n]['makespan'] * 1e3:>7.1f} "
-                  f"{ratio:>9.3f} {(1 - t['1f1b']['closed']) / (1 - t[n]['closed']):>11.3f} "
-                  f"{t[n]['makespan'] / t['1f1b']['makespan']:>8.3f}")
+            print(
+                f"{pp:>2} {m:>3} {n:>11} {row[n]['step'] * 1e3:>8.1f} {t[n]['makespan'] * 1e3:>7.1f} "
+                f"{ratio:>9.3f} {(1 - t['1f1b']['closed']) / (1 - t[n]['closed']):>11.3f} "
+                f"{t[n]['makespan'] / t['1f1b']['makespan']:>8.3f}"
+            )
 
 
 def print_ops(results: dict[int, list[dict]], args: argparse.Namespace) -> None:
-    print("\nc) compute per chunk fed to theory (thread CPU ms, mean over ranks of medians; "
-          "L = loss, not simulated)")
+    print("\nc) compute per chunk fed to theory (thread CPU ms, mean over ranks of medians; L = loss, not simulated)")
     print(f"{'pp':>2} {'m':>3} {'schedule':>11} {'F':>6} {'B':>6} {'Bi':>6} {'W':>6} {'L':>6}")
     for pp, m, ranks, _ in settings(results, args):
         for n in NAMES:
             ops = op_times([r[n] for r in ranks])
-            print(f"{pp:>2} {m:>3} {n:>11} " + " ".join(
-                f"{ops[op] * 1e3:>6.2f}" if op in ops else f"{'-':>6}" for op in ("F", "B", "Bi", "W", "L")))
+            print(
+                f"{pp:>2} {m:>3} {n:>11} "
+                + " ".join(f"{ops[op] * 1e3:>6.2f}" if op in ops else f"{'-':>6}" for op in ("F", "B", "Bi", "W", "L"))
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    print(f"{model_line(args)}; interleaved v={args.virtual_stages}; {args.steps} measured steps of each schedule "
-          f"per (pp, m)")
+    print(
+        f"{model_line(args)}; interleaved v={args.virtual_stages}; {args.steps} measured steps of each schedule "
+        f"per (pp, m)"
+    )
     start = time.perf_counter()
     results = {pp: run_ranks(rank_main, pp, args, timeout_s=900, threads=1) for pp in args.pp}
     print_stages(results, args)
     print_steps(results, args)
     print_ops(results, args)
     if args.dp > 1:  # the model's sizes, the first pp, the largest m; tiny.yaml's vocabulary (the corpus's)
-        zb = argparse.Namespace(pp=args.pp[0], dp=args.dp, micro_batches=max(args.micro_batches), steps=args.steps,
-                                layers=args.layers, hidden=args.hidden, seq_len=args.seq_len, bucket_mb=args.bucket_mb)
+        zb = argparse.Namespace(
+            pp=args.pp[0],
+            dp=args.dp,
+            micro_batches=max(args.micro_batches),
+            steps=args.steps,
+            layers=args.layers,
+            hidden=args.hidden,
+            seq_len=args.seq_len,
+            bucket_mb=args.bucket_mb,
+        )
         zb_dp.print_table(zb_dp.measure(zb), zb)
     if not args.no_balance:
         from launch.bench import stage_balance  # imported here: it builds on this module's Run
 
         print("\ne) parallel.pp_layers auto vs even (1F1B; launch/bench/stage_balance.py):")
-        stage_balance.main(["--pp", *map(str, args.pp), "--micro-batches", str(max(args.micro_batches)),
-                            "--steps", str(args.steps), "--warmup", str(args.warmup), "--layers", str(args.layers),
-                            "--hidden", str(args.hidden), "--ffn", str(args.ffn), "--seq-len", str(args.seq_len),
-                            "--micro-batch-size", str(args.micro_batch_size)])
+        stage_balance.main(
+            [
+                "--pp",
+                *map(str, args.pp),
+                "--micro-batches",
+                str(max(args.micro_batches)),
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                "--layers",
+                str(args.layers),
+                "--hidden",
+                str(args.hidden),
+                "--ffn",
+                str(args.ffn),
+                "--seq-len",
+                str(args.seq_len),
+                "--micro-batch-size",
+                str(args.micro_batch_size),
+            ]
+        )
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
 
 

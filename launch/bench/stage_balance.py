@@ -19,6 +19,7 @@ thread CPU seconds). Medians are over the --steps after the --warmup ones. Print
 With more ranks than free cores (pp 4 on 2 cores) the ranks take turns, which stretches wall-clock step times;
 thread CPU times (the per-stage columns) are not inflated.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     bad = [(pp, m) for pp in args.pp for m in args.micro_batches if pp < 2 or m < pp or pp > args.layers]
     if bad or args.steps < 1 or args.warmup < 1:
-        p.error(f"need 2 <= pp <= --layers, each m >= pp, --steps and --warmup >= 1 (got (pp, m) {bad}, "
-                f"steps {args.steps}, warmup {args.warmup})")
+        p.error(
+            f"need 2 <= pp <= --layers, each m >= pp, --steps and --warmup >= 1 (got (pp, m) {bad}, "
+            f"steps {args.steps}, warmup {args.warmup})"
+        )
     return args
 
 
@@ -90,10 +93,12 @@ def report(pp: int, m: int, ranks: list[dict], args: argparse.Namespace) -> None
         per_stage = [stage_ms(r[n]) for r in ranks]
         steps, even_steps = ranks[0][n]["steps"], ranks[0]["even"]["steps"]
         ratio = statistics.median(a / b for a, b in zip(steps, even_steps))
-        print(f"{pp:>2} {m:>3} {n:>5} {str(counts):>14} {slowest_plan / 1e6:>7.2f} "
-              f"{slowest_plan / plans['even'][1]:>6.3f}  {' '.join(f'{t:6.1f}' for t in per_stage):<27} "
-              f"{max(per_stage):>7.1f} {max(per_stage) / max(stage_ms(r['even']) for r in ranks):>6.3f} "
-              f"{ranks[0][n]['step'] * 1e3:>8.1f} {ratio:>6.3f}")
+        print(
+            f"{pp:>2} {m:>3} {n:>5} {str(counts):>14} {slowest_plan / 1e6:>7.2f} "
+            f"{slowest_plan / plans['even'][1]:>6.3f}  {' '.join(f'{t:6.1f}' for t in per_stage):<27} "
+            f"{max(per_stage):>7.1f} {max(per_stage) / max(stage_ms(r['even']) for r in ranks):>6.3f} "
+            f"{ranks[0][n]['step'] * 1e3:>8.1f} {ratio:>6.3f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,8 +106,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{model_line(args)}, 1f1b; {args.steps} measured steps of each split per (pp, m)")
     start = time.perf_counter()
     results = {pp: run_ranks(rank_main, pp, args, timeout_s=900, threads=1) for pp in args.pp}
-    print(f"\n{'pp':>2} {'m':>3} {'split':>5} {'layers':>14} {'plan MF':>7} {'/even':>6}  "
-          f"{'F+B+L ms per stage':<27} {'slowest':>7} {'/even':>6} {'step ms':>8} {'/even':>6}")
+    print(
+        f"\n{'pp':>2} {'m':>3} {'split':>5} {'layers':>14} {'plan MF':>7} {'/even':>6}  "
+        f"{'F+B+L ms per stage':<27} {'slowest':>7} {'/even':>6} {'step ms':>8} {'/even':>6}"
+    )
     for pp, ranks in results.items():
         for m in args.micro_batches:
             report(pp, m, [r[m] for r in ranks], args)

@@ -13,6 +13,7 @@ same micro-batching, clipping and random batches, created on the device. Every s
 steps (compilation happens there). MFU uses the model FLOPs of engine/planning/flops.py (PaLM's 6N + 12 L H Q T)
 for both sides and the device's peak from its table; none on CPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,12 +43,22 @@ def sync(device: torch.device) -> None:
 def hf_model(cfg, device: torch.device):
     """transformers' Llama with the config's shapes (the weights' values do not matter for speed)."""
     import transformers
+
     m = cfg.model
     config = transformers.LlamaConfig(
-        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-        num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
-        head_dim=m.head_dim, max_position_embeddings=max(m.max_seq_len, cfg.train.seq_len), rope_theta=m.rope_theta,
-        rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings, attn_implementation="sdpa")
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        max_position_embeddings=max(m.max_seq_len, cfg.train.seq_len),
+        rope_theta=m.rope_theta,
+        rms_norm_eps=m.norm_eps,
+        tie_word_embeddings=m.tie_embeddings,
+        attn_implementation="sdpa",
+    )
     model = transformers.LlamaForCausalLM(config).to(device)
     if cfg.train.activation_checkpointing != "none":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -62,8 +73,14 @@ class PlainLoop:
         self.cfg, self.device = cfg, device
         self.model = hf_model(cfg, device)
         params = list(self.model.parameters())
-        self.optimizer = torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps,
-                                           weight_decay=t.weight_decay, **adamw_implementation(params))
+        self.optimizer = torch.optim.AdamW(
+            params,
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            eps=t.adam_eps,
+            weight_decay=t.weight_decay,
+            **adamw_implementation(params),
+        )
         self.forward = torch.compile(self.model) if t.compile else self.model
 
     def train_step(self, batch: torch.Tensor) -> float:
@@ -100,6 +117,7 @@ def run_side(side: str, argv: list[str], steps: int, warmup: int) -> dict:
         step, device, params = engine_side(cfg)
     else:
         from engine.parallel.layout.context import pick_device_and_backend
+
         device, _ = pick_device_and_backend(cfg.parallel.backend)
         plain = PlainLoop(cfg, device)
         step, params = plain.train_step, sum(p.numel() for p in plain.model.parameters())
@@ -119,9 +137,16 @@ def run_side(side: str, argv: list[str], steps: int, warmup: int) -> dict:
     tokens_per_s = t.global_batch_size * t.seq_len / seconds
     peak = device_peak_tflops(device, t.dtype, cfg.log.peak_tflops)
     tflops = tokens_per_s * flops_per_token(cfg.model, t.seq_len) / 1e12
-    return {"side": side, "device": str(device), "params_M": params / 1e6, "ms": 1000 * seconds,
-            "tokens_per_s": tokens_per_s, "tflops": tflops, "mfu": tflops / peak if peak else None,
-            "max_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None}
+    return {
+        "side": side,
+        "device": str(device),
+        "params_M": params / 1e6,
+        "ms": 1000 * seconds,
+        "tokens_per_s": tokens_per_s,
+        "tflops": tflops,
+        "mfu": tflops / peak if peak else None,
+        "max_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+    }
 
 
 def config_argv(args: argparse.Namespace) -> list[str]:
@@ -154,20 +179,37 @@ def main() -> None:
         return
     rows = {}
     for side in ("ours", "plain"):  # one process each: a fresh allocator, compiler cache and thread pool
-        cmd = [sys.executable, __file__, "--config", args.config, *[a for s in args.set for a in ("--set", s)],
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--out-dir", args.out_dir,
-               "--side", side, "--json"]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--config",
+            args.config,
+            *[a for s in args.set for a in ("--set", s)],
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--out-dir",
+            args.out_dir,
+            "--side",
+            side,
+            "--json",
+        ]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         rows[side] = json.loads(out.strip().splitlines()[-1])
     ours, plain = rows["ours"], rows["plain"]
-    print(json.dumps({"ours": ours, "plain": plain, "ratio": ours["tokens_per_s"] / plain["tokens_per_s"]})
-          if args.json else
-          f"{args.config} {' '.join(args.set)} on {ours['device']}, median of {args.steps} steps\n"
-          f"{'side':<8}{'params':>9}{'ms':>10}{'tok/s':>12}{'TFLOP/s':>9}{'MFU':>7}\n" +
-          "\n".join(f"{r['side']:<8}{r['params_M']:>8.1f}M{r['ms']:>10.1f}{r['tokens_per_s']:>12.0f}"
-                    f"{r['tflops']:>9.2f}{'' if r['mfu'] is None else format(r['mfu'], '.1%'):>7}"
-                    for r in (ours, plain))
-          + f"\nours/plain tokens/s: {ours['tokens_per_s'] / plain['tokens_per_s']:.3f}")
+    print(
+        json.dumps({"ours": ours, "plain": plain, "ratio": ours["tokens_per_s"] / plain["tokens_per_s"]})
+        if args.json
+        else f"{args.config} {' '.join(args.set)} on {ours['device']}, median of {args.steps} steps\n"
+        f"{'side':<8}{'params':>9}{'ms':>10}{'tok/s':>12}{'TFLOP/s':>9}{'MFU':>7}\n"
+        + "\n".join(
+            f"{r['side']:<8}{r['params_M']:>8.1f}M{r['ms']:>10.1f}{r['tokens_per_s']:>12.0f}"
+            f"{r['tflops']:>9.2f}{'' if r['mfu'] is None else format(r['mfu'], '.1%'):>7}"
+            for r in (ours, plain)
+        )
+        + f"\nours/plain tokens/s: {ours['tokens_per_s'] / plain['tokens_per_s']:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ machine load hits both alike. Printed per setting: the first (warm-up) step's ti
 steps, their ratio, and the median of the later steps' unphased time (step_time minus the sum of its phases:
 logging, the loss all-reduce and .item(), what no phase covers).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,9 +27,23 @@ from engine.trainer import Trainer  # noqa: E402
 def run(args, breakdown: bool) -> list[dict]:
     overrides = [f"--{s.split('=', 1)[0]}={s.split('=', 1)[1]}" for s in args.set]
     with tempfile.TemporaryDirectory() as out:
-        cfg = load(["--config", args.config, "--train.steps", str(args.steps), "--log.progress", "false",
-                    "--log.breakdown", str(breakdown).lower(), "--train.eval_every", "0", "--train.out_dir", out,
-                    *overrides])
+        cfg = load(
+            [
+                "--config",
+                args.config,
+                "--train.steps",
+                str(args.steps),
+                "--log.progress",
+                "false",
+                "--log.breakdown",
+                str(breakdown).lower(),
+                "--train.eval_every",
+                "0",
+                "--train.out_dir",
+                out,
+                *overrides,
+            ]
+        )
         ctx = ParallelContext.from_config(cfg)
         try:
             return Trainer(cfg, ctx).fit()
@@ -48,16 +63,24 @@ def main() -> None:
         for breakdown in (True, False):
             history = run(args, breakdown)
             later = [r for r in history if not r.get("warmup")]
-            rows[breakdown].append({
-                "first": history[0]["step_time"], "later": statistics.median(r["step_time"] for r in later),
-                "unphased": statistics.median(r["step_time"] - sum(r.get("time", {}).values()) for r in later)})
-    print(f"{'breakdown':>10}{'step 1 s':>10}{'later s':>10}{'ratio':>8}{'unphased s':>12}"
-          f"  (medians of {args.repeats})")
+            rows[breakdown].append(
+                {
+                    "first": history[0]["step_time"],
+                    "later": statistics.median(r["step_time"] for r in later),
+                    "unphased": statistics.median(r["step_time"] - sum(r.get("time", {}).values()) for r in later),
+                }
+            )
+    print(
+        f"{'breakdown':>10}{'step 1 s':>10}{'later s':>10}{'ratio':>8}{'unphased s':>12}  (medians of {args.repeats})"
+    )
     for breakdown, rs in rows.items():
         first, later = (statistics.median(r[k] for r in rs) for k in ("first", "later"))
         unphased = statistics.median(r["unphased"] for r in rs)
-        print(f"{str(breakdown):>10}{first:>10.3f}{later:>10.3f}{first / later:>8.2f}"
-              f"{unphased if breakdown else float('nan'):>12.4f}", flush=True)
+        print(
+            f"{str(breakdown):>10}{first:>10.3f}{later:>10.3f}{first / later:>8.2f}"
+            f"{unphased if breakdown else float('nan'):>12.4f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ d) Collectives per decoder layer, forward and backward, at the tp sizes of c) wi
    calls, next to Megatron-LM's design and the counts before the q/k/v, gate/up fusion
    (launch/bench/tp_collectives.py, which also runs alone; tests/test_tp_collectives.py asserts the counts).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,12 +51,15 @@ from engine.trainer import build_model  # noqa: E402
 from launch.bench.measure import measure_rank  # noqa: E402
 from launch.bench.tp_collectives import print_collectives  # noqa: E402
 
-MEMORY_LAYOUTS = {"tp2": (2, ["--parallel.tp", "2"]), "pp2-1f1b": (2, ["--parallel.pp", "2"]),
-                  "pp2-gpipe": (2, ["--parallel.pp", "2", "--parallel.schedule", "gpipe"]),
-                  "fsdp2-keep": (2, ["--parallel.dp_mode", "fsdp", "--parallel.reshard_after_forward", "false"]),
-                  "checkpointing": (1, ["--train.activation_checkpointing", "true"]),
-                  "tp2-sp": (2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
-                  "tp4-sp": (4, ["--parallel.tp", "4", "--parallel.sequence_parallel", "true"])}
+MEMORY_LAYOUTS = {
+    "tp2": (2, ["--parallel.tp", "2"]),
+    "pp2-1f1b": (2, ["--parallel.pp", "2"]),
+    "pp2-gpipe": (2, ["--parallel.pp", "2", "--parallel.schedule", "gpipe"]),
+    "fsdp2-keep": (2, ["--parallel.dp_mode", "fsdp", "--parallel.reshard_after_forward", "false"]),
+    "checkpointing": (1, ["--train.activation_checkpointing", "true"]),
+    "tp2-sp": (2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
+    "tp4-sp": (4, ["--parallel.tp", "4", "--parallel.sequence_parallel", "true"]),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -87,9 +91,14 @@ def dtensor_model(cfg, mesh) -> torch.nn.Module:
     layer_plan = {path: styles[style]() for path, style in LAYER_PLAN.items()}  # the same table as ours
     for layer in model.model.layers.values():
         parallelize_module(layer, mesh, layer_plan)
-    parallelize_module(model, mesh, {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        },
+    )
     return model
 
 
@@ -117,9 +126,20 @@ def step_dtensor(model, x, y) -> float:
 
 def compare_tp(args: argparse.Namespace) -> dict:
     """Rank function: both models on this tp rank, timed alternately between barriers."""
-    cfg = load(["--config", args.config, "--parallel.tp", str(args.tp), "--train.seq_len", str(args.seq_len),
-                "--train.micro_batch_size", str(args.micro_batch_size),
-                "--train.global_batch_size", str(args.micro_batch_size)])
+    cfg = load(
+        [
+            "--config",
+            args.config,
+            "--parallel.tp",
+            str(args.tp),
+            "--train.seq_len",
+            str(args.seq_len),
+            "--train.micro_batch_size",
+            str(args.micro_batch_size),
+            "--train.global_batch_size",
+            str(args.micro_batch_size),
+        ]
+    )
     ctx = ParallelContext.from_config(cfg)
     ours, theirs = build_model(cfg, ctx), dtensor_model(cfg, ctx.mesh["tp"])
     runs = {"ours": lambda x, y: step_ours(ours, ctx, x, y), "dtensor": lambda x, y: step_dtensor(theirs, x, y)}
@@ -141,20 +161,27 @@ def compare_tp(args: argparse.Namespace) -> dict:
 
 def print_tp(args: argparse.Namespace, result: dict) -> None:
     ratio = statistics.median(o / d for o, d in zip(result["ours"], result["dtensor"]))
-    print(f"\na) tensor parallel, forward + backward of one micro-batch ({args.micro_batch_size} x {args.seq_len} "
-          f"tokens), {Path(args.config).name} ({result['params_M']:.1f}M), tp={args.tp}, gloo, 1 thread per rank; "
-          f"medians of {args.steps} alternating steps")
+    print(
+        f"\na) tensor parallel, forward + backward of one micro-batch ({args.micro_batch_size} x {args.seq_len} "
+        f"tokens), {Path(args.config).name} ({result['params_M']:.1f}M), tp={args.tp}, gloo, 1 thread per rank; "
+        f"medians of {args.steps} alternating steps"
+    )
     print(f"{'ours ms':>8} {'DTensor ms':>10} {'ours/DTensor':>12} {'max |loss diff|':>15}")
-    print(f"{statistics.median(result['ours']) * 1e3:>8.1f} {statistics.median(result['dtensor']) * 1e3:>10.1f} "
-          f"{ratio:>12.3f} {result['loss_diff']:>15.2e}")
+    print(
+        f"{statistics.median(result['ours']) * 1e3:>8.1f} {statistics.median(result['dtensor']) * 1e3:>10.1f} "
+        f"{ratio:>12.3f} {result['loss_diff']:>15.2e}"
+    )
 
 
 def print_memory(args: argparse.Namespace) -> None:
     base = ["--config", args.memory_config, "--log.progress", "false"]
-    print(f"\nb) memory per rank, planned (engine/planning/planner.py) vs measured (engine/metrics/memory.py), "
-          f"{Path(args.memory_config).name}, MB (1e6 bytes); ratios are measured / planned")
-    print(f"{'layout':<14} {'stage':>5} {'state':>8} {'ratio':>6} {'saved act':>9} {'ratio':>6} {'peak':>8} "
-          f"{'ratio':>6}")
+    print(
+        f"\nb) memory per rank, planned (engine/planning/planner.py) vs measured (engine/metrics/memory.py), "
+        f"{Path(args.memory_config).name}, MB (1e6 bytes); ratios are measured / planned"
+    )
+    print(
+        f"{'layout':<14} {'stage':>5} {'state':>8} {'ratio':>6} {'saved act':>9} {'ratio':>6} {'peak':>8} {'ratio':>6}"
+    )
     for name in args.memory_layouts:
         world, extra = MEMORY_LAYOUTS[name]
         with tempfile.TemporaryDirectory() as out:
@@ -165,19 +192,28 @@ def print_memory(args: argparse.Namespace) -> None:
                     continue  # tp peers hold the same amounts
                 plan = stage_memory(cfg, world, got["stage"])
                 state = got["params"] + got["grads"] + got["optimizer"]
-                act = "-" if cfg.train.activation_checkpointing != "none" else \
-                    f"{got['activations'] / plan.activations:.3f}"
-                print(f"{name:<14} {got['stage']:>5} {state / 1e6:>8.2f} {state / plan.state:>6.3f} "
-                      f"{got['activations'] / 1e6:>9.2f} {act:>6} {got['peak'] / 1e6:>8.2f} "
-                      f"{got['peak'] / plan.total:>6.3f}", flush=True)
+                act = (
+                    "-"
+                    if cfg.train.activation_checkpointing != "none"
+                    else f"{got['activations'] / plan.activations:.3f}"
+                )
+                print(
+                    f"{name:<14} {got['stage']:>5} {state / 1e6:>8.2f} {state / plan.state:>6.3f} "
+                    f"{got['activations'] / 1e6:>9.2f} {act:>6} {got['peak'] / 1e6:>8.2f} "
+                    f"{got['peak'] / plan.total:>6.3f}",
+                    flush=True,
+                )
 
 
 def saved_activations(argv: list[str], world: int) -> tuple[float, float]:
     """(measured, planned) peak bytes saved for backward on tp rank 0 of stage 0 (launch/bench/measure.py)."""
     with tempfile.TemporaryDirectory() as out:
         argv = argv + ["--train.out_dir", out]
-        got = next(g for g in run_ranks(measure_rank, world, argv, threads=1, timeout_s=600)
-                   if g["tp_rank"] == 0 and g["stage"] == 0)
+        got = next(
+            g
+            for g in run_ranks(measure_rank, world, argv, threads=1, timeout_s=600)
+            if g["tp_rank"] == 0 and g["stage"] == 0
+        )
     return got["activations"], stage_memory(load(argv), world, 0).activations
 
 
@@ -185,17 +221,23 @@ def print_sequence_parallel(args: argparse.Namespace) -> None:
     base = ["--config", args.memory_config, "--log.progress", "false"]
     cfg = load(base)
     t = cfg.train
-    print(f"\nc) saved activations per rank (peak, MB), tp without and with sequence parallelism, measured / planned; "
-          f"{Path(args.memory_config).name}, {t.micro_batch_size} x {t.seq_len} tokens per micro-batch, "
-          f"{cfg.model.num_layers} layers, {t.dtype}, activation_checkpointing {t.activation_checkpointing}")
-    print(f"{'tp':>3} {'tp MB':>8} {'planned':>8} {'ratio':>6} {'tp+sp MB':>9} {'planned':>8} {'ratio':>6} "
-          f"{'sp / tp':>7}")
+    print(
+        f"\nc) saved activations per rank (peak, MB), tp without and with sequence parallelism, measured / planned; "
+        f"{Path(args.memory_config).name}, {t.micro_batch_size} x {t.seq_len} tokens per micro-batch, "
+        f"{cfg.model.num_layers} layers, {t.dtype}, activation_checkpointing {t.activation_checkpointing}"
+    )
+    print(
+        f"{'tp':>3} {'tp MB':>8} {'planned':>8} {'ratio':>6} {'tp+sp MB':>9} {'planned':>8} {'ratio':>6} {'sp / tp':>7}"
+    )
     for tp in args.sp_tp:
         layout = base + ["--parallel.tp", str(tp), "--train.global_batch_size", str(t.micro_batch_size)]
         plain = saved_activations(layout, tp)
         sp = saved_activations(layout + ["--parallel.sequence_parallel", "true"], tp)
-        print(f"{tp:>3} {plain[0] / 1e6:>8.2f} {plain[1] / 1e6:>8.2f} {plain[0] / plain[1]:>6.3f} "
-              f"{sp[0] / 1e6:>9.2f} {sp[1] / 1e6:>8.2f} {sp[0] / sp[1]:>6.3f} {sp[0] / plain[0]:>7.3f}", flush=True)
+        print(
+            f"{tp:>3} {plain[0] / 1e6:>8.2f} {plain[1] / 1e6:>8.2f} {plain[0] / plain[1]:>6.3f} "
+            f"{sp[0] / 1e6:>9.2f} {sp[1] / 1e6:>8.2f} {sp[0] / sp[1]:>6.3f} {sp[0] / plain[0]:>7.3f}",
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

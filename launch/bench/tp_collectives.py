@@ -13,6 +13,7 @@ and the bytes one rank sends under ring algorithms (all-reduce 2 (tp-1)/tp of th
 reduce-scatter (tp-1)/tp; Thakur et al. 2005), next to the counts of Megatron's design
 (Shoeybi et al. 2019, Sec. 3; Korthikanti et al. 2022, Sec. 4.2.2). tests/test_tp_collectives.py asserts the counts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,13 +37,24 @@ from engine.parallel.tp.layers import apply_tensor_parallel  # noqa: E402
 
 _c10d = torch.ops.c10d
 # c10d op -> the kind reported; every op a torch.distributed collective lowers to on a ProcessGroup.
-KINDS = {_c10d.allreduce_: "all_reduce", _c10d.allreduce_coalesced_: "all_reduce",
-         _c10d.allgather_: "all_gather", _c10d._allgather_base_: "all_gather",
-         _c10d.allgather_coalesced_: "all_gather", _c10d.allgather_into_tensor_coalesced_: "all_gather",
-         _c10d.reduce_scatter_: "reduce_scatter", _c10d._reduce_scatter_base_: "reduce_scatter",
-         _c10d.reduce_scatter_tensor_coalesced_: "reduce_scatter", _c10d.broadcast_: "broadcast",
-         _c10d.alltoall_: "all_to_all", _c10d.alltoall_base_: "all_to_all", _c10d.reduce_: "reduce",
-         _c10d.gather_: "gather", _c10d.scatter_: "scatter", _c10d.barrier: "barrier"}
+KINDS = {
+    _c10d.allreduce_: "all_reduce",
+    _c10d.allreduce_coalesced_: "all_reduce",
+    _c10d.allgather_: "all_gather",
+    _c10d._allgather_base_: "all_gather",
+    _c10d.allgather_coalesced_: "all_gather",
+    _c10d.allgather_into_tensor_coalesced_: "all_gather",
+    _c10d.reduce_scatter_: "reduce_scatter",
+    _c10d._reduce_scatter_base_: "reduce_scatter",
+    _c10d.reduce_scatter_tensor_coalesced_: "reduce_scatter",
+    _c10d.broadcast_: "broadcast",
+    _c10d.alltoall_: "all_to_all",
+    _c10d.alltoall_base_: "all_to_all",
+    _c10d.reduce_: "reduce",
+    _c10d.gather_: "gather",
+    _c10d.scatter_: "scatter",
+    _c10d.barrier: "barrier",
+}
 SHOWN = ("all_reduce", "all_gather", "reduce_scatter")
 
 
@@ -82,8 +94,12 @@ def count_layer(argv: list[str], recompute: str, seq_len: int = 8) -> dict:
     cfg = load(argv)
     ctx = ParallelContext.from_config(cfg)
     sp, tp = cfg.parallel.sequence_parallel, cfg.parallel.tp
-    model = materialize(apply_tensor_parallel(model_lib.build(cfg.model), ctx.tp_group, sequence_parallel=sp),
-                        torch.device("cpu"), seed=3, std=0.02)
+    model = materialize(
+        apply_tensor_parallel(model_lib.build(cfg.model), ctx.tp_group, sequence_parallel=sp),
+        torch.device("cpu"),
+        seed=3,
+        std=0.02,
+    )
     layer = model.model.layers["0"]
     layer.recompute = recompute
     b, h = cfg.train.micro_batch_size, cfg.model.hidden_size
@@ -99,9 +115,20 @@ def count_layer(argv: list[str], recompute: str, seq_len: int = 8) -> dict:
 
 
 def layer_argv(config: str, tp: int, sp: bool, micro_batch_size: int = 2) -> list[str]:
-    return ["--config", config, "--model.num_layers", "1", "--parallel.tp", str(tp),
-            "--parallel.sequence_parallel", str(sp).lower(), "--train.micro_batch_size", str(micro_batch_size),
-            "--train.global_batch_size", str(micro_batch_size)]
+    return [
+        "--config",
+        config,
+        "--model.num_layers",
+        "1",
+        "--parallel.tp",
+        str(tp),
+        "--parallel.sequence_parallel",
+        str(sp).lower(),
+        "--train.micro_batch_size",
+        str(micro_batch_size),
+        "--train.global_batch_size",
+        str(micro_batch_size),
+    ]
 
 
 # Megatron-LM's design per layer: (forward, backward) calls of (all_reduce, all_gather, reduce_scatter).
@@ -112,8 +139,12 @@ def layer_argv(config: str, tp: int, sp: bool, micro_batch_size: int = 2) -> lis
 # (2). Megatron sums the norm weights' gradients over tp in one coalesced all-reduce for all layers after backward
 # (finalize_model_grads), not per layer: 0. Full recompute (its reentrant CheckpointFunction) re-runs the whole
 # forward in backward, every forward collective included.
-DESIGN = {(False, "none"): ((2, 0, 0), (2, 0, 0)), (False, "full"): ((2, 0, 0), (4, 0, 0)),
-          (True, "none"): ((0, 2, 2), (0, 4, 2)), (True, "full"): ((0, 2, 2), (0, 6, 4))}
+DESIGN = {
+    (False, "none"): ((2, 0, 0), (2, 0, 0)),
+    (False, "full"): ((2, 0, 0), (4, 0, 0)),
+    (True, "none"): ((0, 2, 2), (0, 4, 2)),
+    (True, "full"): ((0, 2, 2), (0, 6, 4)),
+}
 # Before the q/k/v and gate/up fusion (separate q, k, v, gate, up linears; counted on commit c38bd66, see
 # tests/test_tp_collectives.py); sequence parallelism came after the fusion.
 BEFORE = {(False, "none"): ((2, 0, 0), (5, 0, 0)), (False, "full"): ((2, 0, 0), (6, 0, 0))}
@@ -133,24 +164,38 @@ def _cells(counts: dict, phase: str, tokens: int, tp: int) -> list[str]:
 def print_collectives(config: str, tps: list[int], micro_batch_size: int, seq_len: int) -> None:
     cfg = load(layer_argv(config, 1, False, micro_batch_size))
     m, tokens = cfg.model, micro_batch_size * seq_len
-    print(f"\nd) collectives per decoder layer, one forward + backward, counted on the c10d calls; "
-          f"{Path(config).name} (h={m.hidden_size}, ffn={m.intermediate_size}, {m.num_heads}/{m.num_kv_heads} "
-          f"heads), {micro_batch_size} x {seq_len} tokens, fp32. Calls as 'all_reduce all_gather reduce_scatter'; "
-          f"bytes per token of the micro-batch: full buffers (buf) and sent by one rank under ring algorithms (ring); "
-          f"Megatron-LM's design and ours before the q/k/v, gate/up fusion as calls")
-    print(f"{'tp':>3} {'sp':>3} {'recompute':>9} | {'fwd':>5} {'buf B':>6} {'ring B':>6} | {'bwd':>5} {'buf B':>6} "
-          f"{'ring B':>6} | {'Megatron':>11} | {'before':>11}")
+    print(
+        f"\nd) collectives per decoder layer, one forward + backward, counted on the c10d calls; "
+        f"{Path(config).name} (h={m.hidden_size}, ffn={m.intermediate_size}, {m.num_heads}/{m.num_kv_heads} "
+        f"heads), {micro_batch_size} x {seq_len} tokens, fp32. Calls as 'all_reduce all_gather reduce_scatter'; "
+        f"bytes per token of the micro-batch: full buffers (buf) and sent by one rank under ring algorithms (ring); "
+        f"Megatron-LM's design and ours before the q/k/v, gate/up fusion as calls"
+    )
+    print(
+        f"{'tp':>3} {'sp':>3} {'recompute':>9} | {'fwd':>5} {'buf B':>6} {'ring B':>6} | {'bwd':>5} {'buf B':>6} "
+        f"{'ring B':>6} | {'Megatron':>11} | {'before':>11}"
+    )
     for tp in tps:
         for sp in (False, True):
             for recompute in ("none", "full"):
-                counts = run_ranks(count_layer, tp, layer_argv(config, tp, sp, micro_batch_size), recompute,
-                                   seq_len, threads=1, timeout_s=600)
+                counts = run_ranks(
+                    count_layer,
+                    tp,
+                    layer_argv(config, tp, sp, micro_batch_size),
+                    recompute,
+                    seq_len,
+                    threads=1,
+                    timeout_s=600,
+                )
                 assert all(c == counts[0] for c in counts), f"tp ranks differ: {counts}"
                 f, b = _cells(counts[0], "forward", tokens, tp), _cells(counts[0], "backward", tokens, tp)
                 design = "/".join(map(_calls, DESIGN[sp, recompute]))
                 before = "/".join(map(_calls, BEFORE[sp, recompute])) if (sp, recompute) in BEFORE else "-"
-                print(f"{tp:>3} {'on' if sp else 'off':>3} {recompute:>9} | {f[0]:>5} {f[1]:>6} {f[2]:>6} | "
-                      f"{b[0]:>5} {b[1]:>6} {b[2]:>6} | {design:>11} | {before:>11}", flush=True)
+                print(
+                    f"{tp:>3} {'on' if sp else 'off':>3} {recompute:>9} | {f[0]:>5} {f[1]:>6} {f[2]:>6} | "
+                    f"{b[0]:>5} {b[1]:>6} {b[2]:>6} | {design:>11} | {before:>11}",
+                    flush=True,
+                )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -12,6 +12,7 @@ dp ranks): ``dp_comm``, the trainer's phase of the same name (reduce_gradients: 
 to do after the last W; overlapped, only the wait for buckets already in flight), and the step time. Both
 variants compute the same mean gradients, so their losses are printed too (they agree to rounding).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128)
     args = p.parse_args(argv)
     if args.pp < 2 or args.dp < 2 or args.micro_batches < args.pp or args.steps < 1 or args.bucket_mb <= 0:
-        p.error(f"need --pp >= 2, --dp >= 2, --micro-batches >= pp, --steps >= 1, --bucket-mb > 0 (got pp "
-                f"{args.pp}, dp {args.dp}, m {args.micro_batches}, steps {args.steps}, bucket {args.bucket_mb})")
+        p.error(
+            f"need --pp >= 2, --dp >= 2, --micro-batches >= pp, --steps >= 1, --bucket-mb > 0 (got pp "
+            f"{args.pp}, dp {args.dp}, m {args.micro_batches}, steps {args.steps}, bucket {args.bucket_mb})"
+        )
     return args
 
 
@@ -51,13 +54,40 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def argv_of(args: argparse.Namespace, out_dir: str) -> list[str]:
-    return ["--config", str(ROOT / "configs/tiny.yaml"), "--parallel.pp", str(args.pp), "--parallel.dp",
-            str(args.dp), "--parallel.schedule", "zero_bubble", "--parallel.dp_mode", "ddp",
-            "--parallel.bucket_mb", str(args.bucket_mb), "--model.num_layers", str(args.layers),
-            "--model.hidden_size", str(args.hidden), "--model.intermediate_size", str(args.hidden * 8 // 3),
-            "--train.seq_len", str(args.seq_len), "--train.micro_batch_size", "1",
-            "--train.global_batch_size", str(args.micro_batches * args.dp), "--train.steps", str(args.steps + 1),
-            "--log.breakdown", "true", "--log.progress", "false", "--train.out_dir", out_dir]
+    return [
+        "--config",
+        str(ROOT / "configs/tiny.yaml"),
+        "--parallel.pp",
+        str(args.pp),
+        "--parallel.dp",
+        str(args.dp),
+        "--parallel.schedule",
+        "zero_bubble",
+        "--parallel.dp_mode",
+        "ddp",
+        "--parallel.bucket_mb",
+        str(args.bucket_mb),
+        "--model.num_layers",
+        str(args.layers),
+        "--model.hidden_size",
+        str(args.hidden),
+        "--model.intermediate_size",
+        str(args.hidden * 8 // 3),
+        "--train.seq_len",
+        str(args.seq_len),
+        "--train.micro_batch_size",
+        "1",
+        "--train.global_batch_size",
+        str(args.micro_batches * args.dp),
+        "--train.steps",
+        str(args.steps + 1),
+        "--log.breakdown",
+        "true",
+        "--log.progress",
+        "false",
+        "--train.out_dir",
+        out_dir,
+    ]
 
 
 def rank_main(args: argparse.Namespace, out_dir: str) -> dict:
@@ -72,12 +102,13 @@ def rank_main(args: argparse.Namespace, out_dir: str) -> dict:
     trainers = {}
     for name in VARIANTS:
         cfg = load(argv_of(args, f"{out_dir}/{name}"))
-        trainers[name] = Trainer(cfg, ParallelContext.from_config(cfg) if not trainers else
-                                 next(iter(trainers.values())).ctx)
+        trainers[name] = Trainer(
+            cfg, ParallelContext.from_config(cfg) if not trainers else next(iter(trainers.values())).ctx
+        )
         trainers[name].dp.overlap_weight_reduction = name == "overlapped"
     rows = {name: {"dp_comm": [], "step": [], "loss": []} for name in VARIANTS}
     for i in range(args.steps + 1):
-        for name in VARIANTS[i % 2:] + VARIANTS[:i % 2]:
+        for name in VARIANTS[i % 2 :] + VARIANTS[: i % 2]:
             trainer = trainers[name]
             record = trainer.train_step(trainer.next_local_batch())
             if i:  # the first step warms up (DDP and the allocator)
@@ -93,9 +124,11 @@ def measure(args: argparse.Namespace) -> list[dict]:
 
 
 def print_table(ranks: list[dict], args: argparse.Namespace) -> None:
-    print(f"\nd) zero bubble x ddp at pp {args.pp}, dp {args.dp}, m {args.micro_batches}, bucket_mb "
-          f"{args.bucket_mb}: the dp reduction overlapped with the W's vs exposed after the last W (medians over "
-          f"{args.steps} steps; mean over a stage's dp ranks)")
+    print(
+        f"\nd) zero bubble x ddp at pp {args.pp}, dp {args.dp}, m {args.micro_batches}, bucket_mb "
+        f"{args.bucket_mb}: the dp reduction overlapped with the W's vs exposed after the last W (medians over "
+        f"{args.steps} steps; mean over a stage's dp ranks)"
+    )
     print(f"{'stage':>5} {'variant':>10} {'dp_comm ms':>10} {'step ms':>8} {'dp_comm/step':>12}")
     for stage in range(args.pp):
         at = [r for r in ranks if r["pp_rank"] == stage]

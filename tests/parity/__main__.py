@@ -11,6 +11,7 @@ looked at while it goes and resumed with --rerun-failed.
 
 Exit status 0 when every combination matches one process, 1 otherwise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,12 +31,20 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.parity", description=__doc__.splitlines()[0])
     ap.add_argument("--full", action="store_true", help="every supported combination, not the CI subset")
     ap.add_argument("--list", action="store_true", help="print the combinations and exit")
-    ap.add_argument("--write-readme", action="store_true",
-                    help=f"replace the 'What is proven' table of {report.TABLE_FILE}")
-    ap.add_argument("--match", action="append", default=[],
-                    help="only combinations whose name contains this text (repeatable: every text)")
-    ap.add_argument("--rerun-failed", action="store_true",
-                    help="keep the passed results of the last run's file; run the failed and missing ones")
+    ap.add_argument(
+        "--write-readme", action="store_true", help=f"replace the 'What is proven' table of {report.TABLE_FILE}"
+    )
+    ap.add_argument(
+        "--match",
+        action="append",
+        default=[],
+        help="only combinations whose name contains this text (repeatable: every text)",
+    )
+    ap.add_argument(
+        "--rerun-failed",
+        action="store_true",
+        help="keep the passed results of the last run's file; run the failed and missing ones",
+    )
     args = ap.parse_args(argv)
     if args.write_readme and (not args.full or args.match):
         ap.error("--write-readme needs --full without --match: the 'What is proven' table counts every combination")

@@ -28,6 +28,7 @@ arithmetic in the same place, so a few layouts per mode show it is wired in; ``-
 
     python -m tests.parity --list          # the matrix and the CI subset, without running anything
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,8 +43,18 @@ CP_MODES = ("ring", "all_to_all")
 FACTORS = ("tp", "pp", "dp", "dp_mode", "schedule", "dtype", "tied", "ac", "clip", "sp", "cp", "cp_mode", "model", "ep")
 MODELS = ("dense", "moe")
 # The MoE model: BASE's shape with each MLP 4 Mixtral experts (top 2), the loss with its aux and z terms.
-MOE_ARGS = ["--model.family", "mixtral", "--model.num_experts", "4", "--model.experts_per_token", "2",
-            "--train.moe_aux_loss_coef", "0.01", "--train.moe_z_loss_coef", "0.001"]
+MOE_ARGS = [
+    "--model.family",
+    "mixtral",
+    "--model.num_experts",
+    "4",
+    "--model.experts_per_token",
+    "2",
+    "--train.moe_aux_loss_coef",
+    "0.01",
+    "--train.moe_z_loss_coef",
+    "0.001",
+]
 MAX_WORLD = 8
 
 
@@ -71,20 +82,39 @@ class Combo:
 
     @property
     def name(self) -> str:
-        return (f"tp{self.tp}-pp{self.pp}-dp{self.dp}-{self.dp_mode}"
-                + (f"-{self.schedule}" if self.pp > 1 else "") + f"-{self.dtype}"
-                + ("-tied" if self.tied else "") + ("-ac" if self.ac else "") + ("-clip" if self.clip else "")
-                + ("-sp" if self.sp else "") + (f"-L{self.layers}" if self.layers != 4 else "")
-                + (f"-cp{self.cp}-{self.cp_mode}" if self.cp > 1 else "") + ("-moe" if self.model == "moe" else "")
-                + (f"-ep{self.ep}" if self.ep > 1 else ""))
+        return (
+            f"tp{self.tp}-pp{self.pp}-dp{self.dp}-{self.dp_mode}"
+            + (f"-{self.schedule}" if self.pp > 1 else "")
+            + f"-{self.dtype}"
+            + ("-tied" if self.tied else "")
+            + ("-ac" if self.ac else "")
+            + ("-clip" if self.clip else "")
+            + ("-sp" if self.sp else "")
+            + (f"-L{self.layers}" if self.layers != 4 else "")
+            + (f"-cp{self.cp}-{self.cp_mode}" if self.cp > 1 else "")
+            + ("-moe" if self.model == "moe" else "")
+            + (f"-ep{self.ep}" if self.ep > 1 else "")
+        )
 
     def argv(self) -> list[str]:
         """The engine's command-line overrides for this combination (on top of runner.BASE)."""
         mode, _, option = self.dp_mode.partition("-")
-        args = ["--parallel.tp", str(self.tp), "--parallel.pp", str(self.pp), "--parallel.dp", str(self.dp),
-                "--train.dtype", self.dtype, "--model.tie_embeddings", str(self.tied).lower(),
-                "--train.activation_checkpointing", str(self.ac).lower(),
-                "--parallel.sequence_parallel", str(self.sp).lower()]
+        args = [
+            "--parallel.tp",
+            str(self.tp),
+            "--parallel.pp",
+            str(self.pp),
+            "--parallel.dp",
+            str(self.dp),
+            "--train.dtype",
+            self.dtype,
+            "--model.tie_embeddings",
+            str(self.tied).lower(),
+            "--train.activation_checkpointing",
+            str(self.ac).lower(),
+            "--parallel.sequence_parallel",
+            str(self.sp).lower(),
+        ]
         if self.pp > 1:
             args += ["--parallel.schedule", self.schedule]
         if self.schedule == "interleaved":
@@ -94,8 +124,12 @@ class Combo:
         if self.cp > 1:
             args += ["--parallel.cp", str(self.cp), "--parallel.cp_mode", self.cp_mode]
         if mode == "fsdp":
-            args += ["--parallel.dp_mode", "fsdp", "--parallel.reshard_after_forward",
-                     "false" if option == "keep" else "true"]
+            args += [
+                "--parallel.dp_mode",
+                "fsdp",
+                "--parallel.reshard_after_forward",
+                "false" if option == "keep" else "true",
+            ]
         elif mode.startswith("zero"):
             args += ["--parallel.dp_mode", "zero", "--parallel.zero_stage", mode[-1]]
         else:
@@ -129,17 +163,21 @@ class Combo:
 
 def layouts() -> list[tuple[int, int, int, int]]:
     """(tp, pp, dp, cp) within MAX_WORLD ranks."""
-    return [(tp, pp, dp, cp) for tp, pp, dp, cp in itertools.product(SIZES, SIZES, SIZES, SIZES)
-            if tp * pp * dp * cp <= MAX_WORLD]
+    return [
+        (tp, pp, dp, cp)
+        for tp, pp, dp, cp in itertools.product(SIZES, SIZES, SIZES, SIZES)
+        if tp * pp * dp * cp <= MAX_WORLD
+    ]
 
 
 def all_combos(clip: tuple[bool, ...] = (False, True)) -> list[Combo]:
     out = []
     for (tp, pp, dp, cp), mode, dtype, tied, ac, c, model in itertools.product(
-            layouts(), DP_MODES + OFFLOAD_MODES, ("fp32", "bf16"), (False, True), (False, True), clip, MODELS):
-        for schedule, sp, cp_mode in itertools.product(SCHEDULES if pp > 1 else ("-",),
-                                                       (False, True) if tp > 1 else (False,),
-                                                       CP_MODES if cp > 1 else ("-",)):
+        layouts(), DP_MODES + OFFLOAD_MODES, ("fp32", "bf16"), (False, True), (False, True), clip, MODELS
+    ):
+        for schedule, sp, cp_mode in itertools.product(
+            SCHEDULES if pp > 1 else ("-",), (False, True) if tp > 1 else (False,), CP_MODES if cp > 1 else ("-",)
+        ):
             layers = 8 if schedule in ("interleaved", "zbv") and pp == 4 else 4
             for ep in (e for e in SIZES if dp * cp % e == 0) if model == "moe" else (1,):
                 out.append(Combo(tp, pp, dp, mode, schedule, dtype, tied, ac, c, sp, layers, cp, cp_mode, model, ep))
@@ -147,35 +185,53 @@ def all_combos(clip: tuple[bool, ...] = (False, True)) -> list[Combo]:
 
 
 # Refusals, in the order the engine checks them. Each is (reason shown in docs/proofs.md, words the error must hold).
-TIED_ZERO_PP = ("ZeRO-2/3, or bf16 ZeRO-1, with tied embeddings across pipeline stages: the two copies' gradients "
-                "must be summed before DeepSpeed reduces them, which only fp32 ZeRO-1 allows",
-                "model.tie_embeddings=true is not supported")
-ZERO3_PP = ("ZeRO-3 with pp > 1: DeepSpeed compares module traces across all ranks and hangs under pipeline stages",
-            "zero_stage=3 and parallel.pp>1 is not supported")
+TIED_ZERO_PP = (
+    "ZeRO-2/3, or bf16 ZeRO-1, with tied embeddings across pipeline stages: the two copies' gradients "
+    "must be summed before DeepSpeed reduces them, which only fp32 ZeRO-1 allows",
+    "model.tie_embeddings=true is not supported",
+)
+ZERO3_PP = (
+    "ZeRO-3 with pp > 1: DeepSpeed compares module traces across all ranks and hangs under pipeline stages",
+    "zero_stage=3 and parallel.pp>1 is not supported",
+)
 
 
-ZERO2_OFFLOAD_INTERLEAVED = ("fp32 ZeRO-2 with the optimizer offloaded under interleaved: DeepSpeed adds each "
-                             "gradient to its host accumulator from the step's second backward on, assuming every "
-                             "parameter had one in the first (a later chunk's first gradient adds the last step's)",
-                             "the optimizer offloaded and train.dtype=fp32 is not supported")
-ZERO_ZB_HOOKS = ("ZeRO-2, or bf16 ZeRO-1, under zero_bubble: DeepSpeed reduces (ZeRO-2) or moves into its fp32 "
-                 "accumulator (bf16 ZeRO-1) each gradient in hooks autograd fires, and W adds the linears' weight "
-                 "gradients outside autograd", "schedule=zero_bubble with parallel.dp_mode=zero")
-ZBV_ZERO = ("ZeRO under zbv: it does not declare zbv's sync point, each of its 2 chunks' last W",
-            "is not supported (the gradient sync would have to follow")
-ZBV_FSDP_TIED = ("FSDP under zbv with a tied embedding: rank 0's two chunks are two FSDP root units holding the "
-                 "one tied weight (measured wrong)", "and model.tie_embeddings=true is not supported: rank 0's")
+ZERO2_OFFLOAD_INTERLEAVED = (
+    "fp32 ZeRO-2 with the optimizer offloaded under interleaved: DeepSpeed adds each "
+    "gradient to its host accumulator from the step's second backward on, assuming every "
+    "parameter had one in the first (a later chunk's first gradient adds the last step's)",
+    "the optimizer offloaded and train.dtype=fp32 is not supported",
+)
+ZERO_ZB_HOOKS = (
+    "ZeRO-2, or bf16 ZeRO-1, under zero_bubble: DeepSpeed reduces (ZeRO-2) or moves into its fp32 "
+    "accumulator (bf16 ZeRO-1) each gradient in hooks autograd fires, and W adds the linears' weight "
+    "gradients outside autograd",
+    "schedule=zero_bubble with parallel.dp_mode=zero",
+)
+ZBV_ZERO = (
+    "ZeRO under zbv: it does not declare zbv's sync point, each of its 2 chunks' last W",
+    "is not supported (the gradient sync would have to follow",
+)
+ZBV_FSDP_TIED = (
+    "FSDP under zbv with a tied embedding: rank 0's two chunks are two FSDP root units holding the "
+    "one tied weight (measured wrong)",
+    "and model.tie_embeddings=true is not supported: rank 0's",
+)
 
 
 # runner.BASE has 8 heads and 4 kv heads: all_to_all gives each cp x tp rank whole heads of both.
-CP_HEADS = ("cp_mode all_to_all with cp x tp not dividing the kv heads (runner.BASE: 4): each rank of the "
-            "all-to-all takes whole heads", "divisible by cp * tp")
+CP_HEADS = (
+    "cp_mode all_to_all with cp x tp not dividing the kv heads (runner.BASE: 4): each rank of the "
+    "all-to-all takes whole heads",
+    "divisible by cp * tp",
+)
 
 
-
-
-EP_DP_MODE = ("ep > 1 with zero: DeepSpeed's flat buffers partition every parameter over the whole dp group, while "
-              "the experts differ between ep ranks", "is not supported (DeepSpeed's flat buffers partition every")
+EP_DP_MODE = (
+    "ep > 1 with zero: DeepSpeed's flat buffers partition every parameter over the whole dp group, while "
+    "the experts differ between ep ranks",
+    "is not supported (DeepSpeed's flat buffers partition every",
+)
 
 
 def refusal(c: Combo) -> tuple[str, str] | None:
@@ -215,8 +271,12 @@ def refused() -> list[Combo]:
 def cost(c: Combo) -> float:
     """Rough CPU seconds of one parity run: ranks share 2 cores; bf16 matmuls are slow on CPUs; DeepSpeed's
     set-up is slow."""
-    return c.world * (1.6 if c.dtype == "bf16" else 1.0) * (1.4 if c.dp_mode.startswith("zero") else 1.0) \
+    return (
+        c.world
+        * (1.6 if c.dtype == "bf16" else 1.0)
+        * (1.4 if c.dp_mode.startswith("zero") else 1.0)
         * (1.2 if c.ac else 1.0)
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -255,29 +315,46 @@ def ci_combos() -> list[Combo]:
 def offload_slice() -> list[Combo]:
     """The offload modes' CI slice: each mode across dp 2 alone, with tp, with pp (1F1B, tied embeddings where the
     mode allows them), bf16, clipping and activation checkpointing spread over them."""
-    return sorted([
-        Combo(1, 1, 2, "zero2-offload", "-", "fp32", False, False, True),
-        Combo(2, 1, 2, "zero2-offload", "-", "bf16", False, True, False),
-        Combo(1, 2, 2, "zero2-offload", "1f1b", "fp32", False, False, False),
-        Combo(1, 1, 2, "zero3-offload", "-", "fp32", True, True, True),
-        Combo(2, 1, 2, "zero3-offload", "-", "fp32", False, False, False, True),
-        Combo(1, 1, 2, "fsdp-offload", "-", "fp32", False, False, True),
-        Combo(1, 2, 2, "fsdp-offload", "1f1b", "fp32", True, False, False),
-        Combo(2, 1, 2, "fsdp-offload", "-", "bf16", False, True, False),
-    ])
+    return sorted(
+        [
+            Combo(1, 1, 2, "zero2-offload", "-", "fp32", False, False, True),
+            Combo(2, 1, 2, "zero2-offload", "-", "bf16", False, True, False),
+            Combo(1, 2, 2, "zero2-offload", "1f1b", "fp32", False, False, False),
+            Combo(1, 1, 2, "zero3-offload", "-", "fp32", True, True, True),
+            Combo(2, 1, 2, "zero3-offload", "-", "fp32", False, False, False, True),
+            Combo(1, 1, 2, "fsdp-offload", "-", "fp32", False, False, True),
+            Combo(1, 2, 2, "fsdp-offload", "1f1b", "fp32", True, False, False),
+            Combo(2, 1, 2, "fsdp-offload", "-", "bf16", False, True, False),
+        ]
+    )
 
 
 def _key(c: Combo) -> tuple:
-    return (c.world, c.tp, c.pp, c.dp, (DP_MODES + OFFLOAD_MODES).index(c.dp_mode),
-            SCHEDULES.index(c.schedule) if c.pp > 1 else 0,
-            c.dtype == "bf16", c.tied, c.ac, c.clip, c.sp, c.layers, c.cp, CP_MODES.index(c.cp_mode)
-            if c.cp > 1 else -1, MODELS.index(c.model), c.ep)
+    return (
+        c.world,
+        c.tp,
+        c.pp,
+        c.dp,
+        (DP_MODES + OFFLOAD_MODES).index(c.dp_mode),
+        SCHEDULES.index(c.schedule) if c.pp > 1 else 0,
+        c.dtype == "bf16",
+        c.tied,
+        c.ac,
+        c.clip,
+        c.sp,
+        c.layers,
+        c.cp,
+        CP_MODES.index(c.cp_mode) if c.cp > 1 else -1,
+        MODELS.index(c.model),
+        c.ep,
+    )
 
 
 @dataclass(frozen=True)
 class Resume:
     """Train ``save_at`` steps at ``source``, save, resume at ``target`` and train to the end; the whole curve is
     compared with the uninterrupted single-process run."""
+
     source: Combo
     target: Combo
 
@@ -286,8 +363,9 @@ class Resume:
         return f"{self.source.name}->{self.target.name}"
 
 
-def _combo(tp=1, pp=1, dp=1, mode="ddp", schedule=None, dtype="fp32", tied=False, ac=False, clip=False,
-           model="dense") -> Combo:
+def _combo(
+    tp=1, pp=1, dp=1, mode="ddp", schedule=None, dtype="fp32", tied=False, ac=False, clip=False, model="dense"
+) -> Combo:
     return Combo(tp, pp, dp, mode, schedule or ("1f1b" if pp > 1 else "-"), dtype, tied, ac, clip, model=model)
 
 
@@ -304,8 +382,7 @@ def resume_scenarios() -> list[Resume]:
         Resume(_combo(tp=2, dp=2, mode="zero2", pp=2, clip=True), _combo(dp=2, mode="fsdp-reshard", pp=2)),
         Resume(_combo(tp=4, dp=2, mode="zero3"), _combo(pp=4, mode="ddp")),
         Resume(_combo(dp=2, mode="zero1", dtype="bf16"), _combo(tp=2, dp=2, mode="fsdp-keep", dtype="bf16")),
-        Resume(_combo(tp=2, mode="fsdp-reshard", dtype="bf16", dp=2), _combo(pp=2, dp=2, mode="zero2",
-                                                                            dtype="bf16")),
+        Resume(_combo(tp=2, mode="fsdp-reshard", dtype="bf16", dp=2), _combo(pp=2, dp=2, mode="zero2", dtype="bf16")),
         # Checkpoints name layers globally, so the schedule and its virtual stages change freely on resume.
         Resume(_combo(pp=2, dp=2, schedule="interleaved", tied=True), _combo(pp=4, schedule="zero_bubble")),
         Resume(_combo(pp=4, schedule="zero_bubble"), _combo(pp=2, tp=2, schedule="interleaved")),
@@ -314,4 +391,3 @@ def resume_scenarios() -> list[Resume]:
         # zbv's V: a tied embedding is one parameter on rank 0, a copy on the last stage elsewhere
         Resume(_combo(pp=2, dp=2, schedule="zbv", tied=True), _combo(pp=2, dp=2, schedule="1f1b", tied=True)),
     ]
-

@@ -1,5 +1,6 @@
 """Tables of parity results: one line per combination (printed), and per family (the "What is proven" table of
 docs/proofs.md, which ``--write-readme`` rewrites; the README links to it)."""
+
 from __future__ import annotations
 
 import datetime
@@ -19,14 +20,21 @@ REASONS = {matrix.TIED_ZERO_PP[1]: "a", matrix.ZERO3_PP[1]: "b"}
 
 def append_result(path: Path, c: matrix.Combo, o: Outcome, commit: str) -> None:
     with open(path, "a") as f:
-        f.write(json.dumps({"combo": asdict(c), "errors": o.errors, "failure": o.failure, "seconds": o.seconds,
-                            "commit": commit}) + "\n")
+        f.write(
+            json.dumps(
+                {"combo": asdict(c), "errors": o.errors, "failure": o.failure, "seconds": o.seconds, "commit": commit}
+            )
+            + "\n"
+        )
 
 
 def save_results(path: Path, results: dict) -> None:
     """Rewrite ``path`` with the lines of the combinations in ``results`` (their commits kept)."""
-    lines = [t for t in (path.read_text().splitlines() if path.is_file() else [])
-             if matrix.Combo(**json.loads(t)["combo"]) in results]
+    lines = [
+        t
+        for t in (path.read_text().splitlines() if path.is_file() else [])
+        if matrix.Combo(**json.loads(t)["combo"]) in results
+    ]
     path.write_text("".join(t + "\n" for t in lines))
 
 
@@ -67,8 +75,10 @@ def print_results(results: dict) -> tuple[int, int]:
         errs = [o.errors for c, o in results.items() if o.errors and runner.tolerance(c) is tol]
         if errs:
             w = {k: max(e[k] for e in errs) for k in ("loss", "grad_norm", "params")}
-            print(f"worst of {len(errs)} under {tol_name}: loss {w['loss']:.2e} (bound {tol.loss:.0e}), grad_norm "
-                  f"{w['grad_norm']:.2e} (bound {tol.grad_norm:.0e}), params {w['params']:.2e} (bound {tol.params:.0e})")
+            print(
+                f"worst of {len(errs)} under {tol_name}: loss {w['loss']:.2e} (bound {tol.loss:.0e}), grad_norm "
+                f"{w['grad_norm']:.2e} (bound {tol.grad_norm:.0e}), params {w['params']:.2e} (bound {tol.params:.0e})"
+            )
     print(f"parity: {len(results) - failed} passed, {failed} failed")
     return len(results) - failed, failed
 
@@ -90,8 +100,12 @@ def _cell(combos: list, results: dict | None) -> str:
 def family_table(results: dict | None) -> str:
     """dp mode x (pp = 1 / pp > 1) x (untied / tied): proven k/n per dtype, or refused with the reason."""
     combos = matrix.all_combos(clip=(False,))
-    cols = [("pp = 1", lambda c: c.pp == 1 and not c.tied), ("pp = 1, tied", lambda c: c.pp == 1 and c.tied),
-            ("pp 2-4", lambda c: c.pp > 1 and not c.tied), ("pp 2-4, tied", lambda c: c.pp > 1 and c.tied)]
+    cols = [
+        ("pp = 1", lambda c: c.pp == 1 and not c.tied),
+        ("pp = 1, tied", lambda c: c.pp == 1 and c.tied),
+        ("pp 2-4", lambda c: c.pp > 1 and not c.tied),
+        ("pp 2-4, tied", lambda c: c.pp > 1 and c.tied),
+    ]
     rows = ["| dp mode | " + " | ".join(name for name, _ in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for mode in matrix.DP_MODES + matrix.OFFLOAD_MODES:
         cells = [_cell([c for c in combos if c.dp_mode == mode and pick(c)], results) for _, pick in cols]
@@ -108,19 +122,22 @@ def current_commit() -> str:
 
 def readme_section(results: dict, command: str, commit: str) -> str:
     passed = sum(o.failure is None for o in results.values())
-    return "\n".join([
-        BEGIN,
-        f"Measured {datetime.date.today().isoformat()} on commit {commit} "
-        f"with `{command}`: {passed} of {len(results)} supported combinations match one process "
-        f"(tp, pp, dp in 1, 2, 4 up to 8 ranks; 1f1b and gpipe; activation checkpointing off and on; sequence "
-        f"parallelism off and on at tp > 1; clipping off), {len(matrix.refused())} are refused with the error "
-        f"below. Each cell counts the combinations of its family (layouts, schedules, activation checkpointing, "
-        f"sequence parallelism).",
-        "",
-        family_table(results),
-        "",
-        f"(a) {matrix.TIED_ZERO_PP[0]}. (b) {matrix.ZERO3_PP[0]}.",
-        END])
+    return "\n".join(
+        [
+            BEGIN,
+            f"Measured {datetime.date.today().isoformat()} on commit {commit} "
+            f"with `{command}`: {passed} of {len(results)} supported combinations match one process "
+            f"(tp, pp, dp in 1, 2, 4 up to 8 ranks; 1f1b and gpipe; activation checkpointing off and on; sequence "
+            f"parallelism off and on at tp > 1; clipping off), {len(matrix.refused())} are refused with the error "
+            f"below. Each cell counts the combinations of its family (layouts, schedules, activation checkpointing, "
+            f"sequence parallelism).",
+            "",
+            family_table(results),
+            "",
+            f"(a) {matrix.TIED_ZERO_PP[0]}. (b) {matrix.ZERO3_PP[0]}.",
+            END,
+        ]
+    )
 
 
 def write_readme(path: Path, section: str) -> None:

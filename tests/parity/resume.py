@@ -7,6 +7,7 @@ compared with the single-process run that was never interrupted, so weights, bot
 and the data position must all have crossed the change of tp, pp, dp, dp mode and schedule intact. The target
 keeps the source's dtype, embeddings and clipping (those are the run's, not the layout's).
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -49,15 +50,40 @@ def run_resumes(scenarios: list[Resume], root) -> dict:
     """{scenario: Outcome} for the resumed part (steps SAVE_AT+1 .. STEPS) against the uninterrupted reference;
     a failure of the source run is reported as the scenario's failure."""
     refs = sorted({_plain(s.source) for s in scenarios})
-    ref_of = {r: run[0] for r, run in zip(refs, run_group(1, [combo_argv(r, f"{root}/ref-{r.name}") for r in refs],
-                                                           want_init=True))}
+    ref_of = {
+        r: run[0]
+        for r, run in zip(refs, run_group(1, [combo_argv(r, f"{root}/ref-{r.name}") for r in refs], want_init=True))
+    }
     ckpt = {s: f"{root}/ckpt-{i}" for i, s in enumerate(scenarios)}
-    sources = _run_all([(s, s.source, combo_argv(s.source, f"{ckpt[s]}-out", "--checkpoint.dir", ckpt[s],
-                                                 "--checkpoint.every", str(SAVE_AT), "--checkpoint.resume", "none"))
-                        for s in scenarios])
-    targets = _run_all([(s, _target(s), combo_argv(_target(s), f"{ckpt[s]}-resumed", "--checkpoint.resume",
-                                                   f"{ckpt[s]}/step_{SAVE_AT:06d}"))
-                        for s in scenarios])
+    sources = _run_all(
+        [
+            (
+                s,
+                s.source,
+                combo_argv(
+                    s.source,
+                    f"{ckpt[s]}-out",
+                    "--checkpoint.dir",
+                    ckpt[s],
+                    "--checkpoint.every",
+                    str(SAVE_AT),
+                    "--checkpoint.resume",
+                    "none",
+                ),
+            )
+            for s in scenarios
+        ]
+    )
+    targets = _run_all(
+        [
+            (
+                s,
+                _target(s),
+                combo_argv(_target(s), f"{ckpt[s]}-resumed", "--checkpoint.resume", f"{ckpt[s]}/step_{SAVE_AT:06d}"),
+            )
+            for s in scenarios
+        ]
+    )
     out = {}
     for s in scenarios:
         ref, failure = ref_of[_plain(s.source)], None

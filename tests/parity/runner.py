@@ -8,6 +8,7 @@ ZeRO bf16 on several ranks: ZeRO bf16 on one, ``reference_of``). Activation chec
 Combinations of one world size are run one after another inside one set of forked ranks (``run_many``), so a
 CI run pays the fork and the imports a few times, not once per combination.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,17 +26,43 @@ from tests.parity.matrix import Combo
 
 STEPS = 4
 CLIP = 0.5  # below the gradient norm of every step (1.8-4.5 here), so "clip on" clips every step
-BASE = ["--config", "configs/tiny.yaml", "--model.num_layers", "4", "--model.hidden_size", "64",
-        "--model.intermediate_size", "128", "--model.num_heads", "8", "--model.num_kv_heads", "4",
-        "--train.seq_len", "16", "--train.micro_batch_size", "1", "--train.global_batch_size", "8",
-        "--train.steps", str(STEPS), "--train.warmup_steps", "2", "--train.adam_eps", "1e-5",
-        "--log.progress", "false", "--log.breakdown", "false"]
+BASE = [
+    "--config",
+    "configs/tiny.yaml",
+    "--model.num_layers",
+    "4",
+    "--model.hidden_size",
+    "64",
+    "--model.intermediate_size",
+    "128",
+    "--model.num_heads",
+    "8",
+    "--model.num_kv_heads",
+    "4",
+    "--train.seq_len",
+    "16",
+    "--train.micro_batch_size",
+    "1",
+    "--train.global_batch_size",
+    "8",
+    "--train.steps",
+    str(STEPS),
+    "--train.warmup_steps",
+    "2",
+    "--train.adam_eps",
+    "1e-5",
+    "--log.progress",
+    "false",
+    "--log.breakdown",
+    "false",
+]
 
 
 @dataclass(frozen=True)
 class Tolerance:
     """Largest relative errors accepted against the single process. ``params``: relative L2 error of each final
     parameter, ||got - want|| / ||want - initial||, i.e. measured against what the steps changed."""
+
     loss: float
     grad_norm: float
     params: float
@@ -143,9 +170,14 @@ def train_one(argv: list[str], want_init: bool = False) -> dict:
         return {"error": str(e)}
     init = held_parameters(trainer) if want_init else None
     history = trainer.fit()
-    return {"loss": [r["loss"] for r in history], "grad_norm": [r["grad_norm"] for r in history],
-            "params": held_parameters(trainer), "init": init, "seconds": time.perf_counter() - start,
-            "moe": [{k: v for k, v in r.items() if k.startswith("moe_")} for r in history]}
+    return {
+        "loss": [r["loss"] for r in history],
+        "grad_norm": [r["grad_norm"] for r in history],
+        "params": held_parameters(trainer),
+        "init": init,
+        "seconds": time.perf_counter() - start,
+        "moe": [{k: v for k, v in r.items() if k.startswith("moe_")} for r in history],
+    }
 
 
 def run_many(argvs: list[list[str]], want_init: bool = False) -> list[dict]:
@@ -170,8 +202,19 @@ def run_layouts(world: int, base: list[str], layouts: list[list[str]], root) -> 
 def checkpointed_run(world: int, argv: list[str], root, name: str, resume: str) -> list[dict]:
     """Train ``argv`` on ``world`` ranks saving every step to ``root/name`` (resuming from ``resume``: none or a
     step folder); its result on every rank. A refusal fails here, naming it."""
-    argv = [*argv, "--train.out_dir", str(root / f"{name}-out"), "--checkpoint.dir", str(root / name),
-            "--checkpoint.every", "1", "--checkpoint.keep", "0", "--checkpoint.resume", resume]
+    argv = [
+        *argv,
+        "--train.out_dir",
+        str(root / f"{name}-out"),
+        "--checkpoint.dir",
+        str(root / name),
+        "--checkpoint.every",
+        "1",
+        "--checkpoint.keep",
+        "0",
+        "--checkpoint.resume",
+        resume,
+    ]
     run = run_group(world, [argv])[0]
     assert "error" not in run[0], run[0]
     return run
@@ -209,14 +252,18 @@ def verdict(errors: dict, tol: Tolerance) -> str | None:
     """None if within tolerance, else what is off."""
     if not errors["complete"]:
         return "missing steps or parameters"
-    bad = [f"{k} {errors[k]:.2e} > {getattr(tol, k):.0e}" for k in ("loss", "grad_norm", "params")
-           if not errors[k] <= getattr(tol, k)]
+    bad = [
+        f"{k} {errors[k]:.2e} > {getattr(tol, k):.0e}"
+        for k in ("loss", "grad_norm", "params")
+        if not errors[k] <= getattr(tol, k)
+    ]
     return "; ".join(bad) or None
 
 
 @dataclass
 class Outcome:
     """What one combination gave: its worst errors against the reference, and None or what failed."""
+
     errors: dict
     failure: str | None
     seconds: float
@@ -245,7 +292,7 @@ def run_combos(combos: list[Combo], root, chunk: int = 8, on_result=None) -> dic
         by_world.setdefault(c.world, []).append(c)
     for world, group in sorted(by_world.items()):
         for i in range(0, len(group), chunk):
-            part = group[i:i + chunk]
+            part = group[i : i + chunk]
             try:
                 runs = run_group(world, [combo_argv(c, f"{root}/{c.name}") for c in part])
             except Exception as e:  # noqa: BLE001 - a crashed or hung chunk is a result to report

@@ -3,6 +3,7 @@
 Each function is named for what it does forward / backward and takes the process group it acts on. A group of
 size one makes every collective an identity, so the tp=1 model runs no communication at all.
 """
+
 from __future__ import annotations
 
 import torch
@@ -202,8 +203,7 @@ def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group) -> torch.Tensor:
     return x if _size(group) == 1 else _Exchange.apply(x, group, reduce_scatter_seq, gather_seq)
 
 
-def sequence_gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                             group) -> torch.Tensor:
+def sequence_gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group) -> torch.Tensor:
     """(b, s/tp, h) -> (b, s, out/tp); see _SequenceGatheredLinear. A group of size one is a plain linear."""
     if _size(group) == 1:
         return torch.nn.functional.linear(x, weight, bias)

@@ -41,6 +41,7 @@ parallel reduction must be started after the last W. What W keeps alive from B i
 The decision reads a flag of the store, not of the thread, so it holds on the autograd engine's device threads
 (CUDA).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,6 +58,7 @@ from engine.parallel.autograd.comm import gather_seq, reduce_scatter_seq
 
 class _Deferred(NamedTuple):
     """One linear's weight gradient, computed at flush: dW = g^T x (T tokens flattened)."""
+
     weight: nn.Parameter
     bias: nn.Parameter | None
     x: torch.Tensor  # (..., in), the compute dtype (bf16 under autocast); (b, s/tp, in) under seq_group
@@ -87,8 +89,9 @@ class WeightGradStore:
     def deferring(self) -> bool:
         return self._deferring
 
-    def put(self, weight: nn.Parameter, bias: nn.Parameter | None, x: torch.Tensor, g: torch.Tensor,
-            seq_group=None) -> None:
+    def put(
+        self, weight: nn.Parameter, bias: nn.Parameter | None, x: torch.Tensor, g: torch.Tensor, seq_group=None
+    ) -> None:
         """Queue one linear's weight gradient under the current key (called from the backward); with ``seq_group``
         x is this rank's (b, s/tp, in) sequence shard, all-gathered over the group at flush."""
         self._queues.setdefault(self._key, []).append(_Deferred(weight, bias, x, g, seq_group))
@@ -168,7 +171,7 @@ class _LinearDeferredWeight(torch.autograd.Function):
     def backward(ctx, g):
         xc, wc = ctx.saved_tensors
         xc, wc = (xc, wc) if ctx.dtype is None else (xc.to(ctx.dtype), wc.to(ctx.dtype))  # no-ops unless sp
-        dx = (g.matmul(wc) if ctx.needs_input_grad[0] else None)  # (..., in); (b, s, in) partial under seq_group
+        dx = g.matmul(wc) if ctx.needs_input_grad[0] else None  # (..., in); (b, s, in) partial under seq_group
         dx = dx if dx is None else dx.to(ctx.x_dtype)
         if dx is not None and ctx.seq_group is not None:
             dx = reduce_scatter_seq(dx, ctx.seq_group)  # (b, s/tp, in)
@@ -189,8 +192,9 @@ def _deferrable_linear(x, weight, bias, store, seq_group):
     return _LinearDeferredWeight.apply(x, weight, bias, store, seq_group)
 
 
-def linear_with_deferred_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                                store: WeightGradStore | None, seq_group=None) -> torch.Tensor:
+def linear_with_deferred_weight(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: WeightGradStore | None, seq_group=None
+) -> torch.Tensor:
     """F.linear whose weight gradient ``store`` may defer; plain F.linear without a store or without grad
     (evaluation runs exactly as before). ``seq_group``: x is (b, s/tp, in), gathered along the sequence over the
     group first (the sequence-parallel column linear; callers pass it only with a store, see

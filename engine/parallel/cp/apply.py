@@ -5,6 +5,7 @@ checkpointing and compile (which then wrap the swapped core); docs/architecture.
 parallelism is applied". The rest of the model runs on its s/cp tokens unchanged: the trainer gives it the global
 RoPE positions of those tokens and the whole sequence's document ids (engine/parallel/cp/inputs.py).
 """
+
 from __future__ import annotations
 
 import torch

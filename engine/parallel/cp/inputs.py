@@ -8,6 +8,7 @@ positions are the global positions of the local tokens (or, under data.document_
 document, computed on the whole row and then taken), and the document ids stay whole: the attention core masks
 across the split from them (engine/parallel/cp/apply.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,15 @@ from engine.model.docmask import document_layout
 from engine.parallel.cp import layout
 
 
-def micro_batch_inputs(micro: list[torch.Tensor], count: int, eos_id: int | None, cp: int = 1, cp_rank: int = 0,
-                       seq_len: int = 0, device=None) -> tuple[list, list, list[dict] | None]:
+def micro_batch_inputs(
+    micro: list[torch.Tensor],
+    count: int,
+    eos_id: int | None,
+    cp: int = 1,
+    cp_rank: int = 0,
+    seq_len: int = 0,
+    device=None,
+) -> tuple[list, list, list[dict] | None]:
     """micro: the (mbs, s+1) rows of each micro-batch on ``device`` (empty on a stage that reads none), count:
     micro-batches per pass, eos_id: the document separator under data.document_mask, else None. Returns (inputs, labels,
     extra): (mbs, s/cp) token ids and labels per micro-batch, and per micro-batch the forward's keyword inputs
@@ -31,8 +39,10 @@ def micro_batch_inputs(micro: list[torch.Tensor], count: int, eos_id: int | None
     inputs = [layout.take(x, seq_len, cp, cp_rank) for x in inputs]  # (mbs, s/cp)
     labels = [layout.take(y, seq_len, cp, cp_rank) for y in labels]
     if extra is not None:  # doc-relative positions of the local tokens; the document ids stay whole (the mask's)
-        extra = [{"position_ids": layout.take(e["position_ids"], seq_len, cp, cp_rank), "doc_ids": e["doc_ids"]}
-                 for e in extra]
+        extra = [
+            {"position_ids": layout.take(e["position_ids"], seq_len, cp, cp_rank), "doc_ids": e["doc_ids"]}
+            for e in extra
+        ]
     else:  # no rows needed: a middle stage knows the positions too, (s/cp,) global positions of its tokens
         extra = [{"position_ids": layout.chunk_indices(seq_len, cp, cp_rank, device)}] * count
     return inputs, labels, extra

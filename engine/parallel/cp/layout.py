@@ -6,6 +6,7 @@ s / (2 cp) tokens, and cp rank r holds chunks r and 2 cp - 1 - r (one early, one
 work: Megatron-Core's context parallelism and Llama 3 (Dubey et al. 2024, Sec. 3.3.2) split it this way.
 Pure index arithmetic: the data feed slices tokens with it, attention masks and RoPE read global positions from it.
 """
+
 from __future__ import annotations
 
 import torch

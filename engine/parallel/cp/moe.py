@@ -8,6 +8,7 @@ gradient average over dp x cp takes) is the micro-batch's.
 The MoE layout is token-wise, so cp's head/tail chunk order (engine/parallel/cp/layout.py) does not matter to it:
 routing ranks each token's own logits (a stable sort over experts), and the counts are sums over tokens.
 """
+
 from __future__ import annotations
 
 import torch

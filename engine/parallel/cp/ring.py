@@ -17,6 +17,7 @@ group's first). Peers are the cp group's global ranks. K/V travel as one (2, b, 
 their own dtype with the nkv heads only (grouped-query attention is never repeated for the wire); dK/dV travel in
 fp32, and the output, lse and gradients accumulate in fp32 whatever the input dtype.
 """
+
 from __future__ import annotations
 
 import math
@@ -57,6 +58,7 @@ def _wait(works: list) -> None:
 class _Queries:
     """This rank's side of every part: q (b, nh, L, hd) in its dtype and q5 (b, nkv, g, L, hd) fp32; backward adds
     do / do5 (the same shapes), o (b, nh, L, hd) the output, lse (b, nkv, g, L) and delta = rowsum(dO * O)."""
+
     q: torch.Tensor
     q5: torch.Tensor
     scale: float
@@ -67,26 +69,43 @@ class _Queries:
     delta: torch.Tensor | None = None
 
 
-def attend_part(side: _Queries, kv: torch.Tensor, qs: slice, ks: slice, mask: torch.Tensor | None,
-                kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_part(
+    side: _Queries, kv: torch.Tensor, qs: slice, ks: slice, mask: torch.Tensor | None, kind: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One part's (o (b, nkv, g, cq, hd), lse (b, nkv, g, cq)) fp32, by the fused kernel or the math."""
     if kind == MASKED:
-        return rb.forward_part(side.q5[..., qs, :], kv[0][:, :, ks].float(), kv[1][:, :, ks].float(), mask,
-                               side.scale)
+        return rb.forward_part(side.q5[..., qs, :], kv[0][:, :, ks].float(), kv[1][:, :, ks].float(), mask, side.scale)
     o, lse = rf.forward_part(side.q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], kind, side.scale)
     shape = side.q5[..., qs, :].shape
     return o.reshape(shape), lse.reshape(shape[:-1])
 
 
-def grad_part(side: _Queries, kv: torch.Tensor, qs: slice, ks: slice, mask: torch.Tensor | None,
-              kind: str) -> tuple[torch.Tensor, ...]:
+def grad_part(
+    side: _Queries, kv: torch.Tensor, qs: slice, ks: slice, mask: torch.Tensor | None, kind: str
+) -> tuple[torch.Tensor, ...]:
     """One part's (dq (b, nkv, g, cq, hd), dk, dv (b, nkv, ck, hd)) fp32, by the fused kernel or the math."""
     if kind == MASKED:
-        return rb.backward_part(side.q5[..., qs, :], kv[0][:, :, ks].float(), kv[1][:, :, ks].float(),
-                                side.do5[..., qs, :], side.lse[..., qs], side.delta[..., qs], mask, side.scale)
+        return rb.backward_part(
+            side.q5[..., qs, :],
+            kv[0][:, :, ks].float(),
+            kv[1][:, :, ks].float(),
+            side.do5[..., qs, :],
+            side.lse[..., qs],
+            side.delta[..., qs],
+            mask,
+            side.scale,
+        )
     b, nh = side.q.shape[:2]
-    dq, dk, dv = rf.backward_part(side.do[:, :, qs], side.q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks],
-                                  side.o[:, :, qs], side.lse.reshape(b, nh, -1)[..., qs], kind, side.scale)
+    dq, dk, dv = rf.backward_part(
+        side.do[:, :, qs],
+        side.q[:, :, qs],
+        kv[0][:, :, ks],
+        kv[1][:, :, ks],
+        side.o[:, :, qs],
+        side.lse.reshape(b, nh, -1)[..., qs],
+        kind,
+        side.scale,
+    )
     return dq.reshape(side.q5[..., qs, :].shape), dk, dv
 
 
@@ -177,8 +196,15 @@ def _ring_eager(q, k, v, group, indices, doc_ids, kernel) -> torch.Tensor:
     return _RingAttention.apply(q, k, v, group, indices, doc_ids, kernel)
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, indices: torch.Tensor,
-                   doc_ids: torch.Tensor | None = None, kernel: str = "auto") -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group,
+    indices: torch.Tensor,
+    doc_ids: torch.Tensor | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
     """Causal (or document-masked) attention of this cp rank's tokens against the whole sequence, by ring.
 
     q (b, nh, L, hd), k and v (b, nkv, L, hd) with nh % nkv == 0: this rank's L = s / cp tokens in layout order;
@@ -190,11 +216,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, ind
     rank's tokens."""
     b, nh, L, hd = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[2:] != (L, hd) or nh % k.shape[1]:
-        raise ValueError(f"ring_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected "
-                         f"q (b, nh, L, hd) and k, v (b, nkv, L, hd) with nh divisible by nkv")
+        raise ValueError(
+            f"ring_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected "
+            f"q (b, nh, L, hd) and k, v (b, nkv, L, hd) with nh divisible by nkv"
+        )
     if indices.dim() != 2 or indices.shape[1] != L:
-        raise ValueError(f"ring_attention: indices {tuple(indices.shape)}; expected (cp, {L}) from "
-                         f"layout.all_chunk_indices")
+        raise ValueError(
+            f"ring_attention: indices {tuple(indices.shape)}; expected (cp, {L}) from layout.all_chunk_indices"
+        )
     if kernel not in KERNELS:
         raise ValueError(f"ring_attention: kernel {kernel!r}; expected one of {', '.join(KERNELS)}")
     return _ring_eager(q, k, v, group, indices, doc_ids, kernel)

@@ -12,6 +12,7 @@ Grouped-query attention without repeating k/v: q (b, nh, L, hd) is viewed as (b,
 g = nh / nkv (head h reads kv head h // g, as repeat_interleave and SDPA's enable_gqa do) and k/v as
 (b, nkv, 1, L, hd), so the matmuls broadcast over g; dK/dV sum over g.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,9 @@ def _scores(q5: torch.Tensor, k4: torch.Tensor, mask: torch.Tensor, scale: float
     return s.masked_fill(~mask, NEG_INF)
 
 
-def forward_part(q5: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, mask: torch.Tensor,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_part(
+    q5: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one part: (o (b, nkv, g, cq, hd), lse (b, nkv, g, cq)), fp32; a query row with no key left in
     this part has lse -inf and o 0."""
     s = _scores(q5, k4, mask, scale)
@@ -44,8 +46,16 @@ def merge(out: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, lse_blk: to
     lse.copy_(new)
 
 
-def backward_part(q5: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, do5: torch.Tensor, lse: torch.Tensor,
-                  delta: torch.Tensor, mask: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
+def backward_part(
+    q5: torch.Tensor,
+    k4: torch.Tensor,
+    v4: torch.Tensor,
+    do5: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, ...]:
     """FlashAttention-2 backward of one part from the final lse (b, nkv, g, cq) and delta = rowsum(dO * O):
     (dq (b, nkv, g, cq, hd), dk (b, nkv, ck, hd), dv (b, nkv, ck, hd)), fp32. Every query sees at least itself,
     so the final lse is finite."""

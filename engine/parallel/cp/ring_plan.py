@@ -10,6 +10,7 @@ Chunks are runs of consecutive tokens and document indices never decrease along 
 (engine/model/docmask.py: the count of EOS tokens before a token), so a part's kind follows from its chunks' first
 and last tokens in O(1); only for indices or documents that break this is the (c, c) mask built to find out.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,8 +25,9 @@ def docs_at(doc_ids: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | N
     return None if doc_ids is None else doc_ids.index_select(1, idx)
 
 
-def part_mask(q_idx: torch.Tensor, k_idx: torch.Tensor, q_doc: torch.Tensor | None,
-              k_doc: torch.Tensor | None) -> torch.Tensor:
+def part_mask(
+    q_idx: torch.Tensor, k_idx: torch.Tensor, q_doc: torch.Tensor | None, k_doc: torch.Tensor | None
+) -> torch.Tensor:
     """q_idx (cq,), k_idx (ck,) global token indices, q_doc (b, cq) / k_doc (b, ck) their documents or None ->
     (b or 1, 1, 1, cq, ck) bool, True: attend (query i sees key j iff j <= i, and both are in one document)."""
     mask = k_idx.unsqueeze(0) <= q_idx.unsqueeze(1)  # (cq, ck)
@@ -52,8 +54,9 @@ def _run(idx: torch.Tensor) -> tuple[int, int] | None:
     return (first, last) if last - first + 1 == len(idx) and bool((idx.diff() == 1).all()) else None
 
 
-def part_kind(q_idx: torch.Tensor, k_idx: torch.Tensor, q_doc: torch.Tensor | None, k_doc: torch.Tensor | None,
-              docs_sorted: bool) -> str | None:
+def part_kind(
+    q_idx: torch.Tensor, k_idx: torch.Tensor, q_doc: torch.Tensor | None, k_doc: torch.Tensor | None, docs_sorted: bool
+) -> str | None:
     """The kind of the part of queries q_idx against keys k_idx (documents as in ``part_mask``), None to skip it.
     ``docs_sorted``: document indices never decrease along the sequence."""
     q_run, k_run = _run(q_idx), _run(k_idx)
@@ -72,8 +75,13 @@ def part_kind(q_idx: torch.Tensor, k_idx: torch.Tensor, q_doc: torch.Tensor | No
     return CAUSAL if (a, b) == (c, d) else mask_kind(part_mask(q_idx, k_idx, q_doc, k_doc))
 
 
-def block_parts(q_idx: torch.Tensor, k_idx: torch.Tensor, q_doc: torch.Tensor | None, k_doc: torch.Tensor | None,
-                docs_sorted: bool = False) -> list[tuple[slice, slice, str]]:
+def block_parts(
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    q_doc: torch.Tensor | None,
+    k_doc: torch.Tensor | None,
+    docs_sorted: bool = False,
+) -> list[tuple[slice, slice, str]]:
     """The parts of one block (queries q_idx (L,), keys k_idx (L,), documents (b, L) or None) with anything left
     to attend, as (query slice, key slice, kind)."""
     halves = 2 if len(q_idx) % 2 == 0 and len(k_idx) % 2 == 0 else 1
@@ -83,8 +91,13 @@ def block_parts(q_idx: torch.Tensor, k_idx: torch.Tensor, q_doc: torch.Tensor | 
         qs = slice(a * cq, (a + 1) * cq)
         for c in range(halves):
             ks = slice(c * ck, (c + 1) * ck)
-            kind = part_kind(q_idx[qs], k_idx[ks], None if q_doc is None else q_doc[:, qs],
-                             None if k_doc is None else k_doc[:, ks], docs_sorted)
+            kind = part_kind(
+                q_idx[qs],
+                k_idx[ks],
+                None if q_doc is None else q_doc[:, qs],
+                None if k_doc is None else k_doc[:, ks],
+                docs_sorted,
+            )
             if kind is not None:
                 parts.append((qs, ks, kind))
     return parts
@@ -95,6 +108,7 @@ class Plan:
     """Which parts of each ring step to compute (step t: the K/V of rank (r - t) mod cp) and their kinds, planned
     once per forward on the host and kept for backward: no device sync per part. The math path's masks are rebuilt
     at use from the host indices, never kept: a layer's saved state stays q, k, v, o and lse."""
+
     indices: torch.Tensor  # (cp, L) int64, host
     doc_ids: torch.Tensor | None  # (b, s) int64, host
     r: int

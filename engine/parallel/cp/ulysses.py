@@ -10,6 +10,7 @@ inverse). H = heads / tp, so num_heads and num_kv_heads must divide by cp tp (en
 Per layer 4 all-to-alls forward (q, k, v, o) and 4 backward, each moving (cp-1)/cp of its tensor; every cp rank
 issues them in the same order (NCCL's rule).
 """
+
 from __future__ import annotations
 
 import torch

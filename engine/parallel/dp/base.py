@@ -17,6 +17,7 @@ calls these in this order every step and never asks which mode it is:
 A new mode is a subclass in a file of its own, its planner model and one DpModeSpec in the registry
 (docs/architecture.md, "A new dp mode", names every file).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -104,8 +105,10 @@ class DataParallel:
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Name -> fp32 copy of every parameter of the stage, whole over dp (tp-local): what the optimizer steps.
         A collective when parameters are sharded over dp: every rank of the dp group must call it."""
-        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
-                for n, p in self.module.named_parameters()}
+        return {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+            for n, p in self.module.named_parameters()
+        }
 
     def bytes_held(self) -> dict[str, int]:
         """Bytes of the distinct storages this rank holds for params, grads and optimizer state (engine/metrics/
@@ -137,9 +140,17 @@ class TorchOptimizerMixin:
         # squares summed over ep. Sharded (fsdp): every dp rank holds its own piece of its ep rank's experts (one
         # expert-dp shard), so the sum of local squares over dp x cp, as for the dense shards, covers them once.
         experts = () if self.sharded_grads else tuple(p for _, p in expert_parameters(self.module))
-        norm = clip_gradients(self.module, self.cfg.train.grad_clip, ctx.tp_rank, ctx.mp_group, exclude,
-                              dp_group=ctx.grad_group if self.sharded_grads else None, device=ctx.device,
-                              experts=experts, ep_group=ctx.group("ep") if experts else None)
+        norm = clip_gradients(
+            self.module,
+            self.cfg.train.grad_clip,
+            ctx.tp_rank,
+            ctx.mp_group,
+            exclude,
+            dp_group=ctx.grad_group if self.sharded_grads else None,
+            device=ctx.device,
+            experts=experts,
+            ep_group=ctx.group("ep") if experts else None,
+        )
         if math.isfinite(norm):
             set_lr(self.optimizer, lr)
             self.optimizer.step()

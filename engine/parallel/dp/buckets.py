@@ -15,6 +15,7 @@ collectives in the same order (NCCL's rule; the reducer launches its buckets in 
     store.flush(key, done=buckets.ready)   # the chunk's last W: each bucket starts as soon as it is complete
     buckets.wait()                         # grads are now the dp mean
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,9 @@ def size_buckets(tensors: list[torch.Tensor], bucket_mb: float) -> list[list[tor
     limit = int(bucket_mb * 2**20)
     buckets: list[list[torch.Tensor]] = [[]]
     for t in tensors:
-        if buckets[-1] and (sum(x.numel() * x.element_size() for x in buckets[-1]) >= limit
-                            or buckets[-1][0].dtype != t.dtype):
+        if buckets[-1] and (
+            sum(x.numel() * x.element_size() for x in buckets[-1]) >= limit or buckets[-1][0].dtype != t.dtype
+        ):
             buckets.append([])
         buckets[-1].append(t)
     return [b for b in buckets if b]

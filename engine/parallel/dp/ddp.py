@@ -19,6 +19,7 @@ the bytes on the wire), or
 Optimization": rank ``parallel.powersgd_rank`` factors with error feedback, after ``parallel.powersgd_warmup_steps``
 uncompressed steps; tensors too small to gain stay uncompressed).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -45,6 +46,7 @@ def cast_hook(dtype: torch.dtype):
     """DDP's cast-compression hook (torch's fp16/bf16_compress_hook, default_hooks.py): the bucket is divided by the
     dp size, cast to ``dtype``, all-reduced, and copied back. torch refuses its bf16 hook off NCCL/XCCL, though
     gloo reduces bf16 (CPU runs), so this mirror of it serves bf16 there."""
+
     # No annotations: DDP checks them against dist.GradBucket, and `from __future__ import annotations` makes
     # them strings.
     def hook(group, bucket):  # bucket: dist.GradBucket; returns a Future of the reduced buffer
@@ -55,7 +57,9 @@ def cast_hook(dtype: torch.dtype):
         def decompress(fut) -> torch.Tensor:
             buffer.copy_(fut.value()[0])
             return buffer
+
         return future.then(decompress)
+
     return hook
 
 
@@ -69,10 +73,15 @@ def comm_hook(cfg: Config, ctx):
         return ctx.grad_group, default_hooks.bf16_compress_hook if native else cast_hook(torch.bfloat16)
     if p.grad_compression == "fp16":
         return ctx.grad_group, default_hooks.fp16_compress_hook
-    state = powerSGD_hook.PowerSGDState(process_group=ctx.grad_group, matrix_approximation_rank=p.powersgd_rank,
-                                        start_powerSGD_iter=p.powersgd_warmup_steps, random_seed=cfg.train.seed)
+    state = powerSGD_hook.PowerSGDState(
+        process_group=ctx.grad_group,
+        matrix_approximation_rank=p.powersgd_rank,
+        start_powerSGD_iter=p.powersgd_warmup_steps,
+        random_seed=cfg.train.seed,
+    )
     return state, powerSGD_hook.powerSGD_hook if ctx.backend == "nccl" else one_bucket_at_a_time(
-        powerSGD_hook.powerSGD_hook)
+        powerSGD_hook.powerSGD_hook
+    )
 
 
 def one_bucket_at_a_time(hook):
@@ -81,10 +90,12 @@ def one_bucket_at_a_time(hook):
     the backward thread: with several buckets the ranks then issue collectives in different orders and gloo
     aborts ("Received data size doesn't match expected size"). Waiting serialises the buckets (no overlap with
     backward: CPU runs only)."""
+
     def serialised(state, bucket):  # no annotations (see cast_hook)
         future = hook(state, bucket)
         future.wait()
         return future
+
     return serialised
 
 
@@ -119,12 +130,24 @@ class DDP(TorchOptimizerMixin, DataParallel):
         # Expert-parallel weights stay out of DDP: reduced over the expert-dp group (reduce_gradients)
         for chunk in self.chunks:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-                chunk, [name for name, _ in expert_parameters(chunk)])
-        self.ddps = [DistributedDataParallel(
-            chunk, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-            process_group=ctx.grad_group, bucket_cap_mb=cfg.parallel.bucket_mb, gradient_as_bucket_view=True,
-            init_sync=False, **_no_buffer_sync())
-            for chunk in self.chunks] if ctx.grad_size > 1 else []
+                chunk, [name for name, _ in expert_parameters(chunk)]
+            )
+        self.ddps = (
+            [
+                DistributedDataParallel(
+                    chunk,
+                    device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                    process_group=ctx.grad_group,
+                    bucket_cap_mb=cfg.parallel.bucket_mb,
+                    gradient_as_bucket_view=True,
+                    init_sync=False,
+                    **_no_buffer_sync(),
+                )
+                for chunk in self.chunks
+            ]
+            if ctx.grad_size > 1
+            else []
+        )
         for ddp in self.ddps:  # a hook state per chunk: PowerSGD keys its error feedback by bucket index
             hook = comm_hook(cfg, ctx)
             if hook is not None:
@@ -164,8 +187,11 @@ class DDP(TorchOptimizerMixin, DataParallel):
         if not self.ddps or not self.overlap_weight_reduction:
             store.flush(key)
             return
-        params = [p for p in reversed(list(self.chunks[chunk].parameters()))  # DDP's order
-                  if p.requires_grad and id(p) not in self.experts]
+        params = [
+            p
+            for p in reversed(list(self.chunks[chunk].parameters()))  # DDP's order
+            if p.requires_grad and id(p) not in self.experts
+        ]
         if any(p is self.tied or id(p) in self.shared for p in params):
             params = [p for p in params if p is not self.tied and id(p) not in self.shared]
             self.tied_after_weights = True
@@ -206,4 +232,3 @@ class DDP(TorchOptimizerMixin, DataParallel):
 
     def checkpoint_state(self):
         return TorchState(self.module, self.optimizer, self.ctx, fsdp=False)
-

@@ -1,13 +1,14 @@
 """dp_mode=fsdp: torch FSDP2 ``fully_shard`` on each decoder layer, then the root (as torchtitan's apply_fsdp), over
-  the dp sub-mesh (Rajbhandari et al. 2020, "ZeRO"; Zhao et al. 2023, "PyTorch FSDP"). Parameters, gradients and
-  optimizer state are sharded over dp; ``reshard_after_forward=True`` frees the gathered weights after each
-  forward (ZeRO-3), ``False`` keeps them to the backward (ZeRO-2-like: one all-gather per step instead of two).
-  ``parallel.offload=optimizer_and_params``: FSDP2's CPUOffloadPolicy keeps the sharded weights, gradients and
-  AdamW state in host memory and steps there (ZeRO-Offload's idea, Ren et al. 2021); each unit's shard is copied
-  to the device for its all-gather and its reduced gradient back to the host.
-  Expert parallelism (parallel.ep > 1): each MoE layer's experts are a unit of their own over the expert-dp mesh,
-  sharded before their layer's unit (``shard_experts``).
+the dp sub-mesh (Rajbhandari et al. 2020, "ZeRO"; Zhao et al. 2023, "PyTorch FSDP"). Parameters, gradients and
+optimizer state are sharded over dp; ``reshard_after_forward=True`` frees the gathered weights after each
+forward (ZeRO-3), ``False`` keeps them to the backward (ZeRO-2-like: one all-gather per step instead of two).
+``parallel.offload=optimizer_and_params``: FSDP2's CPUOffloadPolicy keeps the sharded weights, gradients and
+AdamW state in host memory and steps there (ZeRO-Offload's idea, Ren et al. 2021); each unit's shard is copied
+to the device for its all-gather and its reduced gradient back to the host.
+Expert parallelism (parallel.ep > 1): each MoE layer's experts are a unit of their own over the expert-dp mesh,
+sharded before their layer's unit (``shard_experts``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,17 +27,24 @@ from engine.parallel.pp.schedule import chunking
 from engine.parallel.pp.virtual import model_chunks
 
 
-def apply_fsdp(model: nn.Module, dp_mesh, reshard_after_forward: bool, bf16: bool,
-               offload: OffloadPolicy | None = None, roots: list[nn.Module] | None = None,
-               experts: tuple | None = None) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh,
+    reshard_after_forward: bool,
+    bf16: bool,
+    offload: OffloadPolicy | None = None,
+    roots: list[nn.Module] | None = None,
+    experts: tuple | None = None,
+) -> nn.Module:
     """Shard the (materialised, identically initialised) stage over ``dp_mesh``, one FSDP unit per decoder layer.
     With ``bf16`` the gathered weights are bf16 and gradients are reduced in fp32 (MixedPrecisionPolicy);
     ``offload``: CPUOffloadPolicy, or None to keep everything on the device. ``roots``: the modules run as the
     stage's virtual stages (engine/parallel/pp/virtual.py model_chunks; default the stage itself), each a root unit
     over its own layers, as torchtitan shards each pipeline model part separately. ``experts``: (expert-dp mesh,
     gradient divisor) under expert parallelism (``shard_experts``)."""
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
-        else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
     kw = {"mp_policy": policy, "offload_policy": offload or OffloadPolicy()}
     for layer in model.model.layers.values():
         if experts is not None:  # before its layer: the layer's unit then leaves the experts' weights out
@@ -81,12 +89,20 @@ class FSDP(TorchOptimizerMixin, DataParallel):
     def __init__(self, model: nn.Module, cfg: Config, ctx):
         super().__init__(cfg, ctx)
         # Pinned host memory only where there is a CUDA device to copy to and from (pinning needs CUDA).
-        offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") \
-            if OFFLOADS[cfg.parallel.offload].params else None
+        offload = (
+            CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if OFFLOADS[cfg.parallel.offload].params else None
+        )
         self.chunks = model_chunks(model, ctx.pp, ctx.pp_rank, *chunking(cfg.parallel))
         experts = (ctx.mesh_for("edp"), expert_grad_divisor(ctx)) if ctx.size("ep") > 1 else None
-        self.module = apply_fsdp(model, ctx.mesh_for("dp_cp"), reshard_after_forward(cfg, ctx.pp),
-                                 cfg.train.dtype == "bf16", offload, self.chunks, experts)
+        self.module = apply_fsdp(
+            model,
+            ctx.mesh_for("dp_cp"),
+            reshard_after_forward(cfg, ctx.pp),
+            cfg.train.dtype == "bf16",
+            offload,
+            self.chunks,
+            experts,
+        )
         self._build_optimizer()  # on the host shards under offload: torch's foreach AdamW steps there
 
     def forward(self, x, chunk: int = 0, **kwargs):

@@ -16,6 +16,7 @@ searched with. Under expert parallelism the planner calls the methods once for t
 rank's experts with the expert-dp group as ``layout.dp`` (engine/planning/planner.py state_groups); ``experts_overlap``:
 whether the experts' reduction overlaps the backward as the dense one does (ddp: no, it runs after the backward).
 """
+
 from __future__ import annotations
 
 from engine.kinds.offload import OFFLOADS
@@ -36,14 +37,17 @@ class TorchAdamWModel:
     """What ddp and fsdp share: torch AdamW on fp32 weights, its foreach temporaries (a sqrt buffer per parameter
     group, ~4 bytes per local parameter, an upper bound for CUDA's fused kernel; the per-tensor loop: ~2 of the
     largest tensor), nothing offloaded, nothing gathered."""
+
     shards, grads_whole_step, per_tensor_step, experts_overlap = False, False, True, True
 
     def step_buffers(self, cfg, layout, params: dict, foreach: bool) -> float:
         m = cfg.model
         shard = layout.dp if self.shards else 1
         local = params["layers"] + params["root"]
-        largest = max(m.hidden_size * max(m.intermediate_size, m.num_heads * m.head_dim) // layout.tp,
-                      m.vocab_size * m.hidden_size // layout.tp if params["root"] > m.hidden_size else 0)
+        largest = max(
+            m.hidden_size * max(m.intermediate_size, m.num_heads * m.head_dim) // layout.tp,
+            m.vocab_size * m.hidden_size // layout.tp if params["root"] > m.hidden_size else 0,
+        )
         return 4.0 * local / shard if foreach else 8.0 * largest / shard
 
     def buffers(self, cfg, layout, params: dict) -> tuple[float, float]:
@@ -57,6 +61,7 @@ class DDPModel(TorchAdamWModel):
     """ZeRO stage 0 in fp32; its gradients are views into DDP's buckets, held through the whole step, and its
     reduction adds no buffer. Expert gradients stay out of the buckets: one all-reduce over expert-dp after the
     backward (engine/parallel/ep/__init__.py reduce_expert_gradients)."""
+
     grads_whole_step, experts_overlap = True, False
 
     def variants(self, offload: str) -> list[tuple[int, str, str]]:
@@ -81,6 +86,7 @@ class FSDPModel(TorchAdamWModel):
     """ZeRO stage 3 in fp32, gradients unsharded until the last micro-batch (no-sync accumulation), the gathered
     weights extra (one block plus the root unit with reshard_after_forward, the whole stage without);
     CPUOffloadPolicy moves the sharded weights, gradients, AdamW state and its temporaries to the host."""
+
     shards = True
 
     def variants(self, offload: str) -> list[tuple[int, str, str]]:
@@ -129,6 +135,7 @@ class FSDPModel(TorchAdamWModel):
 class ZeroModel:
     """DeepSpeed ZeRO stage k with its fp32 master copy (K = 12; bf16 weights and fp32 gradients in bf16 runs),
     one step counter per flat group, its own buckets (ds_json settings) and its offload (ZeRO-Offload)."""
+
     shards, grads_whole_step, per_tensor_step, experts_overlap = True, False, False, True
 
     def variants(self, offload: str) -> list[tuple[int, str, str]]:

@@ -3,6 +3,7 @@ ask the mode instead of comparing its name: one ``DpModeSpec`` per mode, registe
 (engine/parallel/dp/__init__.py). No torch here: the config checks read the specs before any process exists, so the
 classes are named as "module:name" strings and imported only when used (``load``, engine/kinds/__init__.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ class DpModeSpec:
     ``bf16_weights``: train.dtype=bf16
     computes on bf16 weights (else autocast over fp32 weights: engine/planning/activations.py picks its ledger by
     this)."""
+
     name: str
     impl: str
     state: tuple[str, ...]

@@ -21,6 +21,7 @@ torch.nn.utils.clip_grad_norm_ and engine.optim.clip_gradients do.
         zero.backward(loss_fn(zero.forward(x), y) / m)   # last stage; non-last: zero.backward(out, grad_from_next)
     grad_norm = zero.step(lr_at(step, cfg.train))
 """
+
 from __future__ import annotations
 
 import copy
@@ -86,8 +87,9 @@ def cpu_adam_built() -> bool:
     from deepspeed.git_version_info import installed_ops
     from torch.utils.cpp_extension import _get_build_directory
 
-    return bool(installed_ops.get("cpu_adam")) or \
-        os.path.exists(os.path.join(_get_build_directory("cpu_adam", verbose=False), "cpu_adam.so"))
+    return bool(installed_ops.get("cpu_adam")) or os.path.exists(
+        os.path.join(_get_build_directory("cpu_adam", verbose=False), "cpu_adam.so")
+    )
 
 
 def offload_optimizer(model: nn.Module, t) -> torch.optim.Optimizer:
@@ -127,8 +129,10 @@ def _import_deepspeed():
     try:
         import deepspeed
     except ImportError as e:  # the quick start's plain `pip install -e .` leaves it out
-        raise ConfigError(f"parallel.dp_mode=zero needs DeepSpeed, which cannot be imported ({e}); install it with "
-                          f"pip install -e \".[deepspeed]\", or use parallel.dp_mode=ddp or fsdp") from None
+        raise ConfigError(
+            f"parallel.dp_mode=zero needs DeepSpeed, which cannot be imported ({e}); install it with "
+            f'pip install -e ".[deepspeed]", or use parallel.dp_mode=ddp or fsdp'
+        ) from None
     return deepspeed
 
 
@@ -174,10 +178,14 @@ class ZeRO(DataParallel):
         self.config = config if config is not None else ds_config(cfg, ctx)
         # Virtual stages: DeepSpeed's forward runs the one module it wraps, so it wraps one that runs a chunk.
         self.chunked = cfg.parallel.virtual_stages > 1
-        wrapped = ChunkRunner(model, model_chunks(model, ctx.pp, ctx.pp_rank, cfg.parallel.virtual_stages)) \
-            if self.chunked else model
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=wrapped, optimizer=optimizer,
-                                                                 config=self.config, mpu=ctx)
+        wrapped = (
+            ChunkRunner(model, model_chunks(model, ctx.pp, ctx.pp_rank, cfg.parallel.virtual_stages))
+            if self.chunked
+            else model
+        )
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=wrapped, optimizer=optimizer, config=self.config, mpu=ctx
+        )
         self.module = self.engine.module.stage if self.chunked else self.engine.module
         self.stage = cfg.parallel.zero_stage
         # DeepSpeed releases without caller-owned accumulation (or a config asking for DeepSpeed's own) count
@@ -185,8 +193,10 @@ class ZeRO(DataParallel):
         managed = getattr(self.engine, "managed_gradient_accumulation", None)
         self.managed = managed is None or bool(managed())
         if self.managed and split_over_stages(cfg, ctx):
-            raise ConfigError("model.tie_embeddings with parallel.pp>1 under dp_mode=zero needs DeepSpeed's "
-                              "managed_gradient_accumulation=false (DeepSpeed >= 0.19.8 here)")
+            raise ConfigError(
+                "model.tie_embeddings with parallel.pp>1 under dp_mode=zero needs DeepSpeed's "
+                "managed_gradient_accumulation=false (DeepSpeed >= 0.19.8 here)"
+            )
 
     def forward(self, x, chunk: int = 0, **kwargs):
         if self.chunked:

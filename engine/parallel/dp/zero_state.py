@@ -8,6 +8,7 @@
 Both follow engine/checkpoint/state.py's CheckpointState protocol (held, writes, state_names, get, set, prepare,
 finish, adam_step).
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,6 +22,7 @@ from engine.metrics.memory import storage_bytes
 
 class _ZeroState(CheckpointState):
     """What ZeRO-1/2 and ZeRO-3 share: a torch AdamW (``inner``) stepping flat fp32 partitions (``flats``)."""
+
     flats: list[torch.Tensor]
 
     def __init__(self, zero):
@@ -87,7 +89,9 @@ class Zero12State(_ZeroState):
         self._fragment(slot, state).copy_(value)
 
     def finish(self) -> None:
-        private(self.opt, "deepspeed", "update_lp_params")()  # master fragments -> every rank's working weights (an all-gather over dp)
+        private(
+            self.opt, "deepspeed", "update_lp_params"
+        )()  # master fragments -> every rank's working weights (an all-gather over dp)
 
 
 class Zero3State(_ZeroState):
@@ -113,15 +117,17 @@ class Zero3State(_ZeroState):
 
         p = slot.param
         t = safe_get_local_fp32_param(p) if state == "param" else safe_get_local_optimizer_state(p, state)
-        return t.detach().reshape(-1)[:slot.end - slot.start]  # drop the padding of the last partition
+        return t.detach().reshape(-1)[: slot.end - slot.start]  # drop the padding of the last partition
 
     @torch.no_grad()
     def set(self, slot: Slot, state: str, value: torch.Tensor) -> None:
         from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
 
         p = slot.param
-        padded = torch.zeros(private(p, "deepspeed", "ds_tensor").ds_numel, dtype=torch.float32, device=value.device)  # (ps,)
-        padded[:value.numel()] = value
+        padded = torch.zeros(
+            private(p, "deepspeed", "ds_tensor").ds_numel, dtype=torch.float32, device=value.device
+        )  # (ps,)
+        padded[: value.numel()] = value
         if state == "param":
             safe_set_local_fp32_param(p, padded)
         else:
@@ -165,8 +171,11 @@ def zero_bytes_held(zero) -> dict[str, int]:
     out["grads"] = storage_bytes(grads, seen)
     base = ds.optimizer
     state = [t for st in base.state.values() for t in _tensors(st) if t.dim() > 0]
-    masters = [t for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
-               for t in _tensors(getattr(ds, attr, None))]  # ZeRO-1/2 and ZeRO-3 names of the fp32 master copy
+    masters = [
+        t
+        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")
+        for t in _tensors(getattr(ds, attr, None))
+    ]  # ZeRO-1/2 and ZeRO-3 names of the fp32 master copy
     out["optimizer"] = storage_bytes(state + [p for g in base.param_groups for p in g["params"]] + masters, seen)
     out["other"] = storage_bytes([t for v in vars(ds).values() for t in _tensors(v)], seen)
     return out

@@ -17,6 +17,7 @@ fsdp each MoE layer's experts are an FSDP unit over the expert-dp mesh whose red
 same, engine/parallel/dp/fsdp.py). The gradient norm counts each expert once: the squares of the expert gradients
 are summed over the ep group (ddp; fsdp's dp x cp sum of its shards' squares already does).
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,7 +40,7 @@ def apply_expert_parallel(model: nn.Module, ctx) -> None:
         local = module.gate_up_proj.shape[0] // ep
         for attr in ("gate_up_proj", "down_proj"):
             full = getattr(module, attr)  # (E, rows, cols) on meta
-            setattr(module, attr, nn.Parameter(full[rank * local:(rank + 1) * local].clone()))
+            setattr(module, attr, nn.Parameter(full[rank * local : (rank + 1) * local].clone()))
         module.first_expert = rank * local
         module.__class__ = ExpertParallelExperts
         module.ep_group, module.ep_size = ctx.group("ep"), ep
@@ -47,8 +48,12 @@ def apply_expert_parallel(model: nn.Module, ctx) -> None:
 
 def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(name relative to ``model``, parameter) of every expert-parallel weight: reduced over expert-dp, not dp."""
-    return [(f"{name}.{attr}", p) for name, m in model.named_modules() if isinstance(m, ExpertParallelExperts)
-            for attr, p in m.named_parameters(recurse=False)]
+    return [
+        (f"{name}.{attr}", p)
+        for name, m in model.named_modules()
+        if isinstance(m, ExpertParallelExperts)
+        for attr, p in m.named_parameters(recurse=False)
+    ]
 
 
 def expert_grad_divisor(ctx) -> int:

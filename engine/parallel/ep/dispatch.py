@@ -8,6 +8,7 @@ per-expert counts are exchanged first (one small all-to-all of (ep, E_local) int
 same order (same schedule, same micro-batches), so the collectives are issued in the same order on every rank, as
 NCCL needs.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,8 +55,9 @@ class ExpertParallelExperts(Experts):
         send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         arrived = AllToAll.apply(x, recv_splits, send_splits, self.ep_group)  # (M, h): by source rank, then expert
         # regroup by local expert (stable: within an expert, by source rank, then the source's token order)
-        expert_of = torch.repeat_interleave(torch.arange(local, device=recv.device).repeat(self.ep_size),
-                                            recv.reshape(-1))  # (M,)
+        expert_of = torch.repeat_interleave(
+            torch.arange(local, device=recv.device).repeat(self.ep_size), recv.reshape(-1)
+        )  # (M,)
         order = torch.sort(expert_of, stable=True).indices
         mine = arrived[order]
         # (M, h) in expert order. No copy arrived: the (0, h) input itself in the dtype the experts would give, so

@@ -6,6 +6,7 @@ resolve_layout runs in ``ParallelContext.from_config``, so a bad or refused layo
 exists, and in the planner's search. The list of refusals, with the reason for each, is also stated independently in
 tests/parity/matrix.py and shown in the README ("What is proven").
 """
+
 from __future__ import annotations
 
 import math
@@ -28,6 +29,7 @@ def micro_batches_per_step(t: TrainConfig, dp: int) -> int:
 class Layout:
     """Validated sizes of the parallel axes (engine/parallel/layout/mesh.py AXES); cp: parallel.cp (context
     parallelism)."""
+
     tp: int
     pp: int
     dp: int
@@ -52,8 +54,9 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
         raise ConfigError(f"parallel.tp={tp}, parallel.pp={pp} and parallel.cp={cp} must be >= 1")
     # Model-shape checks come first: they hold whatever the world size.
     if m.num_heads % tp or m.num_kv_heads % tp:
-        raise ConfigError(f"parallel.tp={tp} must divide model.num_heads={m.num_heads} and "
-                          f"model.num_kv_heads={m.num_kv_heads}")
+        raise ConfigError(
+            f"parallel.tp={tp} must divide model.num_heads={m.num_heads} and model.num_kv_heads={m.num_kv_heads}"
+        )
     if m.vocab_size % tp:
         raise ConfigError(f"parallel.tp={tp} must divide model.vocab_size={m.vocab_size}")
     if m.intermediate_size % tp:
@@ -62,20 +65,29 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
         raise ConfigError(f"parallel.pp={pp} exceeds model.num_layers={m.num_layers}; each stage needs a layer")
     counts = p.pp_layers  # "auto": engine/planning/balance.py picks them (any pp <= num_layers has a split)
     if counts and counts != "auto" and (len(counts) != pp or sum(counts) != m.num_layers or min(counts) < 1):
-        raise ConfigError(f"parallel.pp_layers={counts} must list {pp} positive layer counts (one per stage) "
-                          f"summing to model.num_layers={m.num_layers}")
+        raise ConfigError(
+            f"parallel.pp_layers={counts} must list {pp} positive layer counts (one per stage) "
+            f"summing to model.num_layers={m.num_layers}"
+        )
     check_context_parallel(cfg)
     dp = p.dp if p.dp != -1 else world_size // (tp * pp * cp)
     if dp < 1 or tp * pp * cp * dp != world_size:
         fits = world_size % (tp * pp * cp) == 0  # then only an explicit dp is wrong: say so, not "change tp and pp"
-        fix = (f"set parallel.dp={world_size // (tp * pp * cp)} or -1 (auto)" if fits and p.dp != -1 else
-               f"choose tp, pp and cp whose product divides {world_size}" + (", and dp=-1" if p.dp != -1 else ""))
-        raise ConfigError(f"invalid layout: tp({tp}) * pp({pp}) * cp({cp}) * dp({p.dp if p.dp != -1 else 'auto'}) "
-                          f"!= world size({world_size}); {fix}")
+        fix = (
+            f"set parallel.dp={world_size // (tp * pp * cp)} or -1 (auto)"
+            if fits and p.dp != -1
+            else f"choose tp, pp and cp whose product divides {world_size}" + (", and dp=-1" if p.dp != -1 else "")
+        )
+        raise ConfigError(
+            f"invalid layout: tp({tp}) * pp({pp}) * cp({cp}) * dp({p.dp if p.dp != -1 else 'auto'}) "
+            f"!= world size({world_size}); {fix}"
+        )
     per_step = t.micro_batch_size * dp
     if t.global_batch_size % per_step:
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
-                          f"train.micro_batch_size({t.micro_batch_size}) * dp({dp}) = {per_step}")
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"train.micro_batch_size({t.micro_batch_size}) * dp({dp}) = {per_step}"
+        )
     check_schedule(cfg, pp, micro_batches_per_step(t, dp), dp)
     check_expert_parallel(cfg, dp)
     layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=p.ep)
@@ -90,15 +102,21 @@ def check_context_parallel(cfg: Config) -> None:
     if p.cp == 1:
         return
     if m.num_experts and m.moe_capacity_factor:
-        raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} with parallel.cp={p.cp} is not "
-                          f"supported: capacity keeps each expert's first copies in the micro-batch's token order, "
-                          f"which cp splits over ranks; use moe_capacity_factor=0 (dropless) or cp=1")
+        raise ConfigError(
+            f"model.moe_capacity_factor={m.moe_capacity_factor} with parallel.cp={p.cp} is not "
+            f"supported: capacity keeps each expert's first copies in the micro-batch's token order, "
+            f"which cp splits over ranks; use moe_capacity_factor=0 (dropless) or cp=1"
+        )
     if t.seq_len % (2 * p.cp):
-        raise ConfigError(f"parallel.cp={p.cp} needs train.seq_len={t.seq_len} divisible by 2 * cp = {2 * p.cp} "
-                          f"(each cp rank holds two of 2 cp equal chunks)")
+        raise ConfigError(
+            f"parallel.cp={p.cp} needs train.seq_len={t.seq_len} divisible by 2 * cp = {2 * p.cp} "
+            f"(each cp rank holds two of 2 cp equal chunks)"
+        )
     if p.sequence_parallel and (t.seq_len // p.cp) % p.tp:
-        raise ConfigError(f"parallel.sequence_parallel=true with parallel.cp={p.cp} needs train.seq_len / cp = "
-                          f"{t.seq_len // p.cp} divisible by parallel.tp={p.tp}")
+        raise ConfigError(
+            f"parallel.sequence_parallel=true with parallel.cp={p.cp} needs train.seq_len / cp = "
+            f"{t.seq_len // p.cp} divisible by parallel.tp={p.tp}"
+        )
     if (check := CP_MODES[p.cp_mode].check) is not None:  # the mode's own (all_to_all: the heads split over cp tp)
         check(cfg)
 
@@ -113,14 +131,17 @@ def check_expert_parallel(cfg: Config, dp: int) -> None:
     if not experts:
         raise ConfigError(f"parallel.ep={ep} needs an MoE model (model.num_experts > 0); use ep=1 for a dense model")
     if (dp * cp) % ep:
-        raise ConfigError(f"parallel.ep={ep} must divide dp * cp = {dp} * {cp} = {dp * cp} (ep groups are carved out "
-                          f"of the dp x cp ranks)")
+        raise ConfigError(
+            f"parallel.ep={ep} must divide dp * cp = {dp} * {cp} = {dp * cp} (ep groups are carved out "
+            f"of the dp x cp ranks)"
+        )
     if experts % ep:
         raise ConfigError(f"parallel.ep={ep} must divide model.num_experts={experts}")
     if not dp_modes.spec(cfg).expert_parallel:
         why = dp_modes.spec(cfg).ep_refusal or f"only {able} reduce expert gradients over the expert-dp group"
-        raise ConfigError(f"parallel.ep={ep} with parallel.dp_mode={mode} is not supported ({why}); use "
-                          f"dp_mode={able} or ep=1")
+        raise ConfigError(
+            f"parallel.ep={ep} with parallel.dp_mode={mode} is not supported ({why}); use dp_mode={able} or ep=1"
+        )
 
 
 def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
@@ -133,32 +154,43 @@ def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
     if spec.chunks:
         chunks = pp * p.virtual_stages
         if pp < 2:
-            raise ConfigError(f"parallel.schedule={p.schedule} needs parallel.pp >= 2 (with pp=1 there is no bubble "
-                              "to shrink); use schedule 1f1b")
+            raise ConfigError(
+                f"parallel.schedule={p.schedule} needs parallel.pp >= 2 (with pp=1 there is no bubble "
+                "to shrink); use schedule 1f1b"
+            )
         if m.num_layers % chunks:
-            raise ConfigError(f"parallel.schedule={p.schedule} splits model.num_layers={m.num_layers} into pp*"
-                              f"virtual_stages={chunks} equal chunks; choose virtual_stages so that it divides")
+            raise ConfigError(
+                f"parallel.schedule={p.schedule} splits model.num_layers={m.num_layers} into pp*"
+                f"virtual_stages={chunks} equal chunks; choose virtual_stages so that it divides"
+            )
         if p.pp_layers:
-            raise ConfigError(f"parallel.pp_layers={p.pp_layers} is not supported with schedule={p.schedule} "
-                              f"(layers split evenly into pp*virtual_stages chunks); leave pp_layers empty")
+            raise ConfigError(
+                f"parallel.pp_layers={p.pp_layers} is not supported with schedule={p.schedule} "
+                f"(layers split evenly into pp*virtual_stages chunks); leave pp_layers empty"
+            )
     if spec.vshape:
         check_vshape(cfg, pp)
     if pp > 1:
         try:
             sched.check(p.schedule, pp, micro_batches, p.virtual_stages)
         except ValueError as e:
-            raise ConfigError(f"parallel.schedule={p.schedule} with {micro_batches} micro-batches per step "
-                              f"(global_batch_size {t.global_batch_size} / (micro_batch_size {t.micro_batch_size} * "
-                              f"dp {dp})) and parallel.pp={pp}: {e}") from None
+            raise ConfigError(
+                f"parallel.schedule={p.schedule} with {micro_batches} micro-batches per step "
+                f"(global_batch_size {t.global_batch_size} / (micro_batch_size {t.micro_batch_size} * "
+                f"dp {dp})) and parallel.pp={pp}: {e}"
+            ) from None
     elif p.virtual_stages != 1:
         chunked = " or ".join(name for name, s in sched.SCHEDULES.items() if s.chunks)
         raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule={chunked} and pp >= 2")
     if p.sequence_parallel and p.tp < 2:
-        raise ConfigError(f"parallel.sequence_parallel=true needs parallel.tp >= 2 (got tp={p.tp}): it shards the "
-                          f"sequence over the tensor-parallel group; set sequence_parallel=false")
+        raise ConfigError(
+            f"parallel.sequence_parallel=true needs parallel.tp >= 2 (got tp={p.tp}): it shards the "
+            f"sequence over the tensor-parallel group; set sequence_parallel=false"
+        )
     if p.sequence_parallel and t.seq_len % p.tp:
-        raise ConfigError(f"parallel.sequence_parallel=true needs train.seq_len={t.seq_len} divisible by "
-                          f"parallel.tp={p.tp}")
+        raise ConfigError(
+            f"parallel.sequence_parallel=true needs train.seq_len={t.seq_len} divisible by parallel.tp={p.tp}"
+        )
 
 
 def check_vshape(cfg: Config, pp: int) -> None:
@@ -166,17 +198,24 @@ def check_vshape(cfg: Config, pp: int) -> None:
     pp >= 2, 2*pp equal layer chunks, no uneven split; parallel.virtual_stages is implied (1 or 2 accepted)."""
     p, layers = cfg.parallel, cfg.model.num_layers
     if pp < 2:
-        raise ConfigError(f"parallel.schedule={p.schedule} needs parallel.pp >= 2 (its V turns on the last rank); "
-                          f"use 1f1b")
+        raise ConfigError(
+            f"parallel.schedule={p.schedule} needs parallel.pp >= 2 (its V turns on the last rank); use 1f1b"
+        )
     if layers % (2 * pp):
-        raise ConfigError(f"parallel.schedule={p.schedule} splits model.num_layers={layers} into 2*pp={2 * pp} equal "
-                          f"chunks; choose pp so that 2*pp divides it")
+        raise ConfigError(
+            f"parallel.schedule={p.schedule} splits model.num_layers={layers} into 2*pp={2 * pp} equal "
+            f"chunks; choose pp so that 2*pp divides it"
+        )
     if p.pp_layers:
-        raise ConfigError(f"parallel.pp_layers={p.pp_layers} is not supported with schedule={p.schedule} (layers split "
-                          f"evenly into 2*pp chunks); leave pp_layers empty")
+        raise ConfigError(
+            f"parallel.pp_layers={p.pp_layers} is not supported with schedule={p.schedule} (layers split "
+            f"evenly into 2*pp chunks); leave pp_layers empty"
+        )
     if p.virtual_stages not in (1, 2):
-        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} with schedule={p.schedule}: its 2 chunks per "
-                          f"rank are implied; leave virtual_stages at 1 (or 2)")
+        raise ConfigError(
+            f"parallel.virtual_stages={p.virtual_stages} with schedule={p.schedule}: its 2 chunks per "
+            f"rank are implied; leave virtual_stages at 1 (or 2)"
+        )
 
 
 def check_supported(cfg: Config, layout) -> None:
@@ -185,18 +224,24 @@ def check_supported(cfg: Config, layout) -> None:
     ``layout`` has ``tp``, ``pp``, ``dp``."""
     p, m = cfg.parallel, cfg.model
     if layout.tp > 1 and m.num_experts:  # experts tp-sharded (engine/parallel/tp/moe.py): their widths split
-        for key, width in (("moe_intermediate_size", m.moe_intermediate_size or m.intermediate_size),
-                           ("moe_shared_expert_size", m.moe_shared_expert_size)):
+        for key, width in (
+            ("moe_intermediate_size", m.moe_intermediate_size or m.intermediate_size),
+            ("moe_shared_expert_size", m.moe_shared_expert_size),
+        ):
             if width % layout.tp:
-                raise ConfigError(f"model.{key}={width} must be divisible by parallel.tp={layout.tp}: each expert's "
-                                  f"SwiGLU width is split over tp")
+                raise ConfigError(
+                    f"model.{key}={width} must be divisible by parallel.tp={layout.tp}: each expert's "
+                    f"SwiGLU width is split over tp"
+                )
     schedule, mode = sched.SCHEDULES[p.schedule], dp_modes.spec(cfg)
     if schedule.grad_sync not in mode.grad_syncs:
         modes = " or ".join(name for name, s in dp_modes.MODES.items() if schedule.grad_sync in s.grad_syncs)
         other = next((name for name, s in sched.SCHEDULES.items() if s.grad_sync in mode.grad_syncs), "none")
-        raise ConfigError(f"parallel.schedule={p.schedule} with parallel.dp_mode={p.dp_mode} is not supported (the "
-                          f"gradient sync would have to follow {schedule.grad_sync}); use dp_mode={modes}, or "
-                          f"schedule {other} with {p.dp_mode}")
+        raise ConfigError(
+            f"parallel.schedule={p.schedule} with parallel.dp_mode={p.dp_mode} is not supported (the "
+            f"gradient sync would have to follow {schedule.grad_sync}); use dp_mode={modes}, or "
+            f"schedule {other} with {p.dp_mode}"
+        )
     if mode.check_layout is not None:
         mode.check_layout(cfg, layout)
 

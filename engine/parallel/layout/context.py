@@ -4,6 +4,7 @@ device and backend, built in one place.
 The object is passed explicitly to whatever needs a group; there are no process-group globals. It also answers
 DeepSpeed's ``mpu`` questions (``get_data_parallel_group`` and friends) so it can be given as ``mpu=ctx``.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -40,9 +41,11 @@ def pick_device_and_backend(requested: str = "auto", local_rank: int = 0) -> tup
     if cuda and requested != "gloo":
         devices, local_world = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         if local_world > devices:
-            raise ConfigError(f"LOCAL_WORLD_SIZE={local_world} ranks on this node but {devices} GPU(s) visible; NCCL "
-                              f"needs one GPU per rank: start at most {devices} ranks per node, or set "
-                              f"parallel.backend=gloo to run on the CPU")
+            raise ConfigError(
+                f"LOCAL_WORLD_SIZE={local_world} ranks on this node but {devices} GPU(s) visible; NCCL "
+                f"needs one GPU per rank: start at most {devices} ranks per node, or set "
+                f"parallel.backend=gloo to run on the CPU"
+            )
         return torch.device("cuda", local_rank % devices), "nccl"
     return torch.device("cpu"), "gloo"
 
@@ -66,6 +69,7 @@ def group_options(backend: str, timeout: datetime.timedelta):
 
 def env_rank_info() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) as set by torchrun or the deepspeed launcher; (0, 1, 0) under plain python."""
+
     def read(name: str, default: int) -> int:
         raw = os.environ.get(name)
         if raw is None or raw == "":
@@ -74,6 +78,7 @@ def env_rank_info() -> tuple[int, int, int]:
             return int(raw)
         except ValueError:
             raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+
     world = read("WORLD_SIZE", 1)
     rank, local = read("RANK", 0), read("LOCAL_RANK", 0)
     if not 0 <= rank < world:
@@ -92,10 +97,14 @@ def elastic_layout(cfg: Config, world: int) -> Layout:
         if restart == 0:
             raise
         left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) - restart
-        again = f"; torchrun restarts whatever the exit code: this repeats on its {left} restart(s) left" \
-            if left > 0 else ""
-        raise ConfigError(f"elastic restart {restart}: the layout cannot shrink to the {world} ranks left: {e}"
-                          f"{again}") from None
+        again = (
+            f"; torchrun restarts whatever the exit code: this repeats on its {left} restart(s) left"
+            if left > 0
+            else ""
+        )
+        raise ConfigError(
+            f"elastic restart {restart}: the layout cannot shrink to the {world} ranks left: {e}{again}"
+        ) from None
 
 
 class ParallelContext:
@@ -105,20 +114,30 @@ class ParallelContext:
     each pipeline, which hold the two copies of a tied embedding / LM head; None when pp is 1), and "dp_cp" (the
     data axes together: the ranks holding the same weights, over which gradients are reduced)."""
 
-    def __init__(self, layout: Layout, mesh: DeviceMesh, device: torch.device, backend: str,
-                 timeout: datetime.timedelta | None = None):
+    def __init__(
+        self,
+        layout: Layout,
+        mesh: DeviceMesh,
+        device: torch.device,
+        backend: str,
+        timeout: datetime.timedelta | None = None,
+    ):
         self.layout, self.mesh, self.device, self.backend = layout, mesh, device, backend
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.named_mesh = Mesh(layout.axes)
         self._coords = self.named_mesh.coords(self.rank)
         self._groups = {name: mesh.get_group(name) for name in self.named_mesh.names}
-        self._groups["mp"] = (_member_group(self.named_mesh.groups_spanning(MODEL_PARALLEL), self.rank, timeout)
-                              if self.world_size > 1 else dist.group.WORLD)
+        self._groups["mp"] = (
+            _member_group(self.named_mesh.groups_spanning(MODEL_PARALLEL), self.rank, timeout)
+            if self.world_size > 1
+            else dist.group.WORLD
+        )
         self._groups["embed"] = _member_group(self.named_mesh.ends_along("pp"), self.rank, timeout)
         # "dp_cp": the ranks holding the same weights (dp replicas x cp ranks of other tokens), over which gradients
         # are reduced and FSDP/ZeRO shard; its flattened mesh is FSDP's (ranks ordered dp-major, as ``grad_rank``).
-        self.grad_mesh = mesh["dp", "cp"]._flatten("dp_cp", backend_override=(backend, group_options(backend, timeout))
-                                                   if timeout is not None else None)
+        self.grad_mesh = mesh["dp", "cp"]._flatten(
+            "dp_cp", backend_override=(backend, group_options(backend, timeout)) if timeout is not None else None
+        )
         self._groups["dp_cp"] = self.grad_mesh.get_group()
         # Expert parallelism (engine/parallel/ep/): the data ranks dp x cp (dp-major, as grad_rank) split into ep
         # groups of consecutive ones and expert-dp groups (dp cp / ep ranks holding the same experts), Megatron's
@@ -129,16 +148,22 @@ class ParallelContext:
         self._split = dict(zip(("ep", "edp"), self.named_mesh.split_along(DATA_AXES, ep, self.rank)))
         split = dict(zip(("ep", "edp"), self.named_mesh.split_groups(DATA_AXES, ep)))
         for name, lists in split.items():
-            self._groups[name] = (self.group("dp_cp") if ep == 1 and name == "edp" else
-                                  _member_group(lists, self.rank, timeout) if len(lists[0]) > 1 else None)
+            self._groups[name] = (
+                self.group("dp_cp")
+                if ep == 1 and name == "edp"
+                else _member_group(lists, self.rank, timeout)
+                if len(lists[0]) > 1
+                else None
+            )
         # Named DeviceMeshes besides grad_mesh: "edp", the expert-dp ranks FSDP shards the experts over (dp/fsdp.py),
         # one 1-D mesh per expert-dp group, built from the group's own rank list (whatever axes ep is carved from);
         # at expert-dp size 1 (ep = dp) a group of one, so that every expert unit has a mesh
         self._meshes = {"dp_cp": self.grad_mesh}
         if ep > 1:
             edp = self._groups["edp"] or _member_group(split["edp"], self.rank, timeout)
-            self._meshes["edp"] = DeviceMesh.from_group(edp, device.type, mesh=self._split["edp"],
-                                                        mesh_dim_names=("edp",))
+            self._meshes["edp"] = DeviceMesh.from_group(
+                edp, device.type, mesh=self._split["edp"], mesh_dim_names=("edp",)
+            )
 
     # ---- by name (every consumer; adding an axis adds a name, not a method) ------------------------------------
     def group(self, name: str):
@@ -218,14 +243,19 @@ class ParallelContext:
             bound = {"device_id": device} if device.type == "cuda" else {}
             if world == 1 and "MASTER_ADDR" not in os.environ:
                 # A plain `python launch/pretrain.py`: no rendezvous needed, an in-memory store will do.
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
-                                        **bound)
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **bound)
             elif store is not None:
                 check_addresses(store, rank, world)  # as init_checked does, on the store every rank joined
                 startup = cfg.parallel.startup_timeout_s
                 try:
-                    dist.init_process_group(backend, store=store, rank=rank, world_size=world, **bound,
-                                            timeout=datetime.timedelta(seconds=startup))
+                    dist.init_process_group(
+                        backend,
+                        store=store,
+                        rank=rank,
+                        world_size=world,
+                        **bound,
+                        timeout=datetime.timedelta(seconds=startup),
+                    )
                 except (RuntimeError, dist.DistError) as e:  # a peer that joined the store but never connected
                     raise connect_failed(e, rank, startup) from None
                 dist.distributed_c10d._set_pg_timeout(timeout)
@@ -233,8 +263,12 @@ class ParallelContext:
                 # the hosts' addresses checked before gloo connects to them (engine/cluster/netcheck.py)
                 init_checked(backend, rank, world, timeout, **bound)
         names, sizes = zip(*layout.axes)
-        mesh = init_device_mesh(device.type, sizes, mesh_dim_names=names,
-                                backend_override={n: (backend, group_options(backend, timeout)) for n in names})
+        mesh = init_device_mesh(
+            device.type,
+            sizes,
+            mesh_dim_names=names,
+            backend_override={n: (backend, group_options(backend, timeout)) for n in names},
+        )
         return cls(layout, mesh, device, backend, timeout)
 
     # ---- pipeline neighbours -------------------------------------------------------------------------------
@@ -256,29 +290,58 @@ class ParallelContext:
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={self.axis_rank(n)}/{self.size(n)}" for n in self.named_mesh.names)
-        return (f"ParallelContext(rank={self.rank}/{self.world_size}, {axes}, device={self.device}, "
-                f"backend={self.backend})")
+        return (
+            f"ParallelContext(rank={self.rank}/{self.world_size}, {axes}, device={self.device}, backend={self.backend})"
+        )
 
     # ---- DeepSpeed / Megatron mpu interface ------------------------------------------------------------------
     # DeepSpeed's "data parallel" group is what it reduces gradients and partitions ZeRO state over: dp x cp (the cp
     # ranks hold the same weights), as Megatron-Core's get_data_parallel_group(with_context_parallel=True).
-    def get_data_parallel_group(self): return self.grad_group
-    def get_data_parallel_rank(self) -> int: return self.grad_rank
-    def get_data_parallel_world_size(self) -> int: return self.grad_size
-    def get_tensor_model_parallel_group(self): return self.tp_group
-    def get_tensor_model_parallel_rank(self) -> int: return self.tp_rank
-    def get_tensor_model_parallel_world_size(self) -> int: return self.tp
-    def get_pipeline_model_parallel_group(self): return self.pp_group
-    def get_pipeline_model_parallel_rank(self) -> int: return self.pp_rank
-    def get_pipeline_model_parallel_world_size(self) -> int: return self.pp
+    def get_data_parallel_group(self):
+        return self.grad_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.grad_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.grad_size
+
+    def get_tensor_model_parallel_group(self):
+        return self.tp_group
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.tp_rank
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.tp
+
+    def get_pipeline_model_parallel_group(self):
+        return self.pp_group
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.pp_rank
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.pp
+
     get_pipe_parallel_group = get_pipeline_model_parallel_group
     get_pipe_parallel_rank = get_pipeline_model_parallel_rank
     get_pipe_parallel_world_size = get_pipeline_model_parallel_world_size
-    def get_model_parallel_group(self): return self.mp_group
-    def get_model_parallel_rank(self) -> int: return self.ranks_spanning(MODEL_PARALLEL).index(self.rank)
-    def get_model_parallel_world_size(self) -> int: return len(self.ranks_spanning(MODEL_PARALLEL))
-    def get_data_parallel_group_ranks(self) -> list[int]: return self.ranks_spanning(("dp", "cp"))
-    def get_tensor_model_parallel_src_rank(self) -> int: return self.ranks_along("tp")[0]
+
+    def get_model_parallel_group(self):
+        return self.mp_group
+
+    def get_model_parallel_rank(self) -> int:
+        return self.ranks_spanning(MODEL_PARALLEL).index(self.rank)
+
+    def get_model_parallel_world_size(self) -> int:
+        return len(self.ranks_spanning(MODEL_PARALLEL))
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return self.ranks_spanning(("dp", "cp"))
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.ranks_along("tp")[0]
 
 
 def _member_group(rank_lists: list[list[int]], rank: int, timeout: datetime.timedelta | None):

@@ -15,6 +15,7 @@ but a split of the data ranks dp x cp, as Megatron's expert-data-parallel groups
 
 Pure rank arithmetic, no process groups: engine/parallel/layout/context.py creates the groups from these rank lists.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -31,6 +32,7 @@ MODEL_PARALLEL = tuple(a for a in AXES if a not in DATA_AXES)
 @dataclass(frozen=True)
 class Mesh:
     """The sizes of the named axes, outermost first, and the rank arithmetic over them."""
+
     axes: tuple[tuple[str, int], ...]  # ((name, size), ...) in AXES order
 
     def __post_init__(self):
@@ -110,7 +112,7 @@ class Mesh:
             raise ValueError(f"{inner} does not divide the {' x '.join(axes)} size {len(line)}")
         at = line.index(rank)
         block = at // inner * inner
-        return line[block:block + inner], line[at % inner::inner]
+        return line[block : block + inner], line[at % inner :: inner]
 
     def split_groups(self, axes: str | tuple[str, ...], inner: int) -> tuple[list[list[int]], list[list[int]]]:
         """Every group of ``split_along`` (inner blocks, strided), each list ordered by first rank: the order in which

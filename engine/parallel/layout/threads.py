@@ -7,6 +7,7 @@ shared with other jobs even one process spends its time in OpenMP's spin-waits (
 device and backend are picked (engine/parallel/layout/context.py) and by the forked test ranks
 (engine/cluster/spawn.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -35,12 +36,16 @@ def thread_count(local_world: int, cores: int, env: dict) -> tuple[int, str]:
         except ValueError:
             n = 0
         if n < 1:
-            raise ConfigError(f"environment variable {OVERRIDE_ENV}={raw!r} is not a positive integer; unset it to "
-                              f"share the cores among the ranks")
+            raise ConfigError(
+                f"environment variable {OVERRIDE_ENV}={raw!r} is not a positive integer; unset it to "
+                f"share the cores among the ranks"
+            )
         return n, f"{OVERRIDE_ENV}={n}"
     ranks = max(1, local_world)
-    return (max(1, cores // ranks),
-            f"{cores} core{'s' * (cores != 1)} / {ranks} local rank{'s' * (ranks != 1)}; {OVERRIDE_ENV} overrides")
+    return (
+        max(1, cores // ranks),
+        f"{cores} core{'s' * (cores != 1)} / {ranks} local rank{'s' * (ranks != 1)}; {OVERRIDE_ENV} overrides",
+    )
 
 
 def set_threads(local_world: int, env: dict | None = None) -> str:

@@ -11,6 +11,7 @@ plain 1F1B live in this vocabulary:
   d(loss)/d(input), which the previous stage waits for; BWD_WEIGHT (W) computes d(loss)/d(weights), which nothing
   waits for, so it can be deferred into bubbles. A micro-batch's activations are held until its W.
 """
+
 from __future__ import annotations
 
 import enum
@@ -20,18 +21,27 @@ from typing import Callable
 
 class Op(str, enum.Enum):
     """What a stage does, in order."""
+
     RECV_FWD = "recv_fwd"  # receive the activation of micro-batch mb from the previous virtual stage (not the first)
-    FWD = "fwd"            # forward micro-batch mb
+    FWD = "fwd"  # forward micro-batch mb
     SEND_FWD = "send_fwd"  # send the output of mb to the next virtual stage                   (not from the last)
     RECV_BWD = "recv_bwd"  # receive d(loss)/d(output) of mb from the next virtual stage       (not on the last)
-    BWD = "bwd"            # whole backward of micro-batch mb (1F1B, GPipe, interleaved)
+    BWD = "bwd"  # whole backward of micro-batch mb (1F1B, GPipe, interleaved)
     SEND_BWD = "send_bwd"  # send d(loss)/d(input) of mb to the previous virtual stage         (not from the first)
-    BWD_INPUT = "bwd_input"    # zero-bubble B: d(loss)/d(input) only; SEND_BWD follows it
+    BWD_INPUT = "bwd_input"  # zero-bubble B: d(loss)/d(input) only; SEND_BWD follows it
     BWD_WEIGHT = "bwd_weight"  # zero-bubble W: d(loss)/d(weights); frees mb's activations
 
 
-_SHORT = {Op.RECV_FWD: "recvF", Op.FWD: "F", Op.SEND_FWD: "sendF", Op.RECV_BWD: "recvB", Op.BWD: "B",
-          Op.SEND_BWD: "sendB", Op.BWD_INPUT: "B", Op.BWD_WEIGHT: "W"}  # B: the zero-bubble papers' letters
+_SHORT = {
+    Op.RECV_FWD: "recvF",
+    Op.FWD: "F",
+    Op.SEND_FWD: "sendF",
+    Op.RECV_BWD: "recvB",
+    Op.BWD: "B",
+    Op.SEND_BWD: "sendB",
+    Op.BWD_INPUT: "B",
+    Op.BWD_WEIGHT: "W",
+}  # B: the zero-bubble papers' letters
 COMPUTE_OPS = (Op.FWD, Op.BWD, Op.BWD_INPUT, Op.BWD_WEIGHT)
 COMM_OPS = (Op.RECV_FWD, Op.SEND_FWD, Op.RECV_BWD, Op.SEND_BWD)
 # Which way a message of each comm op travels along the virtual stages, and which pass it belongs to.
@@ -81,8 +91,9 @@ def forward_actions(pp: int, stage: int, mb: int, chunk: int = 0, v: int = 1, vs
     return [a for a in (recv, fwd, send) if a is fwd or peer(pp, v, stage, a, vshape) is not None]
 
 
-def backward_actions(pp: int, stage: int, mb: int, chunk: int = 0, v: int = 1, op: Op = Op.BWD,
-                     vshape: bool = False) -> list[Action]:
+def backward_actions(
+    pp: int, stage: int, mb: int, chunk: int = 0, v: int = 1, op: Op = Op.BWD, vshape: bool = False
+) -> list[Action]:
     """BWD (or zero-bubble BWD_INPUT) of (mb, chunk) wrapped in its receive (not on the last virtual stage) and
     send (not on virtual stage 0; in a V, neither at the turn). A BWD_WEIGHT needs neither: nothing waits for it."""
     bwd = Action(op, mb, chunk)
@@ -107,8 +118,11 @@ def max_in_flight(actions: list[Action]) -> int:
 
 # When a schedule needs the dp gradient sync to run (ScheduleSpec.grad_sync); each dp mode declares the ones it can
 # follow (engine/parallel/dp/registry.py DpModeSpec.grad_syncs).
-LAST_BACKWARD, CHUNK_BACKWARD, LAST_W = "the last backward", "each model chunk's last backward", \
-    "the last W, not the last B"
+LAST_BACKWARD, CHUNK_BACKWARD, LAST_W = (
+    "the last backward",
+    "each model chunk's last backward",
+    "the last W, not the last B",
+)
 # ZB-V: each of a rank's 2 chunks completes its gradients at its own last W, and rank 0's chunks share a tied
 # embedding, whose gradient is complete only after both (DDP reduces it once, after the step: dp/ddp.py).
 CHUNK_LAST_W = "each of its 2 chunks' last W"
@@ -117,16 +131,17 @@ CHUNK_LAST_W = "each of its 2 chunks' last W"
 @dataclass(frozen=True)
 class ScheduleSpec:
     """What a schedule is and needs, declared next to its code and registered in engine/parallel/pp/schedule.py
-    SCHEDULES, so that the layout checks, the config checks, the planner and the search ask the schedule instead
-    of comparing its name. ``build(pp, micro_batches, stage, v)``: its action list. ``grad_sync``: when the dp
-    gradient sync must run (a dp mode that cannot follow it is refused). ``m_at_least_pp``: needs micro_batches >=
-    pp. ``chunks``: runs v >= 2 model chunks per rank (parallel.virtual_stages; micro_batches a multiple of pp,
-    layers split evenly into pp*v chunks). ``vshape``: runs 2 chunks per rank placed in a V (rank r: virtual
-stages r and 2pp-1-r; parallel.virtual_stages implied, 1 or 2 accepted; layers split evenly into 2pp chunks; the
-last virtual stage, with the head, on rank 0). ``split_w``: splits the backward into B and W (W state held until W,
-    gradients complete only after the last W). ``searched``: the virtual stage counts the planner tries (): not
-    searched). ``label``: its short name in tables, "{v}" standing for v. ``theory(pp, m, v, f, b, bi, w)``: the
-    papers' (formula, bubble fraction). ``unit``: what one in-flight count is, printed after the counts."""
+        SCHEDULES, so that the layout checks, the config checks, the planner and the search ask the schedule instead
+        of comparing its name. ``build(pp, micro_batches, stage, v)``: its action list. ``grad_sync``: when the dp
+        gradient sync must run (a dp mode that cannot follow it is refused). ``m_at_least_pp``: needs micro_batches >=
+        pp. ``chunks``: runs v >= 2 model chunks per rank (parallel.virtual_stages; micro_batches a multiple of pp,
+        layers split evenly into pp*v chunks). ``vshape``: runs 2 chunks per rank placed in a V (rank r: virtual
+    stages r and 2pp-1-r; parallel.virtual_stages implied, 1 or 2 accepted; layers split evenly into 2pp chunks; the
+    last virtual stage, with the head, on rank 0). ``split_w``: splits the backward into B and W (W state held until W,
+        gradients complete only after the last W). ``searched``: the virtual stage counts the planner tries (): not
+        searched). ``label``: its short name in tables, "{v}" standing for v. ``theory(pp, m, v, f, b, bi, w)``: the
+        papers' (formula, bubble fraction). ``unit``: what one in-flight count is, printed after the counts."""
+
     name: str
     build: Callable[[int, int, int, int], list[Action]]
     grad_sync: str

@@ -17,6 +17,7 @@ handed over on the rank, as a detached copy in the wire dtype, and so is its gra
 
     python -m engine.parallel.pp.executor --pp 4 --micro-batches 8     # print every stage's timeline
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,8 +37,14 @@ from engine.parallel.pp.simulator import simulate_actions
 from engine.parallel.pp.split import chunk_layer_ranges, stage_layer_ranges
 
 
-def split_stage(model: nn.Module, pp: int, stage: int, counts: list[int] | None = None,
-                virtual_stages: int = 1, vshape: bool = False) -> nn.Module:
+def split_stage(
+    model: nn.Module,
+    pp: int,
+    stage: int,
+    counts: list[int] | None = None,
+    virtual_stages: int = 1,
+    vshape: bool = False,
+) -> nn.Module:
     """Keep only this stage's part of a (meta-device) Llama, in place: its layers under their global names
     (``model.layers.7`` stays ``7``), the embedding on the first stage, the final norm and LM head on the last.
     With virtual stages the rank keeps the layers of each of its chunks (engine/parallel/pp/virtual.py); in ZB-V's V
@@ -94,9 +101,18 @@ class PipelineExecutor:
     rank's stage module: its linear layers are switched to defer their weight gradients to this executor's
     WeightGradStore (engine/parallel/autograd/weight_grad.py), which W flushes."""
 
-    def __init__(self, ctx, schedule: str, micro_batches: int, act_shape: tuple[int, ...], act_dtype: torch.dtype,
-                 forward_only: bool = False, virtual_stages: int = 1, stage: nn.Module | None = None,
-                 waiting=contextlib.nullcontext):
+    def __init__(
+        self,
+        ctx,
+        schedule: str,
+        micro_batches: int,
+        act_shape: tuple[int, ...],
+        act_dtype: torch.dtype,
+        forward_only: bool = False,
+        virtual_stages: int = 1,
+        stage: nn.Module | None = None,
+        waiting=contextlib.nullcontext,
+    ):
         spec = sched.SCHEDULES[schedule]
         self.vshape = spec.vshape  # ZB-V: rank r runs virtual stages r and 2pp-1-r
         self.ctx, self.micro_batches, self.v = ctx, micro_batches, spec.per_rank(virtual_stages)
@@ -183,8 +199,18 @@ class PipelineExecutor:
             if a.op == Op.SEND_FWD and (a.mb, a.chunk) in state["outputs"]:
                 _free_storage(state["outputs"][(a.mb, a.chunk)])
 
-    def _compute(self, a, state: dict, forwards: list, loss_fn, first_inputs, extra_inputs, before_backward,
-                 backward, last_weight=None) -> torch.Tensor | None:
+    def _compute(
+        self,
+        a,
+        state: dict,
+        forwards: list,
+        loss_fn,
+        first_inputs,
+        extra_inputs,
+        before_backward,
+        backward,
+        last_weight=None,
+    ) -> torch.Tensor | None:
         """Run one compute action; returns the micro-batch loss on the last virtual stage's forward."""
         key, ctx = (a.mb, a.chunk), self.ctx
         g = virtual_stage(ctx.pp, ctx.pp_rank, a.chunk, self.vshape)
@@ -215,8 +241,16 @@ class PipelineExecutor:
             state["grads"][(a.mb, 0)] = state["inputs"].pop(key).grad.to(self.act_dtype)
         return None
 
-    def run(self, forward, loss_fn, first_inputs: list[torch.Tensor] | None, before_backward=None,
-            backward=None, extra_inputs: list[dict] | None = None, last_weight=None) -> torch.Tensor:
+    def run(
+        self,
+        forward,
+        loss_fn,
+        first_inputs: list[torch.Tensor] | None,
+        before_backward=None,
+        backward=None,
+        extra_inputs: list[dict] | None = None,
+        last_weight=None,
+    ) -> torch.Tensor:
         """Run every action of this rank for one step. ``forward``: the forward of each virtual stage (a list),
         or one callable when v == 1. first_inputs: the token micro-batches (first stage).
         ``extra_inputs[mb]``: keyword arguments of every stage's forward for micro-batch mb (document masking's
@@ -235,8 +269,9 @@ class PipelineExecutor:
             if isinstance(step, tuple):
                 self._complete(self._post(list(step), state), state)
                 continue
-            loss = self._compute(step, state, forwards, loss_fn, first_inputs, extra_inputs, before_backward,
-                                 backward, last_weight)
+            loss = self._compute(
+                step, state, forwards, loss_fn, first_inputs, extra_inputs, before_backward, backward, last_weight
+            )
             if loss is not None:
                 total += loss.detach()
         for works, meta in state["pending"]:

@@ -16,6 +16,7 @@ keeps at most `pp - stage` activations alive instead of GPipe's m. Run `python -
 --micro-batches 8` to print both, and add `--schedule interleaved --virtual-stages 2`, `--schedule zero_bubble` or
 `--schedule zbv`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,22 @@ from engine.parallel.pp.schedules.zbv import ZBV
 from engine.parallel.pp.schedules.zero_bubble import ZERO_BUBBLE
 from engine.parallel.pp.simulator import Timeline, bubble_fraction, render, simulate_actions
 
-__all__ = ["Action", "Op", "SCHEDULES", "ScheduleSpec", "Timeline", "build", "bubble_fraction", "forward_only",
-           "gpipe", "max_in_flight", "one_f_one_b", "render", "simulate", "simulate_actions"]
+__all__ = [
+    "Action",
+    "Op",
+    "SCHEDULES",
+    "ScheduleSpec",
+    "Timeline",
+    "build",
+    "bubble_fraction",
+    "forward_only",
+    "gpipe",
+    "max_in_flight",
+    "one_f_one_b",
+    "render",
+    "simulate",
+    "simulate_actions",
+]
 
 
 def one_f_one_b(pp: int, micro_batches: int, stage: int) -> list[Action]:
@@ -72,8 +87,9 @@ def gpipe(pp: int, micro_batches: int, stage: int) -> list[Action]:
     return actions
 
 
-def forward_only(pp: int, micro_batches: int, stage: int, virtual_stages: int = 1,
-                 vshape: bool = False) -> list[Action]:
+def forward_only(
+    pp: int, micro_batches: int, stage: int, virtual_stages: int = 1, vshape: bool = False
+) -> list[Action]:
     """Evaluation: every micro-batch forwarded (received from the previous virtual stage, sent to the next),
     nothing backwarded; with virtual stages in interleaved's order of (micro-batch, chunk). Each send and the
     next receive are consecutive, so they form one batch (actions.steps): Megatron's send_forward_recv_forward,
@@ -92,8 +108,14 @@ def flush_theory(pp: int, m: int, v: int, f: float, b: float, bi: float, w: floa
     return "(p-1)/(m+p-1)", (pp - 1) / (m + pp - 1)
 
 
-ONE_F_ONE_B = ScheduleSpec("1f1b", lambda pp, m, stage, v: one_f_one_b(pp, m, stage), LAST_BACKWARD, flush_theory,
-                           m_at_least_pp=True, searched=(1,))
+ONE_F_ONE_B = ScheduleSpec(
+    "1f1b",
+    lambda pp, m, stage, v: one_f_one_b(pp, m, stage),
+    LAST_BACKWARD,
+    flush_theory,
+    m_at_least_pp=True,
+    searched=(1,),
+)
 # Not searched by the planner: 1F1B's makespan with m instead of pp - stage micro-batches held.
 GPIPE = ScheduleSpec("gpipe", lambda pp, m, stage, v: gpipe(pp, m, stage), LAST_BACKWARD, flush_theory)
 # The registry: parallel.schedule -> its ScheduleSpec (engine/parallel/pp/actions.py). A new schedule is its table
@@ -117,15 +139,20 @@ def _check_chunks(schedule: str, pp: int, micro_batches: int, virtual_stages: in
     if not SCHEDULES[schedule].chunks:
         if virtual_stages != 1:
             chunked = " or ".join(repr(n) for n, s in SCHEDULES.items() if s.chunks)
-            raise ValueError(f"virtual_stages={virtual_stages} needs schedule {chunked}; {schedule} runs one "
-                             f"model chunk per stage (virtual_stages=1)")
+            raise ValueError(
+                f"virtual_stages={virtual_stages} needs schedule {chunked}; {schedule} runs one "
+                f"model chunk per stage (virtual_stages=1)"
+            )
         return
     if virtual_stages < 2:
-        raise ValueError(f"{schedule} needs virtual_stages >= 2, got virtual_stages={virtual_stages} "
-                         f"(one chunk per stage is 1f1b)")
+        raise ValueError(
+            f"{schedule} needs virtual_stages >= 2, got virtual_stages={virtual_stages} (one chunk per stage is 1f1b)"
+        )
     if micro_batches % pp:
-        raise ValueError(f"{schedule} needs micro_batches to be a multiple of pp (Megatron's groups of pp "
-                         f"micro-batches), got micro_batches={micro_batches}, pp={pp}; valid: {pp}, {2 * pp}, ...")
+        raise ValueError(
+            f"{schedule} needs micro_batches to be a multiple of pp (Megatron's groups of pp "
+            f"micro-batches), got micro_batches={micro_batches}, pp={pp}; valid: {pp}, {2 * pp}, ..."
+        )
 
 
 def build(schedule: str, pp: int, micro_batches: int, stage: int, virtual_stages: int = 1) -> list[Action]:
@@ -150,16 +177,25 @@ def check(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -
     _check_chunks(schedule, pp, micro_batches, virtual_stages)
 
 
-def simulate(schedule: str, pp: int, micro_batches: int, fwd_time: float = 1.0, bwd_time: float = 2.0,
-             virtual_stages: int = 1, bwd_input_time: float = 1.0, bwd_weight_time: float = 1.0) -> Timeline:
+def simulate(
+    schedule: str,
+    pp: int,
+    micro_batches: int,
+    fwd_time: float = 1.0,
+    bwd_time: float = 2.0,
+    virtual_stages: int = 1,
+    bwd_input_time: float = 1.0,
+    bwd_weight_time: float = 1.0,
+) -> Timeline:
     """Event simulation of all stages under NCCL's rules (simulator.simulate_actions): each run of consecutive
     comm actions is one batch, a rank's batches run in order, a send completes only once the batch holding its
     receive has started (rendezvous); computes take their time (fwd_time, bwd_time, zero bubble's bwd_input_time
     and bwd_weight_time); communication is free. Raises RuntimeError('deadlock: ...') naming each rank's blocked
     batch and what it waits for, and RuntimeError for any send/receive or F/B/W order that does not add up."""
     stages = [build(schedule, pp, micro_batches, s, virtual_stages) for s in range(pp)]
-    return simulate_actions(stages, fwd_time, bwd_time, schedule, bwd_input_time, bwd_weight_time,
-                            SCHEDULES[schedule].vshape)
+    return simulate_actions(
+        stages, fwd_time, bwd_time, schedule, bwd_input_time, bwd_weight_time, SCHEDULES[schedule].vshape
+    )
 
 
 def theory(schedule: str, pp: int, m: int, v: int, f: float, b: float, bi: float, w: float) -> tuple[str, float]:
@@ -171,8 +207,11 @@ def _print_schedule(name: str, args: argparse.Namespace, v: int) -> None:
     pp, m = args.pp, args.micro_batches
     stages = [build(name, pp, m, s, v) for s in range(pp)]
     timeline = simulate(name, pp, m, args.fwd_time, args.bwd_time, v, args.bwd_input_time, args.bwd_weight_time)
-    costs = (f"fwd={args.fwd_time:g} bwd_input={args.bwd_input_time:g} bwd_weight={args.bwd_weight_time:g}"
-             if SCHEDULES[name].split_w else f"fwd={args.fwd_time:g} bwd={args.bwd_time:g}")
+    costs = (
+        f"fwd={args.fwd_time:g} bwd_input={args.bwd_input_time:g} bwd_weight={args.bwd_weight_time:g}"
+        if SCHEDULES[name].split_w
+        else f"fwd={args.fwd_time:g} bwd={args.bwd_time:g}"
+    )
     spec = SCHEDULES[name]
     chunks = f" virtual_stages={v}" if spec.chunks else " (2 chunks in a V)" if spec.vshape else ""
     print(f"== {name}: pp={pp}{chunks} micro_batches={m} {costs}")
@@ -180,8 +219,11 @@ def _print_schedule(name: str, args: argparse.Namespace, v: int) -> None:
         print(f"actions stage {s}: {' '.join(map(str, actions))}")
     print(render(timeline, args.width))
     formula, value = theory(name, pp, m, v, args.fwd_time, args.bwd_time, args.bwd_input_time, args.bwd_weight_time)
-    print("bubble fraction per stage: " + " ".join(f"{b:.4f}" for b in bubble_fraction(timeline))
-          + f"  (theory {formula} = {value:.4f})")
+    print(
+        "bubble fraction per stage: "
+        + " ".join(f"{b:.4f}" for b in bubble_fraction(timeline))
+        + f"  (theory {formula} = {value:.4f})"
+    )
     unit = SCHEDULES[name].unit.replace("{v}", str(v))
     print("max activations in flight per stage: " + " ".join(map(str, timeline.peak_in_flight)) + unit)
     print()
@@ -192,8 +234,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pp", type=int, default=4, help="pipeline stages")
     p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step")
     p.add_argument("--schedule", choices=[*SCHEDULES, "both"], default="both", help="both: 1f1b and gpipe")
-    p.add_argument("--virtual-stages", type=int, default=None,
-                   help="model chunks per stage, chunked schedules only (default: 2 there, else 1)")
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        help="model chunks per stage, chunked schedules only (default: 2 there, else 1)",
+    )
     p.add_argument("--fwd-time", type=float, default=1.0, help="time of one forward on one stage (chunk)")
     p.add_argument("--bwd-time", type=float, default=2.0, help="time of one whole backward on one stage (chunk)")
     p.add_argument("--bwd-input-time", type=float, default=1.0, help="zero_bubble, zbv: time of one B (input grad)")

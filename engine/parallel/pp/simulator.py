@@ -20,6 +20,7 @@ Computes take their cost. A schedule that passes here cannot deadlock under NCCL
 never waits) passes tables that hang on NCCL (today's interleaved order at m >= 2pp before issue 24), so none is
 kept.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ class Timeline:
     """Simulated run: intervals[s] = [(start, end, action)] of rank s's computes; idle[s] = makespan - busy;
     peak_in_flight[s] = most (micro-batch, chunk) activations held at once (until BWD, or until W;
     engine.parallel.pp.actions.max_in_flight)."""
+
     schedule: str
     pp: int
     micro_batches: int
@@ -59,6 +61,7 @@ class Timeline:
 @dataclass
 class _Batch:
     """A started batch: its rank, actions, start time, and per op its (channel, side, position in the channel)."""
+
     rank: int
     actions: tuple[Action, ...]
     start: float
@@ -122,8 +125,10 @@ class _Run:
         key = (s, a.chunk, a.mb)
         done = self.ran.get(key, ())
         if done != _BEFORE[a.op]:
-            raise RuntimeError(f"stage {s} runs {a} after {_names(done)} of micro-batch {a.mb} chunk {a.chunk}; "
-                               f"it must follow exactly {_names(_BEFORE[a.op])}")
+            raise RuntimeError(
+                f"stage {s} runs {a} after {_names(done)} of micro-batch {a.mb} chunk {a.chunk}; "
+                f"it must follow exactly {_names(_BEFORE[a.op])}"
+            )
         if a.op is not Op.BWD_WEIGHT:  # W reads only what F and B left on this rank
             recv = Action(Op.RECV_FWD if a.op is Op.FWD else Op.RECV_BWD, a.mb, a.chunk)
             if self._peer(s, recv) and (s, DIRECTION[recv.op][1], a.chunk, a.mb) not in self.received:
@@ -187,7 +192,7 @@ class _Run:
     def _queued(self, rank: int, key: tuple[int, int], side: str, n: int) -> tuple[Action, tuple] | None:
         """The op of `rank` (not yet started) that will take place n on `side` of channel `key`, and its batch."""
         have = len(self.channels[key][side])
-        for step in self.steps[rank][self.pos[rank]:]:
+        for step in self.steps[rank][self.pos[rank] :]:
             for a in step if isinstance(step, tuple) else ():
                 there = self._peer(rank, a)
                 on = ((rank, there[0]) if a.op in _SENDS else (there[0], rank)) if there else None
@@ -207,8 +212,11 @@ class _Run:
             queued = self._queued(other, key, their, n)
             if queued is None and a.op in _SENDS:
                 raise RuntimeError(f"stage {b.rank} {a} to stage {other} is never received")
-            waits.append(f"{a} waits for stage {other}, which never sends it" if queued is None else
-                         f"{a} waits for stage {other}'s {queued[0]} in its batch {_batch(queued[1])}")
+            waits.append(
+                f"{a} waits for stage {other}, which never sends it"
+                if queued is None
+                else f"{a} waits for stage {other}'s {queued[0]} in its batch {_batch(queued[1])}"
+            )
         return f"stage {b.rank} in {_batch(b.actions)}: " + ", ".join(waits)
 
     def check_complete(self) -> None:
@@ -223,13 +231,21 @@ class _Run:
                 for mb in range(m):
                     ran = self.ran.get((s, chunk, mb), ())
                     if ran not in complete:
-                        raise RuntimeError(f"stage {s} micro-batch {mb} chunk {chunk} ran {_names(ran)} "
-                                           f"(expected {' or '.join(map(_names, complete))})")
+                        raise RuntimeError(
+                            f"stage {s} micro-batch {mb} chunk {chunk} ran {_names(ran)} "
+                            f"(expected {' or '.join(map(_names, complete))})"
+                        )
 
 
-def simulate_actions(stages: list[list[Action]], fwd_time: float = 1.0, bwd_time: float = 2.0,
-                     schedule: str = "custom", bwd_input_time: float = 1.0, bwd_weight_time: float = 1.0,
-                     vshape: bool = False) -> Timeline:
+def simulate_actions(
+    stages: list[list[Action]],
+    fwd_time: float = 1.0,
+    bwd_time: float = 2.0,
+    schedule: str = "custom",
+    bwd_input_time: float = 1.0,
+    bwd_weight_time: float = 1.0,
+    vshape: bool = False,
+) -> Timeline:
     """Run per-rank action lists against each other under NCCL's rules (module docstring) and check them.
 
     Costs: FWD fwd_time, BWD bwd_time (1F1B's F=1, B=2 by default), zero bubble's BWD_INPUT bwd_input_time and
@@ -266,8 +282,10 @@ def render(timeline: Timeline, width: int = 100) -> str:
     scale = width // t if t <= width else width / t  # columns per time unit
     cols = round(t * scale)
     v = f" v={timeline.virtual_stages}" if timeline.virtual_stages > 1 else ""
-    rows = [f"{timeline.schedule} pp={timeline.pp}{v} m={timeline.micro_batches} makespan={timeline.makespan:g} "
-            f"({scale:g} columns per time unit)"]
+    rows = [
+        f"{timeline.schedule} pp={timeline.pp}{v} m={timeline.micro_batches} makespan={timeline.makespan:g} "
+        f"({scale:g} columns per time unit)"
+    ]
     for s, iv in enumerate(timeline.intervals):
         row = ["."] * cols
         for start, end, a in iv:

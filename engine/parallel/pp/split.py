@@ -10,6 +10,7 @@ layout); a stage or chunk is a ``range`` of them.
   stages r, r+pp, ...; ZB-V (Qi et al. 2023, Sec. 6): 2 chunks in a V, virtual stages r and 2pp-1-r
   (actions.virtual_stage).
 """
+
 from __future__ import annotations
 
 from engine.parallel.pp.actions import virtual_stage

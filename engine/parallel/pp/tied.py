@@ -6,6 +6,7 @@ step's backward the two copies' gradients are summed over ``ctx.embed_group`` (f
 (dp, tp) pipeline), so both take the same update and stay equal; the copy is left out of the gradient norm (its
 gradient is counted once, on the first stage) and out of checkpoints (read back from the embedding's pieces).
 """
+
 from __future__ import annotations
 
 from torch import nn

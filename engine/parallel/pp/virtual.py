@@ -13,6 +13,7 @@ ZB-V (``vshape``; engine/parallel/pp/schedules/zbv.py) places its 2 chunks in a 
 2pp-1-r, so rank 0 holds the embedding (chunk 0) and the final norm, LM head and loss (chunk 1). With 8 layers at
 pp=2: rank 0 holds 0,1 and 6,7; rank 1 holds 2,3 and 4,5. A tied embedding is then one parameter on one rank.
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -38,8 +39,9 @@ class ModelChunk(nn.Module):
     def forward(self, x, position_ids=None, doc_ids=None):
         """Token ids (b, s) on virtual stage 0, else hidden states (b, s, h); returns logits (b, s, V/tp) on
         the last virtual stage, hidden states (b, s, h) elsewhere."""
-        h = decode(self.cfg, self.embed_tokens, self.layers.values(), self.norm, x, position_ids, doc_ids,
-                   self.sequence_shards)
+        h = decode(
+            self.cfg, self.embed_tokens, self.layers.values(), self.norm, x, position_ids, doc_ids, self.sequence_shards
+        )
         return self.lm_head(h) if self.lm_head is not None else h
 
 

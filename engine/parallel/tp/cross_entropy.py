@@ -11,6 +11,7 @@ from the logits and lse and writes the gradient, in the logits' dtype, into one 
 logits: that gradient and a few fp32 (chunk, V/tp) temporaries, instead of fp32 copies of the whole logits (the
 cast, the softmax and its gradient). With tp = 1 the same code runs without collectives.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 # fp32 values per temporary of one chunk: tokens per chunk = CHUNK_ELEMENTS // (V/tp), at least 1. 2^24 values
 # are 64 MiB per fp32 temporary; the forward and backward each hold about three of them at once.
-CHUNK_ELEMENTS = 2 ** 24
+CHUNK_ELEMENTS = 2**24
 
 
 def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -40,15 +41,15 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         local_target = (target - start).masked_fill(outside, 0)
         vmax = torch.empty(n, device=logits.device, dtype=torch.float32)
         for lo in range(0, n, chunk):
-            vmax[lo:lo + chunk] = logits[lo:lo + chunk].max(dim=-1).values.float()
+            vmax[lo : lo + chunk] = logits[lo : lo + chunk].max(dim=-1).values.float()
         _all_reduce(vmax, group, dist.ReduceOp.MAX)
         # The target logit is read straight from the logits: (n,), zero where another rank holds it.
         target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).float().masked_fill(outside, 0.0)
         _all_reduce(target_logit, group)
         sum_exp = torch.empty_like(vmax)
         for lo in range(0, n, chunk):
-            shifted = logits[lo:lo + chunk].float() - vmax[lo:lo + chunk].unsqueeze(-1)  # (chunk, V/tp) fp32
-            sum_exp[lo:lo + chunk] = shifted.exp_().sum(dim=-1)
+            shifted = logits[lo : lo + chunk].float() - vmax[lo : lo + chunk].unsqueeze(-1)  # (chunk, V/tp) fp32
+            sum_exp[lo : lo + chunk] = shifted.exp_().sum(dim=-1)
         _all_reduce(sum_exp, group)
         lse = sum_exp.log_().add_(vmax)  # (n,) log-sum-exp over the whole vocabulary
         ctx.chunk = chunk
@@ -70,8 +71,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, ignore_index: int = -100,
-                                 chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, group, ignore_index: int = -100, chunk_elements: int = CHUNK_ELEMENTS
+) -> torch.Tensor:
     """Mean next-token loss over the tokens whose target is not ``ignore_index`` (as F.cross_entropy).
     logits (b, s, V/tp) in any dtype (reduced in fp32), target (b, s); group None or of size 1: no collectives."""
     flat_logits, flat_target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)

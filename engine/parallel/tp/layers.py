@@ -19,6 +19,7 @@ Every parallel module records which dim of each parameter is sharded in ``tp_dim
 ``tp_rank``/``tp_size``: engine.model.init uses it to cut each local shard from the same full tensor at every tp.
 A fused linear's record applies to each of its parts (``part_blocks``): its local weight is [q_r; k_r; v_r].
 """
+
 from __future__ import annotations
 
 import torch
@@ -59,8 +60,15 @@ class ColumnParallelLinear(nn.Module):
 
     weight_grad_store: WeightGradStore | None = None
 
-    def __init__(self, in_features: int, out_features: int, group, gather_output: bool = False, bias: bool = False,
-                 sequence_parallel: bool = False):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group,
+        gather_output: bool = False,
+        bias: bool = False,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         self.tp_rank, self.tp_size = _rank_size(group)
@@ -89,8 +97,9 @@ class ColumnParallelFusedLinear(ColumnParallelLinear):
     """A FusedLinear (engine/model/fused.py) split by rows per part: weight (sum(out)/tp, in) = [q_r; k_r; v_r]
     (gate_r, up_r), one GEMM behind one ``f``; output (b, s, sum(out)/tp), which the model splits per part."""
 
-    def __init__(self, in_features: int, parts: dict[str, int], group, bias: bool = False,
-                 sequence_parallel: bool = False):
+    def __init__(
+        self, in_features: int, parts: dict[str, int], group, bias: bool = False, sequence_parallel: bool = False
+    ):
         super().__init__(in_features, sum(parts.values()), group, bias=bias, sequence_parallel=sequence_parallel)
         for name, rows in parts.items():
             _divide(rows, self.tp_size, f"{name} out_features")
@@ -107,8 +116,14 @@ class RowParallelLinear(nn.Module):
 
     weight_grad_store: WeightGradStore | None = None
 
-    def __init__(self, in_features: int, out_features: int, group, input_is_parallel: bool = True,
-                 sequence_parallel: bool = False):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
         self.tp_rank, self.tp_size = _rank_size(group)
@@ -186,11 +201,13 @@ SEQUENCE_PARALLEL_NORMS = ("input_layernorm", "post_attention_layernorm")
 def _parallel_linear(old: nn.Module, style: str, group, sp: bool) -> nn.Module:
     with torch.device(old.weight.device):
         if style == "column" and isinstance(old, FusedLinear):  # q/k/v, gate/up: one GEMM, one f
-            return ColumnParallelFusedLinear(old.in_features, old.parts, group, bias=old.bias is not None,
-                                             sequence_parallel=sp)
+            return ColumnParallelFusedLinear(
+                old.in_features, old.parts, group, bias=old.bias is not None, sequence_parallel=sp
+            )
         if style == "column":
-            return ColumnParallelLinear(old.in_features, old.out_features, group, bias=old.bias is not None,
-                                        sequence_parallel=sp)
+            return ColumnParallelLinear(
+                old.in_features, old.out_features, group, bias=old.bias is not None, sequence_parallel=sp
+            )
         if old.bias is not None:  # would need adding once after the all-reduce; no supported family has one
             raise ValueError("a row-parallel linear with a bias (o_proj/down_proj) is not supported")
         return RowParallelLinear(old.in_features, old.out_features, group, sequence_parallel=sp)
@@ -246,13 +263,15 @@ def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = 
     if decoder.embed_tokens is not None:
         old = decoder.embed_tokens
         with torch.device(old.weight.device):
-            decoder.embed_tokens = VocabParallelEmbedding(old.num_embeddings, old.embedding_dim, tp_group,
-                                                          sequence_parallel=sp)
+            decoder.embed_tokens = VocabParallelEmbedding(
+                old.num_embeddings, old.embedding_dim, tp_group, sequence_parallel=sp
+            )
     if model.lm_head is not None:
         old = model.lm_head
         with torch.device(old.weight.device):  # under sp: gathers the (b, s/tp, h) final norm output
-            model.lm_head = ColumnParallelLinear(old.in_features, old.out_features, tp_group, gather_output=False,
-                                                 sequence_parallel=sp)
+            model.lm_head = ColumnParallelLinear(
+                old.in_features, old.out_features, tp_group, gather_output=False, sequence_parallel=sp
+            )
         if model.cfg.tie_embeddings and decoder.embed_tokens is not None:
             model.lm_head.weight = decoder.embed_tokens.weight
     return model

@@ -22,6 +22,7 @@ with expert-tensor-parallel size = tp (Shoeybi et al. 2019, Sec. 3, applied to e
 - **OLMoE's q/k norms** normalise the whole projection (nh hd), of which a rank holds nh/tp heads: the sum of
   squares is all-reduced over tp (forward and backward, ``all_reduce_sum``); the weight is split like q/k.
 """
+
 from __future__ import annotations
 
 import torch

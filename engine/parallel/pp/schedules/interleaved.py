@@ -9,6 +9,7 @@ backward takes the same micro-batch in the mirrored chunk v-1-(k // pp) % v. Wit
 stage, the bubble shrinks by v: (p-1)/(v*m) of the ideal time instead of (p-1)/m (Narayanan et al., Sec. 2.2.2).
 Like Megatron, m must be a multiple of pp (its remainder group would leave the pipeline waiting).
 """
+
 from __future__ import annotations
 
 from engine.parallel.pp.actions import CHUNK_BACKWARD, Action, Op, ScheduleSpec, peer
@@ -84,5 +85,13 @@ def interleaved_theory(pp: int, m: int, v: int, f: float, b: float, bi: float, w
 
 
 # Each chunk's gradients are complete after that chunk's last backward, which is where the dp sync must run.
-INTERLEAVED = ScheduleSpec("interleaved", interleaved_1f1b, CHUNK_BACKWARD, interleaved_theory, chunks=True,
-                           searched=(2, 3, 4), label="il-v{v}", unit="  (chunk micro-batches, each 1/{v} of a stage's)")
+INTERLEAVED = ScheduleSpec(
+    "interleaved",
+    interleaved_1f1b,
+    CHUNK_BACKWARD,
+    interleaved_theory,
+    chunks=True,
+    searched=(2, 3, 4),
+    label="il-v{v}",
+    unit="  (chunk micro-batches, each 1/{v} of a stage's)",
+)

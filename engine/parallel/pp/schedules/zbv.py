@@ -22,6 +22,7 @@ chunk 1's backward gradients, which that placement posts in different orders on 
 deadlocks under rendezvous sends). The simulator (pp/simulator.py, NCCL's rules) finds the placed tables complete for
 every pp and m that build() accepts (tests/test_schedule_zbv.py, tests/test_schedule_deadlock.py).
 """
+
 from __future__ import annotations
 
 from engine.parallel.pp.actions import CHUNK_LAST_W, Action, Op, ScheduleSpec, locate, peer, virtual_stage
@@ -132,6 +133,14 @@ def zbv_theory(pp: int, m: int, v: int, f: float, b: float, bi: float, w: float)
 
 
 # Each chunk's gradients are complete after its own last W; 2 chunks in a V, implied (virtual_stages 1 or 2).
-ZBV = ScheduleSpec("zbv", lambda pp, m, stage, v: zbv(pp, m, stage), CHUNK_LAST_W, zbv_theory, vshape=True,
-                   split_w=True, searched=(2,), label="zbv",
-                   unit="  (chunk micro-batches held until W, each 1/2 of a stage's)")
+ZBV = ScheduleSpec(
+    "zbv",
+    lambda pp, m, stage, v: zbv(pp, m, stage),
+    CHUNK_LAST_W,
+    zbv_theory,
+    vshape=True,
+    split_w=True,
+    searched=(2,),
+    label="zbv",
+    unit="  (chunk micro-batches held until W, each 1/2 of a stage's)",
+)

@@ -14,6 +14,7 @@ Not here: ZB-H2 (Fig. 3 bottom: no bubble, but about twice 1F1B's activations an
 out of the critical path, its post-update validation of Sec. 4). ZB-V (two chunks per rank placed in a V, r and
 2p-1-r, unlike interleaving's r and r+p) is zbv.py.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -61,5 +62,14 @@ def zb_theory(pp: int, m: int, v: int, f: float, b: float, bi: float, w: float) 
 
 
 # Its gradients are complete only after the last W, so the dp sync must follow that, not the last B.
-ZERO_BUBBLE = ScheduleSpec("zero_bubble", lambda pp, m, stage, v: zb_h1(pp, m, stage), LAST_W, zb_theory,
-                           m_at_least_pp=True, split_w=True, searched=(1,), label="zb-h1", unit="  (held until W)")
+ZERO_BUBBLE = ScheduleSpec(
+    "zero_bubble",
+    lambda pp, m, stage, v: zb_h1(pp, m, stage),
+    LAST_W,
+    zb_theory,
+    m_at_least_pp=True,
+    split_w=True,
+    searched=(1,),
+    label="zb-h1",
+    unit="  (held until W)",
+)
