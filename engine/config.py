@@ -90,7 +90,8 @@ class ParallelConfig:
     powersgd_rank: int = 4
     powersgd_warmup_steps: int = 10
     reshard_after_forward: str = "auto"  # fsdp: true (ZeRO-3) | false (keep gathered to backward) | auto (pp == 1)
-    # 1f1b | gpipe | interleaved (virtual_stages model chunks per rank) | zero_bubble (ZB-H1; engine/parallel/pp/schedule.py)
+    # 1f1b | gpipe | interleaved (virtual_stages model chunks per rank) | zero_bubble (ZB-H1;
+    # engine/parallel/pp/schedule.py)
     # | zbv (ZB-V: 2 chunks per rank in a V, implied; engine/parallel/pp/schedules/zbv.py)
     schedule: str = "1f1b"
     virtual_stages: int = 1  # interleaved: model chunks per rank (>= 2); layers split into pp * virtual_stages chunks

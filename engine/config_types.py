@@ -67,7 +67,8 @@ class HeadDim:
     """``ModelConfig.head_dim``: one name for the key and its value. Set (YAML, CLI, constructor) it stores what was
     given, 0 meaning hidden_size // num_heads; read it gives the resolved width, so callers never see the 0. A
     dataclass field whose default is a descriptor (dataclasses docs, "Descriptor-typed fields"); ``explicit_head_dim``
-    reads the stored value (the config check of >= 0). dataclasses.asdict/replace give the resolved width; Config.to_dict
+    reads the stored value (the config check of >= 0). dataclasses.asdict/replace give the resolved width;
+    Config.to_dict
     writes the stored one (a saved config keeps 0 where the width is derived); vars() shows it as ``_head_dim``."""
 
     def __get__(self, obj, owner=None) -> int:

@@ -1,7 +1,8 @@
 """The stage a rank trains, built in the documented order, and the pipeline executors that run it.
 
 Order of construction (docs/architecture.md, "The order in which parallelism is applied"): meta-device model ->
-this pipeline stage's layers -> tensor parallel -> expert parallel -> context parallel attention -> materialise and initialise ->
+this pipeline stage's layers -> tensor parallel -> expert parallel -> context parallel attention -> materialise and
+initialise ->
 activation checkpointing -> compile; data parallelism wraps the result (engine/parallel/dp/, in the trainer).
 """
 

@@ -42,7 +42,8 @@ def test_rotation_puts_each_schedule_in_each_position_once():
     [
         ("1f1b", 1, {"F": 1.0, "B": 2.0}, 3 / 11),
         ("interleaved", 2, {"F": 0.5, "B": 1.0}, 3 / 19),
-        # ZB-H1, W <= min(F, B) (exact there, schedules/zero_bubble.py): bubble (p-1)(F+B-W) = 9 over m(F+B+W) = 40 of work
+        # ZB-H1, W <= min(F, B) (exact there, schedules/zero_bubble.py): bubble (p-1)(F+B-W) = 9 over m(F+B+W) = 40 of
+        # work
         ("zero_bubble", 1, {"F": 2.0, "Bi": 2.0, "W": 1.0}, 9 / 49),
         # ZB-V at F = B = W per chunk: rank r starts r chunk-F's late, (p-1)F = 3 over 2m(F+B+W) = 48 of work
         ("zbv", 2, {"F": 1.0, "Bi": 1.0, "W": 1.0}, 3 / 51),

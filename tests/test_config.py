@@ -157,7 +157,8 @@ def test_layout_resolves_dp():
         (
             {"pp": 2, "dp": 2},
             4,
-            "parallel.schedule=1f1b with 1 micro-batches per step (global_batch_size 16 / (micro_batch_size 8 * dp 2)) and parallel.pp=2: 1f1b needs micro_batches >= pp",
+            "parallel.schedule=1f1b with 1 micro-batches per step (global_batch_size 16 / (micro_batch_size 8 * dp 2)) "
+            "and parallel.pp=2: 1f1b needs micro_batches >= pp",
         ),
         (
             {"pp": 2, "schedule": "interleaved", "virtual_stages": 4},
@@ -176,8 +177,8 @@ def test_layout_resolves_dp():
         (
             {"pp": 2, "schedule": "zero_bubble", "dp_mode": "zero", "zero_stage": 2},
             2,
-            "parallel.schedule=zero_bubble with parallel.dp_mode=zero, zero_stage=2 and train.dtype=fp32 is not supported: "
-            "DeepSpeed's ZeRO-2 reduce-scatters each gradient in the hooks autograd fires as it accumulates "
+            "parallel.schedule=zero_bubble with parallel.dp_mode=zero, zero_stage=2 and train.dtype=fp32 is not "
+            "supported: DeepSpeed's ZeRO-2 reduce-scatters each gradient in the hooks autograd fires as it accumulates "
             "(DeepSpeedZeroOptimizer.reduce_ready_partitions_and_remove_grads)",
         ),
         (
@@ -191,7 +192,8 @@ def test_layout_resolves_dp():
             },
             2,
             "parallel.schedule=interleaved with parallel.dp_mode=zero, zero_stage=2, the optimizer offloaded and "
-            "train.dtype=fp32 is not supported: DeepSpeed's fp32 ZeRO-Offload adds each gradient to its host accumulator",
+            "train.dtype=fp32 is not supported: DeepSpeed's fp32 ZeRO-Offload adds each gradient to its host "
+            "accumulator",
         ),
         ({"sequence_parallel": True}, 1, "parallel.sequence_parallel=true needs parallel.tp >= 2"),
     ],

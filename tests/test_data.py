@@ -12,7 +12,10 @@ from engine.data import blend
 from engine.data import dataset as data
 from engine.data.dataset import DataError, GlobalBatchSampler, PackedDataset, check_consumed
 
-ROUND_TRIP = "First Citizen:\nBefore we proceed,  hear me.\t\n\n caf\u00e9 \u00fcber \u65e5\u672c \U0001f600 <|endoftext|> \r\n  "
+ROUND_TRIP = (
+    "First Citizen:\nBefore we proceed,  hear me.\t\n\n caf\u00e9 \u00fcber \u65e5\u672c \U0001f600 <|endoftext|> "
+    "\r\n  "
+)
 
 
 @pytest.fixture(scope="module")

@@ -212,7 +212,7 @@ def test_survivor_resumes_at_the_shrunk_layout(tmp_path):
     print(f"survivor finished {elapsed:.0f} s after the kill")
 
 
-@pytest.mark.slow  # two torchrun rendezvous rounds (2-4 min each on 2 cores); the lock and the line are unit-tested in CI
+@pytest.mark.slow  # two torchrun rendezvous rounds (2-4 min each on 2 cores); the lock and the line: unit tests
 def test_layout_that_cannot_shrink_exits_2_with_one_line(tmp_path):
     """tp 4 across both agents: with one agent (2 ranks) left no tp 4 fits; the survivor's workers say so in one
     line and exit 2. torchrun restarts on any non-zero exit: with --max-restarts 1 (spent on the shrink) it then

@@ -1,6 +1,7 @@
 """Kinds carry their own knowledge (issues 25, 36): a kind's name is compared only in its own package; everything
 else asks the kind's spec. Every registry is covered: dp modes (engine/parallel/dp/, DpModeSpec), schedules
-(engine/parallel/pp/schedule.py, pp/schedules/, pp/actions.py ScheduleSpec) and the declarations of engine/kinds/, where alone their
+(engine/parallel/pp/schedule.py, pp/schedules/, pp/actions.py ScheduleSpec) and the declarations of engine/kinds/,
+where alone their
 names may be compared: model families (FamilySpec), cp modes (CpModeSpec), recompute modes (RecomputeSpec) and
 offload (OffloadSpec). Read from the source like tests/test_layout.py (no imports of the files checked).
 

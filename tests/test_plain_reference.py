@@ -4,7 +4,8 @@ Every parity test compares a layout with the same Trainer at one process, so a b
 scaling over micro-batches, the LR schedule, the grad-norm clipping, the optimizer groups) would pass them all.
 This loop shares none of it: the same model module and initial weights, the same batches, then
 ``torch.nn.functional.cross_entropy`` per micro-batch divided by the number of micro-batches, ``torch.optim.AdamW``
-with decay on matrices only, the norm summed in float64 with ``torch.nn.utils.clip_grads_with_norm_``, and a warmup + cosine schedule written out below
+with decay on matrices only, the norm summed in float64 with ``torch.nn.utils.clip_grads_with_norm_``, and a warmup +
+cosine schedule written out below
 (Loshchilov & Hutter 2017: linear warmup over ``warmup`` updates to ``lr``, then cosine to ``lr * min_ratio`` at the
 last update). Compared: loss and pre-clip grad norm at every step (rel <= 1e-5) and every parameter at the end,
 with clipping off and on (a threshold below every step's norm).

@@ -101,7 +101,8 @@ def saved_and_planned(argv: list[str], dtype: str, dp_mode: str) -> tuple[int, f
 
 
 # ---- planned against measured per-rank memory of whole training steps (forked gloo ranks) ------------------------
-# Measured by launch/bench/measure.py's measure_step on the third step of a Trainer: parameters, gradients and optimizer state
+# Measured by launch/bench/measure.py's measure_step on the third step of a Trainer: parameters, gradients and
+# optimizer state
 # held (exact formulas: 1 %), the peak of bytes saved for backward (10 %, the bound), and the step's peak
 # of all tensors (10 %). The 50m rows shrink configs/50m.yaml (h 512, ffn 1536, vocab 16384) to 2 layers and
 # 32 tokens so that a step takes seconds on a shared CPU. Nine layouts run in CI; the slow-marked ones add dp

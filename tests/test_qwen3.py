@@ -6,7 +6,8 @@ refusals of what the engine does not compute.
   sequence parallelism: the loss and EVERY gradient equal tp 1's; the per-head q/k norm weights are whole on every
   rank and see only their nh/tp heads, so this fails when their gradient is not summed over tp.
 - 4 training steps of a tiny Qwen3 (head_dim 12 on hidden 64, 8 heads) at tp 2, at tp 2 with sequence
-  parallelism (and selective recomputation) and at cp 2 (ring and all_to_all) equal one process in loss, grad norm and parameters
+  parallelism (and selective recomputation) and at cp 2 (ring and all_to_all) equal one process in loss, grad norm and
+  parameters
   (tests/parity/runner.py's fp32 bounds).
 - The planner: the parameters a tp rank holds, and the activation ledger against the bytes autograd saves, with
   q (nh hd) wider than hidden_size and the per-head norms' saved tensors.

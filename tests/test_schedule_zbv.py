@@ -212,8 +212,8 @@ def _cfg(**parallel):
             {"pp": 2, "schedule": "zbv", "dp_mode": "zero", "zero_stage": 1},
             4,
             "parallel.schedule=zbv with "
-            "parallel.dp_mode=zero is not supported (the gradient sync would have to follow each of its 2 chunks' last W); "
-            "use dp_mode=ddp or fsdp",
+            "parallel.dp_mode=zero is not supported (the gradient sync would have to follow each of its 2 chunks' "
+            "last W); use dp_mode=ddp or fsdp",
         ),
     ],
 )

@@ -1,4 +1,5 @@
-"""Each step's record carries throughput, TFLOP/s and MFU, memory and the time per phase (engine/metrics/stepstats.py)."""
+"""Each step's record carries throughput, TFLOP/s and MFU, memory and the time per phase
+(engine/metrics/stepstats.py)."""
 
 from __future__ import annotations
 

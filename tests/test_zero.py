@@ -2,7 +2,8 @@
 1-3 at every layout against one process): ZeRO-3 with every parameter partitioned (the matrix uses DeepSpeed's
 default persistence threshold, under which this small model's tensors stay whole), also with tp 2, tied
 embeddings and activation checkpointing; DeepSpeed-managed accumulation; the derived DeepSpeed config; the
-refusals; overlap_comm at stages 2 and 3. fp32 losses and grad norms within rel 1e-5, final parameters within 5e-5 of their update.
+refusals; overlap_comm at stages 2 and 3. fp32 losses and grad norms within rel 1e-5, final parameters within 5e-5 of
+their update.
 
 Both runs are engine.trainer.Trainer; with dp_mode zero its ddp pieces (dp all-reduce, our clipping, torch
 AdamW.step) are replaced by the ZeRO DataParallel: forward through the DeepSpeed engine, backward through

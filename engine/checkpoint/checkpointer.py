@@ -1,6 +1,7 @@
 """Sharded checkpoints: every rank writes its own pieces, a checkpoint appears atomically, resumes at any layout.
 
-Layout (docs/architecture.md "Checkpoints"): ``<checkpoint.dir>/step_NNNNNN/`` holds ``rank_NNNNN.safetensors`` (one per rank:
+Layout (docs/architecture.md "Checkpoints"): ``<checkpoint.dir>/step_NNNNNN/`` holds ``rank_NNNNN.safetensors`` (one
+per rank:
 the parameter and Adam-moment pieces it owns, and its RNG states) and ``index.json`` (engine/checkpoint/format.py).
 ``<checkpoint.dir>/latest`` names the newest complete one.
 
@@ -11,7 +12,8 @@ then writes ``step_N.tmp-<run token>/rank_R.safetensors``; the ranks exchange pi
 index, the rename to ``step_N``, only then ``latest``, then pruning to ``checkpoint.keep``, never the new one or a
 step above it).
 With ``checkpoint.async_save`` the writing and committing run in a background thread while training goes on
-(docs/architecture.md: gloo collectives on their own group work from another thread); the next save or the end of fit waits
+(docs/architecture.md: gloo collectives on their own group work from another thread); the next save or the end of fit
+waits
 for it.
 
 Resume (collective, end of Trainer.__init__): ``checkpoint.resume`` = ``auto`` tries ``latest`` and then older

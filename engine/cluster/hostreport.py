@@ -2,7 +2,8 @@
 
 Preflight (launch/preflight.py) sends this file's text to every host as ``ssh HOST PYTHON - ROOT CONFIG`` (the
 script on stdin) and compares the answers with the local one, so it must run on a host that has no engine at all:
-standard library only, torch imported inside a try. Also runnable here: ``python engine/cluster/hostreport.py ROOT CONFIG``.
+standard library only, torch imported inside a try. Also runnable here: ``python engine/cluster/hostreport.py ROOT
+CONFIG``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ of 128 on hidden 1024).
 RoPE scaling (none, linear, llama3) is read and written for any of them, as transformers computes it for all.
 
 ``model_config`` reads a config.json (transformers 4's ``rope_scaling``/``rope_theta`` or 5's
-``rope_parameters``) into our ModelConfig and refuses, naming the key, what engine/model/transformer.py does not compute;
+``rope_parameters``) into our ModelConfig and refuses, naming the key, what engine/model/transformer.py does not
+compute;
 ``hf_config`` is the inverse, for export.
 """
 
@@ -61,7 +62,8 @@ def _rope(hf: dict, source: Path) -> dict:
 
 
 def model_config(hf: dict, source: Path) -> ModelConfig:
-    """Our ModelConfig from a config.json dict; refuses, naming the key, what engine/model/transformer.py does not compute
+    """Our ModelConfig from a config.json dict; refuses, naming the key, what engine/model/transformer.py does not
+    compute
     (and, engine/model/hf_config.py, values of the wrong type or range)."""
     check_kind(hf, source)
     family = family_of(hf, source)

@@ -11,7 +11,8 @@ sharded format: {"metadata": {"total_size"}, "weight_map"}), and the run's token
 folder copied as they are (with ``generation_config.json``), or ``save_pretrained`` for a hub name. Import checks
 such a folder whole (engine/model/hf_folder.py, as init_from does) and reads it into a *model-only* checkpoint:
 step 0, no optimizer state, the tokenizer and generation config copied into ``CKPT/hf_files``;
-``--checkpoint.resume CKPT`` starts a run from it at any layout with a fresh AdamW and the data from the beginning. It also writes ``CKPT/config.yaml``, a full engine config for the imported shape.
+``--checkpoint.resume CKPT`` starts a run from it at any layout with a fresh AdamW and the data from the beginning. It
+also writes ``CKPT/config.yaml``, a full engine config for the imported shape.
 The checkpoint is published as a training save is (engine/checkpoint/publish.py): written under a temporary name,
 renamed into place and named by ``latest`` last. Both directions write the whole target folder beside it under a
 temporary name and rename it into place (engine/checkpoint/folder.py), so a failure leaves the target as it was

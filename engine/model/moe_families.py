@@ -1,12 +1,18 @@
 """The MoE keys of the Hugging Face MoE families, both ways (engine/model/families.py calls these), as each
 family's ``MoeSpec`` (engine/kinds/families.py) declares them:
 
-| architecture          | experts, k                               | expert width            | MoE layers                                   | gating (engine/model/moe.py)            |
-|-----------------------|------------------------------------------|-------------------------|----------------------------------------------|-----------------------------------------|
-| `MixtralForCausalLM`  | num_local_experts, num_experts_per_tok   | intermediate_size       | all                                          | top-k logits, softmax over k            |
-| `Qwen2MoeForCausalLM` | num_experts, num_experts_per_tok         | moe_intermediate_size   | decoder_sparse_step, mlp_only_layers         | softmax, top-k, norm_topk_prob; shared  |
-| `OlmoeForCausalLM`    | num_experts, num_experts_per_tok         | intermediate_size       | all                                          | softmax, top-k, norm_topk_prob          |
-| `Qwen3MoeForCausalLM` | num_experts, num_experts_per_tok         | moe_intermediate_size   | decoder_sparse_step, mlp_only_layers         | softmax, top-k, norm_topk_prob          |
+| family    | experts, k                             | expert width          | MoE layers           | gating (moe.py)  |
+|-----------|----------------------------------------|-----------------------|----------------------|------------------|
+| Mixtral   | num_local_experts, num_experts_per_tok | intermediate_size     | all                  | top-k, softmax/k |
+| Qwen2-MoE | num_experts, num_experts_per_tok       | moe_intermediate_size | decoder_sparse_step, | softmax, top-k,  |
+|           |                                        |                       | mlp_only_layers      | norm; shared     |
+| OLMoE     | num_experts, num_experts_per_tok       | intermediate_size     | all                  | softmax, top-k,  |
+|           |                                        |                       |                      | norm             |
+| Qwen3-MoE | num_experts, num_experts_per_tok       | moe_intermediate_size | decoder_sparse_step, | softmax, top-k,  |
+|           |                                        |                       | mlp_only_layers      | norm             |
+
+(The architectures: FamilySpec.architecture.) "top-k, softmax/k": the top-k logits, softmax over the k;
+"norm": norm_topk_prob.
 
 Qwen2-MoE adds a shared expert (shared_expert_intermediate_size) behind a sigmoid gate, and q/k/v biases. Qwen3-MoE
 has neither, and per-head q/k norms (FamilySpec.qk_norm); transformers 5 writes its expert count as

@@ -4,7 +4,8 @@ full: keep only each block's input and recompute the whole block in backward (Ch
 Nets with Sublinear Memory Cost"). selective: keep the outputs of the matrix multiplies and recompute the cheap
 rest in backward: norms, RoPE, the attention core (SDPA) and the SwiGLU elementwise ops. Tensor parallelism's
 all-reduces are recomputed as under full: they are in-place (engine/parallel/autograd/comm.py), and a cached in-place
-collective would hand back the un-reduced input (measured: wrong gradients at tp = 2). That is op-level selective activation checkpointing as torchtitan does it
+collective would hand back the un-reduced input (measured: wrong gradients at tp = 2). That is op-level selective
+activation checkpointing as torchtitan does it
 (``torch.utils.checkpoint`` with a ``create_selective_checkpoint_contexts`` policy); in the spirit of Korthikanti
 et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", Sec. 5), which recompute the
 attention core because it stores much and costs little to redo. The saved bytes are counted by

@@ -264,7 +264,7 @@ def transient_bytes(cfg: Config, tp: int, last_stage: bool) -> float:
     gradients flowing back through one MLP (about four (b s, f/t) tensors; an MoE layer's also its experts'
     stacked weight gradient, engine/planning/moe.py); with activation checkpointing, one
     layer of one micro-batch rebuilt for its backward."""
-    t, m = cfg.train, cfg.model
+    m = cfg.model
     tokens = local_tokens(cfg)
     out = tokens * 4 * ffn_width(cfg) / tp * residual_bytes(cfg) + expert_grad_buffer_bytes(m, cfg.parallel.ep)
     if recomputes(cfg):

@@ -12,7 +12,8 @@ and A V, per layer: 2 * 2 * H Q T forward per token, times 3 with the backward; 
 as PaLM and Megatron do, not the causal half a flash kernel actually computes, so MFU is comparable with theirs.
 N counts the weights that enter a matmul: every linear of the decoder and the LM head (tied or not). The input
 embedding is a lookup and the norms and q/k/v biases (Qwen2) are element-wise, so none of them counts (nanoGPT's
-estimate_mfu likewise drops the position embedding). FLOPs spent recomputing activations (activation checkpointing) are not model FLOPs:
+estimate_mfu likewise drops the position embedding). FLOPs spent recomputing activations (activation checkpointing) are
+not model FLOPs:
 ``hardware_flops_per_token`` adds them (PaLM's HFU).
 """
 

@@ -14,7 +14,8 @@ In fp32 training (as on CPU) weights and gradients take 4 bytes each and Adam's 
 - state by dp mode, from the mode's planner model (engine/parallel/dp/plan_models.py, named by its DpModeSpec; a
   mode without one is refused, never priced as another): ddp = stage 0 and fsdp = stage 3 with fp32 weights,
   gradients and AdamW moments (bf16 is autocast or FSDP's bf16 compute copy); under fsdp, gradients stay unsharded
-  until the last micro-batch (no-sync accumulation), and the gathered weights are extra: one block plus the root unit with reshard_after_forward, the
+  until the last micro-batch (no-sync accumulation), and the gathered weights are extra: one block plus the root unit
+  with reshard_after_forward, the
   whole stage without. zero k = stage k with DeepSpeed's fp32 master copy (K = 12; bf16 weights in bf16 runs).
 - expert parallelism (parallel.ep): a rank holds E/ep experts of each MoE layer (stage_params "experts"), their
   state priced by the same dp-mode model over the expert-dp group of dp cp / ep ranks (``state_groups``,

@@ -9,14 +9,16 @@ from its FLOPs (engine/planning/flops.py, recomputation included) at ``efficienc
 tensor-parallel all-reduces, and its pipeline transfers (one each way per model chunk). The bubble is what the
 schedule leaves idle: for 1F1B and GPipe a makespan of (m + p - 1) (F + B), a bubble of (p - 1) / (m + p - 1)
 (Narayanan et al. 2021, Sec. 2.2.1), for interleaved about 1/v of that (their Sec. 2.2.2) with v times the
-transfers, for ZB-H1 (p - 1) (F + B - W) (Qi et al. 2023). Collectives are rings over ``n`` ranks (Thakur et al. 2005): all-reduce moves
+transfers, for ZB-H1 (p - 1) (F + B - W) (Qi et al. 2023). Collectives are rings over ``n`` ranks (Thakur et al. 2005):
+all-reduce moves
 2 (n-1)/n of the bytes per rank, reduce-scatter and all-gather (n-1)/n each, plus a latency per ring step. A
 group whose ranks fit in one node (tp fastest, then dp, then pp: engine/parallel/layout/context.py) uses the intra-node
 bandwidth, otherwise the inter-node one.
 
 What is counted, per engine path: tp: the plan table of engine/parallel/tp/layers.py (one all-reduce forward per
 row-parallel linear, one backward per column-parallel linear, none fused); ddp: torch DDP's bucketed gradient
-all-reduce, overlapped with the last micro-batch's backward except the last bucket; fsdp: an all-gather per micro-batch forward (and another in backward with
+all-reduce, overlapped with the last micro-batch's backward except the last bucket; fsdp: an all-gather per micro-batch
+forward (and another in backward with
 reshard_after_forward) that overlaps compute, and the gradient reduce-scatter of the last micro-batch; zero k
 (DeepSpeed, overlap_comm off in engine/parallel/dp/ds_json.py): stage 1 all-reduces gradients once, stage 2
 reduce-scatters every micro-batch, stage 3 also all-gathers weights forward and backward, and stages 1-2

@@ -7,7 +7,8 @@ Part 1 prints, for the config at the issue's size (micro-batch 4, seq 2048), the
 picks per (device, dtype, document mask) and the bytes one layer's attention saves for backward by the planner's
 ledger (engine/planning/activations.py): q, k, v, output and log-sum-exp, plus the path's extra (mask copy,
 repeated k/v, or math's s x s softmax), the document mask once per micro-batch, and the total of 32 layers. Next to
-it, what the math kernel would hold (the fallback before this path selection). Part 2 measures on CPU (fp32, the config's heads, one layer's SDPA call at --measure-seq tokens) the
+it, what the math kernel would hold (the fallback before this path selection). Part 2 measures on CPU (fp32, the
+config's heads, one layer's SDPA call at --measure-seq tokens) the
 bytes autograd saves on each path, forced, against the planner's figure for it.
 """
 

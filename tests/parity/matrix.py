@@ -142,7 +142,8 @@ class Combo:
 
     def values(self) -> dict:
         """Factor -> value, leaving out a factor that does not matter for covering: the schedule at pp = 1, sequence
-        parallelism at tp = 1 (always off there), and the dp mode at dp = 1 (the wrapper runs, but nothing is reduced or sharded), so that pairs with a dp mode are
+        parallelism at tp = 1 (always off there), and the dp mode at dp = 1 (the wrapper runs, but nothing is reduced
+        or sharded), so that pairs with a dp mode are
         covered where that mode really works across ranks."""
         v = asdict(self)
         del v["layers"]

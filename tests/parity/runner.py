@@ -3,7 +3,8 @@
 Each combination trains ``STEPS`` steps from the same seed and data (``BASE``: the tiny model shrunk so that 8 ranks
 fit on a laptop; 4 layers so pp = 4 has a layer per stage; 8 heads and 4 KV heads so tp = 4 divides both). The
 reference is the single-process trainer (tp = pp = dp = 1, ddp) with the same dtype, embeddings and clipping (for
-ZeRO bf16 on several ranks: ZeRO bf16 on one, ``reference_of``). Activation checkpointing is compared with the reference run without it: recomputation must not change anything.
+ZeRO bf16 on several ranks: ZeRO bf16 on one, ``reference_of``). Activation checkpointing is compared with the
+reference run without it: recomputation must not change anything.
 
 Combinations of one world size are run one after another inside one set of forked ranks (``run_many``), so a
 CI run pays the fork and the imports a few times, not once per combination.

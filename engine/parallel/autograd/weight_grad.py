@@ -223,7 +223,8 @@ _SPLIT = {nn.Linear: SplitLinear, FusedLinear: SplitFusedLinear}  # the exact cl
 
 def split_weight_gradients(model: nn.Module, store: WeightGradStore) -> int:
     """Attach ``store`` to every linear layer of ``model`` (a materialised, possibly tensor-parallel stage) but
-    the LM head: plain nn.Linear and FusedLinear (tp = 1) become SplitLinear / SplitFusedLinear; layers that declare ``weight_grad_store``
+    the LM head: plain nn.Linear and FusedLinear (tp = 1) become SplitLinear / SplitFusedLinear; layers that declare
+    ``weight_grad_store``
     (ColumnParallelLinear, RowParallelLinear) get it set. The embedding and RMSNorm weights are not split: their
     gradients come in B. Neither is the LM head: its W would keep the logits' gradient (tokens x V/tp) of every
     micro-batch between its B and W, pp of them on the last stage under ZB-H1, far above 1F1B's peak for a large

@@ -61,7 +61,8 @@ def shard_experts(layer: nn.Module, edp_mesh, divisor: int, **kw) -> None:
     """Each expert-parallel experts module of ``layer`` its own FSDP unit over the expert-dp mesh (the ranks holding
     the same experts), as torchtitan shards MoE experts over its "dp_shard_mod_ep" mesh. Its reduce-scatter must
     sum over expert-dp and divide by dp x cp (engine/parallel/ep/__init__.py, the loss is averaged over dp x cp): FSDP
-    would average over its own mesh (edp = dp cp / ep ranks), ep times too large. Over several ranks summed, then divided
+    would average over its own mesh (edp = dp cp / ep ranks), ep times too large. Over several ranks summed, then
+    divided
     after the collective (force_sum: gloo has no PREMUL_SUM); over one rank FSDP skips the collective and divides
     its copy, where force_sum would divide a second time (torch 2.13 foreach_reduce). Unused weights (a rank whose
     experts got no token) are reduce-scattered as zeros, so every expert-dp rank issues the same collectives."""

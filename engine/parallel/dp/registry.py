@@ -25,7 +25,8 @@ class DpModeSpec:
     refusals of (cfg, layout) (engine/parallel/layout/checks.py calls it). ``grad_syncs``: the sync points it can follow
     (engine/parallel/pp/actions.py: a schedule needing another is refused). ``offload``: the parallel.offload values
     it honours. ``compile``: whether train.compile runs under it. ``expert_parallel``: whether it reduces expert
-    gradients over the expert-dp group (parallel.ep > 1, engine/parallel/ep/); ``ep_refusal``: why not, where it does not.
+    gradients over the expert-dp group (parallel.ep > 1, engine/parallel/ep/); ``ep_refusal``: why not, where it does
+    not.
     ``bf16_weights``: train.dtype=bf16
     computes on bf16 weights (else autocast over fp32 weights: engine/planning/activations.py picks its ledger by
     this)."""

@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO stages 1-3 (Rajbhandari et al. 2020) as the data-parallel wrapper of one pipeline stage.
 
-``ZeRO`` (the DataParallel of dp_mode=zero, engine/parallel/dp/base.py) hands our stage module (already tensor-parallel) and the AdamW of engine/optim.py to
+``ZeRO`` (the DataParallel of dp_mode=zero, engine/parallel/dp/base.py) hands our stage module (already
+tensor-parallel) and the AdamW of engine/optim.py to
 ``deepspeed.initialize(..., mpu=ctx)``; ``ds_config`` derives DeepSpeed's config from ours on top of the tunable
 settings (built-in defaults per stage, merged with the user's ``parallel.ds_config`` file: ds_json.py). The step
 contract is ours, not DeepSpeed's per-micro-batch one: the trainer runs all m micro-batch forward/backward passes,

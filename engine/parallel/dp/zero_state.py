@@ -157,7 +157,8 @@ def _tensors(obj, depth: int = 0):
 
 
 def zero_bytes_held(zero) -> dict[str, int]:
-    """``tensor_bytes_held`` (engine/metrics/memory.py) for a DeepSpeed ``ZeRO``: parameters (ZeRO-3: the local partition ``ds_tensor``),
+    """``tensor_bytes_held`` (engine/metrics/memory.py) for a DeepSpeed ``ZeRO``: parameters (ZeRO-3: the local
+    partition ``ds_tensor``),
     gradients (on the parameters, or DeepSpeed's reduced partitions), optimizer state (Adam moments and the fp32
     master partitions DeepSpeed gives the base optimizer as its parameters) and ``other`` DeepSpeed buffers
     (reduction buckets). Reads DeepSpeed 0.19 attribute names; one that moves is counted as ``other``."""
