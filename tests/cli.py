@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _child(script: str, args: list[str], cwd: Path, env: dict | None, out: int, err: int) -> None:
+def _child(script: str, args: list[str], cwd: Path, env: dict | None, out: int, err: int, stdin: int) -> None:
     """In the fork: become ``python script args`` and never return."""
     code = 1
     try:
@@ -36,7 +36,8 @@ def _child(script: str, args: list[str], cwd: Path, env: dict | None, out: int, 
         os.dup2(err, 2)
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
-        sys.stdin = io.TextIOWrapper(io.FileIO(os.open(os.devnull, os.O_RDONLY), "r"))
+        os.dup2(stdin, 0)
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.chdir(cwd)
         if env is not None:
@@ -61,17 +62,20 @@ def _child(script: str, args: list[str], cwd: Path, env: dict | None, out: int, 
 
 
 def run_script(
-    script: str, *args, cwd: Path = ROOT, env: dict | None = None, timeout: float = 300
+    script: str, *args, cwd: Path = ROOT, env: dict | None = None, timeout: float = 300, stdin: str | None = None
 ) -> subprocess.CompletedProcess:
     """``python script args`` (``script`` relative to ``cwd``) in a fork; what ``subprocess.run(...,
-    capture_output=True, text=True)`` returns. The fork is killed, and TimeoutExpired raised, after ``timeout``."""
+    capture_output=True, text=True)`` returns, ``stdin`` its ``input`` (none: an empty stdin). The fork is killed, and
+    TimeoutExpired raised, after ``timeout``."""
     args = [str(a) for a in args]
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as given:
+        given.write((stdin or "").encode())
+        given.seek(0)
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _child(script, args, Path(cwd), env, out.fileno(), err.fileno())
+            _child(script, args, Path(cwd), env, out.fileno(), err.fileno(), given.fileno())
         deadline = time.monotonic() + timeout
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)

@@ -199,6 +199,7 @@ def check_resumes(tmp_path: Path, world: int, runs: dict) -> None:
             assert_follows(results[got], results[want]["loss"], tol, label)
 
 
+@pytest.mark.slow  # CI: the parity matrix's resumes (tests/test_parity.py) cross ddp, fsdp and layouts
 def test_ddp_and_fsdp_resume_at_the_same_and_at_other_layouts(tmp_path):
     check_resumes(
         tmp_path,

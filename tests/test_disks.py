@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli import run_script
 from tests.test_bad_steps import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,14 +47,8 @@ def tmpfs():
 
 
 def _pretrain(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "launch/pretrain.py"), *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    """launch/pretrain.py from ``cwd``, in a fork of the test process (tests/cli.py)."""
+    return run_script(str(ROOT / "launch/pretrain.py"), *args, cwd=cwd, timeout=300)
 
 
 def _start(*args: str, prefix: list[str] | None = None) -> subprocess.Popen:

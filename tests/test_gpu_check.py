@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from launch.gpu_check import loss_verdict, parse_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,6 +21,7 @@ def test_loss_verdict_is_computed_against_the_bound():
     assert loss_verdict([8.0, 7.5], ref, 1.0)[0] == "FAIL"  # a step missing
 
 
+@pytest.mark.slow  # 28 case processes (~26 s); run it when launch/gpu_check.py changes
 def test_dry_run_writes_a_report_whose_verdict_comes_from_the_cases(tmp_path):
     """Four case processes (the CPU reference, a feature, an injected case with another seed whose loss must
     differ, one measured memory cell); the llama-3.2-1b predictions and throughput are skipped without CUDA."""

@@ -90,6 +90,7 @@ def test_deepspeed_launcher_dp2(tmp_path, reference, mode):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+@pytest.mark.slow  # CI: ZeRO-3 in the parity matrix, ZeRO-2 under torchrun across hosts
 def test_torchrun_zero3_dp2(tmp_path, reference):
     # ZeRO under torchrun: DeepSpeed wraps the process group the engine already made.
     run(

@@ -211,6 +211,7 @@ def test_killed_rank_ends_the_job_naming_it(tmp_path, job):
     print(f"killed rank 3 at step {logged_steps(out)}; job ended in {elapsed:.1f} s, exit codes {codes}")
 
 
+@pytest.mark.slow  # CI: the elastic restart across hosts (tests/test_elastic.py) restarts and resumes
 def test_max_restarts_resume_from_the_last_checkpoint(tmp_path, job, reference):
     """Done 3 (second half): with --max-restarts 1 both agents restart their workers after a rank dies; the workers
     resume (checkpoint.resume auto) from the last checkpoint, and the losses are those of an uninterrupted run."""

@@ -19,26 +19,20 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from engine.checkpoint.folder import MARKER
+from tests.cli import run_script
 from tests.test_convert_publish import files, one_error_line, train_six_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def launch(script: str, *args, cwd: Path = ROOT, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "launch" / script), *map(str, args)],
-        cwd=cwd,
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    """``python launch/SCRIPT args`` from ``cwd``, in a fork of the test process (tests/cli.py)."""
+    return run_script(str(ROOT / "launch" / script), *args, cwd=cwd, stdin=stdin, timeout=600)
 
 
 def tree(folder: Path) -> dict[str, bytes | str]:

@@ -141,6 +141,7 @@ def test_ep2_bytes_under_recomputation_and_autocast(tmp_path, extra):
         assert r["sent"] == pytest.approx(2 * (fwd + bwd), rel=0.15)
 
 
+@pytest.mark.slow  # ~50 s of search; CI: the ep planner tests above
 def test_mixtral_on_64_gpus_plans_expert_parallelism():
     """Mixtral 8x7B on 8 nodes of 8 x 80 GB: layouts with ep > 1 fit, pay all-to-all time, and hold less than
     the same layout at ep 1 under ddp (E/ep experts a rank); under fsdp no more."""

@@ -24,6 +24,7 @@ def losses(history: list[dict]) -> list[float]:
     return [r["loss"] for r in history]
 
 
+@pytest.mark.slow  # 60 steps of the quick start; CI: the tp1/tp2 loss curves below
 def test_tiny_loss_falls(tmp_path):
     """The README's quick start, shortened to 60 steps (its warmup, then a cosine over the rest): the model learns.
     The full 200 steps took two minutes of CI; the check is the same."""
