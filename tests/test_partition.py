@@ -127,7 +127,11 @@ def test_cut_host_ends_the_job_naming_it(make_hosts, tmp_path):
                 p.wait()
     text1, text2 = (tmp_path / "agent_h1.log").read_text(), log2.read_text()
     assert procs[0].returncode != 0
-    assert re.search(r"^error: ranks 2, 3 on host h2 \(198\.18\.0\.2\) silent for \d+ s", text1, re.M), text1[-3000:]
+    # h2's two ranks beat independently: at the bound one of them may be a beat short of silent (seen: "rank 3"
+    # alone, in a slow-suite run), as in tests/test_faults.py's frozen host; either names h2
+    assert re.search(r"^error: (ranks 2, 3|rank [23]) on host h2 \(198\.18\.0\.2\) silent for \d+ s", text1, re.M), (
+        text1[-3000:]
+    )
     assert re.search(r"^error: the job.s store at \S+:\d+ \(host h1 \(198\.18\.0\.1\)\)", text2, re.M), text2[-3000:]
     print(f"h2 cut off: h1 ended in {h1:.1f} s, h2's ranks named the store at {h2:.1f} s")
 
