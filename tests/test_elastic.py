@@ -26,11 +26,18 @@ from tests.test_launch import ROOT, read_losses
 from tests.test_multinode import RDZV_CONF, Job, final_losses, train_args
 
 
-def elastic_agent(port: int, args: list[str], host_store: bool, restarts: int = 3) -> list[str]:
+def elastic_agent(
+    endpoint: str,
+    rdzv_id: str,
+    args: list[str],
+    host_store: bool,
+    restarts: int = 3,
+    nproc: int = 2,
+    conf: str = RDZV_CONF,
+) -> list[str]:
     """One agent of a 1-to-2-node job. ``is_host`` pins which agent serves the c10d rendezvous store: the job
     can only restart while the store's host lives (an etcd rendezvous has no such host), so the other one is
     the one killed."""
-    conf = f"{RDZV_CONF},is_host={'true' if host_store else 'false'}"
     return [
         sys.executable,
         "-m",
@@ -38,15 +45,15 @@ def elastic_agent(port: int, args: list[str], host_store: bool, restarts: int = 
         "--nnodes",
         "1:2",
         "--nproc-per-node",
-        "2",
+        str(nproc),
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
+        endpoint,
         "--rdzv-id",
-        f"elastic-{port}",
+        rdzv_id,
         "--rdzv-conf",
-        conf,
+        f"{conf},is_host={'true' if host_store else 'false'}",
         "--max-restarts",
         str(restarts),
         *args,
@@ -57,8 +64,9 @@ def two_agents(job: Job, args: list[str], restarts: int = 3) -> tuple[subprocess
     port = free_port()
     # A fresh store per round (as tests/test_multinode.py's restarts: pytorch/pytorch#135712)
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    keeper = job.start(elastic_agent(port, args, True, restarts), env)
-    return keeper, job.start(elastic_agent(port, args, False, restarts), env)
+    endpoint, rdzv_id = f"127.0.0.1:{port}", f"elastic-{port}"
+    keeper = job.start(elastic_agent(endpoint, rdzv_id, args, True, restarts), env)
+    return keeper, job.start(elastic_agent(endpoint, rdzv_id, args, False, restarts), env)
 
 
 def kill_for_good(job: Job, agent: subprocess.Popen) -> None:
@@ -69,6 +77,35 @@ def kill_for_good(job: Job, agent: subprocess.Popen) -> None:
         proc.kill()
     psutil.wait_procs(victims, timeout=60)
     job.procs.remove(agent)
+
+
+def elastic_args(out: Path, ckpt: Path, *extra: str) -> list[str]:
+    """train_args with a checkpoint every 3 steps that an elastic restart resumes (auto), collectives bounded."""
+    return train_args(
+        out,
+        "--checkpoint.dir",
+        str(ckpt),
+        "--checkpoint.every",
+        "3",
+        "--checkpoint.resume",
+        "auto",
+        "--parallel.timeout_s",
+        "30",
+        *extra,
+    )
+
+
+def one_process(reference: Path, env: dict | None = None) -> None:
+    """The uninterrupted run the survivors must match: one process, tp 1, into ``reference``."""
+    run = subprocess.run(
+        [sys.executable, *train_args(reference), "--parallel.tp", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
 
 def assert_shrunk(text: str, out: Path, reference: Path, before: str, after: str, why: str) -> None:
@@ -94,26 +131,7 @@ FAST_ROUNDS = ",".join(
 
 def host_agent(job: Job, host: hosts.Host, endpoint: str, args: list[str], store: bool) -> subprocess.Popen:
     """One agent of a 1-to-2-node job on ``host``, one worker; ``store``: this host serves the rendezvous store."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1:2",
-        "--nproc-per-node",
-        "1",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        endpoint,
-        "--rdzv-id",
-        "elastic",
-        "--rdzv-conf",
-        f"{FAST_ROUNDS},is_host={'true' if store else 'false'}",
-        "--max-restarts",
-        "3",
-        *args,
-    ]
+    cmd = elastic_agent(endpoint, "elastic", args, store, nproc=1, conf=FAST_ROUNDS)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     with (job.log_dir / f"agent{len(job.procs)}.log").open("w") as log:
         job.procs.append(
@@ -127,31 +145,11 @@ def test_survivor_host_continues_at_the_shrunk_layout(make_hosts, tmp_path):
     good (every process on it, its sshd too). h1's agent restarts its worker alone: it resumes the checkpoint at
     dp 1 with twice the accumulation, says so in one line, and the losses are an uninterrupted run's."""
     out, ckpt, reference = tmp_path / "run", tmp_path / "ckpt", tmp_path / "reference"
-    run = subprocess.run(
-        [sys.executable, *train_args(reference), "--parallel.tp", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    one_process(reference, env={**os.environ, "OMP_NUM_THREADS": "1"})
     cluster, job = make_hosts(2), Job(tmp_path)
     h1, h2 = cluster.hosts
     try:
-        args = train_args(
-            out,
-            "--parallel.tp",
-            "1",
-            "--checkpoint.dir",
-            str(ckpt),
-            "--checkpoint.every",
-            "3",
-            "--checkpoint.resume",
-            "auto",
-            "--parallel.timeout_s",
-            "30",
-        )
+        args = elastic_args(out, ckpt, "--parallel.tp", "1")
         keeper = host_agent(job, h1, f"{h1.addr}:29400", args, True)
         gone = host_agent(job, h2, f"{h1.addr}:29400", args, False)
         job.wait_for(lambda: (ckpt / "latest").exists(), "checkpoint", timeout=400)
@@ -179,27 +177,10 @@ def test_survivor_host_continues_at_the_shrunk_layout(make_hosts, tmp_path):
 def test_survivor_resumes_at_the_shrunk_layout(tmp_path):
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     reference = tmp_path / "reference"
-    run = subprocess.run(
-        [sys.executable, *train_args(reference), "--parallel.tp", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    one_process(reference)
     job = Job(tmp_path)
     try:
-        args = train_args(
-            out,
-            "--checkpoint.dir",
-            str(ckpt),
-            "--checkpoint.every",
-            "3",
-            "--checkpoint.resume",
-            "auto",
-            "--parallel.timeout_s",
-            "30",
-        )
+        args = elastic_args(out, ckpt)
         keeper, gone = two_agents(job, args)
         job.wait_for(lambda: (ckpt / "latest").exists(), "checkpoint", timeout=400)
         start = time.monotonic()
@@ -228,21 +209,7 @@ def test_layout_that_cannot_shrink_exits_2_with_one_line(tmp_path):
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     job = Job(tmp_path)
     try:
-        args = train_args(
-            out,
-            "--checkpoint.dir",
-            str(ckpt),
-            "--checkpoint.every",
-            "3",
-            "--checkpoint.resume",
-            "auto",
-            "--parallel.timeout_s",
-            "30",
-            "--parallel.tp",
-            "4",
-            "--model.num_kv_heads",
-            "4",
-        )
+        args = elastic_args(out, ckpt, "--parallel.tp", "4", "--model.num_kv_heads", "4")
         keeper, gone = two_agents(job, args, restarts=1)
         job.wait_for(lambda: (ckpt / "latest").exists(), "checkpoint", timeout=400)
         kill_for_good(job, gone)

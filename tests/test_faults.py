@@ -104,17 +104,24 @@ def test_dead_rank_ends_the_job_in_one_line(tmp_path, job, reference):
     _resumes_exactly(job, args, out, reference)
 
 
-def _ranks(ranks: list[int], world: int, port: int, extra: list[str], out: Path) -> subprocess.Popen:
+def _ranks(
+    ranks: list[int], world: int, port: int, extra: list[str], out: Path, wrappers: dict[int, str] | None = None
+) -> subprocess.Popen:
     """Ranks of one host started as the deepspeed launcher starts them (RANK, WORLD_SIZE, MASTER_* set), under
     one shell of their own (their parent: engine/cluster/report.py prints once per parent); it prints each exit
-    status as "exit RANK CODE"."""
+    status as "exit RANK CODE". ``wrappers``: rank -> a script that runs launch/pretrain.py for that rank."""
     script = []
     for rank in ranks:
         env = (
             f"RANK={rank} LOCAL_RANK={rank % 2} WORLD_SIZE={world} LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 "
             f"MASTER_PORT={port}"
         )
-        script.append(f"{env} {shlex.join([sys.executable, *train_args(out / str(rank), *extra)])} & p{rank}=$!")
+        cmd = [
+            sys.executable,
+            *([wrappers[rank]] if rank in (wrappers or {}) else []),
+            *train_args(out / str(rank), *extra),
+        ]
+        script.append(f"{env} {shlex.join(cmd)} & p{rank}=$!")
     script += [f"wait $p{rank}; echo exit {rank} $?" for rank in ranks]
     return subprocess.Popen(
         ["bash", "-c", "\n".join(script)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -167,35 +174,12 @@ def test_rank_failing_while_connecting_is_bounded_by_the_startup_timeout(tmp_pat
     with one line naming rank 1, not after parallel.timeout_s (600 s) with a DistStoreError traceback."""
     wrapper = tmp_path / "failing_rank.py"
     wrapper.write_text(FAILING_RANK)
-    port, procs = free_port(), []
     start = time.monotonic()
-    for rank, prefix in ((1, [str(wrapper)]), (0, [])):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        args = train_args(
-            tmp_path / str(rank), "--parallel.heartbeat_timeout_s", "0", "--parallel.startup_timeout_s", "20"
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, *prefix, *args],
-                cwd=ROOT,
-                env=env,
-                text=True,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-        )
-    text = procs[1].communicate(timeout=20 + BOUND_S)[0]
+    extra = ["--parallel.heartbeat_timeout_s", "0", "--parallel.startup_timeout_s", "20"]
+    host = _ranks([0, 1], 2, free_port(), extra, tmp_path, wrappers={1: str(wrapper)})
+    text = host.communicate(timeout=20 + BOUND_S)[0]
     elapsed = time.monotonic() - start
-    assert procs[0].wait(timeout=60) == 7 and procs[1].returncode == 1, text[-3000:]
+    assert re.findall(r"^exit (\d) (\d+)$", text, re.M) == [("0", "1"), ("1", "7")], text[-3000:]
     _one_error_line(
         text,
         r"^error: rank 0 on host \S+ \(127\.0\.0\.1\): the process group did not connect "

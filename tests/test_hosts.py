@@ -55,9 +55,13 @@ def records(out_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[dict]:
     """One process, the same model and steps."""
-    out = tmp_path_factory.mktemp("one_process")
+    return one_process(tmp_path_factory.mktemp("one_process"))
+
+
+def one_process(out: Path, config: str = "configs/tiny.yaml") -> list[dict]:
+    """The records of one process of ``config`` (shrunk as train_args shrinks it) trained into ``out``."""
     run = subprocess.run(
-        [sys.executable, *train_args(out)],
+        [sys.executable, *train_args(out, config=config)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -202,22 +206,13 @@ def test_torchrun_ep2_across_two_hosts(make_hosts, tmp_path):
     """Expert parallelism's token all-to-all across hosts: the MoE config, ep 2 over dp 2, one rank per host;
     losses, gradient norms and the load-balancing loss are one process's."""
     moe = "configs/tiny-moe.yaml"
-    one = tmp_path / "one_process"
-    run = subprocess.run(
-        [sys.executable, *train_args(one, config=moe)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=LIMIT_S,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    want = one_process(tmp_path / "one_process", moe)
     cluster, out = make_hosts(2), tmp_path / "run"
     codes, output = torchrun_on_hosts(cluster, 1, train_args(out, "--parallel.ep", "2", config=moe), tmp_path)
     assert codes == [0, 0], output[-3000:]
     assert "hosts: h1 ranks 0, h2 ranks 1" in output and "layout tp=1 pp=1 dp=2 ep=2 on 2 x" in output, output[-3000:]
-    assert_follows(out, records(one))
-    got, want = records(out), records(one)
+    assert_follows(out, want)
+    got = records(out)
     assert [r["moe_aux_loss"] for r in got] == pytest.approx([r["moe_aux_loss"] for r in want], rel=FP32.loss)
 
 
