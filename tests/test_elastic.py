@@ -23,7 +23,7 @@ from engine.checkpoint.lock import LOCK, CheckpointLock
 from tests import hosts
 from tests.dist import free_port
 from tests.test_launch import ROOT, read_losses
-from tests.test_multinode import RDZV_CONF, Job, final_losses, train_args
+from tests.test_multinode import RDZV_CONF, Job, final_losses, restart_args, train_args
 
 
 def elastic_agent(
@@ -77,22 +77,6 @@ def kill_for_good(job: Job, agent: subprocess.Popen) -> None:
         proc.kill()
     psutil.wait_procs(victims, timeout=60)
     job.procs.remove(agent)
-
-
-def elastic_args(out: Path, ckpt: Path, *extra: str) -> list[str]:
-    """train_args with a checkpoint every 3 steps that an elastic restart resumes (auto), collectives bounded."""
-    return train_args(
-        out,
-        "--checkpoint.dir",
-        str(ckpt),
-        "--checkpoint.every",
-        "3",
-        "--checkpoint.resume",
-        "auto",
-        "--parallel.timeout_s",
-        "30",
-        *extra,
-    )
 
 
 def one_process(reference: Path, env: dict | None = None) -> None:
@@ -149,7 +133,7 @@ def test_survivor_host_continues_at_the_shrunk_layout(make_hosts, tmp_path):
     cluster, job = make_hosts(2), Job(tmp_path)
     h1, h2 = cluster.hosts
     try:
-        args = elastic_args(out, ckpt, "--parallel.tp", "1")
+        args = restart_args(out, ckpt, "--parallel.tp", "1")
         keeper = host_agent(job, h1, f"{h1.addr}:29400", args, True)
         gone = host_agent(job, h2, f"{h1.addr}:29400", args, False)
         job.wait_for(lambda: (ckpt / "latest").exists(), "checkpoint", timeout=400)
@@ -180,7 +164,7 @@ def test_survivor_resumes_at_the_shrunk_layout(tmp_path):
     one_process(reference)
     job = Job(tmp_path)
     try:
-        args = elastic_args(out, ckpt)
+        args = restart_args(out, ckpt)
         keeper, gone = two_agents(job, args)
         job.wait_for(lambda: (ckpt / "latest").exists(), "checkpoint", timeout=400)
         start = time.monotonic()
@@ -209,7 +193,7 @@ def test_layout_that_cannot_shrink_exits_2_with_one_line(tmp_path):
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     job = Job(tmp_path)
     try:
-        args = elastic_args(out, ckpt, "--parallel.tp", "4", "--model.num_kv_heads", "4")
+        args = restart_args(out, ckpt, "--parallel.tp", "4", "--model.num_kv_heads", "4")
         keeper, gone = two_agents(job, args, restarts=1)
         job.wait_for(lambda: (ckpt / "latest").exists(), "checkpoint", timeout=400)
         kill_for_good(job, gone)

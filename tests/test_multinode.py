@@ -149,6 +149,22 @@ def job(tmp_path):
     j.kill_all()
 
 
+def restart_args(out: Path, ckpt: Path, *extra: str) -> list[str]:
+    """train_args with a checkpoint every 3 steps that a restart resumes (auto), collectives bounded at 30 s."""
+    return train_args(
+        out,
+        "--checkpoint.dir",
+        str(ckpt),
+        "--checkpoint.every",
+        "3",
+        "--checkpoint.resume",
+        "auto",
+        "--parallel.timeout_s",
+        "30",
+        *extra,
+    )
+
+
 def logged_steps(out_dir: Path) -> int:
     path = out_dir / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
@@ -216,17 +232,7 @@ def test_max_restarts_resume_from_the_last_checkpoint(tmp_path, job, reference):
     """Done 3 (second half): with --max-restarts 1 both agents restart their workers after a rank dies; the workers
     resume (checkpoint.resume auto) from the last checkpoint, and the losses are those of an uninterrupted run."""
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    args = train_args(
-        out,
-        "--checkpoint.dir",
-        str(ckpt),
-        "--checkpoint.every",
-        "3",
-        "--checkpoint.resume",
-        "auto",
-        "--parallel.timeout_s",
-        "30",
-    )
+    args = restart_args(out, ckpt)
     agents = job.nodes(2, 2, args, restarts=1)
     job.wait_for(lambda: (ckpt / "latest").exists(), "checkpoint")
     job.worker(3).kill()
