@@ -90,6 +90,12 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--measure-seq", type=int, default=512)
     a = p.parse_args()
+    planned_table(a)
+    measured_table(a)
+
+
+def planned_table(a: argparse.Namespace) -> None:
+    """Every device, dtype and mask: the attention path the planner picks and its MiB, beside the math kernel's."""
     base = ["--config", a.config, "--train.micro_batch_size", str(a.micro_batch)]
     m = load(base).model
     print(
@@ -120,6 +126,10 @@ def main() -> None:
                 )
                 path = acts.planned_attention_path(cfg)
                 print(f"{device:6} {dtype:5} {str(mask):5} {path:20} {row(cfg, path)}  {row(cfg, attn.MATH)}")
+
+
+def measured_table(a: argparse.Namespace) -> None:
+    """CPU fp32, micro-batch 1: one attend() call forced onto each path, measured beside planned."""
     print(f"\nCPU fp32, micro-batch 1, seq {a.measure_seq}: one attend() call forced onto each path, MiB")
     print(f"{'mask':5} {'path':20} {'measured':>9} {'planned':>9}")
     for mask in (False, True):
