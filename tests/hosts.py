@@ -131,6 +131,11 @@ class Cluster:
     def host(self, name: str) -> Host:
         return next(h for h in self.hosts if h.name == name)
 
+    def cable(self, host: Host, up: bool) -> None:
+        """Plug ``host``'s cable in or pull it (its veth's bridge end): pulled is a partition, in which no socket is
+        closed and nothing fails on its own; plugged in again, the host is reachable as before."""
+        _run("ip", "link", "set", f"{PREFIX}{self.id}{self.hosts.index(host) + 1}", "up" if up else "down")
+
     def save(self) -> None:
         state = {"id": self.id, "hosts": [vars(h) for h in self.hosts], "key": str(self.key)}
         (self.folder / "cluster.json").write_text(json.dumps(state, indent=1) + "\n")

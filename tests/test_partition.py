@@ -1,12 +1,13 @@
-"""Faults across real hosts (network namespaces, tests/hosts.py): a host cut off mid-run (its veth set down) and a
-host that never starts. Each must end within a minute of the fault, with one line naming the host; the
-loopback cases (frozen, killed ranks) are in tests/test_faults.py."""
+"""Faults across real hosts (network namespaces, tests/hosts.py): a host cut off mid-run (its cable pulled) and a
+host that never starts. Each must end within a minute of the fault, with one line naming the host, and the cut
+must cost nothing but the steps after the last checkpoint; the loopback cases (frozen, killed ranks) are in
+tests/test_faults.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,68 +15,17 @@ from pathlib import Path
 import pytest
 
 from tests import hosts
+from tests.parity.runner import FP32
+from tests.test_hosts import MODEL, one_process, start_agents, stop, torchrun_on_hosts, train_args
 from tests.test_launch import ROOT
-from tests.test_multinode import RDZV_CONF
 
 BOUND_S = 120  # 60 s, the launcher's own exit, and this loaded machine
-MODEL = [
-    "--model.num_layers",
-    "2",
-    "--model.hidden_size",
-    "64",
-    "--model.intermediate_size",
-    "128",
-    "--model.num_heads",
-    "4",
-    "--model.num_kv_heads",
-    "2",
-    "--train.seq_len",
-    "32",
-    "--log.progress",
-    "false",
-]
+STEPS = 8  # the resumed run's; the cut comes right after the first checkpoint (step 3)
 
 
 @pytest.fixture
 def make_hosts(tmp_path):
     yield from hosts.make_hosts_fixture(tmp_path)
-
-
-def agents(cluster: hosts.Cluster, args: list[str], log_dir: Path) -> list[subprocess.Popen]:
-    """One torchrun agent per host (2 ranks each), meeting at the first host's address."""
-    procs = []
-    for host in cluster.hosts:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            str(len(cluster.hosts)),
-            "--nproc-per-node",
-            "2",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"{cluster.hosts[0].addr}:29400",
-            "--rdzv-id",
-            "faults",
-            "--rdzv-conf",
-            RDZV_CONF,
-            "--max-restarts",
-            "0",
-            "launch/pretrain.py",
-            "--config",
-            "configs/tiny.yaml",
-            *MODEL,
-            *args,
-        ]
-        with (log_dir / f"agent_{host.name}.log").open("w") as log:
-            procs.append(
-                host.popen(
-                    cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
-                )
-            )
-    return procs
 
 
 def wait_for(condition, what: str, timeout: float) -> float:
@@ -86,54 +36,58 @@ def wait_for(condition, what: str, timeout: float) -> float:
     return time.monotonic() - start
 
 
-@pytest.mark.slow  # CI keeps the frozen and dead hosts (test_faults: the same heartbeat)
-def test_cut_host_ends_the_job_naming_it(make_hosts, tmp_path):
-    """h2's link goes down mid-run (a partition: no socket is closed, nothing fails on its own): h1's ranks name
-    ranks 2, 3 on h2 and exit; h2's ranks name the store on h1 and exit; each within the bound, not after
-    parallel.timeout_s (600 s) and not for as long as the partition lasts."""
-    cluster, out = make_hosts(2), tmp_path / "run"
-    procs = agents(
-        cluster,
-        [
-            "--train.steps",
-            "100000",
-            "--train.out_dir",
-            str(out),
-            "--checkpoint.dir",
-            str(tmp_path / "ckpt"),
-            "--checkpoint.every",
-            "3",
-        ],
-        tmp_path,
-    )
+def last_per_step(out_dir: Path) -> dict[int, dict]:
+    """Each step's record, the last one winning: a resumed run appends the steps after its checkpoint again."""
+    return {r["step"]: r for r in map(json.loads, (out_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def _cut(cluster: hosts.Cluster, args: list[str], log_dir: Path, ckpt: Path) -> tuple[float, float, str, str]:
+    """Train until the first checkpoint, pull h2's cable: (seconds until h1's agent ended, until h2's ranks named
+    the store, h1's output, h2's output). h2's agent is left to the caller: it outlives its ranks."""
+    procs = start_agents(cluster, 2, [*args, "--train.steps", "100000"], log_dir)
+    h1_log, h2_log = log_dir / "agent_h1.log", log_dir / "agent_h2.log"
     try:
-        wait_for(
-            lambda: (tmp_path / "ckpt" / "latest").exists() or any(p.poll() is not None for p in procs),
-            "checkpoint",
-            600,
-        )
+        wait_for(lambda: (ckpt / "latest").exists() or any(p.poll() is not None for p in procs), "checkpoint", 600)
         assert all(p.poll() is None for p in procs), [p.poll() for p in procs]
         start = time.monotonic()
-        hosts._run("ip", "link", "set", f"{hosts.PREFIX}{cluster.id}2", "down")
+        cluster.cable(cluster.hosts[1], up=False)
         procs[0].wait(timeout=BOUND_S)
         h1 = time.monotonic() - start
-        log2 = tmp_path / "agent_h2.log"
-        wait_for(lambda: "error: the job's store" in log2.read_text(), "line on h2", BOUND_S - h1 + 30)
+        wait_for(lambda: "error: the job's store" in h2_log.read_text(), "line on h2", BOUND_S - h1 + 30)
         h2 = time.monotonic() - start
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    text1, text2 = (tmp_path / "agent_h1.log").read_text(), log2.read_text()
+        stop(procs)
     assert procs[0].returncode != 0
+    return h1, h2, h1_log.read_text(), h2_log.read_text()
+
+
+def test_cut_host_ends_the_job_naming_it_and_the_checkpoint_resumes(make_hosts, tmp_path):
+    """h2's cable is pulled mid-run (a partition: no socket is closed, nothing fails on its own): h1's ranks name
+    ranks 2, 3 on h2 and exit; h2's ranks name the store on h1 and exit; each within the bound (the heartbeat's
+    default 30 s), not after parallel.timeout_s and not for as long as the partition lasts. Cable back in, the
+    same command on both hosts resumes from the last checkpoint and ends with one process's losses."""
+    cluster, out, ckpt = make_hosts(2), tmp_path / "run", tmp_path / "ckpt"
+    args = train_args(out, "--train.steps", str(STEPS), "--checkpoint.dir", str(ckpt), "--checkpoint.every", "3")
+    args += ["--checkpoint.resume", "auto"]
+    h1, h2, text1, text2 = _cut(cluster, args, tmp_path / "cut", ckpt)
     # h2's two ranks beat independently: at the bound one of them may be a beat short of silent (seen: "rank 3"
     # alone, in a slow-suite run), as in tests/test_faults.py's frozen host; either names h2
     assert re.search(r"^error: (ranks 2, 3|rank [23]) on host h2 \(198\.18\.0\.2\) silent for \d+ s", text1, re.M), (
         text1[-3000:]
     )
     assert re.search(r"^error: the job.s store at \S+:\d+ \(host h1 \(198\.18\.0\.1\)\)", text2, re.M), text2[-3000:]
+    assert h1 < 60 + 30 and h2 < 60 + 30, (h1, h2)  # the heartbeat's 30 s, its store timeouts, a loaded machine
     print(f"h2 cut off: h1 ended in {h1:.1f} s, h2's ranks named the store at {h2:.1f} s")
+
+    cluster.cable(cluster.hosts[1], up=True)
+    codes, output = torchrun_on_hosts(cluster, 2, args, tmp_path / "resume")
+    assert codes == [0, 0] and "resumed from " in output, output[-3000:]
+    got, want = last_per_step(out), one_process(tmp_path / "one_process", "--train.steps", str(STEPS))
+    assert sorted(got) == list(range(1, STEPS + 1)), sorted(got)
+    assert [got[r["step"]]["loss"] for r in want] == pytest.approx([r["loss"] for r in want], rel=FP32.loss)
+    assert [got[r["step"]]["grad_norm"] for r in want] == pytest.approx(
+        [r["grad_norm"] for r in want], rel=FP32.grad_norm
+    )
 
 
 @pytest.mark.slow  # test_faults covers a host missing at launch on loopback in CI
