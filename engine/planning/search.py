@@ -5,7 +5,7 @@
 where the makespan is engine.parallel.pp.simulator's event simulation of the configured schedule
 (engine/planning/schedules.py), every virtual stage taking the slowest stage's time for one micro-batch / v:
 forward F, input-gradient backward B and weight-gradient backward W (one backward B+W except under zero bubble),
-from its FLOPs (engine/planning/flops.py, recomputation included) at ``efficiency`` of the device peak, its
+from its FLOPs (engine/model/flops.py, recomputation included) at ``efficiency`` of the device peak, its
 tensor-parallel all-reduces, and its pipeline transfers (one each way per model chunk). The bubble is what the
 schedule leaves idle: for 1F1B and GPipe a makespan of (m + p - 1) (F + B), a bubble of (p - 1) / (m + p - 1)
 (Narayanan et al. 2021, Sec. 2.2.1), for interleaved about 1/v of that (their Sec. 2.2.2) with v times the
@@ -34,12 +34,13 @@ from dataclasses import dataclass, field
 from engine.config import Config
 from engine.kinds.offload import OFFLOADS
 from engine.kinds.recompute import RECOMPUTE
+from engine.model import flops
 from engine.parallel.layout.checks import Layout, micro_batches_per_step, resolve_layout
 from engine.parallel.pp.split import stage_layer_ranges
 from engine.parallel.tp.layers import LAYER_PLAN
 from engine.planning import cp as cp_plan
 from engine.planning import ep as ep_plan
-from engine.planning import flops, schedules
+from engine.planning import schedules
 from engine.planning.activations import sequence_share
 from engine.planning.balance import layer_counts
 from engine.planning.layouts import layouts
@@ -52,7 +53,7 @@ class Hardware:
     """One device and its links. Defaults: an H100 SXM node (NVLink 4 at 450 GB/s per direction, 8 per node,
     400 Gb/s InfiniBand per GPU between nodes)."""
 
-    peak_tflops: float = 989.0  # dense TFLOP/s of one device in the training dtype (engine.planning.flops.peak_tflops)
+    peak_tflops: float = 989.0  # dense TFLOP/s of one device in the training dtype (engine.model.flops.peak_tflops)
     efficiency: float = 0.5  # fraction of the peak that the matmuls achieve
     memory_gb: float = 80.0  # device memory per rank, GB (1e9 bytes)
     gpus_per_node: int = 8
@@ -113,7 +114,7 @@ class StageCost:
 
 def stage_cost(cfg: Config, layout: Layout, hw: Hardware, stage: int) -> StageCost:
     """One micro-batch on ``stage`` (see the module docstring). W is the weight-gradient matmuls (2 FLOPs per
-    weight per token, engine.planning.flops.weight_grad_flops_per_token): about half the backward, as Qi et al.
+    weight per token, engine.model.flops.weight_grad_flops_per_token): about half the backward, as Qi et al.
     2023 take it (B = W); B is the rest (input gradients, attention's backward, recomputation)."""
     t, m = cfg.train, cfg.model
     tokens = t.micro_batch_size * t.seq_len // layout.cp  # a cp rank computes on s/cp tokens (balanced causal work)

@@ -53,7 +53,7 @@ def pick_device_and_backend(requested: str = "auto", local_rank: int = 0) -> tup
 def apply_tf32(enabled: bool, device: torch.device) -> None:
     """train.tf32: fp32 matmuls on CUDA run on TF32 tensor cores (10-bit mantissa products, fp32 accumulation;
     NVIDIA's A100 whitepaper: 8x the fp32 rate) when enabled, full fp32 when not. Off CUDA there are no TF32
-    units and the flag is left alone. The MFU peak follows the flag (engine/planning/flops.py)."""
+    units and the flag is left alone. The MFU peak follows the flag (engine/model/flops.py)."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = enabled
 
