@@ -14,7 +14,8 @@ from engine.model import transformer as model_lib
 from engine.parallel.pp.executor import split_stage
 from engine.parallel.tp.layers import vocab_parallel_cross_entropy
 from engine.planning import activations as acts
-from engine.planning.planner import model_state_bytes, stage_memory, stage_params, with_layout
+from engine.planning.dp import model_state_bytes
+from engine.planning.planner import stage_memory, stage_params, with_layout
 from launch.bench.measure import measure_rank
 from tests.dist import run_ranks
 

@@ -21,7 +21,7 @@ def _divisors(n: int) -> list[int]:
 
 def dp_modes(offload: str, dp: int) -> list[tuple[str, int, str, str]]:
     """The (dp mode, zero stage, reshard, offload) tried at ``dp`` ranks: each registered mode with a planner model,
-    its variants (engine/parallel/dp/plan_models.py) with parallel.offload ``offload`` ("any": every offload but
+    its variants (engine/planning/dp.py) with parallel.offload ``offload`` ("any": every offload but
     none). Offload is tried only where no layout fits without it (or the config asks for it): on a GPU it trades
     host copies and a host Adam step for device memory. At dp = 1 only modes that do not shard (sharding over one
     rank changes nothing)."""

@@ -44,6 +44,7 @@ from engine.planning import schedules
 from engine.planning.activations import sequence_share
 from engine.planning.balance import layer_counts
 from engine.planning.layouts import layouts
+from engine.planning.links import link_bandwidth, ring_time
 from engine.planning.planner import StageMemory, data_layout, dp_model, plan_memory, stage_params, state_groups
 from engine.planning.schedules import head_stage, virtual_stages
 
@@ -77,18 +78,6 @@ class StepTime:
     bubble_fraction: float = 0.0  # idle / makespan of the simulated schedule (the stage idling most)
     cp_comm: float = 0.0  # exposed context-parallel communication (engine/planning/cp.py), whole step
     ep_comm: float = 0.0  # expert parallelism's all-to-alls (engine/planning/ep.py), whole step, exposed
-
-
-def ring_time(nbytes: float, n: int, passes: float, bw_gbps: float, latency_us: float) -> float:
-    """Seconds for a ring collective moving ``passes`` * (n-1)/n of ``nbytes`` per rank (2 for all-reduce)."""
-    if n <= 1:
-        return 0.0
-    return passes * (n - 1) / n * nbytes / (bw_gbps * 1e9) + passes * (n - 1) * latency_us * 1e-6
-
-
-def link_bandwidth(hw: Hardware, span: int) -> float:
-    """The link a group of consecutive-rank ``span`` uses."""
-    return hw.intra_node_gbps if span <= hw.gpus_per_node else hw.inter_node_gbps
 
 
 @dataclass
@@ -188,7 +177,7 @@ def step_time(cfg: Config, world_size: int, hw: Hardware, layout: Layout | None 
     micro_batches = micro_batches_per_step(t, layout.dp)
     worst = max((stage_cost(cfg, layout, hw, s) for s in range(layout.pp)), key=lambda c: c.total)
     makespan, idle = pipeline_time(cfg, layout, worst, micro_batches)
-    # the mode's exposed communication (engine/parallel/dp/plan_models.py), over dp x cp and, under expert
+    # the mode's exposed communication (engine/planning/dp.py), over dp x cp and, under expert
     # parallelism, the experts' over expert-dp
     model = dp_model(cfg)
     dp = sum(

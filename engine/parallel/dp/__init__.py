@@ -6,7 +6,7 @@
 
 ``MODES`` is the registry: each mode's DpModeSpec (registry.py) declares its code, the keys only it reads and its
 checks (checks.py), what it composes with (schedules' sync points, offload, compile), its planner model
-(plan_models.py) and its checkpoint state classes. Everything outside this package asks the spec and never
+(engine/planning/dp.py) and its checkpoint state classes. Everything outside this package asks the spec and never
 compares a mode's name. A new mode is its DataParallel subclass, its checkpoint state, its planner model and one
 entry here (docs/architecture.md, "A new dp mode", names every file). No torch: the config checks read this.
 """
@@ -20,7 +20,7 @@ from engine.parallel.dp.registry import DpModeSpec
 from engine.parallel.pp.actions import CHUNK_BACKWARD, CHUNK_LAST_W, LAST_BACKWARD, LAST_W
 
 _TORCH_STATE = ("engine.checkpoint.state:TorchState",)
-_PLAN = "engine.parallel.dp.plan_models:"
+_PLAN = "engine.planning.dp:"
 _ALL_SYNCS = frozenset({LAST_BACKWARD, CHUNK_BACKWARD, LAST_W})
 
 MODES: dict[str, DpModeSpec] = {

@@ -18,7 +18,7 @@ class DpModeSpec:
 
     ``impl``: "module:class" of its engine.parallel.dp.base.DataParallel. ``state``: "module:class" of each
     checkpoint state class it hands out (engine.checkpoint.state.CheckpointState; tests check them against it).
-    ``planner``: "module:class" of its planner model (engine/parallel/dp/plan_models.py), or None: the planner then
+    ``planner``: "module:class" of its planner model (engine/planning/dp.py), or None: the planner then
     refuses the mode in one line rather than pricing it as another. ``keys``: the parallel.* keys only this mode
     reads; set away from their default under another mode they are refused (``refuse_key`` says how).
     ``check``: its own world-size-free checks of cfg (engine/config_checks.py calls it), ``check_layout``: its

@@ -22,8 +22,38 @@ from __future__ import annotations
 from engine.kinds.offload import OFFLOADS
 from engine.parallel.dp.ds_json import load_base_config, offload_of
 from engine.parallel.layout.checks import reshard_after_forward
-from engine.planning.planner import model_state_parts
-from engine.planning.search import link_bandwidth, ring_time
+from engine.planning.links import link_bandwidth, ring_time
+
+# bytes per parameter: (weights, gradients, optimizer state)
+PRECISIONS = {
+    "mixed": (2, 2, 12),
+    "fp32": (4, 4, 8),
+    "fp32_master": (4, 4, 12),  # DeepSpeed ZeRO in fp32: a flat fp32 master partition besides the weights
+    "bf16_fp32_grads": (2, 4, 12),
+}  # DeepSpeed bf16 with grad_accum_dtype fp32 (engine/parallel/dp/zero.py)
+
+
+def model_state_bytes(params: int, dp: int, zero_stage: int, precision: str = "mixed") -> float:
+    """Bytes of weights + gradients + optimizer state held by one rank for ``params`` parameters over ``dp``
+    data-parallel ranks at ZeRO ``zero_stage`` (0 = plain data parallelism; FSDP with resharding is stage 3)."""
+    return sum(model_state_parts(params, dp, zero_stage, precision))
+
+
+def model_state_parts(params: int, dp: int, zero_stage: int, precision: str = "mixed") -> tuple[float, ...]:
+    """(weights, gradients, optimizer state) bytes of model_state_bytes, in that order."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage} is not one of 0, 1, 2, 3")
+    if dp < 1:
+        raise ValueError(f"dp={dp} must be >= 1")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+    w, g, k = PRECISIONS[precision]
+    # ZeRO's stage s shards the last s of (optimizer state, gradients, weights).
+    return (
+        params * w / (dp if zero_stage >= 3 else 1),
+        params * g / (dp if zero_stage >= 2 else 1),
+        params * k / (dp if zero_stage >= 1 else 1),
+    )
 
 
 def group_span(layout) -> int:
