@@ -5,7 +5,7 @@ defines the model, so model keys given beside init_from are overridden, except `
 ``data.tokenizer`` at the folder when it has a tokenizer and none was given. ``load_weights`` then fills a
 freshly built trainer's checkpoint parts (engine/checkpoint/parts.py), at any layout and dp mode, with the folder's
 tensors: each rank reads only its tp block of each parameter, through the same slots a checkpoint load uses
-(engine/checkpoint/state.py). A checkpoint to resume from (checkpoint.resume) wins over init_from, so a restarted
+(engine/parallel/dp/state.py). A checkpoint to resume from (checkpoint.resume) wins over init_from, so a restarted
 job continues where it stopped.
 """
 
@@ -19,10 +19,10 @@ from safetensors import safe_open
 
 from engine.checkpoint.format import CheckpointError
 from engine.checkpoint.parts import CheckpointParts
-from engine.checkpoint.state import slots
 from engine.config import Config, ConfigError, validate
 from engine.model.hf import TOKENIZER_FILES
 from engine.model.hf_folder import hf_tensors, read_folder, skip_reason
+from engine.parallel.dp.state import slots
 
 
 def adopt_shape(cfg: Config) -> None:

@@ -19,7 +19,7 @@ from engine.parallel.dp import checks
 from engine.parallel.dp.registry import DpModeSpec
 from engine.parallel.pp.actions import CHUNK_BACKWARD, CHUNK_LAST_W, LAST_BACKWARD, LAST_W
 
-_TORCH_STATE = ("engine.checkpoint.state:TorchState",)
+_TORCH_STATE = ("engine.parallel.dp.state:TorchState",)
 _PLAN = "engine.planning.dp:"
 _ALL_SYNCS = frozenset({LAST_BACKWARD, CHUNK_BACKWARD, LAST_W})
 

@@ -17,7 +17,7 @@ class DpModeSpec:
     """One dp mode: its code, its keys and checks, what it composes with, its planner model and checkpoint state.
 
     ``impl``: "module:class" of its engine.parallel.dp.base.DataParallel. ``state``: "module:class" of each
-    checkpoint state class it hands out (engine.checkpoint.state.CheckpointState; tests check them against it).
+    checkpoint state class it hands out (engine.parallel.dp.state.CheckpointState; tests check them against it).
     ``planner``: "module:class" of its planner model (engine/planning/dp.py), or None: the planner then
     refuses the mode in one line rather than pricing it as another. ``keys``: the parallel.* keys only this mode
     reads; set away from their default under another mode they are refused (``refuse_key`` says how).
