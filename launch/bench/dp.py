@@ -32,10 +32,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from engine.cluster.spawn import run_ranks  # noqa: E402
 from engine.config import load  # noqa: E402
 from engine.model.transformer import build, count_params  # noqa: E402
 from engine.parallel.layout.context import ParallelContext  # noqa: E402
+from engine.parallel.layout.spawn import run_ranks  # noqa: E402
 from engine.planning.dp import model_state_bytes  # noqa: E402
 
 MODES = {

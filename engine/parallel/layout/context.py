@@ -21,9 +21,9 @@ from engine.parallel.layout.checks import Layout, resolve_layout
 from engine.parallel.layout.mesh import DATA_AXES, MODEL_PARALLEL, Mesh
 from engine.parallel.layout.threads import local_world_size, set_threads
 
-# Set to 1 by engine/cluster/spawn.py in each forked gloo rank: that rank runs on the CPU whatever GPUs are visible
-# (several forked ranks would all get cuda:0, which NCCL refuses as "Duplicate GPU detected", and a child must not
-# touch CUDA at all if its parent initialised it before forking).
+# Set to 1 by engine/parallel/layout/spawn.py in each forked gloo rank: that rank runs on the CPU whatever GPUs are
+# visible (several forked ranks would all get cuda:0, which NCCL refuses as "Duplicate GPU detected", and a child must
+# not touch CUDA at all if its parent initialised it before forking).
 CPU_ONLY_ENV = "ENGINE_CPU_ONLY"
 
 
