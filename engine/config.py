@@ -43,7 +43,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02  # N(0, init_std) for every linear and embedding weight, as HF Llama's _init_weights
-    # What the supported families differ in (engine/model/families.py maps them to and from HF config.json).
+    # What the supported families differ in (engine/hf/families.py maps them to and from HF config.json).
     # llama | qwen2 | mistral | qwen3 | mixtral | qwen2_moe | olmoe | qwen3_moe: the HF architecture export writes
     family: str = "llama"
     attention_bias: bool = False  # bias on q/k/v (Qwen2); o_proj never has one here
@@ -61,7 +61,7 @@ class ModelConfig:
     moe_norm_topk_prob: bool = True  # softmax-then-top-k gating: renormalise the k weights to sum 1
     moe_shared_expert_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert width (0: none)
     moe_capacity_factor: float = 0.0  # 0: dropless; else at most ceil(cf * tokens * k / E) copies per expert
-    init_from: str = ""  # a Hugging Face folder whose shape and weights start the run (engine/model/hf_init.py)
+    init_from: str = ""  # a Hugging Face folder whose shape and weights start the run (engine/hf/init.py)
 
 
 @dataclass
