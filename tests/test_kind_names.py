@@ -18,7 +18,6 @@ import re
 from pathlib import Path
 
 from engine.config_checks import CHOICES
-from engine.kinds import load
 from engine.kinds.cp_modes import CP_MODES
 from engine.kinds.families import FAMILIES
 from engine.kinds.offload import OFFLOADS
@@ -151,9 +150,13 @@ def test_every_kind_is_a_config_choice_read_from_its_registry():
 
 
 def test_specs_name_code_that_exists():
-    """The code a spec names by "module:name" (cp modes' attention cores and planner models) imports."""
+    """Every name a spec gives to code on a higher floor resolves there (a typo fails here, not in a run): cp modes'
+    attention cores (engine/parallel/cp/apply.py core_class) and planner models (engine/planning/cp.py)."""
+    from engine.parallel.cp.apply import core_class
+    from engine.planning.cp import model_class
+
     for spec in CP_MODES.values():
-        assert callable(load(spec.core)) and callable(load(spec.planner)), spec.name
+        assert callable(core_class(spec)) and callable(model_class(spec)), spec.name
     for spec in FAMILIES.values():  # an MoE family's gating is one engine/model/moe.py route computes
         assert spec.moe is None or spec.moe.gating in ("topk_softmax", "softmax_topk"), spec.name
 
