@@ -12,8 +12,8 @@ from engine.kinds.cp_modes import CP_MODES
 from engine.kinds.families import FAMILIES, MOE_FAMILIES
 from engine.kinds.offload import OFFLOADS
 from engine.kinds.recompute import RECOMPUTE
+from engine.kinds.schedules import SCHEDULES
 from engine.parallel import dp
-from engine.parallel.pp.schedule import SCHEDULES
 
 if TYPE_CHECKING:
     from engine.config import Config

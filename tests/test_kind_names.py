@@ -22,13 +22,13 @@ from engine.kinds.cp_modes import CP_MODES
 from engine.kinds.families import FAMILIES
 from engine.kinds.offload import OFFLOADS
 from engine.kinds.recompute import RECOMPUTE
+from engine.kinds.schedules import SCHEDULES
 from engine.parallel.dp import MODES
-from engine.parallel.pp.schedule import SCHEDULES
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = {  # kind -> (its names, the config keys holding one, the paths (prefixes) where they may be compared)
     "dp mode": (set(MODES), ("dp_mode",), ("engine/parallel/dp/",)),
-    "schedule": (set(SCHEDULES), ("schedule",), ("engine/parallel/pp/schedule", "engine/parallel/pp/actions.py")),
+    "schedule": (set(SCHEDULES), ("schedule",), ("engine/kinds/schedules.py", "engine/parallel/pp/schedule")),
     "model family": (set(FAMILIES), ("family",), ("engine/kinds/families.py",)),
     "cp mode": (set(CP_MODES), ("cp_mode",), ("engine/kinds/cp_modes.py",)),
     "recompute mode": (set(RECOMPUTE), ("activation_checkpointing", "recompute"), ("engine/kinds/recompute.py",)),
@@ -151,12 +151,16 @@ def test_every_kind_is_a_config_choice_read_from_its_registry():
 
 def test_specs_name_code_that_exists():
     """Every name a spec gives to code on a higher floor resolves there (a typo fails here, not in a run): cp modes'
-    attention cores (engine/parallel/cp/apply.py core_class) and planner models (engine/planning/cp.py)."""
+    attention cores (engine/parallel/cp/apply.py core_class) and planner models (engine/planning/cp.py), schedules'
+    table builders (engine/parallel/pp/schedule.py table_builder)."""
     from engine.parallel.cp.apply import core_class
+    from engine.parallel.pp.schedule import table_builder
     from engine.planning.cp import model_class
 
     for spec in CP_MODES.values():
         assert callable(core_class(spec)) and callable(model_class(spec)), spec.name
+    for spec in SCHEDULES.values():
+        assert callable(table_builder(spec)), spec.name
     for spec in FAMILIES.values():  # an MoE family's gating is one engine/model/moe.py route computes
         assert spec.moe is None or spec.moe.gating in ("topk_softmax", "softmax_topk"), spec.name
 

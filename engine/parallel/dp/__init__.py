@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from engine.errors import ConfigError
 from engine.kinds import load
+from engine.kinds.schedules import CHUNK_BACKWARD, CHUNK_LAST_W, LAST_BACKWARD, LAST_W
 from engine.parallel.dp import checks
 from engine.parallel.dp.registry import DpModeSpec
-from engine.parallel.pp.actions import CHUNK_BACKWARD, CHUNK_LAST_W, LAST_BACKWARD, LAST_W
 
 _TORCH_STATE = ("engine.parallel.dp.state:TorchState",)
 _PLAN = "engine.planning.dp:"

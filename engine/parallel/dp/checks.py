@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from engine.errors import ConfigError
 from engine.kinds.offload import OFFLOADS
+from engine.kinds.schedules import CHUNK_BACKWARD, LAST_W, SCHEDULES
 from engine.parallel.dp.ds_json import DEFAULTS as DS_STAGES
 from engine.parallel.dp.ds_json import check_overlap_comm, offload_of, read_user_config
-from engine.parallel.pp.actions import CHUNK_BACKWARD, LAST_W
-from engine.parallel.pp.schedule import SCHEDULES
 
 
 def refuse_ddp_key(cfg, key: str) -> str:

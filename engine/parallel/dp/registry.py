@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.parallel.pp.actions import LAST_BACKWARD
+from engine.kinds.schedules import LAST_BACKWARD
 
 
 @dataclass(frozen=True)
