@@ -78,7 +78,7 @@ class ParallelConfig:
     ep: int = 1  # expert parallelism: experts split over ep consecutive dp x cp ranks (MoE models; engine/parallel/ep/)
     dp_mode: str = "ddp"  # ddp | fsdp | zero
     zero_stage: int = 0  # 1..3 with dp_mode=zero
-    ds_config: str = ""  # zero: a DeepSpeed JSON merged over the defaults (engine/parallel/dp/ds_json.py); '' none
+    ds_config: str = ""  # zero: a DeepSpeed JSON merged over the defaults (engine/kinds/ds_config.py); '' none
     # Optimizer / parameter offload to host memory (ZeRO-Offload, Ren et al. 2021): none | optimizer (zero: fp32
     # master weights, gradient partition and Adam state on the host, the update there) | optimizer_and_params
     # (also the weights: zero stage 3's offload_param, or fsdp's CPUOffloadPolicy)

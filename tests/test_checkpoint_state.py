@@ -8,8 +8,8 @@ import inspect
 
 import pytest
 
-from engine.kinds import load
-from engine.parallel.dp import MODES
+from engine.kinds.dp_modes import MODES
+from engine.parallel.dp import resolve
 from engine.parallel.dp.state import CheckpointState
 
 METHODS = ("held", "writes", "state_names", "get", "set", "prepare", "finish", "adam_step")
@@ -23,12 +23,12 @@ def test_protocol_declares_the_eight_methods():
 
 def test_each_mode_names_a_state_class():
     assert all(spec.state for spec in MODES.values())
-    assert "engine.parallel.dp.state:TorchState" in CLASSES and len(CLASSES) >= 3  # TorchState, Zero12State, Zero3State
+    assert "state:TorchState" in CLASSES and len(CLASSES) >= 3  # TorchState, Zero12State, Zero3State
 
 
 @pytest.mark.parametrize("path", CLASSES)
 def test_state_class_follows_the_protocol(path):
-    cls = load(path)
+    cls = resolve(path)
     assert issubclass(cls, CheckpointState)  # runtime_checkable: every method present
     for name in METHODS:
         owner = next(c for c in cls.__mro__ if name in vars(c))

@@ -1,9 +1,9 @@
-"""Each dp mode's planner model: the bytes one rank holds per parameter (weights, gradients, optimizer state,
-sharded or not; Rajbhandari et al. 2020, "ZeRO", Sec. 5), what it gathers and buffers, what it offloads, its
-exposed communication per step, and the variants the layout search tries. Its DpModeSpec names its class
-(engine/parallel/dp/__init__.py); engine/planning/planner.py and search.py call these methods and never compare a
-mode's name; a mode without one is refused by the planner (planner.dp_model). The formulas are explained in those
-two modules' docstrings; this file only says which applies to which mode.
+"""Each dp mode's planner model: the bytes one rank holds per parameter (weights, gradients, optimizer state, sharded or
+not; Rajbhandari et al. 2020, "ZeRO", Sec. 5), what it gathers and buffers, what it offloads, its exposed
+communication per step, and the variants the layout search tries. Its DpModeSpec names its class
+(engine/kinds/dp_modes.py; ``model_class`` below resolves it); engine/planning/planner.py and search.py call these
+methods and never compare a mode's name; a mode without one is refused by the planner (planner.dp_model). The
+formulas are explained in those two modules' docstrings; this file only says which applies to which mode.
 
 Methods, each (cfg, layout, ...): ``state(params, micro_batches)`` -> (weights, grads, optimizer) bytes;
 ``step_buffers(params, foreach)``: temporaries of the optimizer step; ``buffers(params)`` -> (gathered weights,
@@ -19,8 +19,9 @@ whether the experts' reduction overlaps the backward as the dense one does (ddp:
 
 from __future__ import annotations
 
+from engine.kinds.dp_modes import DpModeSpec
+from engine.kinds.ds_config import load_base_config, offload_of
 from engine.kinds.offload import OFFLOADS
-from engine.parallel.dp.ds_json import load_base_config, offload_of
 from engine.parallel.layout.checks import reshard_after_forward
 from engine.planning.links import link_bandwidth, ring_time
 
@@ -221,3 +222,14 @@ class ZeroModel:
         reduce = ring_time(grads, d, 2, bw, lat) if stage == 1 else micro_batches * ring_time(grads, d, 1, bw, lat)
         gather = ring_time(weights, d, 1, bw, lat) * (2 * micro_batches if stage == 3 else 1)
         return reduce + gather
+
+
+# The planner models a DpModeSpec.planner may name (engine/kinds/dp_modes.py): a new dp mode adds its class here.
+MODELS = {c.__name__: c for c in (DDPModel, FSDPModel, ZeroModel)}
+
+
+def model_class(spec: DpModeSpec) -> type:
+    """The planner model class ``spec.planner`` names."""
+    if spec.planner not in MODELS:
+        raise LookupError(f"dp mode {spec.name}: no planner model {spec.planner!r} (one of {', '.join(MODELS)})")
+    return MODELS[spec.planner]

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from engine.config import Config, ConfigError
 from engine.kinds.cp_modes import CP_MODES
+from engine.kinds.dp_modes import MODES as DP_MODE_SPECS
 from engine.kinds.offload import OFFLOADS
 from engine.kinds.recompute import RECOMPUTE
 from engine.kinds.schedules import SCHEDULES
-from engine.parallel.dp import MODES as DP_MODE_SPECS
 from engine.parallel.layout.checks import Layout, check_supported, resolve_layout
 from engine.planning.planner import planner_model, with_layout
 

@@ -40,16 +40,16 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from engine.config import Config, ConfigError, ModelConfig
-from engine.kinds import load
+from engine.kinds import dp_modes
 from engine.kinds.families import FAMILIES
 from engine.model.moe import is_moe_layer
-from engine.parallel import dp as dp_modes
 from engine.parallel.layout.checks import Layout, micro_batches_per_step, resolve_layout
 from engine.parallel.pp.split import stage_layer_ranges
 from engine.planning import activations as acts
 from engine.planning import cp as cp_plan
 from engine.planning import ep as ep_plan
 from engine.planning.balance import layer_counts
+from engine.planning.dp import model_class
 from engine.planning.moe import expert_params, mlp_params
 from engine.planning.schedules import activations_in_flight, head_stage, one_embedding
 
@@ -144,8 +144,8 @@ def data_layout(layout: Layout) -> Layout:
 
 
 @lru_cache(maxsize=None)
-def _model(path: str):
-    return load(path)()
+def _model(name: str):
+    return model_class(dp_modes.MODES[name])()
 
 
 def planner_model(name: str):
@@ -157,7 +157,7 @@ def planner_model(name: str):
             f"dp mode '{name}' has no planner model; declare one (DpModeSpec.planner, "
             f"engine/planning/dp.py) or plan parallel.dp_mode {modelled}"
         )
-    return _model(spec.planner)
+    return _model(name)
 
 
 def dp_model(cfg: Config):

@@ -20,7 +20,7 @@ row-parallel linear, one backward per column-parallel linear, none fused); ddp: 
 all-reduce, overlapped with the last micro-batch's backward except the last bucket; fsdp: an all-gather per micro-batch
 forward (and another in backward with
 reshard_after_forward) that overlaps compute, and the gradient reduce-scatter of the last micro-batch; zero k
-(DeepSpeed, overlap_comm off in engine/parallel/dp/ds_json.py): stage 1 all-reduces gradients once, stage 2
+(DeepSpeed, overlap_comm off in engine/kinds/ds_config.py): stage 1 all-reduces gradients once, stage 2
 reduce-scatters every micro-batch, stage 3 also all-gathers weights forward and backward, and stages 1-2
 all-gather the updated weights; ep (engine/planning/ep.py): the token all-to-alls, exposed, the busiest ep rank's
 extra expert rows, and the experts' own reduction over expert-dp (after the backward under ddp). Not modelled: the

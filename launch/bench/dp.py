@@ -13,7 +13,7 @@ a) Memory. For each dp and mode (ddp, fsdp with resharding, DeepSpeed ZeRO-1/2/3
 b) Step time. At --time-dp ranks one process holds a trainer of every mode over the same process group and
    the modes take turns step by step (A B C ... A B C ...), so drift in machine load hits all alike; the medians
    are printed as ratios to ddp.
-DeepSpeed's reduction buckets come from engine/parallel/dp/ds_json.py (5e7 elements): they dominate a small model's
+DeepSpeed's reduction buckets come from engine/kinds/ds_config.py (5e7 elements): they dominate a small model's
 "other" column on purpose, as they would on a GPU.
 """
 

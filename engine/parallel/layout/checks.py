@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass
 
 from engine.config import Config, ConfigError, TrainConfig
+from engine.kinds import dp_modes
 from engine.kinds.cp_modes import CP_MODES
 from engine.kinds.schedules import SCHEDULES
-from engine.parallel import dp as dp_modes
 from engine.parallel.layout.mesh import AXES
 from engine.parallel.pp import schedule as sched
 
