@@ -1,9 +1,9 @@
 """Kinds carry their own knowledge (issues 25, 36): a kind's name is compared only in its own package; everything
-else asks the kind's spec. Every registry is covered: dp modes (engine/parallel/dp/, DpModeSpec), schedules
-(engine/parallel/pp/schedule.py, pp/schedules/, pp/actions.py ScheduleSpec) and the declarations of engine/kinds/,
-where alone their
-names may be compared: model families (FamilySpec), cp modes (CpModeSpec), recompute modes (RecomputeSpec) and
-offload (OffloadSpec). Read from the source like tests/test_layout.py (no imports of the files checked).
+else asks the kind's spec. Every registry is covered, each declared in engine/kinds/: dp modes (DpModeSpec), schedules
+(ScheduleSpec), model families (FamilySpec), cp modes (CpModeSpec), recompute modes (RecomputeSpec) and offload
+(OffloadSpec). A kind's own package, where alone its names may be compared, is its engine/kinds/ module plus the
+package that resolves its names (dp modes: engine/parallel/dp/; schedules: engine/parallel/pp/schedule.py). Read
+from the source like tests/test_layout.py (no imports of the files checked).
 
 A comparison is a literal name (or a tuple, list or set holding one) on either side of ==, !=, in or not in, the
 argument of startswith/endswith, or a key of a dict literal looked up on the spot ({"zero": ...}[mode] or .get).

@@ -165,7 +165,7 @@ class FSDPModel(TorchAdamWModel):
 
 class ZeroModel:
     """DeepSpeed ZeRO stage k with its fp32 master copy (K = 12; bf16 weights and fp32 gradients in bf16 runs),
-    one step counter per flat group, its own buckets (ds_json settings) and its offload (ZeRO-Offload)."""
+    one step counter per flat group, its own buckets (kinds/ds_config.py) and its offload (ZeRO-Offload)."""
 
     shards, grads_whole_step, per_tensor_step, experts_overlap = True, False, False, True
 

@@ -3,7 +3,7 @@
 ``ZeRO`` (the DataParallel of dp_mode=zero, engine/parallel/dp/base.py) hands our stage module (already
 tensor-parallel) and the AdamW of engine/optim.py to
 ``deepspeed.initialize(..., mpu=ctx)``; ``ds_config`` derives DeepSpeed's config from ours on top of the tunable
-settings (built-in defaults per stage, merged with the user's ``parallel.ds_config`` file: ds_json.py). The step
+settings (built-in defaults per stage, merged with the user's ``parallel.ds_config`` file: kinds/ds_config.py). The step
 contract is ours, not DeepSpeed's per-micro-batch one: the trainer runs all m micro-batch forward/backward passes,
 then calls ``step(lr)`` once. DeepSpeed is put in caller-owned
 accumulation mode (``managed_gradient_accumulation: false``): ``engine.backward`` only accumulates (ZeRO-2/3
