@@ -43,7 +43,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02  # N(0, init_std) for every linear and embedding weight, as HF Llama's _init_weights
-    # What the supported families differ in (engine/model/families.py maps them to and from HF config.json).
+    # What the supported families differ in (engine/hf/families.py maps them to and from HF config.json).
     # llama | qwen2 | mistral | qwen3 | mixtral | qwen2_moe | olmoe | qwen3_moe: the HF architecture export writes
     family: str = "llama"
     attention_bias: bool = False  # bias on q/k/v (Qwen2); o_proj never has one here
@@ -61,7 +61,7 @@ class ModelConfig:
     moe_norm_topk_prob: bool = True  # softmax-then-top-k gating: renormalise the k weights to sum 1
     moe_shared_expert_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert width (0: none)
     moe_capacity_factor: float = 0.0  # 0: dropless; else at most ceil(cf * tokens * k / E) copies per expert
-    init_from: str = ""  # a Hugging Face folder whose shape and weights start the run (engine/model/hf_init.py)
+    init_from: str = ""  # a Hugging Face folder whose shape and weights start the run (engine/hf/init.py)
 
 
 @dataclass
@@ -78,7 +78,7 @@ class ParallelConfig:
     ep: int = 1  # expert parallelism: experts split over ep consecutive dp x cp ranks (MoE models; engine/parallel/ep/)
     dp_mode: str = "ddp"  # ddp | fsdp | zero
     zero_stage: int = 0  # 1..3 with dp_mode=zero
-    ds_config: str = ""  # zero: a DeepSpeed JSON merged over the defaults (engine/parallel/dp/ds_json.py); '' none
+    ds_config: str = ""  # zero: a DeepSpeed JSON merged over the defaults (engine/kinds/ds_config.py); '' none
     # Optimizer / parameter offload to host memory (ZeRO-Offload, Ren et al. 2021): none | optimizer (zero: fp32
     # master weights, gradient partition and Adam state on the host, the update there) | optimizer_and_params
     # (also the weights: zero stage 3's offload_param, or fsdp's CPUOffloadPolicy)
@@ -178,9 +178,7 @@ class LogConfig:
     every: int = 1  # log a metrics.jsonl line every N steps
     progress: bool = True  # the progress line with ETA on rank 0
     breakdown: bool = True  # seconds per phase in each record (on CUDA from events, no host synchronize)
-    peak_tflops: float = (
-        0.0  # device peak for MFU; 0: engine/planning/flops.py's table by CUDA device name (none on CPU)
-    )
+    peak_tflops: float = 0.0  # device peak for MFU; 0: engine/model/flops.py's table by CUDA device name (none on CPU)
     tensorboard: bool = False  # TensorBoard event files in <train.out_dir>/tensorboard (engine/metrics/tensorboard.py)
     wandb_project: str = ""  # '' = off; else log to Weights & Biases (offline unless WANDB_MODE says otherwise)
 

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING
 
 from engine.config_types import explicit_head_dim
 from engine.errors import ConfigError
+from engine.kinds import dp_modes as dp
 from engine.kinds.cp_modes import CP_MODES
 from engine.kinds.families import FAMILIES, MOE_FAMILIES
 from engine.kinds.offload import OFFLOADS
 from engine.kinds.recompute import RECOMPUTE
-from engine.parallel import dp
-from engine.parallel.pp.schedule import SCHEDULES
+from engine.kinds.schedules import SCHEDULES
 
 if TYPE_CHECKING:
     from engine.config import Config
@@ -146,11 +146,10 @@ def _validate_run(cfg: Config) -> None:
 
 
 def _validate_dp(cfg: Config) -> None:
-    """What the dp mode's DpModeSpec declares (engine/parallel/dp/__init__.py): whether it compiles and offloads,
+    """What the dp mode's DpModeSpec declares (engine/kinds/dp_modes.py): whether it compiles and offloads,
     the keys only another mode reads (set away from their default: refused rather than silently ignored), and its
-    own checks."""
-    from engine.config import ParallelConfig  # engine.config imports this module
-
+    own checks. The defaults the owned keys are compared with: a fresh ``type(cfg.parallel)()`` (ParallelConfig; this
+    module sits below engine/config.py, which calls it, and does not import it back)."""
     p, mode = cfg.parallel, dp.spec(cfg)
     if cfg.train.compile and not mode.compile:
         compiled = " or ".join(name for name, s in dp.MODES.items() if s.compile)
@@ -164,7 +163,7 @@ def _validate_dp(cfg: Config) -> None:
             f"parallel.offload={p.offload} needs parallel.dp_mode {honour} (got {p.dp_mode}); "
             f"use offload=none with {p.dp_mode}"
         )
-    dp.check_owned_keys(cfg, ParallelConfig())
+    dp.check_owned_keys(cfg, type(cfg.parallel)())
     if mode.check is not None:
         mode.check(cfg)
     if p.bucket_mb <= 0:

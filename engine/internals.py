@@ -1,6 +1,6 @@
 """The undocumented attributes of DeepSpeed and torch FSDP2 that the engine reads, behind one version check.
 
-Sharded checkpoints (engine/checkpoint/state.py) locate DeepSpeed's fp32 master partitions and Adam moments through its
+Sharded checkpoints (engine/parallel/dp/state.py) locate DeepSpeed's fp32 master partitions and Adam moments through its
 ZeRO optimizer's internals (``single_partition_of_fp32_groups``, ``param._hp_mapping``, ``ds_tensor``, ...);
 ZeRO.all_reduce_grad reads the gradient attribute DeepSpeed accumulates into; memory accounting
 (engine/metrics/memory.py) reads FSDP2's per-parameter records (``module._get_fsdp_state()._fsdp_param_groups``), and

@@ -22,11 +22,11 @@ from engine.checkpoint.parts import CheckpointParts, RunPosition
 from engine.config import Config, ConfigError
 from engine.data import dataset as data_lib
 from engine.data.feed import BatchFeed
+from engine.hf.init import adopt_shape, load_weights
 from engine.metrics import moe as moe_metrics
 from engine.metrics.logger import MetricsLogger
 from engine.metrics.stepstats import StepStats
 from engine.metrics.tensorboard import build_sinks
-from engine.model.hf_init import adopt_shape, load_weights
 from engine.optim import lr_at
 from engine.parallel import dp as dp_lib
 from engine.parallel.cp.inputs import micro_batch_inputs

@@ -1,4 +1,4 @@
-"""Convert between engine checkpoints and Hugging Face Llama, Qwen2 and Mistral folders (engine/model/hf.py).
+"""Convert between engine checkpoints and Hugging Face Llama, Qwen2 and Mistral folders (engine/hf/convert.py).
 
     python launch/convert.py export CKPT OUT_DIR [--max-shard-size 5GB] [--dtype fp32|bf16|fp16] [--overwrite]
     python launch/convert.py import HF_DIR CKPT [--overwrite]
@@ -57,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from engine.model import hf
+    from engine.hf import convert as hf
 
     args = parser().parse_args(argv)  # argparse itself exits 2 with "error: ..." on bad arguments
     if args.command == "export":

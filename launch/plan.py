@@ -33,8 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from engine.config import ConfigError, ParallelConfig, load  # noqa: E402
-from engine.parallel.pp.schedule import SCHEDULES  # noqa: E402
-from engine.planning.flops import peak_tflops  # noqa: E402
+from engine.kinds.schedules import SCHEDULES  # noqa: E402
+from engine.model.flops import peak_tflops  # noqa: E402
 from engine.planning.schedules import SEARCHED, label  # noqa: E402
 from engine.planning.search import Hardware, search  # noqa: E402
 

@@ -173,7 +173,7 @@ def _local_rank(size_bytes: int, iters: int):
 def run_link_test_locally(args: argparse.Namespace) -> None:
     """--local N: the same measurement on N forked gloo ranks of this machine."""
     from engine.cluster.linktest import format_report
-    from engine.cluster.spawn import run_ranks
+    from engine.parallel.layout.spawn import run_ranks
 
     try:
         report = run_ranks(_local_rank, args.local, int(args.size_mb * 2**20), args.iters, timeout_s=args.timeout_s)[0]

@@ -42,7 +42,7 @@ def start_cluster(cfg):
 
 def main(argv: list[str]) -> int:
     cfg = load(argv)  # before the trainer's imports (torch._dynamo among them): a bad config is one line in ~2 s
-    from engine.model.hf_init import adopt_shape
+    from engine.hf.init import adopt_shape
     from engine.parallel.layout.context import ParallelContext, destroy
     from engine.trainer import Trainer, TrainingAborted
 

@@ -8,7 +8,7 @@ from pathlib import Path
 # hidden from the test session and every process it starts, before torch can initialise it: otherwise the launcher
 # tests' ranks would all pick cuda:0 with nccl (NCCL refuses two ranks on one GPU: "Duplicate GPU detected"), and a
 # pytest process that initialised CUDA before forking would break its forked ranks. ENGINE_TEST_CUDA=1 keeps the
-# GPUs visible (forked gloo ranks still run on the CPU: engine/cluster/spawn.py).
+# GPUs visible (forked gloo ranks still run on the CPU: engine/parallel/layout/spawn.py).
 if os.environ.get("ENGINE_TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 # ZeRO-Offload's DeepSpeedCPUAdam is a C++ op DeepSpeed JIT-builds on first use (455 s on 2 cores): the suite uses

@@ -1,4 +1,4 @@
-"""The one way multi-rank tests start ranks: forked gloo processes (engine/cluster/spawn.py), under NCCL's rules.
+"""The one way multi-rank tests start ranks: forked gloo processes (engine/parallel/layout/spawn.py), under NCCL rules.
 
 Every rank started here runs with tests/nccl_shim.py installed: ``batch_isend_irecv`` returns one Work per batch,
 sends are rendezvous and a rank's batches run in order, as under NCCL, so a pipeline bug that only NCCL exposes
@@ -9,8 +9,8 @@ whole run, ``ENGINE_NCCL_SHIM=0`` in the environment (e.g. to tell a shim proble
 
 import os
 
-from engine.cluster import spawn
-from engine.cluster.spawn import free_port
+from engine.parallel.layout import spawn
+from engine.parallel.layout.spawn import free_port
 
 __all__ = ["free_port", "run_ranks", "warm_imports"]
 
@@ -25,7 +25,7 @@ def _under_nccl_rules(fn, *args):
 def run_ranks(
     fn, world_size: int, *args, timeout_s: float = 120.0, threads: int | None = None, nccl_rules: bool | None = None
 ) -> list:
-    """engine.cluster.spawn.run_ranks with NCCL's point-to-point rules in every rank (tests/nccl_shim.py) unless
+    """engine.parallel.layout.spawn.run_ranks with NCCL's point-to-point rules in every rank (tests/nccl_shim.py) unless
     ``nccl_rules`` is False (None: on unless ENGINE_NCCL_SHIM=0)."""
     if nccl_rules is None:
         nccl_rules = os.environ.get("ENGINE_NCCL_SHIM", "1") != "0"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cluster.spawn import free_port
+from engine.parallel.layout.spawn import free_port
 from tests.hosts import unavailable
 
 SSHD = "/usr/sbin/sshd"

@@ -74,7 +74,7 @@ def test_parts_saved_at_dp2_resume_at_tp2_with_step_and_data_position(tmp_path):
 
 
 def test_failed_import_publishes_nothing(tmp_path):
-    from engine.model import hf
+    from engine.hf import convert as hf
 
     source, root = tmp_path / "src", tmp_path / "imported"
     hf_source(source)

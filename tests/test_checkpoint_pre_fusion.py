@@ -22,11 +22,11 @@ from safetensors.torch import load_file
 from engine.checkpoint.checkpointer import Checkpointer
 from engine.checkpoint.format import Reader, read_index
 from engine.checkpoint.parts import CheckpointParts
-from engine.checkpoint.state import TorchState
 from engine.model import transformer as model_lib
 from engine.model.fused import by_hf_name
 from engine.model.init import materialize
 from engine.optim import build_optimizer
+from engine.parallel.dp.state import TorchState
 from engine.parallel.layout.context import ParallelContext
 from engine.parallel.tp.layers import apply_tensor_parallel
 from tests.dist import run_ranks

@@ -1,4 +1,4 @@
-"""Every dp mode's checkpoint state class follows engine/checkpoint/state.py's CheckpointState protocol (issue 25):
+"""Every dp mode's checkpoint state class follows engine/parallel/dp/state.py's CheckpointState protocol (issue 25):
 the classes each DpModeSpec names (TorchState for ddp and fsdp, ZeRO's two) define all eight methods themselves
 (an explicit subclass of a Protocol would otherwise inherit its empty bodies) with the protocol's parameters."""
 
@@ -8,9 +8,9 @@ import inspect
 
 import pytest
 
-from engine.checkpoint.state import CheckpointState
-from engine.kinds import load
-from engine.parallel.dp import MODES
+from engine.kinds.dp_modes import MODES
+from engine.parallel.dp import resolve
+from engine.parallel.dp.state import CheckpointState
 
 METHODS = ("held", "writes", "state_names", "get", "set", "prepare", "finish", "adam_step")
 CLASSES = sorted({path for spec in MODES.values() for path in spec.state})
@@ -23,12 +23,12 @@ def test_protocol_declares_the_eight_methods():
 
 def test_each_mode_names_a_state_class():
     assert all(spec.state for spec in MODES.values())
-    assert "engine.checkpoint.state:TorchState" in CLASSES and len(CLASSES) >= 3  # TorchState, Zero12State, Zero3State
+    assert "state:TorchState" in CLASSES and len(CLASSES) >= 3  # TorchState, Zero12State, Zero3State
 
 
 @pytest.mark.parametrize("path", CLASSES)
 def test_state_class_follows_the_protocol(path):
-    cls = load(path)
+    cls = resolve(path)
     assert issubclass(cls, CheckpointState)  # runtime_checkable: every method present
     for name in METHODS:
         owner = next(c for c in cls.__mro__ if name in vars(c))

@@ -1,4 +1,4 @@
-"""launch/convert.py (engine/model/hf.py): Hugging Face folders out of and into checkpoints.
+"""launch/convert.py (engine/hf/convert.py): Hugging Face folders out of and into checkpoints.
 
 - export: a checkpoint saved at tp 2 x pp 2 with tied embeddings becomes a folder that
   ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load (sharded above
@@ -75,7 +75,7 @@ def hf_source(folder: Path) -> None:
     import transformers
 
     from engine.data.dataset import load_tokenizer
-    from engine.model import hf
+    from engine.hf import convert as hf
 
     torch.manual_seed(1)
     transformers.LlamaForCausalLM(hf.hf_config(load(TIED).model)).save_pretrained(str(folder))
@@ -83,7 +83,7 @@ def hf_source(folder: Path) -> None:
 
 
 def test_export_then_import_round_trip(tmp_path):
-    from engine.model import hf
+    from engine.hf import convert as hf
 
     ckpt, exported, source, imported = (tmp_path / n for n in ("ckpt", "hf", "src", "imported"))
     hf_source(source)

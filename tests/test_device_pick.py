@@ -1,5 +1,5 @@
 """Device and backend on a machine with GPUs, simulated on the CPU (issue 24 item 7): forked gloo ranks never get
-CUDA (engine/cluster/spawn.py sets ENGINE_CPU_ONLY=1), and more local ranks than GPUs under nccl is one clear
+CUDA (engine/parallel/layout/spawn.py sets ENGINE_CPU_ONLY=1), and more local ranks than GPUs under nccl is one clear
 ConfigError instead of NCCL's "Duplicate GPU detected" from inside its set-up."""
 
 import os

@@ -1,4 +1,4 @@
-"""DeepSpeed's tunable settings (engine/parallel/dp/ds_json.py): the defaults ship in the package, not in the
+"""DeepSpeed's tunable settings (engine/kinds/ds_config.py): the defaults ship in the package, not in the
 repository's configs/ (what a non-editable ``pip install .`` lacks); parallel.ds_config merges over them; a bad
 file is one ConfigError line at load time. No DeepSpeed needed: ds_config() only builds the dict."""
 

@@ -23,8 +23,9 @@ import transformers
 
 from engine.config import load
 from engine.data.dataset import load_tokenizer
+from engine.hf import convert as hf
+from engine.hf import families
 from engine.kinds.families import FAMILIES as FAMILY_SPECS
-from engine.model import families, hf
 from engine.model import transformer as model_lib
 from engine.parallel.autograd.comm import gather_from_parallel
 from engine.parallel.layout.context import ParallelContext

@@ -8,8 +8,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from engine.config import load
+from engine.model import flops
 from engine.model import transformer as model_lib
-from engine.planning import flops
 
 
 def tiny():

@@ -1,6 +1,6 @@
 """Malformed Hugging Face folders as a user meets them (issue 34, "lose nothing, round four", part B): through
 ``launch/convert.py import`` and ``launch/pretrain.py --model.init_from``, each is one ``error:`` line naming the key,
-the value and what is valid, exit 2, before anything is allocated (engine/model/hf_config.py, hf_folder.py).
+the value and what is valid, exit 2, before anything is allocated (engine/hf/config_json.py, folder.py).
 
 Before: a config.json that is not JSON, a top-level list, ``"vocab_size": "big"``, ``hidden_size`` 32.5,
 ``rms_norm_eps`` "abc", ``rope_parameters`` a list, llama3 RoPE without ``factor``, Qwen2-MoE's

@@ -3,7 +3,7 @@
 A random ``LlamaForCausalLM`` (GQA: 4 heads, 2 kv heads) or ``Qwen2ForCausalLM`` (q/k/v biases, set random)
 written by transformers itself is started from (``--model.init_from``: each tp rank reads its q/k/v and gate/up
 rows into the fused weights), trained 5 steps at tp 2 (fused qkv_proj/gate_up_proj, 2 all-reduces backward per
-layer), saved, and exported with engine/model/hf.py. transformers' logits of the exported folder must equal the
+layer), saved, and exported with engine/hf/convert.py. transformers' logits of the exported folder must equal the
 engine's own logits after the 5 steps (gathered over tp): fp32, max|a - b| / max|b| <= 1e-5 (measured: ~3e-7).
 The 5 steps must also have moved the model away from the source folder (so the comparison is not of unchanged
 weights). ``LAYOUTS`` lists the parallel settings trained under: tp 2 with the fused layers, with and without
@@ -87,7 +87,7 @@ def max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_hf_folder_trained_at_tp_exports_the_engine_logits(tmp_path, family, layout):
-    from engine.model import hf
+    from engine.hf import convert as hf
 
     source, ckpt, exported = tmp_path / "src", tmp_path / "ckpt", tmp_path / "exported"
     hf_folder(source, family)

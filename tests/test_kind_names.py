@@ -1,9 +1,9 @@
 """Kinds carry their own knowledge (issues 25, 36): a kind's name is compared only in its own package; everything
-else asks the kind's spec. Every registry is covered: dp modes (engine/parallel/dp/, DpModeSpec), schedules
-(engine/parallel/pp/schedule.py, pp/schedules/, pp/actions.py ScheduleSpec) and the declarations of engine/kinds/,
-where alone their
-names may be compared: model families (FamilySpec), cp modes (CpModeSpec), recompute modes (RecomputeSpec) and
-offload (OffloadSpec). Read from the source like tests/test_layout.py (no imports of the files checked).
+else asks the kind's spec. Every registry is covered, each declared in engine/kinds/: dp modes (DpModeSpec), schedules
+(ScheduleSpec), model families (FamilySpec), cp modes (CpModeSpec), recompute modes (RecomputeSpec) and offload
+(OffloadSpec). A kind's own package, where alone its names may be compared, is its engine/kinds/ module plus the
+package that resolves its names (dp modes: engine/parallel/dp/; schedules: engine/parallel/pp/schedule.py). Read
+from the source like tests/test_layout.py (no imports of the files checked).
 
 A comparison is a literal name (or a tuple, list or set holding one) on either side of ==, !=, in or not in, the
 argument of startswith/endswith, or a key of a dict literal looked up on the spot ({"zero": ...}[mode] or .get).
@@ -18,18 +18,21 @@ import re
 from pathlib import Path
 
 from engine.config_checks import CHOICES
-from engine.kinds import load
 from engine.kinds.cp_modes import CP_MODES
+from engine.kinds.dp_modes import MODES
 from engine.kinds.families import FAMILIES
 from engine.kinds.offload import OFFLOADS
 from engine.kinds.recompute import RECOMPUTE
-from engine.parallel.dp import MODES
-from engine.parallel.pp.schedule import SCHEDULES
+from engine.kinds.schedules import SCHEDULES
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = {  # kind -> (its names, the config keys holding one, the paths (prefixes) where they may be compared)
-    "dp mode": (set(MODES), ("dp_mode",), ("engine/parallel/dp/",)),
-    "schedule": (set(SCHEDULES), ("schedule",), ("engine/parallel/pp/schedule", "engine/parallel/pp/actions.py")),
+    "dp mode": (
+        set(MODES),
+        ("dp_mode",),
+        ("engine/kinds/dp_modes.py", "engine/kinds/dp_checks.py", "engine/parallel/dp/"),
+    ),
+    "schedule": (set(SCHEDULES), ("schedule",), ("engine/kinds/schedules.py", "engine/parallel/pp/schedule")),
     "model family": (set(FAMILIES), ("family",), ("engine/kinds/families.py",)),
     "cp mode": (set(CP_MODES), ("cp_mode",), ("engine/kinds/cp_modes.py",)),
     "recompute mode": (set(RECOMPUTE), ("activation_checkpointing", "recompute"), ("engine/kinds/recompute.py",)),
@@ -132,7 +135,7 @@ def test_kind_names_are_compared_only_in_their_packages():
             if not rel.startswith(homes) and (found := name_comparisons(source, names, keys, SHARED)):
                 bad[f"{kind} in {rel}"] = found
     assert bad == {}, (
-        "ask the kind's spec (engine/kinds/, engine/parallel/dp/registry.py, engine/parallel/pp/actions.py "
+        "ask the kind's spec (engine/kinds/, engine/kinds/dp_modes.py, engine/parallel/pp/actions.py "
         "ScheduleSpec; docs/recipes.md)"
     )
 
@@ -151,9 +154,23 @@ def test_every_kind_is_a_config_choice_read_from_its_registry():
 
 
 def test_specs_name_code_that_exists():
-    """The code a spec names by "module:name" (cp modes' attention cores and planner models) imports."""
+    """Every name a spec gives to code on a higher floor resolves there (a typo fails here, not in a run): cp modes'
+    attention cores (engine/parallel/cp/apply.py core_class) and planner models (engine/planning/cp.py), schedules'
+    table builders (engine/parallel/pp/schedule.py table_builder), dp modes' classes (engine/parallel/dp) and
+    planner models (engine/planning/dp.py)."""
+    from engine.parallel.cp.apply import core_class
+    from engine.parallel.dp import impl_class, state_classes
+    from engine.parallel.pp.schedule import table_builder
+    from engine.planning import dp as dp_plan
+    from engine.planning.cp import model_class
+
     for spec in CP_MODES.values():
-        assert callable(load(spec.core)) and callable(load(spec.planner)), spec.name
+        assert callable(core_class(spec)) and callable(model_class(spec)), spec.name
+    for spec in SCHEDULES.values():
+        assert callable(table_builder(spec)), spec.name
+    for spec in MODES.values():
+        assert callable(impl_class(spec)) and all(map(callable, state_classes(spec))), spec.name
+        assert spec.planner is None or callable(dp_plan.model_class(spec)), spec.name
     for spec in FAMILIES.values():  # an MoE family's gating is one engine/model/moe.py route computes
         assert spec.moe is None or spec.moe.gating in ("topk_softmax", "softmax_topk"), spec.name
 

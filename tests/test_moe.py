@@ -192,7 +192,7 @@ def test_moe_metrics_reach_tensorboard_tags():
 def test_mfu_counts_the_active_parameters():
     """6N of MFU takes N = the matmul weights one token passes through: the meta model's linears with each MoE
     layer's stacked experts counted k/E (Mixtral 8x7B: 12.7B of its 46.7B; 12.9B with the embedding)."""
-    from engine.planning.flops import matmul_params
+    from engine.model.flops import matmul_params
 
     for name in ("mixtral-8x7b", "qwen1.5-moe-a2.7b", "olmoe-1b-7b", "tiny-moe"):
         m = load(["--config", f"configs/{name}.yaml"]).model

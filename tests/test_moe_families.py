@@ -22,8 +22,9 @@ import torch
 import transformers
 
 from engine.config import ConfigError, load
+from engine.hf import convert as hf
+from engine.hf import families
 from engine.kinds.families import FAMILIES as FAMILY_SPECS
-from engine.model import families, hf
 from engine.model import transformer as model_lib
 from tests import test_families as families_test
 from tests.cli import run_script

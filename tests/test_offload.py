@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from engine.config import ConfigError, load
-from engine.planning.planner import model_state_parts, stage_memory
+from engine.planning.dp import model_state_parts
+from engine.planning.planner import stage_memory
 from tests.cli import run_script
 from tests.parity import runner
 

@@ -58,6 +58,7 @@ from torch.distributed.pipelining import (  # noqa: E402
 )
 
 from engine.config import load  # noqa: E402
+from engine.kinds.schedules import SCHEDULES  # noqa: E402
 from engine.parallel.layout.context import ParallelContext  # noqa: E402
 from engine.parallel.pp import schedule as sched  # noqa: E402
 from engine.parallel.pp.actions import COMPUTE_OPS, Op, virtual_stage  # noqa: E402
@@ -124,7 +125,7 @@ def torch_schedule(chunks: list, cfg, ctx, name: str, m: int):
     n = ctx.pp * len(chunks)
     stages = []
     for c, module in enumerate(chunks):
-        g = virtual_stage(ctx.pp, ctx.pp_rank, c, sched.SCHEDULES[name].vshape)
+        g = virtual_stage(ctx.pp, ctx.pp_rank, c, SCHEDULES[name].vshape)
         x = torch.zeros(MBS, s, dtype=torch.long) if g == 0 else torch.empty(MBS, s, h, requires_grad=True)
         y = torch.empty(MBS, s, vocab if g == n - 1 else h, requires_grad=True)
         stages.append(PipelineStage(module, g, n, ctx.device, input_args=x, output_args=y, group=ctx.pp_group))
@@ -189,7 +190,7 @@ def compare_on_rank(pp: int, name: str, m: int, v: int) -> dict:
     executor = PipelineExecutor(
         ctx, name, m, (MBS, cfg.train.seq_len, cfg.model.hidden_size), torch.float32, virtual_stages=v, stage=ours
     )
-    vshape = sched.SCHEDULES[name].vshape  # zbv: rank 0 holds the first and the last virtual stage
+    vshape = SCHEDULES[name].vshape  # zbv: rank 0 holds the first and the last virtual stage
     loss_here = virtual_stage(pp, ctx.pp_rank, v - 1, vshape) == pp * v - 1
     forwards = model_chunks(ours, pp, ctx.pp_rank, v, vshape)
     schedule = torch_schedule(model_chunks(theirs, pp, ctx.pp_rank, v, vshape), cfg, ctx, name, m)

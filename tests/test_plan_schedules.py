@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import load
+from engine.kinds.schedules import SCHEDULES
 from engine.parallel.layout.checks import resolve_layout
 from engine.parallel.pp import schedule as sched
 from engine.parallel.pp.actions import Op, virtual_stage
@@ -64,7 +65,7 @@ def w_state(cfg, layers: int) -> float:
 def table_peak(cfg, pp: int, m: int, stage: int) -> float:
     """The most bytes the rank's action table keeps alive: the set of (micro-batch, chunk) pairs forwarded and not
     yet backwarded (BWD, or B under zero bubble), each at its own chunk's size, plus W states from B to W."""
-    v, vshape = schedules.virtual_stages(cfg), sched.SCHEDULES[cfg.parallel.schedule].vshape
+    v, vshape = schedules.virtual_stages(cfg), SCHEDULES[cfg.parallel.schedule].vshape
     layers = cfg.model.num_layers // (pp * v) if v > 1 else len(stage_layer_ranges(cfg.model.num_layers, pp)[stage])
 
     def size(chunk):  # the activations ledger of the chunk's layers, as its virtual stage (chunk*pp + stage of
@@ -287,11 +288,11 @@ def test_plan_cli_bad_virtual_stages_exits_2_with_one_line():
     ]
 
 
-@pytest.mark.parametrize("name", list(sched.SCHEDULES))
+@pytest.mark.parametrize("name", list(SCHEDULES))
 def test_one_count_of_activations_in_flight(name):
     """The simulator's peak_in_flight, the planner's InFlight.count, the held_states walk the planner prices and
     engine.parallel.pp.actions.max_in_flight are one count, for every registered schedule (issue 25)."""
-    spec = sched.SCHEDULES[name]
+    spec = SCHEDULES[name]
     for pp in (2, 4):
         for m in (pp, 2 * pp, 3 * pp):
             v = spec.per_rank(2)  # chunks per rank: 2 with virtual stages or in a V, else 1

@@ -14,7 +14,8 @@ from engine.model import transformer as model_lib
 from engine.parallel.pp.executor import split_stage
 from engine.parallel.tp.layers import vocab_parallel_cross_entropy
 from engine.planning import activations as acts
-from engine.planning.planner import model_state_bytes, stage_memory, stage_params, with_layout
+from engine.planning.dp import model_state_bytes
+from engine.planning.planner import stage_memory, stage_params, with_layout
 from launch.bench.measure import measure_rank
 from tests.dist import run_ranks
 
@@ -28,8 +29,8 @@ def test_dp_mode_without_planner_model_is_refused_in_one_line(monkeypatch):
     """A dp mode registered with no planner model (here: ddp's code under another name) is refused by the planner
     and by the search's pricing, never priced as ddp (issue 25)."""
     from engine.config import ConfigError
-    from engine.parallel import dp
-    from engine.parallel.dp.registry import DpModeSpec
+    from engine.kinds import dp_modes as dp
+    from engine.kinds.dp_modes import DpModeSpec
     from engine.planning.planner import plan_memory
     from engine.planning.search import Hardware, step_time
 

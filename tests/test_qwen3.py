@@ -23,7 +23,7 @@ import pytest
 
 from engine.checkpoint.format import CheckpointError
 from engine.config import ConfigError, ModelConfig, load
-from engine.model import families
+from engine.hf import families
 from tests.dist import run_ranks
 from tests.parity import runner
 from tests.test_moe_tp import REL, _compare, _held

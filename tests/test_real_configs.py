@@ -2,7 +2,7 @@
 
 Each gives the parameter count of its model card, counted three ways that must agree: our model built on the
 meta device, transformers' own class for the family built on the meta device from the config we would export
-(engine/model/families.py), and the planner's per-rank counts summed over stages at tp 1. And launch/plan.py plans
+(engine/hf/families.py), and the planner's per-rank counts summed over stages at tp 1. And launch/plan.py plans
 each one on 8 H100s (four in CI, the others marked slow).
 """
 
@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from engine.config import load
-from engine.model import families
+from engine.hf import families
 from engine.model import transformer as model_lib
 from engine.planning.planner import stage_params
 

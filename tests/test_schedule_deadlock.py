@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.kinds.schedules import SCHEDULES
 from engine.parallel.pp import schedule as sched
 from engine.planning.schedules import SEARCHED
 
@@ -35,7 +36,7 @@ def check_tables(pp: int, ms: list[int] | None = None) -> int:
     n = 0
     for name, m, v in tables(pp, ms):
         sched.simulate(name, pp, m, virtual_stages=v)
-        vshape = sched.SCHEDULES[name].vshape  # zbv: chunks in a V, the turn a local hand-off
+        vshape = SCHEDULES[name].vshape  # zbv: chunks in a V, the turn a local hand-off
         sched.simulate_actions([sched.forward_only(pp, m, s, v, vshape) for s in range(pp)], vshape=vshape)
         n += 1
     return n

@@ -1,4 +1,4 @@
-"""engine/cluster/spawn.py's rank lifetime: ranks tear down their process group together (a rank that finished
+"""engine/parallel/layout/spawn.py's rank lifetime: ranks tear down their process group together (a rank that finished
 first used to close its gloo connections while a peer was still in its last collective: "Connection reset by
 peer"), and a rank that raised still fails the run at once, its traceback reaching the caller (not a peer's lost
 connection), with its peers waiting in a collective or in that final barrier."""

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from engine.config import load
+from engine.model.flops import flops_per_token
 from engine.parallel.layout.context import ParallelContext
-from engine.planning.flops import flops_per_token
 from engine.trainer import Trainer
 from tests.dist import run_ranks
 

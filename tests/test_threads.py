@@ -1,6 +1,6 @@
 """Torch threads per process (engine/parallel/layout/threads.py): the usable cores shared among the node's ranks unless
 OMP_NUM_THREADS says otherwise, set where the device is picked (ParallelContext.from_config, which rank 0 logs) and
-the same in forked test ranks (engine/cluster/spawn.py)."""
+the same in forked test ranks (engine/parallel/layout/spawn.py)."""
 
 import contextlib
 import io

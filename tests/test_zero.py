@@ -19,10 +19,10 @@ pytest.importorskip("deepspeed")
 import torch  # noqa: E402
 
 from engine.config import ConfigError, load  # noqa: E402
+from engine.kinds.dp_checks import check_zero_supported  # noqa: E402
 from engine.model.fused import by_hf_name  # noqa: E402
 from engine.optim import lr_at  # noqa: E402
 from engine.parallel.dp import zero as zero_lib  # noqa: E402
-from engine.parallel.dp.checks import check_zero_supported  # noqa: E402
 from engine.parallel.dp.zero import ds_config  # noqa: E402
 from engine.parallel.layout.context import ParallelContext  # noqa: E402
 from engine.trainer import Trainer  # noqa: E402
@@ -213,7 +213,7 @@ def test_deepspeed_managed_accumulation_with_before_backward(ref, tmp_path):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_overlap_comm_matches_single_process(ref, stage, tmp_path):
-    # A ds_config's zero_optimization.overlap_comm true (our defaults set it false, engine/parallel/dp/ds_json.py):
+    # A ds_config's zero_optimization.overlap_comm true (our defaults set it false, engine/kinds/ds_config.py):
     # DeepSpeed then reduces (stage 2) or reduce-scatters (stage 3) its buckets on a side stream during backward,
     # and must still finish them before our step reads the gradients. ZeRO-1 with it is refused at load.
     results = zero_run(tmp_path, 2, stage, ds={"zero_optimization": {"overlap_comm": True}})

@@ -25,7 +25,7 @@ garbage, so ``auto`` takes the older step);
 ``none`` starts fresh; a PATH (a ``step_*`` directory or a checkpoint directory with ``latest``) must be valid.
 Then the steps of ``checkpoint.dir`` above the one the run starts from are set aside (unusable) or refused (valid:
 another run's), engine/checkpoint/lineage.py, so that every later save and prune sees only this run's lineage.
-Each rank reads only the pieces overlapping what it holds at the new layout (engine/checkpoint/state.py), so tp,
+Each rank reads only the pieces overlapping what it holds at the new layout (engine/parallel/dp/state.py), so tp,
 pp, dp and dp_mode may all change; ``resume`` returns the saved run position, which the trainer applies itself.
 A model-only checkpoint (``launch/convert.py import``) starts at step 0 with a fresh optimizer and the data from
 the beginning.

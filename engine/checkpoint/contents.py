@@ -1,5 +1,5 @@
 """What a checkpoint holds of a rank, and putting it back: the pieces of every parameter and Adam moment this
-rank writes (engine/checkpoint/state.py), its RNG states, and the run's position (step, data position), config and
+rank writes (engine/parallel/dp/state.py), its RNG states, and the run's position (step, data position), config and
 layout.
 
 ``contents`` is one rank's part of a save, from explicit parts (engine/checkpoint/parts.py); ``load_into``
@@ -22,8 +22,8 @@ from safetensors import safe_open
 
 from engine.checkpoint.format import INDEX, MODEL_SHAPE_KEYS, CheckpointError, Reader, piece_key, shard_name
 from engine.checkpoint.parts import CheckpointParts, RunPosition
-from engine.checkpoint.state import slots
 from engine.config import ModelConfig
+from engine.parallel.dp.state import slots
 
 
 def _rng_state(device: torch.device) -> tuple[dict, dict]:

@@ -1,5 +1,5 @@
 """A whole output folder written under a temporary name beside its target, then renamed into place: the Hugging
-Face export and import (engine/model/hf.py, launch/convert.py).
+Face export and import (engine/hf/convert.py, launch/convert.py).
 
 Why: writing straight into the target mixed two exports (step 6's ``model.safetensors`` beside step 3's index
 and shards, and readers prefer the index: ``model.init_from`` silently loaded step 3) and left half a folder

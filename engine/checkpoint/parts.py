@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Callable
 from torch import nn
 
 if TYPE_CHECKING:
-    from engine.checkpoint.state import CheckpointState
     from engine.config import Config
+    from engine.parallel.dp.state import CheckpointState
     from engine.parallel.layout.context import ParallelContext
 
 
@@ -26,7 +26,7 @@ class CheckpointParts:
     """The state of one rank that a save reads and a load overwrites in place."""
 
     model: nn.Module  # this rank's stage: parameters as a checkpoint names them (a DataParallel's ``module``)
-    state: Callable[[], CheckpointState]  # DataParallel.checkpoint_state (engine/checkpoint/state.py's protocol)
+    state: Callable[[], CheckpointState]  # DataParallel.checkpoint_state (engine/parallel/dp/state.py's protocol)
     cfg: Config
     ctx: ParallelContext
 

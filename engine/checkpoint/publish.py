@@ -1,7 +1,7 @@
 """How a checkpoint directory comes into being: written under a temporary name, then published atomically.
 
 Every writer of a checkpoint (a training save, engine/checkpoint/checkpointer.py, and the Hugging Face import,
-engine/model/hf.py) writes its shards into ``staging_dir(root, step, token)`` = ``<root>/step_N.tmp-<token>`` and
+engine/hf/convert.py) writes its shards into ``staging_dir(root, step, token)`` = ``<root>/step_N.tmp-<token>`` and
 then calls ``publish``, the only code that makes a ``step_N`` directory or ``latest`` appear: index.json written
 and fsynced last into the temporary directory, the directory renamed to ``step_N`` (a stale one of the same step
 moved aside first), ``latest`` replaced by write + fsync + os.replace, and the directories fsynced so that the

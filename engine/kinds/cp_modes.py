@@ -1,8 +1,8 @@
 """Context-parallel modes: one ``CpModeSpec`` per ``parallel.cp_mode``, registered in ``CP_MODES`` (the config's
-choices, in the order the planner's search tries them). The layout checks (engine/parallel/layout/checks.py), the model
-(engine/parallel/cp/apply.py swaps in the mode's attention core) and the planner (its communication model,
-engine/planning/cp.py, and what its core saves, engine/planning/activations.py) ask the spec; none compares a
-mode's name. No torch: the config checks read it.
+choices, in the order the planner's search tries them). The layout checks (engine/parallel/layout/checks.py), the
+model (engine/parallel/cp/apply.py swaps in the mode's attention core, named here, its class there) and the planner
+(its communication model, engine/planning/cp.py, and what its core saves, engine/planning/activations.py) ask the
+spec; none compares a mode's name. No torch: the config checks read it.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from engine.errors import ConfigError
 
 @dataclass(frozen=True)
 class CpModeSpec:
-    """One cp mode. ``core``: "module:class" of its attention core (engine/model/attention.py AttentionCore; built
-    as ``core(group, cp)``). ``planner``: "module:class" of its planner model (engine/planning/cp.py: the bytes it
-    moves a layer and their exposed time). ``check``: its refusals of a config with cp > 1 (ConfigError, world-size
-    free). The activation ledger: ``masks_from_doc_ids`` (the core masks each block from the (b, s) document ids,
-    so no (b, 1, s, s) mask is kept), ``saves_own_attention`` (the core saves its own q, k, v, output and lse,
-    whatever the kernel path), ``reorder_indices`` ((s,) int64 token-order indices a layer keeps without
+    """One cp mode. ``core``: the name of its attention core class (engine/model/attention.py AttentionCore; built as
+    ``core(group, cp)``), which engine/parallel/cp/apply.py ``core_class`` resolves. ``planner``: the name of its
+    planner model class (the bytes it moves a layer and their exposed time), which engine/planning/cp.py ``model_class``
+    resolves. Names, not engine paths: this floor imports nothing above it. ``check``: its refusals of a config with cp
+    > 1 (ConfigError, world-size free). The activation ledger: ``masks_from_doc_ids`` (the core masks each block from
+    the (b, s) document ids, so no (b, 1, s, s) mask is kept), ``saves_own_attention`` (the core saves its own q, k, v,
+    output and lse, whatever the kernel path), ``reorder_indices`` ((s,) int64 token-order indices a layer keeps without
     activation checkpointing)."""
 
     name: str
@@ -49,8 +50,8 @@ CP_MODES: dict[str, CpModeSpec] = {
         # Ring Attention (Liu et al. 2023): K/V blocks rotate around the cp group, online softmax (cp/ring.py)
         CpModeSpec(
             "ring",
-            "engine.parallel.cp.apply:RingCore",
-            "engine.planning.cp:RingModel",
+            "RingCore",
+            "RingModel",
             masks_from_doc_ids=True,
             saves_own_attention=True,
         ),
@@ -58,8 +59,8 @@ CP_MODES: dict[str, CpModeSpec] = {
         # q, k, v and output token reorders keep 4 index vectors a layer (index_select saves them, cp/layout.py)
         CpModeSpec(
             "all_to_all",
-            "engine.parallel.cp.ulysses:UlyssesCore",
-            "engine.planning.cp:AllToAllModel",
+            "UlyssesCore",
+            "AllToAllModel",
             check=check_heads_split,
             reorder_indices=4,
         ),

@@ -1,7 +1,7 @@
 """The model families: one ``FamilySpec`` per Hugging Face architecture of the engine's decoder
 (engine/model/transformer.py: RMSNorm, RoPE, GQA, SwiGLU, HF parameter names), registered in ``FAMILIES``; its
 name is ``model.family``. The config checks (the choices, experts only in an MoE family), the config.json import
-and export (engine/model/families.py, moe_families.py, hf_config.py), the model (q/k norms, gating, the experts'
+and export (engine/hf/families.py, moe_families.py, config_json.py), the model (q/k norms, gating, the experts'
 names on disk) and the planner (q/k norm parameters and activations) ask the spec; none compares a family's name.
 
 | architecture          | q/k/v bias | q/k norm                 | sliding window                      | MoE gating   |
@@ -79,7 +79,7 @@ class LayerWindow(NoWindow):
 
 @dataclass(frozen=True)
 class MoeSpec:
-    """The mixture-of-experts part of a family (engine/model/moe.py; config.json keys: engine/model/moe_families.py).
+    """The mixture-of-experts part of a family (engine/model/moe.py; config.json keys: engine/hf/moe_families.py).
 
     ``gating``: topk_softmax (the top k logits, softmax over those k: Mixtral) or softmax_topk (softmax over all E,
     the top k, renormalised with norm_topk_prob). ``count_keys``: the config.json keys that may hold the expert

@@ -1,7 +1,7 @@
 """Activation recomputation modes: one ``RecomputeSpec`` per ``train.activation_checkpointing``, registered in
 ``RECOMPUTE`` (the config's choices, in the order the planner's search tries them; true/false are read as
 full/none, engine/config.py VALUE_ALIASES). What each keeps and re-runs is engine/model/recompute.py's (the
-policy: recompute_run.py); the planner's FLOPs (engine/planning/flops.py), its activation ledger
+policy: recompute_run.py); the planner's FLOPs (engine/model/flops.py), its activation ledger
 (engine/planning/activations.py), the collectives it repeats (engine/planning/search.py, ep.py) ask the spec and
 never compare the name. No torch: the config checks read it.
 """

@@ -7,8 +7,8 @@
 - ``warmup``: true on the first WARMUP_STEPS steps of a process (compilation, first touch of memory, DDP's
   re-bucketing), which the progress line's ETA leaves out; absent on later steps.
 - ``tflops``: achieved model TFLOP/s per device, ``tokens_per_s_per_device * flops_per_token`` with PaLM's
-  6N + 12 L H Q T per token (engine/planning/flops.py); ``mfu`` = tflops / the device's peak (``log.peak_tflops``, else
-  engine/planning/flops.py's table by CUDA device name; absent where no peak is known, a CPU for one).
+  6N + 12 L H Q T per token (engine/model/flops.py); ``mfu`` = tflops / the device's peak (``log.peak_tflops``, else
+  engine/model/flops.py's table by CUDA device name; absent where no peak is known, a CPU for one).
 - ``peak_mem_bytes``: on CUDA the allocator's peak since the previous step (``torch.cuda.max_memory_allocated``);
   on CPU, which has no allocator to ask, the bytes of tensors the rank holds for weights, gradients and optimizer
   state at the update (engine/metrics/memory.py), activations not included. ``mem_source`` says which. The
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from engine.config import Config
 from engine.metrics.timers import PhaseTimer, StepClock
-from engine.planning.flops import device_peak_tflops, flops_per_token
+from engine.model.flops import device_peak_tflops, flops_per_token
 
 # Steps of a process marked "warmup": the first compiles (train.compile; recompiles later are rare), touches fresh
 # CUDA memory and is DDP's last before it re-buckets. On CPU without compile it is not slower (launch/bench/timers.py).

@@ -12,8 +12,8 @@ instead of one per linear).
 The parts stay the model's identity outside the forward:
 - ``part_blocks``: the Hugging Face tensors a local parameter holds, as (name, flat offset, local shape).
   Initialisation (engine/model/init.py) draws each part from its own HF name, so every tp size and the code
-  before the fusion start from the same values; checkpoints (engine/checkpoint/state.py) and HF import/export
-  (engine/model/hf.py, hf_init.py) write and read q_proj/k_proj/v_proj/gate_proj/up_proj, reshardable to any tp.
+  before the fusion start from the same values; checkpoints (engine/parallel/dp/state.py) and HF import/export
+  (engine/hf/convert.py, init.py) write and read q_proj/k_proj/v_proj/gate_proj/up_proj, reshardable to any tp.
 - ``hf_state_dict_hooks``: ``model.state_dict()`` gives HF names (each rank's tp block of them under tp) and
   ``load_state_dict`` takes them; names of the fused form are accepted too.
 """

@@ -49,11 +49,11 @@ from __future__ import annotations
 import torch
 
 from engine.config import Config
+from engine.kinds import dp_modes
 from engine.kinds.cp_modes import CP_MODES
 from engine.kinds.families import FAMILIES
 from engine.kinds.recompute import RECOMPUTE
 from engine.model.attention import EFFICIENT, EFFICIENT_REPEAT_KV, MATH, REPEATS_KV, attention_path
-from engine.parallel import dp as dp_modes
 from engine.parallel.tp.cross_entropy import CHUNK_ELEMENTS
 from engine.planning.moe import (
     expert_grad_buffer_bytes,

@@ -1,7 +1,7 @@
 """Balanced pipeline stages (``parallel.pp_layers: auto``): the split of the decoder layers over pp stages that
 minimises the slowest stage's compute.
 
-A stage's cost is its FLOPs per training token, engine/planning/flops.py ``stage_flops_per_token`` (PaLM's
+A stage's cost is its FLOPs per training token, engine/model/flops.py ``stage_flops_per_token`` (PaLM's
 6 N + 12 L H Q T, recomputation included, as the planner's step time counts it): its decoder layers and, on the
 last stage, the LM head, a (h x V) matmul of 2 h V FLOPs per token forward, 6 h V with the backward. The first
 stage's embedding is a lookup and the final norm and the cross-entropy are element-wise (O(h) and O(V) per token
@@ -29,8 +29,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.config import Config
+from engine.model.flops import stage_flops_per_token
 from engine.parallel.pp.split import even_layers
-from engine.planning.flops import stage_flops_per_token
 
 
 def stage_cost(cfg: Config, pp: int, stage: int, layers: int) -> int:

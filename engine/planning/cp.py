@@ -20,7 +20,7 @@ attention). The cp group spans cp tp consecutive ranks (engine/parallel/layout/m
 from __future__ import annotations
 
 from engine.config import Config
-from engine.kinds import load
+from engine.kinds.cp_modes import CpModeSpec
 from engine.planning.activations import cp_mode, logit_bytes
 
 
@@ -74,10 +74,21 @@ class AllToAllModel:
         return fwd / (bw_gbps * 1e9) + (cp - 1) * lat, bwd / (bw_gbps * 1e9) + (cp - 1) * lat
 
 
+# The planner models a CpModeSpec.planner may name (engine/kinds/cp_modes.py): a new cp mode adds its class here.
+MODELS = {c.__name__: c for c in (RingModel, AllToAllModel)}
+
+
+def model_class(spec: CpModeSpec) -> type:
+    """The planner model class ``spec.planner`` names."""
+    if spec.planner not in MODELS:
+        raise LookupError(f"cp mode {spec.name}: no planner model {spec.planner!r} (one of {', '.join(MODELS)})")
+    return MODELS[spec.planner]
+
+
 def planner_model(cfg: Config):
     """The planner model of the run's cp mode (its CpModeSpec.planner); None at cp = 1."""
     spec = cp_mode(cfg)
-    return load(spec.planner)() if spec else None
+    return model_class(spec)() if spec else None
 
 
 def ring_wire_bytes(cfg: Config, tp: int) -> tuple[float, float]:

@@ -38,7 +38,7 @@ from engine.planning.moe import EP_IMBALANCE, expert_rows
 
 def expert_layout(layout: Layout) -> Layout:
     """``layout`` as the dp mode's planner model sees the experts: their state is reduced and sharded over the
-    expert-dp group of dp cp / ep ranks, strided by ep (its span: plan_models.group_span)."""
+    expert-dp group of dp cp / ep ranks, strided by ep (its span: engine/planning/dp.py group_span)."""
     return dataclasses.replace(layout, dp=layout.dp * layout.cp // layout.ep, cp=1)
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from engine.config import Config, ConfigError
 from engine.kinds.cp_modes import CP_MODES
+from engine.kinds.dp_modes import MODES as DP_MODE_SPECS
 from engine.kinds.offload import OFFLOADS
 from engine.kinds.recompute import RECOMPUTE
-from engine.parallel.dp import MODES as DP_MODE_SPECS
+from engine.kinds.schedules import SCHEDULES
 from engine.parallel.layout.checks import Layout, check_supported, resolve_layout
-from engine.parallel.pp.schedule import SCHEDULES
 from engine.planning.planner import planner_model, with_layout
 
 
@@ -21,7 +21,7 @@ def _divisors(n: int) -> list[int]:
 
 def dp_modes(offload: str, dp: int) -> list[tuple[str, int, str, str]]:
     """The (dp mode, zero stage, reshard, offload) tried at ``dp`` ranks: each registered mode with a planner model,
-    its variants (engine/parallel/dp/plan_models.py) with parallel.offload ``offload`` ("any": every offload but
+    its variants (engine/planning/dp.py) with parallel.offload ``offload`` ("any": every offload but
     none). Offload is tried only where no layout fits without it (or the config asks for it): on a GPU it trades
     host copies and a host Adam step for device memory. At dp = 1 only modes that do not shard (sharding over one
     rank changes nothing)."""

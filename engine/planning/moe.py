@@ -1,5 +1,6 @@
 """Parameter and width counts of the MLP slot of each decoder layer, dense or mixture of experts (engine/model/moe.py),
-for the planner (weights, gradients, optimizer state, activations) and the FLOPs of MFU.
+for the planner (weights, gradients, optimizer state, activations). The ACTIVE weights a token passes through
+(the FLOPs of MFU) are counted with the FLOP formulas, engine/model/flops.py.
 
 A dense layer's MLP is SwiGLU, 3 h f weights. An MoE layer holds the router (E h), E experts (3 h f_e each) and
 Qwen2-MoE's shared expert (3 h f_s) with its gate (h); a token passes through the router, k experts and the shared
@@ -10,6 +11,7 @@ MFU counts these, as Mixtral's and DeepSeek's reports do).
 from __future__ import annotations
 
 from engine.config import ModelConfig
+from engine.model.flops import expert_width, shared_expert_params
 from engine.model.moe import is_moe_layer
 
 # Expert parallelism's load-imbalance margin: the busiest ep rank receives this many times the mean token copies,
@@ -19,40 +21,18 @@ from engine.model.moe import is_moe_layer
 EP_IMBALANCE = 1.27
 
 
-def _expert_width(m: ModelConfig) -> int:
-    return m.moe_intermediate_size or m.intermediate_size
-
-
-def _shared(m: ModelConfig) -> int:
-    """The shared expert and its sigmoid gate (h -> 1)."""
-    return 3 * m.hidden_size * m.moe_shared_expert_size + m.hidden_size if m.moe_shared_expert_size else 0
-
-
 def mlp_params(m: ModelConfig, index: int) -> int:
     """Weights of layer ``index``'s MLP slot: SwiGLU, or router + all experts + shared expert."""
     h = m.hidden_size
     if not is_moe_layer(m, index):
         return 3 * h * m.intermediate_size
-    return m.num_experts * h + m.num_experts * 3 * h * _expert_width(m) + _shared(m)
+    return m.num_experts * h + m.num_experts * 3 * h * expert_width(m) + shared_expert_params(m)
 
 
 def expert_params(m: ModelConfig, index: int) -> int:
     """The routed experts' weights of layer ``index`` (E stacked SwiGLUs, 3 h f_e each; 0 for a dense layer): what
     expert parallelism splits over ep ranks."""
-    return m.num_experts * 3 * m.hidden_size * _expert_width(m) if is_moe_layer(m, index) else 0
-
-
-def mlp_active_params(m: ModelConfig, index: int) -> int:
-    """Matmul weights one token passes through in layer ``index``'s MLP slot (k of the E experts)."""
-    h = m.hidden_size
-    if not is_moe_layer(m, index):
-        return 3 * h * m.intermediate_size
-    return m.num_experts * h + m.experts_per_token * 3 * h * _expert_width(m) + _shared(m)
-
-
-def mean_active_mlp(m: ModelConfig) -> float:
-    """Active MLP matmul weights per layer, averaged over the layers (3 h f for a dense model)."""
-    return sum(mlp_active_params(m, i) for i in range(m.num_layers)) / m.num_layers
+    return m.num_experts * 3 * m.hidden_size * expert_width(m) if is_moe_layer(m, index) else 0
 
 
 def expert_rows(ep: int) -> float:
@@ -66,7 +46,7 @@ def token_ffn_width(m: ModelConfig, index: int, ep: int = 1) -> float:
     experts' rows on the busiest of ``ep`` ranks (expert_rows)."""
     if not is_moe_layer(m, index):
         return m.intermediate_size
-    return m.experts_per_token * _expert_width(m) * expert_rows(ep) + m.moe_shared_expert_size
+    return m.experts_per_token * expert_width(m) * expert_rows(ep) + m.moe_shared_expert_size
 
 
 def routing_bytes_per_token(m: ModelConfig, index: int, width: int, ep: int = 1) -> float:
@@ -94,4 +74,4 @@ def expert_grad_buffer_bytes(m: ModelConfig, ep: int = 1) -> float:
     tests/test_planner.py, tests/test_plan_ep.py); 0 for a dense model."""
     if not m.num_experts:
         return 0.0
-    return 4.0 * m.num_experts // ep * 3 * m.hidden_size * _expert_width(m)
+    return 4.0 * m.num_experts // ep * 3 * m.hidden_size * expert_width(m)

@@ -11,7 +11,7 @@ In fp32 training (as on CPU) weights and gradients take 4 bytes each and Adam's 
 - parameters: the stage's layers (engine.parallel.pp.split.stage_layer_ranges), the embedding on the first stage,
   final norm and LM head on the last (a tied head is a second copy there when pp > 1); linears and the vocab
   split by tp as engine/parallel/tp/layers.py's plan does, norms replicated.
-- state by dp mode, from the mode's planner model (engine/parallel/dp/plan_models.py, named by its DpModeSpec; a
+- state by dp mode, from the mode's planner model (engine/planning/dp.py, named by its DpModeSpec; a
   mode without one is refused, never priced as another): ddp = stage 0 and fsdp = stage 3 with fp32 weights,
   gradients and AdamW moments (bf16 is autocast or FSDP's bf16 compute copy); under fsdp, gradients stay unsharded
   until the last micro-batch (no-sync accumulation), and the gathered weights are extra: one block plus the root unit
@@ -40,49 +40,18 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from engine.config import Config, ConfigError, ModelConfig
-from engine.kinds import load
+from engine.kinds import dp_modes
 from engine.kinds.families import FAMILIES
 from engine.model.moe import is_moe_layer
-from engine.parallel import dp as dp_modes
 from engine.parallel.layout.checks import Layout, micro_batches_per_step, resolve_layout
 from engine.parallel.pp.split import stage_layer_ranges
 from engine.planning import activations as acts
 from engine.planning import cp as cp_plan
 from engine.planning import ep as ep_plan
 from engine.planning.balance import layer_counts
+from engine.planning.dp import model_class
 from engine.planning.moe import expert_params, mlp_params
 from engine.planning.schedules import activations_in_flight, head_stage, one_embedding
-
-# bytes per parameter: (weights, gradients, optimizer state)
-PRECISIONS = {
-    "mixed": (2, 2, 12),
-    "fp32": (4, 4, 8),
-    "fp32_master": (4, 4, 12),  # DeepSpeed ZeRO in fp32: a flat fp32 master partition besides the weights
-    "bf16_fp32_grads": (2, 4, 12),
-}  # DeepSpeed bf16 with grad_accum_dtype fp32 (engine/parallel/dp/zero.py)
-
-
-def model_state_bytes(params: int, dp: int, zero_stage: int, precision: str = "mixed") -> float:
-    """Bytes of weights + gradients + optimizer state held by one rank for ``params`` parameters over ``dp``
-    data-parallel ranks at ZeRO ``zero_stage`` (0 = plain data parallelism; FSDP with resharding is stage 3)."""
-    return sum(model_state_parts(params, dp, zero_stage, precision))
-
-
-def model_state_parts(params: int, dp: int, zero_stage: int, precision: str = "mixed") -> tuple[float, ...]:
-    """(weights, gradients, optimizer state) bytes of model_state_bytes, in that order."""
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage={zero_stage} is not one of 0, 1, 2, 3")
-    if dp < 1:
-        raise ValueError(f"dp={dp} must be >= 1")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
-    w, g, k = PRECISIONS[precision]
-    # ZeRO's stage s shards the last s of (optimizer state, gradients, weights).
-    return (
-        params * w / (dp if zero_stage >= 3 else 1),
-        params * g / (dp if zero_stage >= 2 else 1),
-        params * k / (dp if zero_stage >= 1 else 1),
-    )
 
 
 def layer_params(m: ModelConfig, tp: int, index: int = 0) -> tuple[int, int]:
@@ -170,13 +139,13 @@ class StageMemory:
 def data_layout(layout: Layout) -> Layout:
     """``layout`` as the dp mode's planner model sees the dense weights: cp ranks hold the same weights, so the
     gradients are reduced and the state sharded over dp x cp (engine/parallel/layout/context.py grad_mesh), consecutive
-    groups of tp ranks (ep = 1: no stride; engine/parallel/dp/plan_models.py group_span)."""
+    groups of tp ranks (ep = 1: no stride; engine/planning/dp.py group_span)."""
     return dataclasses.replace(layout, dp=layout.dp * layout.cp, cp=1, ep=1)
 
 
 @lru_cache(maxsize=None)
-def _model(path: str):
-    return load(path)()
+def _model(name: str):
+    return model_class(dp_modes.MODES[name])()
 
 
 def planner_model(name: str):
@@ -186,9 +155,9 @@ def planner_model(name: str):
         modelled = ", ".join(n for n, s in dp_modes.MODES.items() if s.planner)
         raise ConfigError(
             f"dp mode '{name}' has no planner model; declare one (DpModeSpec.planner, "
-            f"engine/parallel/dp/plan_models.py) or plan parallel.dp_mode {modelled}"
+            f"engine/planning/dp.py) or plan parallel.dp_mode {modelled}"
         )
-    return _model(spec.planner)
+    return _model(name)
 
 
 def dp_model(cfg: Config):

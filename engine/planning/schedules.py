@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from engine.config import Config
+from engine.kinds.schedules import SCHEDULES
 from engine.parallel.pp import schedule as sched
 from engine.parallel.pp.actions import Op, max_in_flight, virtual_stage
 from engine.parallel.pp.split import chunk_layer_ranges, stage_layer_ranges
@@ -42,27 +43,27 @@ from engine.planning.balance import layer_counts
 
 # What the planner searches when the config leaves the schedule open: each schedule's ScheduleSpec.searched virtual
 # stage counts (1F1B, interleaved with 2..4 virtual stages, ZB-H1 and ZB-V; GPipe declares none).
-SEARCHED = tuple((name, v) for name, spec in sched.SCHEDULES.items() for v in spec.searched)
+SEARCHED = tuple((name, v) for name, spec in SCHEDULES.items() for v in spec.searched)
 
 
 def virtual_stages(cfg: Config) -> int:
     """Model chunks per rank: parallel.virtual_stages under interleaved, 2 in zbv's V, else 1 (ScheduleSpec)."""
-    return sched.SCHEDULES[cfg.parallel.schedule].per_rank(cfg.parallel.virtual_stages)
+    return SCHEDULES[cfg.parallel.schedule].per_rank(cfg.parallel.virtual_stages)
 
 
 def head_stage(cfg: Config, pp: int) -> int:
     """The pipeline rank holding the final norm, LM head and loss: the last, or rank 0 in zbv's V."""
-    return 0 if sched.SCHEDULES[cfg.parallel.schedule].vshape else pp - 1
+    return 0 if SCHEDULES[cfg.parallel.schedule].vshape else pp - 1
 
 
 def one_embedding(cfg: Config, pp: int) -> bool:
     """A tied embedding and LM head are one tensor: at pp = 1, or on rank 0 of zbv's V."""
-    return cfg.model.tie_embeddings and (pp == 1 or sched.SCHEDULES[cfg.parallel.schedule].vshape)
+    return cfg.model.tie_embeddings and (pp == 1 or SCHEDULES[cfg.parallel.schedule].vshape)
 
 
 def label(schedule: str, v: int) -> str:
     """Short name for tables: 1f1b, gpipe, il-v2 (interleaved, 2 virtual stages), zb-h1, zbv (ScheduleSpec.short)."""
-    return sched.SCHEDULES[schedule].short(v)
+    return SCHEDULES[schedule].short(v)
 
 
 def rank_chunks(cfg: Config, pp: int, stage: int) -> list[tuple[int, int]]:
@@ -73,7 +74,7 @@ def rank_chunks(cfg: Config, pp: int, stage: int) -> list[tuple[int, int]]:
     v = virtual_stages(cfg)
     if v == 1:
         return [(stage, len(stage_layer_ranges(cfg.model.num_layers, pp, layer_counts(cfg, pp))[stage]))]
-    vshape = sched.SCHEDULES[cfg.parallel.schedule].vshape
+    vshape = SCHEDULES[cfg.parallel.schedule].vshape
     ranges = chunk_layer_ranges(cfg.model.num_layers, pp, v, vshape)[stage]
     return [(virtual_stage(pp, stage, c, vshape), len(r)) for c, r in enumerate(ranges)]
 
@@ -88,7 +89,7 @@ def chunk_bytes(cfg: Config, tp: int, pp: int, stage: int) -> list[float]:
 def w_state_bytes(cfg: Config, tp: int, pp: int, stage: int) -> list[float]:
     """Zero bubble: what one micro-batch holds from its B to its W besides its activations, per chunk (see the
     module docstring); 0 for the other schedules."""
-    if not sched.SCHEDULES[cfg.parallel.schedule].split_w:
+    if not SCHEDULES[cfg.parallel.schedule].split_w:
         return [0.0 for _ in rank_chunks(cfg, pp, stage)]
     m, t = cfg.model, cfg.train
     h, q, kvd, f = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.intermediate_size
@@ -183,4 +184,4 @@ def timeline(
     micro-batch on one virtual stage: fwd, bwd (whole backward), and zero bubble's bwd_input (B) and bwd_weight
     (W). Cached: layouts that differ only in their dp mode share their costs."""
     tables = [actions(schedule, pp, micro_batches, s, v) for s in range(pp)]
-    return sched.simulate_actions(tables, fwd, bwd, schedule, bwd_input, bwd_weight, sched.SCHEDULES[schedule].vshape)
+    return sched.simulate_actions(tables, fwd, bwd, schedule, bwd_input, bwd_weight, SCHEDULES[schedule].vshape)

@@ -5,7 +5,7 @@
 where the makespan is engine.parallel.pp.simulator's event simulation of the configured schedule
 (engine/planning/schedules.py), every virtual stage taking the slowest stage's time for one micro-batch / v:
 forward F, input-gradient backward B and weight-gradient backward W (one backward B+W except under zero bubble),
-from its FLOPs (engine/planning/flops.py, recomputation included) at ``efficiency`` of the device peak, its
+from its FLOPs (engine/model/flops.py, recomputation included) at ``efficiency`` of the device peak, its
 tensor-parallel all-reduces, and its pipeline transfers (one each way per model chunk). The bubble is what the
 schedule leaves idle: for 1F1B and GPipe a makespan of (m + p - 1) (F + B), a bubble of (p - 1) / (m + p - 1)
 (Narayanan et al. 2021, Sec. 2.2.1), for interleaved about 1/v of that (their Sec. 2.2.2) with v times the
@@ -20,7 +20,7 @@ row-parallel linear, one backward per column-parallel linear, none fused); ddp: 
 all-reduce, overlapped with the last micro-batch's backward except the last bucket; fsdp: an all-gather per micro-batch
 forward (and another in backward with
 reshard_after_forward) that overlaps compute, and the gradient reduce-scatter of the last micro-batch; zero k
-(DeepSpeed, overlap_comm off in engine/parallel/dp/ds_json.py): stage 1 all-reduces gradients once, stage 2
+(DeepSpeed, overlap_comm off in engine/kinds/ds_config.py): stage 1 all-reduces gradients once, stage 2
 reduce-scatters every micro-batch, stage 3 also all-gathers weights forward and backward, and stages 1-2
 all-gather the updated weights; ep (engine/planning/ep.py): the token all-to-alls, exposed, the busiest ep rank's
 extra expert rows, and the experts' own reduction over expert-dp (after the backward under ddp). Not modelled: the
@@ -34,15 +34,17 @@ from dataclasses import dataclass, field
 from engine.config import Config
 from engine.kinds.offload import OFFLOADS
 from engine.kinds.recompute import RECOMPUTE
+from engine.model import flops
 from engine.parallel.layout.checks import Layout, micro_batches_per_step, resolve_layout
 from engine.parallel.pp.split import stage_layer_ranges
 from engine.parallel.tp.layers import LAYER_PLAN
 from engine.planning import cp as cp_plan
 from engine.planning import ep as ep_plan
-from engine.planning import flops, schedules
+from engine.planning import schedules
 from engine.planning.activations import sequence_share
 from engine.planning.balance import layer_counts
 from engine.planning.layouts import layouts
+from engine.planning.links import link_bandwidth, ring_time
 from engine.planning.planner import StageMemory, data_layout, dp_model, plan_memory, stage_params, state_groups
 from engine.planning.schedules import head_stage, virtual_stages
 
@@ -52,7 +54,7 @@ class Hardware:
     """One device and its links. Defaults: an H100 SXM node (NVLink 4 at 450 GB/s per direction, 8 per node,
     400 Gb/s InfiniBand per GPU between nodes)."""
 
-    peak_tflops: float = 989.0  # dense TFLOP/s of one device in the training dtype (engine.planning.flops.peak_tflops)
+    peak_tflops: float = 989.0  # dense TFLOP/s of one device in the training dtype (engine.model.flops.peak_tflops)
     efficiency: float = 0.5  # fraction of the peak that the matmuls achieve
     memory_gb: float = 80.0  # device memory per rank, GB (1e9 bytes)
     gpus_per_node: int = 8
@@ -78,18 +80,6 @@ class StepTime:
     ep_comm: float = 0.0  # expert parallelism's all-to-alls (engine/planning/ep.py), whole step, exposed
 
 
-def ring_time(nbytes: float, n: int, passes: float, bw_gbps: float, latency_us: float) -> float:
-    """Seconds for a ring collective moving ``passes`` * (n-1)/n of ``nbytes`` per rank (2 for all-reduce)."""
-    if n <= 1:
-        return 0.0
-    return passes * (n - 1) / n * nbytes / (bw_gbps * 1e9) + passes * (n - 1) * latency_us * 1e-6
-
-
-def link_bandwidth(hw: Hardware, span: int) -> float:
-    """The link a group of consecutive-rank ``span`` uses."""
-    return hw.intra_node_gbps if span <= hw.gpus_per_node else hw.inter_node_gbps
-
-
 @dataclass
 class StageCost:
     """Seconds of one micro-batch on one pipeline stage (all its chunks): the forward, the input-gradient backward
@@ -113,7 +103,7 @@ class StageCost:
 
 def stage_cost(cfg: Config, layout: Layout, hw: Hardware, stage: int) -> StageCost:
     """One micro-batch on ``stage`` (see the module docstring). W is the weight-gradient matmuls (2 FLOPs per
-    weight per token, engine.planning.flops.weight_grad_flops_per_token): about half the backward, as Qi et al.
+    weight per token, engine.model.flops.weight_grad_flops_per_token): about half the backward, as Qi et al.
     2023 take it (B = W); B is the rest (input gradients, attention's backward, recomputation)."""
     t, m = cfg.train, cfg.model
     tokens = t.micro_batch_size * t.seq_len // layout.cp  # a cp rank computes on s/cp tokens (balanced causal work)
@@ -187,7 +177,7 @@ def step_time(cfg: Config, world_size: int, hw: Hardware, layout: Layout | None 
     micro_batches = micro_batches_per_step(t, layout.dp)
     worst = max((stage_cost(cfg, layout, hw, s) for s in range(layout.pp)), key=lambda c: c.total)
     makespan, idle = pipeline_time(cfg, layout, worst, micro_batches)
-    # the mode's exposed communication (engine/parallel/dp/plan_models.py), over dp x cp and, under expert
+    # the mode's exposed communication (engine/planning/dp.py), over dp x cp and, under expert
     # parallelism, the experts' over expert-dp
     model = dp_model(cfg)
     dp = sum(

@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from engine.cluster.spawn import run_ranks  # noqa: E402
 from engine.config import load  # noqa: E402
 from engine.parallel.layout.context import ParallelContext  # noqa: E402
+from engine.parallel.layout.spawn import run_ranks  # noqa: E402
 from engine.trainer import Trainer  # noqa: E402
 
 MODES = {f"zero{k}": ["--parallel.dp_mode", "zero", "--parallel.zero_stage", str(k)] for k in (1, 2, 3)}

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from engine.cluster.spawn import run_ranks  # noqa: E402
+from engine.parallel.layout.spawn import run_ranks  # noqa: E402
 
 HOOKS = ("none", "bf16", "fp16", "powersgd")
 BROKEN = ("local", "sum")

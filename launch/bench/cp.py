@@ -4,7 +4,7 @@
         [--set section.key=value ...]
 
 For each sequence length, cp size and cp mode (ring, all_to_all; cp 1 once) forked gloo ranks
-(engine/cluster/spawn.py) run the model (whole, no pp/tp/dp) on one micro-batch: a forward and backward with the
+(engine/parallel/layout/spawn.py) run the model (whole, no pp/tp/dp) on one micro-batch: a forward and backward with the
 cp core the trainer applies (engine/parallel/cp/apply.py), fed as the trainer feeds it (cp/inputs.py). Per rank:
 - saved: the peak bytes saved for backward (engine/metrics/memory.py SavedActivations) against the planner's
   activations.micro_batch_bytes;
@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from engine.cluster.spawn import run_ranks  # noqa: E402
 from engine.config import load  # noqa: E402
+from engine.parallel.layout.spawn import run_ranks  # noqa: E402
 
 HEADER = ["seq", "cp", "mode", "saved MB", "planned MB", "sent MB", "planned MB", "wire MB", "planned MB", "fwd+bwd ms"]
 

@@ -7,13 +7,13 @@ a) Memory. For each dp and mode (ddp, fsdp with resharding, DeepSpeed ZeRO-1/2/3
    the bytes of distinct storages it holds right before that step's update: parameters (FSDP and ZeRO-3: the
    local shard), gradients (ZeRO: its reduced partitions and accumulation copies), optimizer state (Adam moments,
    and DeepSpeed's fp32 master partition) and other DeepSpeed buffers (reduction buckets). Compared with
-   ``engine.planning.planner.model_state_bytes`` (Rajbhandari et al. 2020, Sec. 5): 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N
+   ``engine.planning.dp.model_state_bytes`` (Rajbhandari et al. 2020, Sec. 5): 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N
    with 16-bit weights and fp32 Adam (measured on the zero modes with train.dtype=bf16), and the fp32 analogue
    (4+4+8 bytes, no master copy) for every mode in fp32.
 b) Step time. At --time-dp ranks one process holds a trainer of every mode over the same process group and
    the modes take turns step by step (A B C ... A B C ...), so drift in machine load hits all alike; the medians
    are printed as ratios to ddp.
-DeepSpeed's reduction buckets come from engine/parallel/dp/ds_json.py (5e7 elements): they dominate a small model's
+DeepSpeed's reduction buckets come from engine/kinds/ds_config.py (5e7 elements): they dominate a small model's
 "other" column on purpose, as they would on a GPU.
 """
 
@@ -32,11 +32,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from engine.cluster.spawn import run_ranks  # noqa: E402
 from engine.config import load  # noqa: E402
 from engine.model.transformer import build, count_params  # noqa: E402
 from engine.parallel.layout.context import ParallelContext  # noqa: E402
-from engine.planning.planner import model_state_bytes  # noqa: E402
+from engine.parallel.layout.spawn import run_ranks  # noqa: E402
+from engine.planning.dp import model_state_bytes  # noqa: E402
 
 MODES = {
     "ddp": ["--parallel.dp_mode", "ddp"],
@@ -84,7 +84,7 @@ def memory_table(base: list[str], dps: list[int], modes: list[str]) -> None:
     mib = 2**20
     print(
         "a) per-rank model-state bytes (MiB) right before the optimizer update; formula = "
-        "engine.planning.planner.model_state_bytes(Ψ, N, stage)"
+        "engine.planning.dp.model_state_bytes(Ψ, N, stage)"
     )
     print(
         f"{'precision':<9} {'mode':<6} {'dp':>3} {'params':>8} {'grads':>8} {'optim':>8} {'p+g+o':>8} "

@@ -35,13 +35,15 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # noqa: E402
 
-from engine.checkpoint.state import TorchState  # noqa: E402
-from engine.cluster.spawn import run_ranks  # noqa: E402
+from engine.kinds.dp_modes import (
+    MODES,  # noqa: E402
+    DpModeSpec,  # noqa: E402
+)
 from engine.metrics.memory import LiveTensorBytes, storage_bytes  # noqa: E402
 from engine.optim import unique_params  # noqa: E402
-from engine.parallel.dp import MODES  # noqa: E402
 from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin  # noqa: E402
-from engine.parallel.dp.registry import DpModeSpec  # noqa: E402
+from engine.parallel.dp.state import TorchState  # noqa: E402
+from engine.parallel.layout.spawn import run_ranks  # noqa: E402
 
 
 class FlatAllReduce(TorchOptimizerMixin, DataParallel):

@@ -20,9 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engine.cluster.heartbeat import Heartbeat  # noqa: E402
-from engine.cluster.spawn import run_ranks  # noqa: E402
 from engine.config import load  # noqa: E402
 from engine.parallel.layout.context import ParallelContext  # noqa: E402
+from engine.parallel.layout.spawn import run_ranks  # noqa: E402
 from engine.trainer import Trainer  # noqa: E402
 
 SETTINGS = {"off": 0.0, "default (30 s)": 30.0, "busy (3 s)": 3.0}

@@ -59,7 +59,7 @@ def measure_step(trainer, local_batch: torch.Tensor | None) -> dict[str, int]:
 
 
 def measure_rank(argv: list[str]) -> dict:
-    """Rank function (engine.cluster.spawn.run_ranks): build the Trainer of ``argv`` as launch/pretrain.py does,
+    """Rank function (engine.parallel.layout.spawn.run_ranks): build the Trainer of ``argv`` as launch/pretrain.py does,
     run two steps (AdamW's state exists, DDP has rebuilt its buckets), then measure_step on the next batch.
     Returns the measurement with the rank's pp stage, tp rank and world size."""
     from engine.config import load

@@ -34,11 +34,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch.distributed as dist  # noqa: E402
 
-from engine.cluster.spawn import run_ranks  # noqa: E402
 from engine.config import load  # noqa: E402
 from engine.parallel.ep import dispatch  # noqa: E402
 from engine.parallel.layout.checks import micro_batches_per_step, resolve_layout  # noqa: E402
 from engine.parallel.layout.context import ParallelContext  # noqa: E402
+from engine.parallel.layout.spawn import run_ranks  # noqa: E402
 from engine.planning import ep as ep_plan  # noqa: E402
 from engine.planning.planner import stage_memory  # noqa: E402
 from engine.trainer import Trainer  # noqa: E402

@@ -97,7 +97,7 @@ def _train(argv: list[str], fallback: bool) -> dict:
 
 
 def compare() -> None:
-    from engine.cluster.spawn import run_ranks
+    from engine.parallel.layout.spawn import run_ranks
 
     for mode, offload in (
         (["--parallel.dp_mode", "zero", "--parallel.zero_stage", "2"], "optimizer"),

@@ -33,10 +33,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B  # noqa: E402
 
-from engine.cluster.spawn import run_ranks  # noqa: E402
 from engine.config import load  # noqa: E402
 from engine.metrics.memory import SavedActivations  # noqa: E402
 from engine.parallel.layout.context import ParallelContext  # noqa: E402
+from engine.parallel.layout.spawn import run_ranks  # noqa: E402
 from engine.parallel.pp.executor import PipelineExecutor  # noqa: E402
 from engine.parallel.pp.schedule import build, max_in_flight  # noqa: E402
 from engine.parallel.tp.layers import vocab_parallel_cross_entropy  # noqa: E402

@@ -51,11 +51,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from engine.cluster.spawn import run_ranks  # noqa: E402
+from engine.kinds.schedules import SCHEDULES  # noqa: E402
 from engine.metrics.memory import SavedActivations  # noqa: E402
 from engine.parallel.layout.context import ParallelContext  # noqa: E402
+from engine.parallel.layout.spawn import run_ranks  # noqa: E402
 from engine.parallel.pp.executor import PipelineExecutor, backward_from  # noqa: E402
-from engine.parallel.pp.schedule import SCHEDULES, bubble_fraction, max_in_flight, simulate, theory  # noqa: E402
+from engine.parallel.pp.schedule import bubble_fraction, max_in_flight, simulate, theory  # noqa: E402
 from engine.parallel.pp.virtual import model_chunks  # noqa: E402
 from engine.parallel.tp.layers import vocab_parallel_cross_entropy  # noqa: E402
 from engine.trainer import build_model  # noqa: E402

@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch.distributed as dist  # noqa: E402
 
-from engine.cluster.spawn import run_ranks  # noqa: E402
 from engine.parallel.layout.context import ParallelContext  # noqa: E402
+from engine.parallel.layout.spawn import run_ranks  # noqa: E402
 from engine.planning.balance import layer_counts, stage_cost  # noqa: E402
 from engine.trainer import build_model  # noqa: E402
 from launch.bench.pipeline import add_model_args, config, model_line  # noqa: E402

@@ -10,7 +10,7 @@ write it: bf16 autocast when train.dtype is bf16, ``torch.compile`` when train.c
 checkpointing (HF's) when train.activation_checkpointing is not none, AdamW fused on CUDA (foreach elsewhere), the
 same micro-batching, clipping and random batches, created on the device. Every step is timed between
 ``torch.cuda.synchronize()`` calls on CUDA (kernels run asynchronously); the figures are medians after ``--warmup``
-steps (compilation happens there). MFU uses the model FLOPs of engine/planning/flops.py (PaLM's 6N + 12 L H Q T)
+steps (compilation happens there). MFU uses the model FLOPs of engine/model/flops.py (PaLM's 6N + 12 L H Q T)
 for both sides and the device's peak from its table; none on CPU.
 """
 
@@ -31,8 +31,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine.config import load  # noqa: E402
+from engine.model.flops import device_peak_tflops, flops_per_token  # noqa: E402
 from engine.optim import adamw_implementation  # noqa: E402
-from engine.planning.flops import device_peak_tflops, flops_per_token  # noqa: E402
 
 
 def sync(device: torch.device) -> None:

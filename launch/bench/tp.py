@@ -39,12 +39,12 @@ import torch.nn.functional as F  # noqa: E402
 from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module  # noqa: E402
 
-from engine.cluster.spawn import run_ranks  # noqa: E402
 from engine.config import load  # noqa: E402
 from engine.model import transformer as model_lib  # noqa: E402
 from engine.model.fused import FusedLinear, interleave  # noqa: E402
 from engine.model.init import materialize  # noqa: E402
 from engine.parallel.layout.context import ParallelContext  # noqa: E402
+from engine.parallel.layout.spawn import run_ranks  # noqa: E402
 from engine.parallel.tp.layers import LAYER_PLAN, vocab_parallel_cross_entropy  # noqa: E402
 from engine.planning.planner import stage_memory  # noqa: E402
 from engine.trainer import build_model  # noqa: E402

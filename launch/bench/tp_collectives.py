@@ -27,12 +27,12 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from engine.cluster.spawn import run_ranks  # noqa: E402
 from engine.config import load  # noqa: E402
 from engine.model import transformer as model_lib  # noqa: E402
 from engine.model.init import materialize  # noqa: E402
 from engine.model.rope import rope_cos_sin  # noqa: E402
 from engine.parallel.layout.context import ParallelContext  # noqa: E402
+from engine.parallel.layout.spawn import run_ranks  # noqa: E402
 from engine.parallel.tp.layers import apply_tensor_parallel  # noqa: E402
 
 _c10d = torch.ops.c10d

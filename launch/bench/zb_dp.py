@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from engine.cluster.spawn import run_ranks  # noqa: E402
+from engine.parallel.layout.spawn import run_ranks  # noqa: E402
 
 VARIANTS = ("overlapped", "exposed")
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.kinds import load
-from engine.kinds.cp_modes import CP_MODES
+from engine.kinds.cp_modes import CP_MODES, CpModeSpec
 from engine.model.attention import AttentionCore
 from engine.model.moe import moe_blocks
 from engine.parallel.cp import layout
 from engine.parallel.cp.moe import MicroBatchCounts
+from engine.parallel.cp.ulysses import UlyssesCore
 
 
 class RingCore(AttentionCore):
@@ -37,13 +37,24 @@ class RingCore(AttentionCore):
         return self.ring_attention(q, k, v, self.group, indices, doc_ids)
 
 
+# The attention cores a CpModeSpec.core may name (engine/kinds/cp_modes.py): a new cp mode adds its class here.
+CORES: dict[str, type[AttentionCore]] = {c.__name__: c for c in (RingCore, UlyssesCore)}
+
+
+def core_class(spec: CpModeSpec) -> type[AttentionCore]:
+    """The attention core class ``spec.core`` names."""
+    if spec.core not in CORES:
+        raise LookupError(f"cp mode {spec.name}: no attention core {spec.core!r} (one of {', '.join(CORES)})")
+    return CORES[spec.core]
+
+
 def apply_context_parallel(model: nn.Module, cp_mode: str, group, cp: int) -> None:
     """Give every attention module of ``model`` (a Llama or one of its stages) the cp core of ``cp_mode``, one
     object shared by the layers (decode asks the first layer's for the mask), and every MoE block the micro-batch's
     expert counts for its load-balancing loss (engine/parallel/cp/moe.py). cp 1: nothing changes."""
     if cp == 1:
         return
-    core = load(CP_MODES[cp_mode].core)(group, cp)  # CpModeSpec.core (engine/kinds/cp_modes.py)
+    core = core_class(CP_MODES[cp_mode])(group, cp)  # CpModeSpec.core (engine/kinds/cp_modes.py)
     for layer in model.model.layers.values():
         layer.self_attn.core = core
     for block in moe_blocks(model):

@@ -1,94 +1,37 @@
 """Data parallelism: one ``DataParallel`` (engine/parallel/dp/base.py) per dp mode, chosen here by name.
 
-- ``ddp``: torch DistributedDataParallel, bucketed all-reduce overlapped with the last backward (ddp.py)
-- ``fsdp``: torch FSDP2, parameters, gradients and Adam state sharded over dp (fsdp.py)
-- ``zero``: DeepSpeed ZeRO stages 1-3 (zero.py; its state in zero_state.py, its config in ds_json.py)
-
-``MODES`` is the registry: each mode's DpModeSpec (registry.py) declares its code, the keys only it reads and its
-checks (checks.py), what it composes with (schedules' sync points, offload, compile), its planner model
-(plan_models.py) and its checkpoint state classes. Everything outside this package asks the spec and never
-compares a mode's name. A new mode is its DataParallel subclass, its checkpoint state, its planner model and one
-entry here (docs/architecture.md, "A new dp mode", names every file). No torch: the config checks read this.
+Each mode's DpModeSpec (engine/kinds/dp_modes.py ``MODES``) declares its code, keys, checks, what it composes with,
+its planner model and its checkpoint state classes; it names its classes here as "module:class" of this package,
+which ``impl_class`` and ``state_classes`` resolve. Everything outside asks the spec and never compares a mode's name.
 """
 
 from __future__ import annotations
 
-from engine.errors import ConfigError
-from engine.kinds import load
-from engine.parallel.dp import checks
-from engine.parallel.dp.registry import DpModeSpec
-from engine.parallel.pp.actions import CHUNK_BACKWARD, CHUNK_LAST_W, LAST_BACKWARD, LAST_W
+import importlib
 
-_TORCH_STATE = ("engine.checkpoint.state:TorchState",)
-_PLAN = "engine.parallel.dp.plan_models:"
-_ALL_SYNCS = frozenset({LAST_BACKWARD, CHUNK_BACKWARD, LAST_W})
-
-MODES: dict[str, DpModeSpec] = {
-    s.name: s
-    for s in (  # parallel.dp_mode -> its DpModeSpec
-        # DDP's reducer follows any backward; under zero bubble (and ZB-V, per chunk) each chunk's buckets are
-        # all-reduced as its last W completes them, a weight two chunks share once after the step (ddp.py last_weight).
-        DpModeSpec(
-            "ddp",
-            "engine.parallel.dp.ddp:DDP",
-            _TORCH_STATE,
-            _PLAN + "DDPModel",
-            keys=("grad_compression",),
-            refuse_key=checks.refuse_ddp_key,
-            check=checks.check_ddp,
-            grad_syncs=_ALL_SYNCS | {CHUNK_LAST_W},
-            expert_parallel=True,
-        ),
-        # FSDP: each model chunk its own root, reduce-scattered after its last backward or, under zero bubble and zbv,
-        # its last W (zbv with a tied embedding refused: checks.check_fsdp_layout); experts: units over expert-dp
-        DpModeSpec(
-            "fsdp",
-            "engine.parallel.dp.fsdp:FSDP",
-            _TORCH_STATE,
-            _PLAN + "FSDPModel",
-            check=checks.check_fsdp,
-            check_layout=checks.check_fsdp_layout,
-            offload=("none", "optimizer_and_params"),
-            bf16_weights=True,
-            grad_syncs=_ALL_SYNCS | {CHUNK_LAST_W},
-            expert_parallel=True,
-        ),
-        DpModeSpec(
-            "zero",
-            "engine.parallel.dp.zero:ZeRO",
-            ("engine.parallel.dp.zero_state:Zero12State", "engine.parallel.dp.zero_state:Zero3State"),
-            _PLAN + "ZeroModel",
-            keys=("zero_stage", "ds_config"),
-            refuse_key=checks.refuse_zero_key,
-            check=checks.check_zero,
-            check_layout=checks.check_zero_supported,
-            offload=("none", "optimizer", "optimizer_and_params"),
-            compile=False,  # compile: DeepSpeed's hooks
-            bf16_weights=True,
-            grad_syncs=_ALL_SYNCS,  # what DeepSpeed cannot follow: checks.check_zero_schedule
-            ep_refusal="DeepSpeed's flat buffers partition every parameter over the whole dp group, while the "
-            "experts differ between ep ranks: they would need a second partition over expert-dp",
-        ),
-    )
-}
+from engine.kinds.dp_modes import MODES, DpModeSpec
 
 
-def spec(cfg) -> DpModeSpec:
-    """The DpModeSpec of cfg.parallel.dp_mode (config checks have refused unknown names)."""
-    return MODES[cfg.parallel.dp_mode]
+def resolve(name: str) -> type:
+    """The class a "module:class" of this package names (a DpModeSpec's impl or state)."""
+    module, _, cls = name.partition(":")
+    found = getattr(importlib.import_module(f"{__name__}.{module}"), cls, None)
+    if found is None:
+        raise LookupError(f"no class {cls!r} in engine/parallel/dp/{module}.py (a DpModeSpec names {name!r})")
+    return found
 
 
-def check_owned_keys(cfg, defaults) -> None:
-    """A key that only another mode reads, set away from its default (``defaults``: a fresh ParallelConfig), is
-    refused rather than silently ignored, in that mode's words."""
-    p = cfg.parallel
-    for other in MODES.values():
-        for key in other.keys if other.name != p.dp_mode else ():
-            if getattr(p, key) != getattr(defaults, key):
-                raise ConfigError(other.refuse_key(cfg, key))
+def impl_class(spec: DpModeSpec) -> type:
+    """The DataParallel class ``spec.impl`` names."""
+    return resolve(spec.impl)
+
+
+def state_classes(spec: DpModeSpec) -> tuple[type, ...]:
+    """The checkpoint state classes ``spec.state`` names."""
+    return tuple(resolve(name) for name in spec.state)
 
 
 def build(model, cfg, ctx):
     """Wrap the stage ``model`` (tensor-parallel, materialised, identical on every dp rank) in parallel.dp_mode;
     returns its engine.parallel.dp.base.DataParallel."""
-    return load(MODES[cfg.parallel.dp_mode].impl)(model, cfg, ctx)
+    return impl_class(MODES[cfg.parallel.dp_mode])(model, cfg, ctx)

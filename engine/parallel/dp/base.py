@@ -117,7 +117,7 @@ class DataParallel:
 
     def checkpoint_state(self):
         """The object that reads and writes this rank's part of every parameter and Adam moment
-        (engine/checkpoint/state.py: held, writes, state_names, get, set, prepare, finish, adam_step)."""
+        (engine/parallel/dp/state.py: held, writes, state_names, get, set, prepare, finish, adam_step)."""
         raise NotImplementedError
 
 

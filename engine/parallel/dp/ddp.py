@@ -31,11 +31,11 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from engine.checkpoint.state import TorchState
 from engine.config import Config
 from engine.internals import private
 from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin
 from engine.parallel.dp.buckets import ReadyBuckets, all_reduce_mean
+from engine.parallel.dp.state import TorchState
 from engine.parallel.ep import expert_parameters, reduce_expert_gradients
 from engine.parallel.pp import tied
 from engine.parallel.pp.schedule import chunking

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from engine.checkpoint.state import TorchState
 from engine.config import Config
 from engine.internals import private
 from engine.kinds.offload import OFFLOADS
 from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin
+from engine.parallel.dp.state import TorchState
 from engine.parallel.ep import expert_grad_divisor
 from engine.parallel.ep.dispatch import ExpertParallelExperts
 from engine.parallel.layout.checks import reshard_after_forward

@@ -3,7 +3,7 @@
 ``ZeRO`` (the DataParallel of dp_mode=zero, engine/parallel/dp/base.py) hands our stage module (already
 tensor-parallel) and the AdamW of engine/optim.py to
 ``deepspeed.initialize(..., mpu=ctx)``; ``ds_config`` derives DeepSpeed's config from ours on top of the tunable
-settings (built-in defaults per stage, merged with the user's ``parallel.ds_config`` file: ds_json.py). The step
+settings (built-in defaults per stage, merged with the user's ``parallel.ds_config`` file: kinds/ds_config.py). The step
 contract is ours, not DeepSpeed's per-micro-batch one: the trainer runs all m micro-batch forward/backward passes,
 then calls ``step(lr)`` once. DeepSpeed is put in caller-owned
 accumulation mode (``managed_gradient_accumulation: false``): ``engine.backward`` only accumulates (ZeRO-2/3
@@ -35,10 +35,10 @@ from torch import nn
 
 from engine.config import Config, ConfigError
 from engine.internals import private
+from engine.kinds.ds_config import load_base_config, offload_of
 from engine.model.shards import tp_dim
 from engine.optim import build_optimizer, set_lr, unique_params
 from engine.parallel.dp.base import DataParallel
-from engine.parallel.dp.ds_json import load_base_config, offload_of
 from engine.parallel.dp.zero_state import Zero3State, Zero12State, zero_bytes_held
 from engine.parallel.layout.checks import micro_batches_per_step
 from engine.parallel.pp.tied import counted_elsewhere, split_over_stages
@@ -47,7 +47,7 @@ from engine.parallel.pp.virtual import model_chunks
 
 def ds_config(cfg: Config, ctx, base: dict | None = None) -> dict:
     """DeepSpeed's config: ``base`` (default: the built-in defaults for the stage with parallel.ds_config merged
-    over them, engine/parallel/dp/ds_json.py) with every key that our config decides filled in, so batch sizes,
+    over them, engine/kinds/ds_config.py) with every key that our config decides filled in, so batch sizes,
     stage, precision and clipping are never written twice."""
     t, stage = cfg.train, cfg.parallel.zero_stage
     c = copy.deepcopy(base) if base is not None else load_base_config(stage, cfg.parallel.ds_config or None)
@@ -78,7 +78,7 @@ def ds_config(cfg: Config, ctx, base: dict | None = None) -> dict:
 
 
 def zero_offload(cfg: Config) -> tuple[bool, bool]:
-    """(optimizer offloaded, parameters offloaded) under dp_mode zero (engine/parallel/dp/ds_json.py offload_of)."""
+    """(optimizer offloaded, parameters offloaded) under dp_mode zero (engine/kinds/ds_config.py offload_of)."""
     return offload_of(cfg.parallel.zero_stage, cfg.parallel.ds_config or None, cfg.parallel.offload)
 
 

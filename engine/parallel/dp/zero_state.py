@@ -5,7 +5,7 @@
   the parameter this rank owns (``lp_fragment_address``) and views of the master and moment fragments.
 - ``Zero3State``: ZeRO-3 partitions each parameter: dp rank r holds flat elements [r*ps, (r+1)*ps) (padded);
   read and written with ``deepspeed.utils.safe_{get,set}_local_{fp32_param,optimizer_state}``.
-Both follow engine/checkpoint/state.py's CheckpointState protocol (held, writes, state_names, get, set, prepare,
+Both follow engine/parallel/dp/state.py's CheckpointState protocol (held, writes, state_names, get, set, prepare,
 finish, adam_step).
 """
 
@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.checkpoint.state import CheckpointState, Slot, step_tensor
 from engine.internals import private
 from engine.metrics.memory import storage_bytes
+from engine.parallel.dp.state import CheckpointState, Slot, step_tensor
 
 
 class _ZeroState(CheckpointState):

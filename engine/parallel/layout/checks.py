@@ -13,8 +13,9 @@ import math
 from dataclasses import dataclass
 
 from engine.config import Config, ConfigError, TrainConfig
+from engine.kinds import dp_modes
 from engine.kinds.cp_modes import CP_MODES
-from engine.parallel import dp as dp_modes
+from engine.kinds.schedules import SCHEDULES
 from engine.parallel.layout.mesh import AXES
 from engine.parallel.pp import schedule as sched
 
@@ -150,7 +151,7 @@ def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
     p, m, t = cfg.parallel, cfg.model, cfg.train
     if p.virtual_stages < 1:
         raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} must be >= 1")
-    spec = sched.SCHEDULES[p.schedule]
+    spec = SCHEDULES[p.schedule]
     if spec.chunks:
         chunks = pp * p.virtual_stages
         if pp < 2:
@@ -180,7 +181,7 @@ def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
                 f"dp {dp})) and parallel.pp={pp}: {e}"
             ) from None
     elif p.virtual_stages != 1:
-        chunked = " or ".join(name for name, s in sched.SCHEDULES.items() if s.chunks)
+        chunked = " or ".join(name for name, s in SCHEDULES.items() if s.chunks)
         raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule={chunked} and pp >= 2")
     if p.sequence_parallel and p.tp < 2:
         raise ConfigError(
@@ -233,10 +234,10 @@ def check_supported(cfg: Config, layout) -> None:
                     f"model.{key}={width} must be divisible by parallel.tp={layout.tp}: each expert's "
                     f"SwiGLU width is split over tp"
                 )
-    schedule, mode = sched.SCHEDULES[p.schedule], dp_modes.spec(cfg)
+    schedule, mode = SCHEDULES[p.schedule], dp_modes.spec(cfg)
     if schedule.grad_sync not in mode.grad_syncs:
         modes = " or ".join(name for name, s in dp_modes.MODES.items() if schedule.grad_sync in s.grad_syncs)
-        other = next((name for name, s in sched.SCHEDULES.items() if s.grad_sync in mode.grad_syncs), "none")
+        other = next((name for name, s in SCHEDULES.items() if s.grad_sync in mode.grad_syncs), "none")
         raise ConfigError(
             f"parallel.schedule={p.schedule} with parallel.dp_mode={p.dp_mode} is not supported (the "
             f"gradient sync would have to follow {schedule.grad_sync}); use dp_mode={modes}, or "

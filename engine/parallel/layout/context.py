@@ -21,9 +21,9 @@ from engine.parallel.layout.checks import Layout, resolve_layout
 from engine.parallel.layout.mesh import DATA_AXES, MODEL_PARALLEL, Mesh
 from engine.parallel.layout.threads import local_world_size, set_threads
 
-# Set to 1 by engine/cluster/spawn.py in each forked gloo rank: that rank runs on the CPU whatever GPUs are visible
-# (several forked ranks would all get cuda:0, which NCCL refuses as "Duplicate GPU detected", and a child must not
-# touch CUDA at all if its parent initialised it before forking).
+# Set to 1 by engine/parallel/layout/spawn.py in each forked gloo rank: that rank runs on the CPU whatever GPUs are
+# visible (several forked ranks would all get cuda:0, which NCCL refuses as "Duplicate GPU detected", and a child must
+# not touch CUDA at all if its parent initialised it before forking).
 CPU_ONLY_ENV = "ENGINE_CPU_ONLY"
 
 
@@ -53,7 +53,7 @@ def pick_device_and_backend(requested: str = "auto", local_rank: int = 0) -> tup
 def apply_tf32(enabled: bool, device: torch.device) -> None:
     """train.tf32: fp32 matmuls on CUDA run on TF32 tensor cores (10-bit mantissa products, fp32 accumulation;
     NVIDIA's A100 whitepaper: 8x the fp32 rate) when enabled, full fp32 when not. Off CUDA there are no TF32
-    units and the flag is left alone. The MFU peak follows the flag (engine/planning/flops.py)."""
+    units and the flag is left alone. The MFU peak follows the flag (engine/model/flops.py)."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = enabled
 

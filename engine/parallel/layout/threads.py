@@ -5,7 +5,7 @@ torch alone takes every core in every process, so N ranks on a node oversubscrib
 shared with other jobs even one process spends its time in OpenMP's spin-waits (measured on 2 busy cores, load
 11-23: 10 steps of configs/tiny.yaml took 1:34 with 2 threads and 0:20 with OMP_NUM_THREADS=1). Called where the
 device and backend are picked (engine/parallel/layout/context.py) and by the forked test ranks
-(engine/cluster/spawn.py).
+(engine/parallel/layout/spawn.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The vocabulary of pipeline schedules: operations, actions, their sends and receives, and who talks to whom.
 
-A schedule (engine/parallel/pp/schedule.py) is, per pipeline rank, an ordered list of Actions. Two extensions of
+A schedule (engine/parallel/pp/schedule.py; what each declares: engine/kinds/schedules.py) is, per pipeline
+rank, an ordered list of Actions. Two extensions of
 plain 1F1B live in this vocabulary:
 
 - Virtual stages (interleaved 1F1B; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable
 
 
 class Op(str, enum.Enum):
@@ -114,53 +114,6 @@ def max_in_flight(actions: list[Action]) -> int:
         alive += (a.op is Op.FWD) - (a.op in RELEASES)
         peak = max(peak, alive)
     return peak
-
-
-# When a schedule needs the dp gradient sync to run (ScheduleSpec.grad_sync); each dp mode declares the ones it can
-# follow (engine/parallel/dp/registry.py DpModeSpec.grad_syncs).
-LAST_BACKWARD, CHUNK_BACKWARD, LAST_W = (
-    "the last backward",
-    "each model chunk's last backward",
-    "the last W, not the last B",
-)
-# ZB-V: each of a rank's 2 chunks completes its gradients at its own last W, and rank 0's chunks share a tied
-# embedding, whose gradient is complete only after both (DDP reduces it once, after the step: dp/ddp.py).
-CHUNK_LAST_W = "each of its 2 chunks' last W"
-
-
-@dataclass(frozen=True)
-class ScheduleSpec:
-    """What a schedule is and needs, declared next to its code and registered in engine/parallel/pp/schedule.py
-        SCHEDULES, so that the layout checks, the config checks, the planner and the search ask the schedule instead
-        of comparing its name. ``build(pp, micro_batches, stage, v)``: its action list. ``grad_sync``: when the dp
-        gradient sync must run (a dp mode that cannot follow it is refused). ``m_at_least_pp``: needs micro_batches >=
-        pp. ``chunks``: runs v >= 2 model chunks per rank (parallel.virtual_stages; micro_batches a multiple of pp,
-        layers split evenly into pp*v chunks). ``vshape``: runs 2 chunks per rank placed in a V (rank r: virtual
-    stages r and 2pp-1-r; parallel.virtual_stages implied, 1 or 2 accepted; layers split evenly into 2pp chunks; the
-    last virtual stage, with the head, on rank 0). ``split_w``: splits the backward into B and W (W state held until W,
-        gradients complete only after the last W). ``searched``: the virtual stage counts the planner tries (): not
-        searched). ``label``: its short name in tables, "{v}" standing for v. ``theory(pp, m, v, f, b, bi, w)``: the
-        papers' (formula, bubble fraction). ``unit``: what one in-flight count is, printed after the counts."""
-
-    name: str
-    build: Callable[[int, int, int, int], list[Action]]
-    grad_sync: str
-    theory: Callable[..., tuple[str, float]]
-    m_at_least_pp: bool = False
-    chunks: bool = False
-    vshape: bool = False
-    split_w: bool = False
-    searched: tuple[int, ...] = ()
-    label: str = ""
-    unit: str = ""
-
-    def per_rank(self, v: int) -> int:
-        """Model chunks each rank runs, given parallel.virtual_stages=v: v with chunks, 2 in a V, else 1."""
-        return 2 if self.vshape else v if self.chunks else 1
-
-    def short(self, v: int) -> str:
-        """Its label in tables: 1f1b, gpipe, il-v2 (interleaved, 2 virtual stages), zb-h1."""
-        return (self.label or self.name).replace("{v}", str(v))
 
 
 Step = Action | tuple[Action, ...]

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from engine.kinds.schedules import SCHEDULES
 from engine.parallel.autograd.weight_grad import WeightGradStore, split_weight_gradients
 from engine.parallel.pp import schedule as sched
 from engine.parallel.pp.actions import Action, peer, steps, virtual_stage
@@ -113,7 +114,7 @@ class PipelineExecutor:
         stage: nn.Module | None = None,
         waiting=contextlib.nullcontext,
     ):
-        spec = sched.SCHEDULES[schedule]
+        spec = SCHEDULES[schedule]
         self.vshape = spec.vshape  # ZB-V: rank r runs virtual stages r and 2pp-1-r
         self.ctx, self.micro_batches, self.v = ctx, micro_batches, spec.per_rank(virtual_stages)
         if forward_only:  # evaluation: run() must then be called under torch.no_grad()

@@ -20,20 +20,20 @@ keeps at most `pp - stage` activations alive instead of GPipe's m. Run `python -
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
-from engine.parallel.pp.actions import LAST_BACKWARD, Action, Op, ScheduleSpec, max_in_flight
+from engine.kinds.schedules import SCHEDULES, ScheduleSpec
+from engine.parallel.pp.actions import Action, Op, max_in_flight
 from engine.parallel.pp.actions import backward_actions as _backward
 from engine.parallel.pp.actions import forward_actions as _forward
-from engine.parallel.pp.schedules.interleaved import INTERLEAVED, interleaved_order
-from engine.parallel.pp.schedules.zbv import ZBV
-from engine.parallel.pp.schedules.zero_bubble import ZERO_BUBBLE
+from engine.parallel.pp.schedules.interleaved import interleaved_1f1b, interleaved_order
+from engine.parallel.pp.schedules.zbv import zbv
+from engine.parallel.pp.schedules.zero_bubble import zb_h1
 from engine.parallel.pp.simulator import Timeline, bubble_fraction, render, simulate_actions
 
 __all__ = [
     "Action",
     "Op",
-    "SCHEDULES",
-    "ScheduleSpec",
     "Timeline",
     "build",
     "bubble_fraction",
@@ -103,24 +103,22 @@ def forward_only(
     return [a for mb in range(micro_batches) for a in _forward(pp, stage, mb)]
 
 
-def flush_theory(pp: int, m: int, v: int, f: float, b: float, bi: float, w: float) -> tuple[str, float]:
-    """1F1B and GPipe: (p-1)/(m+p-1) of the makespan (Narayanan et al. 2021, Sec. 2.2.1)."""
-    return "(p-1)/(m+p-1)", (pp - 1) / (m + pp - 1)
+# The table builders a ScheduleSpec.table may name (engine/kinds/schedules.py), each (pp, micro_batches, stage, v):
+# a new schedule adds its table function here.
+TABLES: dict[str, Callable[[int, int, int, int], list[Action]]] = {
+    "one_f_one_b": lambda pp, m, stage, v: one_f_one_b(pp, m, stage),
+    "gpipe": lambda pp, m, stage, v: gpipe(pp, m, stage),
+    "interleaved_1f1b": interleaved_1f1b,
+    "zb_h1": lambda pp, m, stage, v: zb_h1(pp, m, stage),
+    "zbv": lambda pp, m, stage, v: zbv(pp, m, stage),
+}
 
 
-ONE_F_ONE_B = ScheduleSpec(
-    "1f1b",
-    lambda pp, m, stage, v: one_f_one_b(pp, m, stage),
-    LAST_BACKWARD,
-    flush_theory,
-    m_at_least_pp=True,
-    searched=(1,),
-)
-# Not searched by the planner: 1F1B's makespan with m instead of pp - stage micro-batches held.
-GPIPE = ScheduleSpec("gpipe", lambda pp, m, stage, v: gpipe(pp, m, stage), LAST_BACKWARD, flush_theory)
-# The registry: parallel.schedule -> its ScheduleSpec (engine/parallel/pp/actions.py). A new schedule is its table
-# function and spec in a file of its own and one entry here (docs/architecture.md, "A new pipeline schedule").
-SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (ONE_F_ONE_B, GPIPE, INTERLEAVED, ZERO_BUBBLE, ZBV)}
+def table_builder(spec: ScheduleSpec) -> Callable[[int, int, int, int], list[Action]]:
+    """The table builder ``spec.table`` names."""
+    if spec.table not in TABLES:
+        raise LookupError(f"schedule {spec.name}: no table builder {spec.table!r} (one of {', '.join(TABLES)})")
+    return TABLES[spec.table]
 
 
 def chunking(parallel) -> tuple[int, bool]:
@@ -160,7 +158,7 @@ def build(schedule: str, pp: int, micro_batches: int, stage: int, virtual_stages
     check(schedule, pp, micro_batches, virtual_stages)
     if not 0 <= stage < pp:
         raise ValueError(f"stage={stage} out of range for pp={pp}; valid: 0..{pp - 1}")
-    return SCHEDULES[schedule].build(pp, micro_batches, stage, virtual_stages)
+    return table_builder(SCHEDULES[schedule])(pp, micro_batches, stage, virtual_stages)
 
 
 def check(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from engine.config import Config
-from engine.parallel.pp.schedule import SCHEDULES
+from engine.kinds.schedules import SCHEDULES
 
 
 def split_over_stages(cfg: Config, ctx) -> bool:

@@ -1,2 +1,2 @@
-"""One file per pipeline schedule beyond 1F1B and GPipe (engine/parallel/pp/schedule.py, with the registry):
-each holds its table function and its ScheduleSpec (engine/parallel/pp/actions.py)."""
+"""One file per pipeline schedule beyond 1F1B and GPipe (engine/parallel/pp/schedule.py): each holds its table
+function, which its ScheduleSpec (engine/kinds/schedules.py) names and engine/parallel/pp/schedule.py resolves."""

@@ -12,7 +12,7 @@ Like Megatron, m must be a multiple of pp (its remainder group would leave the p
 
 from __future__ import annotations
 
-from engine.parallel.pp.actions import CHUNK_BACKWARD, Action, Op, ScheduleSpec, peer
+from engine.parallel.pp.actions import Action, Op, peer
 
 
 def interleaved_order(pp: int, micro_batches: int, v: int) -> list[tuple[int, int]]:
@@ -77,21 +77,3 @@ def interleaved_1f1b(pp: int, micro_batches: int, stage: int, v: int) -> list[Ac
     for k in range(total - warmup, total):
         actions += bwd(k, Op.BWD) + comm(bwd(k, Op.SEND_BWD), bwd(k + 1, Op.RECV_BWD))
     return actions
-
-
-def interleaved_theory(pp: int, m: int, v: int, f: float, b: float, bi: float, w: float) -> tuple[str, float]:
-    """Narayanan et al. 2021, Sec. 2.2.2: a bubble of (p-1)/(v*m) of the ideal time."""
-    return "(p-1)/(v*m+p-1)", (pp - 1) / (v * m + pp - 1)
-
-
-# Each chunk's gradients are complete after that chunk's last backward, which is where the dp sync must run.
-INTERLEAVED = ScheduleSpec(
-    "interleaved",
-    interleaved_1f1b,
-    CHUNK_BACKWARD,
-    interleaved_theory,
-    chunks=True,
-    searched=(2, 3, 4),
-    label="il-v{v}",
-    unit="  (chunk micro-batches, each 1/{v} of a stage's)",
-)

@@ -25,7 +25,7 @@ every pp and m that build() accepts (tests/test_schedule_zbv.py, tests/test_sche
 
 from __future__ import annotations
 
-from engine.parallel.pp.actions import CHUNK_LAST_W, Action, Op, ScheduleSpec, locate, peer, virtual_stage
+from engine.parallel.pp.actions import Action, Op, locate, peer, virtual_stage
 
 
 def zbv_order(pp: int, micro_batches: int, rank: int) -> list[Action]:
@@ -124,23 +124,3 @@ def zbv(pp: int, micro_batches: int, stage: int) -> list[Action]:
         if a.op is not Op.BWD_WEIGHT and peer(pp, 2, stage, send, vshape=True) is not None:
             actions.append(send)
     return actions
-
-
-def zbv_theory(pp: int, m: int, v: int, f: float, b: float, bi: float, w: float) -> tuple[str, float]:
-    """torch's ZBV order leaves rank r idle (p-1) chunk F's in all (simulated at F = B = W; module docstring)."""
-    bubble = (pp - 1) * f
-    return "(p-1)F/(2m(F+B+W)+(p-1)F), F=B=W, m>=2p-1", bubble / (2 * m * (f + bi + w) + bubble)
-
-
-# Each chunk's gradients are complete after its own last W; 2 chunks in a V, implied (virtual_stages 1 or 2).
-ZBV = ScheduleSpec(
-    "zbv",
-    lambda pp, m, stage, v: zbv(pp, m, stage),
-    CHUNK_LAST_W,
-    zbv_theory,
-    vshape=True,
-    split_w=True,
-    searched=(2,),
-    label="zbv",
-    unit="  (chunk micro-batches held until W, each 1/2 of a stage's)",
-)

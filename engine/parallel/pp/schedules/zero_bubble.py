@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from engine.parallel.pp.actions import LAST_W, Action, Op, ScheduleSpec, backward_actions, forward_actions
+from engine.parallel.pp.actions import Action, Op, backward_actions, forward_actions
 
 
 def zb_h1(pp: int, micro_batches: int, stage: int) -> list[Action]:
@@ -53,23 +53,3 @@ def zb_h1(pp: int, micro_batches: int, stage: int) -> list[Action]:
     # The W's still deferred: later stages finish their B's first and fill the time the earlier ones still need.
     actions += [Action(Op.BWD_WEIGHT, mb) for mb in waiting]
     return actions
-
-
-def zb_theory(pp: int, m: int, v: int, f: float, b: float, bi: float, w: float) -> tuple[str, float]:
-    """Qi et al. 2023, Sec. 3.1: a bubble of (p-1)(F+B-W) against m(F+B+W) of work."""
-    bubble = (pp - 1) * (f + bi - w)
-    return "(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W))", bubble / (m * (f + bi + w) + bubble)
-
-
-# Its gradients are complete only after the last W, so the dp sync must follow that, not the last B.
-ZERO_BUBBLE = ScheduleSpec(
-    "zero_bubble",
-    lambda pp, m, stage, v: zb_h1(pp, m, stage),
-    LAST_W,
-    zb_theory,
-    m_at_least_pp=True,
-    split_w=True,
-    searched=(1,),
-    label="zb-h1",
-    unit="  (held until W)",
-)

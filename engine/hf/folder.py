@@ -1,7 +1,7 @@
 """A Hugging Face folder checked whole before anything is allocated, the one check shared by launch/convert.py import
-(engine/model/hf.py ``import_hf``) and ``--model.init_from`` (engine/model/hf_init.py).
+(engine/hf/convert.py ``import_hf``) and ``--model.init_from`` (engine/hf/init.py).
 
-``read_folder``: config.json read strictly (engine/json_input.py) and checked key by key (engine/model/hf_config.py,
+``read_folder``: config.json read strictly (engine/json_input.py) and checked key by key (engine/hf/config_json.py,
 through families.py ``model_config``); every weight file's safetensors header read (names and shapes only, no
 data); then the model config.json describes compared with those headers: the layer count and the embedding first
 (cheap, and they bound what the shapes of a meta model cost to build), then every tensor's name and shape. A
@@ -19,11 +19,11 @@ from safetensors import safe_open
 
 from engine.checkpoint.format import CheckpointError
 from engine.config import ModelConfig
+from engine.hf.config_json import read_config_json
+from engine.hf.families import model_config
 from engine.json_input import load_object
 from engine.model import transformer as model_lib
-from engine.model.families import model_config
 from engine.model.fused import part_blocks
-from engine.model.hf_config import read_config_json
 
 # Tensors some folders hold that the model computes instead (name suffix -> why skipping them loses nothing):
 # transformers before 4.31 saved each layer's RoPE inverse frequencies as a buffer.

@@ -1,9 +1,9 @@
-"""Each dp mode's planner model: the bytes one rank holds per parameter (weights, gradients, optimizer state,
-sharded or not; Rajbhandari et al. 2020, "ZeRO", Sec. 5), what it gathers and buffers, what it offloads, its
-exposed communication per step, and the variants the layout search tries. Its DpModeSpec names its class
-(engine/parallel/dp/__init__.py); engine/planning/planner.py and search.py call these methods and never compare a
-mode's name; a mode without one is refused by the planner (planner.dp_model). The formulas are explained in those
-two modules' docstrings; this file only says which applies to which mode.
+"""Each dp mode's planner model: the bytes one rank holds per parameter (weights, gradients, optimizer state, sharded or
+not; Rajbhandari et al. 2020, "ZeRO", Sec. 5), what it gathers and buffers, what it offloads, its exposed
+communication per step, and the variants the layout search tries. Its DpModeSpec names its class
+(engine/kinds/dp_modes.py; ``model_class`` below resolves it); engine/planning/planner.py and search.py call these
+methods and never compare a mode's name; a mode without one is refused by the planner (planner.dp_model). The
+formulas are explained in those two modules' docstrings; this file only says which applies to which mode.
 
 Methods, each (cfg, layout, ...): ``state(params, micro_batches)`` -> (weights, grads, optimizer) bytes;
 ``step_buffers(params, foreach)``: temporaries of the optimizer step; ``buffers(params)`` -> (gathered weights,
@@ -19,11 +19,42 @@ whether the experts' reduction overlaps the backward as the dense one does (ddp:
 
 from __future__ import annotations
 
+from engine.kinds.dp_modes import DpModeSpec
+from engine.kinds.ds_config import load_base_config, offload_of
 from engine.kinds.offload import OFFLOADS
-from engine.parallel.dp.ds_json import load_base_config, offload_of
 from engine.parallel.layout.checks import reshard_after_forward
-from engine.planning.planner import model_state_parts
-from engine.planning.search import link_bandwidth, ring_time
+from engine.planning.links import link_bandwidth, ring_time
+
+# bytes per parameter: (weights, gradients, optimizer state)
+PRECISIONS = {
+    "mixed": (2, 2, 12),
+    "fp32": (4, 4, 8),
+    "fp32_master": (4, 4, 12),  # DeepSpeed ZeRO in fp32: a flat fp32 master partition besides the weights
+    "bf16_fp32_grads": (2, 4, 12),
+}  # DeepSpeed bf16 with grad_accum_dtype fp32 (engine/parallel/dp/zero.py)
+
+
+def model_state_bytes(params: int, dp: int, zero_stage: int, precision: str = "mixed") -> float:
+    """Bytes of weights + gradients + optimizer state held by one rank for ``params`` parameters over ``dp``
+    data-parallel ranks at ZeRO ``zero_stage`` (0 = plain data parallelism; FSDP with resharding is stage 3)."""
+    return sum(model_state_parts(params, dp, zero_stage, precision))
+
+
+def model_state_parts(params: int, dp: int, zero_stage: int, precision: str = "mixed") -> tuple[float, ...]:
+    """(weights, gradients, optimizer state) bytes of model_state_bytes, in that order."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage} is not one of 0, 1, 2, 3")
+    if dp < 1:
+        raise ValueError(f"dp={dp} must be >= 1")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+    w, g, k = PRECISIONS[precision]
+    # ZeRO's stage s shards the last s of (optimizer state, gradients, weights).
+    return (
+        params * w / (dp if zero_stage >= 3 else 1),
+        params * g / (dp if zero_stage >= 2 else 1),
+        params * k / (dp if zero_stage >= 1 else 1),
+    )
 
 
 def group_span(layout) -> int:
@@ -134,7 +165,7 @@ class FSDPModel(TorchAdamWModel):
 
 class ZeroModel:
     """DeepSpeed ZeRO stage k with its fp32 master copy (K = 12; bf16 weights and fp32 gradients in bf16 runs),
-    one step counter per flat group, its own buckets (ds_json settings) and its offload (ZeRO-Offload)."""
+    one step counter per flat group, its own buckets (kinds/ds_config.py) and its offload (ZeRO-Offload)."""
 
     shards, grads_whole_step, per_tensor_step, experts_overlap = True, False, False, True
 
@@ -191,3 +222,14 @@ class ZeroModel:
         reduce = ring_time(grads, d, 2, bw, lat) if stage == 1 else micro_batches * ring_time(grads, d, 1, bw, lat)
         gather = ring_time(weights, d, 1, bw, lat) * (2 * micro_batches if stage == 3 else 1)
         return reduce + gather
+
+
+# The planner models a DpModeSpec.planner may name (engine/kinds/dp_modes.py): a new dp mode adds its class here.
+MODELS = {c.__name__: c for c in (DDPModel, FSDPModel, ZeroModel)}
+
+
+def model_class(spec: DpModeSpec) -> type:
+    """The planner model class ``spec.planner`` names."""
+    if spec.planner not in MODELS:
+        raise LookupError(f"dp mode {spec.name}: no planner model {spec.planner!r} (one of {', '.join(MODELS)})")
+    return MODELS[spec.planner]

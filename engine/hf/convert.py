@@ -1,15 +1,15 @@
-"""Hugging Face folders of the families of engine/model/families.py (Llama, Qwen2, Mistral, Qwen3 and the MoE ones)
+"""Hugging Face folders of the families of engine/hf/families.py (Llama, Qwen2, Mistral, Qwen3 and the MoE ones)
 <-> engine checkpoints, through safetensors both ways (launch/convert.py).
 
 Checkpoints store the tensors of ``transformers.LlamaForCausalLM`` under its names (engine/model/transformer.py's fused
 q/k/v and gate/up are stored as their parts; Qwen2 and Mistral use the same names), so conversion is only about
 layout: export assembles each full tensor from a checkpoint saved at any
 (tp, pp, dp, dp_mode) with ``ckpt_format.Reader.full`` and writes the standard folder: ``config.json`` (the
-config class of ``model.family``, engine/model/families.py), the weights as ``model.safetensors`` or, above
+config class of ``model.family``, engine/hf/families.py), the weights as ``model.safetensors`` or, above
 ``max_shard_bytes``, ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json`` (transformers'
 sharded format: {"metadata": {"total_size"}, "weight_map"}), and the run's tokenizer: the files of its tokenizer
 folder copied as they are (with ``generation_config.json``), or ``save_pretrained`` for a hub name. Import checks
-such a folder whole (engine/model/hf_folder.py, as init_from does) and reads it into a *model-only* checkpoint:
+such a folder whole (engine/hf/folder.py, as init_from does) and reads it into a *model-only* checkpoint:
 step 0, no optimizer state, the tokenizer and generation config copied into ``CKPT/hf_files``;
 ``--checkpoint.resume CKPT`` starts a run from it at any layout with a fresh AdamW and the data from the beginning. It
 also writes ``CKPT/config.yaml``, a full engine config for the imported shape.
@@ -47,8 +47,8 @@ from engine.checkpoint.format import (
 from engine.checkpoint.parts import RunPosition
 from engine.checkpoint.publish import publish, staging_dir, step_name
 from engine.config import Config, ModelConfig
-from engine.model.families import hf_config  # noqa: F401 (hf.hf_config: the public name)
-from engine.model.hf_folder import param_shapes, read_folder, skip_reason
+from engine.hf.families import hf_config  # noqa: F401 (hf.hf_config: the public name)
+from engine.hf.folder import param_shapes, read_folder, skip_reason
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

@@ -1,15 +1,14 @@
-"""Each dp mode's own configuration checks, which its DpModeSpec (engine/parallel/dp/__init__.py) points at: the
+"""Each dp mode's own configuration checks, which its DpModeSpec (engine/kinds/dp_modes.py) points at: the
 checks of the keys only it reads (world-size free, called by engine/config_checks.py), what it says when another
 mode is given one of its keys, and its refusals of a layout (called by engine/parallel/layout/checks.py). No torch."""
 
 from __future__ import annotations
 
 from engine.errors import ConfigError
+from engine.kinds.ds_config import DEFAULTS as DS_STAGES
+from engine.kinds.ds_config import check_overlap_comm, offload_of, read_user_config
 from engine.kinds.offload import OFFLOADS
-from engine.parallel.dp.ds_json import DEFAULTS as DS_STAGES
-from engine.parallel.dp.ds_json import check_overlap_comm, offload_of, read_user_config
-from engine.parallel.pp.actions import CHUNK_BACKWARD, LAST_W
-from engine.parallel.pp.schedule import SCHEDULES
+from engine.kinds.schedules import CHUNK_BACKWARD, LAST_W, SCHEDULES
 
 
 def refuse_ddp_key(cfg, key: str) -> str:

@@ -1,8 +1,8 @@
 """The one check of a Hugging Face config.json, before anything is built from it (launch/convert.py import and
-model.init_from both read it through engine/model/hf_folder.py; engine/model/families.py ``model_config`` calls
+model.init_from both read it through engine/hf/folder.py; engine/hf/families.py ``model_config`` calls
 ``checked``).
 
-Every key engine/model/families.py and moe_families.py read is checked for its JSON type and range, the keys each
+Every key engine/hf/families.py and moe_families.py read is checked for its JSON type and range, the keys each
 family needs for being there, and the keys that must agree (heads, experts), each failure one line naming the key,
 the value and what is valid (CheckpointError). Before: a string, a fraction, NaN or a list where a number belongs
 became a Python traceback or a model that transformers would not build. No torch.

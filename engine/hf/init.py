@@ -1,11 +1,11 @@
 """``--model.init_from HF_DIR``: start a run from a Hugging Face folder without a separate import step.
 
-``adopt_shape`` replaces the model section with the folder's config.json (engine/model/families.py; the HF folder
+``adopt_shape`` replaces the model section with the folder's config.json (engine/hf/families.py; the HF folder
 defines the model, so model keys given beside init_from are overridden, except ``name``) and points
 ``data.tokenizer`` at the folder when it has a tokenizer and none was given. ``load_weights`` then fills a
 freshly built trainer's checkpoint parts (engine/checkpoint/parts.py), at any layout and dp mode, with the folder's
 tensors: each rank reads only its tp block of each parameter, through the same slots a checkpoint load uses
-(engine/checkpoint/state.py). A checkpoint to resume from (checkpoint.resume) wins over init_from, so a restarted
+(engine/parallel/dp/state.py). A checkpoint to resume from (checkpoint.resume) wins over init_from, so a restarted
 job continues where it stopped.
 """
 
@@ -19,15 +19,15 @@ from safetensors import safe_open
 
 from engine.checkpoint.format import CheckpointError
 from engine.checkpoint.parts import CheckpointParts
-from engine.checkpoint.state import slots
 from engine.config import Config, ConfigError, validate
-from engine.model.hf import TOKENIZER_FILES
-from engine.model.hf_folder import hf_tensors, read_folder, skip_reason
+from engine.hf.convert import TOKENIZER_FILES
+from engine.hf.folder import hf_tensors, read_folder, skip_reason
+from engine.parallel.dp.state import slots
 
 
 def adopt_shape(cfg: Config) -> None:
     """Set cfg.model (and data.tokenizer if empty) from cfg.model.init_from; no-op without it. Idempotent. The
-    folder is checked whole first (engine/model/hf_folder.py: config.json, and the weights' headers against it),
+    folder is checked whole first (engine/hf/folder.py: config.json, and the weights' headers against it),
     so a wrong size is refused here, before the launcher builds anything."""
     source = cfg.model.init_from
     if not source:

@@ -21,13 +21,36 @@ from __future__ import annotations
 
 from engine.config import ModelConfig
 from engine.kinds.recompute import RECOMPUTE
-from engine.planning.moe import mean_active_mlp
+from engine.model.moe import is_moe_layer
+
+
+def expert_width(m: ModelConfig) -> int:
+    """f_e, one expert's SwiGLU width (the dense width f where the family gives none)."""
+    return m.moe_intermediate_size or m.intermediate_size
+
+
+def shared_expert_params(m: ModelConfig) -> int:
+    """The shared expert (3 h f_s) and its sigmoid gate (h -> 1); 0 without one."""
+    return 3 * m.hidden_size * m.moe_shared_expert_size + m.hidden_size if m.moe_shared_expert_size else 0
+
+
+def mlp_active_params(m: ModelConfig, index: int) -> int:
+    """Matmul weights one token passes through in layer ``index``'s MLP slot (k of the E experts)."""
+    h = m.hidden_size
+    if not is_moe_layer(m, index):
+        return 3 * h * m.intermediate_size
+    return m.num_experts * h + m.experts_per_token * 3 * h * expert_width(m) + shared_expert_params(m)
+
+
+def mean_active_mlp(m: ModelConfig) -> float:
+    """Active MLP matmul weights per layer, averaged over the layers (3 h f for a dense model)."""
+    return sum(mlp_active_params(m, i) for i in range(m.num_layers)) / m.num_layers
 
 
 def layer_matmul_params(cfg: ModelConfig) -> int:
     """Weights of one decoder layer that enter a matmul: q, k, v, o and the three SwiGLU projections; with
     mixture-of-experts layers the ACTIVE ones (router, k experts, shared expert) averaged over the layers
-    (engine/planning/moe.py)."""
+    (mean_active_mlp above)."""
     h, hd = cfg.hidden_size, cfg.head_dim
     return 2 * h * cfg.num_heads * hd + 2 * h * cfg.num_kv_heads * hd + round(mean_active_mlp(cfg))
 

@@ -1,6 +1,6 @@
 """A Hugging Face config.json into our ModelConfig and back, for every family of engine/kinds/families.py
 (``FAMILIES``: each family's architecture, config class, q/k/v bias, q/k norm, window rule and MoE part; the MoE
-keys: engine/model/moe_families.py). This file asks the family's spec and never compares its name.
+keys: engine/hf/moe_families.py). This file asks the family's spec and never compares its name.
 
 ``head_dim`` is read and written for all (Qwen3's need not be hidden_size / num_attention_heads: 0.6B has 16 heads
 of 128 on hidden 1024).
@@ -19,9 +19,9 @@ from pathlib import Path
 
 from engine.config import ModelConfig
 from engine.errors import CheckpointError  # not checkpoint/format's import: the config checks read this torch-free
+from engine.hf.config_json import check_family, check_kind, checked
+from engine.hf.moe_families import moe_hf_keys, moe_model_keys
 from engine.kinds.families import FAMILIES
-from engine.model.hf_config import check_family, check_kind, checked
-from engine.model.moe_families import moe_hf_keys, moe_model_keys
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -64,7 +64,7 @@ def _rope(hf: dict, source: Path) -> dict:
 def model_config(hf: dict, source: Path) -> ModelConfig:
     """Our ModelConfig from a config.json dict; refuses, naming the key, what engine/model/transformer.py does not
     compute
-    (and, engine/model/hf_config.py, values of the wrong type or range)."""
+    (and, engine/hf/config_json.py, values of the wrong type or range)."""
     check_kind(hf, source)
     family = family_of(hf, source)
     hf = checked(hf, source)  # the keys hf_config.REQUIRED are there from here on

@@ -1,4 +1,4 @@
-"""The MoE keys of the Hugging Face MoE families, both ways (engine/model/families.py calls these), as each
+"""The MoE keys of the Hugging Face MoE families, both ways (engine/hf/families.py calls these), as each
 family's ``MoeSpec`` (engine/kinds/families.py) declares them:
 
 | family    | experts, k                             | expert width          | MoE layers           | gating (moe.py)  |
