@@ -24,9 +24,9 @@ from engine.data.dataset import GlobalBatchSampler
 from engine.model.fused import by_hf_name
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
-from tests.checkpoint.test_checkpoint import SMALL
+from tests.checkpoint.runs import SMALL
 from tests.dist import run_ranks
-from tests.hf.test_convert import hf_source
+from tests.hf.sources import hf_source
 
 SAVED = RunPosition(step=5, consumed_samples=72)  # 4.5 global batches of 16: not derivable from the step
 

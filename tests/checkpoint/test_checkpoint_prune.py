@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 from engine.checkpoint.publish import publish, staging_dir
-from tests.checkpoint.test_checkpoint import SAME, SMALL, assert_curves
+from tests.checkpoint.runs import SAME, SMALL, assert_curves
 from tests.cli import run_script
 
 ROOT = Path(__file__).resolve().parents[2]

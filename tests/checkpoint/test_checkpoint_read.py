@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.checkpoint.format import file_crc32
-from tests.checkpoint.test_checkpoint import SAME, SMALL, assert_curves
+from tests.checkpoint.runs import SAME, SMALL, assert_curves
 from tests.cli import run_script
 from tests.dist import run_ranks
 

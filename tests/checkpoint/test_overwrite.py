@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from engine.checkpoint.folder import MARKER
-from tests.cli import run_script
-from tests.hf.test_convert_publish import files, one_error_line, train_six_steps
+from tests.checkpoint.runs import files, train_six_steps
+from tests.cli import one_error_line, run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 

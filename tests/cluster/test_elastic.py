@@ -21,8 +21,8 @@ from engine.checkpoint.contents import layout_change
 from engine.checkpoint.format import CheckpointError
 from engine.checkpoint.lock import LOCK, CheckpointLock
 from tests import hosts
-from tests.cluster.test_launch import ROOT, read_losses
-from tests.cluster.test_multinode import RDZV_CONF, Job, final_losses, restart_args, train_args
+from tests.cli import ROOT
+from tests.cluster.jobs import RDZV_CONF, Job, final_losses, read_losses, restart_args, train_args
 from tests.dist import free_port
 
 

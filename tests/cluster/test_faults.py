@@ -22,8 +22,8 @@ import engine.checkpoint.lock as lock_module
 from engine.checkpoint.format import CheckpointError
 from engine.checkpoint.lock import LOCK, STALE_S, CheckpointLock
 from engine.cluster.keepalive import KEEPALIVE, VARIABLE, advice
-from tests.cluster.test_launch import ROOT
-from tests.cluster.test_multinode import Job, deepspeed_over_ssh, final_losses, job, needs_pdsh, reference, train_args  # noqa: F401
+from tests.cli import ROOT
+from tests.cluster.jobs import Job, deepspeed_over_ssh, final_losses, job, needs_pdsh, reference, train_args  # noqa: F401
 from tests.dist import free_port
 from tests.sshd import local_sshd  # noqa: F401  (fixture)
 

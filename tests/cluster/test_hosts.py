@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests import hosts
-from tests.cluster.test_launch import ROOT
-from tests.cluster.test_multinode import RDZV_CONF, SHRUNK
+from tests.cli import ROOT
+from tests.cluster.jobs import RDZV_CONF, SHRUNK
 from tests.parity.runner import FP32
 
 STEPS = 4

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import shutil
 import subprocess
 import sys
@@ -11,14 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.cluster.jobs import read_losses
 from tests.dist import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ["launch/pretrain.py", "--config", "configs/tiny.yaml", "--train.steps", "3", "--log.progress", "false"]
-
-
-def read_losses(out_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def run(cmd: list[str]) -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests import hosts
-from tests.cluster.test_launch import ROOT
-from tests.cluster.test_multinode import RDZV_CONF
+from tests.cli import ROOT
+from tests.cluster.jobs import RDZV_CONF
 
 BOUND_S = 120  # 60 s, the launcher's own exit, and this loaded machine
 MODEL = [

@@ -11,7 +11,7 @@ import pytest
 
 from engine.cluster.hostfile import Host, HostfileError, parse_hostfile, parse_hostfile_text
 from engine.cluster.linktest import link_pairs
-from tests.cluster.test_launch import ROOT
+from tests.cli import ROOT
 from tests.dist import free_port
 from tests.sshd import local_sshd  # noqa: F401  (fixture)
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from engine.errors import MAX_LINE
-from tests.checkpoint.test_checkpoint import SMALL
-from tests.hf.test_convert_publish import launch, one_error_line
+from tests.checkpoint.runs import SMALL
+from tests.cli import launch, one_error_line
 
 ZERO2 = ["--parallel.dp_mode", "zero", "--parallel.zero_stage", "2", "--train.steps", "1"]
 DS_CASES = {

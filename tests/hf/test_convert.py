@@ -18,16 +18,13 @@ import torch
 from engine.config import load
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
-from tests.checkpoint.test_checkpoint import SMALL, run_phases
+from tests.checkpoint.runs import run_phases
 from tests.cli import run_script
 from tests.dist import run_ranks
+from tests.hf.sources import TIED, hf_source
+from tests.numerics import rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
-TIED = [*SMALL, "--model.tie_embeddings", "true", "--train.steps", "3"]
-
-
-def max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
 
 
 def engine_logits(argv: list[str], ids: torch.Tensor) -> tuple[torch.Tensor, Trainer]:
@@ -51,7 +48,7 @@ def compare(ckpt: Path, exported: Path, run: list[str], source: Path) -> dict:
         [*TIED, "--checkpoint.resume", str(ckpt), "--train.out_dir", str(ckpt.parent / "out")], ids
     )
     with torch.no_grad():
-        exported_rel = max_rel(ours, transformers.AutoModelForCausalLM.from_pretrained(str(exported))(ids).logits)
+        exported_rel = rel_err(ours, transformers.AutoModelForCausalLM.from_pretrained(str(exported))(ids).logits)
     text = "To be, or not to be"
     same_tokens = (
         transformers.AutoTokenizer.from_pretrained(str(exported))(text)["input_ids"]
@@ -59,7 +56,7 @@ def compare(ckpt: Path, exported: Path, run: list[str], source: Path) -> dict:
     )
     ours, trainer = engine_logits(run, ids)
     with torch.no_grad():
-        imported_rel = max_rel(ours, transformers.AutoModelForCausalLM.from_pretrained(str(source))(ids).logits)
+        imported_rel = rel_err(ours, transformers.AutoModelForCausalLM.from_pretrained(str(source))(ids).logits)
     return {
         "exported_rel": exported_rel,
         "same_tokens": same_tokens,
@@ -67,19 +64,6 @@ def compare(ckpt: Path, exported: Path, run: list[str], source: Path) -> dict:
         "start": trainer.step,
         "loss": [r["loss"] for r in trainer.fit()],
     }
-
-
-def hf_source(folder: Path) -> None:
-    """A folder written by transformers itself: a random LlamaForCausalLM of TIED's shape and the bundled
-    tokenizer. (The pytest process runs torch single-threaded (conftest.py), so this is safe before forking.)"""
-    import transformers
-
-    from engine.data.dataset import load_tokenizer
-    from engine.model import hf
-
-    torch.manual_seed(1)
-    transformers.LlamaForCausalLM(hf.hf_config(load(TIED).model)).save_pretrained(str(folder))
-    load_tokenizer("").save_pretrained(str(folder))
 
 
 def test_export_then_import_round_trip(tmp_path):

@@ -25,50 +25,11 @@ from engine.checkpoint.folder import MARKER
 from engine.config import load
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
-from tests.checkpoint.test_checkpoint import SMALL
-from tests.cli import run_script
+from tests.checkpoint.runs import SMALL, files, train_six_steps
+from tests.cli import launch, one_error_line
 from tests.dist import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def launch(script: str, *args: str) -> subprocess.CompletedProcess:
-    """``python launch/SCRIPT args`` in a fork of the test process (tests/cli.py: the same script, argv, exit
-    status and output, without ~3-10 s of interpreter start and imports per call)."""
-    return run_script(f"launch/{script}", *args, timeout=600)
-
-
-def one_error_line(out: subprocess.CompletedProcess, *needles: str) -> str:
-    """Exit 2 with exactly one ``error:`` line holding every needle, and no traceback."""
-    lines = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
-    assert out.returncode == 2 and len(lines) == 1, out.stdout[-2000:] + out.stderr[-3000:]
-    assert "Traceback" not in out.stderr + out.stdout, out.stderr[-3000:]
-    assert all(n in lines[0] for n in needles), lines[0]
-    return lines[0]
-
-
-def files(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
-
-
-def train_six_steps(root: Path) -> Path:
-    """root/ckpt: checkpoints at steps 3 and 6 of SMALL's model (their weights differ); root/out: its out_dir."""
-    out = launch(
-        "pretrain.py",
-        *SMALL,
-        "--train.steps",
-        "6",
-        "--checkpoint.dir",
-        root / "ckpt",
-        "--checkpoint.every",
-        "3",
-        "--checkpoint.keep",
-        "0",
-        "--train.out_dir",
-        root / "out",
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return root / "ckpt"
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers
 
 from engine.config import load
@@ -26,59 +25,13 @@ from engine.data.dataset import load_tokenizer
 from engine.kinds.families import FAMILIES as FAMILY_SPECS
 from engine.model import families, hf
 from engine.model import transformer as model_lib
-from engine.parallel.autograd.comm import gather_from_parallel
-from engine.parallel.layout.context import ParallelContext
-from engine.trainer import Trainer
 from tests.cli import run_script
 from tests.dist import run_ranks
+from tests.hf.sources import FAMILIES, hf_model, ids, layout_logits, layout_phase
+from tests.numerics import rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
-SHAPE = dict(
-    vocab_size=4096,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-5,
-)
-LLAMA31_ROPE = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 16,
-}
-FAMILIES = {
-    "llama": lambda: transformers.LlamaConfig(**SHAPE, rope_theta=500000.0, rope_scaling=LLAMA31_ROPE),
-    "qwen2": lambda: transformers.Qwen2Config(**SHAPE, rope_theta=1e6, tie_word_embeddings=True),
-    "mistral": lambda: transformers.MistralConfig(**SHAPE, sliding_window=None, head_dim=16),
-    # head_dim 24 != hidden / heads = 16: q is 96 wide on hidden 64; per-head q/k norms, tied embeddings
-    "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=24, rope_theta=1e6, tie_word_embeddings=True),
-}
-SEQ = 48  # > original_max_position_embeddings (16): the llama3 scaling changes every low-frequency pair
 TOL = 1e-5
-
-
-def max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
-
-
-def ids(seq: int = SEQ) -> torch.Tensor:
-    return torch.randint(0, 4096, (2, seq), generator=torch.Generator().manual_seed(0))
-
-
-def hf_model(family: str, families: dict | None = None) -> transformers.PreTrainedModel:
-    """A random model of the family (its config from ``families``, default FAMILIES) with random biases and norm
-    weights (HF initialises them to 0 and 1, which would hide a bias that is dropped or a norm that is misplaced)."""
-    torch.manual_seed(1)
-    model = transformers.AutoModelForCausalLM.from_config((families or FAMILIES)[family]()).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.5)
-    return model
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -89,27 +42,8 @@ def test_engine_model_computes_the_hf_logits(family):
     ours = model_lib.build(m, device="cpu").eval()
     ours.load_state_dict(source.state_dict(), strict=True)
     with torch.no_grad():
-        rel = max_rel(ours(ids()), source(ids()).logits)
+        rel = rel_err(ours(ids()), source(ids()).logits)
     assert rel <= TOL, f"{family}: logits differ by rel {rel:.2e}"
-
-
-def layout_logits(argv: list[str], tokens: torch.Tensor) -> torch.Tensor | None:
-    """Full (b, s, V) logits of the engine model that ``argv`` resumes, at its layout: the first stage's hidden
-    states are sent down the pipeline, the last stage gathers the vocab shards. Returned on global rank
-    world-1's stage (the last), None elsewhere."""
-    cfg = load(argv)
-    ctx = ParallelContext.from_config(cfg)
-    model = Trainer(cfg, ctx).model.eval()
-    shape = (*tokens.shape, cfg.model.hidden_size)
-    with torch.no_grad():
-        x = tokens if ctx.is_first_stage else torch.empty(shape)
-        if not ctx.is_first_stage:
-            dist.recv(x, src=ctx.prev_stage_rank)
-        out = model(x)
-        if not ctx.is_last_stage:
-            dist.send(out.contiguous(), dst=ctx.next_stage_rank)
-            return None
-        return gather_from_parallel(out, ctx.tp_group)
 
 
 def run(imported: Path, out: Path, *extra: str) -> list[str]:
@@ -132,22 +66,6 @@ def run(imported: Path, out: Path, *extra: str) -> list[str]:
         str(out),
         *extra,
     ]
-
-
-def train(argv: list[str]) -> list[float]:
-    cfg = load(argv)
-    return [r["loss"] for r in Trainer(cfg, ParallelContext.from_config(cfg)).fit()]
-
-
-def layout_phase(argv: list[str], ckpt: Path, init_from: list[list[str]] = ()) -> dict:
-    """Rank function: logits at the layout of argv, then 5 training steps saved to ``ckpt``; then 5 steps of
-    each ``init_from`` argv (runs started straight from the HF folder)."""
-    logits = layout_logits(argv, ids())
-    return {
-        "logits": logits,
-        "loss": train([*argv, "--checkpoint.dir", str(ckpt)]),
-        "init_from": [train(a) for a in init_from],
-    }
 
 
 def reference_phase(argv: list[str], ckpt: Path) -> dict:
@@ -185,8 +103,8 @@ def test_import_tp2_pp2_train_export(family, tmp_path):
         layout_phase, 4, run(imported, tmp_path / "out", *tp2pp2), ckpt, direct if family == "qwen2" else direct[:1]
     )[3]
     ref = run_ranks(reference_phase, 1, run(imported, tmp_path / "out1"), ckpt)[0]
-    assert max_rel(ref["logits"], want) <= TOL, f"tp1 vs transformers: {max_rel(ref['logits'], want):.2e}"
-    assert max_rel(layout["logits"], ref["logits"]) <= TOL
+    assert rel_err(ref["logits"], want) <= TOL, f"tp1 vs transformers: {rel_err(ref['logits'], want):.2e}"
+    assert rel_err(layout["logits"], ref["logits"]) <= TOL
     assert len(ref["loss"]) == 5 and layout["loss"] == pytest.approx(ref["loss"], rel=TOL)
     for losses in layout["init_from"]:
         assert losses == pytest.approx(ref["loss"], rel=TOL)
@@ -195,8 +113,8 @@ def test_import_tp2_pp2_train_export(family, tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(str(exported)).eval()
     assert type(back).__name__ == FAMILY_SPECS[family].architecture
     with torch.no_grad():
-        assert max_rel(back(ids()).logits, ref["trained_logits"]) <= TOL
-    assert max_rel(ref["trained_logits"], ref["logits"]) > 1e-3  # training moved the weights that came back
+        assert rel_err(back(ids()).logits, ref["trained_logits"]) <= TOL
+    assert rel_err(ref["trained_logits"], ref["logits"]) > 1e-3  # training moved the weights that came back
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (exported / name).read_bytes() == (src / name).read_bytes(), name
     assert json.loads((exported / "config.json").read_text())["architectures"] == [FAMILY_SPECS[family].architecture]

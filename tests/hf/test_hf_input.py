@@ -21,8 +21,8 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from tests.checkpoint.test_checkpoint import SMALL
-from tests.hf.test_convert_publish import launch, one_error_line
+from tests.checkpoint.runs import SMALL
+from tests.cli import launch, one_error_line
 
 TINY = dict(
     vocab_size=4096,

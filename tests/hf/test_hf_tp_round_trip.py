@@ -22,6 +22,7 @@ from engine.config import load
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks
+from tests.numerics import rel_err
 
 REL = 1e-5
 LAYOUTS = {"tp2": ["--parallel.tp", "2"], "tp2-sp": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]}
@@ -80,10 +81,6 @@ def hf_logits(folder: Path) -> torch.Tensor:
         return transformers.AutoModelForCausalLM.from_pretrained(str(folder)).float()(ids).logits
 
 
-def max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_hf_folder_trained_at_tp_exports_the_engine_logits(tmp_path, family, layout):
@@ -123,5 +120,5 @@ def test_hf_folder_trained_at_tp_exports_the_engine_logits(tmp_path, family, lay
     engine = run_ranks(train_and_save, 2, argv, timeout_s=600)
     hf.export(ckpt, exported)
     got = hf_logits(exported)
-    assert max_rel(got, engine[0]) <= REL, f"exported logits differ from the engine's by {max_rel(got, engine[0])}"
-    assert max_rel(hf_logits(source), engine[0]) > 1e-3, "5 steps did not change the model"
+    assert rel_err(got, engine[0]) <= REL, f"exported logits differ from the engine's by {rel_err(got, engine[0])}"
+    assert rel_err(hf_logits(source), engine[0]) > 1e-3, "5 steps did not change the model"

@@ -27,8 +27,9 @@ from engine.model import families, hf
 from engine.model import transformer as model_lib
 from tests.cli import run_script
 from tests.dist import run_ranks
-from tests.hf import test_families as families_test
-from tests.hf.test_families import ids, layout_logits, max_rel, train
+from tests.hf import sources
+from tests.hf.sources import ids, layout_logits, train
+from tests.numerics import rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPE = dict(
@@ -76,7 +77,7 @@ TRAINED_TOL = 1e-4
 
 
 def hf_model(family: str) -> transformers.PreTrainedModel:
-    return families_test.hf_model(family, FAMILIES)
+    return sources.hf_model(family, FAMILIES)
 
 
 def engine_against_hf(family: str, source: transformers.PreTrainedModel):
@@ -85,7 +86,7 @@ def engine_against_hf(family: str, source: transformers.PreTrainedModel):
     ours = model_lib.build(m, device="cpu").eval()
     ours.load_state_dict(source.state_dict(), strict=True)
     with torch.no_grad():
-        return m, max_rel(ours(ids()), source(ids()).logits)
+        return m, rel_err(ours(ids()), source(ids()).logits)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -106,7 +107,7 @@ def test_unnormalised_top_k_computes_the_hf_logits(family):
         c.norm_topk_prob = False
         return c
 
-    m, rel = engine_against_hf(family, families_test.hf_model(family, {family: config}))
+    m, rel = engine_against_hf(family, sources.hf_model(family, {family: config}))
     assert m.moe_norm_topk_prob is False
     assert rel <= TOL, f"{family}: logits differ by rel {rel:.2e}"
 
@@ -147,7 +148,7 @@ def phase(argv: list[str], ckpt: Path, trained: bool) -> dict:
 
 def trained_phase(argv: list[str], ckpt: Path, init_from: list[list[str]]) -> dict:
     """Rank function: test_families.layout_phase, then the logits of the checkpoint it saved, at its layout."""
-    got = families_test.layout_phase(argv, ckpt, init_from)
+    got = sources.layout_phase(argv, ckpt, init_from)
     return {**got, "trained": layout_logits([*argv, "--checkpoint.resume", str(ckpt)], ids())}
 
 
@@ -181,7 +182,7 @@ def test_import_train_export_at_layout(family, layout, tmp_path):
     )
     at = run_ranks(trained_phase, world, run(imported, tmp_path / "o2", *extra), tmp_path / "ck2", direct)[world - 1]
     one = run_ranks(phase, 1, run(imported, tmp_path / "o1"), tmp_path / "ck1", True)[0]
-    assert max_rel(one["logits"], want) <= TOL and max_rel(at["logits"], want) <= TOL
+    assert rel_err(one["logits"], want) <= TOL and rel_err(at["logits"], want) <= TOL
     assert len(one["loss"]) == 4 and at["loss"] == pytest.approx(one["loss"], rel=TOL)
     for losses in at["init_from"]:
         assert losses == pytest.approx(one["loss"], rel=TOL)
@@ -190,9 +191,9 @@ def test_import_train_export_at_layout(family, layout, tmp_path):
     assert type(back).__name__ == FAMILY_SPECS[family].architecture
     with torch.no_grad():
         exported_logits = back(ids()).logits
-    assert max_rel(exported_logits, at["trained"]) <= TOL  # the export is the engine's model at that layout
-    assert max_rel(at["trained"], one["trained"]) <= TRAINED_TOL
-    assert max_rel(one["trained"], one["logits"]) > 1e-3  # training moved the weights that came back
+    assert rel_err(exported_logits, at["trained"]) <= TOL  # the export is the engine's model at that layout
+    assert rel_err(at["trained"], one["trained"]) <= TRAINED_TOL
+    assert rel_err(one["trained"], one["logits"]) > 1e-3  # training moved the weights that came back
 
 
 def test_what_the_moe_block_does_not_compute_is_refused_naming_the_key():

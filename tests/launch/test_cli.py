@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli import run_script
+from tests.shrunk import SHRUNK
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -101,18 +102,7 @@ def test_plain_python_runs_dp_mode_zero(tmp_path):
     out = pretrain(
         "--config",
         "configs/tiny.yaml",
-        "--model.num_layers",
-        "2",
-        "--model.hidden_size",
-        "64",
-        "--model.intermediate_size",
-        "128",
-        "--model.num_heads",
-        "4",
-        "--model.num_kv_heads",
-        "2",
-        "--train.seq_len",
-        "32",
+        *SHRUNK,
         "--train.steps",
         "2",
         "--parallel.dp_mode",

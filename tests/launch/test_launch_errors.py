@@ -17,7 +17,7 @@ import pytest
 
 from tests.cli import run_script
 from tests.dist import free_port
-from tests.trainer.test_bad_steps import SMALL
+from tests.shrunk import FIVE_STEPS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,7 +72,7 @@ def test_zero_without_deepspeed_is_one_line(tmp_path):
     (fake / "__init__.py").write_text("raise ImportError(\"No module named 'deepspeed'\")\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = _pretrain(
-        *SMALL,
+        *FIVE_STEPS,
         "--parallel.dp_mode",
         "zero",
         "--parallel.zero_stage",
@@ -90,11 +90,11 @@ def test_locked_or_unwritable_checkpoint_dir_is_one_line(tmp_path, live_pid):
     ckpt.mkdir()
     holder = {"host": socket.gethostname(), "pid": live_pid, "started": 0, "run": "first"}
     (ckpt / "LOCK").write_text(json.dumps(holder))
-    out = _pretrain(*SMALL, "--train.out_dir", str(tmp_path), "--checkpoint.dir", str(ckpt))
+    out = _pretrain(*FIVE_STEPS, "--train.out_dir", str(tmp_path), "--checkpoint.dir", str(ckpt))
     assert out.returncode == 2
     _one_error_line(out, f"is in use by pid {live_pid} on host {socket.gethostname()} (run first")
     (tmp_path / "file").write_text("x")
-    out = _pretrain(*SMALL, "--train.out_dir", str(tmp_path), "--checkpoint.dir", str(tmp_path / "file"))
+    out = _pretrain(*FIVE_STEPS, "--train.out_dir", str(tmp_path), "--checkpoint.dir", str(tmp_path / "file"))
     assert out.returncode == 2
     _one_error_line(out, "is not a directory")
 
@@ -104,7 +104,7 @@ def test_sigterm_with_nothing_to_save_says_so_and_fails(tmp_path):
         [
             sys.executable,
             "launch/pretrain.py",
-            *SMALL,
+            *FIVE_STEPS,
             "--train.steps",
             "100000",
             "--log.progress",
@@ -135,7 +135,7 @@ def test_second_run_on_one_out_dir_is_one_line(tmp_path, live_pid):
     holder = {"host": socket.gethostname(), "pid": live_pid, "started": 1.7e9, "run": "first"}
     (tmp_path / "LOCK").write_text(json.dumps(holder))
     (tmp_path / "metrics.jsonl").write_text('{"step": 28}\n')
-    out = _pretrain(*SMALL, "--train.out_dir", str(tmp_path))
+    out = _pretrain(*FIVE_STEPS, "--train.out_dir", str(tmp_path))
     assert out.returncode == 2
     _one_error_line(out, f"train.out_dir '{tmp_path}' is in use by pid {live_pid} on host {socket.gethostname()}")
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 28}\n'  # the first run's records untouched
@@ -147,7 +147,7 @@ def test_out_dir_or_tensorboard_that_is_a_file_is_one_line(tmp_path, what):
     target = tmp_path / "run" if what == "out_dir" else tmp_path / "tensorboard"
     target.write_text("x")
     out = _pretrain(
-        *SMALL,
+        *FIVE_STEPS,
         "--train.out_dir",
         str(target if what == "out_dir" else tmp_path),
         "--log.tensorboard",
@@ -160,7 +160,15 @@ def test_out_dir_or_tensorboard_that_is_a_file_is_one_line(tmp_path, what):
 def test_resume_past_the_end_and_changed_batch_say_so(tmp_path):
     """Issue 23 item 6: a resume at train.steps said nothing; a changed global_batch_size or seq_len on resume
     passed without a word about the data position."""
-    args = [*SMALL, "--train.steps", "2", "--train.out_dir", str(tmp_path), "--checkpoint.dir", str(tmp_path / "c")]
+    args = [
+        *FIVE_STEPS,
+        "--train.steps",
+        "2",
+        "--train.out_dir",
+        str(tmp_path),
+        "--checkpoint.dir",
+        str(tmp_path / "c"),
+    ]
     assert _pretrain(*args).returncode == 0
     again = _pretrain(*args)
     assert again.returncode == 0 and "nothing to do: the run is at step 2 and train.steps=2" in again.stdout
@@ -178,7 +186,7 @@ def test_two_real_runs_on_one_out_dir(tmp_path):
         [
             sys.executable,
             "launch/pretrain.py",
-            *SMALL,
+            *FIVE_STEPS,
             "--train.steps",
             "100000",
             "--log.progress",
@@ -195,7 +203,7 @@ def test_two_real_runs_on_one_out_dir(tmp_path):
         for line in first.stdout:  # the first has its lock once it trains
             if line.startswith("step "):
                 break
-        second = _pretrain(*SMALL, "--train.out_dir", str(tmp_path))
+        second = _pretrain(*FIVE_STEPS, "--train.out_dir", str(tmp_path))
         assert second.returncode == 2
         _one_error_line(second, f"train.out_dir '{tmp_path}' is in use by pid {first.pid} on host")
     finally:

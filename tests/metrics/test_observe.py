@@ -15,7 +15,7 @@ from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.cli import run_script
 from tests.dist import run_ranks
-from tests.trainer.test_bad_steps import SMALL
+from tests.shrunk import FIVE_STEPS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +39,7 @@ def test_tensorboard_events_equal_metrics_jsonl(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    _fit([*SMALL, "--train.out_dir", str(tmp_path), "--log.tensorboard", "true", "--train.eval_every", "2"])
+    _fit([*FIVE_STEPS, "--train.out_dir", str(tmp_path), "--log.tensorboard", "true", "--train.eval_every", "2"])
     records = _records(tmp_path)
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
@@ -66,7 +66,7 @@ def test_resume_does_not_log_rolled_back_steps_twice(tmp_path):
     """Steps 1-3 logged, checkpoints at 2 and 3; the crash loses step 3's checkpoint; the resumed run logs 3
     again: metrics.jsonl must hold each step once, the rolled-back record is kept aside."""
     ckpt = tmp_path / "ckpt"
-    argv = [*SMALL, "--train.out_dir", str(tmp_path), "--checkpoint.dir", str(ckpt), "--checkpoint.every", "2"]
+    argv = [*FIVE_STEPS, "--train.out_dir", str(tmp_path), "--checkpoint.dir", str(ckpt), "--checkpoint.every", "2"]
     _fit([*argv, "--train.steps", "3"])
     (ckpt / "latest").write_text("step_000002\n")
     import shutil

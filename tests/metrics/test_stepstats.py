@@ -12,29 +12,7 @@ from engine.parallel.layout.context import ParallelContext
 from engine.planning.flops import flops_per_token
 from engine.trainer import Trainer
 from tests.dist import run_ranks
-
-SMALL = [
-    "--config",
-    "configs/tiny.yaml",
-    "--model.num_layers",
-    "2",
-    "--model.hidden_size",
-    "64",
-    "--model.intermediate_size",
-    "128",
-    "--model.num_heads",
-    "4",
-    "--model.num_kv_heads",
-    "2",
-    "--train.seq_len",
-    "32",
-    "--train.steps",
-    "2",
-    "--log.progress",
-    "false",
-    "--log.peak_tflops",
-    "0.5",
-]
+from tests.metrics.stats import SMALL
 
 
 def two_steps(argv: list[str]) -> dict:

@@ -20,7 +20,7 @@ from engine.parallel.layout.context import ParallelContext
 from engine.parallel.pp.executor import PipelineExecutor
 from engine.trainer import Trainer
 from tests.dist import run_ranks
-from tests.metrics.test_stepstats import SMALL
+from tests.metrics.stats import SMALL
 
 
 class FakeStream:

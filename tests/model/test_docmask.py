@@ -21,7 +21,7 @@ from engine.config import ModelConfig
 from engine.model import transformer as model_lib
 from engine.model.docmask import document_layout
 from engine.model.init import materialize
-from tests.checkpoint.test_checkpoint import SMALL, run_phases
+from tests.checkpoint.runs import SMALL, run_phases
 from tests.dist import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -25,9 +25,9 @@ from engine.checkpoint.format import CheckpointError
 from engine.config import ConfigError, ModelConfig, load
 from engine.model import families
 from tests.dist import run_ranks
-from tests.parallel.tp.test_moe_tp import REL, _compare, _held
+from tests.parallel.tp.moe_step import REL, _compare, _held
 from tests.parity import runner
-from tests.planning.test_planner import saved_and_planned
+from tests.planning.measure import saved_and_planned
 
 SHAPE = dict(
     vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=12

@@ -13,7 +13,6 @@ CI run pays the fork and the imports a few times, not once per combination.
 from __future__ import annotations
 
 import logging
-import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -23,7 +22,8 @@ from engine.model.fused import by_hf_name
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks
-from tests.parity.matrix import Combo
+from tests.numerics import rel_err
+from tests.parity.matrix import MOE_ARGS, Combo
 
 STEPS = 4
 CLIP = 0.5  # below the gradient norm of every step (1.8-4.5 here), so "clip on" clips every step
@@ -57,6 +57,8 @@ BASE = [
     "--log.breakdown",
     "false",
 ]
+# The MoE model of the ep, MoE-under-cp and MoE-under-tp tests: BASE with the matrix's MoE shape, unclipped.
+MOE_BASE = [*BASE, *MOE_ARGS, "--train.grad_clip", "0"]
 
 
 @dataclass(frozen=True)
@@ -221,20 +223,14 @@ def checkpointed_run(world: int, argv: list[str], root, name: str, resume: str) 
     return run
 
 
-def rel(got: float, want: float) -> float:
-    if math.isnan(got) or math.isnan(want):
-        return math.inf
-    return abs(got - want) / max(abs(want), 1e-30)
-
-
 def compare(results: list[dict], ref: dict, offset: int = 0) -> dict:
     """Worst relative errors of a run (all its ranks) against the reference: loss and grad norm at every step
     (a run resumed after ``offset`` steps against the reference's later steps), and every final parameter (tp
     shards cut from the reference's full tensor; a tied LM head under pp compared with the embedding). Also
     checks that the run took every step and that the ranks together hold every parameter."""
     want_loss, want_norm = ref["loss"][offset:], ref["grad_norm"][offset:]
-    loss = max(rel(g, w) for r in results for g, w in zip(r["loss"], want_loss))
-    grad = max(rel(g, w) for r in results for g, w in zip(r["grad_norm"], want_norm))
+    loss = max(rel_err(g, w) for r in results for g, w in zip(r["loss"], want_loss))
+    grad = max(rel_err(g, w) for r in results for g, w in zip(r["grad_norm"], want_norm))
     steps_ok = all(len(r["loss"]) == len(want_loss) for r in results)
     want_params, init = ref["params"], ref["init"]
     worst, seen = 0.0, set()

@@ -75,7 +75,7 @@ def test_cp_halves_the_compute_and_prices_the_all_to_all():
     all_to_all moves q, o (8 heads) and k, v (4) of its (4, 64) tokens, half of each, forward and backward, per layer
     and micro-batch (4 of them), on a 100 GB/s link with no latency."""
     from engine.planning.search import step_time
-    from tests.planning.test_plan_search import HW, tiny
+    from tests.planning.models import HW, tiny
 
     one = step_time(tiny(), 1, HW)
     two = step_time(tiny(cp=2, cp_mode="all_to_all", dp=1), 2, HW)

@@ -3,16 +3,13 @@ launch/plan.py): activations in flight per stage are what the schedule tables ho
 simulator's, and the search offers interleaved and zero-bubble layouts that resolve_layout accepts. The measured
 check of the new schedules' memory is tests/test_planner.py's NEW_SCHEDULE_LAYOUTS (waits for the executor)."""
 
-import functools
 import importlib.util
 from pathlib import Path
 
 import pytest
 
-from engine.config import load
 from engine.parallel.layout.checks import resolve_layout
 from engine.parallel.pp import schedule as sched
-from engine.parallel.pp.actions import Op, virtual_stage
 from engine.parallel.pp.schedules.interleaved import interleaved_order
 from engine.parallel.pp.split import stage_layer_ranges
 from engine.planning import activations as acts
@@ -20,73 +17,14 @@ from engine.planning import schedules
 from engine.planning.planner import stage_memory, with_layout
 from engine.planning.search import Hardware, search, stage_cost, step_time
 from tests.cli import run_script
+from tests.planning.models import FREE_COMM, _model, table_peak, w_state
 
 ROOT = Path(__file__).resolve().parents[2]
-# Free transfers and all-reduces: every virtual stage then costs exactly 1/v of a stage.
-FREE_COMM = Hardware(peak_tflops=100.0, efficiency=0.5, intra_node_gbps=1e12, latency_us=0.0)
-
-
-@functools.lru_cache(maxsize=None)
-def _model(layers: int):
-    return load(
-        [
-            "--config",
-            "configs/tiny.yaml",
-            "--model.hidden_size",
-            "128",
-            "--model.intermediate_size",
-            "344",
-            "--model.num_layers",
-            str(layers),
-            "--train.seq_len",
-            "32",
-            "--train.micro_batch_size",
-            "1",
-        ]
-    )
 
 
 def plan_cfg(schedule: str, pp: int, m: int, v: int = 1, layers: int = 12, **train):
     """tp = dp = 1 on pp ranks, m micro-batches of one 32-token sequence, fp32."""
     return with_layout(_model(layers), pp=pp, dp=1, schedule=schedule, virtual_stages=v, global_batch_size=m, **train)
-
-
-def w_state(cfg, layers: int) -> float:
-    """One micro-batch's W state, from the zero-bubble design (engine/parallel/autograd/weight_grad.py): per linear of a
-    block (q, k, v, o, gate, up, down; not the LM head) its output gradient, and its input (one norm output shared
-    by q/k/v and one by gate/up, the attention output, the SwiGLU product), fp32."""
-    mc = cfg.model
-    g = mc.num_heads * mc.head_dim + 2 * mc.num_kv_heads * mc.head_dim + 2 * mc.hidden_size + 2 * mc.intermediate_size
-    x = 2 * mc.hidden_size + mc.num_heads * mc.head_dim + mc.intermediate_size
-    return 4.0 * cfg.train.seq_len * layers * (g + x)
-
-
-def table_peak(cfg, pp: int, m: int, stage: int) -> float:
-    """The most bytes the rank's action table keeps alive: the set of (micro-batch, chunk) pairs forwarded and not
-    yet backwarded (BWD, or B under zero bubble), each at its own chunk's size, plus W states from B to W."""
-    v, vshape = schedules.virtual_stages(cfg), sched.SCHEDULES[cfg.parallel.schedule].vshape
-    layers = cfg.model.num_layers // (pp * v) if v > 1 else len(stage_layer_ranges(cfg.model.num_layers, pp)[stage])
-
-    def size(chunk):  # the activations ledger of the chunk's layers, as its virtual stage (chunk*pp + stage of
-        # pp*v; zbv: stage or 2pp-1-stage)
-        return acts.micro_batch_bytes(cfg, 1, pp * v, virtual_stage(pp, stage, chunk, vshape), layers)
-
-    alive, waiting, peak = set(), set(), 0.0
-    for a in sched.build(cfg.parallel.schedule, pp, m, stage, cfg.parallel.virtual_stages):
-        pair = (a.mb, a.chunk)
-        if a.op is Op.FWD:
-            alive.add(pair)
-        elif a.op is Op.BWD_INPUT:
-            alive.remove(pair)
-            waiting.add(pair)
-        elif a.op is Op.BWD:
-            alive.remove(pair)
-        elif a.op is Op.BWD_WEIGHT:
-            waiting.remove(pair)
-        else:
-            continue
-        peak = max(peak, sum(size(c) for _, c in alive) + len(waiting) * w_state(cfg, layers))
-    return peak
 
 
 CASES = (

@@ -14,15 +14,11 @@ from engine.planning.planner import with_layout
 from engine.planning.schedules import SEARCHED
 from engine.planning.search import Hardware, layouts, search, step_time
 from tests.cli import run_script
+from tests.planning.models import HW, tiny
 
 ROOT = Path(__file__).resolve().parents[2]
-HW = Hardware(peak_tflops=100.0, efficiency=0.5, intra_node_gbps=100.0, latency_us=0.0)
 # tiny: 25264128 FLOPs per token at seq 128 (tests/test_flops.py); 4999424 parameters in all.
 FLOPS, PARAMS = 25264128, 4999424
-
-
-def tiny(**layout):
-    return with_layout(load(["--config", "configs/tiny.yaml"]), **layout)  # gbs 16, mbs 4, seq 128, fp32
 
 
 def test_single_device_is_compute_only():

@@ -6,17 +6,14 @@ data-parallel devices, K = 12); the parameters per stage match the engine's spli
 forked gloo ranks running the Trainer."""
 
 import pytest
-import torch
 
 from engine.config import load
-from engine.metrics.memory import SavedActivations
 from engine.model import transformer as model_lib
 from engine.parallel.pp.executor import split_stage
-from engine.parallel.tp.layers import vocab_parallel_cross_entropy
-from engine.planning import activations as acts
-from engine.planning.planner import model_state_bytes, stage_memory, stage_params, with_layout
+from engine.planning.planner import model_state_bytes, stage_memory, stage_params
 from launch.bench.measure import measure_rank
 from tests.dist import run_ranks
+from tests.planning.measure import saved_and_planned
 
 
 @pytest.mark.parametrize("stage,gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
@@ -85,19 +82,6 @@ def test_micro_batch_ledger_matches_saved_tensors(dtype, dp_mode):
     saved, planned = saved_and_planned(SMALL + ["--model.num_layers", "2"], dtype, dp_mode)
     # the ledger leaves out a few scalars (the loss's reductions): some hundred bytes of ~4 MB
     assert saved == pytest.approx(planned, rel=1e-3)
-
-
-def saved_and_planned(argv: list[str], dtype: str, dp_mode: str) -> tuple[int, float]:
-    """(bytes autograd saves for one micro-batch of argv's model through the loss, the ledger's micro_batch_bytes)."""
-    cfg = with_layout(load(argv), dtype=dtype, dp_mode=dp_mode, zero_stage=1 if dp_mode == "zero" else 0)
-    model = model_lib.build(cfg.model, device="cpu")
-    if acts.mode(cfg) == "bf16":
-        model = model.to(torch.bfloat16)
-    ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
-    tracker = SavedActivations(model)
-    with tracker.hooks(), torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bf16"):
-        vocab_parallel_cross_entropy(model(ids[:, :-1]), ids[:, 1:], None)
-    return tracker.peak, acts.micro_batch_bytes(cfg, 1, 1, 0, cfg.model.num_layers)
 
 
 # ---- planned against measured per-rank memory of whole training steps (forked gloo ranks) ------------------------

@@ -16,37 +16,8 @@ from engine.config import ConfigError, load
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer, TrainingAborted
 from tests.dist import run_ranks
-
-SMALL = [
-    "--config",
-    "configs/tiny.yaml",
-    "--model.num_layers",
-    "2",
-    "--model.hidden_size",
-    "64",
-    "--model.intermediate_size",
-    "128",
-    "--model.num_heads",
-    "4",
-    "--model.num_kv_heads",
-    "2",
-    "--train.seq_len",
-    "32",
-    "--train.steps",
-    "5",
-    "--train.warmup_steps",
-    "1",
-    "--log.progress",
-    "false",
-]
-
-
-def _snapshot(trainer) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in trainer.model.named_parameters():
-        p = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP: gather the dp shards
-        out[name] = p.detach().clone()
-    return out
+from tests.shrunk import FIVE_STEPS
+from tests.trainer.modes import MODES, snapshot
 
 
 def poisoned_run(argv: list[str], poison: list[int]) -> dict:
@@ -56,28 +27,21 @@ def poisoned_run(argv: list[str], poison: list[int]) -> dict:
     hook = lambda module, args, out: out * float("nan") if trainer.step + 1 in poison else out  # noqa: E731
     if trainer.ctx.is_last_stage:
         trainer.model.model.norm.register_forward_hook(hook)
-    records, params, error = [], [_snapshot(trainer)], None
+    records, params, error = [], [snapshot(trainer)], None
     try:
         while trainer.step < cfg.train.steps:
             records.append(trainer.train_step(trainer.next_local_batch()))
-            params.append(_snapshot(trainer))
+            params.append(snapshot(trainer))
     except TrainingAborted as e:
         error = str(e)
     return {"records": records, "params": params, "error": error}
-
-
-MODES = {
-    "ddp": [],
-    "fsdp": ["--parallel.dp_mode", "fsdp"],
-    "zero2": ["--parallel.dp_mode", "zero", "--parallel.zero_stage", "2"],
-}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_nan_loss_skips_the_update(tmp_path, mode):
     if mode.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed")
-    argv = [*SMALL, *MODES[mode], "--parallel.dp", "2", "--train.out_dir", str(tmp_path)]
+    argv = [*FIVE_STEPS, *MODES[mode], "--parallel.dp", "2", "--train.out_dir", str(tmp_path)]
     got = run_ranks(poisoned_run, 2, argv, [3], timeout_s=300)[0]
     losses = [r["loss"] for r in got["records"]]
     assert len(losses) == 5 and math.isnan(losses[2]), losses
@@ -91,7 +55,7 @@ def test_nan_loss_skips_the_update(tmp_path, mode):
 
 
 def test_consecutive_bad_steps_abort(tmp_path):
-    argv = [*SMALL, "--train.max_bad_steps", "2", "--train.out_dir", str(tmp_path)]
+    argv = [*FIVE_STEPS, "--train.max_bad_steps", "2", "--train.out_dir", str(tmp_path)]
     got = run_ranks(poisoned_run, 1, argv, [2, 3, 4])[0]
     assert len(got["records"]) == 2 and got["error"] is not None
     assert "2 steps in a row" in got["error"] and "train.max_bad_steps=2" in got["error"]
@@ -99,4 +63,4 @@ def test_consecutive_bad_steps_abort(tmp_path):
 
 def test_max_bad_steps_must_not_be_negative():
     with pytest.raises(ConfigError, match="train.max_bad_steps=-1"):
-        load([*SMALL, "--train.max_bad_steps", "-1"])
+        load([*FIVE_STEPS, "--train.max_bad_steps", "-1"])

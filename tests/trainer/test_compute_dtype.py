@@ -15,6 +15,7 @@ from engine.model.init import materialize
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks
+from tests.shrunk import SHRUNK
 
 CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2)
 
@@ -56,18 +57,7 @@ def p2p_dtypes(argv: list[str]) -> dict:
 SMALL = [
     "--config",
     "configs/tiny.yaml",
-    "--model.num_layers",
-    "2",
-    "--model.hidden_size",
-    "64",
-    "--model.intermediate_size",
-    "128",
-    "--model.num_heads",
-    "4",
-    "--model.num_kv_heads",
-    "2",
-    "--train.seq_len",
-    "32",
+    *SHRUNK,
     "--train.steps",
     "1",
     "--train.global_batch_size",

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from tests.cli import run_script
-from tests.trainer.test_bad_steps import SMALL
+from tests.shrunk import FIVE_STEPS
 
 ROOT = Path(__file__).resolve().parents[2]
-ARGS = [*SMALL, "--log.progress", "true"]  # a "step" line per step: the tests act on it
+ARGS = [*FIVE_STEPS, "--log.progress", "true"]  # a "step" line per step: the tests act on it
 
 
 @pytest.fixture
@@ -123,7 +123,7 @@ def test_metrics_disk_full_saves_then_exits_3(tmp_path, tmpfs, tensorboard):
 
 def test_checkpoint_disk_full_keeps_latest(tmp_path, tmpfs):
     """Was: exit 2 (a bad-input status) and the failed save's partial staging directory left behind."""
-    ckpt = tmpfs(tmp_path / "ckpt", size="10m")  # one shard of SMALL's model (~7 MiB) fits, not two
+    ckpt = tmpfs(tmp_path / "ckpt", size="10m")  # one shard of FIVE_STEPS's model (~7 MiB) fits, not two
     args = [
         *ARGS,
         "--train.steps",

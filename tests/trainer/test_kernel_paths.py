@@ -55,7 +55,7 @@ def run_slice(root: str) -> list[str]:
 
     from tests.dist import warm_imports
     from tests.parity import matrix, resume, runner
-    from tests.trainer.test_train import _short_run, assert_runs_match
+    from tests.trainer.runs import _short_run, assert_runs_match
 
     # Under the environment the subprocess got: proof that the path really is another one (an ignored or
     # misspelt variable would rerun the default path and prove nothing).

@@ -19,7 +19,8 @@ from engine.config import load
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks
-from tests.trainer.test_bad_steps import MODES, SMALL, _snapshot
+from tests.shrunk import FIVE_STEPS
+from tests.trainer.modes import MODES, snapshot
 
 
 class NanGradient(torch.autograd.Function):
@@ -45,14 +46,14 @@ def nonfinite_run(argv: list[str]) -> dict:
         )
     records = [trainer.train_step(trainer.next_local_batch())]
     first = trainer.checkpointer.save(trainer.parts, trainer.position)
-    before = _snapshot(trainer)
+    before = snapshot(trainer)
     poison["on"] = True
     records.append(trainer.train_step(trainer.next_local_batch()))
-    after = _snapshot(trainer)
+    after = snapshot(trainer)
     poison["on"] = False
     trainer.cfg.train.lr = float("inf")  # past validation: the update makes weights and moments non-finite
     records.append(trainer.train_step(trainer.next_local_batch()))
-    poisoned = any(not torch.isfinite(p).all() for p in _snapshot(trainer).values())
+    poisoned = any(not torch.isfinite(p).all() for p in snapshot(trainer).values())
     refused = trainer.checkpointer.save(trainer.parts, trainer.position)
     trainer.checkpointer.finish()
     unchanged = all(torch.equal(before[n], after[n]) for n in before)
@@ -64,7 +65,16 @@ def test_nan_gradients_skip_the_update_and_never_reach_a_checkpoint(tmp_path, mo
     if mode.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed")
     ckpt = tmp_path / "ckpt"
-    argv = [*SMALL, *MODES[mode], "--parallel.dp", "2", "--train.out_dir", str(tmp_path), "--checkpoint.dir", str(ckpt)]
+    argv = [
+        *FIVE_STEPS,
+        *MODES[mode],
+        "--parallel.dp",
+        "2",
+        "--train.out_dir",
+        str(tmp_path),
+        "--checkpoint.dir",
+        str(ckpt),
+    ]
     got = run_ranks(nonfinite_run, 2, argv, timeout_s=300)[0]
     loss, norm = got["records"][1]["loss"], got["records"][1]["grad_norm"]
     assert math.isfinite(loss) and not math.isfinite(norm), (loss, norm)

@@ -151,7 +151,7 @@ def test_resume_across_cp_sizes(tmp_path):
     """Checkpoints hold no cp state (cp shards no weight): steps at cp 2 ring (ddp, and fsdp sharded over dp x cp)
     and cp 2 all_to_all, saved, resumed at cp 1 (dp 4) and at cp 4 all_to_all, follow the uninterrupted run's
     losses (rel 1e-5, the tolerance between layouts in tests/test_checkpoint.py)."""
-    from tests.checkpoint.test_checkpoint import MOVED, check_resumes
+    from tests.checkpoint.runs import MOVED, check_resumes
 
     heads = ["--model.num_kv_heads", "4"]  # all_to_all at cp 4 needs 4 kv heads (SMALL has 4 heads, 2 kv)
     ring2 = [*heads, "--parallel.cp", "2", "--parallel.cp_mode", "ring"]
@@ -272,7 +272,7 @@ def test_zero_resume_across_cp_sizes(tmp_path):
     """ZeRO partitions over DeepSpeed's data-parallel group, dp x cp (the mpu): its checkpoint at cp 2 resumes at
     cp 1 and at cp 4."""
     pytest.importorskip("deepspeed")
-    from tests.checkpoint.test_checkpoint import MOVED, check_resumes, zero
+    from tests.checkpoint.runs import MOVED, check_resumes, zero
 
     heads = ["--model.num_kv_heads", "4"]
     cp2 = [*heads, "--parallel.cp", "2", "--parallel.cp_mode", "all_to_all"]

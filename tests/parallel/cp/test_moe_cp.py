@@ -27,7 +27,7 @@ from engine.parallel.layout.checks import Layout, resolve_layout
 from engine.parallel.layout.mesh import Mesh
 from tests.dist import run_ranks
 from tests.parity import runner
-from tests.parity.matrix import MOE_ARGS
+from tests.references import one_process
 
 CP, B, S, H = 2, 2, 16, 8
 
@@ -125,16 +125,14 @@ def test_ep_is_carved_from_dp_x_cp_in_grad_rank_order():
         mesh.split_along(("dp", "cp"), 3, 0)
 
 
-BASE = [*runner.BASE, *MOE_ARGS, "--train.grad_clip", "0"]
+BASE = runner.MOE_BASE
 CP_RUNS = [
     ["--parallel.cp", "2", "--parallel.cp_mode", "ring"],
     ["--parallel.cp", "2", "--parallel.cp_mode", "all_to_all", "--parallel.ep", "2"],
 ]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return runner.run_group(1, [[*BASE, "--train.out_dir", str(tmp_path_factory.mktemp("ref"))]], want_init=True)[0][0]
+reference = one_process(BASE)
 
 
 def _metrics_match(run: list[dict], reference: dict, offset: int = 0) -> None:

@@ -22,16 +22,12 @@ from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from launch.bench.compression import differences, train_rank
 from tests.dist import run_ranks
+from tests.numerics import rel_err
 from tests.parity.runner import BASE
 
 # BASE (tests/parity/runner.py): 4 layers of hidden 64, global batch 8 of micro-batch 1, so dp = 2 runs 4
 # micro-batches per rank. 0.5 MB buckets split its ~0.67M fp32 gradients (2.7 MB) into several buckets.
 DDP = [*BASE, "--parallel.dp_mode", "ddp", "--parallel.bucket_mb", "0.5", "--train.grad_clip", "0"]
-
-
-def rel(got: list[float], want: list[float]) -> float:
-    assert len(got) == len(want)
-    return max(abs(g - w) / abs(w) for g, w in zip(got, want))
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +43,11 @@ def test_ddp_equals_one_process(tmp_path, dp1):
     flat = [*DDP, "--train.out_dir", str(tmp_path / "dp2")]
     pipe = [*DDP, "--parallel.pp", "2", "--parallel.schedule", "1f1b", "--train.out_dir", str(tmp_path / "pp2")]
     (dp2,) = run_ranks(train_rank, 2, [flat], timeout_s=300)[0]
-    assert rel(dp2["loss"], dp1["loss"]) <= 1e-5 and rel(dp2["grad_norm"], dp1["grad_norm"]) <= 1e-5, (dp2, dp1)
+    assert rel_err(dp2["loss"], dp1["loss"]) <= 1e-5 and rel_err(dp2["grad_norm"], dp1["grad_norm"]) <= 1e-5, (dp2, dp1)
     ranks = run_ranks(train_rank, 4, [pipe], timeout_s=300)
     for (run,) in ranks:  # every stage: the loss is pp-all-reduced, the grad norm is over the whole model
-        assert rel(run["loss"], dp1["loss"]) <= 1e-5, (run["loss"], dp1["loss"])
-        assert rel(run["grad_norm"], dp1["grad_norm"]) <= 1e-5, (run["grad_norm"], dp1["grad_norm"])
+        assert rel_err(run["loss"], dp1["loss"]) <= 1e-5, (run["loss"], dp1["loss"])
+        assert rel_err(run["grad_norm"], dp1["grad_norm"]) <= 1e-5, (run["grad_norm"], dp1["grad_norm"])
 
 
 def wrappers(argv: list[str]) -> int:

@@ -27,6 +27,7 @@ from engine.parallel.dp.zero import ds_config  # noqa: E402
 from engine.parallel.layout.context import ParallelContext  # noqa: E402
 from engine.trainer import Trainer  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
+from tests.shrunk import SHRUNK
 
 STEPS = 10
 # A shrunk tiny model; a short warmup so the cosine part of the schedule runs, and a clip threshold below the
@@ -34,18 +35,7 @@ STEPS = 10
 SMALL = [
     "--config",
     "configs/tiny.yaml",
-    "--model.num_layers",
-    "2",
-    "--model.hidden_size",
-    "64",
-    "--model.intermediate_size",
-    "128",
-    "--model.num_heads",
-    "4",
-    "--model.num_kv_heads",
-    "2",
-    "--train.seq_len",
-    "32",
+    *SHRUNK,
     "--train.steps",
     str(STEPS),
     "--train.warmup_steps",

@@ -26,7 +26,7 @@ from engine.parallel.ep.dispatch import AllToAll, ExpertParallelExperts
 from engine.parallel.layout.checks import resolve_layout
 from tests.dist import run_ranks
 from tests.parity import runner
-from tests.parity.matrix import MOE_ARGS
+from tests.references import one_process
 
 H = 6
 
@@ -98,7 +98,7 @@ def test_expert_parallel_experts_equal_the_whole_experts(counts):
         assert got["y"] < 1e-12 and got["x_grad"] < 1e-12 and got["w_grad"] < 1e-12, (rank, got)
 
 
-BASE = [*runner.BASE, *MOE_ARGS, "--train.grad_clip", "0"]
+BASE = runner.MOE_BASE
 FSDP = ["--parallel.dp_mode", "fsdp"]
 EP_RUNS = {
     2: [
@@ -126,9 +126,7 @@ HOPS = {
 }
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return runner.run_group(1, [[*BASE, "--train.out_dir", str(tmp_path_factory.mktemp("ref"))]], want_init=True)[0][0]
+reference = one_process(BASE)
 
 
 @pytest.mark.parametrize("world", sorted(EP_RUNS))

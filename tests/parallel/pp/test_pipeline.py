@@ -13,24 +13,16 @@ from engine.config import load
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks
-from tests.parallel.tp.test_tensor_parallel import rel_err
-from tests.trainer.test_train import assert_curves_match, losses, train
+from tests.numerics import rel_err
+from tests.shrunk import SHRUNK
+from tests.trainer.runs import assert_curves_match, losses, train
 
 SMALL = [
     "--config",
     "configs/tiny.yaml",
+    *SHRUNK,
     "--model.num_layers",
     "4",
-    "--model.hidden_size",
-    "64",
-    "--model.intermediate_size",
-    "128",
-    "--model.num_heads",
-    "4",
-    "--model.num_kv_heads",
-    "2",
-    "--train.seq_len",
-    "32",
     "--train.micro_batch_size",
     "1",
     "--log.progress",

@@ -66,26 +66,19 @@ from engine.parallel.pp.virtual import model_chunks  # noqa: E402
 from engine.parallel.tp.layers import vocab_parallel_cross_entropy  # noqa: E402
 from engine.trainer import build_model  # noqa: E402
 from tests.dist import run_ranks  # noqa: E402
+from tests.numerics import rel_err
+from tests.shrunk import SHRUNK  # noqa: E402
 
 REL = 1e-5
 MBS, STEPS = 2, 2
 SMALL = [
     "--config",
     "configs/tiny.yaml",
+    *SHRUNK,
     "--model.num_layers",
     "4",
-    "--model.hidden_size",
-    "64",
-    "--model.intermediate_size",
-    "128",
-    "--model.num_heads",
-    "4",
-    "--model.num_kv_heads",
-    "2",
     "--model.vocab_size",
     "512",
-    "--train.seq_len",
-    "32",
     "--train.micro_batch_size",
     str(MBS),
 ]
@@ -144,13 +137,6 @@ def compute_order(actions: list, pp: int, rank: int, vshape: bool = False) -> li
 def torch_compute_order(actions: list) -> list[str]:
     """torch's pipeline_order of one rank (None: a bubble it inserted) in the same notation."""
     return [f"{a.stage_index}{a.computation_type.value}{a.microbatch_index}" for a in actions if a is not None]
-
-
-def rel_err(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
-    """max|a-b| / max|b|; inf when either side has no gradient or b is all zero (nothing was compared)."""
-    if a is None or b is None or not b.abs().max() > 0:
-        return float("inf")
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def count_deferred(store, counts: list[int]) -> None:

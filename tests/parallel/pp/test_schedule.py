@@ -23,6 +23,7 @@ from engine.parallel.pp.schedule import (
     simulate,
     simulate_actions,
 )
+from tests.parallel.pp.tables import computes, render_steps
 
 CLASSIC = ("1f1b", "gpipe")
 
@@ -167,11 +168,6 @@ def parse(table: str) -> list[Action]:
     return out
 
 
-def render_steps(actions: list[Action]) -> str:
-    """F0 [sendF0 recvB0] B0: computes alone, each batch (actions.steps) in brackets."""
-    return " ".join(str(s) if isinstance(s, Action) else "[" + " ".join(map(str, s)) + "]" for s in steps(actions))
-
-
 def test_a_send_waits_for_its_receiver_and_batches_run_in_order():
     """Rendezvous sends and in-order batches (the NCCL model of pp/simulator.py), bug 2 of issue 24 in two ranks:
     stage 0's sendF1 waits for stage 1's recvF1, queued behind its sendB0, which waits for stage 0's recvB0,
@@ -287,10 +283,6 @@ INTERLEAVED = [
     for v in (2, 3, 4)
     for m in (pp, 2 * pp, 3 * pp)
 ]
-
-
-def computes(actions: list[Action]) -> list[str]:
-    return [str(a) for a in actions if a.op in (Op.FWD, Op.BWD, Op.BWD_INPUT, Op.BWD_WEIGHT)]
 
 
 def megatron_warmup(pp: int, v: int, m: int, stage: int) -> int:

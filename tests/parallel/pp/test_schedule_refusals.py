@@ -11,7 +11,7 @@ import re
 import pytest
 
 from engine.parallel.pp.schedule import Action, Op, build, simulate, simulate_actions
-from tests.parallel.pp.test_schedule import computes, render_steps
+from tests.parallel.pp.tables import computes, render_steps
 
 
 def _broken(name: str, pp: int, m: int, v: int, stage: int, edit) -> list[list[Action]]:

@@ -13,16 +13,13 @@ import torch.nn.functional as F
 from engine.metrics.memory import LiveTensorBytes
 from engine.parallel.tp.cross_entropy import vocab_parallel_cross_entropy
 from tests.dist import run_ranks
+from tests.numerics import rel_err
 
 V, B, S = 48, 3, 7  # n = 21 tokens; chunk_elements 120 at V/tp = 24 gives chunks of 5 tokens (the last one 1)
 # Measured worst relative error of a correct run (fp32): loss 0, gradient 3.1e-7; bf16 logits: the
 # gradient is the fp32 one rounded once to bf16 (2^-8 relative), the loss reads the same bf16 values.
 REL = 1e-6
 REL_BF16_GRAD = 2**-8
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
 def _compare(dtype: torch.dtype, chunk_elements: int) -> dict:

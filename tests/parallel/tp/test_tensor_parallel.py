@@ -24,12 +24,9 @@ from engine.parallel.tp.layers import (
     vocab_parallel_cross_entropy,
 )
 from tests.dist import run_ranks
+from tests.numerics import rel_err
 
 REL = 1e-5
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def _chunk(t: torch.Tensor, dim: int) -> torch.Tensor:

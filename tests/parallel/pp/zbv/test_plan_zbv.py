@@ -9,7 +9,7 @@ from engine.parallel.pp import schedule as sched
 from engine.planning import schedules
 from engine.planning.planner import stage_memory, stage_params, with_layout
 from engine.planning.search import stage_cost, step_time
-from tests.planning.test_plan_schedules import FREE_COMM, _model, table_peak, w_state
+from tests.planning.models import FREE_COMM, _model, table_peak, w_state
 
 
 def zbv_cfg(pp: int, m: int, layers: int, **kw):
