@@ -20,7 +20,7 @@ from tests.dist import run_ranks
 from tests.numerics import rel_err
 from tests.shrunk import SHRUNK
 
-# tests/test_zero.py's shrunk tiny model: a clip threshold below the gradient norm, so clipping is active.
+# tests/parallel/dp/test_zero.py's shrunk tiny model: a clip threshold below the gradient norm, so clipping is active.
 SMALL = [
     "--config",
     "configs/tiny.yaml",

@@ -4,7 +4,7 @@
   checkpoint and 10 more: the same loss at every step (fp32, rel <= 1e-6; in practice bit-identical).
 - Another layout (tp2 -> tp1, tp1 -> tp2 pp2, dp4 -> dp2, fsdp dp2 -> ddp pp2, zero-2 dp2 -> fsdp dp4, zero-3
   dp2 tp2 -> zero-1 dp2 pp2): every resumed step's loss equals the uninterrupted run's (rel <= 1e-5, the
-  tolerance between layouts in tests/test_train.py), so weights, both Adam moments and the step count were all
+  tolerance between layouts in tests/trainer/test_train.py), so weights, both Adam moments and the step count were all
   resharded.
 - Damaged checkpoints (a truncated shard, a missing shard, flipped bytes, an index that does not match its
   shards, a cut-short save) are skipped by ``resume: auto`` with the file named; a PATH that does not exist is a
@@ -47,7 +47,7 @@ from tests.dist import run_ranks
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow  # CI: the parity matrix's resumes (tests/test_parity.py) cross ddp, fsdp and layouts
+@pytest.mark.slow  # CI: the parity matrix's resumes (tests/trainer/test_parity.py) cross ddp, fsdp and layouts
 def test_ddp_and_fsdp_resume_at_the_same_and_at_other_layouts(tmp_path):
     check_resumes(
         tmp_path,

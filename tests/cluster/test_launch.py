@@ -29,7 +29,7 @@ def reference(tmp_path_factory) -> list[float]:
     return read_losses(out_dir)
 
 
-@pytest.mark.slow  # CI: tp 2 x pp 2 across two hosts under the deepspeed launcher (tests/test_hosts.py)
+@pytest.mark.slow  # CI: tp 2 x pp 2 across two hosts under the deepspeed launcher (tests/cluster/test_hosts.py)
 def test_torchrun_tp2_pp2(tmp_path, reference):
     run(
         [

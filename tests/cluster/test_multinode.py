@@ -1,6 +1,6 @@
 """Multi-node for real on one machine, and faults: two torchrun agents with their own node ranks on loopback, a
 rank killed mid-run, restarts and SIGTERM with checkpoints, collective timeouts, and the deepspeed launcher over
-real ssh (pdsh) to localhost. Preflight (launch/preflight.py) has its own file, tests/test_preflight.py."""
+real ssh (pdsh) to localhost. Preflight (launch/preflight.py) has its own file, tests/cluster/test_preflight.py."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from tests.dist import run_ranks
 from tests.sshd import local_sshd  # noqa: F401  (fixture)
 
 
-@pytest.mark.slow  # CI: the launchers across network-namespace hosts (tests/test_hosts.py)
+@pytest.mark.slow  # CI: the launchers across network-namespace hosts (tests/cluster/test_hosts.py)
 def test_two_nodes_follow_one_node(tmp_path, job, reference):
     """Done 1: 2 nodes x 2 processes (two agents, their own node ranks, c10d rendezvous on loopback)."""
     out = tmp_path / "run"
@@ -44,7 +44,7 @@ def test_two_nodes_follow_one_node(tmp_path, job, reference):
     assert read_losses(out) == pytest.approx(reference, rel=1e-5)
 
 
-@pytest.mark.slow  # CI: tests/test_faults.py kills a rank and names it in one line
+@pytest.mark.slow  # CI: tests/cluster/test_faults.py kills a rank and names it in one line
 def test_killed_rank_ends_the_job_naming_it(tmp_path, job):
     """Done 3 (first half): SIGKILL one rank of a 2-node job mid-run; both agents exit non-zero within 5x the job's
     collective timeout (not gloo's 30-minute default), and the
@@ -67,7 +67,7 @@ def test_killed_rank_ends_the_job_naming_it(tmp_path, job):
     print(f"killed rank 3 at step {logged_steps(out)}; job ended in {elapsed:.1f} s, exit codes {codes}")
 
 
-@pytest.mark.slow  # CI: the elastic restart across hosts (tests/test_elastic.py) restarts and resumes
+@pytest.mark.slow  # CI: the elastic restart across hosts (tests/cluster/test_elastic.py) restarts and resumes
 def test_max_restarts_resume_from_the_last_checkpoint(tmp_path, job, reference):
     """Done 3 (second half): with --max-restarts 1 both agents restart their workers after a rank dies; the workers
     resume (checkpoint.resume auto) from the last checkpoint, and the losses are those of an uninterrupted run."""
@@ -158,7 +158,7 @@ def test_collective_timeout_applies_to_every_group(tmp_path):
 
 
 @needs_pdsh
-@pytest.mark.slow  # CI: pdsh over ssh across two hosts (tests/test_hosts.py)
+@pytest.mark.slow  # CI: pdsh over ssh across two hosts (tests/cluster/test_hosts.py)
 def test_deepspeed_launcher_over_ssh_with_pdsh(tmp_path, local_sshd, reference):
     """Training started by the deepspeed launcher through pdsh and ssh; losses as the one-node reference."""
     out = tmp_path / "run"

@@ -6,7 +6,7 @@
 - init_from (and convert import) of a folder with a missing or truncated shard: one line, exit 2, the same check.
 - An export target that cannot be written: one line, exit 2 (before: a SafetensorError traceback).
 - A second import into the folder of a first one: refused unless --overwrite; a folder no import wrote: refused
-  even with --overwrite (tests/test_overwrite.py has the rest of what --overwrite never replaces).
+  even with --overwrite (tests/checkpoint/test_overwrite.py has the rest of what --overwrite never replaces).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ For each family a tiny random model built by transformers itself (from a config 
 - at tp 1 our model computes its logits (rel <= 1e-5), Llama's at a sequence (48) longer than its
   original_max_position_embeddings (16), with random (non-zero) biases;
 - imported with launch/convert.py, the engine at tp 2 x pp 2 gives the tp-1 logits (rel <= 1e-5), and 5 training
-  steps there equal 5 at tp 1 (rel <= 1e-5, the tolerance between layouts in tests/test_train.py);
+  steps there equal 5 at tp 1 (rel <= 1e-5, the tolerance between layouts in tests/trainer/test_train.py);
 - --model.init_from SRC (no import step) at tp 2 x pp 2, and for Qwen2 also at fsdp dp 4, trains as the import;
 - the tp2 x pp2 checkpoint exported loads in transformers as the same architecture with the engine's logits,
   and the tokenizer files and generation_config.json come through the round trip unchanged.

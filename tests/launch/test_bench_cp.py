@@ -1,5 +1,6 @@
 """Smoke test of launch/bench/cp.py: its table has a row per (seq, cp, mode), and the measured columns equal the
-planned ones beside them (tests/test_plan_cp.py and tests/test_cp.py check the figures in more cases)."""
+planned ones beside them (tests/planning/test_plan_cp.py and tests/parallel/cp/test_cp.py check the figures in more
+cases)."""
 
 from launch.bench.cp import HEADER, main
 

@@ -1,6 +1,6 @@
 """Layout-independent initialisation from seeded tiles (engine/model/init.py): a block drawn alone equals that
 block of the whole tensor (whatever its alignment with the tiles), every tile has its own stream, and the values
-are N(0, std). That tp 1, 2 and 4 start from the same weights is checked by tests/test_tensor_parallel.py
+are N(0, std). That tp 1, 2 and 4 start from the same weights is checked by tests/parallel/tp/test_tensor_parallel.py
 (torch.equal per HF tensor), and pp by the parity matrix."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Qwen3 and Qwen3-MoE beyond their folders in and out (tests/test_families.py, tests/test_moe_families.py): the
+"""Qwen3 and Qwen3-MoE beyond their folders in and out (tests/hf/test_families.py, tests/hf/test_moe_families.py): the
 per-head q/k RMSNorms under tensor parallelism, model.head_dim != hidden_size / num_heads in the planner, and the
 refusals of what the engine does not compute.
 
@@ -78,7 +78,7 @@ LEDGER = [*QWEN3, "--model.num_layers", "2", "--train.seq_len", "32", "--train.m
 
 @pytest.mark.parametrize("dtype,dp_mode", [("fp32", "ddp"), ("bf16", "ddp"), ("bf16", "zero")])
 def test_micro_batch_ledger_matches_saved_tensors(dtype, dp_mode):
-    # As tests/test_planner.py's, for a model whose q (8 heads x 12 = 96) is wider than hidden (64), with the
+    # As tests/planning/test_planner.py's, for a model whose q (8 heads x 12 = 96) is wider than hidden (64), with the
     # per-head q/k norms' saved input, rsqrt and normalised values
     saved, planned = saved_and_planned(LEDGER, dtype, dp_mode)
     assert saved == pytest.approx(planned, rel=1e-3)

@@ -56,7 +56,8 @@ def _plan_main():
 
 
 # plan.py's search on 8 devices takes 5-19 s a config on 2 loaded cores (about 110 s for all): CI plans a dense one,
-# Qwen3's head_dim, the smallest and an MoE one (Mixtral's 64-GPU plan is tests/test_plan_ep.py's); the rest are slow
+# Qwen3's head_dim, the smallest and an MoE one (Mixtral's 64-GPU plan is tests/planning/test_plan_ep.py's); the rest
+# are slow
 PLANNED_IN_CI = ("qwen3-0.6b", "smollm2-135m")  # the others are slow (13-17 s of search each)
 
 

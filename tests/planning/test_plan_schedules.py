@@ -1,7 +1,7 @@
 """The planner's knowledge of the pipeline schedules (engine/planning/schedules.py, planner.py, search.py,
 launch/plan.py): activations in flight per stage are what the schedule tables hold, the planned bubble is the
 simulator's, and the search offers interleaved and zero-bubble layouts that resolve_layout accepts. The measured
-check of the new schedules' memory is tests/test_planner.py's NEW_SCHEDULE_LAYOUTS (waits for the executor)."""
+check of the new schedules' memory is tests/planning/test_planner.py's NEW_SCHEDULE_LAYOUTS (waits for the executor)."""
 
 import importlib.util
 from pathlib import Path

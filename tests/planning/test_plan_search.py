@@ -1,6 +1,6 @@
 """The layout search and step-time model (engine/planning/search.py) and the planner's command line, launch/plan.py.
 Step times are checked against figures computed by hand from the documented model; memory is checked against
-measurement in tests/test_planner.py."""
+measurement in tests/planning/test_planner.py."""
 
 import importlib.util
 import json
@@ -17,7 +17,7 @@ from tests.cli import run_script
 from tests.planning.models import HW, tiny
 
 ROOT = Path(__file__).resolve().parents[2]
-# tiny: 25264128 FLOPs per token at seq 128 (tests/test_flops.py); 4999424 parameters in all.
+# tiny: 25264128 FLOPs per token at seq 128 (tests/model/test_flops.py); 4999424 parameters in all.
 FLOPS, PARAMS = 25264128, 4999424
 
 

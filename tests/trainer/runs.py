@@ -46,7 +46,8 @@ def _short_run(tmp_path, world: int, *extra: str, **spawn) -> dict:
 
 # Bounds of tp 2 against one process over those 20 steps, from the worst error of correct code under every CPU
 # kernel path measured (ATen default/avx2/avx512, MKL AVX2/AVX-512, oneDNN AVX2/AMX; 1 and 2 threads: the table
-# in tests/test_kernel_paths.py) and two defects the test must catch: norm weights counted on both tp ranks in the
+# in tests/trainer/test_kernel_paths.py) and two defects the test must catch: norm weights counted on both tp ranks in
+# the
 # grad norm, and tp rank 1's sharded gradients scaled by 1 + 1e-3. Losses stay within 1e-5 (correct: <= 1.6e-7;
 # the defects: 6.3e-5 and 2.4e-5). The grad norm is the sensitive one: Adam turns reordered fp32 sums into
 # diverging updates, and the last step's norm measured 1.53e-5 (AVX-512 path), over the 1e-5 the loss keeps;

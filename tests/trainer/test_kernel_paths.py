@@ -5,7 +5,8 @@ CPU kernels choose their summation order by instruction set: ATen's vectorised o
 ``ONEDNN_MAX_CPU_ISA``; each of the three changed the bits of an fp32 sum, an fp32 matmul or a bf16 matmul on the
 AVX-512 + AMX Xeon where this was written. The rest of the suite runs under the machine's own path; this test reruns
 a slice of it in a subprocess under the oldest path of each library (``KERNEL_PATH``), so a bound fitted to one
-machine's rounding fails on that machine, not on the next one: the tp loss curve of tests/test_train.py (the bound
+machine's rounding fails on that machine, not on the next one: the tp loss curve of tests/trainer/test_train.py (the
+bound
 that did fail: its grad norm on the AVX-512 path), a dp and a pp combination of the parity matrix (fp32 and bf16)
 and a resume at another layout (tests/parity/).
 

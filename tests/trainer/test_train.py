@@ -1,6 +1,6 @@
 """End-to-end training through the Trainer: the tiny model learns, and at tp 2 the training and
 validation losses (fp32, rel <= 1e-5) and grad norms (rel <= 1e-4) follow the single-process run. Every other
-layout is compared with one process by the parity matrix (tests/test_parity.py)."""
+layout is compared with one process by the parity matrix (tests/trainer/test_parity.py)."""
 
 from __future__ import annotations
 

@@ -150,7 +150,7 @@ def test_refusals(tmp_path, argv, words):
 def test_resume_across_cp_sizes(tmp_path):
     """Checkpoints hold no cp state (cp shards no weight): steps at cp 2 ring (ddp, and fsdp sharded over dp x cp)
     and cp 2 all_to_all, saved, resumed at cp 1 (dp 4) and at cp 4 all_to_all, follow the uninterrupted run's
-    losses (rel 1e-5, the tolerance between layouts in tests/test_checkpoint.py)."""
+    losses (rel 1e-5, the tolerance between layouts in tests/checkpoint/test_checkpoint.py)."""
     from tests.checkpoint.runs import MOVED, check_resumes
 
     heads = ["--model.num_kv_heads", "4"]  # all_to_all at cp 4 needs 4 kv heads (SMALL has 4 heads, 2 kv)

@@ -16,7 +16,7 @@ or never running the fused kernel (the count test); peers given as group ranks (
 in separate batches (NCCL rules: deadlock); ring_attention traced by torch.compile (the compile test); the plan's
 document-border check dropped or loosened (the planned-kinds test).
 
-    python -m pytest -q tests/test_cp_ring.py
+    python -m pytest -q tests/parallel/cp/test_cp_ring.py
     python -m tests.parallel.cp.test_cp_ring         # prints the measured errors behind the bounds
 """
 

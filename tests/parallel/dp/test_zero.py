@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO (engine/parallel/dp/zero.py) beyond what the parity matrix covers (tests/test_parity.py runs ZeRO
+"""DeepSpeed ZeRO (engine/parallel/dp/zero.py) beyond what the parity matrix covers (tests/trainer/test_parity.py runs
+ZeRO
 1-3 at every layout against one process): ZeRO-3 with every parameter partitioned (the matrix uses DeepSpeed's
 default persistence threshold, under which this small model's tensors stay whole), also with tp 2, tied
 embeddings and activation checkpointing; DeepSpeed-managed accumulation; the derived DeepSpeed config; the
@@ -138,7 +139,7 @@ def check_against(ref: dict, results: list[dict], rel: float = 1e-5) -> None:
         # rows, so its figure moves with the initial draw and the norm's summation order: ZeRO-3 dp 2 measured
         # 4.3e-6 (the old full-tensor init), 2.3e-5 (the tiled init, fp32 norm), 5.3e-5 (tiled init, the fp64 CPU
         # norm of engine/optim.py), every other parameter <= 2e-6 in all three. A missing or doubled dp reduction
-        # moves parameters by ~1 of their update (tests/test_parity.py's table), so 2e-4 still separates them.
+        # moves parameters by ~1 of their update (tests/trainer/test_parity.py's table), so 2e-4 still separates them.
         update = (want - ref["init"][name]).norm()
         err = (got[name] - want).norm() / update
         bound = 2e-4 if name.endswith("embed_tokens.weight") else 5e-5
@@ -166,7 +167,8 @@ def zero_run(folder, world: int, stage: int, *extra_argv: str, ds: dict | None =
 
 
 def test_zero3_dp2_matches_single_process(ref, tmp_path):
-    # Every parameter partitioned (PARTITION_ALL): the parity matrix (tests/test_parity.py) runs ZeRO 1-3 at every
+    # Every parameter partitioned (PARTITION_ALL): the parity matrix (tests/trainer/test_parity.py) runs ZeRO 1-3 at
+    # every
     # layout with DeepSpeed's default threshold, under which this model's small tensors stay whole.
     results = zero_run(tmp_path, 2, 3)
     check_against(ref, results)

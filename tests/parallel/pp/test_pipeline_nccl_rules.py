@@ -10,8 +10,8 @@ received activation dropped); bug 2 (interleaved order) fails interleaved-v2-pp2
 deadlock: rank 1 batch 5 [send#3->r0 ..., recv#4<-r0 ...] waits for rank 0 to start its recv#3 of 1->0; rank 0
 batch 6 [send#5->r1 ...] waits for rank 1 to start its recv#5 of 0->1" about 2 s into the run.
 
-    python -m pytest -q tests/test_pipeline_nccl_rules.py              # CI subset
-    python -m pytest -q -m slow tests/test_pipeline_nccl_rules.py      # the rest
+    python -m pytest -q tests/parallel/pp/test_pipeline_nccl_rules.py              # CI subset
+    python -m pytest -q -m slow tests/parallel/pp/test_pipeline_nccl_rules.py      # the rest
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """ZB-V (engine/parallel/pp/schedules/zbv.py; Qi et al. 2023, Sec. 6) as data: its compute order against torch's
-ScheduleZBVZeroBubble (the oracle, computed without ranks as tests/test_pipeline_reference.py does for the
+ScheduleZBVZeroBubble (the oracle, computed without ranks as tests/parallel/pp/test_pipeline_reference.py does for the
 others), its messages along the V, and its run under NCCL's rendezvous rules (engine/parallel/pp/simulator.py).
 Pure Python, no processes."""
 
