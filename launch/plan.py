@@ -12,7 +12,7 @@ zero_bubble, zbv: engine/planning/schedules.py SEARCHED) unless the config file 
 parallel.schedule or parallel.virtual_stages, e.g. `--parallel.schedule interleaved --parallel.virtual_stages 2`.
 With `--parallel.pp_layers auto` every pp is planned with its balanced split (engine/planning/balance.py; the
 --json rows give each layout's pp_layers), else with the even one.
-Memory: engine/planning/planner.py (checked against measured memory on CPU in tests/test_planner.py); time:
+Memory: engine/planning/planner.py (checked against measured memory on CPU in tests/planning/test_planner.py); time:
 engine/planning/search.py, the bubble from simulating the schedule. Layouts that fit in --device-memory come
 first, fastest first. Offload (parallel.offload: host memory for the optimizer, or also the parameters) is tried
 only when no layout fits without it; "host GB" is what a rank then keeps in host memory (step time leaves out

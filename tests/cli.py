@@ -95,3 +95,18 @@ def run_script(
             out.read().decode(errors="replace"),
             err.read().decode(errors="replace"),
         )
+
+
+def launch(script: str, *args: str) -> subprocess.CompletedProcess:
+    """``python launch/SCRIPT args`` in a fork of the test process (tests/cli.py: the same script, argv, exit
+    status and output, without ~3-10 s of interpreter start and imports per call)."""
+    return run_script(f"launch/{script}", *args, timeout=600)
+
+
+def one_error_line(out: subprocess.CompletedProcess, *needles: str) -> str:
+    """Exit 2 with exactly one ``error:`` line holding every needle, and no traceback."""
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert out.returncode == 2 and len(lines) == 1, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "Traceback" not in out.stderr + out.stdout, out.stderr[-3000:]
+    assert all(n in lines[0] for n in needles), lines[0]
+    return lines[0]

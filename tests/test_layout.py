@@ -352,3 +352,18 @@ def test_no_positional_mesh_indexing_outside_the_mesh_module():
         if str(p.relative_to(ROOT)) != MESH_MODULE and (found := positional_mesh_uses(p.read_text(encoding="utf-8")))
     }
     assert bad == {}, "index the mesh by axis name (ctx.group, ctx.axis_rank, ctx.ranks_along: layout/mesh.py)"
+
+
+def test_no_test_module_imports_another():
+    """Shared test pieces live in helper modules (tests/cluster/jobs.py, tests/cli.py, ...), never in a test module
+    another test file imports (issue 36): a test file is read alone."""
+    bad = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = imported_names(node, "tests", False) if isinstance(node, (ast.Import, ast.ImportFrom)) else []
+            bad += [
+                f"{path.relative_to(ROOT)}:{node.lineno} imports {n}"
+                for n in names
+                if n.split(".")[-1].startswith("test_")
+            ]
+    assert bad == [], "move what several test files share into a helper module"

@@ -9,7 +9,7 @@ There is no allocator to ask on CPU, so memory is counted as tensor storages (ea
   torch.distributed._tools.mem_tracker does, without its allocator rounding): the step's peak of new memory, which
   also sees what activation checkpointing keeps (its own saved-tensor hooks hide it from ``SavedActivations``).
 launch/bench/measure.py runs a Trainer's step under all three; engine/planning/planner.py is checked against it
-(tests/test_planner.py, launch/bench/tp.py).
+(tests/planning/test_planner.py, launch/bench/tp.py).
 """
 
 from __future__ import annotations

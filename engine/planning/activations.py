@@ -15,7 +15,7 @@ model.head_dim says otherwise), kvd/t = kv_heads*head_dim/t, f/t and a/t heads:
                 softmax; and once per micro-batch the document mask, (b, 1, s, s) in the kernel's dtype
   SwiGLU MLP    gate output (silu saves it), silu(gate), up (the product saves both), their product (down_proj's
                 input)                                                     -> 4 f/t
-Dtypes (measured on CPU with torch.autograd.graph.saved_tensors_hooks; tests/test_planner.py):
+Dtypes (measured on CPU with torch.autograd.graph.saved_tensors_hooks; tests/planning/test_planner.py):
   fp32      everything fp32:  24h + 8 + (8qd + 8kvd + 4a + 16f)/t bytes per token
   autocast  bf16 matmuls on fp32 weights (train.dtype bf16 with ddp): norms stay fp32 (x, x_n: 16h + 8), each
             linear saves its own bf16 cast of y (the fused qkv and gate_up: 2 x 2h; 5 x 2h before the fusion),
@@ -41,7 +41,7 @@ those; the document mask stays whole ((b, 1, s, s) on every cp rank; the ring ke
 from the (b, s) document ids). Both keep o_proj's own copy of the attention output (a hd/t values a token).
 all_to_all (engine/parallel/cp/ulysses.py) runs attention on a/(t cp) whole heads of s tokens, the same saved
 bytes as a/t heads of s/cp tokens, plus 4 (s,) int64 reorder indices a layer; the ring saves q, k, v (n_kv heads,
-never repeated), its output and the fp32 lse (engine/parallel/cp/ring.py) (tests/test_cp.py).
+never repeated), its output and the fp32 lse (engine/parallel/cp/ring.py) (tests/parallel/cp/test_cp.py).
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def expert_grad_buffer_bytes(m: ModelConfig, ep: int = 1) -> float:
     """The backward's gradient of one MoE layer's expert weights before it reaches .grad: unbind's backward
     (Experts.forward) stacks the per-expert gradients of this rank's E/ep experts into one (E/ep, ...) tensor,
     4 (E/ep) 3 h f_e bytes in fp32 (measured on the tiny MoE at ep 1 and 2, one and two stages:
-    tests/test_planner.py, tests/test_plan_ep.py); 0 for a dense model."""
+    tests/planning/test_planner.py, tests/planning/test_plan_ep.py); 0 for a dense model."""
     if not m.num_experts:
         return 0.0
     return 4.0 * m.num_experts // ep * 3 * m.hidden_size * expert_width(m)

@@ -23,7 +23,8 @@ of one virtual stage (engine/planning/search.py), so the bubble is whatever the 
 (p-1)/(m+p-1) of Narayanan et al. 2021 Sec. 2.2.1, for interleaved about 1/v of it, for ZB-H1 (p-1)(F+B-W).
 Past SIMULATED_GROUPS groups of pp micro-batches the steady state only repeats: each further micro-batch adds the
 same time, so the makespan is extended along the line through the simulations at 2 pp and 3 pp micro-batches
-(equal to the full simulation in every case tests/test_plan_schedules.py and a wider sweep tried), which keeps a search
+(equal to the full simulation in every case tests/planning/test_plan_schedules.py and a wider sweep tried), which
+keeps a search
 over global
 batches of thousands of micro-batches fast.
 """

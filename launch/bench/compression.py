@@ -7,11 +7,11 @@ seed and global batches. For each, the max / mean / final absolute loss differen
 relative grad-norm difference, and the bytes each rank all-reduces per step (the payload handed to the
 collective, after warm-up: bucket numel x 4 for fp32, x 2 for bf16/fp16; PowerSGD's P and Q factors plus the
 tensors it leaves uncompressed, counted by its own PowerSGDState; a ring all-reduce sends about twice that).
-``--broken`` adds two wrong hooks as negative controls for the bounds in tests/test_ddp.py: ``local`` (odd
+``--broken`` adds two wrong hooks as negative controls for the bounds in tests/parallel/dp/test_ddp.py: ``local`` (odd
 buckets not reduced: each rank keeps its own gradient there) and ``sum`` (all-reduce without dividing by dp).
 
 The hook is observed by wrapping ``engine.parallel.dp.ddp.comm_hook`` in the forked ranks (``spy``), which tests
-also use (tests/test_ddp.py).
+also use (tests/parallel/dp/test_ddp.py).
 """
 
 from __future__ import annotations

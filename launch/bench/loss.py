@@ -6,7 +6,7 @@
 also kept an fp32 softmax of the whole local logits); "after" is engine.parallel.tp.cross_entropy's chunked loss.
 Memory is the peak of the storages the loss allocates, counted by engine.metrics.memory.LiveTensorBytes (works on
 CPU; the logits themselves are allocated before and not counted). Runs alternate (before, after, before, ...);
-the times are medians. Both give the same loss and gradient (tests/test_cross_entropy.py).
+the times are medians. Both give the same loss and gradient (tests/parallel/tp/test_cross_entropy.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 ``measure_step(trainer, local_batch)`` runs one ``Trainer.train_step`` under engine/metrics/memory.py's counters
 (tensors held, saved for backward, live allocations), sampling gradients and FSDP's gathered weights before each
-backward and before the update through ``Trainer.observers``. Used by tests/test_planner.py and launch/bench/tp.py.
+backward and before the update through ``Trainer.observers``. Used by tests/planning/test_planner.py and
+launch/bench/tp.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ For each ep (dividing the world, all of it dp), the tiny MoE trains ``steps`` st
   load imbalance ep turns into waiting: 1.00 is even);
 - ``tok/expert min/max/cv``: token copies per expert over the step (metrics.jsonl's moe_tokens_per_expert_*);
 - ``planned``: the planner's a2a bytes per rank (engine/planning/ep.py: the mean; routing decides the measured);
-- ``peak MB meas/plan``: one more step measured as tests/test_planner.py measures it (launch/bench/measure.py:
+- ``peak MB meas/plan``: one more step measured as tests/planning/test_planner.py measures it (launch/bench/measure.py:
   tensors held plus the peak of live allocations), the largest over the ranks, beside engine/planning/planner.py's
   peak for the rank, and their ratio (the issue asks 10 %). The planner's expert activations are the busiest
   rank's (its EP_IMBALANCE margin, engine/planning/moe.py, from this bench's rows/rank column).

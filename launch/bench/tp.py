@@ -17,7 +17,7 @@ c) Sequence parallelism (parallel.sequence_parallel): peak bytes saved for backw
 d) Collectives per decoder layer, forward and backward, at the tp sizes of c) without and with sequence parallelism
    and with activation checkpointing none and full: calls of each kind and bytes per token, counted on the c10d
    calls, next to Megatron-LM's design and the counts before the q/k/v, gate/up fusion
-   (launch/bench/tp_collectives.py, which also runs alone; tests/test_tp_collectives.py asserts the counts).
+   (launch/bench/tp_collectives.py, which also runs alone; tests/parallel/tp/test_tp_collectives.py asserts the counts).
 """
 
 from __future__ import annotations

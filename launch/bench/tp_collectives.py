@@ -11,7 +11,8 @@ forward and backward: the calls of each kind, and per token of the micro-batch (
 buffer each kind reduces or assembles (an all-reduce's tensor, an all-gather's output, a reduce-scatter's input)
 and the bytes one rank sends under ring algorithms (all-reduce 2 (tp-1)/tp of the buffer, all-gather and
 reduce-scatter (tp-1)/tp; Thakur et al. 2005), next to the counts of Megatron's design
-(Shoeybi et al. 2019, Sec. 3; Korthikanti et al. 2022, Sec. 4.2.2). tests/test_tp_collectives.py asserts the counts.
+(Shoeybi et al. 2019, Sec. 3; Korthikanti et al. 2022, Sec. 4.2.2). tests/parallel/tp/test_tp_collectives.py asserts
+the counts.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ DESIGN = {
     (True, "full"): ((0, 2, 2), (0, 6, 4)),
 }
 # Before the q/k/v and gate/up fusion (separate q, k, v, gate, up linears; counted on commit c38bd66, see
-# tests/test_tp_collectives.py); sequence parallelism came after the fusion.
+# tests/parallel/tp/test_tp_collectives.py); sequence parallelism came after the fusion.
 BEFORE = {(False, "none"): ((2, 0, 0), (5, 0, 0)), (False, "full"): ((2, 0, 0), (6, 0, 0))}
 
 

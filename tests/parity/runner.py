@@ -13,7 +13,6 @@ CI run pays the fork and the imports a few times, not once per combination.
 from __future__ import annotations
 
 import logging
-import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -23,7 +22,8 @@ from engine.model.fused import by_hf_name
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks
-from tests.parity.matrix import Combo
+from tests.numerics import rel_err
+from tests.parity.matrix import MOE_ARGS, Combo
 
 STEPS = 4
 CLIP = 0.5  # below the gradient norm of every step (1.8-4.5 here), so "clip on" clips every step
@@ -57,6 +57,8 @@ BASE = [
     "--log.breakdown",
     "false",
 ]
+# The MoE model of the ep, MoE-under-cp and MoE-under-tp tests: BASE with the matrix's MoE shape, unclipped.
+MOE_BASE = [*BASE, *MOE_ARGS, "--train.grad_clip", "0"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class Tolerance:
 FP32 = Tolerance(loss=1e-5, grad_norm=1e-5, params=1e-3)
 # bf16 (autocast: bf16 matmuls, fp32 weights, gradients and reductions) against the bf16 single process: each
 # layout rounds its partial matmuls differently. Measured worst and the defects these bounds must catch: see
-# tests/test_parity.py.
+# tests/trainer/test_parity.py.
 BF16 = Tolerance(loss=1e-3, grad_norm=3e-2, params=2e-1)
 # DeepSpeed's bf16 is another recipe than autocast (bf16 weights, residual stream and norms in bf16; fp32 masters):
 # ZeRO bf16 on several ranks is compared with ZeRO bf16 on one (reference_of), and ZeRO bf16 on one rank with the
@@ -92,8 +94,10 @@ BF16 = Tolerance(loss=1e-3, grad_norm=3e-2, params=2e-1)
 # zero_bubble at pp 4 (loss 6.2e-4, params 6.5e-2); 4 layers: at most 5.8e-3. Bound at 8 layers: 6e-2.
 # The loss differs by instruction set (bf16 matmuls round their partial sums per kernel): plain FSDP at dp 2 measured
 # 3.2e-4 on AVX-512 + AMX and 7.5e-4 under ATen's default path with MKL and oneDNN at AVX2
-# (tests/test_kernel_paths.py), 0.75 of the old 1e-3; bound 2e-3. The defects that the loss shows stay above it (dp
-# all-reduce removed: 1.1e-2, tests/test_parity.py); FSDP's gradients summed instead of averaged over dp moved the
+# (tests/trainer/test_kernel_paths.py), 0.75 of the old 1e-3; bound 2e-3. The defects that the loss shows stay above
+# it (dp
+# all-reduce removed: 1.1e-2, tests/trainer/test_parity.py); FSDP's gradients summed instead of averaged over dp moved
+# the
 # loss by only 3.2e-4 there, the grad norm by 1.01 (params 3.0e-1): the grad norm is what catches it, at any loss
 # bound.
 FSDP_BF16_DEEP = Tolerance(loss=2e-3, grad_norm=6e-2, params=2e-1)
@@ -107,7 +111,7 @@ FSDP_BF16_DEEP = Tolerance(loss=2e-3, grad_norm=6e-2, params=2e-1)
 # do not see it), the copies' gradient sum removed 5.75e-1 (loss 3.8e-3, params 1.01). Bound: 2e-1, the geometric
 # middle of 9.26e-2 and 3.94e-1 (2.2x and 2.0x from them). Across CPU kernel paths the twin measured 2.0e-2 (AVX-512 +
 # AMX), 4.9e-2 (oneDNN at AVX2), 8.6e-2 (AVX512_CORE_BF16) and 1.29e-1 (AVX512_CORE: AVX-512 CPUs without bf16 units),
-# 1.55x below the bound and 3.1x below the defect (tests/test_kernel_paths.py): the bound stays.
+# 1.55x below the bound and 3.1x below the defect (tests/trainer/test_kernel_paths.py): the bound stays.
 BF16_TIED_DEEP = Tolerance(loss=1e-3, grad_norm=2e-1, params=2e-1)
 
 
@@ -125,10 +129,11 @@ def reference_of(c: Combo) -> Combo:
 # The MoE model under bf16: routing is discrete, and bf16 weights (FSDP's param_dtype) route 1-2 of 128 tokens per
 # layer to other experts than autocast does (measured at the initial weights), so those experts' updates differ by
 # whole tokens: FSDP bf16 at pp 2 measured params 2.29e-1 (loss 3.2e-4, grad norm 1.1e-2, within BF16); across CPU
-# kernel paths 2.08e-1 (AVX-512 + AMX) to 2.48e-1 (ATen default, MKL and oneDNN at AVX2; tests/test_kernel_paths.py),
+# kernel paths 2.08e-1 (AVX-512 + AMX) to 2.48e-1 (ATen default, MKL and oneDNN at AVX2;
+# tests/trainer/test_kernel_paths.py),
 # 0.83 of the old 3e-1. The parameter bound widens to 4e-1; loss and grad norm, which catch the dp defects above, keep
 # theirs: FSDP's gradients summed instead of averaged over dp gave params 2.2e-1 here (no parameter bound separates it
-# from routing), grad norm 1.01; the dp all-reduce removed, params 1.1 (tests/test_parity.py).
+# from routing), grad norm 1.01; the dp all-reduce removed, params 1.1 (tests/trainer/test_parity.py).
 BF16_MOE = Tolerance(loss=BF16.loss, grad_norm=BF16.grad_norm, params=4e-1)
 
 
@@ -221,20 +226,14 @@ def checkpointed_run(world: int, argv: list[str], root, name: str, resume: str) 
     return run
 
 
-def rel(got: float, want: float) -> float:
-    if math.isnan(got) or math.isnan(want):
-        return math.inf
-    return abs(got - want) / max(abs(want), 1e-30)
-
-
 def compare(results: list[dict], ref: dict, offset: int = 0) -> dict:
     """Worst relative errors of a run (all its ranks) against the reference: loss and grad norm at every step
     (a run resumed after ``offset`` steps against the reference's later steps), and every final parameter (tp
     shards cut from the reference's full tensor; a tied LM head under pp compared with the embedding). Also
     checks that the run took every step and that the ranks together hold every parameter."""
     want_loss, want_norm = ref["loss"][offset:], ref["grad_norm"][offset:]
-    loss = max(rel(g, w) for r in results for g, w in zip(r["loss"], want_loss))
-    grad = max(rel(g, w) for r in results for g, w in zip(r["grad_norm"], want_norm))
+    loss = max(rel_err(g, w) for r in results for g, w in zip(r["loss"], want_loss))
+    grad = max(rel_err(g, w) for r in results for g, w in zip(r["grad_norm"], want_norm))
     steps_ok = all(len(r["loss"]) == len(want_loss) for r in results)
     want_params, init = ref["params"], ref["init"]
     worst, seen = 0.0, set()

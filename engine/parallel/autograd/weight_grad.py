@@ -120,7 +120,8 @@ class WeightGradStore:
 
     def bytes_pending(self) -> int:
         """Bytes of the distinct x and g storages the queues hold. Per token of a queued micro-batch, in elements
-        of the compute dtype (tests/test_weight_grad.py checks it): each block keeps x of the fused q/k/v (h), of
+        of the compute dtype (tests/parallel/autograd/test_weight_grad.py checks it): each block keeps x of the fused
+        q/k/v (h), of
         o (nh*hd/tp), of the fused gate/up (h) and of down (ffn/tp), and their g: (nh*hd + 2*nkv*hd + 2*ffn)/tp
         + 2h; the LM head is not split; under sequence parallelism x of qkv and gate/up is the h/tp shard (the
         planner's engine/planning/schedules.py w_state_bytes). A plain backward frees both at B; here they live

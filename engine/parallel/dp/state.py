@@ -14,7 +14,7 @@ The state classes read and write those ranges:
 - ZeRO's own (``Zero12State``, ``Zero3State``) live with the rest of ZeRO in engine/parallel/dp/zero_state.py.
 Each dp mode hands its state object to the checkpointer (``DataParallel.checkpoint_state``); every one follows
 ``CheckpointState``, the protocol engine/checkpoint/ calls (each dp mode's DpModeSpec.state names its classes, and
-tests/test_checkpoint_state.py checks them against it).
+tests/parallel/dp/test_checkpoint_state.py checks them against it).
 Adam's bias correction needs its step count, stored once in the index (every parameter steps every step).
 """
 

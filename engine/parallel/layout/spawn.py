@@ -79,7 +79,8 @@ def _finish_together() -> None:
     barrier has the process group's timeout; a rank that raised skips it (the finally alone), so it exits at once,
     start_processes' join terminates the peers waiting here and the caller gets that rank's traceback. A barrier
     that itself fails after this rank's result is saved does not fail the rank: ``fn`` may have left a pair broken
-    on purpose (tests/test_pipeline_nccl_rules.py refuses a mismatched send, which closes that pair in gloo), and a
+    on purpose (tests/parallel/pp/test_pipeline_nccl_rules.py refuses a mismatched send, which closes that pair in
+    gloo), and a
     peer that really failed reports its own exception."""
     if not dist.is_initialized():
         return

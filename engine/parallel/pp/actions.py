@@ -108,7 +108,8 @@ def max_in_flight(actions: list[Action]) -> int:
     """The most (micro-batch, chunk) pairs forwarded and not yet released (= activations held): released by BWD,
     or by W under zero bubble (B keeps what W reads). With v chunks, each counts 1/v of a stage's activations.
     The one count of activations in flight: the simulator (simulator.Timeline.peak_in_flight) and the planner
-    (engine/planning/schedules.py InFlight.count) both report this (tests/test_schedule.py checks they agree)."""
+    (engine/planning/schedules.py InFlight.count) both report this (tests/parallel/pp/test_schedule.py checks they
+    agree)."""
     alive = peak = 0
     for a in actions:
         alive += (a.op is Op.FWD) - (a.op in RELEASES)

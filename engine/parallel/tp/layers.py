@@ -5,7 +5,7 @@ splits the input features (weight columns) and all-reduces its output. Attention
 are split this way, so a block needs one all-reduce forward and one backward per sub-layer: q/k/v and gate/up are
 fused linears (engine/model/fused.py), each one column-parallel GEMM behind one ``f``, so a decoder layer runs 2
 all-reduces forward (o_proj, down_proj) and 2 backward (in front of qkv_proj, gate_up_proj), where separate q, k,
-v, gate and up linears ran 5 backward (tests/test_tp_collectives.py counts them). The embedding and the
+v, gate and up linears ran 5 backward (tests/parallel/tp/test_tp_collectives.py counts them). The embedding and the
 LM head split the vocabulary; the loss is computed on vocab-sharded logits without gathering them
 (engine/parallel/tp/cross_entropy.py, re-exported here).
 

@@ -6,7 +6,8 @@ and 2p-1-r (chunk 1), so a micro-batch goes down the ranks on chunk 0, turns on 
 comes back up on chunk 1 to rank 0, which holds the embedding and the loss. The backward is split into B (input
 gradient) and W (weight gradient) as in ZB-H1 (zero_bubble.py). Every rank holds at most 2p chunk micro-batches
 of half a stage each: 1F1B's peak (p stage micro-batches, on its first stage). With F = B = W per chunk this order
-leaves each rank idle (p-1) F (rank r starts r late and ends p-1-r early; simulated, tests/test_schedule_zbv.py):
+leaves each rank idle (p-1) F (rank r starts r late and ends p-1-r early; simulated,
+tests/parallel/pp/zbv/test_schedule_zbv.py):
 half of ZB-H1's (p-1)(F+B-W) on stages of twice the chunk; torch: zero bubble "only if time forward == time
 backward input == time backward weights", and other ratios leave more.
 
@@ -20,7 +21,8 @@ Communication is placed from a run of that order (zbv below), not as the other t
 right before its compute, each send right after): in the V, channel r -> r+1 carries both chunk 0's forwards and
 chunk 1's backward gradients, which that placement posts in different orders on the two ranks (and at m <= p it
 deadlocks under rendezvous sends). The simulator (pp/simulator.py, NCCL's rules) finds the placed tables complete for
-every pp and m that build() accepts (tests/test_schedule_zbv.py, tests/test_schedule_deadlock.py).
+every pp and m that build() accepts (tests/parallel/pp/zbv/test_schedule_zbv.py,
+tests/parallel/pp/test_schedule_deadlock.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,299 @@
+"""Reading checkpoints back (issue 34, part D), where a user meets it: launch/pretrain.py and launch/convert.py export.
+
+A checkpoint that cannot be read or parsed is treated as a corrupt one: ``resume: auto`` prints one line naming
+the step and why and resumes the next older good step; an explicit ``checkpoint.resume PATH`` and ``convert.py
+export`` print one ``error:`` line and exit 2. Each case damages the newest step (6) of a copy of one small MoE
+run's checkpoints (steps 3 and 6):
+- index.json valid JSON with bad inner fields: a files entry a number, consumed_samples missing, ranks empty,
+  adam_step "abc", a piece of 3 numbers (before: KeyError / TypeError / IndexError / ValueError tracebacks);
+- index.json naming its shards ``../../elsewhere/...`` (before: read from outside the step directory);
+- a NaN router weight with a matching CRC (before: resumed without a word);
+- ``latest`` holding a non-UTF-8 byte (before: UnicodeDecodeError); auto then tries the step directories and
+  resumes step 6, which is good;
+- (a real process without CAP_DAC_OVERRIDE) a shard and ``latest`` of mode 000 (before: PermissionError).
+The launchers run in-process as ``__main__`` (their own exit-code and one-line handling; os._exit raised as
+SystemExit) in one forked process, so each case costs a model build, not an interpreter start.
+A dense resume inside warmup (step 3 of train.warmup_steps 8) equals the uninterrupted run (losses and grad norms,
+same layout: bit-identical in practice, rel <= 1e-6); the other dense resume tests all resume after warmup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import runpy
+import shutil
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.checkpoint.format import file_crc32
+from tests.checkpoint.runs import SAME, SMALL, assert_curves
+from tests.cli import run_script
+from tests.dist import run_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
+MOE = [*SMALL, "--model.family", "mixtral", "--model.num_experts", "4", "--model.experts_per_token", "2"]
+ROUTER = "model.layers.0.block_sparse_moe.gate.weight"  # Mixtral's name for the router
+SHARD = "rank_00000.safetensors"
+
+
+def edit_index(step: Path, change) -> None:
+    index = json.loads((step / "index.json").read_text())
+    change(index)
+    (step / "index.json").write_text(json.dumps(index))
+
+
+def first_piece(index: dict) -> list:
+    return next(iter(index["params"].values()))["states"]["param"][0]
+
+
+def outside(step: Path) -> None:
+    """The shard moved to ckpt/../elsewhere and the index naming it there: size and CRC still match."""
+    elsewhere = step.parent.parent / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    shutil.copyfile(step / SHARD, elsewhere / SHARD)
+    text = (step / "index.json").read_text().replace(f'"{SHARD}"', f'"../../elsewhere/{SHARD}"')
+    (step / "index.json").write_text(text)
+
+
+def nan_router(step: Path) -> None:
+    """A NaN in the router's weight, with the index's byte count and CRC made to match: only a finiteness
+    check can tell."""
+    tensors = load_file(str(step / SHARD))
+    key = next(k for k in tensors if k.startswith(f"{ROUTER}/param/"))
+    tensors[key][0] = float("nan")
+    save_file(tensors, str(step / SHARD), metadata={"format": "pt"})
+    edit_index(
+        step, lambda i: i["files"][SHARD].update(bytes=(step / SHARD).stat().st_size, crc32=file_crc32(step / SHARD))
+    )
+
+
+# name -> (what it does to step 6, words of the one line that must name it)
+DAMAGES = {
+    "files entry a number": (
+        lambda s: edit_index(s, lambda i: i["files"].update({SHARD: 5})),
+        f"files['{SHARD}'] is 5, not an object",
+    ),
+    "consumed_samples missing": (
+        lambda s: edit_index(s, lambda i: i.pop("consumed_samples")),
+        "consumed_samples is missing",
+    ),
+    "ranks empty": (lambda s: edit_index(s, lambda i: i.update(ranks=[])), "ranks is [], not a list of at least 1"),
+    "adam_step abc": (lambda s: edit_index(s, lambda i: i.update(adam_step="abc")), "adam_step is 'abc'"),
+    "piece of 3 numbers": (
+        lambda s: edit_index(s, lambda i: first_piece(i).pop()),
+        "['param'][0] is ['rank_00000.safetensors', 0, 0], not a piece",
+    ),
+    "shard outside the step dir": (outside, "outside the checkpoint directory"),
+    "NaN router weight": (nan_router, f"NaN/inf values in {ROUTER} (param) of step 6"),
+}
+
+
+def launched(script: str, argv: list[str]) -> dict:
+    """Run ``script`` as ``python script argv`` would, in this process: its exit code and output; an exception
+    that escapes its own handling is recorded as code "traceback"."""
+    out, err, real_exit = io.StringIO(), io.StringIO(), os._exit
+    sys.argv = [script, *argv]
+
+    def exit_(code):
+        raise SystemExit(code)
+
+    os._exit = exit_  # launch/pretrain.py ends with os._exit (skipping teardown): here it must return
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(str(ROOT / script), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    except Exception:  # noqa: BLE001 - what the user would have seen as a traceback
+        code, err = "traceback", io.StringIO(err.getvalue() + traceback.format_exc())
+    finally:
+        os._exit = real_exit
+    return {"code": code, "out": out.getvalue(), "err": err.getvalue()}
+
+
+def cases_rank(base: Path, tmp: Path) -> dict:
+    """Rank function (one process, as a plain ``python launch/...``): every damage x {auto, explicit, export}."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group()  # run_ranks' group: each launch makes and destroys its own, in memory
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    train = launched(
+        "launch/pretrain.py",
+        [
+            *MOE,
+            "--train.steps",
+            "6",
+            "--checkpoint.every",
+            "3",
+            "--checkpoint.keep",
+            "0",
+            "--checkpoint.dir",
+            str(base),
+            "--train.out_dir",
+            str(tmp / "base_out"),
+        ],
+    )
+    got = {"base": train}
+    for name, (damage, _) in {**DAMAGES, "latest not UTF-8": (None, "")}.items():
+        ckpt = tmp / name.replace(" ", "_") / "ckpt"
+        shutil.copytree(base, ckpt)
+        if damage is None:
+            (ckpt / "latest").write_bytes(b"step_00\xff0006\n")
+            target = ckpt  # followed through latest
+        else:
+            damage(ckpt / "step_000006")
+            target = ckpt / "step_000006"
+        run = [*MOE, "--train.steps", "3", "--train.out_dir", str(ckpt.parent / "out")]  # resumed: nothing to do
+        got[name] = {
+            "explicit": launched("launch/pretrain.py", [*run, "--checkpoint.resume", str(target)]),
+            "export": launched("launch/convert.py", ["export", str(target), str(ckpt.parent / "hf")]),
+            # last: it sets the damaged step 6 aside (engine/checkpoint/lineage.py)
+            "auto": launched("launch/pretrain.py", [*run, "--checkpoint.dir", str(ckpt)]),
+        }
+    return got
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory) -> tuple[Path, dict]:
+    tmp = tmp_path_factory.mktemp("read")
+    return tmp, run_ranks(cases_rank, 1, tmp / "base", tmp, timeout_s=1200)[0]
+
+
+def one_error_line(run: dict, words: str) -> str:
+    assert run["code"] == 2, f"exit {run['code']}, not 2:\n{run['err'][-3000:]}"
+    lines = run["err"].strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], run["err"][-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("name", list(DAMAGES))
+def test_a_damaged_newest_step_is_skipped_by_auto_and_refused_when_named(cases, name):
+    tmp, got = cases
+    assert got["base"]["code"] == 0, got["base"]["err"][-3000:]
+    ckpt, words = tmp / name.replace(" ", "_") / "ckpt", DAMAGES[name][1]
+    auto = got[name]["auto"]
+    assert auto["code"] == 0, f"exit {auto['code']}:\n{auto['err'][-3000:]}"
+    skipped = [line for line in auto["out"].splitlines() if line.startswith("checkpoint: skipping")]
+    assert len(skipped) == 1 and str(ckpt / "step_000006") in skipped[0] and words in skipped[0], auto["out"]
+    assert f"resumed from {ckpt / 'step_000003'} (step 3" in auto["out"], auto["out"][-3000:]
+    assert "Traceback" not in auto["err"], auto["err"][-3000:]
+    one_error_line(got[name]["explicit"], words)
+    one_error_line(got[name]["export"], words)
+    assert not (ckpt.parent / "hf").exists(), "a refused export left its folder"
+
+
+def test_a_latest_that_is_not_text_is_ignored_by_auto_and_refused_when_followed(cases):
+    tmp, got = cases
+    ckpt, run = tmp / "latest_not_UTF-8" / "ckpt", got["latest not UTF-8"]
+    assert run["auto"]["code"] == 0, run["auto"]["err"][-3000:]
+    assert f"checkpoint: ignoring {ckpt / 'latest'}: {ckpt / 'latest'} is not text" in run["auto"]["out"]
+    assert f"resumed from {ckpt / 'step_000006'} (step 6" in run["auto"]["out"], run["auto"]["out"][-3000:]
+    one_error_line(run["explicit"], "is not text")
+    one_error_line(run["export"], "is not text")
+
+
+def without_file_permission_override() -> list[str]:
+    """A command prefix under which mode 000 stops reads: nothing for a plain user; for root, setpriv dropping
+    CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH (root reads any file otherwise)."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: a mode-000 file stays readable")
+    caps = "-dac_override,-dac_read_search"
+    return ["setpriv", "--bounding-set", caps, "--inh-caps", caps]
+
+
+def test_unreadable_shard_and_latest_fall_back_and_are_refused_when_named(cases):
+    tmp, _ = cases
+    prefix = without_file_permission_override()
+    ckpt = tmp / "unreadable" / "ckpt"
+    shutil.copytree(tmp / "base", ckpt)
+    shard = ckpt / "step_000006" / SHARD
+    shard.chmod(0)
+    (ckpt / "latest").chmod(0)
+    run = [*MOE, "--train.steps", "3", "--train.out_dir", str(ckpt.parent / "out")]
+
+    def launch(*args: str) -> dict:
+        p = subprocess.run([*prefix, sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        return {"code": p.returncode, "out": p.stdout, "err": p.stderr}
+
+    auto = launch("launch/pretrain.py", *run, "--checkpoint.dir", str(ckpt))
+    assert auto["code"] == 0, auto["err"][-3000:]
+    assert f"checkpoint: ignoring {ckpt / 'latest'}: cannot read" in auto["out"], auto["out"][-3000:]
+    assert (
+        f"checkpoint: skipping {ckpt / 'step_000006'}: shard {shard} cannot be read (Permission denied)" in auto["out"]
+    ), auto["out"][-3000:]
+    assert f"resumed from {ckpt / 'step_000003'}" in auto["out"], auto["out"][-3000:]
+    aside = ckpt / "set_aside"  # the unreadable step lay above the start: moved aside, not deleted
+    shard = next(aside.iterdir()) / SHARD
+    one_error_line(launch("launch/pretrain.py", *run, "--checkpoint.resume", str(shard.parent)), "Permission denied")
+    one_error_line(
+        launch("launch/convert.py", "export", str(shard.parent), str(tmp / "unreadable" / "hf")), "Permission denied"
+    )
+    restored = tmp / "unreadable" / "with_latest"
+    restored.mkdir()
+    shutil.copyfile(ckpt / "latest", restored / "latest")
+    (restored / "latest").chmod(0)
+    one_error_line(launch("launch/convert.py", "export", str(restored), str(tmp / "unreadable" / "hf")), "cannot read")
+
+
+def metrics(out_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (out_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_a_dense_resume_inside_warmup_equals_the_uninterrupted_run(tmp_path):
+    warm = [
+        *SMALL,
+        "--train.steps",
+        "6",
+        "--train.warmup_steps",
+        "8",
+        "--checkpoint.every",
+        "3",
+        "--checkpoint.keep",
+        "0",
+        "--checkpoint.dir",
+        str(tmp_path / "ckpt"),
+    ]
+    straight = run_script(
+        "launch/pretrain.py",
+        *warm,
+        "--checkpoint.resume",
+        "none",
+        "--train.out_dir",
+        tmp_path / "straight",
+        timeout=600,
+    )
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    resumed = run_script(
+        "launch/pretrain.py",
+        *warm,
+        "--checkpoint.dir",
+        tmp_path / "c2",
+        "--checkpoint.resume",
+        tmp_path / "ckpt" / "step_000003",
+        "--train.out_dir",
+        tmp_path / "resumed",
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want, got = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert sorted(got) == [4, 5, 6], sorted(got)
+    for key in ("loss", "grad_norm"):
+        assert_curves(
+            [got[s][key] for s in (4, 5, 6)],
+            [want[s][key] for s in (4, 5, 6)],
+            SAME,
+            f"{key} resumed at step 3 of 8 warmup steps vs uninterrupted",
+        )
+    assert all(torch.isfinite(torch.tensor(want[s]["grad_norm"])) for s in want)

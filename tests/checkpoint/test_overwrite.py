@@ -1,0 +1,226 @@
+"""Issue 34 part A, "lose nothing": what launch/convert.py --overwrite, a tokenizer folder and a hostfile may do.
+
+- ``convert export/import --overwrite`` replaces only a folder an earlier export or import wrote (its marker,
+  engine/checkpoint/folder.py) and holding nothing else. Each refusal below deleted or replaced data before
+  (the checkpoint dir, a step dir, the run's out_dir, a parent of the source, ``.``, the HF source, a live run's
+  out_dir, an unrelated folder, an earlier export the user added a file to, an import a run saved into) or wrote a
+  probe into ``/`` and ended in a traceback; now: one line, exit 2, and every file that was there is still there,
+  byte for byte. A symlink target is followed (the link kept), not replaced by a real folder.
+  The checks run again right before the old folder is moved aside: a run that took it meanwhile keeps it.
+- A tokenizer folder that needs trust_remote_code: one line, exit 2, its Python never run, even if stdin says "y"
+  to transformers' prompt (before: the engine left it to the prompt, and "y" ran it).
+- A hostfile host beginning with ``-`` (ssh would read it as an option): refused at parse, ssh never started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from engine.checkpoint.folder import MARKER
+from tests.checkpoint.runs import files, train_six_steps
+from tests.cli import one_error_line, run_script
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def launch(script: str, *args, cwd: Path = ROOT, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """``python launch/SCRIPT args`` from ``cwd``, in a fork of the test process (tests/cli.py)."""
+    return run_script(str(ROOT / "launch" / script), *args, cwd=cwd, stdin=stdin, timeout=600)
+
+
+def tree(folder: Path) -> dict[str, bytes | str]:
+    """Every entry under ``folder``: a file's bytes, a link's target, a directory as 'dir'."""
+    out: dict[str, bytes | str] = {}
+    for top, dirs, names in os.walk(folder):
+        for name in dirs + names:
+            path = Path(top) / name
+            rel = str(path.relative_to(folder))
+            out[rel] = (
+                f"link {os.readlink(path)}" if path.is_symlink() else "dir" if path.is_dir() else path.read_bytes()
+            )
+    return out
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    """A finished run: out/ (metrics.jsonl), ckpt/ (steps 3 and 6, latest), an export of step 3 (hf/) and an
+    import of that export (imported/), all written by the command lines a user runs."""
+    root = tmp_path_factory.mktemp("pristine")
+    train_six_steps(root)
+    for argv in (("export", root / "ckpt" / "step_000003", root / "hf"), ("import", root / "hf", root / "imported")):
+        out = launch("convert.py", *argv)
+        assert out.returncode == 0, out.stderr[-3000:]
+    return root
+
+
+@pytest.fixture
+def run(pristine, tmp_path) -> Path:
+    """A copy of ``pristine`` to try destroying."""
+    shutil.copytree(pristine, tmp_path / "run", symlinks=True)
+    return tmp_path / "run"
+
+
+def _live_out_dir(run: Path) -> Path:
+    """The run's out_dir as a live job holds it: its LOCK names this (running) process."""
+    lock = {"host": socket.gethostname(), "pid": os.getpid(), "started": 1.0, "run": "live"}
+    (run / "out" / "LOCK").write_text(json.dumps(lock) + "\n")
+    return run / "out"
+
+
+def _hf_with_license(run: Path) -> Path:
+    (run / "hf" / "LICENSE").write_text("the model's licence\n")
+    (run / "hf" / "README.md").write_text("# the model card\n")
+    return run / "hf"
+
+
+def _docs(run: Path) -> Path:
+    (run / "docs").mkdir()
+    (run / "docs" / "notes.md").write_text("unrelated\n")
+    return run / "docs"
+
+
+def _trained_into(run: Path) -> Path:
+    """An import a later run saved its steps into (checkpoint.dir = the import)."""
+    shutil.copytree(run / "ckpt" / "step_000006", run / "imported" / "step_000006")
+    return run / "imported"
+
+
+# (argv after `convert.py` given the run copy, the cwd (None: the checkout), what the line must name)
+CASES = {
+    "checkpoint-dir-itself": (lambda r: ("export", r / "ckpt", r / "ckpt"), None, ["ckpt", "source"]),
+    "step-dir-latest-names": (
+        lambda r: ("export", r / "ckpt/step_000003", r / "ckpt/step_000006"),
+        None,
+        ["step_000006", "lies inside", "checkpoint directory (latest)"],
+    ),
+    "run-out-dir": (lambda r: ("export", r / "ckpt", r / "out"), None, ["run's out_dir (metrics.jsonl)"]),
+    "parent-of-source": (lambda r: ("export", r / "ckpt", r), None, ["holds the source"]),
+    "dot-above-source": (lambda r: ("export", "ckpt", "."), "run", ["current directory"]),
+    "import-onto-its-source": (lambda r: ("import", _hf_with_license(r), r / "hf"), None, ["source"]),
+    "live-run-out-dir": (lambda r: ("export", r / "ckpt", _live_out_dir(r)), None, ["LOCK"]),
+    "unrelated-folder": (lambda r: ("export", r / "ckpt", _docs(r)), None, ["notes.md", "not written by"]),
+    "export-with-user-files": (
+        lambda r: ("export", r / "ckpt", _hf_with_license(r)),
+        None,
+        ["LICENSE", "README.md", "did not write"],
+    ),
+    "import-a-run-saved-into": (lambda r: ("import", r / "hf", _trained_into(r)), None, ["step_000006"]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_overwrite_refuses_what_it_would_destroy(run, tmp_path, case):
+    argv, cwd, needles = CASES[case]
+    argv = argv(run)
+    before = tree(tmp_path)
+    out = launch("convert.py", *argv, "--overwrite", cwd=run if cwd else ROOT)
+    one_error_line(out, *needles, "--overwrite replaces only")
+    assert tree(tmp_path) == before, "a refused --overwrite changed or lost files"
+
+
+def test_overwrite_of_the_root_directory_writes_nothing_there(run, tmp_path):
+    before, top = tree(tmp_path), sorted(os.listdir("/"))
+    one_error_line(launch("convert.py", "export", run / "ckpt", "/", "--overwrite"), "'/'", "root directory")
+    assert tree(tmp_path) == before and sorted(os.listdir("/")) == top
+
+
+def test_overwrite_follows_a_symlink_and_replaces_an_earlier_import(run, tmp_path):
+    link = tmp_path / "link"
+    link.symlink_to(run / "hf")
+    out = launch("convert.py", "export", run / "ckpt", link, "--overwrite")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert link.is_symlink() and os.readlink(link) == str(run / "hf"), "the link was replaced"
+    assert launch("convert.py", "export", run / "ckpt", tmp_path / "fresh").returncode == 0
+    assert files(run / "hf") == files(tmp_path / "fresh"), "the linked folder is not the new export"
+    assert MARKER in files(run / "hf")
+    # an earlier import, whole, is what import --overwrite replaces
+    out = launch("convert.py", "import", run / "hf", run / "imported", "--overwrite")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(p.name for p in (run / "imported").iterdir()) == sorted(
+        [MARKER, "config.yaml", "hf_files", "latest", "step_000000"]
+    )
+
+
+def test_a_run_that_starts_in_the_folder_during_an_overwrite_keeps_it(run):
+    """The checks run again right before the old folder is moved aside (engine/checkpoint/folder.py finish)."""
+    from engine.checkpoint import folder
+    from engine.checkpoint.format import CheckpointError
+
+    target, before = run / "hf", tree(run / "hf")
+    with pytest.raises(CheckpointError, match="LOCK"):
+        with folder.written(target, True, "export folder") as tmp:
+            (tmp / "config.json").write_text("{}")
+            (target / "LOCK").write_text("{}")  # a run takes the folder while the export writes
+    assert tree(target) == {**before, "LOCK": b"{}"}
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".")], "a temporary folder was left"
+
+
+def test_tokenizer_that_needs_remote_code_is_refused_even_if_stdin_says_yes(tmp_path):
+    evil = tmp_path / "tok"
+    shutil.copytree(ROOT / "engine" / "assets" / "tokenizer", evil)
+    config = json.loads((evil / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="EvilTokenizer", auto_map={"AutoTokenizer": [None, "evil.EvilTokenizer"]})
+    (evil / "tokenizer_config.json").write_text(json.dumps(config))
+    ran = tmp_path / "RAN"
+    (evil / "evil.py").write_text(
+        f"import pathlib\npathlib.Path({str(ran)!r}).write_text('ran')\n"
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
+    (tmp_path / "doc.txt").write_text("hello world\n")
+    out = launch(
+        "preprocess.py",
+        "--input",
+        tmp_path / "doc.txt",
+        "--output",
+        tmp_path / "data" / "c",
+        "--tokenizer",
+        evil,
+        stdin="y\n",
+    )
+    one_error_line(out, str(evil), "needs trust_remote_code", "never runs")
+    assert not ran.exists(), "the tokenizer folder's Python ran"
+
+
+def test_preflight_refuses_a_host_ssh_would_read_as_an_option(tmp_path):
+    called = tmp_path / "ssh-called"
+    fake = tmp_path / "fake_ssh"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {called}\nexit 255\n')
+    fake.chmod(0o755)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node1 slots=1\n-Essh-debug.log slots=1\n")
+    out = launch("preflight.py", "--hostfile", hostfile, "--ssh", fake, "--skip-links", cwd=tmp_path)
+    one_error_line(out, f"{hostfile} line 2", "'-Essh-debug.log'", "option")
+    assert not called.exists(), "ssh was started with the hostfile's hosts"
+
+
+@pytest.mark.parametrize(
+    "host, ok",
+    [
+        ("root@10.0.0.3", True),
+        ("[::1]", True),
+        ("fe80::1", True),
+        ("node-1.cluster", True),
+        ("gpu_node1", True),
+        ("-oProxyJump", False),
+        ("-x@node1", False),
+        ("node1..x", False),
+        ("node-", False),
+        ("@node1", False),
+    ],
+)
+def test_hostfile_host_names(host, ok):
+    from engine.cluster.hostfile import HostfileError, parse_hostfile_text
+
+    if ok:
+        assert parse_hostfile_text(f"{host} slots=2\n")[0].name == host
+    else:
+        with pytest.raises(HostfileError, match="is not valid"):
+            parse_hostfile_text(f"{host} slots=2\n")

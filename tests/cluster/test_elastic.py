@@ -1,0 +1,257 @@
+"""Elastic shrink (README "Elastic restart"): two torchrun agents of a ``--nnodes 1:2`` job on loopback, one killed
+for good (agent and workers) after a checkpoint; the survivor restarts its workers alone, they resume the
+checkpoint at the layout that fits the world left (dp 2 -> 1, more accumulation for the same global batch), and
+the losses are an uninterrupted run's. A layout that cannot shrink ends the job with one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+
+from engine.checkpoint.contents import layout_change
+from engine.checkpoint.format import CheckpointError
+from engine.checkpoint.lock import LOCK, CheckpointLock
+from tests import hosts
+from tests.cli import ROOT
+from tests.cluster.jobs import RDZV_CONF, Job, final_losses, read_losses, restart_args, train_args
+from tests.dist import free_port
+
+
+def elastic_agent(
+    endpoint: str,
+    rdzv_id: str,
+    args: list[str],
+    host_store: bool,
+    restarts: int = 3,
+    nproc: int = 2,
+    conf: str = RDZV_CONF,
+) -> list[str]:
+    """One agent of a 1-to-2-node job. ``is_host`` pins which agent serves the c10d rendezvous store: the job
+    can only restart while the store's host lives (an etcd rendezvous has no such host), so the other one is
+    the one killed."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        rdzv_id,
+        "--rdzv-conf",
+        f"{conf},is_host={'true' if host_store else 'false'}",
+        "--max-restarts",
+        str(restarts),
+        *args,
+    ]
+
+
+def two_agents(job: Job, args: list[str], restarts: int = 3) -> tuple[subprocess.Popen, subprocess.Popen]:
+    port = free_port()
+    # A fresh store per round (as tests/cluster/test_multinode.py's restarts: pytorch/pytorch#135712)
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    endpoint, rdzv_id = f"127.0.0.1:{port}", f"elastic-{port}"
+    keeper = job.start(elastic_agent(endpoint, rdzv_id, args, True, restarts), env)
+    return keeper, job.start(elastic_agent(endpoint, rdzv_id, args, False, restarts), env)
+
+
+def kill_for_good(job: Job, agent: subprocess.Popen) -> None:
+    """The agent and its workers at once (a host gone). Not its process group: torchrun starts each worker in a
+    session of its own, and a killpg of the agent alone leaves them training on."""
+    victims = [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(recursive=True)]
+    for proc in victims:
+        proc.kill()
+    psutil.wait_procs(victims, timeout=60)
+    job.procs.remove(agent)
+
+
+def one_process(reference: Path, env: dict | None = None) -> None:
+    """The uninterrupted run the survivors must match: one process, tp 1, into ``reference``."""
+    run = subprocess.run(
+        [sys.executable, *train_args(reference), "--parallel.tp", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def assert_shrunk(text: str, out: Path, reference: Path, before: str, after: str, why: str) -> None:
+    """Both layouts printed, the one resume line saying why, and the uninterrupted run's losses."""
+    assert f"layout {before}" in text and f"layout {after}" in text, text[-4000:]
+    line = [x for x in text.splitlines() if "resume: checkpoint step" in x]
+    assert len(line) == 1 and why in line[0], text[-4000:]
+    assert final_losses(out) == pytest.approx(read_losses(reference), rel=1e-5)
+
+
+# The gone host's rendezvous keep-alives lapse after 5 s x 2 and the survivors' new round closes 5 s after its last
+# join (the defaults, 10 s x 6 here and 30 s, spent ~70 of the ~100 s this test took): the same path, sooner.
+FAST_ROUNDS = ",".join(
+    [kv for kv in RDZV_CONF.split(",") if not kv.startswith("keep_alive")]
+    + ["keep_alive_interval=5", "keep_alive_max_attempt=2", "last_call_timeout=5"]
+)
+
+
+def host_agent(job: Job, host: hosts.Host, endpoint: str, args: list[str], store: bool) -> subprocess.Popen:
+    """One agent of a 1-to-2-node job on ``host``, one worker; ``store``: this host serves the rendezvous store."""
+    cmd = elastic_agent(endpoint, "elastic", args, store, nproc=1, conf=FAST_ROUNDS)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    with (job.log_dir / f"agent{len(job.procs)}.log").open("w") as log:
+        job.procs.append(
+            host.popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        )
+    return job.procs[-1]
+
+
+def test_survivor_host_continues_at_the_shrunk_layout(make_hosts, tmp_path):
+    """Two namespace hosts, dp 2 (one rank each), h1 serving the rendezvous store; after a checkpoint h2 dies for
+    good (every process on it, its sshd too). h1's agent restarts its worker alone: it resumes the checkpoint at
+    dp 1 with twice the accumulation, says so in one line, and the losses are an uninterrupted run's."""
+    out, ckpt, reference = tmp_path / "run", tmp_path / "ckpt", tmp_path / "reference"
+    one_process(reference, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cluster, job = make_hosts(2), Job(tmp_path)
+    h1, h2 = cluster.hosts
+    try:
+        args = restart_args(out, ckpt, "--parallel.tp", "1")
+        keeper = host_agent(job, h1, f"{h1.addr}:29400", args, True)
+        gone = host_agent(job, h2, f"{h1.addr}:29400", args, False)
+        job.wait_for(lambda: (ckpt / "latest").exists(), "checkpoint", timeout=400)
+        start = time.monotonic()
+        hosts._kill_inside(h2.ns)  # the host is gone: its agent, worker and sshd
+        job.procs.remove(gone)
+        assert job.wait([keeper], timeout=600) == [0], job.output()[-4000:]
+        elapsed = time.monotonic() - start
+        text = job.output()
+    finally:
+        job.kill_all()
+    assert "hosts: h1 ranks 0, h2 ranks 1" in text, text[-4000:]
+    assert_shrunk(
+        text,
+        out,
+        reference,
+        "tp=1 pp=1 dp=2 on 2 x",
+        "tp=1 pp=1 dp=1 on 1 x",
+        "saved at tp1 pp1 dp2 (2 ranks); continuing at tp1 pp1 dp1 on 1 rank: the world shrank from 2 to 1",
+    )
+    print(f"survivor finished {elapsed:.0f} s after h2 died")
+
+
+@pytest.mark.slow  # 4 ranks on loopback, two rendezvous rounds (2-4 min each); CI has the two-host case above
+def test_survivor_resumes_at_the_shrunk_layout(tmp_path):
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    reference = tmp_path / "reference"
+    one_process(reference)
+    job = Job(tmp_path)
+    try:
+        args = restart_args(out, ckpt)
+        keeper, gone = two_agents(job, args)
+        job.wait_for(lambda: (ckpt / "latest").exists(), "checkpoint", timeout=400)
+        start = time.monotonic()
+        kill_for_good(job, gone)
+        assert job.wait([keeper], timeout=900) == [0], job.output()[-4000:]
+        elapsed = time.monotonic() - start
+        text = job.output()
+    finally:
+        job.kill_all()
+    assert_shrunk(
+        text,
+        out,
+        reference,
+        "tp=2 pp=1 dp=2 on 4 x",
+        "tp=2 pp=1 dp=1 on 2 x",
+        "saved at tp2 pp1 dp2 (4 ranks); continuing at tp2 pp1 dp1 on 2 ranks: the world shrank from 4 to 2",
+    )
+    print(f"survivor finished {elapsed:.0f} s after the kill")
+
+
+@pytest.mark.slow  # two torchrun rendezvous rounds (2-4 min each on 2 cores); the lock and the line: unit tests
+def test_layout_that_cannot_shrink_exits_2_with_one_line(tmp_path):
+    """tp 4 across both agents: with one agent (2 ranks) left no tp 4 fits; the survivor's workers say so in one
+    line and exit 2. torchrun restarts on any non-zero exit: with --max-restarts 1 (spent on the shrink) it then
+    gives up."""
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    job = Job(tmp_path)
+    try:
+        args = restart_args(out, ckpt, "--parallel.tp", "4", "--model.num_kv_heads", "4")
+        keeper, gone = two_agents(job, args, restarts=1)
+        job.wait_for(lambda: (ckpt / "latest").exists(), "checkpoint", timeout=400)
+        kill_for_good(job, gone)
+        code = job.wait([keeper], timeout=900)[0]
+        text = job.output()
+    finally:
+        job.kill_all()
+    assert code != 0, text[-4000:]
+    refusals = [x for x in text.splitlines() if "cannot shrink" in x]
+    assert refusals == [
+        "error: elastic restart 1: the layout cannot shrink to the 2 ranks left: invalid layout: "
+        "tp(4) * pp(1) * cp(1) * dp(auto) != world size(2); choose tp, pp and cp whose product "
+        "divides 2"
+    ], text[-4000:]
+    assert re.search(r"exitcode\s+: 2", text), text[-4000:]
+
+
+def _foreign_lock(root: Path, elastic) -> None:
+    root.mkdir()
+    (root / LOCK).write_text(
+        json.dumps({"host": "gone-host", "pid": 4242, "started": 1.0, "run": "r0", "elastic": elastic}) + "\n"
+    )
+
+
+def test_lock_of_an_earlier_round_of_this_job_on_a_gone_host_is_taken_over(tmp_path, monkeypatch):
+    """The host that held rank 0 (and the lock) left: the survivors' rank 0, on another host, takes the lock over
+    when it is this torchrun job's (same --rdzv-id) from an earlier restart round; another job's, the same
+    round's, or one under torchrun's shared default id "none" stays refused."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    _foreign_lock(tmp_path / "a", ["job7", 0])
+    message = CheckpointLock(tmp_path / "a", "r1").acquire()
+    assert "taking over the lock of pid 4242 on host gone-host (run r0, since " in message
+    assert message.endswith("), from restart round 0 of this torchrun job"), message
+    for name, elastic in [("b", ["job8", 0]), ("c", ["job7", 1]), ("d", None)]:
+        _foreign_lock(tmp_path / name, elastic)
+        with pytest.raises(CheckpointError, match="is in use by pid 4242 on host gone-host"):
+            CheckpointLock(tmp_path / name, "r1").acquire()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    _foreign_lock(tmp_path / "e", ["none", 0])
+    with pytest.raises(CheckpointError, match="is in use"):
+        CheckpointLock(tmp_path / "e", "r1").acquire()
+
+
+def test_layout_change_line_names_both_layouts_and_why():
+    """The resume line (engine/checkpoint/contents.py layout_change) for a shrink, a growth, a changed setting at
+    the same world, none at the same layout, and an index without world_size."""
+    cfg = SimpleNamespace(parallel=SimpleNamespace(dp_mode="ddp", zero_stage=0))
+
+    def ctx(tp, pp, dp, cp=1):
+        return SimpleNamespace(tp=tp, pp=pp, dp=dp, world_size=tp * pp * dp * cp, size=lambda axis: cp)
+
+    index = {"step": 6, "layout": {"tp": 2, "pp": 1, "dp": 2, "world_size": 4}}
+    assert layout_change(index, cfg, ctx(2, 1, 1)) == (
+        "resume: checkpoint step 6 was saved at tp2 pp1 dp2 (4 "
+        "ranks); continuing at tp2 pp1 dp1 on 2 ranks: the world "
+        "shrank from 4 to 2"
+    )
+    assert layout_change(index, cfg, ctx(2, 1, 2, cp=2)).endswith(
+        "at tp2 pp1 dp2 cp2 on 8 ranks: the world grew from 4 to 8"
+    )
+    assert layout_change(index, cfg, ctx(1, 2, 2)).endswith(
+        "parallel.tp, pp, dp or cp differ from the checkpoint's run"
+    )
+    assert layout_change(index, cfg, ctx(2, 1, 2)) is None
+    assert "(4 ranks)" in layout_change({"step": 6, "layout": {"tp": 2, "pp": 1, "dp": 2}}, cfg, ctx(2, 1, 1))

@@ -1,0 +1,198 @@
+"""launch/preflight.py and its parts: the hostfile parser, host checks over (fake and real) ssh, the link test."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.cluster.hostfile import Host, HostfileError, parse_hostfile, parse_hostfile_text
+from engine.cluster.linktest import link_pairs
+from tests.cli import ROOT
+from tests.dist import free_port
+from tests.sshd import local_sshd  # noqa: F401  (fixture)
+
+# Stands in for ssh: `fake_ssh HOST COMMAND` runs COMMAND here, as ssh runs it through the remote shell. Host
+# "down" is unreachable (ssh's message and exit status 255); host "bare" has no engine checkout: the checkout's
+# path is rewritten to an empty folder, as on a machine where it was never copied.
+FAKE_SSH = """#!/bin/sh
+host=$1; shift
+case "$host" in
+  down) echo "ssh: connect to host down port 22: No route to host" >&2; exit 255;;
+  bare) exec sh -c "$(printf '%s' "$*" | sed "s#{root}#{empty}#g")";;
+  *) exec sh -c "$*";;
+esac
+"""
+
+
+@pytest.fixture
+def fake_ssh(tmp_path) -> str:
+    (tmp_path / "empty").mkdir()
+    script = tmp_path / "fake_ssh"
+    script.write_text(FAKE_SSH.format(root=ROOT, empty=tmp_path / "empty"))
+    script.chmod(0o755)
+    return str(script)
+
+
+def preflight(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "launch/preflight.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_hostfile_parser_reads_deepspeed_format():
+    text = "# cluster\nnode1 slots=8\n\n  node2   slots=4  # spare\nroot@10.0.0.3 slots=1\n"
+    assert parse_hostfile_text(text) == [Host("node1", 8, 2), Host("node2", 4, 4), Host("root@10.0.0.3", 1, 5)]
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("node1 slots=8\nnode2 slots=x\n", "hosts line 2: 'node2 slots=x' is not valid"),
+        ("node1 slots=8\nnode2 slots=4 gpus=2\n", "hosts line 2: 'node2 slots=4 gpus=2' is not valid"),
+        ("node1\n", "hosts line 1: 'node1' is not valid"),
+        ("node1 slots=0\n", "hosts line 1: 'node1 slots=0' has slots=0"),
+        ("node1 slots=2\nnode1 slots=2\n", "hosts line 2: host 'node1' is already listed on line 1"),
+        ("# nothing\n\n", "hosts lists no hosts"),
+    ],
+)
+def test_hostfile_errors_name_the_line_and_what_is_valid(text, expected):
+    with pytest.raises(HostfileError) as e:
+        parse_hostfile_text(text, "hosts")
+    assert expected in str(e.value) and "\n" not in str(e.value)
+    if "is not valid" in expected:
+        assert "HOSTNAME slots=N" in str(e.value)
+
+
+def test_hostfile_example_parses():
+    assert [(h.name, h.slots) for h in parse_hostfile(ROOT / "hostfile.example")] == [("node1", 8), ("node2", 8)]
+
+
+def test_missing_hostfile(tmp_path):
+    with pytest.raises(HostfileError, match="does not exist"):
+        parse_hostfile(tmp_path / "nope")
+
+
+def test_link_pairs_all_pairs_small_and_host_links_large():
+    assert link_pairs(["a", "a", "b"]) == [(0, 1), (0, 2), (1, 2)]
+    labels = [f"n{r // 8}" for r in range(32)]  # 4 hosts x 8 ranks
+    pairs = link_pairs(labels)
+    assert [(a, b) for a, b in pairs if labels[a] != labels[b]] == [
+        (0, 8),
+        (0, 16),
+        (0, 24),
+        (8, 16),
+        (8, 24),
+        (16, 24),
+    ]
+    assert len(pairs) == 6 + 4 * 7  # plus each host's first rank with its 7 local peers
+
+
+def test_preflight_malformed_hostfile_exits_2_naming_the_line(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node1 slots=2\nnode2 slots=two\n")
+    run = preflight("--hostfile", str(hostfile))
+    assert run.returncode == 2
+    assert run.stderr.strip() == (
+        f"error: {hostfile} line 2: 'node2 slots=two' is not valid; each line must be "
+        "'HOSTNAME slots=N' with N >= 1 (blank lines and '#' comments are allowed)"
+    )
+
+
+def test_preflight_config_must_fit_the_world(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node1 slots=3\n")
+    run = preflight("--hostfile", str(hostfile), "--config", "configs/tiny.yaml")
+    assert run.returncode == 2 and "does not fit 3 processes" in run.stderr, run.stderr
+
+
+def test_preflight_names_unreachable_host_and_host_without_engine(tmp_path, fake_ssh):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\ndown slots=1\nbare slots=1\n")
+    run = preflight("--hostfile", str(hostfile), "--ssh", fake_ssh, "--config", "configs/tiny.yaml")
+    assert run.returncode == 1, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert any(line.startswith("ok   localhost") for line in lines), run.stdout
+    assert "FAIL down: ssh failed: ssh: connect to host down port 22: No route to host" in lines
+    assert any(line.startswith(f"FAIL bare: no engine checkout at {tmp_path / 'empty'}") for line in lines)
+    error = run.stderr.strip()
+    assert error.startswith("error: host check failed on down (") and ", bare (" in error and "localhost" not in error
+
+
+def job_config(tmp_path) -> str:
+    """configs/tiny.yaml with train.out_dir in tmp_path: preflight's shared-directory check writes a token into the
+    job's out_dir on every host (tiny's runs/tiny is in the checkout)."""
+    tiny = Path("configs/tiny.yaml").read_text()
+    assert "  out_dir: runs/tiny\n" in tiny
+    config = tmp_path / "job.yaml"
+    config.write_text(tiny.replace("  out_dir: runs/tiny\n", f"  out_dir: {tmp_path / 'run'}\n"))
+    return str(config)
+
+
+def test_preflight_link_test_across_two_hosts(tmp_path, fake_ssh):
+    """Two 'hosts' (both this machine through the fake ssh), one torchrun agent each: the p2p link between them
+    and the all-reduce are measured and printed, labelled with the hostfile names."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    run = preflight(
+        "--hostfile",
+        str(hostfile),
+        "--ssh",
+        fake_ssh,
+        "--config",
+        job_config(tmp_path),
+        "--port",
+        str(free_port()),
+        "--size-mb",
+        "1",
+        "--iters",
+        "3",
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = run.stdout
+    assert "link test on 127.0.0.1: cd " in out and "--rdzv-backend c10d" in out
+    assert "links (gloo, 1.0 MiB messages, 2 ranks):" in out
+    p2p = [line for line in out.splitlines() if "p2p rank 0" in line]
+    assert len(p2p) == 1 and "<-> rank 1" in p2p[0] and "(localhost)" in out and "(127.0.0.1)" in out
+    assert float(p2p[0].split(":")[-1].split()[0]) > 0
+    assert "all-reduce over 2 ranks: algbw" in out and out.rstrip().endswith("preflight passed")
+
+
+def test_preflight_local_link_test():
+    run = preflight("--local", "3", "--size-mb", "0.5", "--iters", "2")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sum("p2p rank" in line for line in run.stdout.splitlines()) == 3  # (0,1) (0,2) (1,2)
+    assert "all-reduce over 3 ranks" in run.stdout
+
+
+def test_preflight_over_real_ssh(tmp_path, local_sshd):
+    """The host checks through a real sshd on loopback with a key: the ssh command comes from --ssh."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    run = preflight(
+        "--hostfile",
+        str(hostfile),
+        "--ssh",
+        shlex.join(local_sshd.ssh_command()),
+        "--config",
+        job_config(tmp_path),
+        "--skip-links",
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert any(line.startswith("ok   localhost (") for line in run.stdout.splitlines()), run.stdout
+
+
+def test_link_test_failure_names_the_cause_not_torchruns_frame():
+    """A failed link test's stderr ends with torchrun's failure summary; the cause is a rank's `error:` line."""
+    from launch.preflight import failure_cause
+
+    err = (
+        "error: host h2: its host name resolves to 127.0.1.1, a loopback address, ...\n"
+        "Traceback (most recent call last):\n  File x\ntorch.distributed.elastic...ChildFailedError:\n"
+        "============================================================\n"
+    )
+    assert failure_cause(err) == "error: host h2: its host name resolves to 127.0.1.1, a loopback address, ..."
+    assert failure_cause("RuntimeError: Connection refused\n-----\n=====\n") == "RuntimeError: Connection refused"

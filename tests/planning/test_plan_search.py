@@ -1,0 +1,134 @@
+"""The layout search and step-time model (engine/planning/search.py) and the planner's command line, launch/plan.py.
+Step times are checked against figures computed by hand from the documented model; memory is checked against
+measurement in tests/planning/test_planner.py."""
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.config import load
+from engine.planning.planner import with_layout
+from engine.planning.schedules import SEARCHED
+from engine.planning.search import Hardware, layouts, search, step_time
+from tests.cli import run_script
+from tests.planning.models import HW, tiny
+
+ROOT = Path(__file__).resolve().parents[2]
+# tiny: 25264128 FLOPs per token at seq 128 (tests/model/test_flops.py); 4999424 parameters in all.
+FLOPS, PARAMS = 25264128, 4999424
+
+
+def test_single_device_is_compute_only():
+    st = step_time(tiny(), 1, HW)
+    assert st.total == pytest.approx(16 * 128 * FLOPS / (100e12 * 0.5))
+    assert st.tp_comm == st.pp_comm == st.dp_comm == st.bubble == 0
+    assert st.mfu == pytest.approx(0.5)
+
+
+def test_pipeline_bubble_is_p_minus_1_over_m_plus_p_minus_1():
+    st = step_time(tiny(pp=2, dp=1), 2, HW)  # m = 16 / 4 = 4 micro-batches
+    assert st.bubble / st.total == pytest.approx(1 / (4 + 1))
+
+
+def test_tensor_parallel_all_reduces():
+    # per micro-batch: 4 layers x (2 row-parallel forward + 2 fused column-parallel backward) + embedding + LM head
+    # = 18 all-reduces of one (4, 128, 256) fp32 activation (524288 bytes); a 2-rank ring moves 2 * 1/2 of it.
+    st = step_time(tiny(tp=2, dp=1), 2, HW)
+    assert st.tp_comm == pytest.approx(4 * 18 * 524288 / 100e9)
+
+
+def test_ddp_gradient_all_reduce():
+    st = step_time(tiny(dp=2), 2, HW)
+    assert st.dp_comm == pytest.approx(4 * PARAMS / 100e9)  # fp32 gradients, 2 (n-1)/n = 1 at n = 2
+
+
+def test_layouts_are_the_valid_ones():
+    # world 2, global batch 4, x 3 checkpointing modes (none, full, selective): (tp, pp, dp) = (1, 1, 2):
+    # micro-batch 1 or 2, 6 dp modes: 36; (1, 2, 1): 1f1b needs 4 / mbs >= 2 micro-batches, so mbs 1 or 2, ddp
+    # only at dp = 1: 6; (2, 1, 1): mbs 1, 2, 4: 9; cp 2 (dp 1, but the state shards over dp x cp = 2): mbs 1, 2, 4,
+    # 6 dp modes, ring and all_to_all: 108. tp = 4 needs 4 ranks; no layout leaves pp_layers from another pp.
+    found = list(layouts(tiny(global_batch_size=4), 2))
+    assert len(found) == 159
+    modes = {(c.parallel.dp_mode, c.parallel.zero_stage, c.parallel.reshard_after_forward) for c, _ in found}
+    assert len(modes) == 6
+    found8 = [layout for _, layout in layouts(tiny(), 8)]
+    assert max(layout.tp for layout in found8) == 4  # tiny's 4 KV heads
+    cfg = load(["--config", "configs/llama-3.2-1b.yaml"])
+    for c, layout in layouts(with_layout(cfg, global_batch_size=64), 16):
+        assert not (c.parallel.dp_mode == "zero" and c.parallel.zero_stage == 3 and layout.pp > 1)
+
+
+def test_search_puts_fitting_layouts_first_fastest_first():
+    cfg = load(["--config", "configs/llama-3.2-1b.yaml", "--train.global_batch_size", "64"])
+    plans = search(cfg, 8, Hardware(memory_gb=24.0))
+    fits = [p.fits for p in plans]
+    assert any(fits) and not all(fits) and fits == sorted(fits, reverse=True)
+    times = [p.time.total for p in plans if p.fits]
+    assert times == sorted(times)
+    assert all(p.peak_bytes <= 24e9 for p in plans if p.fits)
+
+
+def _plan_module():
+    spec = importlib.util.spec_from_file_location("plan_cli", ROOT / "launch" / "plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_table_json_and_errors(capsys):
+    cli = _plan_module()
+    assert cli.main(["--config", "configs/tiny.yaml", "--world-size", "4", "--device-memory", "1", "--top", "5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[:6] == ["tp", "pp", "dp", "cp", "cp", "mode"] and len(lines) == 2 + 5
+    assert cli.main(["--config", "configs/tiny.yaml", "--world-size", "4", "--device-memory", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    # the config leaves the schedule open: every schedule is searched
+    assert len(rows) == len(search(tiny(), 4, Hardware(), SEARCHED)) and {"tp", "peak_memory_gb", "step_s"} <= set(
+        rows[0]
+    )
+    bad = {
+        ("--world-size", "0"): "--world-size=0 must be > 0",
+        ("--device", "cpu"): "no fp32 peak known for --device='cpu'",
+        ("--set", "train.bogus=1"): "unknown config key 'train.bogus'",
+        ("--device-memory", "0.001"): "no layout fits in --device-memory=0.001 GB",
+    }
+    for (flag, value), message in bad.items():
+        argv = {"--config": "configs/tiny.yaml", "--world-size": "4", "--device-memory": "1", flag: value}
+        with pytest.raises(ValueError, match=message):
+            cli.main([x for kv in argv.items() for x in kv])
+
+
+def test_cli_exits_2_with_one_line():
+    result = run_script("launch/plan.py", "--config", "configs/tiny.yaml", "--world-size", "4")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["error: the following arguments are required: --device-memory"]
+
+
+def test_long_search_shows_progress_on_stderr_only(capsys, monkeypatch):
+    """A search that takes longer than PROGRESS_EVERY_S says so on stderr every PROGRESS_EVERY_S seconds (before:
+    nothing for 30 s to 3 min), and how long it took; stdout is the same table as a search that says nothing."""
+    cli = _plan_module()
+    argv = ["--config", "configs/tiny.yaml", "--world-size", "4", "--device-memory", "1", "--top", "5"]
+    monkeypatch.setattr(cli, "PROGRESS_EVERY_S", 1e9)
+    assert cli.main(argv) == 0
+    quiet = capsys.readouterr()
+    assert quiet.err == ""
+    searched = cli.search
+
+    def slow(*args):
+        time.sleep(2.0)  # 20 progress intervals
+        return searched(*args)
+
+    monkeypatch.setattr(cli, "search", slow)
+    monkeypatch.setattr(cli, "PROGRESS_EVERY_S", 0.1)
+    assert cli.main(argv) == 0
+    got = capsys.readouterr()
+    assert got.out == quiet.out
+    lines = got.err.splitlines()
+    assert len(lines) >= 2 and all(
+        line.startswith("plan: searching the layouts of tiny on 4 devices: ") for line in lines
+    ), lines
+    assert lines[-1].startswith("plan: searching the layouts of tiny on 4 devices: done in ")
