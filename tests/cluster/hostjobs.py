@@ -42,19 +42,29 @@ def records(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def start_one_process(out: Path, *extra: str, config: str = "configs/tiny.yaml") -> subprocess.Popen:
+    """One process of ``config`` (shrunk as train_args shrinks it, then ``extra``) training into ``out``; its
+    records come from ``finish_one_process``. Started while a test waits on a fault, it costs no extra time."""
+    return subprocess.Popen(
+        [sys.executable, *train_args(out, *extra, config=config)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def finish_one_process(proc: subprocess.Popen, out: Path) -> list[dict]:
+    _, err = proc.communicate(timeout=LIMIT_S)
+    assert proc.returncode == 0, err[-3000:]
+    return records(out)
+
+
 def one_process(out: Path, *extra: str, config: str = "configs/tiny.yaml") -> list[dict]:
     """The records of one process of ``config`` (shrunk as train_args shrinks it, then ``extra``) trained into
     ``out``."""
-    run = subprocess.run(
-        [sys.executable, *train_args(out, *extra, config=config)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=LIMIT_S,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return records(out)
+    return finish_one_process(start_one_process(out, *extra, config=config), out)
 
 
 def assert_follows(out_dir: Path, reference: list[dict]) -> None:

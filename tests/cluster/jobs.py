@@ -132,13 +132,6 @@ class Job:
                 p.wait()
 
 
-@pytest.fixture
-def job(tmp_path):
-    j = Job(tmp_path)
-    yield j
-    j.kill_all()
-
-
 def restart_args(out: Path, ckpt: Path, *extra: str) -> list[str]:
     """train_args with a checkpoint every 3 steps that a restart resumes (auto), collectives bounded at 30 s."""
     return train_args(
@@ -167,21 +160,6 @@ def final_losses(out_dir: Path) -> list[float]:
     losses = {r["step"]: r["loss"] for r in records}
     assert sorted(losses) == list(range(1, STEPS + 1)), sorted(losses)
     return [losses[s] for s in range(1, STEPS + 1)]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[float]:
-    """The losses of one node x 4 processes (tp 2 x dp 2)."""
-    out = tmp_path_factory.mktemp("one_node")
-    j = Job(out)
-    try:
-        (code,) = j.wait(j.nodes(1, 4, train_args(out)))
-        assert code == 0, j.output()[-3000:]
-    finally:
-        j.kill_all()
-    losses = read_losses(out)
-    assert len(losses) == STEPS
-    return losses
 
 
 # Outside CI only: .ci/run installs pdsh, so under CI=true a missing one fails the test instead of skipping it.

@@ -23,7 +23,7 @@ from engine.checkpoint.format import CheckpointError
 from engine.checkpoint.lock import LOCK, STALE_S, CheckpointLock
 from engine.cluster.keepalive import KEEPALIVE, VARIABLE, advice
 from tests.cli import ROOT
-from tests.cluster.jobs import Job, deepspeed_over_ssh, final_losses, job, needs_pdsh, reference, train_args  # noqa: F401
+from tests.cluster.jobs import Job, deepspeed_over_ssh, final_losses, needs_pdsh, train_args
 from tests.dist import free_port
 from tests.sshd import local_sshd  # noqa: F401  (fixture)
 
@@ -86,9 +86,10 @@ def test_frozen_host_ends_the_job_in_one_line(tmp_path, job, reference):
 
 def test_dead_rank_ends_the_job_in_one_line(tmp_path, job, reference):
     """kill -9 one rank: the survivors' collectives fail at once (closed sockets), and instead of a traceback each
-    they print the heartbeat's one line naming rank 3 and its host; the checkpoint resumes exactly."""
+    they print the heartbeat's one line naming rank 3 and its host (3 beats after the failure: a 10 s heartbeat
+    here, as in the frozen host's test); the checkpoint resumes exactly."""
     out, args = _fault_args(tmp_path)
-    agents = job.nodes(2, 2, [*args, "--train.steps", "100000"])
+    agents = job.nodes(2, 2, [*args, "--train.steps", "100000", "--parallel.heartbeat_timeout_s", "10"])
     job.wait_for(lambda: (tmp_path / "ckpt" / "latest").exists(), "a checkpoint")
     start = time.monotonic()
     job.worker(3).kill()

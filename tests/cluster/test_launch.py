@@ -56,9 +56,9 @@ def test_torchrun_tp2_pp2(tmp_path, reference):
 @pytest.mark.parametrize(
     "mode",
     [
-        [],
+        pytest.param([], marks=pytest.mark.slow),
         pytest.param(["--parallel.dp_mode", "zero", "--parallel.zero_stage", "2"], marks=pytest.mark.slow),
-    ],  # CI: ZeRO-2 across two hosts
+    ],  # CI: the deepspeed launcher (pdsh over ssh) across two hosts, and ZeRO-2 under torchrun there (test_hosts)
     ids=["ddp", "zero2"],
 )
 def test_deepspeed_launcher_dp2(tmp_path, reference, mode):

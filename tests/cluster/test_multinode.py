@@ -22,11 +22,9 @@ from tests.cluster.jobs import (  # noqa: F401  (fixtures)
     STEPS,
     deepspeed_over_ssh,
     final_losses,
-    job,
     logged_steps,
     needs_pdsh,
     read_losses,
-    reference,
     restart_args,
     train_args,
 )
@@ -176,6 +174,7 @@ def test_deepspeed_launcher_over_ssh_with_pdsh(tmp_path, local_sshd, reference):
 
 
 @needs_pdsh
+@pytest.mark.slow  # CI: test_hosts' deepspeed run needs GLOO_SOCKET_IFNAME from .deepspeed_env on h2 to start at all
 def test_deepspeed_env_file_reaches_the_ranks_over_ssh(tmp_path, local_sshd):
     """A variable in the .deepspeed_env file (DS_ENV_FILE names it) is set in every rank started over ssh, where
     the login shell would not have it: the ranks here run `env` itself (--no_python)."""

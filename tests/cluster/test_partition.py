@@ -16,7 +16,15 @@ import pytest
 
 from tests import hosts
 from tests.cli import ROOT
-from tests.cluster.hostjobs import MODEL, one_process, start_agents, stop, torchrun_on_hosts, train_args
+from tests.cluster.hostjobs import (
+    MODEL,
+    finish_one_process,
+    start_agents,
+    start_one_process,
+    stop,
+    torchrun_on_hosts,
+    train_args,
+)
 from tests.parity.runner import FP32
 
 BOUND_S = 120  # 60 s, the launcher's own exit, and this loaded machine
@@ -36,9 +44,11 @@ def last_per_step(out_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (out_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-def _cut(cluster: hosts.Cluster, args: list[str], log_dir: Path, ckpt: Path) -> tuple[float, float, str, str]:
-    """Train until the first checkpoint, pull h2's cable: (seconds until h1's agent ended, until h2's ranks named
-    the store, h1's output, h2's output). h2's agent is left to the caller: it outlives its ranks."""
+def _cut(
+    cluster: hosts.Cluster, args: list[str], log_dir: Path, ckpt: Path, meanwhile=lambda: None
+) -> tuple[float, float, str, str]:
+    """Train until the first checkpoint, pull h2's cable, call ``meanwhile`` (the heartbeat's wait leaves the CPU
+    idle): (seconds until h1's agent ended, until h2's ranks named the store, h1's output, h2's output)."""
     procs = start_agents(cluster, 2, [*args, "--train.steps", "100000"], log_dir)
     h1_log, h2_log = log_dir / "agent_h1.log", log_dir / "agent_h2.log"
     try:
@@ -46,6 +56,7 @@ def _cut(cluster: hosts.Cluster, args: list[str], log_dir: Path, ckpt: Path) -> 
         assert all(p.poll() is None for p in procs), [p.poll() for p in procs]
         start = time.monotonic()
         cluster.cable(cluster.hosts[1], up=False)
+        meanwhile()
         procs[0].wait(timeout=BOUND_S)
         h1 = time.monotonic() - start
         wait_for(lambda: "error: the job's store" in h2_log.read_text(), "line on h2", BOUND_S - h1 + 30)
@@ -64,7 +75,12 @@ def test_cut_host_ends_the_job_naming_it_and_the_checkpoint_resumes(make_hosts, 
     cluster, out, ckpt = make_hosts(2), tmp_path / "run", tmp_path / "ckpt"
     args = train_args(out, "--train.steps", str(STEPS), "--checkpoint.dir", str(ckpt), "--checkpoint.every", "3")
     args += ["--checkpoint.resume", "auto"]
-    h1, h2, text1, text2 = _cut(cluster, args, tmp_path / "cut", ckpt)
+    reference = []
+
+    def meanwhile() -> None:  # one process, started while the ranks wait out the heartbeat
+        reference.append(start_one_process(tmp_path / "one_process", "--train.steps", str(STEPS)))
+
+    h1, h2, text1, text2 = _cut(cluster, args, tmp_path / "cut", ckpt, meanwhile)
     # h2's two ranks beat independently: at the bound one of them may be a beat short of silent (seen: "rank 3"
     # alone, in a slow-suite run), as in tests/cluster/test_faults.py's frozen host; either names h2
     assert re.search(r"^error: (ranks 2, 3|rank [23]) on host h2 \(198\.18\.0\.2\) silent for \d+ s", text1, re.M), (
@@ -77,7 +93,7 @@ def test_cut_host_ends_the_job_naming_it_and_the_checkpoint_resumes(make_hosts, 
     cluster.cable(cluster.hosts[1], up=True)
     codes, output = torchrun_on_hosts(cluster, 2, args, tmp_path / "resume")
     assert codes == [0, 0] and "resumed from " in output, output[-3000:]
-    got, want = last_per_step(out), one_process(tmp_path / "one_process", "--train.steps", str(STEPS))
+    got, want = last_per_step(out), finish_one_process(reference[0], tmp_path / "one_process")
     assert sorted(got) == list(range(1, STEPS + 1)), sorted(got)
     assert [got[r["step"]]["loss"] for r in want] == pytest.approx([r["loss"] for r in want], rel=FP32.loss)
     assert [got[r["step"]]["grad_norm"] for r in want] == pytest.approx(
