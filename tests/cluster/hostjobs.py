@@ -3,7 +3,6 @@ deepspeed launcher on the first, and the one-process records they are held again
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import pytest
 
 from tests import hosts
 from tests.cli import ROOT
-from tests.cluster.jobs import RDZV_CONF, SHRUNK
+from tests.cluster.jobs import SHRUNK, agent, records
 from tests.parity.runner import FP32
 
 STEPS = 4
@@ -36,10 +35,6 @@ def train_args(out_dir: Path, *extra: str, config: str = "configs/tiny.yaml") ->
         "120",
         *extra,
     ]
-
-
-def records(out_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def start_one_process(out: Path, *extra: str, config: str = "configs/tiny.yaml") -> subprocess.Popen:
@@ -83,26 +78,7 @@ def start_agents(
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = []
     for host in cluster.hosts:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            str(len(cluster.hosts)),
-            "--nproc-per-node",
-            str(nproc),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            endpoint,
-            "--rdzv-id",
-            "hosts",
-            "--rdzv-conf",
-            RDZV_CONF,
-            "--max-restarts",
-            "0",
-            *args,
-        ]
+        cmd = agent(len(cluster.hosts), nproc, endpoint, args, rdzv_id="hosts")
         with (log_dir / f"agent_{host.name}.log").open("w") as log:
             procs.append(
                 host.popen(

@@ -23,8 +23,18 @@ from tests.dist import free_port
 STEPS = 12
 
 
+def records(out_dir: Path) -> list[dict]:
+    """The run's metrics.jsonl, a record per logged step, in order (a resumed run appends its steps again)."""
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def read_losses(out_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records(out_dir)]
+
+
+def per_step(out_dir: Path) -> dict[int, dict]:
+    """Each step's record, the last one winning: a resumed run appends the steps after its checkpoint again."""
+    return {r["step"]: r for r in records(out_dir)}
 
 
 # A shrunk tiny model (each process start costs ~10 s of imports here; the steps are cheap); tp 2 keeps the tensor
@@ -51,8 +61,17 @@ def train_args(out_dir: Path, *extra: str) -> list[str]:
 RDZV_CONF = "read_timeout=300,join_timeout=600,keep_alive_interval=10,keep_alive_max_attempt=6"
 
 
-def torchrun(nnodes: int, nproc: int, node_rank: int, port: int, args: list[str], restarts: int = 0) -> list[str]:
-    """One torchrun agent: a node of an ``nnodes``-node job that meets the others at 127.0.0.1:port."""
+def agent(
+    nnodes: int | str,
+    nproc: int,
+    endpoint: str,
+    args: list[str],
+    restarts: int = 0,
+    node_rank: int | None = None,
+    rdzv_id: str | None = None,
+    conf: str = RDZV_CONF,
+) -> list[str]:
+    """One torchrun agent of an ``nnodes``-node job (or "min:max") meeting the others at ``endpoint`` (c10d)."""
     return [
         sys.executable,
         "-m",
@@ -61,14 +80,14 @@ def torchrun(nnodes: int, nproc: int, node_rank: int, port: int, args: list[str]
         str(nnodes),
         "--nproc-per-node",
         str(nproc),
-        "--node-rank",
-        str(node_rank),
+        *(["--node-rank", str(node_rank)] if node_rank is not None else []),
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
+        endpoint,
+        *(["--rdzv-id", rdzv_id] if rdzv_id is not None else []),
         "--rdzv-conf",
-        RDZV_CONF,
+        conf,
         "--max-restarts",
         str(restarts),
         *args,
@@ -93,7 +112,8 @@ class Job:
         # Restarts need a fresh store per round: torch >= 2.5 shares the rendezvous store with the workers and
         # a restarted round then reads the dead round's gloo/NCCL addresses (pytorch/pytorch#135712, #167288).
         env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if restarts else None
-        return [self.start(torchrun(nnodes, nproc, r, port, args, restarts), env) for r in range(nnodes)]
+        endpoint = f"127.0.0.1:{port}"
+        return [self.start(agent(nnodes, nproc, endpoint, args, restarts, node_rank=r), env) for r in range(nnodes)]
 
     def wait(self, procs: list[subprocess.Popen], timeout: float = 240) -> list[int]:
         deadline = time.monotonic() + timeout
@@ -156,8 +176,7 @@ def logged_steps(out_dir: Path) -> int:
 def final_losses(out_dir: Path) -> list[float]:
     """The loss of each step 1..STEPS, the last record of a step winning: a resumed run appends the steps after
     its checkpoint again."""
-    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    losses = {r["step"]: r["loss"] for r in records}
+    losses = {step: r["loss"] for step, r in per_step(out_dir).items()}
     assert sorted(losses) == list(range(1, STEPS + 1)), sorted(losses)
     return [losses[s] for s in range(1, STEPS + 1)]
 

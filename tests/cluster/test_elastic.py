@@ -22,7 +22,7 @@ from engine.checkpoint.format import CheckpointError
 from engine.checkpoint.lock import LOCK, CheckpointLock
 from tests import hosts
 from tests.cli import ROOT
-from tests.cluster.jobs import RDZV_CONF, Job, final_losses, read_losses, restart_args, train_args
+from tests.cluster.jobs import RDZV_CONF, Job, agent, final_losses, read_losses, restart_args, train_args
 from tests.dist import free_port
 
 
@@ -38,26 +38,8 @@ def elastic_agent(
     """One agent of a 1-to-2-node job. ``is_host`` pins which agent serves the c10d rendezvous store: the job
     can only restart while the store's host lives (an etcd rendezvous has no such host), so the other one is
     the one killed."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1:2",
-        "--nproc-per-node",
-        str(nproc),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        endpoint,
-        "--rdzv-id",
-        rdzv_id,
-        "--rdzv-conf",
-        f"{conf},is_host={'true' if host_store else 'false'}",
-        "--max-restarts",
-        str(restarts),
-        *args,
-    ]
+    conf = f"{conf},is_host={'true' if host_store else 'false'}"
+    return agent("1:2", nproc, endpoint, args, restarts, rdzv_id=rdzv_id, conf=conf)
 
 
 def two_agents(job: Job, args: list[str], restarts: int = 3) -> tuple[subprocess.Popen, subprocess.Popen]:

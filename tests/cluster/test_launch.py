@@ -6,14 +6,13 @@ import importlib.util
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.cli import ROOT
 from tests.cluster.jobs import read_losses
 from tests.dist import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ["launch/pretrain.py", "--config", "configs/tiny.yaml", "--train.steps", "3", "--log.progress", "false"]
 
 

@@ -5,7 +5,6 @@ tests/cluster/test_faults.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -25,6 +24,7 @@ from tests.cluster.hostjobs import (
     torchrun_on_hosts,
     train_args,
 )
+from tests.cluster.jobs import per_step
 from tests.parity.runner import FP32
 
 BOUND_S = 120  # 60 s, the launcher's own exit, and this loaded machine
@@ -37,11 +37,6 @@ def wait_for(condition, what: str, timeout: float) -> float:
         assert time.monotonic() - start < timeout, f"no {what} within {timeout} s"
         time.sleep(0.2)
     return time.monotonic() - start
-
-
-def last_per_step(out_dir: Path) -> dict[int, dict]:
-    """Each step's record, the last one winning: a resumed run appends the steps after its checkpoint again."""
-    return {r["step"]: r for r in map(json.loads, (out_dir / "metrics.jsonl").read_text().splitlines())}
 
 
 def _cut(
@@ -93,7 +88,7 @@ def test_cut_host_ends_the_job_naming_it_and_the_checkpoint_resumes(make_hosts, 
     cluster.cable(cluster.hosts[1], up=True)
     codes, output = torchrun_on_hosts(cluster, 2, args, tmp_path / "resume")
     assert codes == [0, 0] and "resumed from " in output, output[-3000:]
-    got, want = last_per_step(out), finish_one_process(reference[0], tmp_path / "one_process")
+    got, want = per_step(out), finish_one_process(reference[0], tmp_path / "one_process")
     assert sorted(got) == list(range(1, STEPS + 1)), sorted(got)
     assert [got[r["step"]]["loss"] for r in want] == pytest.approx([r["loss"] for r in want], rel=FP32.loss)
     assert [got[r["step"]]["grad_norm"] for r in want] == pytest.approx(
