@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
 from engine.config_checks import CHOICES
 from engine.kinds.cp_modes import CP_MODES
@@ -24,8 +23,8 @@ from engine.kinds.families import FAMILIES
 from engine.kinds.offload import OFFLOADS
 from engine.kinds.recompute import RECOMPUTE
 from engine.kinds.schedules import SCHEDULES
+from tests.cli import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 KINDS = {  # kind -> (its names, the config keys holding one, the paths (prefixes) where they may be compared)
     "dp mode": (
         set(MODES),

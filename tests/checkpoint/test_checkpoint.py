@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -41,10 +40,8 @@ from tests.checkpoint.runs import (
     run_phases,
     zero,
 )
-from tests.cli import run_script
+from tests.cli import ROOT, run_script
 from tests.dist import run_ranks
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow  # CI: the parity matrix's resumes (tests/trainer/test_parity.py) cross ddp, fsdp and layouts

@@ -19,8 +19,6 @@ from engine.checkpoint.publish import publish, staging_dir
 from tests.checkpoint.runs import SAME, SMALL, assert_curves
 from tests.cli import run_script
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def pretrain(out_dir: Path, ckpt: Path, *args: str) -> subprocess.CompletedProcess:
     """One process of launch/pretrain.py on SMALL's model, its metrics in ``out_dir``."""

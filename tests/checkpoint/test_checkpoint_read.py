@@ -36,10 +36,9 @@ from safetensors.torch import load_file, save_file
 
 from engine.checkpoint.format import file_crc32
 from tests.checkpoint.runs import SAME, SMALL, assert_curves
-from tests.cli import run_script
+from tests.cli import ROOT, run_script
 from tests.dist import run_ranks
 
-ROOT = Path(__file__).resolve().parents[2]
 MOE = [*SMALL, "--model.family", "mixtral", "--model.num_experts", "4", "--model.experts_per_token", "2"]
 ROUTER = "model.layers.0.block_sparse_moe.gate.weight"  # Mixtral's name for the router
 SHARD = "rank_00000.safetensors"

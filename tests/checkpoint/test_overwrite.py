@@ -25,9 +25,7 @@ import pytest
 
 from engine.checkpoint.folder import MARKER
 from tests.checkpoint.runs import files, train_six_steps
-from tests.cli import one_error_line, run_script
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.cli import ROOT, one_error_line, run_script
 
 
 def launch(script: str, *args, cwd: Path = ROOT, stdin: str | None = None) -> subprocess.CompletedProcess:

@@ -15,8 +15,8 @@ import pytest
 
 from engine.data import blend
 from engine.data import dataset as data
+from tests.cli import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "launch" / "preprocess.py"
 
 

@@ -24,8 +24,6 @@ from tests.dist import run_ranks
 from tests.hf.sources import TIED, hf_source
 from tests.numerics import rel_err
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def engine_logits(argv: list[str], ids: torch.Tensor) -> tuple[torch.Tensor, Trainer]:
     """The tp-1 engine model resumed as ``argv`` says, and its logits on ids (b, s) -> (b, s, V)."""

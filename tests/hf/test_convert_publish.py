@@ -26,10 +26,8 @@ from engine.config import load
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.checkpoint.runs import SMALL, files, train_six_steps
-from tests.cli import launch, one_error_line
+from tests.cli import ROOT, launch, one_error_line
 from tests.dist import run_ranks
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

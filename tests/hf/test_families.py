@@ -31,7 +31,6 @@ from tests.dist import run_ranks
 from tests.hf.sources import FAMILIES, hf_model, ids, layout_logits, layout_phase
 from tests.numerics import rel_err
 
-ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-5
 
 

@@ -32,17 +32,7 @@ from tests.hf import sources
 from tests.hf.sources import ids, layout_logits, train
 from tests.numerics import rel_err
 
-ROOT = Path(__file__).resolve().parents[2]
-SHAPE = dict(
-    vocab_size=4096,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-5,
-)
+SHAPE = {**sources.SHAPE, "intermediate_size": 96}  # the dense families' shape, a narrower dense MLP
 FAMILIES = {
     "mixtral": lambda: transformers.MixtralConfig(
         **SHAPE, num_local_experts=4, num_experts_per_tok=2, sliding_window=None

@@ -5,14 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.cli import run_script
+from tests.cli import ROOT, run_script
 from tests.shrunk import SHRUNK
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def pretrain(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -4,13 +4,11 @@ skipped, the verdict computed from the cases), and the loss verdict against its 
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from launch.gpu_check import loss_verdict, parse_report
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.cli import ROOT
 
 
 def test_loss_verdict_is_computed_against_the_bound():

@@ -11,15 +11,12 @@ import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.cli import run_script
+from tests.cli import ROOT, run_script
 from tests.dist import free_port
 from tests.shrunk import FIVE_STEPS
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _one_error_line(out: subprocess.CompletedProcess, needle: str, launcher: bool = False) -> None:

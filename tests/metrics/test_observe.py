@@ -13,11 +13,9 @@ from engine.config import load
 from engine.metrics.logger import MetricsLogger
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
-from tests.cli import run_script
+from tests.cli import ROOT, run_script
 from tests.dist import run_ranks
 from tests.shrunk import FIVE_STEPS
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _records(out_dir: Path) -> list[dict]:

@@ -22,9 +22,9 @@ from engine.model import transformer as model_lib
 from engine.model.docmask import document_layout
 from engine.model.init import materialize
 from tests.checkpoint.runs import SMALL, run_phases
+from tests.cli import ROOT
 from tests.dist import run_ranks
 
-ROOT = Path(__file__).resolve().parents[2]
 EOS = 0
 CFG = ModelConfig(
     vocab_size=256,

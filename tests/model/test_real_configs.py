@@ -9,7 +9,6 @@ each one on 8 H100s (four in CI, the others marked slow).
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +18,8 @@ from engine.config import load
 from engine.hf import families
 from engine.model import transformer as model_lib
 from engine.planning.planner import stage_params
+from tests.cli import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 PUBLISHED = {  # total parameters of the published checkpoints (tied embeddings counted once)
     "llama-3.2-1b": 1_235_814_400,
     "llama-3.1-8b": 8_030_261_248,

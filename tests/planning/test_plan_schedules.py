@@ -4,7 +4,6 @@ simulator's, and the search offers interleaved and zero-bubble layouts that reso
 check of the new schedules' memory is tests/planning/test_planner.py's NEW_SCHEDULE_LAYOUTS (waits for the executor)."""
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 
@@ -17,10 +16,8 @@ from engine.planning import activations as acts
 from engine.planning import schedules
 from engine.planning.planner import stage_memory, with_layout
 from engine.planning.search import Hardware, search, stage_cost, step_time
-from tests.cli import run_script
+from tests.cli import ROOT, run_script
 from tests.planning.models import FREE_COMM, _model, table_peak, w_state
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def plan_cfg(schedule: str, pp: int, m: int, v: int = 1, layers: int = 12, **train):

@@ -5,7 +5,6 @@ measurement in tests/planning/test_planner.py."""
 import importlib.util
 import json
 import time
-from pathlib import Path
 
 import pytest
 
@@ -13,10 +12,9 @@ from engine.config import load
 from engine.planning.planner import with_layout
 from engine.planning.schedules import SEARCHED
 from engine.planning.search import Hardware, layouts, search, step_time
-from tests.cli import run_script
+from tests.cli import ROOT, run_script
 from tests.planning.models import HW, tiny
 
-ROOT = Path(__file__).resolve().parents[2]
 # tiny: 25264128 FLOPs per token at seq 128 (tests/model/test_flops.py); 4999424 parameters in all.
 FLOPS, PARAMS = 25264128, 4999424
 

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import run_script
+from tests.cli import ROOT, run_script
 from tests.shrunk import FIVE_STEPS
 
-ROOT = Path(__file__).resolve().parents[2]
 ARGS = [*FIVE_STEPS, "--log.progress", "true"]  # a "step" line per step: the tests act on it
 
 

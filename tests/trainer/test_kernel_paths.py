@@ -44,7 +44,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.cli import ROOT
+
 # The portable path: ATen without vector units, MKL and oneDNN capped at AVX2 (ignored by either where the CPU
 # has no such instructions). This machine's default is AVX512 with AMX bf16 units.
 KERNEL_PATH = {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}

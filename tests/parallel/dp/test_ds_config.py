@@ -9,15 +9,13 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from engine.config import ConfigError, load
 from engine.parallel.dp.zero import ds_config
-from tests.cli import run_script
+from tests.cli import ROOT, run_script
 
-ROOT = Path(__file__).resolve().parents[3]
 ZERO2 = ["--parallel.dp_mode", "zero", "--parallel.zero_stage", "2"]
 
 

@@ -11,7 +11,6 @@ parameters 1e-3 of their update, parity's FP32 tolerance (tests/parity/runner.py
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -21,7 +20,6 @@ from engine.planning.planner import stage_memory
 from tests.cli import run_script
 from tests.parity import runner
 
-ROOT = Path(__file__).resolve().parents[3]
 BASE = [*runner.BASE, "--train.grad_clip", str(runner.CLIP), "--parallel.dp", "2"]
 ZERO = ["--parallel.dp_mode", "zero", "--parallel.zero_stage"]
 ISSUE_FILE = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}  # issue 27's ds.json
