@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -167,7 +168,9 @@ def _stale(name: str) -> bool:
     """A prefixed name whose creating process is dead (a crashed run); never this process's own."""
     if not name.startswith(PREFIX):
         return False
-    digits = "".join(c for c in name[len(PREFIX) :].split("-")[0] if c.isdigit())
+    # eng-t-<pid><letter>, then "-h2" (namespace) or the host's index (veth, "eng-t-123a1"): the pid is the leading
+    # digits alone; joining every digit of the name made a live cluster's veth look like a dead process's
+    digits = re.match(r"\d*", name[len(PREFIX) :]).group()
     if not digits:
         return True
     if int(digits) == os.getpid():

@@ -56,6 +56,23 @@ def test_hosts_have_their_own_names_addresses_and_sshd(make_hosts):
     )
 
 
+def test_clean_up_keeps_a_live_clusters_links(make_hosts):
+    """Another live process's cluster is never touched: its veths are named ``eng-t-<pid><letter><index>``, and
+    reading every digit of that name as the pid (the bug of round five) took a live cluster's veth for a dead one's.
+    A link named as a live process's veth survives ``clean_leftovers``; once that process is gone, it goes."""
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    link = f"{hosts.PREFIX}{live.pid}a1"
+    try:
+        hosts._run("ip", "link", "add", link, "type", "bridge")
+        hosts.clean_leftovers()
+        assert link in hosts._run("ip", "-o", "link", "show").stdout, "a live cluster's veth was removed"
+    finally:
+        live.kill()
+        live.wait()
+    hosts.clean_leftovers()
+    assert link not in hosts._run("ip", "-o", "link", "show").stdout, "a dead run's veth was left"
+
+
 def test_deepspeed_launcher_tp2_pp2_across_two_hosts(make_hosts, tmp_path, reference):
     """The deepspeed launcher on h1 (pdsh over ssh starts h2's share), 2 slots per host, tp 2 x pp 2: each host runs
     its two ranks; losses and gradient norms are one process's. h2's name resolves to 127.0.1.1 on h2 (Debian's
