@@ -25,9 +25,12 @@ from engine.storage import EXIT_STATUS, StorageError  # noqa: E402
 
 def start_cluster(cfg):
     """Multi-rank: every rank joins the job's store within parallel.startup_timeout_s (StartupError naming the
-    missing ones) and starts its heartbeat; (store, heartbeat), each None where there is nothing to do."""
+    missing ones), checks that every host runs the same packages, engine code and config (ConfigError naming the
+    first host and key that differ) and starts its heartbeat; (store, heartbeat), each None where there is nothing
+    to do."""
     import torch.distributed as dist
 
+    from engine.cluster.drift import check_same
     from engine.cluster.heartbeat import Heartbeat
     from engine.cluster.startup import default_store, join
     from engine.parallel.layout.context import env_rank_info
@@ -35,7 +38,9 @@ def start_cluster(cfg):
     rank, world, _ = env_rank_info()
     if world == 1 or dist.is_initialized():
         return None, None
-    store = default_store(join(rank, world, cfg.parallel.startup_timeout_s))
+    joined = join(rank, world, cfg.parallel.startup_timeout_s)
+    check_same(joined, rank, world, cfg.to_dict(), cfg.parallel.startup_timeout_s)
+    store = default_store(joined)
     beat = cfg.parallel.heartbeat_timeout_s
     return store, Heartbeat(rank, world, beat).start() if beat > 0 else None
 

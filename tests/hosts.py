@@ -229,13 +229,15 @@ def _sshd_config(folder: Path, host: Host) -> Path:
     return path
 
 
-def _hosts_file(folder: Path, host: Host, hosts: list[Host], loopback: bool) -> Path:
+def _hosts_file(folder: Path, host: Host, hosts: list[Host], loopback: bool, own: dict[str, str]) -> Path:
     """/etc/hosts of ``host``: every host by its 198.18 address; a ``loopback`` host first names itself at
-    127.0.1.1, as Debian's installer writes it (glibc takes the first match)."""
+    127.0.1.1, as Debian's installer writes it (glibc takes the first match); ``own`` maps names to addresses of
+    this host's own (a stale or hand-edited line) in place of the cluster's."""
     lines = [
         "127.0.0.1 localhost",
         *([f"127.0.1.1 {host.name}"] if loopback else []),
-        *(f"{h.addr} {h.name}" for h in hosts),
+        *(f"{addr} {name}" for name, addr in own.items()),
+        *(f"{h.addr} {h.name}" for h in hosts if h.name not in own),
     ]
     path = folder / f"hosts_{host.name}"
     path.write_text("\n".join(lines) + "\n")
@@ -284,9 +286,12 @@ def _wait_ssh(cluster: Cluster, timeout: float = 60) -> None:
             time.sleep(0.2)
 
 
-def up(n: int, base: Path | None = None, loopback: tuple[str, ...] = ()) -> Cluster:
+def up(
+    n: int, base: Path | None = None, loopback: tuple[str, ...] = (), resolve: dict[str, dict[str, str]] | None = None
+) -> Cluster:
     """Build hosts h1..hN (addresses 198.18.0.1..N; the names in ``loopback`` resolve to 127.0.1.1 on their own
-    host) in a folder under ``base`` (the system temp dir by default). Tear down with ``Cluster.down()``."""
+    host; ``resolve`` {host: {name: address}} gives a host lines of its own, so a name resolves differently there)
+    in a folder under ``base`` (the system temp dir by default). Tear down with ``Cluster.down()``."""
     if os.geteuid() != 0:
         raise RuntimeError("test hosts need root (network namespaces, mounts)")
     clean_leftovers()
@@ -314,7 +319,12 @@ def up(n: int, base: Path | None = None, loopback: tuple[str, ...] = ()) -> Clus
         _run("ip", "link", "set", f"{PREFIX}{cid}", "up")
         cluster.hosts = [Host(f"h{i}", f"{PREFIX}{cid}-h{i}", f"{SUBNET}.{i}") for i in range(1, n + 1)]
         for i, host in enumerate(cluster.hosts, 1):
-            _start_host(cluster, host, i, _hosts_file(folder, host, cluster.hosts, host.name in loopback))
+            _start_host(
+                cluster,
+                host,
+                i,
+                _hosts_file(folder, host, cluster.hosts, host.name in loopback, (resolve or {}).get(host.name, {})),
+            )
         _wait_ssh(cluster)
         cluster.save()
     except BaseException:
@@ -334,8 +344,8 @@ def unavailable(reason: str):
 
 
 def make_hosts_fixture(tmp_path: Path):
-    """Body of the ``make_hosts`` fixture: a function up(n, loopback=()) -> Cluster; every cluster it made is
-    torn down after the test."""
+    """Body of the ``make_hosts`` fixture: a function up(n, loopback=(), resolve=None) -> Cluster; every cluster it
+    made is torn down after the test."""
     missing = missing_tools()
     if missing:
         unavailable(f"test hosts need apt-get install -y {' '.join(missing)}")
@@ -343,8 +353,8 @@ def make_hosts_fixture(tmp_path: Path):
         unavailable("test hosts need root (network namespaces, bind mounts)")
     made: list[Cluster] = []
 
-    def make(n: int, loopback: tuple[str, ...] = ()) -> Cluster:
-        made.append(up(n, tmp_path, loopback))
+    def make(n: int, loopback: tuple[str, ...] = (), resolve: dict[str, dict[str, str]] | None = None) -> Cluster:
+        made.append(up(n, tmp_path, loopback, resolve))
         return made[-1]
 
     try:

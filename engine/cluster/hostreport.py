@@ -19,13 +19,19 @@ from pathlib import Path
 PACKAGES = ("transformers", "deepspeed", "safetensors", "datasets", "tokenizers")
 
 
+def file_digests(root: Path) -> dict:
+    """{relative path: sha256} of the engine package's .py files (the start-up check names the first that differs,
+    engine/cluster/drift.py)."""
+    return {
+        path.relative_to(root).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        for path in sorted(root.rglob("*.py"))
+    }
+
+
 def _digest_tree(root: Path) -> str:
-    """sha256 over the engine package's .py files (relative path and bytes), so a host with a stale or edited
+    """sha256 over the engine package's .py files (relative path and digest), so a host with a stale or edited
     checkout differs even where the version string is the same."""
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()[:16]
+    return hashlib.sha256(json.dumps(file_digests(root), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _version(name: str) -> str | None:

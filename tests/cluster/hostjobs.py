@@ -70,20 +70,27 @@ def assert_follows(out_dir: Path, reference: list[dict]) -> None:
 
 
 def start_agents(
-    cluster: hosts.Cluster, nproc: int, args: list[str], log_dir: Path, env: dict | None = None
+    cluster: hosts.Cluster,
+    nproc: int,
+    args: list[str],
+    log_dir: Path,
+    env: dict | None = None,
+    differ: dict[str, tuple[Path, list[str]]] | None = None,
 ) -> list[subprocess.Popen]:
     """One torchrun agent started on each host (``nproc`` ranks each), meeting at the first host's address; each
-    writes log_dir/agent_<host>.log."""
+    writes log_dir/agent_<host>.log. ``differ`` {host: (checkout, args)}: a host launched from another checkout or
+    with other arguments."""
     endpoint = f"{cluster.hosts[0].addr}:29400"  # each cluster has its own addresses: no port can clash
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = []
     for host in cluster.hosts:
-        cmd = agent(len(cluster.hosts), nproc, endpoint, args, rdzv_id="hosts")
+        cwd, own = (differ or {}).get(host.name, (ROOT, args))
+        cmd = agent(len(cluster.hosts), nproc, endpoint, own, rdzv_id="hosts")
         with (log_dir / f"agent_{host.name}.log").open("w") as log:
             procs.append(
                 host.popen(
                     cmd,
-                    cwd=ROOT,
+                    cwd=cwd,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
@@ -100,10 +107,15 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def torchrun_on_hosts(
-    cluster: hosts.Cluster, nproc: int, args: list[str], log_dir: Path, env: dict | None = None
+    cluster: hosts.Cluster,
+    nproc: int,
+    args: list[str],
+    log_dir: Path,
+    env: dict | None = None,
+    differ: dict[str, tuple[Path, list[str]]] | None = None,
 ) -> tuple[list[int], str]:
     """start_agents, then wait for them: (exit codes, output)."""
-    procs = start_agents(cluster, nproc, args, log_dir, env)
+    procs = start_agents(cluster, nproc, args, log_dir, env, differ)
     deadline = time.monotonic() + LIMIT_S
     try:
         codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -170,6 +171,30 @@ def test_checkpoint_dir_not_shared_is_refused(make_hosts, tmp_path):
             host.name,
             listing,
         )
+
+
+def test_a_host_with_another_config_or_engine_checkout_is_refused(make_hosts, tmp_path):
+    """h2 launched with another --train.lr, then from a copy of the checkout with one engine file edited: without
+    the start-up comparison both trained (a drifted replica). Every host refuses before the first step with the
+    same line naming h2 and the first differing key or file, exit 2, nothing written (engine/cluster/drift.py)."""
+    cluster, out, ckpt = make_hosts(2), tmp_path / "run", tmp_path / "ckpt"
+    args = train_args(out, "--checkpoint.dir", str(ckpt), "--checkpoint.every", "1")
+    copy = tmp_path / "checkout"
+    for part in ("engine", "launch", "configs"):
+        shutil.copytree(ROOT / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
+    with (copy / "engine" / "optim.py").open("a") as f:
+        f.write("# edited on h2 only\n")
+    h1, h2 = "h1 (198.18.0.1)", "h2 (198.18.0.2)"
+    cases = [
+        ((ROOT, [*args, "--train.lr", "0.001"]), f"runs another config than host {h1}: train.lr 0.001 != 0.003;"),
+        ((copy, args), f"runs another engine checkout than host {h1}: engine/optim.py differs (sha256 "),
+    ]
+    for i, (h2_launch, differs) in enumerate(cases):
+        codes, output = torchrun_on_hosts(cluster, 1, args, tmp_path / f"logs{i}", differ={"h2": h2_launch})
+        line = f"error: host {h2} {differs}"
+        assert codes == [1, 1] and output.count(line) == 2, output[-3000:]  # once per host
+        assert len(re.findall(r"exitcode\s+: 2 ", output)) == 2, output[-3000:]
+        assert not out.exists() and not ckpt.exists(), "nothing is written before the check"
 
 
 @pytest.mark.slow  # minutes of launches across the hosts; CI keeps tp2 x pp2 and the unshared directory
