@@ -24,20 +24,25 @@ from engine.storage import EXIT_STATUS, StorageError  # noqa: E402
 
 
 def start_cluster(cfg):
-    """Multi-rank: every rank joins the job's store within parallel.startup_timeout_s (StartupError naming the
-    missing ones), checks that every host runs the same packages, engine code and config (ConfigError naming the
-    first host and key that differ) and starts its heartbeat; (store, heartbeat), each None where there is nothing
-    to do."""
+    """Multi-rank: a host whose ranks are not whole tp groups warns; every rank joins the job's store within
+    parallel.startup_timeout_s (StartupError naming the missing ones), checks that every host runs the same
+    packages, engine code and config (ConfigError naming the first host and key that differ) and starts its
+    heartbeat; (store, heartbeat), each None where there is nothing to do."""
     import torch.distributed as dist
 
     from engine.cluster.drift import check_same
     from engine.cluster.heartbeat import Heartbeat
     from engine.cluster.startup import default_store, join
+    from engine.parallel.layout.checks import tp_across_hosts
     from engine.parallel.layout.context import env_rank_info
+    from engine.parallel.layout.threads import local_world_size
 
-    rank, world, _ = env_rank_info()
+    rank, world, local_rank = env_rank_info()
     if world == 1 or dist.is_initialized():
         return None, None
+    warning = tp_across_hosts(cfg.parallel.tp, rank, local_rank, local_world_size(), world)
+    if warning and local_rank == 0:
+        print(warning, flush=True)  # once per host
     joined = join(rank, world, cfg.parallel.startup_timeout_s)
     check_same(joined, rank, world, cfg.to_dict(), cfg.parallel.startup_timeout_s)
     store = default_store(joined)

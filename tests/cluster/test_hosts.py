@@ -176,9 +176,10 @@ def test_checkpoint_dir_not_shared_is_refused(make_hosts, tmp_path):
 def test_a_host_with_another_config_or_engine_checkout_is_refused(make_hosts, tmp_path):
     """h2 launched with another --train.lr, then from a copy of the checkout with one engine file edited: without
     the start-up comparison both trained (a drifted replica). Every host refuses before the first step with the
-    same line naming h2 and the first differing key or file, exit 2, nothing written (engine/cluster/drift.py)."""
+    same line naming h2 and the first differing key or file, exit 2, nothing written (engine/cluster/drift.py).
+    tp 2 on one slot per host puts the tp group across the hosts: each host warns at start-up, naming the fix."""
     cluster, out, ckpt = make_hosts(2), tmp_path / "run", tmp_path / "ckpt"
-    args = train_args(out, "--checkpoint.dir", str(ckpt), "--checkpoint.every", "1")
+    args = train_args(out, "--checkpoint.dir", str(ckpt), "--checkpoint.every", "1", "--parallel.tp", "2")
     copy = tmp_path / "checkout"
     for part in ("engine", "launch", "configs"):
         shutil.copytree(ROOT / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
@@ -195,6 +196,8 @@ def test_a_host_with_another_config_or_engine_checkout_is_refused(make_hosts, tm
         assert codes == [1, 1] and output.count(line) == 2, output[-3000:]  # once per host
         assert len(re.findall(r"exitcode\s+: 2 ", output)) == 2, output[-3000:]
         assert not out.exists() and not ckpt.exists(), "nothing is written before the check"
+        warning = "warning: parallel.tp=2 puts tensor-parallel groups across hosts: this host runs 1 rank (rank "
+        assert output.count(warning) == 2 and "set parallel.tp to a divisor of 1" in output, output[-3000:]
 
 
 @pytest.mark.slow  # minutes of launches across the hosts; CI keeps tp2 x pp2 and the unshared directory

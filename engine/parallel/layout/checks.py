@@ -251,3 +251,19 @@ def reshard_after_forward(cfg: Config, pp: int) -> bool:
     """FSDP's parallel.reshard_after_forward: true, false, or auto. Under pp > 1 each weight would be gathered once
     per micro-batch forward and again per backward, so auto keeps it gathered from forward to backward there."""
     return {"true": True, "false": False, "auto": pp == 1}[cfg.parallel.reshard_after_forward]
+
+
+def tp_across_hosts(tp: int, rank: int, local_rank: int, local_world: int, world: int) -> str | None:
+    """The warning for a host of a multi-host world whose ranks are not whole tp groups. tp varies fastest (AXES),
+    so a group is tp consecutive ranks, and the launchers number ranks host by host: a host's slot count that tp
+    does not divide (or a tp above it) puts a group's every-layer all-reduces on the network between hosts."""
+    first = rank - local_rank
+    if tp < 2 or local_world >= world or (first % tp == 0 and local_world % tp == 0):
+        return None
+    ranks = f"rank {first}" if local_world == 1 else f"ranks {first}-{first + local_world - 1}"
+    return (
+        f"warning: parallel.tp={tp} puts tensor-parallel groups across hosts: this host runs {local_world} "
+        f"rank{'s' if local_world > 1 else ''} ({ranks}), not whole groups of {tp} "
+        f"consecutive ranks, so every layer's tp all-reduce crosses the network; give every host a multiple of "
+        f"{tp} slots (hostfile slots=, torchrun --nproc-per-node) or set parallel.tp to a divisor of {local_world}"
+    )
