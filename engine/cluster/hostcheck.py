@@ -55,9 +55,11 @@ def remote_command(cmd: list[str]) -> str:
     return shlex.join(["env", *env, *cmd] if env else cmd)
 
 
-def query_host(ssh: list[str], host: str, root: str, config: str, timeout_s: float) -> tuple[dict | None, str]:
-    """(report, '') from ``host``, or (None, why it could not be had)."""
-    command = remote_command([sys.executable, "-", root, *([config] if config else [])])
+def query_host(
+    ssh: list[str], host: str, root: str, config: str, timeout_s: float, names: tuple[str, ...] = ()
+) -> tuple[dict | None, str]:
+    """(report, '') from ``host``, or (None, why it could not be had); ``names``: the hosts it resolves."""
+    command = remote_command([sys.executable, "-", root, *([config] if config or names else []), *names])
     script = Path(hostreport.__file__).read_text()
     try:
         out = subprocess.run([*ssh, host, command], input=script, capture_output=True, text=True, timeout=timeout_s)
@@ -111,10 +113,10 @@ def check_hosts(
     hosts: list[Host], ssh: list[str], root: str, config: str = "", timeout_s: float = 60.0
 ) -> list[HostResult]:
     """Query every host at once; each result lists its problems (empty: the host is fit to run the job)."""
-    local = hostreport.report(root, config)
+    local, names = hostreport.report(root, config), tuple(dict.fromkeys(h.name for h in hosts))
 
     def one(host: Host) -> HostResult:
-        report, why = query_host(ssh, host.name, root, config, timeout_s)
+        report, why = query_host(ssh, host.name, root, config, timeout_s, names)
         if report is None:
             return HostResult(host, None, [why])
         return HostResult(host, report, compare(local, report, host.slots, config))
@@ -126,7 +128,27 @@ def check_hosts(
         line = r.report and r.report.get("net") and loopback_line(r.report["net"])
         if line:
             r.problems.append(line.split(": ", 1)[1])  # the line names the host; describe() names it already
+    _compare_names(results)
     return results
+
+
+def _compare_names(results: list[HostResult]) -> None:
+    """A host that resolves one of the job's host names to other addresses than the first host does: its agent
+    or ranks would connect elsewhere (torchrun's rendezvous then waits its join_timeout, 600 s by default)."""
+    answered = [r for r in results if r.report and "resolves" in r.report]
+    if len(answered) < 2:
+        return
+    first = answered[0]
+    for r in answered[1:]:
+        for name, ours in first.report["resolves"].items():
+            theirs = r.report["resolves"].get(name, ours)
+            if theirs != ours:
+                r.problems.append(
+                    f"resolves host name {name} to {', '.join(theirs) or 'nothing'} where {first.host.name} "
+                    f"resolves it to {', '.join(ours) or 'nothing'}: its ranks and torchrun agent would connect "
+                    f"elsewhere; make /etc/hosts or DNS agree on every host"
+                )
+                break
 
 
 def describe(r: HostResult) -> str:

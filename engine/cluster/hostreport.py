@@ -60,8 +60,24 @@ def _engine(root: Path) -> dict:
     return {"version": _version("engine"), "digest": _digest_tree(root / "engine")}
 
 
-def report(root: str, config: str = "") -> dict:
-    """The host's answers; ``config`` is an absolute path ('' = none to check)."""
+def resolve(names: list[str]) -> dict:
+    """{name: its non-loopback addresses here, sorted}: what this host's ranks and torchrun agent would connect to
+    for each host of the job (a host's own name at 127.0.1.1 is netcheck's case, not a difference)."""
+    found = {}
+    for name in names:
+        try:
+            infos = socket.getaddrinfo(name, None, socket.AF_UNSPEC, socket.SOCK_STREAM)
+        except OSError:
+            found[name] = []
+            continue
+        addrs = {info[4][0] for info in infos}
+        found[name] = sorted(a for a in addrs if not a.startswith("127.") and a != "::1")
+    return found
+
+
+def report(root: str, config: str = "", names: tuple[str, ...] = ()) -> dict:
+    """The host's answers; ``config`` is an absolute path ('' = none to check); ``names``: the job's host names,
+    resolved here."""
     out = {
         "host": socket.gethostname(),
         "python": sys.version.split()[0],
@@ -69,6 +85,7 @@ def report(root: str, config: str = "") -> dict:
         "torch": _torch(),
         "engine": _engine(Path(root)),
         "packages": {p: _version(p) for p in PACKAGES},
+        "resolves": resolve(list(names)),
     }
     if "error" not in out["engine"]:  # the address gloo would advertise here (engine/cluster/netcheck.py)
         from engine.cluster.netcheck import my_record
@@ -81,5 +98,5 @@ def report(root: str, config: str = "") -> dict:
 
 
 if __name__ == "__main__":
-    # argv: [script or '-', ROOT, CONFIG?]
-    print(json.dumps(report(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "")), flush=True)
+    # argv: [script or '-', ROOT, CONFIG?, NAME...] ('' for no CONFIG before names)
+    print(json.dumps(report(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "", tuple(sys.argv[3:]))), flush=True)

@@ -200,6 +200,28 @@ def test_a_host_with_another_config_or_engine_checkout_is_refused(make_hosts, tm
         assert output.count(warning) == 2 and "set parallel.tp to a divisor of 1" in output, output[-3000:]
 
 
+def test_preflight_names_a_host_name_that_resolves_differently(make_hosts, tmp_path):
+    """h2's /etc/hosts maps h1 to a stale address. torchrun with `--rdzv-endpoint h1:PORT` then hangs where no engine
+    code runs yet: h2's agent cannot reach the rendezvous and gives up after read_timeout (60 s), h1's agent waits
+    for it the whole join_timeout (645 s measured); with the endpoint an address, h2's ranks cannot reach the
+    store at MASTER_ADDR h1 and h1's name them missing. Preflight asks every host how it resolves each host name
+    and fails h2 in one line naming the name, both addresses and both hosts (README, Multi-node troubleshooting)."""
+    cluster = make_hosts(2, resolve={"h2": {"h1": "198.18.0.9"}})
+    cmd = [
+        sys.executable,
+        "launch/preflight.py",
+        "--hostfile",
+        str(cluster.hostfile(tmp_path / "hostfile", 1)),
+        "--skip-links",
+        "--timeout-s",
+        "120",
+    ]
+    run = cluster.hosts[0].run(cmd, cwd=ROOT, timeout=LIMIT_S)
+    line = "FAIL h2: resolves host name h1 to 198.18.0.9 where h1 resolves it to 198.18.0.1: its ranks and torchrun"
+    assert run.returncode == 1 and line in run.stdout, run.stdout + run.stderr
+    assert "FAIL h1" not in run.stdout, run.stdout
+
+
 @pytest.mark.slow  # minutes of launches across the hosts; CI keeps tp2 x pp2 and the unshared directory
 def test_preflight_names_the_loopback_host_and_the_unshared_directory(make_hosts, tmp_path):
     """Preflight over ssh from h1: h2's loopback name fails h2's host check; with GLOO_SOCKET_IFNAME in
