@@ -60,7 +60,7 @@ def packages() -> dict:
     import torch
 
     found = {"python": sys.version.split()[0], "torch": torch.__version__}
-    return found | {p: hostreport._version(p) for p in hostreport.PACKAGES}
+    return found | hostreport.package_versions()
 
 
 def engine_files() -> dict:
@@ -79,15 +79,19 @@ def describe(config: dict) -> tuple[dict, dict]:
 
 def first_difference(kind: str, mine: dict, theirs: dict) -> str:
     """'train.lr 0.001 != 0.0003' (this host's value first), 'engine/trainer.py differs', 'torch 2.5 != 2.6'."""
+
+    def show(value) -> str:
+        if kind == "packages":
+            return "(not installed)" if value is None else str(value)
+        return json.dumps(value)  # a config value as JSON: '' and "0700" stay visible strings
+
     for key in sorted(set(mine) | set(theirs)):
-        if key in mine and key not in theirs:
-            return f"{key} only here" if kind == "code" else f"{key} {json.dumps(mine[key])} != (none)"
-        if key in theirs and key not in mine:
-            return f"{key} missing here" if kind == "code" else f"{key} (none) != {json.dumps(theirs[key])}"
-        if mine[key] != theirs[key]:
+        if kind == "code" and (key not in mine or key not in theirs):
+            return f"engine/{key} {'only here' if key in mine else 'missing here'}"
+        if key not in mine or key not in theirs or mine[key] != theirs[key]:
             if kind == "code":
                 return f"engine/{key} differs (sha256 {mine[key]} != {theirs[key]})"
-            return f"{key} {json.dumps(mine[key])} != {json.dumps(theirs[key])}"
+            return f"{key} {show(mine.get(key))} != {show(theirs.get(key))}"
     return "the digests differ"  # unreachable while both sides hash the same details
 
 

@@ -41,6 +41,11 @@ def _version(name: str) -> str | None:
         return None
 
 
+def package_versions() -> dict:
+    """{package: version or None} of PACKAGES, from metadata."""
+    return {p: _version(p) for p in PACKAGES}
+
+
 def _torch() -> dict:
     try:
         import torch
@@ -84,7 +89,7 @@ def report(root: str, config: str = "", names: tuple[str, ...] = ()) -> dict:
         "executable": sys.executable,
         "torch": _torch(),
         "engine": _engine(Path(root)),
-        "packages": {p: _version(p) for p in PACKAGES},
+        "packages": package_versions(),
         "resolves": resolve(list(names)),
     }
     if "error" not in out["engine"]:  # the address gloo would advertise here (engine/cluster/netcheck.py)
