@@ -65,6 +65,8 @@ class Trainer:
         self.feed = BatchFeed(cfg, ctx, self.tokenizer)
         if ctx.rank == 0:
             print(self.feed.describe(), flush=True)
+            if moe_metrics.dense_notice(cfg):
+                print(moe_metrics.dense_notice(cfg), flush=True)
             if cfg.parallel.pp_layers == "auto" and ctx.pp > 1:  # the split chosen by cost (planning/balance.py)
                 print(describe_split(cfg, ctx.pp), flush=True)
         self.stats = StepStats(cfg, ctx)  # throughput, MFU, memory, time per phase (metrics.jsonl)
