@@ -258,3 +258,20 @@ def test_a_link_out_of_an_imported_folder_is_never_copied(run, tmp_path):
     before = tree(tmp_path)
     one_error_line(launch("convert.py", "export", tmp_path / "imported", tmp_path / "out"), str(secret), "outside")
     assert tree(tmp_path) == before, "a refused export wrote or changed files"
+
+
+def test_a_hugging_face_cache_snapshot_imports_through_its_links(run, tmp_path):
+    """The hub's cache stores every file of snapshots/<rev>/ as a link to ../../blobs/<hash>: links out of the
+    folder, into the same repository's blobs, which import follows (the refusal above must not refuse them)."""
+    repo = tmp_path / "models--tiny"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for i, path in enumerate(sorted((run / "hf").iterdir())):
+        shutil.copyfile(path, blobs / f"blob{i}")
+        (snapshot / path.name).symlink_to(Path("../../blobs") / f"blob{i}")
+    out = launch("convert.py", "import", snapshot, tmp_path / "imported")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "imported" / "hf_files" / "tokenizer.json").read_bytes() == (
+        run / "hf" / "tokenizer.json"
+    ).read_bytes()
