@@ -293,7 +293,7 @@ class Trainer:
             # saves every checkpoint.every steps, at the last, on a signal; True: stop now. The stop-signal
             # all-reduce counts to the next step; a save does not (Megatron stops its interval timer around it).
             saved, start = self.checkpointer.last_saved, time.perf_counter()
-            stop = self.checkpointer.after_step(self.parts, self.position)
+            stop = self.checkpointer.after_step(self.parts, self.position, self.bad_steps)
             if self.checkpointer.last_saved != saved:
                 clock.exclude(time.perf_counter() - start)
             if stop:
