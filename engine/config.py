@@ -218,7 +218,9 @@ def _wants_text(typ, value) -> bool:
     """Whether a string field (or a list of strings) got something YAML typed as a number, boolean or date."""
     if typ is str:
         return isinstance(value, (bool, int, float, datetime.date))
-    return typ == list[str] and isinstance(value, list) and any(_wants_text(str, v) for v in value)
+    if typ != list[str]:
+        return False
+    return any(_wants_text(str, v) for v in value) if isinstance(value, list) else _wants_text(str, value)
 
 
 def _set(cfg: Config, dotted: str, value, literal: Callable[[], object] | None = None) -> None:
