@@ -8,16 +8,18 @@ the key, the value and what would be valid (the launcher prints it and exits 2, 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
 from engine.config_checks import validate
 from engine.config_types import HeadDim, coerce, explicit_head_dim
-from engine.config_yaml import BoundedLoader, UniqueKeyLoader
+from engine.config_yaml import BoundedLoader, LiteralLoader, UniqueKeyLoader
 from engine.errors import ConfigError
 
 __all__ = ["Config", "ConfigError", "load", "load_yaml", "parse_args", "validate"]
@@ -212,8 +214,19 @@ def _field_types(cls) -> dict:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def _set(cfg: Config, dotted: str, value) -> None:
-    """Set ``section.key`` on cfg from a raw value, checking that the key exists."""
+def _wants_text(typ, value) -> bool:
+    """Whether a string field (or a list of strings) got something YAML typed as a number, boolean or date."""
+    if typ is str:
+        return isinstance(value, (bool, int, float, datetime.date))
+    if typ != list[str]:
+        return False
+    return any(_wants_text(str, v) for v in value) if isinstance(value, list) else _wants_text(str, value)
+
+
+def _set(cfg: Config, dotted: str, value, literal: Callable[[], object] | None = None) -> None:
+    """Set ``section.key`` on cfg from a raw value, checking that the key exists. ``literal``: the same value with
+    every scalar as the text written (engine/config_yaml.py LiteralLoader), which a string field takes instead of
+    what YAML 1.1 typed (``0700`` is not 448, ``on`` is not true: a path is the text the user gave)."""
     sections = _field_types(Config)
     dotted = ALIASES.get(dotted, dotted)
     section, _, key = dotted.partition(".")
@@ -223,13 +236,16 @@ def _set(cfg: Config, dotted: str, value) -> None:
     fields = _field_types(type(sub))
     if key not in fields:
         raise ConfigError(f"unknown config key '{dotted}'; valid keys in '{section}': {', '.join(fields)}")
+    if literal is not None and _wants_text(fields[key], value):
+        value = literal()
     value = coerce(dotted, value, fields[key])
     if dotted in VALUE_ALIASES:
         value = VALUE_ALIASES[dotted].get(value, value)
     setattr(sub, key, value)
 
 
-def _apply_mapping(cfg: Config, data, source: str) -> None:
+def _apply_mapping(cfg: Config, data, source: str, texts: Callable[[], dict] | None = None) -> None:
+    """``texts``: the document read again with its scalars as written (LiteralLoader), asked only when needed."""
     if data is None:
         return
     if not isinstance(data, dict):
@@ -238,7 +254,8 @@ def _apply_mapping(cfg: Config, data, source: str) -> None:
         if not isinstance(body, dict):
             raise ConfigError(f"{source}: section '{section}' must be a mapping of keys, got {body!r}")
         for key, value in body.items():
-            _set(cfg, f"{section}.{key}", value)
+            literal = None if texts is None else functools.partial(lambda s, k: texts()[s][k], section, key)
+            _set(cfg, f"{section}.{key}", value, literal)
 
 
 def load_yaml(path: str | Path, cfg: Config | None = None) -> Config:
@@ -250,7 +267,8 @@ def load_yaml(path: str | Path, cfg: Config | None = None) -> Config:
     if not path.is_file():
         raise ConfigError(f"config file '{path}' does not exist")
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader)
+        text = path.read_text(encoding="utf-8")
+        data = yaml.load(text, Loader=UniqueKeyLoader)
     except ConfigError as e:
         raise ConfigError(f"config file '{path}': {e}") from None
     except UnicodeDecodeError as e:
@@ -259,7 +277,7 @@ def load_yaml(path: str | Path, cfg: Config | None = None) -> Config:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise ConfigError(f"config file '{path}' is not valid YAML{where}") from None
-    _apply_mapping(cfg, data, str(path))
+    _apply_mapping(cfg, data, str(path), functools.cache(lambda: yaml.load(text, Loader=LiteralLoader)))
     return cfg
 
 
@@ -287,18 +305,22 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
     return config_path, overrides
 
 
+def _cli_value(key: str, value: str, loader=BoundedLoader):
+    """A ``--key value`` value read as YAML, so that 1e-3, true and [a,b] mean what they mean in the file (text
+    that is not YAML stays the text)."""
+    try:
+        return yaml.load(value, Loader=loader) if value != "" else ""
+    except yaml.YAMLError:
+        return value
+    except ConfigError as e:  # an alias bomb (engine/config_yaml.py)
+        raise ConfigError(f"--{key}: {e}") from None
+
+
 def load(argv: list[str]) -> Config:
     """Build the Config from ``--config FILE`` and ``--section.key value`` arguments, then validate it."""
     config_path, overrides = parse_args(argv)
     cfg = load_yaml(config_path) if config_path else Config()
     for key, value in overrides:
-        # YAML parses CLI values so that 1e-3, true and [a,b] mean what they mean in the file.
-        try:
-            parsed = yaml.load(value, Loader=BoundedLoader) if value != "" else ""
-        except yaml.YAMLError:
-            parsed = value
-        except ConfigError as e:  # an alias bomb (engine/config_yaml.py)
-            raise ConfigError(f"--{key}: {e}") from None
-        _set(cfg, key, parsed)
+        _set(cfg, key, _cli_value(key, value), functools.partial(_cli_value, key, value, LiteralLoader))
     validate(cfg)
     return cfg

@@ -1,5 +1,6 @@
 """The YAML loader of config files and of ``--section.key value`` values: PyYAML's SafeLoader, refusing a key given
-twice in one mapping and a document that expands past ``MAX_VALUES`` values.
+twice in one mapping and a document that expands past ``MAX_VALUES`` values; ``LiteralLoader``, the same document
+with every scalar as the text written (what a string field takes: engine/config.py).
 
 Aliases (``*name``) repeat an anchored node without copying it, so nine lines of nested aliases (the "billion
 laughs") describe 9^9 values: PyYAML builds them as shared references, cheaply, but anything that then prints or
@@ -82,3 +83,13 @@ def _unique_mapping(loader: SafeLoader, node: yaml.MappingNode) -> dict:
 
 
 UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+class LiteralLoader(UniqueKeyLoader):
+    """UniqueKeyLoader that gives every scalar YAML would read as a number, a boolean or a date as the text written
+    (``0700``, not 448; ``on``, not True), for the config's string fields: a path or a name is the text the user
+    typed, not what YAML 1.1 makes of it. Null stays None (no value)."""
+
+
+for _tag in ("bool", "int", "float", "timestamp"):
+    LiteralLoader.add_constructor(f"tag:yaml.org,2002:{_tag}", yaml.constructor.SafeConstructor.construct_yaml_str)

@@ -65,6 +65,8 @@ class Trainer:
         self.feed = BatchFeed(cfg, ctx, self.tokenizer)
         if ctx.rank == 0:
             print(self.feed.describe(), flush=True)
+            if moe_metrics.dense_notice(cfg):
+                print(moe_metrics.dense_notice(cfg), flush=True)
             if cfg.parallel.pp_layers == "auto" and ctx.pp > 1:  # the split chosen by cost (planning/balance.py)
                 print(describe_split(cfg, ctx.pp), flush=True)
         self.stats = StepStats(cfg, ctx)  # throughput, MFU, memory, time per phase (metrics.jsonl)
@@ -291,7 +293,7 @@ class Trainer:
             # saves every checkpoint.every steps, at the last, on a signal; True: stop now. The stop-signal
             # all-reduce counts to the next step; a save does not (Megatron stops its interval timer around it).
             saved, start = self.checkpointer.last_saved, time.perf_counter()
-            stop = self.checkpointer.after_step(self.parts, self.position)
+            stop = self.checkpointer.after_step(self.parts, self.position, self.bad_steps)
             if self.checkpointer.last_saved != saved:
                 clock.exclude(time.perf_counter() - start)
             if stop:

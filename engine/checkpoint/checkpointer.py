@@ -121,9 +121,10 @@ class Checkpointer:
             dist.barrier(group=self.group)
 
     # ---- save ----------------------------------------------------------------------------------------------------
-    def save(self, parts: CheckpointParts, position: RunPosition) -> Path | None:
+    def save(self, parts: CheckpointParts, position: RunPosition, prune: bool = True) -> Path | None:
         """Write the parts as checkpoint ``position.step``; returns its final path (committed on return unless
-        async_save), None when a rank holds non-finite values (nothing written)."""
+        async_save), None when a rank holds non-finite values (nothing written). ``prune``: then delete the steps
+        beyond checkpoint.keep (not for a save inside a streak of skipped steps: ``after_step``)."""
         if self.root is None:
             raise CheckpointError("checkpoint.dir is empty; set it to save checkpoints")
         self.wait()
@@ -132,7 +133,7 @@ class Checkpointer:
         if not self._all_finite(tensors, position.step):
             return None
         self.timings = {"snapshot_s": time.perf_counter() - start}
-        args = (position.step, tensors, meta, header)
+        args = (position.step, tensors, meta, header, self.cfg.checkpoint.keep if prune else 0)
         if self.cfg.checkpoint.async_save:
             self.pending = threading.Thread(
                 target=self._write_and_commit, args=args, name="checkpoint-writer", daemon=True
@@ -164,7 +165,7 @@ class Checkpointer:
             )
         return not found
 
-    def _write_and_commit(self, step: int, tensors: dict, meta: dict, header: dict) -> None:
+    def _write_and_commit(self, step: int, tensors: dict, meta: dict, header: dict, keep: int) -> None:
         """Collective; a failed write on any rank fails it on all (StorageError), `latest` stays the last good."""
         start, tmp = time.perf_counter(), staging_path(self.root, step, self.token)
         try:
@@ -178,7 +179,7 @@ class Checkpointer:
             try:
                 steps = [m.pop("adam_step") for m in metas]
                 header["adam_step"] = max((s for s in steps if s is not None), default=None)
-                publish(self.root, step, self.token, merge_index(metas, header), self.cfg.checkpoint.keep)
+                publish(self.root, step, self.token, merge_index(metas, header), keep)
                 say(f"checkpoint: saved {self.root / step_name(step)}")  # where to export it from
             except Exception as e:  # reported on every rank: none may wait for a commit that never comes
                 errors.append(f"rank 0 could not commit step {step}: {describe(self.root, e)}")
@@ -206,14 +207,27 @@ class Checkpointer:
     def start(self) -> None:
         self.stop.install()
 
-    def after_step(self, parts: CheckpointParts, position: RunPosition) -> bool:
-        """Save when due (every N steps, the last step, a stop signal); True when training must stop now."""
+    def after_step(self, parts: CheckpointParts, position: RunPosition, streak: int = 0) -> bool:
+        """Save when due (every N steps, the last step, a stop signal); True when training must stop now.
+        ``streak``: the steps skipped in a row so far for a NaN/inf loss or gradient (the trainer's count). Inside
+        one the weights are those that diverged: a periodic save is skipped, and the last step's or a stop's
+        is saved without pruning, so the checkpoints from before the streak, which the abort tells the user to
+        resume from, are never pruned for it."""
         stop = self.stop.agreed(self.ctx, self.group)
         c, step = self.cfg.checkpoint, position.step
-        due = (c.every and step % c.every == 0) or step == self.cfg.train.steps or stop
+        final = step == self.cfg.train.steps or stop
+        due = (c.every and step % c.every == 0) or final
         if self.root is not None and due and self.last_saved != step:
+            if streak and self.ctx.rank == 0:
+                say(
+                    f"checkpoint: step {step} is skipped step {streak} of a streak (NaN/inf loss or gradient): "
+                    + ("saved without pruning" if final else "not saved")
+                    + f", so the earlier checkpoints stay (latest: {latest_name(self.root)})"
+                )
+            if streak and not final:
+                return stop
             try:
-                self.save(parts, position)
+                self.save(parts, position, prune=not streak)
             except BaseException as e:  # the run ends here: give the directories back
                 self.release()
                 if self.stop.failed and isinstance(e, CheckpointError):
@@ -288,7 +302,7 @@ class Checkpointer:
                 change = layout_change(index, self.cfg, self.ctx)
                 if change:
                     print(change, flush=True)
-                for note in data_changes(index, self.cfg.train):
+                for note in data_changes(index, self.cfg):
                     print(f"notice: {note}", flush=True)
             self.resumed_from = path
             return position

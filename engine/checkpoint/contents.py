@@ -203,11 +203,18 @@ def check_model(path: Path, index: dict, model_cfg) -> None:
         )
 
 
-def data_changes(index: dict, train_cfg) -> list[str]:
+# What the tokens, the text and their order are made of: another value resumes the weights on other data.
+RUN_KEYS = (("data", "tokenizer"), ("data", "paths"), ("data", "weights"), ("train", "seed"))
+
+
+def data_changes(index: dict, cfg) -> list[str]:
     """One notice per data-shaping setting that differs from the checkpoint's, saying what it does to the data
-    position (consumed_samples, engine/data/dataset.py GlobalBatchSampler): the run goes on, but not as before."""
-    saved, consumed = index["config"].get("train", {}), index["consumed_samples"]
-    notes = []
+    position (consumed_samples, engine/data/dataset.py GlobalBatchSampler): the run goes on, but not as before;
+    and one naming every RUN_KEYS value that differs (of a model-only checkpoint, which starts a run on any data,
+    the tokenizer only)."""
+    train_cfg, consumed = cfg.train, index["consumed_samples"]
+    saved = index["config"].get("train", {})
+    notes = _run_changes(index["config"], cfg, RUN_KEYS[:1] if index.get("model_only") else RUN_KEYS)
     if saved.get("seq_len", train_cfg.seq_len) != train_cfg.seq_len:
         notes.append(
             f"train.seq_len is {train_cfg.seq_len}, the checkpoint's run had {saved['seq_len']}: the corpus "
@@ -222,3 +229,24 @@ def data_changes(index: dict, train_cfg) -> list[str]:
             f"schedule no longer match the samples seen)"
         )
     return notes
+
+
+def _run_changes(saved: dict, cfg, keys: tuple) -> list[str]:
+    """[the line naming each of ``keys`` whose value in ``cfg`` differs from the checkpoint's ``saved`` config]."""
+    changed = []
+    for section, key in keys:
+        was, now = saved.get(section, {}).get(key), getattr(getattr(cfg, section), key)
+        if was is not None and was != now:
+            changed.append(f"{section}.{key} {_shown(was)} -> {_shown(now)}")
+    if not changed:
+        return []
+    return [
+        f"{'; '.join(changed)} (the checkpoint's run had the first): the weights trained on its tokens, text "
+        f"and sample order go on with these"
+    ]
+
+
+def _shown(value) -> str:
+    """A config value for a notice, cut to 80 characters (data.paths may list thousands)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."

@@ -14,7 +14,9 @@ What ``overwrite`` may replace (issue 34: it deleted checkpoints, a live run's o
 wrote a probe into ``/``): only a folder an earlier export or import wrote, as its marker says, holding nothing
 the marker does not list. Never, marker or not: ``/``, the current directory or a folder holding it, the source
 or a folder holding it or inside it, a folder inside a checkpoint directory or a run's out_dir, or a folder that
-is one by its own files (``LOCK``, ``latest``, ``step_*``, ``index.json``, ``metrics.jsonl``). Symlinks are
+is one by its own files (``LOCK``, ``latest``, ``step_*``, ``index.json``, ``metrics.jsonl``). A new or empty
+target is refused too inside a checkpoint directory or step (``latest``, ``index.json``, ``step_*`` folders
+holding one): pruning deleted an export into a step folder with the step. Symlinks are
 resolved first, so a link is followed, never replaced, and a link to the source is the source. Every check runs
 before anything is written (the probe goes inside the target only once it passed), and again right before the
 old target is moved aside.
@@ -32,7 +34,7 @@ from typing import Iterable, Iterator
 
 from engine.checkpoint.format import INDEX, CheckpointError
 from engine.checkpoint.lock import LOCK, probe_writable
-from engine.checkpoint.publish import STEP_DIR, fsync_dir
+from engine.checkpoint.publish import STEP_DIR, fsync_dir, list_checkpoints
 
 MARKER = ".written-by-convert.json"
 # A run's and a checkpoint's own files: LOCK (engine/checkpoint/lock.py), the out_dir's metrics file
@@ -120,6 +122,8 @@ def begin(target: Path, overwrite: bool, what: str, sources: Iterable[Path] = ()
                     f"{what} '{target}' exists and is not empty; give a new or empty directory, "
                     f"or --overwrite to replace it as a whole"
                 )
+    _refuse_inside_a_checkpoint(target, what)
+    if target.is_dir():
         probe_writable(target, uuid.uuid4().hex[:8], what, "give a writable directory")
     tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
@@ -130,6 +134,31 @@ def begin(target: Path, overwrite: bool, what: str, sources: Iterable[Path] = ()
             f"({e.strerror or e}); give a directory in a writable place"
         ) from None
     return tmp
+
+
+def _checkpoint_kind(folder: Path) -> str | None:
+    """``folder`` as a checkpoint directory (``latest``, or committed ``step_*`` folders) or step (index.json)."""
+    try:
+        if (folder / "latest").exists() or (folder / INDEX).exists():
+            return f"a checkpoint {'directory (latest)' if (folder / 'latest').exists() else 'step (index.json)'}"
+        steps = [p.name for p in reversed(list_checkpoints(folder)) if (p / INDEX).is_file()]
+    except OSError:  # a folder on the way that cannot be searched
+        return None
+    return f"a checkpoint directory ({', '.join(steps[:3])}{', ...' if len(steps) > 3 else ''})" if steps else None
+
+
+def _refuse_inside_a_checkpoint(target: Path, what: str) -> None:
+    """A new (or empty) ``target`` inside a checkpoint directory or step: the training run prunes and replaces what
+    lies there (``convert export ck/step_4 ck/step_4/hf`` was deleted with step 4 by the next save's pruning).
+    Where ``refusal`` keeps ``--overwrite`` out, for a folder not written yet (a ``step_*`` folder an export wrote,
+    without index.json, does not count: exports may be named by step)."""
+    for parent in target.parents:
+        kind = _checkpoint_kind(parent)
+        if kind:
+            raise CheckpointError(
+                f"{what} '{target}' lies inside {parent}, {kind}, whose steps a training run prunes with "
+                f"everything in them (checkpoint.keep); give a folder outside it"
+            )
 
 
 def resolved(target: Path) -> Path:

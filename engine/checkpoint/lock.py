@@ -5,7 +5,8 @@ Run by rank 0 before the first step, so a read-only mount, a full disk or a path
 with one line (naming the free space, engine/storage.py) instead of losing the training done before the first
 save. The probe does what the run will do there: create a directory (a checkpoint's staging directory) and write,
 fsync and delete a file inside it; the files the run appends to or replaces (metrics.jsonl and its siblings,
-``latest``) must not be directories. The lock is ``<dir>/LOCK``, created with ``O_EXCL`` and holding JSON
+``latest``) must not be directories, and neither may be a checkpoint's step folder or lie inside one (pruning
+deletes it whole: ``refuse_a_step``). The lock is ``<dir>/LOCK``, created with ``O_EXCL`` and holding JSON
 ``{"host", "pid", "started", "run", "elastic"}``. A second job finds it and is refused, naming the holder.
 A lock left by a dead process on this host (a crash, ``kill -9``, a torchrun restart: new worker pids) is taken
 over with a message. A process on another host cannot be asked, so the holder refreshes its lock (the file's
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 from engine.checkpoint.format import CheckpointError
+from engine.checkpoint.publish import enclosing_step
 from engine.storage import describe
 
 LOCK = "LOCK"
@@ -241,6 +243,7 @@ def claim_run_directories(cfg, root: Path | None, token: str) -> tuple[list[Chec
     locks: list[CheckpointLock] = []
     try:
         for directory, setting, hint in claims:
+            refuse_a_step(directory, setting)
             probe_writable(directory, token, setting, hint)
             ckpt = root is not None and directory.resolve() == root.resolve()
             probe_files(directory, (METRICS if directory == out else ()) + (("latest",) if ckpt else ()), setting)
@@ -266,3 +269,17 @@ def claim_run_directories(cfg, root: Path | None, token: str) -> tuple[list[Chec
             flush=True,
         )
     return locks, None
+
+
+def refuse_a_step(directory: Path, setting: str) -> None:
+    """CheckpointError when ``directory`` is a checkpoint's step folder or lies inside one: a run saving there
+    restarted at step 1 and wrote its steps inside the step, which the next pruning deletes with them."""
+    step = enclosing_step(directory.resolve())
+    if step is None:
+        return
+    where = "is" if step == directory.resolve() else f"lies inside {step}, which is"
+    raise CheckpointError(
+        f"{setting} '{directory}' {where} a checkpoint step of {step.parent} (pruning deletes it whole, and what "
+        f"is inside); give a directory outside it (checkpoint.dir={step.parent} continues that run, "
+        f"checkpoint.resume={step} starts from that step)"
+    )

@@ -39,6 +39,18 @@ def list_checkpoints(root: Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
+def enclosing_step(path: Path) -> Path | None:
+    """The checkpoint step folder that ``path`` (resolved) is or lies inside: a folder holding index.json, or a
+    ``step_N`` beside a ``latest``; None when there is none. Pruning (``prune``) deletes such a folder whole."""
+    for folder in (path, *path.parents):
+        try:
+            if (folder / INDEX).is_file() or (STEP_DIR.match(folder.name) and (folder.parent / "latest").exists()):
+                return folder
+        except OSError:  # a folder on the way that cannot be searched holds nothing we can see
+            continue
+    return None
+
+
 def staging_path(root: Path, step: int, token: str) -> Path:
     return root / f"{step_name(step)}.tmp-{token}"
 
@@ -127,18 +139,26 @@ def step_of(path: Path) -> int:
 
 def prune(root: Path, step: int, keep: int) -> list[Path]:
     """Delete all but ``keep`` checkpoints (0: none deleted), counting the one just committed, ``step``; returns
-    what was deleted, each named in one line. Only steps *below* ``step`` are candidates: the new checkpoint (which
-    ``latest`` names, and which is the newest that validates: it was just written and checked) and anything above
-    it survive. (Steps above it cannot be this run's: the start-up check, engine/checkpoint/lineage.py, sets aside
-    or refuses them; deleting by rank of step number alone once deleted the save just made.)"""
+    what was deleted, each named in one line, and a step that could not be deleted (a permission, a busy file) in
+    one line saying so and why (it said "pruned" before). Only steps *below* ``step`` are candidates: the new
+    checkpoint (which ``latest`` names, and which is the newest that validates: it was just written and checked)
+    and anything above it survive. (Steps above it cannot be this run's: the start-up check,
+    engine/checkpoint/lineage.py, sets aside or refuses them; deleting by rank of step number alone once deleted
+    the save just made.)"""
     if keep <= 0:
         return []
     older = [p for p in list_checkpoints(root) if step_of(p) < step]
-    gone = older[keep - 1 :]  # newest first: the keep - 1 newest older ones stay beside the new one
-    for old in gone:
-        say(
-            f"checkpoint: pruned {old} (checkpoint.keep={keep}; kept {step_name(step)} and "
-            f"{len(older) - len(gone)} older)"
-        )  # after `latest`: a closed stdout must not fail the save
-        shutil.rmtree(old, ignore_errors=True)
+    gone = []
+    for old in older[keep - 1 :]:  # newest first: the keep - 1 newest older ones stay beside the new one
+        kept = f"checkpoint.keep={keep}; kept {step_name(step)} and {keep - 1} older"
+        try:
+            shutil.rmtree(old)
+        except OSError as e:  # after `latest`: say() never fails the save
+            say(
+                f"checkpoint: could not prune {old} ({kept}): {e.filename or old}: {e.strerror or e}; it is still "
+                f"there, perhaps in part (resume: auto skips a damaged step): delete it by hand"
+            )
+        else:
+            say(f"checkpoint: pruned {old} ({kept})")
+            gone.append(old)
     return gone

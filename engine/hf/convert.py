@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import uuid
 from pathlib import Path
@@ -35,6 +36,7 @@ from engine.checkpoint import folder
 from engine.checkpoint.checkpointer import resolve
 from engine.checkpoint.contents import header
 from engine.checkpoint.format import (
+    CheckpointError,
     Reader,
     fsync_write,
     merge_index,
@@ -63,6 +65,7 @@ CARRIED_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
+IMPORT_EXTRA = ("config.json",)  # AutoTokenizer reads its model_type to pick the tokenizer class
 
 
 def _shards(sizes: dict[str, int], limit: int) -> list[list[str]]:
@@ -88,6 +91,9 @@ def export(
     index = read_index(path)
     for file in index["files"]:
         verify_shard(path, index, file)
+    source = index["config"].get("data", {}).get("tokenizer", "")
+    if source:
+        carried(Path(source).expanduser())  # no link out of the tokenizer folder, before anything is written
     with folder.written(out, overwrite, "export folder", sources=(ckpt, path)) as tmp:
         return _write_export(path, index, tmp, max_shard_bytes, dtype)
 
@@ -129,19 +135,50 @@ def _write_export(path: Path, index: dict, out: Path, max_shard_bytes: int, dtyp
 def carry_files(src: Path, dst: Path, extra: tuple[str, ...] = ()) -> bool:
     """Copy the tokenizer and generation config files (and ``extra``) of folder ``src`` into ``dst``; True if it
     had a tokenizer (otherwise nothing is copied)."""
-    if not src.is_dir() or not any((src / f).is_file() for f in TOKENIZER_FILES):
+    names = carried(src, extra)
+    if not names:
         return False
     dst.mkdir(parents=True, exist_ok=True)
-    for name in (*CARRIED_FILES, *extra):
-        if (src / name).is_file():
-            shutil.copyfile(src / name, dst / name)
+    for name in names:
+        shutil.copyfile(src / name, dst / name)
     return True
+
+
+def carried(src: Path, extra: tuple[str, ...] = ()) -> list[str]:
+    """The files of ``src`` that ``carry_files`` copies ([] without a tokenizer); CheckpointError, before anything
+    is written, for a symbolic link out of ``src`` (``outside_link``): its target, any file the user can read, was
+    copied into the checkpoint and every later export."""
+    if not src.is_dir() or not any((src / f).is_file() for f in TOKENIZER_FILES):
+        return []
+    names = [name for name in (*CARRIED_FILES, *extra) if (src / name).is_file()]
+    for name in names:
+        outside = outside_link(src, name)
+        if outside is not None:
+            raise CheckpointError(
+                f"{src / name} is a symbolic link to {outside}, outside {src}; copy the file itself into the "
+                f"folder (a link out of it is never followed: it would copy the file it names into the "
+                f"checkpoint and every export of it)"
+            )
+    return names
+
+
+def outside_link(src: Path, name: str) -> Path | None:
+    """Where ``src/name`` leads when a symbolic link (of it, or of a folder on the way) takes it out of ``src``;
+    None when it stays inside. A Hugging Face cache snapshot (``snapshots/<rev>/name -> ../../blobs/<hash>``, how
+    the hub stores every file) is its own kind of inside: the blob folder of the same repository."""
+    home, real = Path(os.path.realpath(src)), Path(os.path.realpath(src / name))
+    if home in real.parents:
+        return None
+    if home.parent.name == "snapshots" and real.parent == home.parent.parent / "blobs":
+        return None
+    return real
 
 
 def import_hf(hf_dir: Path, root: Path, max_file_bytes: int = 2 * 2**30, overwrite: bool = False) -> Path:
     """Write the model-only checkpoint ``root/step_000000`` (+ ``root/latest``, ``root/config.yaml``): into a
     temporary folder beside ``root``, renamed into place at the end (engine/checkpoint/folder.py)."""
     checked = read_folder(hf_dir)  # config.json, the headers and the two against each other, nothing allocated
+    carried(hf_dir, IMPORT_EXTRA)  # no link out of the folder, before anything is written
     for name in checked.skipped:
         print(f"import: skipping {name} ({skip_reason(name)})")
     with folder.written(root, overwrite, "checkpoint directory", sources=(hf_dir,)) as tmp:
@@ -174,7 +211,7 @@ def _write_import(
     cfg = Config(model=m)
     # config.json too: AutoTokenizer reads its model_type to pick the tokenizer class, so the copy loads as
     # the source folder does (and as --model.init_from of it does)
-    if carry_files(hf_dir, tmp / "hf_files", extra=("config.json",)):
+    if carry_files(hf_dir, tmp / "hf_files", extra=IMPORT_EXTRA):
         cfg.data.tokenizer = str((root / "hf_files").resolve())
     cfg.checkpoint.resume = str(root.resolve())
     fsync_write(

@@ -17,7 +17,18 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.config import Config
-from engine.model.moe import is_moe_layer, moe_blocks, set_loss_scale
+from engine.model.moe import moe_blocks, moe_layer_count, set_loss_scale
+
+
+def dense_notice(cfg: Config) -> str | None:
+    """The line saying that an MoE family's model without MoE layers trains as the dense model it is."""
+    m = cfg.model
+    if not m.num_experts or moe_layer_count(m):
+        return None
+    return (
+        f"model.moe_layers={m.moe_layers!r}: no layer of this {m.family} model has experts, so it trains as the "
+        f"dense model it is (every layer's MLP of intermediate_size={m.intermediate_size}; no router, no MoE losses)"
+    )
 
 
 def weigh_losses(model: nn.Module, cfg: Config, micro_batches: int) -> None:
@@ -40,7 +51,7 @@ def collect(model: nn.Module, cfg: Config, ctx, micro_batches: int) -> dict:
     for size, group in ((ctx.pp, ctx.pp_group), (ctx.grad_size, ctx.grad_group)):
         if size > 1:
             dist.all_reduce(sums, group=group)
-    layers = sum(is_moe_layer(m, i) for i in range(m.num_layers))
+    layers = moe_layer_count(m)
     mean_over = layers * micro_batches * ctx.grad_size  # a cp rank's aux and z average to the micro-batch's
     counts = sums[3:]
     return {
@@ -55,8 +66,9 @@ def collect(model: nn.Module, cfg: Config, ctx, micro_batches: int) -> dict:
 
 def step_loss(lm_loss: float, model: nn.Module, cfg: Config, ctx, micro_batches: int) -> tuple[float, dict]:
     """The step's objective, the loss the gradient follows: cross-entropy + moe_aux_loss_coef * aux +
-    moe_z_loss_coef * z, and the MoE metrics with ``lm_loss`` (cross-entropy alone); (lm_loss, {}) when dense."""
-    if not cfg.model.num_experts:
+    moe_z_loss_coef * z, and the MoE metrics with ``lm_loss`` (cross-entropy alone); (lm_loss, {}) when dense,
+    an MoE family without MoE layers included (their means over zero layers were 0/0: a NaN loss every step)."""
+    if not moe_layer_count(cfg.model):
         return lm_loss, {}
     moe = {**collect(model, cfg, ctx, micro_batches), "lm_loss": lm_loss}
     t = cfg.train

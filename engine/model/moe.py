@@ -55,6 +55,12 @@ def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
     return cfg.moe_layers == "all" or index in cfg.moe_layers
 
 
+def moe_layer_count(cfg: ModelConfig) -> int:
+    """How many decoder layers have the MoE block; 0 for an MoE family whose moe_layers lists none (``[]``, or HF's
+    mlp_only_layers naming every layer): a dense model, which trains as one (no router, no auxiliary losses)."""
+    return sum(is_moe_layer(cfg, i) for i in range(cfg.num_layers))
+
+
 def route(logits: torch.Tensor, k: int, gating: str, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (T, E) -> gate weights (T, k) fp32 and expert indices (T, k), best first."""
     ranked, idx = torch.sort(logits.float(), dim=-1, descending=True, stable=True)  # ties: lower index first
@@ -247,7 +253,7 @@ def moe_blocks(model: nn.Module) -> list[MoE]:
 def set_loss_scale(model: nn.Module, cfg: ModelConfig, aux_coef: float, z_coef: float, micro_batches: int) -> None:
     """Give every MoE block of ``model`` (a stage) the loss coefficients and 1 / (MoE layers of the whole model
     * micro-batches per step), the weight of one layer's loss of one micro-batch in the step's mean."""
-    layers = sum(is_moe_layer(cfg, i) for i in range(cfg.num_layers))
-    for block in moe_blocks(model):
+    layers = moe_layer_count(cfg)
+    for block in moe_blocks(model):  # none when layers is 0
         block.aux_coef, block.z_coef = aux_coef, z_coef
         block.loss_scale = 1.0 / (layers * micro_batches)

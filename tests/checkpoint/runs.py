@@ -1,14 +1,18 @@
 """Checkpointed runs shared by the checkpoint tests (and cp's and the converters'): the shrunk model (SMALL), the
 tolerances of a resume at the same and at another layout, phases run in one set of forked ranks (run_phases), the
-resume checks, and a run saved at steps 3 and 6 (train_six_steps)."""
+resume checks, a run saved at steps 3 and 6 (train_six_steps), and a folder made unwritable (read_only)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
+import subprocess
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 from engine.checkpoint.checkpointer import CheckpointError
@@ -206,3 +210,25 @@ def train_six_steps(root: Path) -> Path:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return root / "ckpt"
+
+
+@contextlib.contextmanager
+def read_only(folder: Path):
+    """``folder`` made unwritable: mode 0555, or immutable (chattr +i) where the tests run as root."""
+    folder.chmod(0o555)
+    immutable = (
+        os.geteuid() == 0
+        and shutil.which("chattr") is not None
+        and subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0
+    )
+    try:
+        probe = folder / "probe"
+        with contextlib.suppress(OSError):
+            probe.write_text("x")
+            probe.unlink()
+            pytest.skip("cannot make a directory unwritable here")
+        yield
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+        folder.chmod(0o755)

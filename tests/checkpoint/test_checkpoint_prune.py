@@ -7,6 +7,9 @@
   resumed from and the new save, kept the corrupt one, and the restart found no usable checkpoint.
 - publish's pruning alone (the start-up check above makes the end-to-end runs pass without it): only steps below
   the committed one are candidates, and each removal is named.
+- Issue 42 item 11: a streak of skipped NaN steps saves nothing periodic and prunes nothing; a step folder as
+  checkpoint.dir is refused; a step pruning cannot delete is named so; a resume with another tokenizer, corpus or
+  seed says so in one line.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import subprocess
 from pathlib import Path
 
 from engine.checkpoint.publish import publish, staging_dir
-from tests.checkpoint.runs import SAME, SMALL, assert_curves
-from tests.cli import run_script
+from tests.checkpoint.runs import SAME, SMALL, assert_curves, read_only
+from tests.cli import ROOT, one_error_line, run_script
 
 
 def pretrain(out_dir: Path, ckpt: Path, *args: str) -> subprocess.CompletedProcess:
@@ -102,3 +105,79 @@ def test_prune_spares_the_new_checkpoint_and_steps_above_it(tmp_path, capsys):
         f"checkpoint: pruned {root / name} (checkpoint.keep=2; kept step_000004 and 1 older)"
         for name in ("step_000002", "step_000001")
     ], printed
+
+
+# lr 1e5 without warm-up or clipping: the loss is NaN from step 4 on (measured: steps 1-3 finite), every update
+# skipped from there, as a run that diverged
+DIVERGES = ["--train.lr", "1e5", "--train.warmup_steps", "0", "--train.grad_clip", "0", "--checkpoint.every", "1"]
+
+
+def test_a_nan_streak_never_prunes_the_checkpoints_before_it(tmp_path):
+    """Issue 42 item 11: saves went on through a streak of skipped NaN steps, so ``keep 3`` pruned the steps
+    before it for steps holding the weights that diverged, and the abort's advice (resume from an earlier
+    checkpoint) had none left. Inside a streak a periodic save is skipped, and the last step's (or a stop's) is
+    saved without pruning: here steps 4-5 are skipped, step 4 is not saved, step 5 (the last) is, beside 2 and 3
+    (before: step 5 and step 4, which pruned 2 and 3)."""
+    ckpt = tmp_path / "ckpt"
+    out = pretrain(
+        tmp_path / "o", ckpt, *DIVERGES, "--checkpoint.keep", "2", "--train.max_bad_steps", "0", "--train.steps", "5"
+    )
+    ok(out)
+    assert "step 4: loss is not finite" in out.stdout, out.stdout[-3000:]
+    assert sorted(listing(ckpt)) == ["latest", "step_000002", "step_000003", "step_000005"], out.stdout[-3000:]
+    assert "checkpoint: step 4 is skipped step 1 of a streak (NaN/inf loss or gradient): not saved" in out.stdout
+    assert "checkpoint: step 5 is skipped step 2 of a streak (NaN/inf loss or gradient): saved without pruning" in (
+        out.stdout
+    )
+
+
+def test_a_step_folder_as_checkpoint_dir_is_refused(tmp_path):
+    """Issue 42 item 11: ``--checkpoint.dir ck/step_000001`` started again at step 1 and saved its steps inside
+    that step, which the next pruning deletes with them."""
+    ckpt = tmp_path / "ckpt"
+    ok(pretrain(tmp_path / "o", ckpt, "--train.steps", "1"))
+    before = {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
+    for bad in (ckpt / "step_000001", ckpt / "step_000001" / "sub"):
+        out = pretrain(tmp_path / "o2", bad, "--train.steps", "2")
+        one_error_line(out, f"checkpoint.dir '{bad}'", f"a checkpoint step of {ckpt}", f"checkpoint.dir={ckpt}")
+    assert {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == before
+
+
+def test_a_step_that_cannot_be_pruned_is_named_so(tmp_path):
+    """Issue 42 item 11: pruning said "pruned" of a step it could not delete (rmtree ignored the errors)."""
+    ckpt = tmp_path / "ckpt"
+    ok(pretrain(tmp_path / "o", ckpt, "--train.steps", "2", "--checkpoint.every", "1", "--checkpoint.keep", "0"))
+    with read_only(ckpt / "step_000001"):
+        out = pretrain(tmp_path / "o", ckpt, "--train.steps", "3", "--checkpoint.every", "1", "--checkpoint.keep", "1")
+    ok(out)
+    assert f"checkpoint: pruned {ckpt / 'step_000002'}" in out.stdout, out.stdout[-3000:]
+    assert f"checkpoint: pruned {ckpt / 'step_000001'}" not in out.stdout, out.stdout[-3000:]
+    assert f"checkpoint: could not prune {ckpt / 'step_000001'}" in out.stdout and "delete it by hand" in out.stdout
+    assert sorted(listing(ckpt)) == ["latest", "step_000001", "step_000003"]
+
+
+def test_a_resume_with_another_tokenizer_corpus_or_seed_says_so(tmp_path):
+    """Issue 42 item 11: a resume with another tokenizer, corpus or seed said nothing; one line names each."""
+    ckpt = tmp_path / "ckpt"
+    ok(pretrain(tmp_path / "o", ckpt, "--train.steps", "1"))
+    same = pretrain(tmp_path / "o", ckpt, "--train.steps", "2")
+    ok(same)
+    assert "the checkpoint's run had the first" not in same.stdout, same.stdout[-3000:]
+    tokenizer, corpus = ROOT / "engine" / "assets" / "tokenizer", ROOT / "engine" / "assets" / "corpus.txt"
+    out = pretrain(
+        tmp_path / "o",
+        ckpt,
+        "--train.steps",
+        "3",
+        "--train.seed",
+        "7",
+        "--data.tokenizer",
+        tokenizer,
+        "--data.paths",
+        f"[{corpus}]",
+    )
+    ok(out)
+    notes = [line for line in out.stdout.splitlines() if "the checkpoint's run had the first" in line]
+    assert len(notes) == 1, out.stdout[-3000:]
+    for change in (f"data.tokenizer '' -> '{tokenizer}'", f"data.paths [] -> ['{corpus}']", "train.seed 1234 -> 7"):
+        assert change in notes[0], notes[0]

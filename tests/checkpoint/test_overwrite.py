@@ -222,3 +222,56 @@ def test_hostfile_host_names(host, ok):
     else:
         with pytest.raises(HostfileError, match="is not valid"):
             parse_hostfile_text(f"{host} slots=2\n")
+
+
+@pytest.mark.parametrize("command", ["export", "import"])
+def test_a_folder_inside_a_checkpoint_step_is_refused_as_a_target(run, tmp_path, command):
+    """Issue 42 item 7: ``convert export ck/step_3 ck/step_3/hf`` was accepted, and the next save's pruning
+    deleted the export with the step; an import into a step folder the same. Refused, one line, nothing written."""
+    source = run / "ckpt" / "step_000003" if command == "export" else run / "hf"
+    target = run / "ckpt" / "step_000003" / "hf"
+    before = tree(tmp_path)
+    out = launch("convert.py", command, source, target)
+    one_error_line(out, str(target), f"lies inside {run / 'ckpt' / 'step_000003'}, a checkpoint step", "prunes")
+    assert tree(tmp_path) == before, "a refused convert changed or lost files"
+
+
+def test_a_link_out_of_an_imported_folder_is_never_copied(run, tmp_path):
+    """Issue 42 item 7: an HF folder whose generation_config.json linked to any file the user can read copied that
+    file into the checkpoint (hf_files) and into every export of it. Refused at import and at export, one line,
+    the file's content nowhere; a tokenizer that is a link inside the folder is still carried."""
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"api_key": "not for the checkpoint"}\n')
+    src = tmp_path / "src"
+    shutil.copytree(run / "hf", src)
+    (src / "tokenizer.json").rename(src / "tokenizer.real.json")
+    (src / "tokenizer.json").symlink_to("tokenizer.real.json")  # inside the folder: followed
+    assert launch("convert.py", "import", src, tmp_path / "imported").returncode == 0
+    copied = tmp_path / "imported" / "hf_files" / "tokenizer.json"
+    assert not copied.is_symlink() and copied.read_bytes() == (src / "tokenizer.real.json").read_bytes()
+    (src / "generation_config.json").symlink_to(secret)
+    before = tree(tmp_path)
+    one_error_line(launch("convert.py", "import", src, tmp_path / "again"), "generation_config.json", str(secret))
+    assert tree(tmp_path) == before, "a refused import wrote or changed files"
+    # a checkpoint whose carried files hold such a link (its tokenizer folder): export refuses it too
+    (tmp_path / "imported" / "hf_files" / "generation_config.json").symlink_to(secret)
+    before = tree(tmp_path)
+    one_error_line(launch("convert.py", "export", tmp_path / "imported", tmp_path / "out"), str(secret), "outside")
+    assert tree(tmp_path) == before, "a refused export wrote or changed files"
+
+
+def test_a_hugging_face_cache_snapshot_imports_through_its_links(run, tmp_path):
+    """The hub's cache stores every file of snapshots/<rev>/ as a link to ../../blobs/<hash>: links out of the
+    folder, into the same repository's blobs, which import follows (the refusal above must not refuse them)."""
+    repo = tmp_path / "models--tiny"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for i, path in enumerate(sorted((run / "hf").iterdir())):
+        shutil.copyfile(path, blobs / f"blob{i}")
+        (snapshot / path.name).symlink_to(Path("../../blobs") / f"blob{i}")
+    out = launch("convert.py", "import", snapshot, tmp_path / "imported")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "imported" / "hf_files" / "tokenizer.json").read_bytes() == (
+        run / "hf" / "tokenizer.json"
+    ).read_bytes()

@@ -15,7 +15,8 @@ import pytest
 
 from engine.errors import MAX_LINE
 from tests.checkpoint.runs import SMALL
-from tests.cli import launch, one_error_line
+from tests.cli import ROOT, launch, one_error_line, run_script
+from tests.shrunk import SHRUNK
 
 ZERO2 = ["--parallel.dp_mode", "zero", "--parallel.zero_stage", "2", "--train.steps", "1"]
 DS_CASES = {
@@ -98,3 +99,22 @@ def test_a_config_of_thousands_of_paths_still_loads(tmp_path):
     path = tmp_path / "many.yaml"
     path.write_text("data:\n  paths: [" + ", ".join(paths) + "]\n")
     assert load_yaml(path).data.paths == paths
+
+
+@pytest.mark.parametrize("given", ["cli", "file"])
+def test_a_path_is_the_text_written_not_what_yaml_types_it_as(tmp_path, given):
+    """Issue 42 item 9: ``out_dir 0700`` wrote into ``448/`` (YAML 1.1 octal) and ``checkpoint.dir on`` into
+    ``true/``, from the command line and from a config file alike; a string field takes the text written."""
+    tiny = (ROOT / "configs" / "tiny.yaml").read_text()
+    if given == "cli":
+        config, extra = ROOT / "configs" / "tiny.yaml", ["--train.out_dir", "0700", "--checkpoint.dir", "on"]
+    else:
+        config, extra = tmp_path / "run.yaml", []
+        config.write_text(tiny.replace("out_dir: runs/tiny", "out_dir: 0700") + "checkpoint:\n  dir: on\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    args = ["--config", config, *SHRUNK, "--train.steps", "1", "--log.progress", "false", *extra]
+    out = run_script(str(ROOT / "launch" / "pretrain.py"), *args, cwd=run, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert sorted(p.name for p in run.iterdir()) == ["0700", "on"]
+    assert (run / "0700" / "metrics.jsonl").is_file() and (run / "on" / "step_000001" / "index.json").is_file()

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import subprocess
@@ -25,7 +24,7 @@ from engine.checkpoint.folder import MARKER
 from engine.config import load
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
-from tests.checkpoint.runs import SMALL, files, train_six_steps
+from tests.checkpoint.runs import SMALL, files, read_only, train_six_steps
 from tests.cli import ROOT, launch, one_error_line
 from tests.dist import run_ranks
 
@@ -93,28 +92,6 @@ def test_init_from_and_import_of_a_damaged_shard_are_one_line(sharded, tmp_path,
     assert line.startswith("error: model.init_from: "), line
     one_error_line(launch("convert.py", "import", hf, tmp_path / "imported"), *want)
     assert not [p.name for p in tmp_path.iterdir() if "imported" in p.name], "the failed import left a folder"
-
-
-@contextlib.contextmanager
-def read_only(folder: Path):
-    """``folder`` made unwritable: mode 0555, or immutable (chattr +i) where the tests run as root."""
-    folder.chmod(0o555)
-    immutable = (
-        os.geteuid() == 0
-        and shutil.which("chattr") is not None
-        and subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0
-    )
-    try:
-        probe = folder / "probe"
-        with contextlib.suppress(OSError):
-            probe.write_text("x")
-            probe.unlink()
-            pytest.skip("cannot make a directory unwritable here")
-        yield
-    finally:
-        if immutable:
-            subprocess.run(["chattr", "-i", str(folder)], check=True)
-        folder.chmod(0o755)
 
 
 def test_export_into_an_unwritable_folder_is_one_line(ckpt, tmp_path):

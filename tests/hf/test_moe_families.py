@@ -15,6 +15,8 @@ to 1 and 0, which would hide a dropped one).
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import pytest
@@ -206,3 +208,28 @@ def test_what_the_moe_block_does_not_compute_is_refused_naming_the_key():
         load(["--config", "configs/tiny-moe.yaml", "--model.experts_per_token", "9"])
     with pytest.raises(ConfigError, match=r"^model.moe_layers=\[4\] must be all or a list of layer indices"):
         load(["--config", "configs/tiny-moe.yaml", "--model.moe_layers", "[4]"])
+
+
+def test_a_qwen2_moe_folder_whose_mlp_only_layers_lists_every_layer_trains_as_dense(tmp_path):
+    """Issue 42 item 8: a legal Qwen2-MoE config.json whose mlp_only_layers lists every layer imported, then
+    trained with NaN losses from step 1 (the MoE losses averaged over zero MoE layers). It is a dense model: the
+    engine computes transformers' logits of it and trains it."""
+    config = lambda: transformers.Qwen2MoeConfig(  # noqa: E731
+        **SHAPE,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=list(range(SHAPE["num_hidden_layers"])),
+    )
+    source = sources.hf_model("qwen2_moe", {"qwen2_moe": config})
+    m, rel = engine_against_hf("qwen2_moe", source)
+    assert m.moe_layers == [] and rel <= TOL, (m.moe_layers, rel)
+    source.save_pretrained(str(tmp_path / "src"))
+    cli = run_script("launch/convert.py", "import", tmp_path / "src", tmp_path / "imported")
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    out = run_script("launch/pretrain.py", *run(tmp_path / "imported", tmp_path / "o"), timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "no layer of this qwen2_moe model has experts" in out.stdout and "not finite" not in out.stdout
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses), losses

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.nn.functional as F
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
@@ -19,6 +21,7 @@ from engine.config import ModelConfig, load
 from engine.model import moe
 from engine.model import transformer as model_lib
 from engine.parallel.layout.context import ParallelContext
+from tests.cli import launch
 from tests.dist import run_ranks
 
 SMALL = [
@@ -269,3 +272,34 @@ def test_plot_adds_the_moe_panels(tmp_path):
         )
         == 6
     )  # a dense run keeps the 2 x 3 grid
+
+
+def test_an_moe_family_without_moe_layers_trains_as_the_dense_model(tmp_path):
+    """Issue 42 item 8: ``moe_layers: []`` on an MoE family averaged its aux and z losses over zero layers (0/0):
+    a NaN loss from step 1, every update skipped, then an abort advising a lower learning rate. The model has no
+    router and no experts: it is the dense llama of the same shape (the same names, so the same initial weights),
+    and trains to its losses exactly."""
+    common = [*SMALL, "--train.steps", "3", "--train.lr", "3e-3", "--log.progress", "false"]
+    dense = launch(
+        "pretrain.py",
+        *common,
+        "--model.family",
+        "llama",
+        "--model.num_experts",
+        "0",
+        "--train.out_dir",
+        tmp_path / "dense",
+    )
+    assert dense.returncode == 0, dense.stdout[-2000:] + dense.stderr[-2000:]
+    none = launch("pretrain.py", *common, "--model.moe_layers", "[]", "--train.out_dir", tmp_path / "none")
+    assert none.returncode == 0, none.stdout[-2000:] + none.stderr[-2000:]
+    assert "no layer of this mixtral model has experts, so it trains as the dense model" in none.stdout
+    assert "not finite" not in none.stdout, none.stdout[-2000:]
+    records = {
+        name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        for name in ("dense", "none")
+    }
+    losses = {name: [r["loss"] for r in got] for name, got in records.items()}
+    assert len(losses["none"]) == 3 and losses["none"] == losses["dense"], losses
+    assert losses["none"][2] != losses["none"][0], "the model did not train"
+    assert not any(key.startswith("moe_") for r in records["none"] for key in r), records["none"][0]
