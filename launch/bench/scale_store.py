@@ -13,9 +13,10 @@ How to read it: the requests and keys per rank must not grow with N (the issue's
 CPU per round divided by the round's length (``heartbeat_timeout_s / 10``, 3 s by default) is the share of the
 store's one thread the heartbeat takes (aim: under 5 % at 16,384 ranks); start-up's CPU is the store's whole
 cost of every rank joining (aim: under 60 s at 16,384). A simulated rank shares its worker's few connections with
-others (real ranks hold one each, so the server's per-connection cost is not counted), and a waiting rank's
-blocking wait is posted once the count is complete, so it is answered at once: the store serves it with the same
-one request and reply as a wait held for a minute. ``measure(n)`` is what launch/bench/scale.py calls.
+others (real ranks hold one each, so the server's per-connection cost is not counted); at start-up the last rank
+arrives a second after the others, so the first waiting rank of each connection is blocked that long (the rest,
+queued behind it on the connection, are answered at once: the store serves a wait with one request and one reply
+however long it is held). ``measure(n)`` is what launch/bench/scale.py calls.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import multiprocessing
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -124,20 +126,37 @@ def totals(stores: list[Counting]) -> list[int]:
 
 
 # ---- the ranks a worker acts for: phases separated by barriers, at which the parent reads the server's CPU -----
-def _startup(port: int, world: int, ranks: range, barrier, out) -> None:
+def _startup(port: int, world: int, ranks: range, barrier, out, last) -> None:
+    """Every rank but the job's last arrives; each connection's ranks then wait in turn (the first of them blocked
+    until the last rank, held back ``hold_s`` by the parent, completes the count), as long-waiting ranks do."""
     stores = clients(port, min(CONNECTIONS, len(ranks)))
     barrier.wait()  # connected
-    waiting = []
+    waiting: list[list[int]] = [[] for _ in stores]
     for i, rank in enumerate(ranks):
-        joined, verdict = arrive(stores[i % len(stores)], rank, world, f"host{rank // LOCAL} (10.0.0.{rank // LOCAL})")
-        if verdict is None:
-            waiting.append(i)
-    barrier.wait()  # every rank has arrived: the count is complete
-    for i in waiting:
-        verdict = settle(stores[i % len(stores)], time.monotonic() + 60, world, 60.0)
-        assert verdict == "ok", verdict
+        if rank != world - 1 and arrive(stores[i % len(stores)], rank, world, _host(rank))[1] is None:
+            waiting[i % len(stores)].append(rank)
+    barrier.wait()  # every rank but the last has arrived
+
+    def settle_all(store, ranks: list[int]) -> None:
+        for _ in ranks:
+            assert settle(store, time.monotonic() + 600, world, 600.0) == "ok"
+
+    threads = [threading.Thread(target=settle_all, args=(s, w)) for s, w in zip(stores, waiting)]
+    for t in threads:
+        t.start()
+    if world - 1 in ranks:
+        last.wait(timeout=600)
+        own = clients(port, 1)[0]  # the others' clients are held by their blocked waits
+        arrive(own, world - 1, world, _host(world - 1))
+        stores.append(own)
+    for t in threads:
+        t.join()
     barrier.wait()
     out.put(("startup", totals(stores)))
+
+
+def _host(rank: int) -> str:
+    return f"host{rank // LOCAL} (10.0.{rank // LOCAL // 256}.{rank // LOCAL % 256})"
 
 
 def _heartbeat(port: int, world: int, ranks: range, barrier, out, rounds: int) -> None:
@@ -158,25 +177,30 @@ def _heartbeat(port: int, world: int, ranks: range, barrier, out, rounds: int) -
     out.put(("steady", totals(stores)))
 
 
-def _run(target, n: int, workers: int, barriers: int, *args) -> tuple[list[float], dict[str, list[int]]]:
-    """``target`` in ``workers`` processes acting for n ranks: the server's CPU seconds at each of the ``barriers``,
-    and the workers' summed counts (requests, keys, bytes) per report."""
+def _run(target, n: int, workers: int, barriers: int, *args, hold_s: float = 0.0) -> tuple[list[float], dict]:
+    """``target`` in ``workers`` processes acting for n ranks: the server's CPU seconds at each of the ``barriers``
+    (after the second, ``hold_s`` seconds before the event ``last`` is set), and the workers' summed counts
+    (requests, keys, bytes) per report."""
     server, port, stop = start_server()
     ctx = multiprocessing.get_context("fork")
     workers = max(1, min(workers, n))
-    barrier, out = ctx.Barrier(workers + 1), ctx.Queue()
+    barrier, out, last = ctx.Barrier(workers + 1), ctx.Queue(), ctx.Event()
     bounds = [n * w // workers for w in range(workers + 1)]
+    extra = (last,) if target is _startup else ()
     procs = [
-        ctx.Process(target=target, args=(port, n, range(bounds[w], bounds[w + 1]), barrier, out, *args))
+        ctx.Process(target=target, args=(port, n, range(bounds[w], bounds[w + 1]), barrier, out, *extra, *args))
         for w in range(workers)
     ]
     try:
         for p in procs:
             p.start()
         cpu = []
-        for _ in range(barriers):
+        for b in range(barriers):
             barrier.wait(timeout=900)
             cpu.append(cpu_seconds(server.pid))
+            if b == 1 and target is _startup:
+                time.sleep(hold_s)
+                last.set()
         counts: dict[str, list[int]] = {}
         for _ in range(workers * (1 if target is _startup else 2)):
             tag, got = out.get(timeout=120)
@@ -190,10 +214,10 @@ def _run(target, n: int, workers: int, barriers: int, *args) -> tuple[list[float
         stop()
 
 
-def measure_startup(n: int, workers: int = 2) -> dict:
-    """Every one of n ranks joining the store (engine/cluster/startup.py): requests, keys and bytes per rank and for
-    the job, and the store's CPU seconds for all of it."""
-    cpu, counts = _run(_startup, n, workers, 3)
+def measure_startup(n: int, workers: int = 2, hold_s: float = 1.0) -> dict:
+    """Every one of n ranks joining the store (engine/cluster/startup.py), the last ``hold_s`` seconds after the
+    others: requests, keys and bytes per rank and for the job, and the store's CPU seconds for all of it."""
+    cpu, counts = _run(_startup, n, workers, 3, hold_s=hold_s)
     requests, keys, size = counts["startup"]
     return {
         "ranks": n,
@@ -237,16 +261,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 512, 4096, 16384])
     parser.add_argument("--workers", type=int, default=2, help="client processes acting for the ranks")
+    parser.add_argument("--rounds", type=int, default=0, help="heartbeat rounds measured (0: 3 to 50 by N)")
     args = parser.parse_args(argv)
-    if min(args.ranks) < 2 or args.workers < 1:
-        print(f"error: --ranks {args.ranks} --workers {args.workers}: ranks >= 2 and workers >= 1", file=sys.stderr)
+    if min(args.ranks) < 2 or args.workers < 1 or args.rounds < 0:
+        print(
+            f"error: --ranks {args.ranks} --workers {args.workers} --rounds {args.rounds}: ranks >= 2, workers >= 1 "
+            f"and rounds >= 0",
+            file=sys.stderr,
+        )
         return 2
     print(
         f"{'ranks':>7} | {'hb req/rank':>11} {'keys/rank':>9} {'KB/round':>9} {'store s/round':>13} "
         f"{'% of 3 s':>8} | {'start req/rank':>14} {'keys/rank':>9} {'job req':>8} {'store s':>8}"
     )
     for n in args.ranks:
-        hb, st = measure_heartbeat(n, args.workers), measure_startup(n, args.workers)
+        hb, st = measure_heartbeat(n, args.workers, args.rounds or None), measure_startup(n, args.workers)
         share = 100 * hb["store_cpu_s_per_round"] / (TIMEOUT_S / 10)
         print(
             f"{n:>7} | {hb['requests_per_rank_per_round']:>11.2f} {hb['keys_per_rank_per_round']:>9.2f} "
