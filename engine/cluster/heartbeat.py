@@ -5,29 +5,33 @@ A collective's own timeout (``parallel.timeout_s``) must stay long enough for th
 slowest checkpoint barrier, so it cannot also be what notices a frozen host (SIGSTOP, a hung driver) or a
 partition: that costs the whole ``timeout_s``, then a traceback from every rank. Here a daemon thread per rank
 talks to the job's c10d store (MASTER_ADDR:MASTER_PORT, its own client connection) every ``timeout / BEATS``
-seconds: it sets its own counter ``hb/<rank>`` (with the current step) and reads the one ``verdict`` key.
+seconds: it sets its own counter ``hb/<rank>`` (with the current step), and a third thread blocks on the key
+``ended`` on a connection of its own, which the verdict sets.
 
 Who reads whose counter (issue 43: every rank reading every rank's was 2N^2 key look-ups a round, 84 s of the
 store's one thread per 3 s round at 4,096 ranks, and ~3N requests per rank at start-up). The ranks are cut into
 slices of a host's ranks (``LOCAL_WORLD_SIZE``: torchrun and the deepspeed launcher number ranks host by host; 8
 where it is unset); the first rank of each slice is its watcher and reads the *next* slice's counters in one
 ``multi_get`` (slice 0 is read by the last slice's watcher), so every rank is read by exactly one watcher on
-another host and every watcher is itself watched. Per beat and rank that is two requests (a set with no reply
-and one read) and O(slice) keys for a watcher: the store does O(N) work a round, O(1) per rank, at any N
+another host and every watcher is itself watched. Per beat a rank sets its counter (a request with no reply), a
+watcher reads O(slice) keys in one more, and the others read ``verdict`` every ``POLL``-th beat (a store that
+stops answering is seen by every rank for itself, and a verdict the listener missed still arrives): the store
+does O(N) work a round, O(1) per rank, at any N, plus one held wait per rank for the whole job
 (``launch/bench/scale_store.py`` measures it; tests/cluster/test_scale.py counts it at 1,024 simulated ranks).
 This is how the peers at scale do it: TorchFT's lighthouse takes one heartbeat per replica group from that group's
 manager, never one per rank per rank, and NVRx's per-node rank monitors take each rank's heartbeat on its own node
 and only report a failure; here the store is the only server every host can reach, so the per-host watcher reads
 its slice there. A watcher whose counter of a peer has not moved for ``timeout`` seconds of *its* clock (no
-clock is compared across hosts) posts one line to ``verdict`` (compare-set, so every rank reports the same line);
-every rank reads ``verdict`` each beat, prints it once per host (engine/cluster/report.py) and leaves with
-``os._exit`` (a thread cannot unblock a collective; the checkpoint on disk stays the last committed one). A frozen
-host is named by the watcher on the host before it, between ``timeout`` and ``timeout + 2 beats``, and the line
-reaches every other rank within one more beat. A store that stops answering for ``timeout`` seconds is reported as
-such, naming the host that serves it, and ends the rank too: every rank has a request answered each beat, and a
-second thread that never calls the store sees it when a store call hangs (a frozen or cut store host never
-answers, and the client's timeout does not bound waiting for a reply). A rank that finishes writes ``done`` and is
-never called silent; one that fails on its own writes ``failed`` and is named at once.
+clock is compared across hosts) posts one line to ``verdict`` (compare-set, so every rank reports the same line)
+and copies it to ``ended``, which wakes every rank's listener at once (so a frozen host is named to every rank between
+``timeout - 1 beat`` and ``timeout + 2 beats`` after it froze, as when every rank read every counter); each rank
+prints it once per host (engine/cluster/report.py) and leaves with ``os._exit`` (a thread cannot unblock a
+collective; the checkpoint on disk stays the last committed one). A store that stops answering for ``timeout``
+seconds is reported as such, naming the host that serves it, and ends the rank too: every rank has a request
+answered every POLL beats at least, and a second thread that never calls the store sees it when a store call hangs
+(a frozen or cut store host never answers, and the client's timeout does not bound waiting for a reply). A rank
+that finishes writes ``done`` and is never called silent; one that fails on its own writes ``failed`` and is named
+at once.
 
 After a rank's main thread saw a collective fail (``explain``: a killed peer closes its sockets, gloo fails within
 seconds), it posts ``alarm``: every watcher then needs only ``ALARM_BEATS`` beats of silence to name a peer dead, and
@@ -49,6 +53,8 @@ BEATS = 10  # beats per timeout: a silent peer is seen between timeout and timeo
 ALARM_BEATS = 3  # after a failed collective: beats of silence that name a peer dead
 FAST = 3  # after a failed collective: beats per interval, so the verdict comes through within a third of one
 SLICE = 8  # ranks a watcher reads where LOCAL_WORLD_SIZE is unset
+POLL = 3  # a rank that watches nothing reads ``verdict`` every POLL-th beat (the listener hears it at once)
+LISTEN_S = 86400.0  # a listener's wait is renewed this often (each expiry logs two lines of torch's)
 MAX_SLICE = 64  # a larger LOCAL_WORLD_SIZE is cut into slices of SLICE: a watcher's read stays O(1)
 EXIT_CODE = 1
 PREFIX = "engine-heartbeat"
@@ -142,6 +148,7 @@ class Heartbeat:
         # waiting for a key, not for the server's reply): a second thread, which never calls the store, watches
         # the first one's last answered beat.
         self._guard_thread = threading.Thread(target=self._guard, name="engine-heartbeat-guard", daemon=True)
+        self._listener = threading.Thread(target=self._listen, name="engine-heartbeat-listener", daemon=True)
         self._store_ok = time.monotonic()
         self._ending = threading.Lock()
         self.store_addr = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '?')}"
@@ -149,6 +156,7 @@ class Heartbeat:
     def start(self) -> "Heartbeat":
         self._thread.start()
         self._guard_thread.start()
+        self._listener.start()
         return self
 
     def stop(self, state: str = "done") -> None:
@@ -186,8 +194,8 @@ class Heartbeat:
                 if store is None:
                     store = connect(self.op_timeout)
                     self.enter(store)
-                values = self.exchange(store)
-                self._store_ok = now
+                values, answered = self.exchange(store)
+                self._store_ok = now if answered else self._store_ok
             except Exception:  # noqa: BLE001  unreachable, reset, timed out: the same to us
                 # The same client tries again next beat: a new one per beat would dump a C++ stack trace per beat
                 # into the log while the store is away, and one that never connected tries to connect again.
@@ -206,11 +214,12 @@ class Heartbeat:
             store.compare_set("verdict", "", "")
             store.compare_set("alarm", "", "")
 
-    def exchange(self, store) -> list[str | None]:
+    def exchange(self, store) -> tuple[list[str | None], bool]:
         """One beat's store traffic: this rank's counter (a set: no reply), then one read: a watcher's
         ``multi_get`` of its slice's counters, ``verdict`` and ``alarm``; anyone else's ``verdict`` alone
-        (compare-set with "" for "": one round trip, where get is two). [counters..., verdict, alarm]; the
-        counters are None until all of them exist (start-up: a rank that never beats is silent from the start)."""
+        (compare-set with "" for "": one round trip, where get is two), every POLL-th beat. ([counters...,
+        verdict, alarm], whether the store answered); the counters are None until all of them exist (start-up: a
+        rank that never beats is silent from the start)."""
         if self.alarm.is_set() and not self._posted:
             store.set("alarm", str(self.rank))
             self._posted = True
@@ -219,15 +228,16 @@ class Heartbeat:
         if not self._present:
             self._present = store.check(self._keys[:-2])
         if not self._present:
-            return [None] * len(self.watched) + [store.compare_set("verdict", "", "").decode(), ""]
-        if not self.watched:
-            return [store.compare_set("verdict", "", "").decode(), ""]
-        return [v.decode() for v in store.multi_get(self._keys)]
+            return [None] * len(self.watched) + [store.compare_set("verdict", "", "").decode(), ""], True
+        if not self.watched:  # every POLL-th beat: an answer that shows the store alive, and the line if the
+            poll = self._beats % POLL == 1 or self.alarm.is_set()  # listener missed it
+            return [store.compare_set("verdict", "", "").decode() if poll else "", ""], poll
+        return [v.decode() for v in store.multi_get(self._keys)], True
 
     def judge(self, store, values: list[str | None], now: float) -> None:
         """What the beat read means: a verdict to end with, an alarm to heed, a watched peer failed or silent."""
         if values[-2]:
-            self._end(values[-2])
+            self._end(self._announce(store, values[-2]))
             return
         self._alarmed = self._alarmed or bool(values[-1])
         if not self._hosts_loaded:
@@ -242,7 +252,34 @@ class Heartbeat:
         if silent and not self._present:  # some counter never appeared: the absent ones are silent (none: all
             silent = self._absent(store)  # appeared just now)
         if silent:
-            self._end(self._verdict(store, silent, bool(failed), now - min(seen[r] for r in silent)))
+            line = self._verdict(store, silent, bool(failed), now - min(seen[r] for r in silent))
+            self._end(self._announce(store, line))
+
+    @staticmethod
+    def _announce(store, line: str) -> str:
+        """Wake every rank's listener with the verdict (a set, no reply; again by whoever reads it: the one who
+        posted it may have died in between)."""
+        try:
+            store.set("ended", line)
+        except Exception:  # noqa: BLE001  the others read ``verdict`` within POLL beats
+            pass
+        return line
+
+    def _listen(self) -> None:
+        """Blocks on ``ended`` on a connection of its own (a blocked wait holds its client): a verdict reaches this
+        rank as soon as it is posted, for two requests a job. The store going away ends it: the beat thread and
+        the guard name that."""
+        try:
+            store = connect(self.op_timeout)
+            while not store.check(["ended"]):
+                try:
+                    store.wait(["ended"], timedelta(seconds=LISTEN_S))
+                except Exception:  # noqa: BLE001  expired, or the store is gone: the check tells
+                    time.sleep(self.interval)
+            line = store.get("ended").decode()
+        except Exception:  # noqa: BLE001
+            return
+        self._end(line)
 
     def _absent(self, store) -> list[int]:
         """The watched ranks that never beat (one check each, once: at a start-up verdict only)."""
