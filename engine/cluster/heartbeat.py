@@ -10,14 +10,15 @@ seconds: it sets its own counter ``hb/<rank>`` (with the current step), and a th
 
 Who reads whose counter (issue 43: every rank reading every rank's was 2N^2 key look-ups a round, 84 s of the
 store's one thread per 3 s round at 4,096 ranks, and ~3N requests per rank at start-up). The ranks are cut into
-slices of a host's ranks (``LOCAL_WORLD_SIZE``: torchrun and the deepspeed launcher number ranks host by host; 8
-where it is unset); the first rank of each slice is its watcher and reads the *next* slice's counters in one
-``multi_get`` (slice 0 is read by the last slice's watcher), so every rank is read by exactly one watcher on
-another host and every watcher is itself watched. Per beat a rank sets its counter (a request with no reply), a
-watcher reads O(slice) keys in one more, and the others read ``verdict`` every ``POLL``-th beat (a store that
-stops answering is seen by every rank for itself, and a verdict the listener missed still arrives): the store
-does O(N) work a round, O(1) per rank, at any N, plus one held wait per rank for the whole job
-(``launch/bench/scale_store.py`` measures it; tests/cluster/test_scale.py counts it at 1,024 simulated ranks).
+slices of a host's ranks (``LOCAL_WORLD_SIZE``, the deepspeed launcher's ``LOCAL_SIZE``: both launchers number
+ranks host by host; 8 where neither is set); the first rank of each slice is its watcher and reads the *next*
+slice's counters in one ``multi_get`` (slice 0 is read by the last slice's watcher), so every rank is read by
+exactly one watcher in another slice (on another host where slices are hosts) and every watcher is itself
+watched. Per beat a rank sets its counter (a request with no reply), a watcher reads O(slice) keys in one more,
+and the others read ``verdict`` every ``POLL``-th beat (a store that stops answering is seen by every rank for
+itself, and a verdict the listener missed still arrives): the store does O(N) work a round, O(1) per rank, at any
+N, plus one held wait per rank for the whole job (``launch/bench/scale_store.py`` measures it;
+tests/cluster/test_scale.py counts it at 1,024 simulated ranks).
 This is how the peers at scale do it: TorchFT's lighthouse takes one heartbeat per replica group from that group's
 manager, never one per rank per rank, and NVRx's per-node rank monitors take each rank's heartbeat on its own node
 and only report a failure; here the store is the only server every host can reach, so the per-host watcher reads
@@ -93,10 +94,11 @@ def connect(timeout_s: float):
 
 
 def slice_size(world: int, local: int | None = None) -> int:
-    """Ranks per slice: a host's (``local``, else LOCAL_WORLD_SIZE) when it is 1 to MAX_SLICE, SLICE otherwise;
-    at most half the world, so that there are two slices and a watcher is read by another slice's."""
+    """Ranks per slice: a host's (``local``, else LOCAL_WORLD_SIZE from torchrun or LOCAL_SIZE from the deepspeed
+    launcher) when it is 1 to MAX_SLICE, SLICE otherwise; at most half the world, so that there are two slices and
+    a watcher is read by another slice's."""
     if local is None:
-        value = os.environ.get("LOCAL_WORLD_SIZE", "")
+        value = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE", "")
         local = int(value) if value.isdigit() else 0
     size = local if 0 < local <= MAX_SLICE else SLICE
     return max(1, min(size, -(-world // 2)))

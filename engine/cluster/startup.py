@@ -11,11 +11,11 @@ group is then built on this store with the start-up timeout (gloo's full-mesh co
 bounded by it) and given ``parallel.timeout_s`` for its collectives afterwards (engine/parallel/layout/context.py).
 
 The wait costs the store O(1) requests per rank, whatever the world size and however long it lasts (issue 43:
-polling ten times a second saturated the store's one thread at ~5,900 waiting ranks): a waiting rank blocks on
-the one key ``startup``, which the rank completing the count sets to ``ok``. The first rank to join waits until its
-own deadline, then counts the ranks present (O(N) checks, once, on the failure path only) and posts the line
-naming the missing ones there instead, which wakes every other rank with it; the others' own deadlines are
-``GRACE_S`` later, so that only a job whose first rank died too is named by whoever times out next.
+polling, ten requests a second per waiting rank, saturated the store's one thread at ~5,900 ranks): a waiting
+rank blocks on the one key ``startup``, which the rank completing the count sets to ``ok``. The first rank to join
+waits until its own deadline, then counts the ranks present (O(N) checks, once, on the failure path only) and
+posts the line naming the missing ones there instead, which wakes every other rank with it; the others' own
+deadlines are ``GRACE_S`` later, so that only a job whose first rank died too is named by whoever times out next.
 """
 
 from __future__ import annotations

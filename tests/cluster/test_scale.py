@@ -33,6 +33,14 @@ def test_every_rank_is_read_by_one_watcher_on_another_host_and_every_watcher_is_
         assert max(len(watched(r, world, size)) for r in range(world)) <= 64
 
 
+def test_slices_are_the_hosts_of_either_launcher(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_SIZE", "4")  # the deepspeed launcher's ranks per host
+    assert slice_size(16) == 4 and watched(0, 16, 4) == [4, 5, 6, 7] and watched(12, 16, 4) == [0, 1, 2, 3]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's
+    assert slice_size(16) == 2
+
+
 def test_heartbeat_costs_each_rank_the_same_requests_and_keys_at_1024_ranks_as_at_64(heartbeat):
     small, large = heartbeat
     # every rank sets its counter; a watcher (1 in 8) reads its slice's 8 counters, verdict and alarm; the others
