@@ -5,18 +5,38 @@ A collective's own timeout (``parallel.timeout_s``) must stay long enough for th
 slowest checkpoint barrier, so it cannot also be what notices a frozen host (SIGSTOP, a hung driver) or a
 partition: that costs the whole ``timeout_s``, then a traceback from every rank. Here a daemon thread per rank
 talks to the job's c10d store (MASTER_ADDR:MASTER_PORT, its own client connection) every ``timeout / BEATS``
-seconds: it bumps its own counter ``hb/<rank>`` (with the current step) and reads everyone else's in one
-``multi_get``. A peer whose counter has not moved for ``timeout`` seconds of *this* rank's clock
-(no clock is compared across hosts) is silent: the first rank to see it posts one line to ``verdict`` (compare-set,
-so every rank reports the same line), prints it once per host (engine/cluster/report.py), and leaves with
-``os._exit`` (a thread cannot unblock a collective; the checkpoint on disk stays the last committed one). A store
-that stops answering for ``timeout`` seconds is reported as such, naming the host that serves it, and ends the
-rank too; a second thread that never calls the store sees it when a store call hangs (a frozen or cut store host
-never answers, and the client's timeout does not bound waiting for a reply). A rank that finishes writes ``done``
-and is never called silent; one that fails on its own writes ``failed`` and is named at once.
+seconds: it sets its own counter ``hb/<rank>`` (with the current step), and a third thread blocks on the key
+``ended`` on a connection of its own, which the verdict sets.
 
-After the main thread saw a collective fail (``explain``: a killed peer closes its sockets, gloo fails within
-seconds), the silence needed drops to ``ALARM_BEATS`` beats, so a dead peer is named in seconds, in one line.
+Who reads whose counter (issue 43: every rank reading every rank's was 2N^2 key look-ups a round, 84 s of the
+store's one thread per 3 s round at 4,096 ranks, and ~3N requests per rank at start-up). The ranks are cut into
+slices of a host's ranks (``LOCAL_WORLD_SIZE``, the deepspeed launcher's ``LOCAL_SIZE``: both launchers number
+ranks host by host; 8 where neither is set); the first rank of each slice is its watcher and reads the *next*
+slice's counters in one ``multi_get`` (slice 0 is read by the last slice's watcher), so every rank is read by
+exactly one watcher in another slice (on another host where slices are hosts) and every watcher is itself
+watched. Per beat a rank sets its counter (a request with no reply), a watcher reads O(slice) keys in one more,
+and the others read ``verdict`` every ``POLL``-th beat (a store that stops answering is seen by every rank for
+itself, and a verdict the listener missed still arrives): the store does O(N) work a round, O(1) per rank, at any
+N, plus one held wait per rank for the whole job (``launch/bench/scale_store.py`` measures it;
+tests/cluster/test_scale.py counts it at 1,024 simulated ranks).
+This is how the peers at scale do it: TorchFT's lighthouse takes one heartbeat per replica group from that group's
+manager, never one per rank per rank, and NVRx's per-node rank monitors take each rank's heartbeat on its own node
+and only report a failure; here the store is the only server every host can reach, so the per-host watcher reads
+its slice there. A watcher whose counter of a peer has not moved for ``timeout`` seconds of *its* clock (no
+clock is compared across hosts) posts one line to ``verdict`` (compare-set, so every rank reports the same line)
+and copies it to ``ended``, which wakes every rank's listener at once (so a frozen host is named to every rank between
+``timeout - 1 beat`` and ``timeout + 2 beats`` after it froze, as when every rank read every counter); each rank
+prints it once per host (engine/cluster/report.py) and leaves with ``os._exit`` (a thread cannot unblock a
+collective; the checkpoint on disk stays the last committed one). A store that stops answering for ``timeout``
+seconds is reported as such, naming the host that serves it, and ends the rank too: every rank has a request
+answered every POLL beats at least, and a second thread that never calls the store sees it when a store call hangs
+(a frozen or cut store host never answers, and the client's timeout does not bound waiting for a reply). A rank
+that finishes writes ``done`` and is never called silent; one that fails on its own writes ``failed`` and is named
+at once.
+
+After a rank's main thread saw a collective fail (``explain``: a killed peer closes its sockets, gloo fails within
+seconds), it posts ``alarm``: every watcher then needs only ``ALARM_BEATS`` beats of silence to name a peer dead, and
+every alarmed rank beats ``FAST`` times as often, so a dead peer is named in seconds, in one line.
 """
 
 from __future__ import annotations
@@ -32,6 +52,11 @@ from engine.cluster.report import report_once
 
 BEATS = 10  # beats per timeout: a silent peer is seen between timeout and timeout + timeout / BEATS
 ALARM_BEATS = 3  # after a failed collective: beats of silence that name a peer dead
+FAST = 3  # after a failed collective: beats per interval, so the verdict comes through within a third of one
+SLICE = 8  # ranks a watcher reads where LOCAL_WORLD_SIZE is unset
+POLL = 3  # a rank that watches nothing reads ``verdict`` every POLL-th beat (the listener hears it at once)
+LISTEN_S = 86400.0  # a listener's wait is renewed this often (each expiry logs two lines of torch's)
+MAX_SLICE = 64  # a larger LOCAL_WORLD_SIZE is cut into slices of SLICE: a watcher's read stays O(1)
 EXIT_CODE = 1
 PREFIX = "engine-heartbeat"
 
@@ -68,6 +93,26 @@ def connect(timeout_s: float):
     return dist.PrefixStore(namespace(), store)
 
 
+def slice_size(world: int, local: int | None = None) -> int:
+    """Ranks per slice: a host's (``local``, else LOCAL_WORLD_SIZE from torchrun or LOCAL_SIZE from the deepspeed
+    launcher) when it is 1 to MAX_SLICE, SLICE otherwise; at most half the world, so that there are two slices and
+    a watcher is read by another slice's."""
+    if local is None:
+        value = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE", "")
+        local = int(value) if value.isdigit() else 0
+    size = local if 0 < local <= MAX_SLICE else SLICE
+    return max(1, min(size, -(-world // 2)))
+
+
+def watched(rank: int, world: int, size: int) -> list[int]:
+    """The ranks whose counters ``rank`` reads each beat: the next slice's if it is the first of its own slice (a
+    watcher), none otherwise. Slice s is read by slice s - 1's first rank, slice 0 by the last slice's."""
+    if rank % size or world < 2:
+        return []
+    nxt = (rank // size + 1) % -(-world // size)
+    return list(range(nxt * size, min(world, (nxt + 1) * size)))
+
+
 def describe_ranks(ranks: list[int], hosts: dict[int, str]) -> str:
     """'rank 3 on host b (10.0.0.2)', 'ranks 2, 3 on host b (...)' grouped per host."""
     by_host: dict[str, list[int]] = {}
@@ -80,13 +125,23 @@ def describe_ranks(ranks: list[int], hosts: dict[int, str]) -> str:
 class Heartbeat:
     """One rank's beat and watchdog thread. ``step`` is read from ``step_of()`` (the trainer's step) at each beat."""
 
-    def __init__(self, rank: int, world: int, timeout_s: float, step_of=lambda: 0, exit_fn=os._exit):
+    def __init__(
+        self, rank: int, world: int, timeout_s: float, step_of=lambda: 0, exit_fn=os._exit, local: int | None = None
+    ):
         self.rank, self.world, self.timeout = rank, world, timeout_s
+        self.watched = watched(rank, world, slice_size(world, local))  # ``local``: ranks per host, if not the env's
+        self._keys = [f"hb/{r}" for r in self.watched] + ["verdict", "alarm"]
+        self._present = not self.watched  # every watched counter exists (checked until it does, then never again)
+        self._last: dict[int, str] = {}
+        self._seen: dict[int, float] = {}
+        self._beats, self._started, self._posted = 0, 0.0, False
+        self._alarmed = False  # a rank's collective failed somewhere: the store's ``alarm``
         self.interval = max(0.2, timeout_s / BEATS)
         # a store operation waits this long at most: a frozen store is named within timeout + op_timeout + interval
         self.op_timeout = max(self.interval, timeout_s / 3)
         self.step_of, self.exit_fn = step_of, exit_fn
         self.hosts: dict[int, str] = {}
+        self._hosts_loaded = False
         self.verdict: str | None = None  # the line this rank ended with
         self.alarm = threading.Event()
         self._stop = threading.Event()
@@ -95,6 +150,7 @@ class Heartbeat:
         # waiting for a key, not for the server's reply): a second thread, which never calls the store, watches
         # the first one's last answered beat.
         self._guard_thread = threading.Thread(target=self._guard, name="engine-heartbeat-guard", daemon=True)
+        self._listener = threading.Thread(target=self._listen, name="engine-heartbeat-listener", daemon=True)
         self._store_ok = time.monotonic()
         self._ending = threading.Lock()
         self.store_addr = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '?')}"
@@ -102,6 +158,7 @@ class Heartbeat:
     def start(self) -> "Heartbeat":
         self._thread.start()
         self._guard_thread.start()
+        self._listener.start()
         return self
 
     def stop(self, state: str = "done") -> None:
@@ -132,23 +189,15 @@ class Heartbeat:
 
     # ---- the thread ---------------------------------------------------------------------------------------------
     def _run(self) -> None:
-        store, me = None, host_name()
-        keys = [f"hb/{r}" for r in range(self.world)] + ["verdict"]
-        last: dict[int, str] = {}
-        now = time.monotonic()
-        seen = {r: now for r in range(self.world)}
-        beat = 0
-        while not self._stop.wait(0 if beat == 0 else self.interval):
-            beat += 1
-            now = time.monotonic()
+        store, wait = None, 0.0
+        while not self._stop.wait(wait):
+            wait, now = self._period(), time.monotonic()
             try:
                 if store is None:
                     store = connect(self.op_timeout)
-                    store.set(f"host/{self.rank}", me)
-                    store.compare_set("verdict", "", "")  # exists from now on: multi_get never waits for it
-                store.set(f"hb/{self.rank}", f"{beat} {self.step_of()}")
-                values = self._read(store, keys)
-                self._store_ok = now
+                    self.enter(store)
+                values, answered = self.exchange(store)
+                self._store_ok = now if answered else self._store_ok
             except Exception:  # noqa: BLE001  unreachable, reset, timed out: the same to us
                 # The same client tries again next beat: a new one per beat would dump a C++ stack trace per beat
                 # into the log while the store is away, and one that never connected tries to connect again.
@@ -156,17 +205,90 @@ class Heartbeat:
                 if now - self._store_ok > self._limit():
                     self._end(self._store_line(now - self._store_ok))
                 continue
-            if values[-1]:
-                self._end(values[-1])
-            if len(self.hosts) < self.world:  # every rank set host/ before its first beat
-                self._load_hosts(store)
-            for r, v in enumerate(values[:-1]):
-                if v != last.get(r):
-                    last[r], seen[r] = v, now
-            failed = [r for r in range(self.world) if last.get(r) == "failed"]
-            silent = failed or [r for r in range(self.world) if last.get(r) != "done" and now - seen[r] > self._limit()]
-            if silent:
-                self._end(self._verdict(store, silent, bool(failed), now - min(seen[r] for r in silent)))
+            self.judge(store, values, now)
+
+    def enter(self, store) -> None:
+        """Once, on a new connection: this rank's host name and counter (a watcher's first read finds every counter
+        of a slice that has started); a watcher makes sure ``verdict`` and ``alarm`` exist (its multi_get would
+        wait for an absent key)."""
+        store.multi_set([f"host/{self.rank}", f"hb/{self.rank}"], [host_name(), "0 0"])
+        if self.watched:
+            store.compare_set("verdict", "", "")
+            store.compare_set("alarm", "", "")
+
+    def exchange(self, store) -> tuple[list[str | None], bool]:
+        """One beat's store traffic: this rank's counter (a set: no reply), then one read: a watcher's
+        ``multi_get`` of its slice's counters, ``verdict`` and ``alarm``; anyone else's ``verdict`` alone
+        (compare-set with "" for "": one round trip, where get is two), every POLL-th beat. ([counters...,
+        verdict, alarm], whether the store answered); the counters are None until all of them exist (start-up: a
+        rank that never beats is silent from the start)."""
+        if self.alarm.is_set() and not self._posted:
+            store.set("alarm", str(self.rank))
+            self._posted = True
+        self._beats += 1
+        store.set(f"hb/{self.rank}", f"{self._beats} {self.step_of()}")
+        if not self._present:
+            self._present = store.check(self._keys[:-2])
+        if not self._present:
+            return [None] * len(self.watched) + [store.compare_set("verdict", "", "").decode(), ""], True
+        if not self.watched:  # every POLL-th beat: an answer that shows the store alive, and the line if the
+            poll = self._beats % POLL == 1 or self.alarm.is_set()  # listener missed it
+            return [store.compare_set("verdict", "", "").decode() if poll else "", ""], poll
+        return [v.decode() for v in store.multi_get(self._keys)], True
+
+    def judge(self, store, values: list[str | None], now: float) -> None:
+        """What the beat read means: a verdict to end with, an alarm to heed, a watched peer failed or silent."""
+        if values[-2]:
+            self._end(self._announce(store, values[-2]))
+            return
+        self._alarmed = self._alarmed or bool(values[-1])
+        if not self._hosts_loaded:
+            self._load_hosts(store)
+        self._started = self._started or now
+        for r, v in zip(self.watched, values):
+            if v is not None and v != self._last.get(r):
+                self._last[r], self._seen[r] = v, now
+        seen = {r: self._seen.get(r, self._started) for r in self.watched}
+        failed = [r for r in self.watched if self._last.get(r) == "failed"]
+        silent = failed or [r for r in self.watched if self._last.get(r) != "done" and now - seen[r] > self._limit()]
+        if silent and not self._present:  # some counter never appeared: the absent ones are silent (none: all
+            silent = self._absent(store)  # appeared just now)
+        if silent:
+            line = self._verdict(store, silent, bool(failed), now - min(seen[r] for r in silent))
+            self._end(self._announce(store, line))
+
+    @staticmethod
+    def _announce(store, line: str) -> str:
+        """Wake every rank's listener with the verdict (a set, no reply; again by whoever reads it: the one who
+        posted it may have died in between)."""
+        try:
+            store.set("ended", line)
+        except Exception:  # noqa: BLE001  the others read ``verdict`` within POLL beats
+            pass
+        return line
+
+    def _listen(self) -> None:
+        """Blocks on ``ended`` on a connection of its own (a blocked wait holds its client): a verdict reaches this
+        rank as soon as it is posted, for two requests a job. The store going away ends it: the beat thread and
+        the guard name that."""
+        try:
+            store = connect(self.op_timeout)
+            while not store.check(["ended"]):
+                try:
+                    store.wait(["ended"], timedelta(seconds=LISTEN_S))
+                except Exception:  # noqa: BLE001  expired, or the store is gone: the check tells
+                    time.sleep(self.interval)
+            line = store.get("ended").decode()
+        except Exception:  # noqa: BLE001
+            return
+        self._end(line)
+
+    def _absent(self, store) -> list[int]:
+        """The watched ranks that never beat (one check each, once: at a start-up verdict only)."""
+        try:
+            return [r for r in self.watched if not store.check([f"hb/{r}"])]
+        except Exception:  # noqa: BLE001
+            return []
 
     def _guard(self) -> None:
         while not self._stop.wait(self.interval / 2):
@@ -174,23 +296,21 @@ class Heartbeat:
             if quiet > self._limit() + self.interval:  # the beat thread is stuck in a store call
                 self._end(self._store_line(quiet))
 
-    @staticmethod
-    def _read(store, keys: list[str]) -> list[str | None]:
-        """Every key's value in one round trip once all exist; until then (start-up) key by key, None where absent
-        (multi_get would wait for it): a rank that never beats is silent from the start."""
-        if store.check(keys):
-            return [v.decode() for v in store.multi_get(keys)]
-        return [store.get(k).decode() if store.check([k]) else None for k in keys]
-
     def _limit(self) -> float:
-        return ALARM_BEATS * self.interval if self.alarm.is_set() else self.timeout
+        return ALARM_BEATS * self.interval if self.alarm.is_set() or self._alarmed else self.timeout
+
+    def _period(self) -> float:
+        return self.interval / FAST if self.alarm.is_set() or self._alarmed else self.interval
 
     def _load_hosts(self, store) -> None:
-        missing = [r for r in range(self.world) if r not in self.hosts]
+        """The host names a verdict or a store line may need: the watched slice's and the store's (rank 0's); one
+        check a beat until they all exist, then one multi_get, once."""
+        ranks = sorted({0, *self.watched})
+        keys = [f"host/{r}" for r in ranks]
         try:
-            present = [r for r in missing if store.check([f"host/{r}"])]
-            for r, v in zip(present, store.multi_get([f"host/{r}" for r in present]) if present else []):
-                self.hosts[r] = v.decode()
+            if store.check(keys):
+                self.hosts.update((r, v.decode()) for r, v in zip(ranks, store.multi_get(keys)))
+                self._hosts_loaded = True
         except Exception:  # noqa: BLE001  names are a courtesy; the verdict goes out without them
             pass
 

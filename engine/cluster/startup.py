@@ -9,6 +9,13 @@ its host name under ``host/<rank>`` (the heartbeat, engine/cluster/heartbeat.py,
 and counts itself in; the ranks wait for the count to reach the world size with their own deadline. The process
 group is then built on this store with the start-up timeout (gloo's full-mesh connect and NCCL's bootstrap are
 bounded by it) and given ``parallel.timeout_s`` for its collectives afterwards (engine/parallel/layout/context.py).
+
+The wait costs the store O(1) requests per rank, whatever the world size and however long it lasts (issue 43:
+polling, ten requests a second per waiting rank, saturated the store's one thread at ~5,900 ranks): a waiting
+rank blocks on the one key ``startup``, which the rank completing the count sets to ``ok``. The first rank to join
+waits until its own deadline, then counts the ranks present (O(N) checks, once, on the failure path only) and
+posts the line naming the missing ones there instead, which wakes every other rank with it; the others' own
+deadlines are ``GRACE_S`` later, so that only a job whose first rank died too is named by whoever times out next.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from engine.cluster.heartbeat import describe_ranks, host_name, namespace
+
+READY = "ok"  # the value of ``startup`` once every rank has joined
+GRACE_S = 5.0  # how much later than the first rank's deadline the others' falls
 
 
 class StartupError(Exception):
@@ -73,18 +83,12 @@ def join(rank: int, world: int, timeout_s: float):
         ) from None
     ours = dist.PrefixStore(namespace(), store)
     try:
-        ours.set(f"host/{rank}", me)
-        ours.compare_set("startup", "", "")  # exists from now on: the line a rank that gives up leaves
-        joined = ours.add("joined", 1)
-        while joined < world:
-            verdict = ours.get("startup").decode()
-            if not verdict and time.monotonic() > deadline:
-                verdict = ours.compare_set("startup", "", _missing_line(ours, world, timeout_s)).decode()
-            if verdict:
-                _leave(ours, rank == 0 and not agent, joined)
-                raise StartupError(verdict)
-            time.sleep(0.2)
-            joined = ours.add("joined", 0)
+        joined, verdict = arrive(ours, rank, world, me)
+        if verdict is None:
+            verdict = settle(ours, deadline + (0 if joined == 1 else GRACE_S), world, timeout_s)
+        if verdict != READY:
+            _leave(ours, rank == 0 and not agent, world)
+            raise StartupError(verdict)
     except (RuntimeError, dist.DistError) as e:  # the store's host gave up (or died) before this rank read why
         raise StartupError(
             f"rank {rank} on host {me}: the job's store at {addr}:{port} went away during start-up "
@@ -93,19 +97,40 @@ def join(rank: int, world: int, timeout_s: float):
     return store
 
 
-def _leave(ours, serving: bool, joined: int) -> None:
+def arrive(ours, rank: int, world: int, host: str) -> tuple[int, str | None]:
+    """Count this rank in (its host name first): (its place in the count, ``ok`` if it completed the count or the
+    line a rank that gave up posted before; None: wait with ``settle``). Two requests."""
+    ours.set(f"host/{rank}", host)
+    joined = ours.add("joined", 1)
+    return joined, ours.compare_set("startup", "", READY).decode() if joined >= world else None
+
+
+def settle(ours, deadline: float, world: int, timeout_s: float) -> str:
+    """Block on ``startup`` until ``deadline``: its value (``ok``, or the line of a rank that gave up); at the
+    deadline, the line naming the missing ranks, posted unless another line or ``ok`` came first."""
+    try:
+        ours.wait(["startup"], timedelta(seconds=max(0.001, deadline - time.monotonic())))
+    except dist.DistStoreError:
+        if time.monotonic() < deadline - 1:  # not the wait's timeout: the store went away
+            raise
+        return ours.compare_set("startup", "", _missing_line(ours, world, timeout_s)).decode()
+    return ours.get("startup").decode()
+
+
+def _leave(ours, serving: bool, world: int) -> None:
     """Count this rank out; the rank serving the store waits (5 s at most) until every joined rank has read the
     line, so none of them meets a closed store instead."""
     left = ours.add("left", 1)
     deadline = time.monotonic() + 5
-    while serving and left < joined and time.monotonic() < deadline:
+    joined = ours.add("joined", 0)
+    while serving and left < min(joined, world) and time.monotonic() < deadline:
         time.sleep(0.1)
         joined, left = ours.add("joined", 0), ours.add("left", 0)
 
 
 def _missing_line(ours, world: int, timeout_s: float) -> str:
     present = [r for r in range(world) if ours.check([f"host/{r}"])]
-    missing = [r for r in range(world) if r not in present]
+    missing = sorted(set(range(world)) - set(present))
     hosts = dict(zip(present, (v.decode() for v in ours.multi_get([f"host/{r}" for r in present]))))
     return (
         f"ranks {_ranges(missing)}{_nodes(missing)} of {world} did not join within {timeout_s:.0f} s "
