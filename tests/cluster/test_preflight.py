@@ -16,25 +16,45 @@ from tests.dist import free_port
 from tests.sshd import local_sshd  # noqa: F401  (fixture)
 
 # Stands in for ssh: `fake_ssh HOST COMMAND` runs COMMAND here, as ssh runs it through the remote shell. Host
-# "down" is unreachable (ssh's message and exit status 255); host "bare" has no engine checkout: the checkout's
-# path is rewritten to an empty folder, as on a machine where it was never copied.
+# "down" is unreachable (ssh's message and exit status 255); host "bare" has no engine checkout but the same
+# Python: the checkout's path is rewritten to an empty folder, as on a machine where it was never copied, except
+# in the Python's own path (a virtual environment inside the checkout, `python -m venv .venv`, or beside it with
+# a name that starts with the checkout's: issue 42 item 12), which is set aside first and put back after.
 FAKE_SSH = """#!/bin/sh
 host=$1; shift
 case "$host" in
   down) echo "ssh: connect to host down port 22: No route to host" >&2; exit 255;;
-  bare) exec sh -c "$(printf '%s' "$*" | sed "s#{root}#{empty}#g")";;
+  bare) exec sh -c "$(printf '%s' "$*" | sed "s#{python}#@PYTHON@#g; s#{root}#{empty}#g; s#@PYTHON@#{python}#g")";;
   *) exec sh -c "$*";;
 esac
 """
 
 
-@pytest.fixture
-def fake_ssh(tmp_path) -> str:
-    (tmp_path / "empty").mkdir()
-    script = tmp_path / "fake_ssh"
-    script.write_text(FAKE_SSH.format(root=ROOT, empty=tmp_path / "empty"))
+def write_fake_ssh(folder: Path, root: Path, python: str) -> str:
+    """The fake ssh in ``folder``; host "bare" sees ``root`` as ``folder``/empty, and ``python`` where it is."""
+    (folder / "empty").mkdir()
+    script = folder / "fake_ssh"
+    script.write_text(FAKE_SSH.format(root=root, empty=folder / "empty", python=python))
     script.chmod(0o755)
     return str(script)
+
+
+@pytest.fixture
+def fake_ssh(tmp_path) -> str:
+    return write_fake_ssh(tmp_path, ROOT, sys.executable)
+
+
+@pytest.mark.parametrize("venv", [".venv/bin/python", "-venv/bin/python"], ids=["inside", "prefixed"])
+def test_fake_ssh_bare_host_keeps_a_python_whose_path_starts_with_the_checkouts(tmp_path, venv):
+    """The bare host loses the checkout, not the Python: a virtual environment inside the checkout (or beside it,
+    its name starting with the checkout's) is still found there, so preflight reports the missing checkout."""
+    root = tmp_path / "checkout"
+    python = f"{root}{'/' if venv.startswith('.') else ''}{venv}"
+    ssh = write_fake_ssh(tmp_path, root, python)
+    command = shlex.join(["echo", python, "-", str(root), f"{root}/configs/tiny.yaml"])
+    out = subprocess.run([ssh, "bare", command], capture_output=True, text=True, timeout=30)
+    empty = tmp_path / "empty"
+    assert out.stdout.split() == [python, "-", str(empty), f"{empty}/configs/tiny.yaml"], out.stdout + out.stderr
 
 
 def preflight(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -5,6 +5,13 @@ into ``parallel.bucket_mb`` buckets in reverse registration order and all-reduce
 has produced all of its gradients, while backward goes on computing the earlier layers. With
 ``gradient_as_bucket_view`` the gradients *are* views into the buckets: no second copy of the model's gradients.
 
+The buckets and the averaging are the same at every step, so a resumed run repeats the uninterrupted one bit for
+bit at any dp (``static_buckets``). torch's DDP changes both after its first step: that step reduces all gradients
+in one bucket and scales them while copying them in (``grad * (1/dp)``), later steps reduce buckets rebuilt in the
+order the gradients arrived and divide in place (``bucket / dp``). The ring all-reduce sums an element in an order
+set by its position in the bucket, and ``x * (1/3) != x / 3`` for some x, so at dp 3 a resumed run's first step
+(DDP's first) differed from the uninterrupted run's by an ulp (dp 2's two-term sums and halving are exact).
+
 Gradient accumulation over micro-batches and pipeline schedules: every forward runs under ``no_sync`` (DDP then
 arms no reduction), and before the step's last backward the reducer is armed by hand, as
 torch.distributed.pipelining's stage does (``backward_maybe_with_nosync``). Arming at the last *forward* would
@@ -32,7 +39,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from engine.config import Config
-from engine.internals import private
+from engine.internals import TESTED, UnsupportedVersion, installed_version, private
 from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin
 from engine.parallel.dp.buckets import ReadyBuckets, all_reduce_mean
 from engine.parallel.dp.state import TorchState
@@ -106,6 +113,45 @@ def _no_buffer_sync() -> dict:
     return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
 
 
+class ReverseOrderDDP(DistributedDataParallel):
+    """DistributedDataParallel whose reducer lists the parameters in reverse registration order, so that buckets
+    built in the reducer's own order (``static_buckets``) launch in about the order backward completes them."""
+
+    def _build_params_for_reducer(self):
+        params, sparse = super()._build_params_for_reducer()
+        return params[::-1], sparse[::-1]
+
+
+def static_buckets(chunk: nn.Module, cfg: Config, ctx) -> DistributedDataParallel:
+    """``chunk`` under DDP with the same buckets and the same averaging at every step (module docstring): the
+    buckets are built now, in reverse registration order (1 MB first, then ``parallel.bucket_mb``, as DDP sizes
+    them), instead of after the first step in arrival order; and the gradients start as zeros, which DDP turns into
+    bucket views at once, so every step divides them in place. No memory beyond DDP's own: the gradients are the
+    bucket views DDP allocates anyway."""
+    private(DistributedDataParallel, "torch", "_build_params_for_reducer")  # what ReverseOrderDDP overrides
+    ignored = {name for name, _ in expert_parameters(chunk)}
+    for name, p in chunk.named_parameters():
+        if p.requires_grad and name not in ignored and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    ddp = ReverseOrderDDP(
+        chunk,
+        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+        process_group=ctx.grad_group,
+        bucket_cap_mb=cfg.parallel.bucket_mb,
+        gradient_as_bucket_view=True,
+        init_sync=False,
+        **_no_buffer_sync(),
+    )
+    reducer = private(ddp, "torch", "reducer")
+    private(reducer, "torch", "_push_all_rebuilt_params")()  # every parameter, in the reducer's order
+    if not private(reducer, "torch", "_rebuild_buckets")():  # a broadcast of the layout over the dp group
+        raise UnsupportedVersion(
+            f"DDP did not rebuild its buckets at start-up in torch {installed_version('torch')}; the engine is "
+            f"tested with torch {TESTED['torch']}"
+        )
+    return ddp
+
+
 class DDP(TorchOptimizerMixin, DataParallel):
     """The stage replicated over dp; DDP averages gradients during the last micro-batch's backward.
 
@@ -132,22 +178,7 @@ class DDP(TorchOptimizerMixin, DataParallel):
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
                 chunk, [name for name, _ in expert_parameters(chunk)]
             )
-        self.ddps = (
-            [
-                DistributedDataParallel(
-                    chunk,
-                    device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-                    process_group=ctx.grad_group,
-                    bucket_cap_mb=cfg.parallel.bucket_mb,
-                    gradient_as_bucket_view=True,
-                    init_sync=False,
-                    **_no_buffer_sync(),
-                )
-                for chunk in self.chunks
-            ]
-            if ctx.grad_size > 1
-            else []
-        )
+        self.ddps = [static_buckets(chunk, cfg, ctx) for chunk in self.chunks] if ctx.grad_size > 1 else []
         for ddp in self.ddps:  # a hook state per chunk: PowerSGD keys its error feedback by bucket index
             hook = comm_hook(cfg, ctx)
             if hook is not None:
