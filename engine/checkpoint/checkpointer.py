@@ -220,16 +220,25 @@ class Checkpointer:
                     raise StorageError(f"{self.stop.failure}; and {e}") from None
                 raise
         if stop and not self.stop.failed and self.ctx.rank == 0:
-            say(
-                f"stop signal ({self.stop.signal_name or 'on another rank'}): stopping after step {step}"
-                + (
-                    f", checkpoint saved in {self.root}"
-                    if self.root is not None
-                    else "; nothing saved (checkpoint.dir is empty), exit status 1"
-                )
-            )
+            say(self._stop_line(step))
         self.stopped_unsaved = stop and self.root is None
         return stop
+
+    def _stop_line(self, step: int) -> str:
+        saved = (
+            f", checkpoint saved in {self.root}"
+            if self.root is not None
+            else "; nothing saved (checkpoint.dir is empty)"
+        )
+        if self.stop.restart:  # engine/checkpoint/signals.py: the agent's SIGTERM, not a user's
+            return (
+                f"restart: a torchrun agent stopped its workers (a host joined the job, or a worker failed): stopping "
+                f"after step {step}{saved}, exit status 1 so that every agent restarts its workers, which resume"
+            )
+        name = self.stop.signal_name or "on another rank"
+        return f"stop signal ({name}): stopping after step {step}{saved}" + (
+            ", exit status 1" if self.root is None else ""
+        )
 
     def finish(self) -> None:
         """The end of fit: an async save commits; a stop for a failed metrics write raises it (after the save)."""
