@@ -232,8 +232,9 @@ class Checkpointer:
         )
         if self.stop.restart:  # engine/checkpoint/signals.py: the agent's SIGTERM, not a user's
             return (
-                f"restart: a torchrun agent stopped its workers (a host joined the job, or a worker failed): stopping "
-                f"after step {step}{saved}, exit status 1 so that every agent restarts its workers, which resume"
+                "restart: the torchrun agent stopped its workers (a host joined the job, a worker failed, or the "
+                f"agent got a signal): stopping after step {step}{saved}, exit status 1 so that no agent takes the job "
+                "as finished"
             )
         name = self.stop.signal_name or "on another rank"
         return f"stop signal ({name}): stopping after step {step}{saved}" + (

@@ -73,6 +73,13 @@ def watch_agent_sigterm() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     _watch = _AgentSigterm(os.getppid())
     threading.Thread(target=_watch.run, name="engine-sigterm", daemon=True).start()
+    os.register_at_fork(after_in_child=_unwatch)  # a forked child has no such thread: SIGTERM as it was
+
+
+def _unwatch() -> None:
+    global _watch
+    _watch = None
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 class Interrupted(KeyboardInterrupt):

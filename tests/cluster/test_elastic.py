@@ -230,7 +230,7 @@ def test_host_that_comes_back_grows_the_job_which_finishes(make_hosts, tmp_path)
     assert codes == [0, 0, 0], text[-5000:]
     layouts = re.findall(r"layout tp=1 pp=1 dp=(\d)", text)
     assert layouts[0] == "3" and "2" in layouts and layouts[-1] == "3", layouts
-    assert "restart: a torchrun agent stopped its workers" in text, text[-5000:]
+    assert "restart: the torchrun agent stopped its workers (a host joined the job" in text, text[-5000:]
     assert uninterrupted.returncode == 0, reference_output[-3000:]
     assert final_losses(out) == pytest.approx(read_losses(reference), rel=1e-5)  # every step, the last included
 
