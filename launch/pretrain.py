@@ -15,6 +15,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from engine.checkpoint.signals import watch_agent_sigterm  # noqa: E402  (the standard library only)
+
+# Under torchrun, SIGTERM is taken by a thread that tells the agent's restart from a user's stop: it must be blocked
+# before numpy or torch start their threads, which would inherit it unblocked.
+watch_agent_sigterm()
+
 from engine.checkpoint.format import CheckpointError  # noqa: E402
 from engine.cluster.report import report_once  # noqa: E402
 from engine.cluster.startup import StartupError  # noqa: E402
@@ -89,8 +95,10 @@ def main(argv: list[str]) -> int:
         if heartbeat is not None:
             heartbeat.stop("done" if finished else "failed")
         destroy()
-    # Stopped by SIGTERM/SIGINT with no checkpoint.dir: the work is lost, which must not look like success.
-    return 1 if trainer.checkpointer.stopped_unsaved else 0
+    # Stopped by SIGTERM/SIGINT with no checkpoint.dir: the work is lost, which must not look like success; stopped
+    # by the torchrun agent for a restart: an agent that sees exit 0 would take the job as finished.
+    stopped = trainer.checkpointer
+    return 1 if stopped.stopped_unsaved or stopped.stop.restart else 0
 
 
 if __name__ == "__main__":

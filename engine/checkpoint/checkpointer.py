@@ -234,16 +234,26 @@ class Checkpointer:
                     raise StorageError(f"{self.stop.failure}; and {e}") from None
                 raise
         if stop and not self.stop.failed and self.ctx.rank == 0:
-            say(
-                f"stop signal ({self.stop.signal_name or 'on another rank'}): stopping after step {step}"
-                + (
-                    f", checkpoint saved in {self.root}"
-                    if self.root is not None
-                    else "; nothing saved (checkpoint.dir is empty), exit status 1"
-                )
-            )
+            say(self._stop_line(step))
         self.stopped_unsaved = stop and self.root is None
         return stop
+
+    def _stop_line(self, step: int) -> str:
+        saved = (
+            f", checkpoint saved in {self.root}"
+            if self.root is not None
+            else "; nothing saved (checkpoint.dir is empty)"
+        )
+        if self.stop.restart:  # engine/checkpoint/signals.py: the agent's SIGTERM, not a user's
+            return (
+                "restart: the torchrun agent stopped its workers (a host joined the job, a worker failed, or the "
+                f"agent got a signal): stopping after step {step}{saved}, exit status 1 so that no agent takes the job "
+                "as finished"
+            )
+        name = self.stop.signal_name or "on another rank"
+        return f"stop signal ({name}): stopping after step {step}{saved}" + (
+            ", exit status 1" if self.root is None else ""
+        )
 
     def finish(self) -> None:
         """The end of fit: an async save commits; a stop for a failed metrics write raises it (after the save)."""

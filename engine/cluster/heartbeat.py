@@ -74,9 +74,21 @@ def host_name() -> str:
     return f"{name} ({address})"
 
 
+def launch_round() -> str:
+    """This launch round's key in the job's store. Workers that share the torchrun agent's store (kept from round
+    to round) key on the agent's restart count, as torch does (``/worker/attempt_N``). With
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 every round has a fresh store (rank 0's worker serves it, at a port its agent
+    picks for the round) and needs no key: there the count would split a round, since it is each agent's own (the
+    failures it restarted, not the hosts that joined or left): after a membership change the agents' counts differ,
+    and workers keying on them never saw each other."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return "0"
+
+
 def namespace() -> str:
-    """Keys of this launch round: a torchrun restart shares the agent's store with the dead round."""
-    return f"{PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    """Keys of this launch round: a torchrun restart may share the agent's store with the dead round."""
+    return f"{PREFIX}/{launch_round()}/"
 
 
 def connect(timeout_s: float):

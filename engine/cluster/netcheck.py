@@ -21,6 +21,7 @@ import os
 import socket
 import struct
 
+from engine.cluster.heartbeat import launch_round
 from engine.errors import ConfigError
 
 IFNAME_ENV = "GLOO_SOCKET_IFNAME"
@@ -93,7 +94,7 @@ def verdict(records: list[dict]) -> str | None:
 def check_addresses(store, rank: int, world: int) -> None:
     """Every rank, before init_process_group: post this rank's record on the rendezvous ``store``; rank 0 posts
     the verdict; ConfigError with the refusal line on every rank of every host."""
-    key = f"{_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # a restarted round may share the store
+    key = f"{_KEY}/{launch_round()}"  # a restarted round may share the store
     store.set(f"{key}/{rank}", json.dumps(my_record()))
     if rank == 0:
         keys = [f"{key}/{r}" for r in range(world)]

@@ -27,7 +27,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from engine.cluster.heartbeat import describe_ranks, host_name, namespace
+from engine.cluster.heartbeat import describe_ranks, host_name, launch_round, namespace
 
 READY = "ok"  # the value of ``startup`` once every rank has joined
 GRACE_S = 5.0  # how much later than the first rank's deadline the others' falls
@@ -157,5 +157,5 @@ def connect_failed(error: Exception, rank: int, timeout_s: float) -> StartupErro
 
 def default_store(store):
     """The process group's view of the store, as torch's env:// path prefixes it, and per torchrun restart round
-    (a restarted round sharing the agent's store must not read the dead round's addresses)."""
-    return dist.PrefixStore(f"default_pg/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    (a restarted round sharing the agent's store must not read the dead round's addresses: launch_round)."""
+    return dist.PrefixStore(f"default_pg/{launch_round()}", store)

@@ -1,13 +1,16 @@
 """Elastic shrink (README "Elastic restart"): two torchrun agents of a ``--nnodes 1:2`` job on loopback, one killed
 for good (agent and workers) after a checkpoint; the survivor restarts its workers alone, they resume the
 checkpoint at the layout that fits the world left (dp 2 -> 1, more accumulation for the same global batch), and
-the losses are an uninterrupted run's. A layout that cannot shrink ends the job with one line and exit 2."""
+the losses are an uninterrupted run's. A layout that cannot shrink ends the job with one line and exit 2. A host
+that comes back grows the job again (three namespace hosts, ``--nnodes 2:3``): the agents' SIGTERM is a restart to
+the workers, not a user's stop, and the job finishes at dp 3."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -22,7 +25,16 @@ from engine.checkpoint.format import CheckpointError
 from engine.checkpoint.lock import LOCK, CheckpointLock
 from tests import hosts
 from tests.cli import ROOT
-from tests.cluster.jobs import RDZV_CONF, Job, agent, final_losses, read_losses, restart_args, train_args
+from tests.cluster.jobs import (
+    RDZV_CONF,
+    Job,
+    agent,
+    final_losses,
+    logged_steps,
+    read_losses,
+    restart_args,
+    train_args,
+)
 from tests.dist import free_port
 
 
@@ -34,12 +46,13 @@ def elastic_agent(
     restarts: int = 3,
     nproc: int = 2,
     conf: str = RDZV_CONF,
+    nnodes: str = "1:2",
 ) -> list[str]:
-    """One agent of a 1-to-2-node job. ``is_host`` pins which agent serves the c10d rendezvous store: the job
-    can only restart while the store's host lives (an etcd rendezvous has no such host), so the other one is
-    the one killed."""
+    """One agent of a 1-to-2-node job (``nnodes``). ``is_host`` pins which agent serves the c10d rendezvous store:
+    the job can only restart while the store's host lives (an etcd rendezvous has no such host), so another one
+    is the one killed."""
     conf = f"{conf},is_host={'true' if host_store else 'false'}"
-    return agent("1:2", nproc, endpoint, args, restarts, rdzv_id=rdzv_id, conf=conf)
+    return agent(nnodes, nproc, endpoint, args, restarts, rdzv_id=rdzv_id, conf=conf)
 
 
 def two_agents(job: Job, args: list[str], restarts: int = 3) -> tuple[subprocess.Popen, subprocess.Popen]:
@@ -90,9 +103,11 @@ FAST_ROUNDS = ",".join(
 )
 
 
-def host_agent(job: Job, host: hosts.Host, endpoint: str, args: list[str], store: bool) -> subprocess.Popen:
+def host_agent(
+    job: Job, host: hosts.Host, endpoint: str, args: list[str], store: bool, nnodes: str = "1:2"
+) -> subprocess.Popen:
     """One agent of a 1-to-2-node job on ``host``, one worker; ``store``: this host serves the rendezvous store."""
-    cmd = elastic_agent(endpoint, "elastic", args, store, nproc=1, conf=FAST_ROUNDS)
+    cmd = elastic_agent(endpoint, "elastic", args, store, nproc=1, conf=FAST_ROUNDS, nnodes=nnodes)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     with (job.log_dir / f"agent{len(job.procs)}.log").open("w") as log:
         job.procs.append(
@@ -132,6 +147,92 @@ def test_survivor_host_continues_at_the_shrunk_layout(make_hosts, tmp_path):
         "saved at tp1 pp1 dp2 (2 ranks); continuing at tp1 pp1 dp1 on 1 rank: the world shrank from 2 to 1",
     )
     print(f"survivor finished {elapsed:.0f} s after h2 died")
+
+
+# dp 3, 2 and 3 again take the same global batch (2, 3 and 2 micro-batches of 2)
+GROW = ("--train.global_batch_size", "12", "--train.micro_batch_size", "2")
+
+
+def worker_of(agent: subprocess.Popen, world: int) -> psutil.Process:
+    """The one worker that ``agent`` runs in a round of ``world`` ranks."""
+    for child in psutil.Process(agent.pid).children(recursive=True):
+        try:
+            if child.environ().get("WORLD_SIZE") == str(world):
+                return child
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no worker of a {world}-rank round under agent {agent.pid}")
+
+
+def sigterm_pending(proc: psutil.Process) -> bool:
+    """A SIGTERM waits for ``proc`` (stopped, it cannot take it): its agent is stopping it."""
+    status = Path(f"/proc/{proc.pid}/status").read_text()
+    pending = int(status.split("ShdPnd:")[1].split()[0], 16)
+    return bool(pending & (1 << (signal.SIGTERM - 1)))
+
+
+def ended(proc: psutil.Process) -> bool:
+    """``proc`` has exited: a zombie that its agent (stopped) has not reaped, with no thread left (a main thread
+    that exited first shows as a zombie too, and its agent would still see it running)."""
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE and proc.num_threads() == 1
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_host_that_comes_back_grows_the_job_which_finishes(make_hosts, tmp_path):
+    """``--nnodes 2:3`` on three namespace hosts, h1 serving the store: after a checkpoint h3 dies (its agent and
+    worker), h1 and h2 resume at dp 2; h3 comes back (a new agent). h1's agent sees it waiting and stops its worker
+    with SIGTERM; h2's agent is held (SIGSTOP) until its worker has ended, so it sees that end before it sees h3,
+    which is the order that ended the job: workers that took the agent's SIGTERM for a user's exited 0 and h2's
+    agent took the job as finished. Now every worker saves and exits 1, every agent restarts, the three meet, resume
+    at dp 3, finish every step and exit 0, with the losses of an uninterrupted run. The dp 2 workers are held too
+    while h3's agent starts, so that the SIGTERM finds them training."""
+    out, ckpt, reference = tmp_path / "run", tmp_path / "ckpt", tmp_path / "reference"
+    uninterrupted = subprocess.Popen(  # meanwhile (a process start is most of its time)
+        [sys.executable, *train_args(reference), "--parallel.tp", "1", *GROW],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    cluster, job = make_hosts(3), Job(tmp_path)
+    h1, h2, h3 = cluster.hosts
+    args = restart_args(out, ckpt, "--parallel.tp", "1", *GROW)
+    try:
+        keeper, second, *_ = [host_agent(job, h, f"{h1.addr}:29400", args, h is h1, "2:3") for h in (h1, h2, h3)]
+        job.wait_for(lambda: (ckpt / "latest").exists(), "checkpoint", timeout=400)
+        kill_for_good(job, job.procs[2])  # h3 is gone
+        job.wait_for(lambda: "shrank from 3 to 2" in job.output(), "the shrunk round", timeout=300)
+        trained = logged_steps(out)
+        job.wait_for(lambda: logged_steps(out) > trained, "a step at dp 2", timeout=120)
+        workers = [worker_of(keeper, 2), worker_of(second, 2)]
+        held = [*workers, psutil.Process(second.pid)]
+        for proc in held:
+            proc.suspend()
+        third = host_agent(job, h3, f"{h1.addr}:29400", args, False, "2:3")  # h3 is back
+        job.wait_for(lambda: sigterm_pending(workers[0]), "h1's agent stopping its worker", timeout=25)
+        for proc in workers:
+            proc.resume()
+        job.wait_for(lambda: ended(workers[1]), "h2's worker's end", timeout=60)
+        held[2].resume()
+        codes = job.wait([keeper], timeout=300)
+        text = job.output()
+        assert "the world grew from 2 to 3" in text, text[-5000:]
+        codes += job.wait([second, third], timeout=300)
+        reference_output = uninterrupted.communicate(timeout=300)[0]
+    finally:
+        job.kill_all()
+        if uninterrupted.poll() is None:
+            uninterrupted.kill()
+            uninterrupted.wait()
+    assert codes == [0, 0, 0], text[-5000:]
+    layouts = re.findall(r"layout tp=1 pp=1 dp=(\d)", text)
+    assert layouts[0] == "3" and "2" in layouts and layouts[-1] == "3", layouts
+    assert "restart: the torchrun agent stopped its workers (a host joined the job" in text, text[-5000:]
+    assert uninterrupted.returncode == 0, reference_output[-3000:]
+    assert final_losses(out) == pytest.approx(read_losses(reference), rel=1e-5)  # every step, the last included
 
 
 @pytest.mark.slow  # 4 ranks on loopback, two rendezvous rounds (2-4 min each); CI has the two-host case above
