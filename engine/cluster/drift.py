@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from engine.cluster import hostreport
-from engine.cluster.heartbeat import host_name
+from engine.cluster.heartbeat import host_name, launch_round
 from engine.cluster.startup import StartupError
 from engine.errors import ConfigError
 
@@ -115,7 +115,7 @@ def check_same(store, rank: int, world: int, config: dict, timeout_s: float) -> 
     that joined never counts itself in within the store's timeout (``timeout_s``)."""
     import torch.distributed as dist
 
-    ours = dist.PrefixStore(f"{_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    ours = dist.PrefixStore(f"{_PREFIX}/{launch_round()}", store)  # a restarted round may share the store
     digests, details = describe(config)
     try:
         if rank == 0:
