@@ -17,6 +17,12 @@ and is never called silent; one that fails on its own writes ``failed`` and is n
 
 After the main thread saw a collective fail (``explain``: a killed peer closes its sockets, gloo fails within
 seconds), the silence needed drops to ``ALARM_BEATS`` beats, so a dead peer is named in seconds, in one line.
+
+Ending (``_finish``): a rank that ends on a verdict waits (bounded) until every rank the verdict left alive has read
+it, so the host serving the store never takes the store away before a healthy host learnt the culprit
+(engine/cluster/verdict.py); a rank that lost the store prints the same line on every host. Under torchrun it
+then starts engine/cluster/agentwatch.py, which ends its agent if that agent is blocked on a frozen store and
+would otherwise outlive its workers for as long as the freeze lasts.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ import threading
 import time
 from datetime import timedelta
 
+from engine.cluster import agentwatch
 from engine.cluster.report import report_once
+from engine.cluster.verdict import LIVE_KEY, acknowledge, store_host
 
 BEATS = 10  # beats per timeout: a silent peer is seen between timeout and timeout + timeout / BEATS
 ALARM_BEATS = 3  # after a failed collective: beats of silence that name a peer dead
@@ -97,6 +105,7 @@ class Heartbeat:
         self._guard_thread = threading.Thread(target=self._guard, name="engine-heartbeat-guard", daemon=True)
         self._store_ok = time.monotonic()
         self._ending = threading.Lock()
+        self._store_lost = False  # the line is the store's: no store to acknowledge the verdict through
         self.store_addr = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '?')}"
 
     def start(self) -> "Heartbeat":
@@ -127,8 +136,8 @@ class Heartbeat:
         post its verdict (it ends the process). Returns when no peer turned out silent: the error is this rank's."""
         self.alarm.set()
         deadline = time.monotonic() + (wait_s if wait_s is not None else (ALARM_BEATS + 3) * self.interval)
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        while not self._stop.is_set() and (time.monotonic() < deadline or self.verdict is not None):
+            time.sleep(0.05)  # a verdict being finished (acknowledged: _finish) ends this process
 
     # ---- the thread ---------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -206,15 +215,18 @@ class Heartbeat:
             f"checkpoint is intact)"
         )
         try:
+            store.compare_set(LIVE_KEY, "", str(self.world - len(silent)))  # how many ranks acknowledge: _finish
             return store.compare_set("verdict", "", line).decode() or line
         except Exception:  # noqa: BLE001
             return line
 
     def _store_line(self, quiet_s: float) -> str:
-        holder = self.hosts.get(0, "that of rank 0")
+        """The same line on every host that lost the store (no store to agree through): the store's host, the
+        silence that ends a rank (not each rank's own measure of it) and the step."""
+        self._store_lost = True
         return (
-            f"error: the job's store at {self.store_addr} (host {holder}) has not answered for {quiet_s:.0f} s "
-            f"(dead, frozen or cut off) at step {self.step_of()}; ending rank {self.rank} on host {host_name()}"
+            f"error: the job's store at {self.store_addr} (host {store_host(self.hosts)}) has not answered for "
+            f"{self._limit():.0f} s (dead, frozen or cut off) at step {self.step_of()}; ending the job"
         )
 
     def _end(self, line: str) -> None:
@@ -228,5 +240,9 @@ class Heartbeat:
         report_once(line)
         sys.stdout.flush()
         sys.stderr.flush()
+        if not self._store_lost:  # the store stays up until every live rank has the line (verdict.py)
+            acknowledge(lambda: connect(self.op_timeout), self.op_timeout, self.interval)
+        if self.exit_fn is os._exit:  # a torchrun agent blocked on a frozen store outlives us otherwise
+            agentwatch.start(self.op_timeout)
         self.exit_fn(EXIT_CODE)
         self._stop.set()  # exit_fn returned (tests): stop watching
