@@ -37,7 +37,8 @@ def start_cluster(cfg):
         return None, None
     store = default_store(join(rank, world, cfg.parallel.startup_timeout_s))
     beat = cfg.parallel.heartbeat_timeout_s
-    return store, Heartbeat(rank, world, beat).start() if beat > 0 else None
+    startup = cfg.parallel.startup_timeout_s  # a peer's first beat: engine/cluster/heartbeat.py _limit
+    return store, Heartbeat(rank, world, beat, startup_s=startup).start() if beat > 0 else None
 
 
 def main(argv: list[str]) -> int:

@@ -85,6 +85,7 @@ def start(grace: float) -> subprocess.Popen | None:
         return subprocess.Popen(
             [sys.executable, "-S", str(Path(__file__).resolve()), *args],
             stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,  # stderr stays the worker's: the agent's log gets the line of a kill
             start_new_session=True,  # outlives the worker, and the agent's kill of the worker's process group
             close_fds=True,
         )

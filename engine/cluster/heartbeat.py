@@ -36,7 +36,7 @@ from datetime import timedelta
 
 from engine.cluster import agentwatch
 from engine.cluster.report import report_once
-from engine.cluster.verdict import LIVE_KEY, acknowledge, store_host
+from engine.cluster.verdict import LIVE_KEY, acknowledge, live_ranks, store_host
 
 BEATS = 10  # beats per timeout: a silent peer is seen between timeout and timeout + timeout / BEATS
 ALARM_BEATS = 3  # after a failed collective: beats of silence that name a peer dead
@@ -88,8 +88,11 @@ def describe_ranks(ranks: list[int], hosts: dict[int, str]) -> str:
 class Heartbeat:
     """One rank's beat and watchdog thread. ``step`` is read from ``step_of()`` (the trainer's step) at each beat."""
 
-    def __init__(self, rank: int, world: int, timeout_s: float, step_of=lambda: 0, exit_fn=os._exit):
+    def __init__(
+        self, rank: int, world: int, timeout_s: float, step_of=lambda: 0, exit_fn=os._exit, startup_s: float = 0.0
+    ):
         self.rank, self.world, self.timeout = rank, world, timeout_s
+        self.startup_s = startup_s  # the silence allowed at step 0 (start-up): _limit
         self.interval = max(0.2, timeout_s / BEATS)
         # a store operation waits this long at most: a frozen store is named within timeout + op_timeout + interval
         self.op_timeout = max(self.interval, timeout_s / 3)
@@ -192,7 +195,14 @@ class Heartbeat:
         return [store.get(k).decode() if store.check([k]) else None for k in keys]
 
     def _limit(self) -> float:
-        return ALARM_BEATS * self.interval if self.alarm.is_set() else self.timeout
+        """The silence that ends: ALARM_BEATS beats after a failed collective; during start-up (step 0: until this
+        rank's first step is done, or its trainer has resumed a later one) the start-up bound,
+        ``parallel.startup_timeout_s`` (``startup_s``), as joining has: a rank's first beats cost a connect and
+        several round trips each more than a beat mid-run (its host's name, every peer's), so a slow link that
+        mid-run only slows the steps is not declared dead at start-up; the heartbeat's timeout afterwards."""
+        if self.alarm.is_set():
+            return ALARM_BEATS * self.interval
+        return max(self.timeout, self.startup_s) if self.step_of() == 0 else self.timeout
 
     def _load_hosts(self, store) -> None:
         missing = [r for r in range(self.world) if r not in self.hosts]
@@ -215,7 +225,8 @@ class Heartbeat:
             f"checkpoint is intact)"
         )
         try:
-            store.compare_set(LIVE_KEY, "", str(self.world - len(silent)))  # how many ranks acknowledge: _finish
+            live = live_ranks(self.world, silent, self.hosts)  # how many acknowledge it before leaving: _finish
+            store.compare_set(LIVE_KEY, "", str(live))
             return store.compare_set("verdict", "", line).decode() or line
         except Exception:  # noqa: BLE001
             return line
