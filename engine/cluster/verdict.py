@@ -7,9 +7,10 @@ beat came after that found no store and no verdict: it waited a whole timeout mo
 instead of the host that had failed (61-65 s at the default 30 s, seen in issue 42). So every rank that ends on a
 verdict counts itself into ``verdict/acks`` and waits until the ranks the verdict left alive (``verdict/live``,
 posted with it) have all counted in, at most ``2 * interval + op_timeout``: a live rank reads the verdict at its
-next beat. The ranks named in the verdict (silent, failed, cut off), and their hosts' other ranks, are not waited
-for. Only when the store itself stopped answering is there nothing to wait through; that line is then the same on
-every host anyway.
+next beat. The ranks named in the verdict (silent, failed, cut off) are not waited for; their host's other ranks
+are (a killed rank's host-mates live on and must print the line too), which costs the whole wait only when a frozen
+host's ranks fell silent a beat apart and the verdict named one of them. Only when the store itself stopped
+answering is there nothing to wait through; that line is then the same on every host anyway.
 """
 
 from __future__ import annotations
@@ -48,13 +49,6 @@ def acknowledge(open_store, op_timeout: float, interval: float) -> bool:
     waiter.start()
     waiter.join(timeout=wait_s + op_timeout)  # a store call that hangs (a freeze now) is not waited out
     return done.is_set()
-
-
-def live_ranks(world: int, silent: list[int], hosts: dict[int, str]) -> int:
-    """How many ranks a verdict naming ``silent`` leaves alive: not those, nor any rank of their hosts (a host's
-    ranks fall silent up to a beat apart, and a host that failed is not waited for)."""
-    gone = {hosts[r] for r in silent if r in hosts}
-    return sum(1 for r in range(world) if r not in silent and hosts.get(r) not in gone)
 
 
 def store_host(hosts: dict[int, str]) -> str:
