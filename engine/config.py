@@ -118,7 +118,8 @@ class ParallelConfig:
     # nodes that did not (engine/cluster/startup.py); timeout_s stays the collectives' bound.
     startup_timeout_s: float = 60.0
     # A peer whose heartbeat (engine/cluster/heartbeat.py) has not moved for this many seconds is dead, frozen or
-    # cut off: every rank prints one line naming its host and rank and exits 1. 0 turns the heartbeat off.
+    # cut off: every rank prints one line naming its host and rank and exits 1. 0 turns the heartbeat off. Until the
+    # first step is done (start-up) the silence allowed is startup_timeout_s, if longer.
     heartbeat_timeout_s: float = 30.0
 
 

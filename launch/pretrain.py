@@ -53,7 +53,8 @@ def start_cluster(cfg):
     check_same(joined, rank, world, cfg.to_dict(), cfg.parallel.startup_timeout_s)
     store = default_store(joined)
     beat = cfg.parallel.heartbeat_timeout_s
-    return store, Heartbeat(rank, world, beat).start() if beat > 0 else None
+    startup = cfg.parallel.startup_timeout_s  # a peer's first beat: engine/cluster/heartbeat.py _limit
+    return store, Heartbeat(rank, world, beat, startup_s=startup).start() if beat > 0 else None
 
 
 def main(argv: list[str]) -> int:

@@ -37,6 +37,12 @@ at once.
 After a rank's main thread saw a collective fail (``explain``: a killed peer closes its sockets, gloo fails within
 seconds), it posts ``alarm``: every watcher then needs only ``ALARM_BEATS`` beats of silence to name a peer dead, and
 every alarmed rank beats ``FAST`` times as often, so a dead peer is named in seconds, in one line.
+
+Ending (``_finish``): a rank that ends on a verdict waits (bounded) until every rank the verdict left alive has read
+it, so the host serving the store never takes the store away before a healthy host learnt the culprit
+(engine/cluster/verdict.py); a rank that lost the store prints the same line on every host. Under torchrun it
+then starts engine/cluster/agentwatch.py, which ends its agent if that agent is blocked on a frozen store and
+would otherwise outlive its workers for as long as the freeze lasts.
 """
 
 from __future__ import annotations
@@ -48,7 +54,9 @@ import threading
 import time
 from datetime import timedelta
 
+from engine.cluster import agentwatch
 from engine.cluster.report import report_once
+from engine.cluster.verdict import LIVE_KEY, acknowledge, store_host
 
 BEATS = 10  # beats per timeout: a silent peer is seen between timeout and timeout + timeout / BEATS
 ALARM_BEATS = 3  # after a failed collective: beats of silence that name a peer dead
@@ -138,9 +146,17 @@ class Heartbeat:
     """One rank's beat and watchdog thread. ``step`` is read from ``step_of()`` (the trainer's step) at each beat."""
 
     def __init__(
-        self, rank: int, world: int, timeout_s: float, step_of=lambda: 0, exit_fn=os._exit, local: int | None = None
+        self,
+        rank: int,
+        world: int,
+        timeout_s: float,
+        step_of=lambda: 0,
+        exit_fn=os._exit,
+        local: int | None = None,
+        startup_s: float = 0.0,
     ):
         self.rank, self.world, self.timeout = rank, world, timeout_s
+        self.startup_s = startup_s  # the silence allowed at step 0 (start-up): _limit
         self.watched = watched(rank, world, slice_size(world, local))  # ``local``: ranks per host, if not the env's
         self._keys = [f"hb/{r}" for r in self.watched] + ["verdict", "alarm"]
         self._present = not self.watched  # every watched counter exists (checked until it does, then never again)
@@ -165,6 +181,7 @@ class Heartbeat:
         self._listener = threading.Thread(target=self._listen, name="engine-heartbeat-listener", daemon=True)
         self._store_ok = time.monotonic()
         self._ending = threading.Lock()
+        self._store_lost = False  # the line is the store's: no store to acknowledge the verdict through
         self.store_addr = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '?')}"
 
     def start(self) -> "Heartbeat":
@@ -196,8 +213,8 @@ class Heartbeat:
         post its verdict (it ends the process). Returns when no peer turned out silent: the error is this rank's."""
         self.alarm.set()
         deadline = time.monotonic() + (wait_s if wait_s is not None else (ALARM_BEATS + 3) * self.interval)
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        while not self._stop.is_set() and (time.monotonic() < deadline or self.verdict is not None):
+            time.sleep(0.05)  # a verdict being finished (acknowledged: _finish) ends this process
 
     # ---- the thread ---------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -309,7 +326,14 @@ class Heartbeat:
                 self._end(self._store_line(quiet))
 
     def _limit(self) -> float:
-        return ALARM_BEATS * self.interval if self.alarm.is_set() or self._alarmed else self.timeout
+        """The silence that ends: ALARM_BEATS beats after a failed collective; during start-up (step 0: until this
+        rank's first step is done, or its trainer has resumed a later one) the start-up bound,
+        ``parallel.startup_timeout_s`` (``startup_s``), as joining has: a rank's first beats cost a connect and
+        several round trips each more than a beat mid-run (its host's name, every peer's), so a slow link that
+        mid-run only slows the steps is not declared dead at start-up; the heartbeat's timeout afterwards."""
+        if self.alarm.is_set() or self._alarmed:
+            return ALARM_BEATS * self.interval
+        return max(self.timeout, self.startup_s) if self.step_of() == 0 else self.timeout
 
     def _period(self) -> float:
         return self.interval / FAST if self.alarm.is_set() or self._alarmed else self.interval
@@ -338,15 +362,19 @@ class Heartbeat:
             f"checkpoint is intact)"
         )
         try:
+            live = self.world - len(silent)  # how many ranks acknowledge it before leaving: _finish
+            store.compare_set(LIVE_KEY, "", str(live))
             return store.compare_set("verdict", "", line).decode() or line
         except Exception:  # noqa: BLE001
             return line
 
     def _store_line(self, quiet_s: float) -> str:
-        holder = self.hosts.get(0, "that of rank 0")
+        """The same line on every host that lost the store (no store to agree through): the store's host, the
+        silence that ends a rank (not each rank's own measure of it) and the step."""
+        self._store_lost = True
         return (
-            f"error: the job's store at {self.store_addr} (host {holder}) has not answered for {quiet_s:.0f} s "
-            f"(dead, frozen or cut off) at step {self.step_of()}; ending rank {self.rank} on host {host_name()}"
+            f"error: the job's store at {self.store_addr} (host {store_host(self.hosts)}) has not answered for "
+            f"{self._limit():.0f} s (dead, frozen or cut off) at step {self.step_of()}; ending the job"
         )
 
     def _end(self, line: str) -> None:
@@ -360,5 +388,9 @@ class Heartbeat:
         report_once(line)
         sys.stdout.flush()
         sys.stderr.flush()
+        if not self._store_lost:  # the store stays up until every live rank has the line (verdict.py)
+            acknowledge(lambda: connect(self.op_timeout), self.op_timeout, self.interval)
+        if self.exit_fn is os._exit:  # a torchrun agent blocked on a frozen store outlives us otherwise
+            agentwatch.start(self.op_timeout)
         self.exit_fn(EXIT_CODE)
         self._stop.set()  # exit_fn returned (tests): stop watching

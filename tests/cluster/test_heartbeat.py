@@ -67,3 +67,25 @@ def test_frozen_store_host_is_named_as_the_store():
             verdict,
         ), verdict
         assert codes == [1] and elapsed < BOUND_S, (elapsed, codes)
+
+
+def _late_first_beat(startup_s: float):
+    """Rank 1's first beat comes 2 timeouts after rank 0's heartbeat started (a slow link's first beats: a connect
+    and a round trip per peer each); both then beat for another timeout and finish. Returns rank 0's verdict."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    codes: list[int] = []
+    if rank == 1:
+        time.sleep(2 * TIMEOUT)
+    beat = Heartbeat(rank, world, TIMEOUT, exit_fn=codes.append, startup_s=startup_s).start()
+    time.sleep(TIMEOUT if rank == 1 else 3 * TIMEOUT)
+    dist.barrier()
+    beat.stop()
+    return beat.verdict, codes
+
+
+def test_a_late_first_beat_is_allowed_the_startup_bound():
+    """Within parallel.startup_timeout_s (here 6 timeouts) a rank whose first beat is late is not named; past it
+    (startup_s 0: the heartbeat's own timeout) the same lateness is, which is what a slow link met at start-up."""
+    assert run_ranks(_late_first_beat, 2, 6 * TIMEOUT, timeout_s=120)[0] == (None, [])
+    verdict, codes = run_ranks(_late_first_beat, 2, 0.0, timeout_s=120)[0]
+    assert codes == [1] and re.match(r"error: rank 1 on host .* silent for \d+ s", verdict), verdict
