@@ -19,6 +19,7 @@ from engine.config_checks import validate
 from engine.config_types import HeadDim, coerce, explicit_head_dim
 from engine.config_yaml import BoundedLoader, UniqueKeyLoader
 from engine.errors import ConfigError
+from engine.json_input import long_integer
 
 __all__ = ["Config", "ConfigError", "load", "load_yaml", "parse_args", "validate"]
 
@@ -250,15 +251,22 @@ def load_yaml(path: str | Path, cfg: Config | None = None) -> Config:
     if not path.is_file():
         raise ConfigError(f"config file '{path}' does not exist")
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeyLoader)
+        text = path.read_text(encoding="utf-8")
+        data = yaml.load(text, Loader=UniqueKeyLoader)
     except ConfigError as e:
         raise ConfigError(f"config file '{path}': {e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file '{path}' is not UTF-8 text (byte {e.start}); give a YAML file") from None
+    except OSError as e:  # permission denied, a directory swapped in, an I/O error
+        raise ConfigError(
+            f"config file '{path}' cannot be read ({e.strerror or e}); give a readable YAML file"
+        ) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise ConfigError(f"config file '{path}' is not valid YAML{where}") from None
+    except ValueError:  # YAML's int() of a number past Python's digit limit
+        raise ConfigError(f"config file '{path}' holds {long_integer(text)}") from None
     _apply_mapping(cfg, data, str(path))
     return cfg
 
@@ -295,10 +303,10 @@ def load(argv: list[str]) -> Config:
         # YAML parses CLI values so that 1e-3, true and [a,b] mean what they mean in the file.
         try:
             parsed = yaml.load(value, Loader=BoundedLoader) if value != "" else ""
-        except yaml.YAMLError:
-            parsed = value
         except ConfigError as e:  # an alias bomb (engine/config_yaml.py)
             raise ConfigError(f"--{key}: {e}") from None
+        except (yaml.YAMLError, ValueError):  # not YAML, or an integer past Python's digits: the text, checked
+            parsed = value  # by its field's type
         _set(cfg, key, parsed)
     validate(cfg)
     return cfg
