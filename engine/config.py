@@ -21,6 +21,7 @@ from engine.config_checks import validate
 from engine.config_types import HeadDim, coerce, explicit_head_dim
 from engine.config_yaml import BoundedLoader, LiteralLoader, UniqueKeyLoader
 from engine.errors import ConfigError
+from engine.json_input import long_integer
 
 __all__ = ["Config", "ConfigError", "load", "load_yaml", "parse_args", "validate"]
 
@@ -274,10 +275,16 @@ def load_yaml(path: str | Path, cfg: Config | None = None) -> Config:
         raise ConfigError(f"config file '{path}': {e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file '{path}' is not UTF-8 text (byte {e.start}); give a YAML file") from None
+    except OSError as e:  # permission denied, a directory swapped in, an I/O error
+        raise ConfigError(
+            f"config file '{path}' cannot be read ({e.strerror or e}); give a readable YAML file"
+        ) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise ConfigError(f"config file '{path}' is not valid YAML{where}") from None
+    except ValueError:  # YAML's int() of a number past Python's digit limit
+        raise ConfigError(f"config file '{path}' holds {long_integer(text)}") from None
     _apply_mapping(cfg, data, str(path), functools.cache(lambda: yaml.load(text, Loader=LiteralLoader)))
     return cfg
 
@@ -311,8 +318,8 @@ def _cli_value(key: str, value: str, loader=BoundedLoader):
     that is not YAML stays the text)."""
     try:
         return yaml.load(value, Loader=loader) if value != "" else ""
-    except yaml.YAMLError:
-        return value
+    except (yaml.YAMLError, ValueError):  # not YAML, or an integer past Python's digits: the text, checked by
+        return value  # its field's type
     except ConfigError as e:  # an alias bomb (engine/config_yaml.py)
         raise ConfigError(f"--{key}: {e}") from None
 

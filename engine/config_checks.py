@@ -36,6 +36,14 @@ CHOICES = {
 }
 
 
+# Adam's update is about lr per weight per step (m / sqrt(v) is about 1 per element) on weights initialised at
+# model.init_std ~0.02: lr 1 replaces them every step, and far above it the fp32 step lr / (1 - beta1^t) overflows
+# (--train.lr 1e39 crashed the first optimizer step, issue 42). Published runs use 1e-4 to 1e-2.
+MAX_LR = 1.0
+# numpy.random.RandomState's range (PowerSGD seeds one with train.seed); default_rng and torch.manual_seed take it too
+MAX_SEED = 2**32 - 1
+
+
 def _positive(cfg: Config, keys: list[str]) -> None:
     for dotted in keys:
         section, key = dotted.split(".")
@@ -84,7 +92,7 @@ def validate(cfg: Config) -> None:
             f"parallel.heartbeat_timeout_s={cfg.parallel.heartbeat_timeout_s} must be >= 0 (0 turns the heartbeat off)"
         )
     m = cfg.model
-    _validate_heads(m)
+    validate_heads(m)
     if cfg.train.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     _validate_families(cfg)
@@ -101,7 +109,8 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_run(cfg: Config) -> None:
-    """The run's own settings: where it writes, evaluation, data, the optimizer's scalars, checkpoints."""
+    """The run's own settings: where it writes, evaluation, data, the initial weights' and the optimizer's scalars,
+    checkpoints."""
     if not cfg.train.out_dir.strip():  # '' wrote metrics.jsonl and LOCK into the current directory
         raise ConfigError(
             f"train.out_dir={cfg.train.out_dir!r} is not valid: give the directory for the run's "
@@ -116,8 +125,17 @@ def _validate_run(cfg: Config) -> None:
         )
     if not 0.0 <= cfg.data.valid_fraction < 1.0:
         raise ConfigError(f"data.valid_fraction={cfg.data.valid_fraction} must be in [0, 1)")
-    if cfg.train.lr < 0:
-        raise ConfigError(f"train.lr={cfg.train.lr} must be >= 0")
+    if cfg.model.init_std < 0:  # the standard deviation of the weights' normal (0, as HF's initializer_range allows)
+        raise ConfigError(
+            f"model.init_std={cfg.model.init_std} must be >= 0 (the weights are drawn from N(0, init_std))"
+        )
+    if not 0 <= cfg.train.lr <= MAX_LR:
+        raise ConfigError(
+            f"train.lr={cfg.train.lr} must be in [0, {MAX_LR:g}]: Adam moves every weight by about lr per step, "
+            f"so above 1 nothing trains (typical: 1e-4 to 3e-3)"
+        )
+    if not 0 <= cfg.train.seed <= MAX_SEED:
+        raise ConfigError(f"train.seed={cfg.train.seed} must be in [0, {MAX_SEED}] (2**32 - 1, numpy's seed range)")
     if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
         raise ConfigError(f"train.min_lr_ratio={cfg.train.min_lr_ratio} must be in [0, 1]")
     for beta in ("beta1", "beta2"):  # Adam's moment decay rates (Kingma & Ba 2015): 0 <= beta < 1
@@ -174,9 +192,9 @@ def _validate_dp(cfg: Config) -> None:
         raise ConfigError(f"parallel.powersgd_warmup_steps={p.powersgd_warmup_steps} must be >= 2")
 
 
-def _validate_heads(m) -> None:
+def validate_heads(m) -> None:
     """num_heads % num_kv_heads (GQA); model.head_dim >= 0 (0: hidden_size / num_heads, which must then divide)
-    and even (RoPE rotates pairs)."""
+    and even (RoPE rotates pairs). Also run on a checkpoint's saved model (engine/checkpoint/schema.py)."""
     given = explicit_head_dim(m)
     if given < 0:
         raise ConfigError(f"model.head_dim={given} must be >= 0 (0: hidden_size / num_heads)")

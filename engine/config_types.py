@@ -39,6 +39,8 @@ def coerce(key: str, value, typ):
     if typ is int:
         if isinstance(value, bool):
             raise ConfigError(f"{key}={value!r} is not an integer")
+        if isinstance(value, int):  # exact, however large (float() of one past 1e308 overflows)
+            return value
         try:
             as_float = float(value)
         except (TypeError, ValueError):
@@ -49,6 +51,8 @@ def coerce(key: str, value, typ):
     if typ is float:
         try:
             number = float(value)
+        except OverflowError:  # an integer past 1e308 (YAML reads `lr: 1000...0` as one)
+            raise ConfigError(f"{key}={value} is not a finite number") from None
         except (TypeError, ValueError):
             raise ConfigError(f"{key}={value!r} is not a number") from None
         if not math.isfinite(number):  # nan/inf are never a meaningful setting, and poison what they touch

@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import sys
 import threading
 import time
@@ -140,10 +141,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def hardware(args: argparse.Namespace, dtype: str) -> Hardware:
     """The Hardware of the arguments; every value is checked here so that errors name the flag."""
     for flag in ("world_size", "device_memory", "efficiency", "gpus_per_node", "intra_node_gbps", "inter_node_gbps"):
-        if getattr(args, flag) <= 0:
-            raise ArgumentError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be > 0")
+        value = getattr(args, flag)
+        if not (value > 0 and math.isfinite(value)):  # nan is not > 0
+            raise ArgumentError(f"--{flag.replace('_', '-')}={value} must be > 0 and finite")
     if args.efficiency > 1:
         raise ArgumentError(f"--efficiency={args.efficiency} must be in (0, 1]")
+    if not (args.peak_tflops >= 0 and math.isfinite(args.peak_tflops)):  # -5 divided the step time by zero
+        raise ArgumentError(
+            f"--peak-tflops={args.peak_tflops} must be > 0 and finite (TFLOP/s per device), or 0 for the --device table"
+        )
     peak = args.peak_tflops or peak_tflops(args.device, dtype)
     if not peak:
         raise ArgumentError(f"no {dtype} peak known for --device={args.device!r}; give --peak-tflops")

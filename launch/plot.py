@@ -23,6 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from engine.json_input import shown  # noqa: E402
+from engine.metrics.tensorboard import SCALARS  # noqa: E402
+
 PANELS = [  # (record key, title, y label, log scale)
     ("loss", "Loss", "cross-entropy (nats/token)", False),
     ("lr", "Learning rate", "lr", False),
@@ -37,8 +40,31 @@ MOE_PANELS = [  # added when a run is a mixture of experts (engine/metrics/moe.p
 ]
 
 
+# Every record key drawn here or written by --tensorboard: a number where present (NaN and inf too: a diverged run)
+NUMBERS = sorted({key for key, *_ in PANELS + MOE_PANELS} | {"eval_loss", *SCALARS})
+
+
 class PlotError(ValueError):
     """Bad input to plot.py; ``str(e)`` is one line."""
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_record(record: dict, where: str) -> None:
+    """PlotError naming the line and key unless the record's step is an integer >= 0, every value drawn is a number
+    (or absent) and ``time`` an object of seconds per phase: a step of Infinity, a null loss or a list for time
+    were tracebacks, or half-written event files (issue 42)."""
+    step = record["step"]
+    if not (_is_number(step) and isinstance(step, int) and step >= 0):
+        raise PlotError(f"{where}: step is {shown(step)}, not an integer >= 0")
+    for key in NUMBERS:
+        if key in record and not _is_number(record[key]):
+            raise PlotError(f"{where}: {key} is {shown(record[key])}, not a number (metrics.jsonl writes numbers)")
+    phases = record.get("time", {})
+    if not (isinstance(phases, dict) and all(map(_is_number, phases.values()))):
+        raise PlotError(f'{where}: time is {shown(phases)}, not an object of seconds per phase such as {{"data": 0.1}}')
 
 
 def read_run(run_dir: Path) -> list[dict]:
@@ -50,15 +76,19 @@ def read_run(run_dir: Path) -> list[dict]:
     for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
         try:
             record = json.loads(line)
-            by_step[int(record["step"])] = record
-        except (ValueError, KeyError, TypeError):
+        except ValueError:
+            record = None
+        if not (isinstance(record, dict) and "step" in record):
             skipped.append(number)  # a line cut short by a crash, a damaged byte
+            continue
+        check_record(record, f"{path} line {number}")
+        by_step[record["step"]] = record
     if not by_step:
         raise PlotError(f"{path}: no step records")
     if skipped:
-        shown = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
+        lines = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
         print(
-            f"warning: {path}: skipped {len(skipped)} lines that are not a step record (line {shown})",
+            f"warning: {path}: skipped {len(skipped)} lines that are not a step record (line {lines})",
             file=sys.stderr,
             flush=True,
         )
@@ -80,6 +110,17 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def check_format(plt, output: Path) -> None:
+    """PlotError unless matplotlib writes ``output``'s suffix (none: PNG), before anything is drawn."""
+    formats = sorted(plt.figure().canvas.get_supported_filetypes())
+    plt.close("all")
+    suffix = output.suffix.lower().lstrip(".")
+    if suffix and suffix not in formats:
+        raise PlotError(
+            f"-o {output}: matplotlib cannot write .{suffix} files; end the name in one of .{', .'.join(formats)}"
+        )
 
 
 def write_tensorboard(run: Path, records: list[dict]) -> Path:
@@ -154,7 +195,9 @@ def main(argv: list[str]) -> int:
             for run in args.runs:
                 print(f"wrote {write_tensorboard(Path(run), read_run(Path(run)))}", flush=True)
             return 0
-        _pyplot()  # before reading anything: a missing matplotlib is the one thing to say
+        check_format(
+            _pyplot(), Path(args.output)
+        )  # before reading anything: a missing matplotlib is the one thing to say
         names = args.names or [Path(r).resolve().name for r in args.runs]
         if len(names) != len(args.runs):
             raise PlotError(f"--names has {len(names)} names for {len(args.runs)} runs; give one per run")

@@ -30,7 +30,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from engine.cluster.hostcheck import DEFAULT_SSH, HostResult, check_hosts, describe, remote_command  # noqa: E402
+from engine.cluster.hostcheck import (  # noqa: E402
+    DEFAULT_SSH,
+    HostResult,
+    check_hosts,
+    deepspeed_env,
+    describe,
+    remote_command,
+    ssh_command,
+)
 from engine.cluster.hostfile import Host, HostfileError, parse_hostfile  # noqa: E402
 from engine.cluster.keepalive import advice as keepalive_advice  # noqa: E402
 from engine.config import ConfigError, load  # noqa: E402
@@ -65,6 +73,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             f"--local={args.local}, --iters={args.iters}, --size-mb={args.size_mb} and "
             f"--timeout-s={args.timeout_s} must all be positive"
         )
+    args.ssh_argv = ssh_command(args.ssh)
+    if not args.worker:
+        deepspeed_env()  # a .deepspeed_env that cannot be read: one line now, not in a host's check thread
     return args
 
 
@@ -133,7 +144,7 @@ def failure_cause(err: str) -> str:
 
 def run_link_test_over_ssh(args: argparse.Namespace, hosts: list[Host]) -> None:
     """Start the link test on every host at once over ssh; print rank 0's table; name every host that failed."""
-    ssh, run_id = shlex.split(args.ssh), f"preflight-{uuid.uuid4().hex[:8]}"
+    ssh, run_id = args.ssh_argv, f"preflight-{uuid.uuid4().hex[:8]}"
     procs = {}
     for host in hosts:
         command = torchrun_command(args, hosts, host, run_id)
@@ -206,7 +217,7 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def check_all_hosts(args: argparse.Namespace, hosts: list[Host]) -> list[HostResult]:
-    results = check_hosts(hosts, shlex.split(args.ssh), str(ROOT), args.config, timeout_s=args.timeout_s)
+    results = check_hosts(hosts, args.ssh_argv, str(ROOT), args.config, timeout_s=args.timeout_s)
     for r in results:
         print(describe(r), flush=True)
     bad = [f"{r.host.name} ({'; '.join(r.problems)})" for r in results if r.problems]
@@ -223,7 +234,7 @@ def check_shared_directories(args: argparse.Namespace, cfg, hosts: list[Host]) -
     directories = run_directories(
         Path(ROOT, cfg.train.out_dir), Path(ROOT, cfg.checkpoint.dir) if cfg.checkpoint.dir else None
     )
-    problem = check_shared_over_ssh(shlex.split(args.ssh), [h.name for h in hosts], directories, args.timeout_s)
+    problem = check_shared_over_ssh(args.ssh_argv, [h.name for h in hosts], directories, args.timeout_s)
     if problem:
         raise HostFailure(problem)
     print("shared directories: " + ", ".join(f"{s} '{d}'" for d, s in directories), flush=True)

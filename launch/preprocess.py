@@ -153,7 +153,8 @@ def preprocess(
     inputs: list[str], output: str, tokenizer: str = "", workers: int = 1, text_key: str = "text", split: str = "train"
 ) -> dict:
     """Check and open every input, load the tokenizer, then write OUTPUT.bin/OUTPUT.idx (see _write). Bad input
-    -> DataError naming it, raised before the tokenizer, megatron-core or the output are touched."""
+    -> DataError naming it, raised before the tokenizer, megatron-core or the output are touched; an output that
+    cannot be written -> DataError naming it."""
     if workers < 1:
         raise DataError(f"--workers {workers}: give at least 1")
     with data.quiet_datasets() as cache_dir:
@@ -163,7 +164,16 @@ def preprocess(
                 check_has_text(ds, column, spec)
             tok = _STATE["tokenizer"] = data.load_tokenizer(tokenizer)
             data.eos_id(tok)  # a tokenizer without EOS fails here, before any worker starts
-            return _write(pathlib.Path(output).expanduser(), index_dtype(len(tok)), workers)
+            try:
+                return _write(pathlib.Path(output).expanduser(), index_dtype(len(tok)), workers)
+            except OSError as e:  # a read-only folder, a file where a folder should be, a full disk
+                where = f"{e.strerror or e}: {e.filename}" if e.filename else f"{e.strerror or e}"
+                if isinstance(e, FileExistsError):  # the output's folder, made with exist_ok, is a file
+                    where = f"{e.filename} is a file, not a folder"
+                raise DataError(
+                    f"--output {output}: cannot write {output}.bin/.idx ({where}); give a prefix in a writable "
+                    f"folder (its temporary files are removed)"
+                ) from None
         finally:
             _STATE.clear()
 

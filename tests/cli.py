@@ -28,10 +28,38 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _child(script: str, args: list[str], cwd: Path, env: dict | None, out: int, err: int, stdin: int) -> None:
+def drop_file_permission_override() -> None:
+    """Drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from this process (capset(2), what ``setpriv`` does before an
+    exec): root then meets file modes as any user does (a mode-000 file cannot be read), and keeps everything else.
+    Nothing to drop for a user without them."""
+    import ctypes
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3: two 32-bit words
+    if libc.capget(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    dac = (1 << 1) | (1 << 2)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+    data[0].effective &= ~dac
+    data[0].permitted &= ~dac
+    data[0].inheritable &= ~dac
+    if libc.capset(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+
+
+def _child(
+    script: str, args: list[str], cwd: Path, env: dict | None, out: int, err: int, stdin: int, as_user: bool
+) -> None:
     """In the fork: become ``python script args`` and never return."""
     code = 1
     try:
+        if as_user:
+            drop_file_permission_override()
         os.dup2(out, 1)
         os.dup2(err, 2)
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
@@ -62,11 +90,18 @@ def _child(script: str, args: list[str], cwd: Path, env: dict | None, out: int, 
 
 
 def run_script(
-    script: str, *args, cwd: Path = ROOT, env: dict | None = None, timeout: float = 300, stdin: str | None = None
+    script: str,
+    *args,
+    cwd: Path = ROOT,
+    env: dict | None = None,
+    timeout: float = 300,
+    stdin: str | None = None,
+    as_user: bool = False,
 ) -> subprocess.CompletedProcess:
     """``python script args`` (``script`` relative to ``cwd``) in a fork; what ``subprocess.run(...,
     capture_output=True, text=True)`` returns, ``stdin`` its ``input`` (none: an empty stdin). The fork is killed, and
-    TimeoutExpired raised, after ``timeout``."""
+    TimeoutExpired raised, after ``timeout``. ``as_user``: file modes bind it as they bind a user, also when the tests
+    run as root (drop_file_permission_override)."""
     args = [str(a) for a in args]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as given:
         given.write((stdin or "").encode())
@@ -75,7 +110,7 @@ def run_script(
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _child(script, args, Path(cwd), env, out.fileno(), err.fileno(), given.fileno())
+            _child(script, args, Path(cwd), env, out.fileno(), err.fileno(), given.fileno(), as_user)
         deadline = time.monotonic() + timeout
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)

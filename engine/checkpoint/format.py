@@ -18,7 +18,6 @@ parameter's global shape and tp cut with its pieces, each shard's byte size and 
 
 from __future__ import annotations
 
-import json
 import os
 import zlib
 from pathlib import Path
@@ -29,6 +28,7 @@ from safetensors.torch import save_file
 
 from engine.checkpoint.schema import check_index, shard_path
 from engine.errors import CheckpointError  # defined there (torch-free); most modules import it from here
+from engine.json_input import load_object
 
 FORMAT, VERSION = "engine-checkpoint", 1
 INDEX = "index.json"
@@ -120,10 +120,11 @@ def _read_index(path: Path, index_path: Path) -> dict:
     if not index_path.is_file():
         raise CheckpointError(f"{index_path} is missing (an incomplete or foreign checkpoint)")
     try:
-        index = json.loads(index_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{index_path} is not valid JSON ({e})") from None
-    if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != VERSION:
+        text = index_path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{index_path} is not UTF-8 text (byte {e.start}): a damaged file") from None
+    index = load_object(text, str(index_path), CheckpointError)  # not JSON, a 5000-digit integer: one line
+    if index.get("format") != FORMAT or index.get("version") != VERSION:
         raise CheckpointError(f"{index_path} is not an {FORMAT} v{VERSION} index")
     check_index(index, index_path)
     for file, info in index["files"].items():

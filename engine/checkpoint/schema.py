@@ -12,10 +12,13 @@ its range inside its tp block, one rank entry per rank) follow the type check.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Callable
 
-from engine.errors import CheckpointError
+from engine.config import ModelConfig
+from engine.config_checks import validate_heads
+from engine.errors import CheckpointError, ConfigError
 
 Spec = Callable[[object, str], None]
 
@@ -30,6 +33,13 @@ class _Bad(Exception):
 class _Missing(_Bad):
     def __init__(self, where: str):
         Exception.__init__(self, f"{where} is missing (the format requires it)")
+
+
+class _Said(_Bad):
+    """A rule between fields that engine/config_checks.py words: its line, up to the advice meant for a config."""
+
+    def __init__(self, where: str, error: Exception):
+        Exception.__init__(self, f"{where}: {str(error).split(';')[0]}")
 
 
 def _short(value: object) -> str:
@@ -129,23 +139,17 @@ RNG = fields(
         "numpy": row(text, integer(), integer(), number, what="NumPy's state [kind, pos, has_gauss, gauss]"),
     }
 )
-# The model shape an export builds from (absent keys take ModelConfig's defaults: an older checkpoint's)
+# The model shape an export builds from (absent keys take ModelConfig's defaults: an older checkpoint's); the sizes
+# are >= 1 as engine/config_checks.py requires (num_heads 0 divided by zero building the model: issue 42)
 MODEL = fields(
     {},
     {
         **{
-            k: integer()
-            for k in (
-                "vocab_size",
-                "hidden_size",
-                "intermediate_size",
-                "num_layers",
-                "num_heads",
-                "num_kv_heads",
-                "head_dim",
-                "num_experts",
-            )
+            k: integer(1)
+            for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
         },
+        "head_dim": integer(),  # 0: hidden_size / num_heads
+        "num_experts": integer(),  # 0: dense
         "tie_embeddings": boolean,
         "attention_bias": boolean,
         "family": text,
@@ -203,6 +207,17 @@ def _consistent(index: dict) -> None:
                     )
     if moments and not index.get("model_only") and index.get("adam_step") is None:
         raise _Bad("adam_step", index.get("adam_step"), "Adam's step count (the index holds Adam moments)")
+    _heads(index["config"]["model"])
+
+
+def _heads(model: dict) -> None:
+    """The saved model's heads divide as a config's must (engine/config_checks.py): a hand-edited num_heads of 128
+    for hidden_size 64 left a head width of 0 to divide by when the model was built."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    try:
+        validate_heads(ModelConfig(**{k: v for k, v in model.items() if k in known}))
+    except ConfigError as e:
+        raise _Said("config.model", e) from None
 
 
 def _numel(shape: list[int]) -> int:

@@ -57,6 +57,7 @@ from datetime import timedelta
 from engine.cluster import agentwatch
 from engine.cluster.report import report_once
 from engine.cluster.verdict import LIVE_KEY, acknowledge, store_host
+from engine.errors import ConfigError
 
 BEATS = 10  # beats per timeout: a silent peer is seen between timeout and timeout + timeout / BEATS
 ALARM_BEATS = 3  # after a failed collective: beats of silence that name a peer dead
@@ -67,6 +68,19 @@ LISTEN_S = 86400.0  # a listener's wait is renewed this often (each expiry logs 
 MAX_SLICE = 64  # a larger LOCAL_WORLD_SIZE is cut into slices of SLICE: a watcher's read stays O(1)
 EXIT_CODE = 1
 PREFIX = "engine-heartbeat"
+
+
+def store_address() -> tuple[str, int]:
+    """(MASTER_ADDR, MASTER_PORT) of the job's store, as the launcher set them (127.0.0.1:29500 where unset);
+    ConfigError naming a port that is not a TCP port number (MASTER_PORT=abc was a ValueError traceback)."""
+    raw = os.environ.get("MASTER_PORT", "29500")
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"environment variable MASTER_PORT={raw!r} is not a TCP port; give a number in 1-65535")
+    return os.environ.get("MASTER_ADDR", "127.0.0.1"), port
 
 
 def host_name() -> str:
@@ -104,8 +118,7 @@ def connect(timeout_s: float):
     import torch.distributed as dist
 
     store = dist.TCPStore(
-        os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        int(os.environ["MASTER_PORT"]),
+        *store_address(),
         is_master=False,
         timeout=timedelta(seconds=timeout_s),
         wait_for_workers=False,

@@ -45,8 +45,25 @@ def deepspeed_env() -> dict[str, str]:
     for folder in (Path.home(), Path.cwd()):
         path = folder / os.environ.get("DS_ENV_FILE", ".deepspeed_env")
         if path.is_file():
-            env.update(line.strip().split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}); write KEY=VALUE lines") from None
+            except OSError as e:
+                raise ConfigError(f"{path} cannot be read ({e.strerror or e})") from None
+            env.update(line.strip().split("=", 1) for line in text.splitlines() if "=" in line)
     return env
+
+
+def ssh_command(text: str) -> list[str]:
+    """The --ssh prefix split as a shell would; ConfigError for an empty one or an unclosed quote."""
+    try:
+        argv = shlex.split(text)
+    except ValueError as e:  # "No closing quotation", "No escaped character"
+        raise ConfigError(f"--ssh {text!r} is not a command line ({e}); close its quotes") from None
+    if not argv:
+        raise ConfigError(f"--ssh {text!r} names no command; give an ssh command such as {DEFAULT_SSH!r}")
+    return argv
 
 
 def remote_command(cmd: list[str]) -> str:

@@ -27,7 +27,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from engine.cluster.heartbeat import describe_ranks, host_name, launch_round, namespace
+from engine.cluster.heartbeat import describe_ranks, host_name, launch_round, namespace, store_address
 
 READY = "ok"  # the value of ``startup`` once every rank has joined
 GRACE_S = 5.0  # how much later than the first rank's deadline the others' falls
@@ -61,7 +61,7 @@ def _nodes(missing: list[int]) -> str:
 def join(rank: int, world: int, timeout_s: float):
     """This rank's client (rank 0's server unless a torchrun agent serves it) of the store at MASTER_ADDR:
     MASTER_PORT, once all ``world`` ranks have joined; StartupError within ``timeout_s`` otherwise."""
-    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+    addr, port = store_address()  # ConfigError on a MASTER_PORT that is no port (abc, 70000)
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     deadline, me = time.monotonic() + timeout_s, host_name()
     try:

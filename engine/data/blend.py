@@ -32,7 +32,15 @@ def read_indexed(prefix: str) -> np.ndarray:
     """The token stream of Megatron's indexed dataset PREFIX.bin + PREFIX.idx (megatron-core's
     IndexedDatasetBuilder, launch/preprocess.py): all sequences in file order, as a read-only memory map in the
     stored dtype. Read here with numpy (megatron-core is not needed to train). The .idx must be well formed and
-    describe exactly the bytes of the .bin; a missing, truncated, mismatched or empty pair -> DataError naming it."""
+    describe exactly the bytes of the .bin; a missing, truncated, mismatched, empty or unreadable pair -> DataError
+    naming it."""
+    try:
+        return _read_indexed(prefix)
+    except OSError as e:  # permission denied, an I/O error: was a traceback (issue 42)
+        raise DataError(f"{e.filename or prefix}: cannot be read ({e.strerror or e})") from None
+
+
+def _read_indexed(prefix: str) -> np.ndarray:
     idx, bin_ = pathlib.Path(prefix + ".idx"), pathlib.Path(prefix + ".bin")
     for path, other in ((idx, bin_), (bin_, idx)):
         if not path.is_file():

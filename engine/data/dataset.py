@@ -54,7 +54,8 @@ def load_tokenizer(name_or_path: str = "") -> PreTrainedTokenizerBase:
         )
     try:  # never the folder's own Python: transformers would ask on stdin, and a "y" there would run it
         return AutoTokenizer.from_pretrained(str(local) if looks_local else target, trust_remote_code=False)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001  OSError, ValueError; the tokenizers library's bare Exception on a
+        # damaged tokenizer.json ("EOF while parsing a value at line 178 column 11")
         if "trust_remote_code" in str(e):
             raise DataError(
                 f"tokenizer {target!r} needs trust_remote_code (its config's auto_map names Python code "
@@ -62,6 +63,8 @@ def load_tokenizer(name_or_path: str = "") -> PreTrainedTokenizerBase:
                 f"(tokenizer.json), or '' for the bundled tokenizer"
             ) from None
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if type(e) is Exception and looks_local:  # the tokenizers library's parse of the folder's tokenizer.json
+            reason = f"{local / 'tokenizer.json'}: {reason}"
         raise DataError(
             f"could not load tokenizer {target!r} ({reason}); give a folder with tokenizer.json, "
             f"a hub name (online), or '' for the bundled tokenizer"

@@ -7,6 +7,8 @@ run's checkpoints (steps 3 and 6):
 - index.json valid JSON with bad inner fields: a files entry a number, consumed_samples missing, ranks empty,
   adam_step "abc", a piece of 3 numbers (before: KeyError / TypeError / IndexError / ValueError tracebacks);
 - index.json naming its shards ``../../elsewhere/...`` (before: read from outside the step directory);
+- (issue 42) index.json with a step of 5000 digits, num_heads 0, num_heads 128 on hidden_size 64 (before: ValueError
+  and ZeroDivisionError tracebacks, and no fall-back to step 3 under auto);
 - a NaN router weight with a matching CRC (before: resumed without a word);
 - ``latest`` holding a non-UTF-8 byte (before: UnicodeDecodeError); auto then tries the step directories and
   resumes step 6, which is good;
@@ -75,6 +77,13 @@ def nan_router(step: Path) -> None:
     )
 
 
+def long_step(step: Path) -> None:
+    """A step of 5000 digits: past Python's int digit limit, json.loads raised ValueError (a traceback)."""
+    edit_index(step, lambda i: i.update(step=-123456789))
+    text = (step / "index.json").read_text().replace("-123456789", "9" * 5000)
+    (step / "index.json").write_text(text)
+
+
 # name -> (what it does to step 6, words of the one line that must name it)
 DAMAGES = {
     "files entry a number": (
@@ -92,6 +101,16 @@ DAMAGES = {
         "['param'][0] is ['rank_00000.safetensors', 0, 0], not a piece",
     ),
     "shard outside the step dir": (outside, "outside the checkpoint directory"),
+    # issue 42: tracebacks (ValueError, ZeroDivisionError building the model), and no fall-back under auto
+    "step of 5000 digits": (long_step, "index.json holds an integer of 5000 digits at line 1"),
+    "num_heads 0": (
+        lambda s: edit_index(s, lambda i: i["config"]["model"].update(num_heads=0)),
+        "config.model.num_heads is 0, not an integer >= 1",
+    ),
+    "num_heads above hidden_size": (
+        lambda s: edit_index(s, lambda i: i["config"]["model"].update(num_heads=128)),
+        "config.model: model.hidden_size=64 is not divisible by model.num_heads=128",
+    ),
     "NaN router weight": (nan_router, f"NaN/inf values in {ROUTER} (param) of step 6"),
 }
 

@@ -11,7 +11,7 @@ import pytest
 
 from engine.cluster.hostfile import Host, HostfileError, parse_hostfile, parse_hostfile_text
 from engine.cluster.linktest import link_pairs
-from tests.cli import ROOT
+from tests.cli import ROOT, one_error_line, run_script
 from tests.dist import free_port
 from tests.sshd import local_sshd  # noqa: F401  (fixture)
 
@@ -127,6 +127,33 @@ def test_preflight_config_must_fit_the_world(tmp_path):
     hostfile.write_text("node1 slots=3\n")
     run = preflight("--hostfile", str(hostfile), "--config", "configs/tiny.yaml")
     assert run.returncode == 2 and "does not fit 3 processes" in run.stderr, run.stderr
+
+
+# issue 42: IndexError, shlex's ValueError, UnicodeDecodeError tracebacks. case -> (--ssh, .deepspeed_env, words)
+PREFLIGHT_INPUTS = {
+    "--ssh ''": ("", None, "--ssh '' names no command; give an ssh command such as 'ssh -o BatchMode=yes"),
+    "--ssh with an unclosed quote": (
+        "ssh -o 'ProxyCommand=x",
+        None,
+        '--ssh "ssh -o \'ProxyCommand=x" is not a command line (No closing quotation); close its quotes',
+    ),
+    ".deepspeed_env not UTF-8": (
+        "false",
+        b"NCCL_DEBUG=INFO\nA=\xff\xfe\n",
+        ".deepspeed_env is not UTF-8 text (byte 18)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PREFLIGHT_INPUTS))
+def test_preflight_bad_ssh_or_deepspeed_env_is_one_line(tmp_path, case):
+    ssh, env_file, words = PREFLIGHT_INPUTS[case]
+    (tmp_path / "hostfile").write_text("node1 slots=1\n")
+    if env_file is not None:
+        (tmp_path / ".deepspeed_env").write_bytes(env_file)  # read from the working directory, as deepspeed does
+    script = str(ROOT / "launch" / "preflight.py")
+    out = run_script(script, "--hostfile", "hostfile", "--ssh", ssh, "--skip-links", cwd=tmp_path, timeout=120)
+    one_error_line(out, words)
 
 
 def test_preflight_names_unreachable_host_and_host_without_engine(tmp_path, fake_ssh):

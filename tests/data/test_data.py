@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -11,6 +12,8 @@ import torch
 from engine.data import blend
 from engine.data import dataset as data
 from engine.data.dataset import DataError, GlobalBatchSampler, PackedDataset, check_consumed
+from tests.cli import one_error_line, run_script
+from tests.shrunk import FIVE_STEPS
 
 ROUND_TRIP = (
     "First Citizen:\nBefore we proceed,  hear me.\t\n\n caf\u00e9 \u00fcber \u65e5\u672c \U0001f600 <|endoftext|> "
@@ -229,6 +232,40 @@ def test_indexed_dataset_errors_name_the_file(megatron_indexed, tmp_path):
         blend.TrainData(spec([empty]), None)
     with pytest.raises(DataError, match=r"'.*nothing': found neither .*nothing\.bin/\.idx"):
         blend.TrainData(spec([str(tmp_path / "nothing")]), None)
+
+
+def damaged_tokenizer(tmp_path) -> list[str]:
+    """The bundled tokenizer's folder with its tokenizer.json cut short (the tokenizers library raised a bare
+    Exception: a traceback)."""
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(data.BUNDLED_TOKENIZER, folder)
+    (folder / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes()[:3000])
+    return ["--data.tokenizer", str(folder)]
+
+
+# issue 42, through launch/pretrain.py: each was a traceback. case -> (make(mi, tmp_path) -> argv, the line's words)
+UNREADABLE = {
+    ".idx mode 000": (lambda mi, tmp: unreadable(mi, tmp, "idx"), "d.idx: cannot be read (Permission denied)"),
+    ".bin mode 000": (lambda mi, tmp: unreadable(mi, tmp, "bin"), "d.bin: cannot be read (Permission denied)"),
+    "tokenizer.json cut short": (
+        lambda mi, tmp: damaged_tokenizer(tmp),
+        "tokenizer/tokenizer.json: EOF while parsing a value at line",
+    ),
+}
+
+
+def unreadable(mi, tmp_path, which: str) -> list[str]:
+    """An indexed dataset whose .idx or .bin the user cannot read (the fork drops root's override of file modes)."""
+    prefix = stream_dataset(mi, tmp_path, "d", 64, seq_len=32)
+    (tmp_path / f"d.{which}").chmod(0)
+    return ["--data.paths", f"[{prefix}]"]
+
+
+@pytest.mark.parametrize("case", list(UNREADABLE))
+def test_unreadable_data_is_one_line_at_pretrain(megatron_indexed, tmp_path, case):
+    make, words = UNREADABLE[case]
+    argv = [*FIVE_STEPS, *make(megatron_indexed, tmp_path), "--train.out_dir", str(tmp_path / "run")]
+    one_error_line(run_script("launch/pretrain.py", *argv, as_user=True), words)
 
 
 def test_token_ids_beyond_the_vocabulary_are_refused(megatron_indexed, tmp_path):

@@ -15,7 +15,7 @@ import pytest
 
 from engine.data import blend
 from engine.data import dataset as data
-from tests.cli import ROOT
+from tests.cli import ROOT, one_error_line, run_script
 
 SCRIPT = ROOT / "launch" / "preprocess.py"
 
@@ -139,3 +139,23 @@ def test_bad_input_exits_2_with_one_line_naming_the_file(script, tmp_path, capsy
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and match in err
     assert not (tmp_path / "out").exists()
+
+
+# issue 42: an output folder that cannot be written was an OSError traceback. case -> (output prefix, its reason)
+UNWRITABLE = {
+    "a file where the folder should be": (lambda tmp: tmp / "file" / "corpus", "file is a file, not a folder)"),
+    # EACCES where sysfs is mounted read-write (no new file, even for root), EROFS in a container's read-only /sys
+    "sysfs": (lambda tmp: Path("/sys/corpus"), ": /sys/corpus.bin.tmp"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNWRITABLE))
+def test_unwritable_output_is_one_line(tmp_path, case):
+    prefix, reason = UNWRITABLE[case][0](tmp_path), UNWRITABLE[case][1]
+    if prefix.parent == Path("/sys") and not Path("/sys/kernel").is_dir():
+        pytest.skip("no sysfs at /sys")
+    (tmp_path / "docs.jsonl").write_text('{"text": "one document"}\n')
+    (tmp_path / "file").write_text("not a folder")
+    out = run_script("launch/preprocess.py", "--input", tmp_path / "docs.jsonl", "--output", prefix, timeout=300)
+    one_error_line(out, f"--output {prefix}: cannot write {prefix}.bin/.idx", reason)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "file"]  # no temporary file left

@@ -51,6 +51,12 @@ LLAMA3 = {
 CASES = {
     "not-json": ("llama", '{"vocab_size": 4096,', ["config.json is not valid JSON (line 1"]),
     "top-level-list": ("llama", "[1, 2]", ["config.json holds a JSON list, not an object of keys"]),
+    # past Python's int digit limit: json.loads raised ValueError (a traceback; issue 42)
+    "integer-of-5000-digits": (
+        "llama",
+        '{"vocab_size": ' + "9" * 5000 + "}",
+        ["config.json holds an integer of 5000 digits at line 1"],
+    ),
     "key-twice": ("llama", '{"vocab_size": 4096, "vocab_size": 4096}', ["gives the key 'vocab_size' twice"]),
     "vocab-string": ("llama", {"vocab_size": "big"}, ['vocab_size="big" is not valid; use a whole number in [1, ']),
     "hidden-fraction": ("llama", {"hidden_size": 32.5}, ["hidden_size=32.5 is not valid; use a whole number"]),
@@ -100,7 +106,14 @@ CASES = {
     ),
 }
 # The cases also run through init_from (each launch costs seconds: one of each kind of check)
-INIT_FROM = ("not-json", "eps-nan", "architectures-string", "vocab-not-the-weights", "k-over-experts")
+INIT_FROM = (
+    "not-json",
+    "integer-of-5000-digits",
+    "eps-nan",
+    "architectures-string",
+    "vocab-not-the-weights",
+    "k-over-experts",
+)
 
 
 @pytest.fixture(scope="module")

@@ -81,6 +81,13 @@ def test_short_run_writes_metrics(tmp_path):
             "parallel.grad_compression=bf16 is not supported with parallel.schedule=zero_bubble",
         ),
         (["--parallel.virtual_stages", "2"], "parallel.virtual_stages=2 needs parallel.schedule=interleaved"),
+        # issue 42: accepted, then a traceback (the first optimizer step's fp32 overflow, numpy's and torch's seeding,
+        # torch's normal_; an integer past Python's digit limit in the YAML reader)
+        (["--train.lr", "1e39"], "train.lr=1e+39 must be in [0, 1]: Adam moves every weight by about lr per step"),
+        (["--train.seed", "-1"], "train.seed=-1 must be in [0, 4294967295]"),
+        (["--train.seed", "1e20"], "train.seed=100000000000000000000 must be in [0, 4294967295]"),
+        (["--model.init_std", "-0.02"], "model.init_std=-0.02 must be >= 0"),
+        (["--train.steps", "9" * 5000], "' is not an integer"),
     ],
 )
 def test_bad_config_is_one_clear_line(tmp_path, args, needle):

@@ -13,7 +13,7 @@ from engine.config import load
 from engine.metrics.logger import MetricsLogger
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
-from tests.cli import ROOT, run_script
+from tests.cli import ROOT, one_error_line, run_script
 from tests.dist import run_ranks
 from tests.shrunk import FIVE_STEPS
 
@@ -161,3 +161,36 @@ def test_plot_tensorboard_writes_a_finished_runs_records_once(tmp_path, capsys):
     ]
     assert plot.main([str(tmp_path), "--tensorboard"]) == 2
     assert "already holds event files; view them with tensorboard --logdir" in capsys.readouterr().err
+
+
+def _change(index: int, **values):
+    return lambda records: records[index].update(values)
+
+
+# issue 42: launch/plot.py's tracebacks (OverflowError, TypeError, AttributeError; --tensorboard left half-written
+# event files). case -> (change to 5 good records, extra arguments, the line's words)
+PLOT_INPUTS = {
+    "step Infinity": (_change(1, step=float("inf")), [], "line 2: step is Infinity, not an integer >= 0"),
+    "null final loss": (_change(4, loss=None), [], "line 5: loss is null, not a number"),
+    "time a list": (_change(2, time=[1, 2]), [], "line 3: time is [1, 2], not an object of seconds per phase"),
+    "time a list, --tensorboard": (_change(2, time=[1, 2]), ["--tensorboard"], "line 3: time is [1, 2], not an"),
+    "-o out.xyz": (
+        lambda records: None,
+        ["-o", "{tmp}/out.xyz"],
+        "-o {tmp}/out.xyz: matplotlib cannot write .xyz files; end the name in one of .avif, .eps,",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PLOT_INPUTS))
+def test_plot_refuses_bad_input_in_one_line_writing_nothing(tmp_path, case):
+    pytest.importorskip("matplotlib")
+    change, args, words = PLOT_INPUTS[case]
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [{"step": s, "loss": 8.0 - s / 10, "lr": 1e-3, "time": {"data": 0.01}} for s in range(1, 6)]
+    change(records)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    args = [a.format(tmp=tmp_path) for a in args] or ["-o", str(tmp_path / "curves.png")]
+    one_error_line(run_script("launch/plot.py", run, *args, timeout=120), words.format(tmp=tmp_path))
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["metrics.jsonl", "run"]  # no picture, no tensorboard/

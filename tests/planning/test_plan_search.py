@@ -12,7 +12,7 @@ from engine.config import load
 from engine.planning.planner import with_layout
 from engine.planning.schedules import SEARCHED
 from engine.planning.search import Hardware, layouts, search, step_time
-from tests.cli import ROOT, run_script
+from tests.cli import ROOT, one_error_line, run_script
 from tests.planning.models import HW, tiny
 
 # tiny: 25264128 FLOPs per token at seq 128 (tests/model/test_flops.py); 4999424 parameters in all.
@@ -103,6 +103,24 @@ def test_cli_exits_2_with_one_line():
     result = run_script("launch/plan.py", "--config", "configs/tiny.yaml", "--world-size", "4")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["error: the following arguments are required: --device-memory"]
+
+
+@pytest.mark.parametrize(
+    "flag,value,words",
+    [
+        (
+            "--peak-tflops",
+            "-5",
+            "--peak-tflops=-5.0 must be > 0 and finite (TFLOP/s per device), or 0 for the --device",
+        ),
+        ("--peak-tflops", "nan", "--peak-tflops=nan must be > 0 and finite"),
+        ("--device-memory", "nan", "--device-memory=nan must be > 0 and finite"),
+    ],
+)
+def test_cli_refuses_a_negative_or_nan_figure_in_one_line(flag, value, words):
+    """Issue 42: --peak-tflops -5 divided by zero in the schedule simulation (a traceback)."""
+    argv = ["--config", "configs/tiny.yaml", "--world-size", "4", "--device-memory", "1", flag, value]
+    one_error_line(run_script("launch/plan.py", *argv), words)
 
 
 def test_long_search_shows_progress_on_stderr_only(capsys, monkeypatch):
