@@ -59,17 +59,16 @@ class StopSignal:
         """Stop after this step because a write failed (``message``: its one line)."""
         self.requested, self.failed, self.failure = True, True, message
 
-    def agreed(self, ctx, group=None) -> bool:
+    def agreed(self, ctx, exchange=None) -> bool:
         """Collective: True on every rank when any rank was signalled or failed (one 1-element all-reduce per
         step); ``failed`` then says, on every rank, whether any rank failed, and ``failure`` is rank 0's line
-        (rank 0 writes the metrics), broadcast over ``group`` (the checkpointer's gloo group)."""
+        (rank 0 writes the metrics), sent through the store (``exchange``: the checkpointer's
+        engine/cluster/exchange.py StoreExchange for it)."""
         if ctx.world_size == 1:
             return self.requested
         flag = torch.tensor([FAILED if self.failed else SIGNALLED if self.requested else 0.0], device=ctx.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.requested, self.failed = bool(flag.item()), flag.item() == FAILED
         if self.failed:
-            box = [self.failure]
-            dist.broadcast_object_list(box, src=0, group=group)
-            self.failure = box[0]
+            self.failure = exchange.broadcast(self.failure)
         return self.requested
