@@ -265,10 +265,10 @@ class Checkpointer:
 
     # ---- resume ----------------------------------------------------------------------------------------------
     def _validate(self, path: Path) -> tuple[dict | None, str | None]:
-        """Collective: every rank checks the index and shard sizes, and the CRCs of its share of the shards."""
+        """Collective: every rank checks the index, and the sizes and CRCs of its share of the shards."""
         index, error = None, None
         try:
-            index = read_index(path)
+            index = read_index(path, share=(self.ctx.rank, self.ctx.world_size))
             for i, file in enumerate(sorted(index["files"])):
                 if i % self.ctx.world_size == self.ctx.rank:
                     verify_shard(path, index, file)

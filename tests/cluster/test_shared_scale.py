@@ -1,16 +1,13 @@
-"""The shared-directory check and the checkpoint's metadata exchange at 1,024 simulated ranks (issue 43): counted,
-never timed. Every rank runs the engine's own steps (engine/cluster/shared.py, engine/cluster/exchange.py) over one
-in-process store, in lockstep (launch/bench/scale.py ``simulate``): files written, file-system look-ups, store
-requests and bytes per rank."""
+"""The shared-directory check at 1,024 simulated ranks (issue 43): counted, never timed. Every rank runs the
+engine's own steps (engine/cluster/shared.py, engine/cluster/exchange.py) over one in-process store, in lockstep
+(launch/bench/scale.py ``simulate``): files written, file-system look-ups, store requests and bytes per rank."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from engine.cluster import shared
-from launch.bench.scale import measure_save, simulate
+from launch.bench.scale import simulate
 
 WORLD, PER_HOST = 1024, 8
 HOSTS = WORLD // PER_HOST
@@ -56,13 +53,3 @@ def test_a_host_with_a_disk_of_its_own_is_named_on_every_rank_at_1024_ranks(tmp_
         f"see each other's files there, so a checkpoint would lack their shards; give a directory on a file system "
         f"every host mounts"
     }
-
-
-@pytest.mark.parametrize("world", [1024])
-def test_a_save_gathers_piece_lists_to_rank_0_only(world):
-    """The save's metadata exchange: each rank sends its piece list once and receives a fixed few bytes; rank 0
-    receives them all (before issue 43 every rank received every rank's, over a world-sized gloo group)."""
-    row = measure_save(world)
-    assert row["req/rank"] <= 5 and row["B/rank"] <= 2 * 8 * 1024  # its own entry (~7 KB) and the answers
-    assert row["B/r0"] >= (world - 1) * 4 * 1024  # every other rank's entry, once
-    assert row["B/job"] <= 2 * row["B/r0"] + world * 512
