@@ -27,7 +27,8 @@ Columns (a part fills those it measures): ``req/rank`` store requests of the bus
 coordinator), ``req/r0`` rank 0's, ``req/job`` all ranks'; ``keys`` the most keys the store held at once; ``B/rank``,
 ``B/r0``, ``B/job`` the bytes sent and received the same way; ``files`` files opened (written: the tokens);
 ``look/rank``, ``look/job`` file-system look-ups (``os.stat`` calls); ``groups/rank`` process groups a rank
-creates; ``cpu_s/rank`` CPU seconds of the busiest rank; ``MB/rank`` its peak Python memory (tracemalloc).
+creates; ``store_cpu_s`` the store server's CPU seconds (store parts); ``cpu_s/rank`` CPU seconds of the busiest
+rank; ``MB/rank`` its peak Python memory (tracemalloc).
 docs/benchmarks.md says how to read it.
 """
 
@@ -68,6 +69,7 @@ COLUMNS = (
     "look/rank",
     "look/job",
     "groups/rank",
+    "store_cpu_s",
     "cpu_s/rank",
     "MB/rank",
 )
@@ -378,7 +380,9 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.ranks:
             row = parts[part](n)
             cells = [_cell(row.get(c)) for c in COLUMNS]
-            print(f"| {part} | {n:,} | " + " | ".join(cells) + f" | {row.get('note', '')} |", flush=True)
+            extra = [f"{k} {_cell(v)}" for k, v in row.items() if k not in COLUMNS and k != "note"]
+            note = "; ".join([row["note"]] * ("note" in row) + extra)
+            print(f"| {part} | {n:,} | " + " | ".join(cells) + f" | {note} |", flush=True)
     return 0
 
 
