@@ -7,14 +7,14 @@ the parameter and Adam-moment pieces it owns, and its RNG states) and ``index.js
 
 Save (collective): each rank copies its pieces of the explicit parts (engine/checkpoint/parts.py: the stage, the
 dp mode's state access, config, context) to CPU with the run position it is given (engine/checkpoint/contents.py),
-then writes ``step_N.tmp-<run token>/rank_R.safetensors``; the ranks exchange piece lists and shard sizes/CRCs
-(metadata only, over a gloo group of their own); rank 0 publishes the directory (engine/checkpoint/publish.py: the
+then writes ``step_N.tmp-<run token>/rank_R.safetensors``; the ranks send their piece lists and shard sizes/CRCs
+to rank 0 through the job's store (metadata only, engine/cluster/exchange.py: O(1) requests per rank, no world-sized
+gloo group); rank 0 publishes the directory (engine/checkpoint/publish.py: the
 index, the rename to ``step_N``, only then ``latest``, then pruning to ``checkpoint.keep``, never the new one or a
 step above it).
 With ``checkpoint.async_save`` the writing and committing run in a background thread while training goes on
-(docs/architecture.md: gloo collectives on their own group work from another thread); the next save or the end of fit
-waits
-for it.
+(the writer thread exchanges over a store connection of its own, made at its first save); the next save or the
+end of fit waits for it.
 
 Resume (collective, end of Trainer.__init__): ``checkpoint.resume`` = ``auto`` tries ``latest`` and then older
 ``step_*`` directories, newest first (engine/checkpoint/choose.py), skipping (with a line naming the step and
@@ -33,7 +33,7 @@ the beginning.
 
 from __future__ import annotations
 
-import datetime
+import itertools
 import threading
 import time
 import uuid
@@ -58,6 +58,7 @@ from engine.checkpoint.publish import (
     step_name,
 )
 from engine.checkpoint.signals import Interrupted, StopSignal
+from engine.cluster.exchange import StoreExchange
 from engine.cluster.shared import check_shared, describe_hosts, run_directories
 from engine.storage import StorageError, describe, say
 
@@ -80,21 +81,27 @@ class Checkpointer:
         self.skipped: list[str] = []  # why resume: auto passed over each damaged checkpoint
         self.stopped_unsaved = False  # a stop signal ended training with nothing saved (no checkpoint.dir)
         self.locks: list[CheckpointLock] = []  # train.out_dir's, and checkpoint.dir's unless it is the same
-        # Metadata travels on a gloo group of its own: usable from the async thread and on CPU tensors under nccl.
-        # It also carries rank 0's verdict on train.out_dir, which every run writes, so every multi-rank run makes
-        # it. With parallel.timeout_s, not gloo's 30-minute default, a rank that dies or hangs during a save fails
-        # the others' exchange in bounded time.
-        timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
-        self.group = dist.new_group(backend="gloo", timeout=timeout) if ctx.world_size > 1 else None
+        # Metadata travels through the job's store, gathered to rank 0 (engine/cluster/exchange.py): usable from the
+        # async thread and under nccl, O(1) requests per rank. It also carries rank 0's verdict on train.out_dir,
+        # which every run writes. With parallel.timeout_s, a rank that dies or hangs during a save fails the
+        # others' exchange in bounded time.
+        self.exchange = self.stop_exchange = None
+        if ctx.world_size > 1:
+            store, n = dist.distributed_c10d._get_default_store(), next(_INSTANCES)  # n: the same on every rank
+            self._stores = {"main": store}
+            self.exchange, self.stop_exchange = (
+                StoreExchange(store, ctx.rank, ctx.world_size, cfg.parallel.timeout_s, f"engine/{what}/{n}")
+                for what in ("checkpoint", "stop")
+            )
         status = [uuid.uuid4().hex[:8], None]  # the run's token, and rank 0's verdict on the directories
         if ctx.rank == 0:
             self.locks, status[1] = claim_run_directories(cfg, self.root, status[0])
-        if self.group is not None:
-            dist.broadcast_object_list(status, src=0, group=self.group)
+        if self.exchange is not None:
+            status = self.exchange.broadcast(status)
         self.token, error = status
-        if error is None and self.group is not None:  # every host sees the same directories (cluster/shared.py)
+        if error is None and self.exchange is not None:  # every host sees the same directories (cluster/shared.py)
             directories = run_directories(Path(cfg.train.out_dir), self.root)
-            hosts, error = check_shared(directories, self.token, ctx.rank, self._gather)
+            hosts, error = check_shared(directories, self.token, self.exchange)
             if ctx.rank == 0 and describe_hosts(hosts):
                 print(describe_hosts(hosts), flush=True)
         if error is not None:
@@ -108,17 +115,20 @@ class Checkpointer:
             lock.release()
         self.locks = []
 
-    # ---- collectives on our group ------------------------------------------------------------------------------
-    def _gather(self, obj) -> list:
-        if self.group is None:
-            return [obj]
-        out = [None] * self.ctx.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+    # ---- exchanges through the store --------------------------------------------------------------------------
+    def _first(self, obj):
+        """The first not-None ``obj`` by rank, on every rank (a rank's error, rank 0's verdict)."""
+        if self.exchange is None:
+            return obj
+        self.exchange.store = self._store()
+        return self.exchange.first(obj)
 
-    def _barrier(self) -> None:
-        if self.group is not None:
-            dist.barrier(group=self.group)
+    def _store(self):
+        """The main thread's store client, or (the async writer) a connection of its own, made once."""
+        name = "main" if threading.current_thread() is threading.main_thread() else "writer"
+        if name not in self._stores:
+            self._stores[name] = self._stores["main"].clone()
+        return self._stores[name]
 
     # ---- save ----------------------------------------------------------------------------------------------------
     def save(self, parts: CheckpointParts, position: RunPosition, prune: bool = True) -> Path | None:
@@ -156,9 +166,13 @@ class Checkpointer:
         """Collective: False (and one line on rank 0) when any rank holds a NaN/inf weight or Adam moment. Such
         a checkpoint would pass its CRC and poison every resume; the previous one stays `latest` instead."""
         bad = next((k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
-        found = [(rank, key) for rank, key in enumerate(self._gather(bad)) if key is not None]
+        found = [(self.ctx.rank, bad, 1)] if bad is not None else []
+        if self.exchange is not None:
+            self.exchange.store = self._store()
+            found = self.exchange.reduce(bad, _non_finite)
         if found and self.ctx.rank == 0:
-            (rank, key), more = found[0], (f" (and on {len(found) - 1} more ranks)" if len(found) > 1 else "")
+            (rank, key, count) = found[0]
+            more = f" (and on {count - 1} more ranks)" if count > 1 else ""
             say(
                 f"checkpoint: not saving step {step}: rank {rank} holds NaN/inf values in {key.split('/tp')[0]}"
                 f"{more}; the latest checkpoint stays {latest_name(self.root)}"
@@ -173,8 +187,10 @@ class Checkpointer:
             meta.update(write_shard(tmp / meta["file"], tensors))
         except Exception as e:  # the others must not wait forever for this rank's metadata
             meta = {"error": f"rank {meta['rank']} could not save step {step}: {describe(tmp / meta['file'], e)}"}
-        metas = self._gather(meta)
-        errors = [m["error"] for m in metas if "error" in m]
+        if self.exchange is not None:
+            self.exchange.store = self._store()
+        metas = self.exchange.gather(meta) if self.exchange is not None else [meta]  # to rank 0 only
+        errors = [m["error"] for m in metas or [] if "error" in m]
         if not errors and self.ctx.rank == 0:
             try:
                 steps = [m.pop("adam_step") for m in metas]
@@ -184,11 +200,11 @@ class Checkpointer:
             except Exception as e:  # reported on every rank: none may wait for a commit that never comes
                 errors.append(f"rank 0 could not commit step {step}: {describe(self.root, e)}")
         # Also the barrier after which every rank sees the committed directory and `latest`.
-        errors = [e for e in self._gather(errors[0] if errors else None) if e is not None]
-        if errors:
+        error = self._first(errors[0] if errors else None)
+        if error is not None:
             if self.ctx.rank == 0:
                 discard(self.root, step, self.token)
-            self.error = StorageError(f"checkpoint: {errors[0]}; the latest checkpoint stays {latest_name(self.root)}")
+            self.error = StorageError(f"checkpoint: {error}; the latest checkpoint stays {latest_name(self.root)}")
         self.timings["write_commit_s"] = time.perf_counter() - start
 
     def wait(self) -> None:
@@ -213,7 +229,7 @@ class Checkpointer:
         one the weights are those that diverged: a periodic save is skipped, and the last step's or a stop's
         is saved without pruning, so the checkpoints from before the streak, which the abort tells the user to
         resume from, are never pruned for it."""
-        stop = self.stop.agreed(self.ctx, self.group)
+        stop = self.stop.agreed(self.ctx, self.stop_exchange)
         c, step = self.cfg.checkpoint, position.step
         final = step == self.cfg.train.steps or stop
         due = (c.every and step % c.every == 0) or final
@@ -273,17 +289,17 @@ class Checkpointer:
 
     # ---- resume ----------------------------------------------------------------------------------------------
     def _validate(self, path: Path) -> tuple[dict | None, str | None]:
-        """Collective: every rank checks the index and shard sizes, and the CRCs of its share of the shards."""
+        """Collective: every rank checks the index, and the sizes and CRCs of its share of the shards."""
         index, error = None, None
         try:
-            index = read_index(path)
+            index = read_index(path, share=(self.ctx.rank, self.ctx.world_size))
             for i, file in enumerate(sorted(index["files"])):
                 if i % self.ctx.world_size == self.ctx.rank:
                     verify_shard(path, index, file)
         except CheckpointError as e:
             error = str(e)
-        errors = [e for e in self._gather(error) if e is not None]
-        return (None, errors[0]) if errors else (index, None)
+        error = self._first(error)
+        return (None, error) if error is not None else (index, None)
 
     def resume(self, parts: CheckpointParts) -> RunPosition | None:
         """Load the checkpoint that checkpoint.resume selects into ``parts``; returns the position to continue
@@ -335,6 +351,15 @@ class Checkpointer:
                     set_aside(self.root, start, unusable, self.token)
                 except OSError as e:  # reported on every rank: none may wait for rank 0
                     error = f"cannot set aside the unusable steps above step {start} in {self.root}: {e}"
-        errors = [e for e in self._gather(error) if e is not None]
-        if errors:
-            raise CheckpointError(errors[0])
+        error = self._first(error)
+        if error is not None:
+            raise CheckpointError(error)
+
+
+_INSTANCES = itertools.count()  # Checkpointers made in this process: their exchanges' keys never meet
+
+
+def _non_finite(bad: list) -> list[tuple[int, str, int]]:
+    """Rank 0, from every rank's first non-finite key (or None): [(first such rank, its key, how many ranks)]."""
+    found = [(rank, key) for rank, key in enumerate(bad) if key is not None]
+    return [(*found[0], len(found))] if found else []

@@ -105,18 +105,21 @@ def merge_index(ranks: list[dict], header: dict) -> dict:
     return {"format": FORMAT, "version": VERSION, **header, "files": files, "ranks": ranks, "params": params}
 
 
-def read_index(path: Path) -> dict:
+def read_index(path: Path, share: tuple[int, int] | None = None) -> dict:
     """Parse ``path/index.json``, check its fields (engine/checkpoint/schema.py) and that every shard it lists lies
-    in ``path`` and exists with its recorded size. Anything unreadable (permissions, a directory in a file's
-    place) is a CheckpointError naming the file, as a corrupt index is: ``resume: auto`` then tries an older step."""
+    in ``path`` and exists with its recorded size; ``share`` = (rank, world): only the shards whose position in
+    the sorted file list is rank modulo world (each rank of a collective its own, as the CRC checks are shared:
+    O(N / world) file-system operations per rank, not every rank the N shards). Anything unreadable (permissions,
+    a directory in a file's place) is a CheckpointError naming the file, as a corrupt index is: ``resume: auto``
+    then tries an older step."""
     index_path = path / INDEX
     try:
-        return _read_index(path, index_path)
+        return _read_index(path, index_path, share)
     except OSError as e:
         raise CheckpointError(f"cannot read {e.filename or index_path} ({e.strerror or e})") from None
 
 
-def _read_index(path: Path, index_path: Path) -> dict:
+def _read_index(path: Path, index_path: Path, share: tuple[int, int] | None) -> dict:
     if not index_path.is_file():
         raise CheckpointError(f"{index_path} is missing (an incomplete or foreign checkpoint)")
     try:
@@ -127,8 +130,11 @@ def _read_index(path: Path, index_path: Path) -> dict:
     if index.get("format") != FORMAT or index.get("version") != VERSION:
         raise CheckpointError(f"{index_path} is not an {FORMAT} v{VERSION} index")
     check_index(index, index_path)
-    for file, info in index["files"].items():
-        shard = shard_path(path, file, index_path)
+    rank, world = share or (0, 1)
+    for i, file in enumerate(sorted(index["files"])):
+        if i % world != rank:
+            continue
+        info, shard = index["files"][file], shard_path(path, file, index_path)
         if not shard.is_file():
             raise CheckpointError(f"shard {shard} listed in {index_path} is missing")
         size = shard.stat().st_size

@@ -126,11 +126,11 @@ class StopSignal:
         """Stop after this step because a write failed (``message``: its one line)."""
         self.requested, self.failed, self.failure = True, True, message
 
-    def agreed(self, ctx, group=None) -> bool:
+    def agreed(self, ctx, exchange=None) -> bool:
         """Collective: True on every rank when any rank was signalled or failed (one 1-element all-reduce per
         step); ``failed`` and ``restart`` then say, on every rank, whether any rank failed or was stopped by its
-        agent, and ``failure`` is rank 0's line (rank 0 writes the metrics), broadcast over ``group`` (the
-        checkpointer's gloo group)."""
+        agent, and ``failure`` is rank 0's line (rank 0 writes the metrics), sent through the store (``exchange``:
+        the checkpointer's engine/cluster/exchange.py StoreExchange for it)."""
         if ctx.world_size == 1:
             return self.requested
         import torch  # here, not at the top: launch/pretrain.py imports this module before anything starts a thread
@@ -142,7 +142,5 @@ class StopSignal:
         value = flag.item()
         self.requested, self.failed, self.restart = bool(value), value == FAILED, value == RESTART
         if self.failed:
-            box = [self.failure]
-            dist.broadcast_object_list(box, src=0, group=group)
-            self.failure = box[0]
+            self.failure = exchange.broadcast(self.failure)
         return self.requested

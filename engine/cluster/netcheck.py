@@ -4,8 +4,8 @@ Without GLOO_SOCKET_IFNAME, torch's gloo resolves the rank's own host name and b
 resolves (``ProcessGroupGloo::createDefaultDevice``, falling back to 127.0.0.1 when none does); every peer is then
 told to connect there. On Debian and Ubuntu the installer writes ``127.0.1.1 <hostname>`` into /etc/hosts, so on a
 multi-host job every cross-host connection goes to the peer's 127.0.1.1, i.e. to the connecting host itself:
-"Connection refused" from deep inside init_process_group. The checkpoint metadata group is gloo under nccl too
-(engine/checkpoint/checkpointer.py), so the check holds for both backends.
+"Connection refused" from deep inside init_process_group. The check runs whatever the backend; under nccl, whose
+checkpoint metadata no longer goes over gloo (issue 43: engine/cluster/exchange.py), it is stricter than needed.
 
 Done over the rendezvous store, before init_process_group: every rank posts (host, address), rank 0 decides once
 for the world and posts the verdict, so every host refuses with the same line and none is left waiting in a gloo

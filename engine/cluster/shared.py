@@ -2,11 +2,15 @@
 
 Every rank writes its part of a checkpoint into checkpoint.dir and rank 0 publishes it (renames step_N, writes
 ``latest``) once every rank reports its part written. If a host's path is a disk of its own, rank 0 publishes a
-step that lacks that host's shards: saved "successfully", unusable. So before the first step every rank writes a
-token named by its host and rank into each directory, and (after a collective) looks for every other rank's;
-a rank whose token rank 0 cannot see, or that cannot see rank 0's, is on a host that does not share the
-directory. Tokens are removed again. A file system that shows a new file late (NFS attribute caching) gets
-``SETTLE_S`` seconds before a missing token counts.
+step that lacks that host's shards: saved "successfully", unusable. So before the first step one rank per host (the
+first to claim the host in the job's store) writes a token named by its host into each directory; after an exchange
+rank 0 looks for every host's token and each of those ranks for rank 0's host's. A host whose token rank 0 cannot
+see, or that cannot see rank 0's host's, does not share the directory. Tokens are removed again. A file system that
+shows a new file late (NFS attribute caching) gets ``SETTLE_S`` seconds before a missing token counts.
+
+Issue 43: one token per host and 2H look-ups per directory (rank 0's H, one per host), with the exchanges gathered
+to rank 0 over the store (engine/cluster/exchange.py); it was a token per rank, every rank looking up every
+rank's (2N^2 look-ups: 34 M at 4,096 ranks) and every rank's view gathered to every rank.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from engine.cluster.exchange import run_steps
+
 SETTLE_S = 10.0
 _PREFIX = ".shared-"
 
 
-def _token_name(host: str, rank: int, token: str) -> str:
-    return f"{_PREFIX}{host}-rank{rank}-{token}"
+def _token_name(host: str, token: str) -> str:
+    return f"{_PREFIX}{host}-{token}"
 
 
 def _write(directory: Path, name: str) -> bool:
@@ -37,23 +43,14 @@ def _write(directory: Path, name: str) -> bool:
 
 
 def _seen(directory: Path, names: list[str]) -> list[int]:
-    """The ranks whose token is in ``directory``, looked up by name, waiting SETTLE_S for late ones."""
-    deadline = time.monotonic() + SETTLE_S
+    """The indices of ``names`` whose file is in ``directory``, looked up by name (each pass only the ones not yet
+    seen), waiting SETTLE_S for late ones."""
+    deadline, seen = time.monotonic() + SETTLE_S, set()
     while True:
-        seen = [r for r, name in enumerate(names) if (directory / name).exists()]
+        seen |= {i for i, name in enumerate(names) if i not in seen and (directory / name).exists()}
         if len(seen) == len(names) or time.monotonic() > deadline:
-            return seen
+            return sorted(seen)
         time.sleep(0.5)
-
-
-def _unshared(views: list[tuple[str, list[int]]]) -> list[str]:
-    """Hosts (in rank order) whose ranks do not see rank 0's token or whose token rank 0 does not see; when the
-    views disagree otherwise, every host with an incomplete view."""
-    world, first = len(views), set(views[0][1])
-    bad = [views[r][0] for r in range(world) if r not in first or 0 not in views[r][1]]
-    if not bad:
-        bad = [host for host, seen in views if len(seen) != world]
-    return list(dict.fromkeys(bad))
 
 
 def run_directories(out: Path, root: Path | None) -> list[tuple[Path, str]]:
@@ -62,23 +59,55 @@ def run_directories(out: Path, root: Path | None) -> list[tuple[Path, str]]:
     return [(out, "train.out_dir")] + ([(root, "checkpoint.dir")] if root and root.resolve() != out.resolve() else [])
 
 
-def check_shared(directories: list[tuple[Path, str]], token: str, rank: int, gather) -> tuple[list[str], str | None]:
-    """Every rank: ``directories`` are (path, config key); ``gather(obj)`` all-gathers over the world. Returns the
-    host of each rank and the refusal line (None when every directory is shared)."""
-    host = socket.gethostname()
-    hosts = gather(host)
-    names = [_token_name(h, r, token) for r, h in enumerate(hosts)]
-    written = [(d, _write(d, names[rank])) for d, _ in directories]
-    gather(None)  # every token written before anyone looks
-    views = gather([_seen(d, names) if ok else [] for d, ok in written])
-    for d, ok in written:
-        if ok:
-            (d / names[rank]).unlink(missing_ok=True)
+def check_shared(
+    directories: list[tuple[Path, str]], token: str, exchange, host: str | None = None
+) -> tuple[list[str] | None, str | None]:
+    """Every rank: ``directories`` are (path, config key); ``exchange`` an engine/cluster/exchange.py
+    StoreExchange over the world. Returns (on rank 0 the host of each rank, elsewhere None) and the refusal line
+    (None when every directory is shared), the same on every rank."""
+    return run_steps(shared_steps(directories, token, exchange, host or socket.gethostname()))
+
+
+def shared_steps(directories: list[tuple[Path, str]], token: str, exchange, host: str):
+    """check_shared as steps: it yields the kind of each exchange before making it (engine/cluster/exchange.py
+    ``lockstep`` runs many simulated ranks in one thread: launch/bench/scale.py)."""
+    leader = exchange.claim(f"shared-{token}-{host}")
+    written = [_write(d, _token_name(host, token)) if leader else False for d, _ in directories]
+    yield "gather"
+    hosts = exchange.gather(host)  # after it every token is written
+    unseen = None
+    if exchange.rank == 0:
+        order = list(dict.fromkeys(hosts))
+        unseen = [sorted(set(order) - _seen_hosts(d, order, token)) for d, _ in directories]
+    yield "broadcast"
+    first = exchange.broadcast(host)
+    view = [ok and _seen(d, [_token_name(first, token)]) == [0] for (d, _), ok in zip(directories, written)]
+    yield "gather"
+    views = exchange.gather((host, view) if leader else None)
+    error = _verdict(directories, hosts, unseen, views) if exchange.rank == 0 else None
+    yield "broadcast"
+    error = exchange.broadcast(error)
+    if leader:
+        for (d, _), ok in zip(directories, written):
+            if ok:
+                (d / _token_name(host, token)).unlink(missing_ok=True)
+        exchange.release(f"shared-{token}-{host}")
+    return hosts, error
+
+
+def _seen_hosts(directory: Path, hosts: list[str], token: str) -> set[str]:
+    return {hosts[i] for i in _seen(directory, [_token_name(h, token) for h in hosts])}
+
+
+def _verdict(directories, hosts: list[str], unseen: list[list[str]], views: list) -> str | None:
+    """Rank 0: the refusal for the first directory that a host does not share: rank 0 does not see the host's
+    token, or the host's token writer does not see rank 0's host's."""
     for i, (directory, setting) in enumerate(directories):
-        bad = _unshared([(hosts[r], views[r][i]) for r in range(len(hosts))])
+        blind = {v[0] for v in views if v is not None and not v[1][i]}
+        bad = [h for h in dict.fromkeys(hosts) if h in blind or h in unseen[i]]
         if bad:
-            return hosts, _refusal(setting, directory, bad, hosts[0])
-    return hosts, None
+            return _refusal(setting, directory, bad, hosts[0])
+    return None
 
 
 def _refusal(setting: str, directory: Path, bad: list[str], first: str) -> str:

@@ -228,22 +228,22 @@ def test_checkpoint_config_is_checked(arg, value, words):
 
 def stalled_exchange(argv: list[str]) -> str | None:
     """Rank function: rank 1 stays alive but never joins the checkpointer's metadata exchange (a rank stuck during
-    a save). Rank 0's exchange must fail by the group's own timeout (parallel.timeout_s), not gloo's 30-minute
-    default; meanwhile rank 1 waits on the world group, whose timeout is the spawner's, so a rank 0 that stalls
+    a save). Rank 0's exchange through the store must fail by parallel.timeout_s, naming rank 1; meanwhile rank
+    1 waits on the world group, whose timeout is the spawner's, so a rank 0 that stalls
     fails the test through rank 1's barrier or the spawner instead of passing. Returns rank 0's error."""
     cfg = load(argv)
     ckpt = Checkpointer(cfg, SimpleNamespace(rank=dist.get_rank(), world_size=dist.get_world_size()))
     error = None
     if dist.get_rank() == 0:
         try:
-            ckpt._gather("rank 0's piece list")
+            ckpt.exchange.gather("rank 0's piece list")
         except RuntimeError as e:
             error = str(e)
     dist.barrier()
     return error
 
 
-def test_checkpoint_group_times_out_after_parallel_timeout_s(tmp_path):
+def test_checkpoint_exchange_times_out_after_parallel_timeout_s(tmp_path):
     # 3 s: long enough for rank 0 to claim the directory before rank 1 gives up on the start-up broadcast.
     argv = [
         *SMALL,
@@ -255,4 +255,4 @@ def test_checkpoint_group_times_out_after_parallel_timeout_s(tmp_path):
         "3",
     ]
     error = run_ranks(stalled_exchange, 2, argv, timeout_s=60)[0]
-    assert error is not None and "timed out" in error.lower(), error
+    assert error is not None and "rank(s) 1 did not reach" in error and "3 s (parallel.timeout_s)" in error, error

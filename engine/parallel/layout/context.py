@@ -345,14 +345,26 @@ class ParallelContext:
 
 
 def _member_group(rank_lists: list[list[int]], rank: int, timeout: datetime.timedelta | None):
-    """Create one group per rank list (every rank creates every group, in the same order: new_group is collective
-    over the world) and return the one holding ``rank``, or None."""
-    mine = None
-    for ranks in rank_lists:
-        group = dist.new_group(ranks, timeout=timeout)
-        if rank in ranks:
-            mine = group
-    return mine
+    """This rank's group among ``rank_lists`` (disjoint groups of one kind), or None, without a world-wide step per
+    group. Under NCCL with a bound device (eager init), where every ``new_group`` would split the world
+    communicator once, members or not: one ``split_group`` for the kind (one world-wide split, as DeviceMesh does).
+    Otherwise (gloo) only the members create their group, synchronising among themselves; a rank in no group of
+    the kind creates a group of itself, so that every rank holds as many groups, on which the names torch gives
+    locally synchronised groups depend (members of a later group must agree on its name)."""
+    if not rank_lists:
+        return None
+    if _splits_world():
+        return dist.split_group(split_ranks=rank_lists, timeout=timeout)
+    mine = next((ranks for ranks in rank_lists if rank in ranks), None)
+    group = dist.new_group(mine or [rank], timeout=timeout, use_local_synchronization=True)
+    return group if mine else None
+
+
+def _splits_world() -> bool:
+    """The default group holds an eagerly initialised NCCL communicator (``device_id`` bound at init), which
+    ``split_group`` can split (DeviceMesh's own test, torch/distributed/device_mesh.py)."""
+    default = dist.distributed_c10d._get_default_group()
+    return getattr(default, "bound_device_id", None) is not None and dist.get_backend(default) == "nccl"
 
 
 def destroy() -> None:

@@ -85,15 +85,15 @@ class Mesh:
         return self.ranks_spanning((axis,), rank)
 
     def groups_spanning(self, axes: tuple[str, ...]) -> list[list[int]]:
-        """Every group spanning ``axes`` (a partition of the world), ordered by their first rank: the order in
-        which every rank must create them (``dist.new_group`` is collective over the world)."""
-        seen, out = set(), []
-        for rank in range(self.world_size):
-            if rank not in seen:
-                group = self.ranks_spanning(axes, rank)
-                seen.update(group)
-                out.append(group)
-        return out
+        """Every group spanning ``axes`` (a partition of the world), ordered by their first rank. O(N) rank
+        arithmetic: the groups are the rows of the grid with ``axes`` moved innermost (Megatron's RankGenerator)."""
+        for axis in axes:
+            self.size(axis)
+        outer = [(n, s) for n, s in self.axes if n not in axes]
+        inner = [(n, s) for n, s in self.axes if n in axes]
+        # the offset of each member from the group's first rank, and the first rank of each group, both row-major
+        members = _offsets(self.axes, inner)
+        return [[first + m for m in members] for first in _offsets(self.axes, outer)]
 
     def ends_along(self, axis: str) -> list[list[int]]:
         """[first, last] rank of every line along ``axis``: along pp, Megatron's embedding groups (the two stages
@@ -115,13 +115,25 @@ class Mesh:
         return line[block : block + inner], line[at % inner :: inner]
 
     def split_groups(self, axes: str | tuple[str, ...], inner: int) -> tuple[list[list[int]], list[list[int]]]:
-        """Every group of ``split_along`` (inner blocks, strided), each list ordered by first rank: the order in which
-        every rank must create them."""
+        """Every group of ``split_along`` (inner blocks, strided), each list ordered by first rank; O(N): each line
+        along ``axes`` is cut once."""
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
         blocks, strided = [], []
-        for rank in range(self.world_size):
-            a, b = self.split_along(axes, inner, rank)
-            if a not in blocks:
-                blocks.append(a)
-            if b not in strided:
-                strided.append(b)
+        for line in self.groups_spanning(axes):
+            if inner < 1 or len(line) % inner:
+                raise ValueError(f"{inner} does not divide the {' x '.join(axes)} size {len(line)}")
+            blocks += [line[i : i + inner] for i in range(0, len(line), inner)]
+            strided += [line[i::inner] for i in range(inner)]
         return sorted(blocks), sorted(strided)
+
+
+def _offsets(axes: tuple[tuple[str, int], ...], chosen: list[tuple[str, int]]) -> list[int]:
+    """Row-major over the ``chosen`` axes (in mesh order), each combination's rank offset ``sum(index * stride)``."""
+    strides, stride = {}, 1
+    for name, size in reversed(axes):
+        strides[name] = stride
+        stride *= size
+    out = [0]
+    for name, size in chosen:
+        out = [o + i * strides[name] for o in out for i in range(size)]
+    return out
