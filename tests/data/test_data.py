@@ -414,3 +414,35 @@ def test_a_corpus_is_scanned_once_per_version_not_once_per_reader(megatron_index
     reads, errors = read_concurrently(prefix, readers=3)
     assert reads == 1 and len(errors) == 3
     assert all(f"dataset {prefix}: token ids span [0, 70000]" in e and "vocab_size is 4096" in e for e in errors)
+
+
+def _job_rank(prefix: str, argv: list[str]) -> int:
+    """One rank of a job (tests.dist.run_ranks): builds the Trainer, which opens the data where this rank reads it
+    (BatchFeed); returns the bytes of PREFIX.bin this rank reduced with max() (the token-range scan)."""
+    from engine.config import load
+    from engine.parallel.layout.context import ParallelContext
+    from engine.trainer import Trainer
+
+    scanned, real_max = [0], np.memmap.max
+
+    def counting_max(self, *args, **kwargs):  # counts, then runs numpy's own reduction
+        if str(getattr(self, "filename", "") or "").endswith(f"{prefix}.bin"):
+            scanned[0] += self.nbytes
+        return real_max(self, *args, **kwargs)
+
+    np.memmap.max = counting_max
+    cfg = load(argv)
+    Trainer(cfg, ParallelContext.from_config(cfg))
+    return scanned[0]
+
+
+def test_a_job_of_four_readers_scans_its_corpus_once(megatron_indexed, tmp_path):
+    """A dp=4 job (4 data readers, through the Trainer) reads the whole .bin once for its token range, not 4 times."""
+    from tests.checkpoint.runs import SMALL
+    from tests.dist import run_ranks
+
+    prefix = write_indexed(megatron_indexed, tmp_path / "corpus", [np.arange(20_000) % 4000], np.int32)
+    argv = [*SMALL, "--data.paths", f"[{prefix}]", "--train.out_dir", str(tmp_path / "out")]
+    argv += ["--checkpoint.resume", "none", "--parallel.dp", "4"]
+    scanned = run_ranks(_job_rank, 4, prefix, argv)
+    assert sum(scanned) / os.path.getsize(f"{prefix}.bin") == 1 and (tmp_path / "corpus.range.json").is_file()
