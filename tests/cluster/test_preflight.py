@@ -162,10 +162,12 @@ def test_preflight_link_test_across_two_hosts(tmp_path, fake_ssh):
 
 
 def test_preflight_local_link_test():
-    run = preflight("--local", "3", "--size-mb", "0.5", "--iters", "2")
+    """4 ranks: the 6 pairs run in 3 rounds of 2 pairs at once (link_rounds), each measured."""
+    run = preflight("--local", "4", "--size-mb", "0.5", "--iters", "2")
     assert run.returncode == 0, run.stdout + run.stderr
-    assert sum("p2p rank" in line for line in run.stdout.splitlines()) == 3  # (0,1) (0,2) (1,2)
-    assert "all-reduce over 3 ranks" in run.stdout
+    pairs = [line.split(":")[0].strip() for line in run.stdout.splitlines() if "p2p rank" in line]
+    assert len(pairs) == 6 and "p2p rank 0 (localhost) <-> rank 3 (localhost)" in pairs
+    assert "all-reduce over 4 ranks" in run.stdout
 
 
 def test_preflight_over_real_ssh(tmp_path, local_sshd):
