@@ -2,15 +2,18 @@
 
     python launch/preflight.py --hostfile hostfile [--config configs/X.yaml] [--ssh "ssh -p 2222"]
     python launch/preflight.py --local 4 [--config configs/X.yaml]    # collectives only, 4 forked ranks here
+    python launch/preflight.py --plan-only --hosts 2048 [--slots 8]    # the plan and its time at that size
 
 1. The hostfile parses (an error names the line) and the config loads and fits the world (the sum of slots).
-2. Every host answers over ssh, in parallel, with the same Python, torch, packages and engine checkout as this
-   one (engine/cluster/hostcheck.py), and has the config file at the same path with the same contents; its host
-   name does not resolve to a loopback address (engine/cluster/netcheck.py); and the config's checkpoint.dir
-   and train.out_dir are the same directory on every host (engine/cluster/shared.py). Remote commands get
-   .deepspeed_env's variables, as the deepspeed launcher's ranks do.
+2. Every host answers over ssh, --fanout (256) at a time, with the same Python, torch, packages and engine
+   checkout as this one (engine/cluster/hostcheck.py), and has the config file at the same path with the same
+   contents; its host name does not resolve to a loopback address (engine/cluster/netcheck.py); and the
+   config's checkpoint.dir and train.out_dir are the same directory on every host (engine/cluster/shared.py).
+   Remote commands get .deepspeed_env's variables, as the deepspeed launcher's ranks do.
 3. An all-reduce and a p2p test per link (engine/cluster/linktest.py) across the job's whole world with the
-   job's backend: one torchrun per host started over ssh, each command printed so it can be run by hand.
+   job's backend: one torchrun per host started over ssh, each command printed so it can be run by hand. The
+   pairs run in rounds of disjoint pairs: each host's first rank with its local ranks, then 4 rounds in which
+   every host is paired with another (O(hosts) pairs in slots + 3 rounds, not every pair of hosts one by one).
 Exit status: 0 all good; 1 a host failed, each failing host named; 2 bad input, one `error: ...` line.
 """
 
@@ -32,6 +35,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from engine.cluster.hostcheck import (  # noqa: E402
     DEFAULT_SSH,
+    FANOUT,
     HostResult,
     check_hosts,
     deepspeed_env,
@@ -63,11 +67,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=5, help="timed repetitions per link")
     p.add_argument("--timeout-s", type=float, default=120.0, help="per collective, and per host check")
     p.add_argument("--skip-links", action="store_true", help="stop after the host checks")
+    p.add_argument("--fanout", type=int, default=FANOUT, help=f"host checks in flight at once (default {FANOUT})")
+    p.add_argument("--plan-only", action="store_true", help="print the plan (waves, rounds, pairs, time) and stop")
+    p.add_argument("--hosts", type=int, default=0, help="with --plan-only and no --hostfile: this many hosts")
+    p.add_argument("--slots", type=int, default=8, help="with --hosts: ranks per host (default 8)")
+    p.add_argument("--check-s", type=float, default=10.0, help="--plan-only: seconds one host check takes")
+    p.add_argument("--round-s", type=float, default=0.06, help="--plan-only: seconds one round of pairs takes")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one rank of the link test
     p.add_argument("--label", default="", help=argparse.SUPPRESS)  # the hostfile name of the worker's host
     args = p.parse_args(argv)
-    if not args.worker and args.hostfile is None and args.local is None:
-        raise ConfigError("give --hostfile FILE (check the hosts and links of a job) or --local N (links only)")
+    if not args.worker and args.hostfile is None and args.local is None and not (args.plan_only and args.hosts):
+        raise ConfigError(
+            "give --hostfile FILE (check the hosts and links of a job), --local N (links only) "
+            "or --plan-only --hosts N (the plan at N hosts)"
+        )
+    if args.fanout < 1 or args.hosts < 0 or args.slots < 1 or args.check_s <= 0 or args.round_s <= 0:
+        raise ConfigError(
+            f"--fanout={args.fanout}, --slots={args.slots}, --check-s={args.check_s} and --round-s={args.round_s} "
+            f"must be positive and --hosts={args.hosts} >= 0"
+        )
     if args.local is not None and args.local < 1 or args.iters < 1 or args.size_mb <= 0 or args.timeout_s <= 0:
         raise ConfigError(
             f"--local={args.local}, --iters={args.iters}, --size-mb={args.size_mb} and "
@@ -217,7 +235,7 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def check_all_hosts(args: argparse.Namespace, hosts: list[Host]) -> list[HostResult]:
-    results = check_hosts(hosts, args.ssh_argv, str(ROOT), args.config, timeout_s=args.timeout_s)
+    results = check_hosts(hosts, args.ssh_argv, str(ROOT), args.config, timeout_s=args.timeout_s, fanout=args.fanout)
     for r in results:
         print(describe(r), flush=True)
     bad = [f"{r.host.name} ({'; '.join(r.problems)})" for r in results if r.problems]
@@ -240,10 +258,31 @@ def check_shared_directories(args: argparse.Namespace, cfg, hosts: list[Host]) -
     print("shared directories: " + ", ".join(f"{s} '{d}'" for d, s in directories), flush=True)
 
 
+def plan(hosts: int, slots: int, fanout: int, check_s: float, round_s: float) -> tuple[list[str], float]:
+    """Preflight's plan at ``hosts`` hosts of ``slots`` ranks -> (lines, estimated seconds): the host checks in
+    waves of ``fanout`` taking ``check_s`` each, the link test's rounds taking ``round_s`` each (linktest)."""
+    from engine.cluster.linktest import plan_lines
+
+    waves = -(-hosts // fanout)
+    links, link_s = plan_lines(hosts, slots, round_s)
+    total = waves * check_s + link_s
+    return [
+        f"host checks: {hosts} hosts, {min(fanout, hosts)} at once: {waves} waves x {check_s:.1f} s = "
+        f"{waves * check_s:.1f} s",
+        *links,
+        f"preflight estimate at {hosts} hosts: {total:.1f} s ({total / 60:.1f} min) plus start-up and the all-reduce",
+    ], total
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.plan_only:
+        hosts = parse_hostfile(args.hostfile) if args.hostfile else []
+        count, slots = (len(hosts), max(h.slots for h in hosts)) if hosts else (args.hosts, args.slots)
+        print("\n".join(plan(count, slots, args.fanout, args.check_s, args.round_s)[0]), flush=True)
+        return 0
     if args.local is not None:
         load_job_config(args, args.local)
         run_link_test_locally(args)

@@ -23,6 +23,7 @@ from engine.config import ConfigError
 
 # BatchMode: fail instead of asking for a password; ConnectTimeout: an unreachable host fails in seconds.
 DEFAULT_SSH = "ssh -o BatchMode=yes -o ConnectTimeout=5"
+FANOUT = 256  # host checks in flight at once: 2,048 hosts in 8 waves (ssh clients and threads on this host)
 
 
 @dataclass
@@ -127,9 +128,10 @@ def compare(local: dict, remote: dict, slots: int, config: str) -> list[str]:
 
 
 def check_hosts(
-    hosts: list[Host], ssh: list[str], root: str, config: str = "", timeout_s: float = 60.0
+    hosts: list[Host], ssh: list[str], root: str, config: str = "", timeout_s: float = 60.0, fanout: int = FANOUT
 ) -> list[HostResult]:
-    """Query every host at once; each result lists its problems (empty: the host is fit to run the job)."""
+    """Query the hosts, ``fanout`` at a time; each result lists its problems (empty: the host is fit to run the job).
+    Each query ends within ``timeout_s``, so all end within ceil(hosts / fanout) * timeout_s."""
     local, names = hostreport.report(root, config), tuple(dict.fromkeys(h.name for h in hosts))
 
     def one(host: Host) -> HostResult:
@@ -138,7 +140,7 @@ def check_hosts(
             return HostResult(host, None, [why])
         return HostResult(host, report, compare(local, report, host.slots, config))
 
-    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(fanout, len(hosts)))) as pool:
         results = list(pool.map(one, hosts))
     machines = {r.report["host"] for r in results if r.report}  # hostfile lines may name one machine twice
     for r in results if len(machines) > 1 else []:  # a loopback host name only breaks a multi-host job

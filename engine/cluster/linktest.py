@@ -26,20 +26,59 @@ class LinkReport:
     allreduce_busbw: float = 0.0  # GB/s
 
 
-def link_pairs(labels: list[str], max_all: int = 16) -> list[tuple[int, int]]:
-    """Rank pairs to measure. Every pair up to ``max_all`` ranks; beyond that O(hosts^2 + ranks) pairs: the first
-    rank of each host with the first rank of every other host (the inter-node links), and with each other rank
-    of its own host (the intra-node links)."""
+LINK_ROUNDS = 4  # rounds of disjoint host-to-host pairs: each host is measured against this many others
+
+
+def tournament_round(n: int, r: int) -> list[tuple[int, int]]:
+    """Round ``r`` of the round-robin tournament (the circle method) on n players: n // 2 disjoint pairs (one
+    player rests when n is odd); rounds 0 .. n-2 (n even) or 0 .. n-1 (n odd) hold every pair exactly once."""
+    m = n if n % 2 == 0 else n + 1  # an odd n plays against a ghost, m - 1, whose partner rests
+    pairs = [(r % (m - 1), m - 1)] + [((r + i) % (m - 1), (r - i) % (m - 1)) for i in range(1, m // 2)]
+    return [tuple(sorted(p)) for p in pairs if max(p) < n]
+
+
+def link_rounds(labels: list[str], max_all: int = 16, host_rounds: int = LINK_ROUNDS) -> list[list[tuple[int, int]]]:
+    """Rank pairs to measure, in rounds whose pairs share no rank, so a round's pairs run at once. Up to
+    ``max_all`` ranks: every pair (n - 1 rounds, the tournament). Beyond that O(hosts + ranks) pairs in
+    (slots - 1) + ``host_rounds`` rounds: round j < slots pairs each host's first rank with its j-th local rank
+    on every host at once (the intra-node links); then ``host_rounds`` rounds of the tournament on the hosts'
+    first ranks, every host against a different host in each (the inter-node links; hosts // 2 pairs a round)."""
     n = len(labels)
     if n <= max_all:
-        return [(a, b) for a in range(n) for b in range(a + 1, n)]
-    first = {}
+        return [tournament_round(n, r) for r in range(n - 1 if n % 2 == 0 else n)] if n > 1 else []
+    members: dict[str, list[int]] = {}
     for rank, label in enumerate(labels):
-        first.setdefault(label, rank)
-    leaders = sorted(first.values())
-    pairs = [(a, b) for i, a in enumerate(leaders) for b in leaders[i + 1 :]]
-    pairs += [(first[label], rank) for rank, label in enumerate(labels) if rank != first[label]]
-    return sorted(pairs)
+        members.setdefault(label, []).append(rank)
+    local = [ranks for ranks in members.values() if len(ranks) > 1]
+    rounds = [
+        [(ranks[0], ranks[j]) for ranks in local if j < len(ranks)] for j in range(1, max(map(len, local), default=1))
+    ]
+    leaders, h = [ranks[0] for ranks in members.values()], len(members)
+    for r in range(min(host_rounds, h - 1 if h % 2 == 0 else h)):
+        rounds.append(sorted(tuple(sorted((leaders[a], leaders[b]))) for a, b in tournament_round(h, r)))
+    return [pairs for pairs in rounds if pairs]
+
+
+def link_pairs(labels: list[str], max_all: int = 16, host_rounds: int = LINK_ROUNDS) -> list[tuple[int, int]]:
+    """Every pair of :func:`link_rounds`, sorted."""
+    return sorted(p for pairs in link_rounds(labels, max_all, host_rounds) for p in pairs)
+
+
+def plan_lines(hosts: int, slots: int, round_s: float, host_rounds: int = LINK_ROUNDS) -> tuple[list[str], float]:
+    """The link test's plan for ``hosts`` hosts of ``slots`` ranks -> (lines: rounds, pairs, times; the estimated
+    seconds) if one round (its pairs at once, then a barrier) takes ``round_s`` seconds, and, for comparison, the
+    serial plan used before (every pair of hosts, then each host's local pairs, one pair at a time)."""
+    rounds = link_rounds([f"h{r // slots}" for r in range(hosts * slots)], host_rounds=host_rounds)
+    sizes = [len(pairs) for pairs in rounds]
+    n = hosts * slots
+    serial = n * (n - 1) // 2 if n <= 16 else hosts * (hosts - 1) // 2 + hosts * (slots - 1)
+    lines = [
+        f"link test: {sum(sizes)} pairs in {len(rounds)} rounds of disjoint pairs (pairs per round: "
+        f"{min(sizes, default=0)} to {max(sizes, default=0)}), {hosts} hosts x {slots} ranks",
+        f"link test estimate: {len(rounds)} rounds x {round_s:.3f} s = {len(rounds) * round_s:.1f} s "
+        f"(serial pairs, as before: {serial} x {round_s:.3f} s = {serial * round_s:.1f} s)",
+    ]
+    return lines, len(rounds) * round_s
 
 
 def _sync(device: torch.device) -> None:
@@ -69,17 +108,19 @@ def _ping_pong(buf: torch.Tensor, me: int, a: int, b: int, iters: int) -> float 
 
 def measure(label: str, size_bytes: int, iters: int, device: torch.device) -> LinkReport | None:
     """Run the p2p and all-reduce tests on the default group; rank 0 returns the report, the others None.
-    Pairs are measured one at a time (the others wait at a barrier) so each number is one link unshared."""
+    Pairs are measured a round at a time (link_rounds; then a barrier): no rank is in two pairs of a round, so
+    each number is one link of its ranks, sharing the fabric only with the round's other pairs, as in training."""
     me, n = dist.get_rank(), dist.get_world_size()
     labels: list = [None] * n
     dist.all_gather_object(labels, label)
     buf = torch.ones(max(1, size_bytes // 4), dtype=torch.float32, device=device)
     mine = []
-    for a, b in link_pairs(labels):
+    for pairs in link_rounds(labels):
         dist.barrier()
-        gbps = _ping_pong(buf, me, a, b, iters)
-        if gbps is not None:
-            mine.append((a, b, gbps))
+        for a, b in pairs:
+            gbps = _ping_pong(buf, me, a, b, iters)
+            if gbps is not None:
+                mine.append((a, b, gbps))
     dist.barrier()
     dist.all_reduce(buf)  # warm-up
     _sync(device)

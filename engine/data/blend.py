@@ -8,6 +8,8 @@ are positions in the blend; engine.data.dataset.GlobalBatchSampler orders them.
 
 from __future__ import annotations
 
+import fcntl
+import json
 import math
 import os
 import pathlib
@@ -73,25 +75,83 @@ def _read_indexed(prefix: str) -> np.ndarray:
     return np.memmap(bin_, dtype=dtype, mode="r")
 
 
-def _open_source(path: str, tokenizer: PreTrainedTokenizerBase, text_key: str) -> tuple[str, np.ndarray]:
-    """One data.paths entry -> (kind, token stream). An indexed-dataset prefix (PREFIX.bin/.idx exist; a trailing
-    .bin/.idx is dropped) is memory-mapped; a .txt/.json/.jsonl/.parquet file is tokenized now (tokenize_files)."""
+def _open_source(
+    path: str, tokenizer: PreTrainedTokenizerBase, text_key: str
+) -> tuple[str, np.ndarray, tuple[int, int]]:
+    """One data.paths entry -> (kind, token stream, (min, max) token id). An indexed-dataset prefix (PREFIX.bin/.idx
+    exist; a trailing .bin/.idx is dropped) is memory-mapped, its range scanned once (indexed_range); a
+    .txt/.json/.jsonl/.parquet file is tokenized now (tokenize_files) and scanned here."""
     prefix = path[:-4] if path.endswith((".bin", ".idx")) else path
     prefix = str(pathlib.Path(prefix).expanduser())
     if os.path.exists(prefix + ".bin") or os.path.exists(prefix + ".idx"):
         tokens = read_indexed(prefix)
-        return f"indexed {tokens.dtype.name}", tokens
+        return f"indexed {tokens.dtype.name}", tokens, indexed_range(prefix, tokens)
     if pathlib.Path(path).suffix.lower() in BUILDERS:
-        return "raw", tokenize_files([path], tokenizer, text_key)
+        tokens = tokenize_files([path], tokenizer, text_key)
+        return "raw", tokens, scan_range(tokens)
     raise DataError(
         f"data path {path!r}: found neither {prefix}.bin/.idx (an indexed dataset from "
         f"launch/preprocess.py) nor a raw {'/'.join(BUILDERS)} file"
     )
 
 
-def _check_vocab(name: str, tokens: np.ndarray, vocab_size: int) -> None:
-    """DataError naming the dataset unless every token id is in [0, vocab_size) (one pass per bound, at load)."""
-    lo, hi = 0 if tokens.dtype.kind == "u" else int(tokens.min()), int(tokens.max())
+SCAN_CHUNK = 1 << 26  # tokens per slice of a range scan: bounded memory on a corpus of terabytes
+
+
+def scan_range(tokens: np.ndarray) -> tuple[int, int]:
+    """(smallest, largest) token id of a stream: one pass over it, a slice at a time (an empty stream: (0, -1))."""
+    lo, hi = 0, -1
+    for start in range(0, len(tokens), SCAN_CHUNK):
+        part = tokens[start : start + SCAN_CHUNK]
+        low = 0 if tokens.dtype.kind == "u" else int(part.min())
+        lo, hi = (low, int(part.max())) if start == 0 else (min(lo, low), max(hi, int(part.max())))
+    return lo, hi
+
+
+def _range_key(prefix: str) -> dict:
+    """What identifies one version of an indexed dataset: the .bin's and .idx's sizes and modification times."""
+    stats = {ext: os.stat(prefix + ext) for ext in (".bin", ".idx")}
+    return {f"{ext[1:]}_{k}": getattr(st, f"st_{k}") for ext, st in stats.items() for k in ("size", "mtime_ns")}
+
+
+def _cached_range(path: pathlib.Path, key: dict) -> tuple[int, int] | None:
+    try:
+        saved = json.loads(path.read_text())
+        return (int(saved["min"]), int(saved["max"])) if saved.get("key") == key else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def indexed_range(prefix: str, tokens: np.ndarray) -> tuple[int, int]:
+    """The token-id range of indexed dataset ``prefix``, scanned once per version of its files, not once per reader
+    or per job: the result is kept beside the index in PREFIX.range.json, keyed on the .bin's and .idx's sizes and
+    modification times. The first reader holds a lock on the .idx while it scans; the others wait for its result
+    (an flock: across hosts on NFS v4; a file system without flock, or a folder not writable, only costs rescans)."""
+    path, key = pathlib.Path(prefix + ".range.json"), _range_key(prefix)
+    found = _cached_range(path, key)
+    if found is not None:
+        return found
+    with open(prefix + ".idx", "rb") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:
+            pass  # no locks here: every reader scans, as without the cache
+        found = _cached_range(path, key)
+        if found is not None:
+            return found
+        found = scan_range(tokens)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps({"key": key, "dtype": tokens.dtype.name, "min": found[0], "max": found[1]}))
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a read-only folder: the next reader scans again
+    return found
+
+
+def _check_vocab(name: str, span: tuple[int, int], vocab_size: int) -> None:
+    """DataError naming the dataset unless every token id, in ``span`` = (min, max), is in [0, vocab_size)."""
+    lo, hi = span
     if lo < 0 or hi >= vocab_size:
         raise DataError(
             f"dataset {name}: token ids span [{lo}, {hi}] (max id {hi}) but the model's vocab_size is "
@@ -199,12 +259,12 @@ class TrainData:
         self.names = list(spec.paths) or ["bundled corpus"]
         self.kinds, self.sizes, self.train, self.valid = [], [], [], []
         for name in self.names:
-            kind, tokens = (
-                _open_source(name, tokenizer, spec.text_key)
-                if spec.paths
-                else ("raw", load_train_tokens([], tokenizer))
-            )
-            _check_vocab(name, tokens, spec.vocab_size)
+            if spec.paths:
+                kind, tokens, span = _open_source(name, tokenizer, spec.text_key)
+            else:
+                kind, tokens = "raw", load_train_tokens([], tokenizer)
+                span = scan_range(tokens)
+            _check_vocab(name, span, spec.vocab_size)
             train, valid = _split(name, tokens, spec.seq_len, spec.valid_fraction)
             self.kinds.append(kind)
             self.sizes.append(len(tokens))

@@ -209,10 +209,12 @@ def test_preflight_link_test_across_two_hosts(tmp_path, fake_ssh):
 
 
 def test_preflight_local_link_test():
-    run = preflight("--local", "3", "--size-mb", "0.5", "--iters", "2")
+    """4 ranks: the 6 pairs run in 3 rounds of 2 pairs at once (link_rounds), each measured."""
+    run = preflight("--local", "4", "--size-mb", "0.5", "--iters", "2")
     assert run.returncode == 0, run.stdout + run.stderr
-    assert sum("p2p rank" in line for line in run.stdout.splitlines()) == 3  # (0,1) (0,2) (1,2)
-    assert "all-reduce over 3 ranks" in run.stdout
+    pairs = [line.split(":")[0].strip() for line in run.stdout.splitlines() if "p2p rank" in line]
+    assert len(pairs) == 6 and "p2p rank 0 (localhost) <-> rank 3 (localhost)" in pairs
+    assert "all-reduce over 4 ranks" in run.stdout
 
 
 def test_preflight_over_real_ssh(tmp_path, local_sshd):
@@ -243,3 +245,70 @@ def test_link_test_failure_names_the_cause_not_torchruns_frame():
     )
     assert failure_cause(err) == "error: host h2: its host name resolves to 127.0.1.1, a loopback address, ..."
     assert failure_cause("RuntimeError: Connection refused\n-----\n=====\n") == "RuntimeError: Connection refused"
+
+
+def test_link_plan_at_2048_hosts_is_linear_in_rounds_of_disjoint_pairs():
+    """At 2,048 hosts x 8 ranks the link test used to measure C(2048, 2) host pairs one at a time; now O(hosts)
+    pairs in (slots - 1) + 4 rounds, no rank twice in a round, every host against another in each host round."""
+    from engine.cluster.linktest import link_rounds
+
+    hosts, slots = 2048, 8
+    labels = [f"h{r // slots}" for r in range(hosts * slots)]
+    rounds = link_rounds(labels)
+    pairs = [p for r in rounds for p in r]
+    assert len(rounds) == (slots - 1) + 4 <= 2 * (hosts.bit_length() - 1)
+    assert len(pairs) == hosts * (slots - 1) + 4 * hosts // 2 <= 10 * hosts  # O(hosts); was C(2048, 2) + ...
+    for r in rounds:
+        ranks = [rank for p in r for rank in p]
+        assert len(ranks) == len(set(ranks))  # disjoint: the round's pairs run at once
+    host_rounds = [r for r in rounds if all(labels[a] != labels[b] for a, b in r)]
+    assert len(host_rounds) == 4
+    for r in host_rounds:  # every host measured against another host in every host round
+        assert sorted(labels[x] for p in r for x in p) == sorted(set(labels))
+    assert len({p for r in host_rounds for p in r}) == 4 * hosts // 2  # no host pair measured twice
+    intra = [p for r in rounds for p in r if labels[p[0]] == labels[p[1]]]
+    assert len(intra) == hosts * (slots - 1)  # each host's first rank with each of its local ranks
+
+
+def test_preflight_plan_only_at_2048_hosts():
+    run = preflight("--plan-only", "--hosts", "2048", "--fanout", "256")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == "host checks: 2048 hosts, 256 at once: 8 waves x 10.0 s = 80.0 s"
+    assert lines[1].startswith("link test: 18432 pairs in 11 rounds of disjoint pairs")
+    minutes = float(lines[-1].split("(")[1].split()[0])
+    assert lines[-1].startswith("preflight estimate at 2048 hosts:") and minutes < 10
+    bad = preflight("--plan-only", "--hosts", "2048", "--fanout", "0")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --fanout=0") and "\n" not in bad.stderr.strip()
+
+
+# Stands in for ssh in the fan-out test: each call leaves a token in a folder while it runs, waits (up to 20 s)
+# until WANT calls run at once (shell built-ins only: cheap on a loaded machine), writes how many it saw, and
+# fails as an unreachable host does.
+COUNTING_SSH = """#!/bin/sh
+host=$1; dir={dir}; touch $dir/run.$$; seen=0; i=0
+while [ $i -lt 100 ]; do
+  set -- $dir/run.*; [ $# -gt $seen ] && seen=$#
+  [ $# -ge {want} ] && break
+  sleep 0.2; i=$((i + 1))
+done
+echo $seen >> $dir/seen; rm -f $dir/run.$$
+echo "ssh: stand-in for $host" >&2; exit 255
+"""
+
+
+@pytest.mark.parametrize("hosts, fanout", [(12, 4), (40, 40)])
+def test_host_checks_run_fanout_at_once(tmp_path, hosts, fanout):
+    """The host checks run --fanout ssh commands at once, never more (counted by a real ssh stand-in); 40 at once
+    was 32 before, the fixed pool size."""
+    folder = tmp_path / "calls"
+    folder.mkdir()
+    ssh = tmp_path / "counting_ssh"
+    ssh.write_text(COUNTING_SSH.format(dir=folder, want=fanout))
+    ssh.chmod(0o755)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"node{i} slots=1\n" for i in range(hosts)))
+    run = preflight("--hostfile", str(hostfile), "--ssh", str(ssh), "--skip-links", "--fanout", str(fanout))
+    assert run.returncode == 1 and "FAIL node0: ssh failed: ssh: stand-in for node0" in run.stdout, run.stderr
+    seen = [int(n) for n in (folder / "seen").read_text().split()]
+    assert len(seen) == hosts and max(seen) == fanout

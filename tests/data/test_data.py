@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -398,3 +399,87 @@ def test_dp_layouts_and_resume_consume_the_same_global_samples(megatron_indexed,
             seen += sum((s.batch(consumed) for s in ranks), [])
             consumed += gbs
     assert seen == sum(reference, [])  # none skipped, none repeated
+
+
+def _reader(prefix: str, vocab_size: int, start, done) -> None:
+    """One data reader of a job (a forked process): opens the dataset as BatchFeed's TrainData does and puts the
+    number of bytes of PREFIX.bin it reduced with max() (the token-range scan) on ``done``."""
+    scanned = [0]
+    real_max = np.memmap.max
+
+    def counting_max(self, *args, **kwargs):  # counts, then runs numpy's own reduction
+        if getattr(self, "filename", None) and str(self.filename).endswith(f"{prefix}.bin"):
+            scanned[0] += self.nbytes
+        return real_max(self, *args, **kwargs)
+
+    np.memmap.max = counting_max
+    start.wait()
+    try:
+        blend.TrainData(spec([prefix], seq_len=4, vocab_size=vocab_size), None)
+        done.put((scanned[0], ""))
+    except DataError as e:
+        done.put((scanned[0], str(e)))
+
+
+def read_concurrently(prefix: str, readers: int, vocab_size: int = 4096) -> tuple[float, list[str]]:
+    """``readers`` processes open the dataset at once -> (full reads of the .bin among them, their errors)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    start, done = ctx.Barrier(readers), ctx.Queue()
+    procs = [ctx.Process(target=_reader, args=(prefix, vocab_size, start, done)) for _ in range(readers)]
+    for p in procs:
+        p.start()
+    results = [done.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    size = os.path.getsize(f"{prefix}.bin")
+    return sum(n for n, _ in results) / size, [e for _, e in results if e]
+
+
+def test_a_corpus_is_scanned_once_per_version_not_once_per_reader(megatron_indexed, tmp_path):
+    """Every data reader (N/tp of them in a job) used to scan the whole .bin for its token range; now the first
+    reader scans and leaves the range in PREFIX.range.json, keyed on the files' sizes and mtimes, and the rest (of
+    this job and of later ones) read it. A rewritten .bin is scanned again, and a token >= vocab_size is still
+    refused by every reader."""
+    docs = [np.arange(i, i + 5000) % 4000 for i in range(40)]
+    prefix = write_indexed(megatron_indexed, tmp_path / "corpus", docs, np.int32)
+    reads, errors = read_concurrently(prefix, readers=4)
+    assert (reads, errors) == (1, [])
+    assert read_concurrently(prefix, readers=4) == (0, [])  # a restart: the range is known
+    write_indexed(megatron_indexed, tmp_path / "corpus", [*docs[:-1], np.full(5000, 70_000)], np.int32)
+    reads, errors = read_concurrently(prefix, readers=3)
+    assert reads == 1 and len(errors) == 3
+    assert all(f"dataset {prefix}: token ids span [0, 70000]" in e and "vocab_size is 4096" in e for e in errors)
+
+
+def _job_rank(prefix: str, argv: list[str]) -> int:
+    """One rank of a job (tests.dist.run_ranks): builds the Trainer, which opens the data where this rank reads it
+    (BatchFeed); returns the bytes of PREFIX.bin this rank reduced with max() (the token-range scan)."""
+    from engine.config import load
+    from engine.parallel.layout.context import ParallelContext
+    from engine.trainer import Trainer
+
+    scanned, real_max = [0], np.memmap.max
+
+    def counting_max(self, *args, **kwargs):  # counts, then runs numpy's own reduction
+        if str(getattr(self, "filename", "") or "").endswith(f"{prefix}.bin"):
+            scanned[0] += self.nbytes
+        return real_max(self, *args, **kwargs)
+
+    np.memmap.max = counting_max
+    cfg = load(argv)
+    Trainer(cfg, ParallelContext.from_config(cfg))
+    return scanned[0]
+
+
+def test_a_job_of_four_readers_scans_its_corpus_once(megatron_indexed, tmp_path):
+    """A dp=4 job (4 data readers, through the Trainer) reads the whole .bin once for its token range, not 4 times."""
+    from tests.checkpoint.runs import SMALL
+    from tests.dist import run_ranks
+
+    prefix = write_indexed(megatron_indexed, tmp_path / "corpus", [np.arange(20_000) % 4000], np.int32)
+    argv = [*SMALL, "--data.paths", f"[{prefix}]", "--train.out_dir", str(tmp_path / "out")]
+    argv += ["--checkpoint.resume", "none", "--parallel.dp", "4"]
+    scanned = run_ranks(_job_rank, 4, prefix, argv)
+    assert sum(scanned) / os.path.getsize(f"{prefix}.bin") == 1 and (tmp_path / "corpus.range.json").is_file()
