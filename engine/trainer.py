@@ -37,6 +37,7 @@ from engine.parallel.pp.executor import PipelineExecutor
 from engine.parallel.tp.layers import vocab_parallel_cross_entropy
 from engine.planning.balance import describe as describe_split
 from engine.stage import build_executors, build_model  # noqa: F401 (build_model: launch/bench imports it here)
+from engine.trust.replicas import ReplicaCheck
 
 
 class TrainingAborted(RuntimeError):
@@ -100,6 +101,7 @@ class Trainer:
         elif cfg.model.init_from:
             load_weights(self.parts, Path(cfg.model.init_from).expanduser())
         self.metrics.rewind(self.step)  # a resume rolls back the steps logged after its checkpoint
+        self.replicas = ReplicaCheck(cfg, ctx, self.model)  # train.check_replicas_every (engine/trust/replicas.py)
 
     @property
     def position(self) -> RunPosition:
@@ -288,6 +290,7 @@ class Trainer:
                 if eval_loss is not None:
                     record["eval_loss"] = eval_loss
             history.append(record)
+            self.replicas.maybe_check(self.step, self.checkpointer.wait)  # ends the run before this step's save
             if self.step % self.cfg.log.every == 0 or self.step == self.cfg.train.steps:
                 self.metrics.log(record)
             # saves every checkpoint.every steps, at the last, on a signal; True: stop now. The stop-signal
