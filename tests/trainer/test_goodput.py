@@ -1,0 +1,52 @@
+"""The goodput ledger (engine/trust/goodput.py): a run that fails mid-way and is resumed through launch/pretrain.py
+keeps one out_dir/goodput.json over both starts, counts the restart and the steps re-done (those the first start
+trained past the checkpoint the second resumed from), and prints its line at start and at the end. The fault: an
+exception raised by the trainer's observer hook in step 5 of the first start, after the step-3 checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+from engine.config import load
+from engine.parallel.layout.context import ParallelContext
+from engine.trainer import Trainer
+from tests.cli import run_script
+from tests.dist import run_ranks
+from tests.shrunk import FIVE_STEPS
+
+
+def failing_run(argv: list[str], at: int) -> str:
+    """Rank function: train until step ``at``'s update, where an injected fault ends the process' training."""
+    cfg = load(argv)
+    trainer = Trainer(cfg, ParallelContext.from_config(cfg))
+
+    def fault(event: str) -> None:
+        if event == "update" and trainer.step + 1 == at:
+            raise RuntimeError("injected fault")
+
+    trainer.observers.append(fault)
+    try:
+        trainer.fit()
+    except RuntimeError as e:
+        return str(e)
+    return "finished"
+
+
+def test_ledger_counts_a_restart_and_the_steps_redone(tmp_path):
+    argv = [*FIVE_STEPS, "--train.steps", "6", "--checkpoint.every", "3", "--log.every", "1"]
+    argv += ["--train.out_dir", str(tmp_path / "out"), "--checkpoint.dir", str(tmp_path / "ckpt")]
+    assert run_ranks(failing_run, 1, argv, 5)[0] == "injected fault"
+    first = json.loads((tmp_path / "out" / "goodput.json").read_text())["starts"]
+    assert [(s["first_step"], s["last_step"], s["ended"]) for s in first] == [(0, 4, None)]
+    r = run_script("launch/pretrain.py", *argv)
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.startswith("goodput ")]
+    assert len(lines) == 2, r.stdout
+    # at start: the first start's time, which the restart and the resume point already qualify
+    assert " over 1 start: lost " in lines[0] and lines[0].endswith(" so far"), lines[0]
+    for line in lines:  # step 4 was trained, then the run resumed from step 3
+        assert " to 1 restart, " in line and " re-doing 1 step, " in line, line
+    assert " over 2 starts: lost " in lines[1], lines[1]
+    starts = json.loads((tmp_path / "out" / "goodput.json").read_text())["starts"]
+    assert [(s["first_step"], s["last_step"], s["ended"]) for s in starts] == [(0, 4, None), (3, 6, "done")]
+    assert starts[1]["saves_s"] > 0 and starts[1]["startup_s"] > 0 and starts[0]["steps_s"] > 0
