@@ -5,6 +5,8 @@ nothing. The fault is injected through the trainer's observers (the hook launch/
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -13,7 +15,8 @@ from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from engine.trust.replicas import ReplicasDisagree
 from tests.cli import run_script
-from tests.dist import run_ranks
+from tests.cluster.jobs import Job, agent
+from tests.dist import free_port, run_ranks
 from tests.shrunk import FIVE_STEPS
 
 
@@ -98,3 +101,20 @@ def test_negative_interval_refused(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: train.check_replicas_every=-1 must be >= 0 (0: off, N: every N steps)"
     ], r.stderr
+
+
+def test_launcher_stops_with_exit_status_4(tmp_path):
+    """Through torchrun and launch/pretrain.py (tests/trainer/flip_pretrain.py flips rank 1's bit in step 3): one
+    error line, worker exit status 4, the step-2 checkpoint the latest."""
+    job = Job(tmp_path)
+    args = ["tests/trainer/flip_pretrain.py", *argv_for(tmp_path, "--parallel.dp", "2")]
+    env = {**os.environ, "FLIP_AT": "1:3:layers.1.mlp"}
+    try:
+        proc = job.start(agent(1, 2, f"127.0.0.1:{free_port()}", args), env)
+        assert job.wait([proc])[0] != 0
+    finally:
+        job.kill_all()
+    out = job.output()
+    assert "error: replicas disagree at step 4: model.layers.1.mlp." in out and "exitcode  : 4" in out, out[-3000:]
+    assert " differs between ranks 0, 1 (dp_cp group of ranks 0, 1)" in out, out[-3000:]
+    assert saved_steps(tmp_path) == ["step_000002"]
