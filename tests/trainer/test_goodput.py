@@ -1,11 +1,15 @@
 """The goodput ledger (engine/trust/goodput.py): a run that fails mid-way and is resumed through launch/pretrain.py
 keeps one out_dir/goodput.json over both starts, counts the restart and the steps re-done (those the first start
-trained past the checkpoint the second resumed from), and prints its line at start and at the end. The fault: an
-exception raised by the trainer's observer hook in step 5 of the first start, after the step-3 checkpoint."""
+trained past the checkpoint the second resumed from), and prints its line at start and at the end. The fault: the
+first start's process SIGKILLs itself from the trainer's observer hook in step 5, after the step-3 checkpoint."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+
+import pytest
 
 from engine.config import load
 from engine.parallel.layout.context import ParallelContext
@@ -15,27 +19,24 @@ from tests.dist import run_ranks
 from tests.shrunk import FIVE_STEPS
 
 
-def failing_run(argv: list[str], at: int) -> str:
-    """Rank function: train until step ``at``'s update, where an injected fault ends the process' training."""
+def killed_run(argv: list[str], at: int) -> None:
+    """Rank function: train until step ``at``'s update, where the process is killed (SIGKILL: nothing runs after)."""
     cfg = load(argv)
     trainer = Trainer(cfg, ParallelContext.from_config(cfg))
 
     def fault(event: str) -> None:
         if event == "update" and trainer.step + 1 == at:
-            raise RuntimeError("injected fault")
+            os.kill(os.getpid(), signal.SIGKILL)
 
     trainer.observers.append(fault)
-    try:
-        trainer.fit()
-    except RuntimeError as e:
-        return str(e)
-    return "finished"
+    trainer.fit()
 
 
 def test_ledger_counts_a_restart_and_the_steps_redone(tmp_path):
     argv = [*FIVE_STEPS, "--train.steps", "6", "--checkpoint.every", "3", "--log.every", "1"]
     argv += ["--train.out_dir", str(tmp_path / "out"), "--checkpoint.dir", str(tmp_path / "ckpt")]
-    assert run_ranks(failing_run, 1, argv, 5)[0] == "injected fault"
+    with pytest.raises(Exception):  # the rank died of SIGKILL
+        run_ranks(killed_run, 1, argv, 5)
     first = json.loads((tmp_path / "out" / "goodput.json").read_text())["starts"]
     assert [(s["first_step"], s["last_step"], s["ended"]) for s in first] == [(0, 4, None)]
     r = run_script("launch/pretrain.py", *argv)
