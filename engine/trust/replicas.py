@@ -53,6 +53,9 @@ class ReplicaCheck:
 
     def __init__(self, cfg, ctx, model: torch.nn.Module):
         self.every, self.ctx, self.model = cfg.train.check_replicas_every, ctx, model
+        # besides every N-th step, the steps whose checkpoint is due (periodic, last), so none is saved unchecked
+        self.save_every = cfg.checkpoint.every if cfg.checkpoint.dir else 0
+        self.last_step = cfg.train.steps
         params = dict(model.named_parameters())
         experts = {name for name, _ in expert_parameters(model)}
         self.plan: list[tuple[str, object, list[str]]] = []  # (group name, group, tensor names), the same order
@@ -69,9 +72,11 @@ class ReplicaCheck:
         self.params = params
 
     def maybe_check(self, step: int, before_raising=lambda: None) -> None:
-        """Compare at every train.check_replicas_every-th step; raise ReplicasDisagree on every rank on a mismatch,
-        after ``before_raising`` (the trainer's: an async save of an earlier, clean step commits)."""
-        if not self.every or step % self.every:
+        """Compare at every train.check_replicas_every-th step and before a periodic or final save; raise
+        ReplicasDisagree on every rank on a mismatch, after ``before_raising`` (the trainer's: an async save of an
+        earlier, clean step commits). A save on a stop signal between checks is not checked."""
+        saving = (self.save_every and step % self.save_every == 0) or step == self.last_step
+        if not self.every or (step % self.every and not saving):
             return
         found = []
         for name, group, names in self.plan:

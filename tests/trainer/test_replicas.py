@@ -87,6 +87,14 @@ def test_tp_replicated_norm_that_drifts_is_named(tmp_path):
     assert saved_steps(tmp_path) == ["step_000002"]
 
 
+def test_a_due_save_is_checked_between_checks(tmp_path):
+    """check_replicas_every 100, checkpoint.every 2: step 4's save is checked all the same."""
+    argv = [*argv_for(tmp_path, "--parallel.tp", "2"), "--train.check_replicas_every", "100"]
+    got = run_ranks(faulty_run, 2, argv, 1, "weight", "model.norm", timeout_s=300)
+    assert got[0]["error"].startswith("replicas disagree at step 4: model.norm.weight differs between ranks 0, 1")
+    assert saved_steps(tmp_path) == ["step_000002"]
+
+
 def test_clean_run_names_nothing(tmp_path):
     """tp 2 x dp 2, checked every step over both groups: the run finishes and saves its last step."""
     argv = [*argv_for(tmp_path, "--parallel.tp", "2", "--parallel.dp", "2"), "--train.check_replicas_every", "1"]
