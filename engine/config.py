@@ -141,6 +141,9 @@ class TrainConfig:
     # A step whose global loss is NaN or inf is skipped (no update; counted as skipped_steps in metrics); this
     # many in a row abort the run (0: never abort).
     max_bad_steps: int = 5
+    # Every this many steps the ranks that must hold identical weights compare a digest per tensor (engine/trust/
+    # replicas.py); a mismatch stops the run before the next save, exit status 4. 0: off.
+    check_replicas_every: int = 0
     seed: int = 1234
     dtype: str = "fp32"  # fp32 | bf16 (autocast; weights, grads and optimizer state stay fp32)
     tf32: bool = True  # CUDA only: fp32 matmuls on TF32 tensor cores (engine/parallel/layout/context.py apply_tf32)

@@ -152,6 +152,10 @@ def _validate_run(cfg: Config) -> None:
         raise ConfigError(f"train.adam_eps={cfg.train.adam_eps} must be > 0")
     if cfg.train.max_bad_steps < 0:
         raise ConfigError(f"train.max_bad_steps={cfg.train.max_bad_steps} must be >= 0 (0: never abort)")
+    if cfg.train.check_replicas_every < 0:
+        raise ConfigError(
+            f"train.check_replicas_every={cfg.train.check_replicas_every} must be >= 0 (0: off, N: every N steps)"
+        )
     if cfg.train.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps={cfg.train.warmup_steps} must be >= 0")
     c = cfg.checkpoint

@@ -37,6 +37,8 @@ from engine.parallel.pp.executor import PipelineExecutor
 from engine.parallel.tp.layers import vocab_parallel_cross_entropy
 from engine.planning.balance import describe as describe_split
 from engine.stage import build_executors, build_model  # noqa: F401 (build_model: launch/bench imports it here)
+from engine.trust.goodput import Goodput
+from engine.trust.replicas import ReplicaCheck
 
 
 class TrainingAborted(RuntimeError):
@@ -47,6 +49,7 @@ class Trainer:
     """Holds the model, optimizer and data of one rank and runs optimizer steps."""
 
     def __init__(self, cfg: Config, ctx: ParallelContext):
+        started = time.time()  # start-up in the goodput ledger: from here to the first step
         adopt_shape(cfg)  # model.init_from: the HF folder's shape (launch/pretrain.py did it before ctx, too)
         resolve_layout(cfg, ctx.world_size)  # the layout (and the supported combinations) against that shape
         self.cfg, self.ctx = cfg, ctx
@@ -100,6 +103,8 @@ class Trainer:
         elif cfg.model.init_from:
             load_weights(self.parts, Path(cfg.model.init_from).expanduser())
         self.metrics.rewind(self.step)  # a resume rolls back the steps logged after its checkpoint
+        self.replicas = ReplicaCheck(cfg, ctx, self.model)  # train.check_replicas_every (engine/trust/replicas.py)
+        self.goodput = Goodput(t.out_dir, ctx.rank == 0, self.step, started)  # out_dir/goodput.json
 
     @property
     def position(self) -> RunPosition:
@@ -277,6 +282,8 @@ class Trainer:
             )
         clock = self.stats.clock  # a step's time runs from the previous step's record to its own, data included
         clock.start()
+        self.goodput.begin()
+        stop = False
         while self.step < self.cfg.train.steps:
             with self.stats.timer.phase("data"):
                 batch = self.next_local_batch()
@@ -288,6 +295,8 @@ class Trainer:
                 if eval_loss is not None:
                     record["eval_loss"] = eval_loss
             history.append(record)
+            self.goodput.step(self.step, record["step_time"], write=self.step % self.cfg.log.every == 0)
+            self.replicas.maybe_check(self.step, self.checkpointer.wait)  # ends the run before this step's save
             if self.step % self.cfg.log.every == 0 or self.step == self.cfg.train.steps:
                 self.metrics.log(record)
             # saves every checkpoint.every steps, at the last, on a signal; True: stop now. The stop-signal
@@ -296,9 +305,11 @@ class Trainer:
             stop = self.checkpointer.after_step(self.parts, self.position, self.bad_steps)
             if self.checkpointer.last_saved != saved:
                 clock.exclude(time.perf_counter() - start)
+                self.goodput.saved(time.perf_counter() - start)
             if stop:
                 break
         clock.stop()  # train_step called on its own times itself again
         self.checkpointer.finish()  # an async save commits before fit returns
         self.metrics.close()
+        self.goodput.end("stopped" if stop else "done")
         return history

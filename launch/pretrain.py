@@ -62,6 +62,8 @@ def main(argv: list[str]) -> int:
     from engine.hf.init import adopt_shape
     from engine.parallel.layout.context import ParallelContext, destroy
     from engine.trainer import Trainer, TrainingAborted
+    from engine.trust.replicas import EXIT_STATUS as DISAGREE_STATUS
+    from engine.trust.replicas import ReplicasDisagree
 
     adopt_shape(cfg)  # --model.init_from HF_DIR: the folder's model shape, before the layout is checked
     store, heartbeat = start_cluster(cfg)
@@ -85,6 +87,10 @@ def main(argv: list[str]) -> int:
         report_once(f"error: training aborted: {e}")
         finished = True
         return 1
+    except ReplicasDisagree as e:  # every rank raises the same line (engine/trust/replicas.py), before any save of it
+        report_once(f"error: {e}; the run stopped before saving this step (exit status {DISAGREE_STATUS})")
+        finished = True
+        return DISAGREE_STATUS
     except (ConfigError, DataError, CheckpointError):
         finished = True  # every rank refuses alike: one line, no peer to blame
         raise

@@ -149,7 +149,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("engine.config_types", "engine.config_yaml", "engine.config", "engine.config_checks"),
     ("engine.model", "engine.metrics", "engine.cluster", "engine.optim"),
     ("engine.parallel",),
-    ("engine.data", "engine.checkpoint"),
+    ("engine.data", "engine.checkpoint", "engine.trust"),
     ("engine.planning",),
     ("engine.hf", "engine.stage", "engine.trainer"),
 )

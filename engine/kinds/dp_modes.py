@@ -42,7 +42,10 @@ class DpModeSpec:
     not.
     ``bf16_weights``: train.dtype=bf16
     computes on bf16 weights (else autocast over fp32 weights: engine/planning/activations.py picks its ledger by
-    this)."""
+    this). ``identical_over``: the groups (names ctx.group answers) over which this mode keeps every parameter's
+    local tensor identical, which train.check_replicas_every compares (engine/trust/replicas.py): over "tp" only the
+    parameters every tp rank holds whole (norms); over "dp_cp" all but the expert-parallel ones (compared over
+    "edp")."""
 
     name: str
     impl: str
@@ -58,6 +61,7 @@ class DpModeSpec:
     expert_parallel: bool = False
     ep_refusal: str = ""
     bf16_weights: bool = False
+    identical_over: tuple[str, ...] = ("tp",)
 
 
 _TORCH_STATE = ("state:TorchState",)
@@ -78,6 +82,7 @@ MODES: dict[str, DpModeSpec] = {
             check=checks.check_ddp,
             grad_syncs=_ALL_SYNCS | {CHUNK_LAST_W},
             expert_parallel=True,
+            identical_over=("dp_cp", "tp"),  # every replica holds the whole stage; tp peers the norms whole
         ),
         # FSDP: each model chunk its own root, reduce-scattered after its last backward or, under zero bubble and zbv,
         # its last W (zbv with a tied embedding refused: checks.check_fsdp_layout); experts: units over expert-dp
@@ -92,6 +97,7 @@ MODES: dict[str, DpModeSpec] = {
             bf16_weights=True,
             grad_syncs=_ALL_SYNCS | {CHUNK_LAST_W},
             expert_parallel=True,
+            identical_over=("tp",),  # shards differ over dp; tp peers hold the same shard of each norm
         ),
         DpModeSpec(
             "zero",
@@ -105,6 +111,9 @@ MODES: dict[str, DpModeSpec] = {
             offload=("none", "optimizer", "optimizer_and_params"),
             compile=False,  # compile: DeepSpeed's hooks
             bf16_weights=True,
+            # DeepSpeed's partitions differ over dp (stage 1/2 replicate the module weights, stage 3 does not; not
+            # yet told apart here); tp peers hold the same norms
+            identical_over=("tp",),
             grad_syncs=_ALL_SYNCS,  # what DeepSpeed cannot follow: checks.check_zero_schedule
             ep_refusal="DeepSpeed's flat buffers partition every parameter over the whole dp group, while the "
             "experts differ between ep ranks: they would need a second partition over expert-dp",
