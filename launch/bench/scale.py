@@ -352,6 +352,19 @@ def _store_parts() -> dict:
     }
 
 
+def _launch_parts() -> dict:
+    """Preflight's plan (N ranks as N / 8 hosts of 8) and the data readers' corpus scans (N readers) of
+    launch/bench/scale_parts.py, when that file is present."""
+    try:
+        from launch.bench import scale_parts
+    except ImportError:
+        return {}
+    return {
+        "preflight": lambda n: scale_parts.measure_preflight(n // scale_parts.SLOTS),
+        "data": scale_parts.measure_data,
+    }
+
+
 def _cell(value) -> str:
     if value is None:
         return "-"
@@ -361,7 +374,7 @@ def _cell(value) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parts = {**PARTS, **_store_parts()}
+    parts = {**PARTS, **_store_parts(), **_launch_parts()}
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=list(SIZES), metavar="N")
     ap.add_argument("--parts", default=",".join(parts), help=f"comma-separated, of: {', '.join(parts)}")
@@ -381,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             row = parts[part](n)
             cells = [_cell(row.get(c)) for c in COLUMNS]
             extra = [f"{k} {_cell(v)}" for k, v in row.items() if k not in COLUMNS and k != "note"]
-            note = "; ".join([row["note"]] * ("note" in row) + extra)
+            note = "; ".join(([row["note"]] if "note" in row else []) + extra)
             print(f"| {part} | {n:,} | " + " | ".join(cells) + f" | {note} |", flush=True)
     return 0
 
