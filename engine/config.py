@@ -321,10 +321,10 @@ def _cli_value(key: str, value: str, loader=BoundedLoader):
     that is not YAML stays the text)."""
     try:
         return yaml.load(value, Loader=loader) if value != "" else ""
+    except ConfigError as e:  # an alias bomb (engine/config_yaml.py); first: ConfigError is a ValueError
+        raise ConfigError(f"--{key}: {e}") from None
     except (yaml.YAMLError, ValueError):  # not YAML, or an integer past Python's digits: the text, checked by
         return value  # its field's type
-    except ConfigError as e:  # an alias bomb (engine/config_yaml.py)
-        raise ConfigError(f"--{key}: {e}") from None
 
 
 def load(argv: list[str]) -> Config:
