@@ -27,7 +27,8 @@ def _watch(frozen: int, recv: bool):
     dist.all_gather_object(pids, os.getpid())
     codes: list[int] = []
     beat = Heartbeat(rank, world, TIMEOUT, exit_fn=codes.append).start()
-    time.sleep(2 * beat.interval)  # every rank has beaten and named its host
+    while beat._beats < 2:  # every rank has beaten and named its host (counted, not slept: a loaded fork's first
+        time.sleep(0.05)  # connect can take longer than two beats, and its host was then "an unknown host")
     dist.barrier()
     start = time.monotonic()
     if rank == frozen:
