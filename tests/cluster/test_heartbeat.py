@@ -39,7 +39,8 @@ def _watch(frozen: int, recv: bool):
         return None
     if recv and rank == 1:
         dist.recv(torch.zeros(1), src=frozen)  # returns only once the frozen rank is let go
-    while beat.verdict is None and time.monotonic() - start < BOUND_S + 30:
+    while (beat.verdict is None or not codes) and time.monotonic() - start < BOUND_S + 30:  # the verdict is set,
+        # then acknowledged by the live ranks (engine/cluster/verdict.py), then exit_fn is called
         time.sleep(0.05)
     elapsed = time.monotonic() - start
     if rank == min(r for r in range(world) if r != frozen):
