@@ -1,0 +1,208 @@
+"""Mutation testing of the fault paths: does the suite notice a small, plausible bug?
+
+    python -m tests.mutation                        # every module of tests/mutation/targets.toml
+    python -m tests.mutation engine/json_input.py   # some of them
+    python -m tests.mutation --list                 # the map: module -> the tests its mutants run
+
+Each module is mutated one change at a time by cosmic-ray (https://github.com/sixty-north/cosmic-ray): it writes the
+mutant to the file on disk, so the tests' forked ranks, launcher subprocesses and torchrun agents all run it (mutmut
+3 switches mutants inside the test process and maps tests to functions by tracing it, which misses everything a
+test runs in a forked rank or a launched script: most of this project's fault tests). The run happens in a scratch
+copy of the checkout (its tracked and untracked files, uncommitted changes included), never in the checkout itself.
+
+Only plausible bugs are planted (``KEEP``): a comparison's boundary or sense flipped, a condition negated, + and -
+or * and / swapped, a number off by one, True/False, and/or swapped, a loop that never runs, break/continue swapped,
+an except clause that no longer catches. A mutant is killed when its module's tests fail or time out (3x the clean
+run). The score per module is killed / (mutants - equivalent ones listed in tests/mutation/equivalent.toml, each
+with why); every survivor is printed with its line and change. Contributors who touch a module in the map run it
+for that module before they stop (README, Contributing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10; cosmic-ray installs toml, whose loads() reads the same
+    import toml as tomllib
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+# the operators kept: cosmic-ray's names, matched whole (core/<name>)
+KEEP = [
+    r"ReplaceComparisonOperator_(Lt_LtE|LtE_Lt|Gt_GtE|GtE_Gt|Eq_NotEq|NotEq_Eq|Is_IsNot|IsNot_Is|In_NotIn|NotIn_In)",
+    r"ReplaceBinaryOperator_(Add_Sub|Sub_Add|Mul_Div|Div_Mul|FloorDiv_Mul)",
+    r"NumberReplacer",
+    r"ReplaceTrueWithFalse",
+    r"ReplaceFalseWithTrue",
+    r"ReplaceAndWithOr",
+    r"ReplaceOrWithAnd",
+    r"AddNot",
+    r"ZeroIterationForLoop",
+    r"ReplaceBreakWithContinue",
+    r"ReplaceContinueWithBreak",
+    r"ExceptionReplacer",
+]
+
+
+def targets() -> dict[str, list[str]]:
+    data = tomllib.loads((HERE / "targets.toml").read_text())
+    return {module: entry["tests"] for module, entry in data["modules"].items()}
+
+
+def equivalents() -> list[dict]:
+    return tomllib.loads((HERE / "equivalent.toml").read_text()).get("equivalent", [])
+
+
+def scratch_copy() -> Path:
+    """The checkout's tracked and untracked (not ignored) files, copied to a scratch folder."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
+    dest = Path(tempfile.mkdtemp(prefix="mutation-"))
+    for name in filter(None, listed):
+        src = ROOT / os.fsdecode(name)
+        if src.is_file():
+            (dest / os.fsdecode(name)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / os.fsdecode(name))
+    return dest
+
+
+def excluded_operators() -> list[str]:
+    names = subprocess.run(["cosmic-ray", "operators"], check=True, capture_output=True, text=True).stdout.split()
+    keep = re.compile("core/(" + "|".join(KEEP) + ")$")
+    return [re.escape(name) + "$" for name in names if not keep.match(name)]
+
+
+def test_command(tests: list[str]) -> str:
+    return " ".join([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests])
+
+
+def clean_run(work: Path, tests: list[str]) -> float:
+    """Seconds the module's tests take unmutated; they must pass, or no mutant's result means anything."""
+    start = time.monotonic()
+    done = subprocess.run(test_command(tests), shell=True, cwd=work, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"error: the tests {tests} fail without a mutant:\n{done.stdout[-3000:]}")
+    return time.monotonic() - start
+
+
+def write_config(work: Path, module: str, tests: list[str], timeout: float, exclude: list[str]) -> Path:
+    config = work / ".mutation" / (module.replace("/", "_") + ".toml")
+    config.parent.mkdir(exist_ok=True)
+    lines = [
+        "[cosmic-ray]",
+        f"module-path = {json.dumps(module)}",
+        f"timeout = {timeout:.0f}",
+        "excluded-modules = []",
+        f"test-command = {json.dumps(test_command(tests))}",
+        "",
+        "[cosmic-ray.distributor]",
+        'name = "local"',
+        "",
+        "[cosmic-ray.filters.operators-filter]",
+        f"exclude-operators = {json.dumps(exclude)}",
+    ]
+    config.write_text("\n".join(lines) + "\n")
+    return config
+
+
+def mutate(work: Path, module: str, tests: list[str], exclude: list[str]) -> list[tuple[dict, dict]]:
+    """Every kept mutant of ``module`` run against ``tests``: [(work item, result)]."""
+    seconds = clean_run(work, tests)
+    config = write_config(work, module, tests, max(60.0, 3 * seconds), exclude)
+    session = config.with_suffix(".sqlite")
+    quiet = {"cwd": work, "check": True, "capture_output": True, "text": True}
+    subprocess.run(["cosmic-ray", "init", str(config), str(session)], **quiet)
+    subprocess.run(["cr-filter-operators", str(session), str(config)], **quiet)
+    pending = sum(1 for line in dump(session, work) if line[1] is None)
+    print(f"{module}: {pending} mutants, {seconds:.0f} s of tests each", flush=True)
+    subprocess.run(["cosmic-ray", "exec", str(config), str(session)], **quiet)
+    return [line for line in dump(session, work) if line[1] and line[1]["worker_outcome"] != "skipped"]
+
+
+def dump(session: Path, work: Path) -> list[tuple[dict, dict | None]]:
+    out = subprocess.run(["cosmic-ray", "dump", str(session)], cwd=work, check=True, capture_output=True, text=True)
+    return [tuple(json.loads(line)) for line in out.stdout.splitlines() if line.strip()]
+
+
+def mutant_text(result: dict) -> str:
+    """The mutated line as the mutant reads (its diff's added line), stripped: how equivalent.toml names a mutant."""
+    added = [
+        line[1:]
+        for line in (result.get("diff") or "").splitlines()
+        if line.startswith("+") and not line.startswith("+++")
+    ]
+    return added[0].strip() if added else ""
+
+
+def score(module: str, results: list[tuple[dict, dict]]) -> tuple[int, int, list[str], set[str]]:
+    """(killed, counted, survivors' lines, equivalent.toml's entries for the module that matched no mutant):
+    equivalent mutants are not counted."""
+    known = {e["mutant"] for e in equivalents() if e["module"] == module}
+    killed, counted, survivors, seen = 0, 0, [], set()
+    for item, result in results:
+        mutation, text = item["mutations"][0], mutant_text(result)
+        if text in known:
+            seen.add(text)
+            continue
+        counted += 1
+        if result["test_outcome"] == "killed":
+            killed += 1
+            continue
+        where = f"{module}:{mutation['start_pos'][0]} {mutation['operator_name']}"
+        survivors.append(f"  {where}: {text}  [{result['test_outcome'] or result['worker_outcome']}]")
+    return killed, counted, survivors, known - seen
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.mutation", description=__doc__.split("\n")[0])
+    parser.add_argument("modules", nargs="*", help="modules of tests/mutation/targets.toml (default: all)")
+    parser.add_argument("--list", action="store_true", help="print the map and stop")
+    args = parser.parse_args(argv)
+    table = targets()
+    unknown = [m for m in args.modules if m not in table]
+    if unknown:
+        print(f"error: {', '.join(unknown)} not in tests/mutation/targets.toml; mapped: {', '.join(table)}")
+        return 2
+    chosen = args.modules or list(table)
+    if args.list:
+        for module in chosen:
+            print(f"{module}: {' '.join(table[module])}")
+        return 0
+    if shutil.which("cosmic-ray") is None:
+        print("error: cosmic-ray is not installed; pip install -c constraints-cpu.txt -e '.[mutation]'")
+        return 2
+    work, exclude, rows = scratch_copy(), excluded_operators(), []
+    try:
+        for module in chosen:
+            killed, counted, survivors, stale = score(module, mutate(work, module, table[module], exclude))
+            rows.append((module, killed, counted))
+            print(f"{module}: {killed} of {counted} killed ({100 * killed / max(counted, 1):.0f} %)")
+            print(
+                "\n".join(survivors + [f"  stale in equivalent.toml (no such mutant): {t}" for t in stale]), flush=True
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print("\nmodule | killed | mutants | score")
+    for module, killed, counted in rows:
+        print(f"{module} | {killed} | {counted} | {100 * killed / max(counted, 1):.0f} %")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
