@@ -62,6 +62,13 @@ CASES = {
     "hidden-fraction": ("llama", {"hidden_size": 32.5}, ["hidden_size=32.5 is not valid; use a whole number"]),
     "eps-string": ("llama", {"rms_norm_eps": "abc"}, ['rms_norm_eps="abc" is not valid; use a finite number > 0']),
     "eps-nan": ("llama", {"rms_norm_eps": float("nan")}, ["rms_norm_eps=NaN is not valid; use a finite number > 0"]),
+    # the bound itself: a zero epsilon divides by zero in every norm, a zero base makes every RoPE frequency 0
+    "eps-zero": ("llama", {"rms_norm_eps": 0.0}, ["rms_norm_eps=0.0 is not valid; use a finite number > 0"]),
+    "theta-zero": (
+        "llama",
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 0}},
+        ["rope_theta=0 is not valid; use a finite number > 0"],
+    ),
     "rope-list": ("llama", {"rope_parameters": [1, 2]}, ["rope_parameters=[1, 2] is not valid; use an object"]),
     "llama3-no-factor": (
         "llama",
