@@ -16,12 +16,12 @@ what it loads, never every rank's entry:
 - ``rank_NNNNN.safetensors``: the rank's shard; ``part_NNNNN.json`` (PART, written and fsynced by the rank itself):
   its shard's file name, byte size and CRC-32, its RNG state and coordinates, and its pieces
   (``params: {name: {states: {state: [[tp_rank, start, end], ...]}}}``);
-- ``locator.jsonl`` (LOCATOR, rank 0): one line per parameter, ``[[tp_rank, start, end, part], ...]``, sorted: which
-  part holds which range of which tp block (the ranges of a rank's states merged), from the small plans the ranks
-  send (``write_part``'s return, through the store: DCP's coordinator plans, not the pieces);
+- ``locator.jsonl`` (LOCATOR, rank 0): one line per tp block of each parameter, ``[[tp_rank, start, end, part],
+  ...]``, sorted: which part holds which range of it (the ranges of a rank's states merged), from the small plans the
+  ranks send (``write_part``'s return, through the store: DCP's coordinator plans, not the pieces);
 - ``index.json`` (INDEX, written last, by rank 0: the commit): format/version, step, data position, Adam step, the
   config and layout that wrote it, the number of parts, and per parameter its global shape, tp cut, states and the
-  byte range ``where`` of its locator line.
+  byte ranges ``where`` of its locator lines, one per tp block.
 A resume reads index.json (its size: the model's parameter count, not the ranks'), seeks to the locator lines of
 the parameters it holds, and opens only the parts (and shards) holding ranges it needs; validation checks each
 rank's share of the parts and locator lines (``read_index``'s ``share``). Version 1 (one index.json with every
@@ -135,10 +135,12 @@ def merge_index(plans: list[dict], header: dict) -> tuple[dict, dict[str, str]]:
             rows.setdefault(name, []).extend([*row, plan["part"]] for row in p["rows"])
     lines, offset = [], 0
     for name, entry in params.items():
-        line = json.dumps(sorted(rows[name])) + "\n"
-        entry["where"] = [offset, len(line)]  # ASCII: characters are bytes
-        lines.append(line)
-        offset += len(line)
+        entry["where"] = []
+        for tp in range(entry["tp_size"]):  # a line per tp block: a rank reads the rows of the blocks it needs
+            line = json.dumps(sorted(row for row in rows[name] if row[0] == tp)) + "\n"
+            entry["where"].append([offset, len(line)])  # ASCII: characters are bytes
+            lines.append(line)
+            offset += len(line)
     top = {"format": FORMAT, "version": VERSION, **header, "parts": len(plans), "locator_bytes": offset}
     return {**top, "params": params}, {LOCATOR: "".join(lines)}
 
@@ -182,11 +184,11 @@ def _read_index(path: Path, index_path: Path, share: tuple[int, int]) -> dict:
         index["files"], index["_parts"], index["_share"] = {}, {}, []
         for number in range(rank, index["parts"], world):
             index["_share"].append(load_part(path, index, number)["file"])
-        mine = [name for k, name in enumerate(index["params"]) if k % world == rank]
-        if mine:
+        blocks = [(name, tp) for name, p in index["params"].items() for tp in range(p["tp_size"])]
+        if blocks[rank::world]:
             with (path / LOCATOR).open("rb") as locator:
-                for name in mine:
-                    locate(locator, index, name, path)
+                for name, tp in blocks[rank::world]:
+                    locate(locator, index, name, tp, path)
     for file in index["_share"]:
         info = index["files"][file]
         listed_in = path / part_name(info["part"]) if "part" in info else index_path
@@ -216,10 +218,10 @@ def load_part(path: Path, index: dict, number: int) -> dict:
     return index["_parts"][number]
 
 
-def locate(locator, index: dict, name: str, path: Path) -> list[list[int]]:
-    """The locator rows ``[tp_rank, start, end, part]`` of parameter ``name`` (version 2) from ``locator``, the
-    open ``path / LOCATOR``: one seek and one read of its line, checked against the index."""
-    offset, length = index["params"][name]["where"]
+def locate(locator, index: dict, name: str, tp_rank: int, path: Path) -> list[list[int]]:
+    """The locator rows ``[tp_rank, start, end, part]`` of tp block ``tp_rank`` of parameter ``name`` (version 2)
+    from ``locator``, the open ``path / LOCATOR``: one seek and one read of its line, checked against the index."""
+    offset, length = index["params"][name]["where"][tp_rank]
     locator.seek(offset)
     data = locator.read(length)
     try:
@@ -228,7 +230,7 @@ def locate(locator, index: dict, name: str, path: Path) -> list[list[int]]:
         raise CheckpointError(
             f"{path / LOCATOR}: the line of {name} at byte {offset} is not JSON (a damaged file)"
         ) from None
-    check_locator(rows, index, name, path / LOCATOR)
+    check_locator(rows, index, name, tp_rank, path / LOCATOR)
     return rows
 
 
@@ -324,7 +326,7 @@ class Reader:
     def __init__(self, path: Path, index: dict):
         self.path, self.index, self.params = path, index, index["params"]
         self._files: dict[str, object] = {}
-        self._rows: dict[str, list] = {}  # version 2: the locator rows of each parameter read so far
+        self._rows: dict[tuple[str, int], list] = {}  # version 2: the locator rows of each tp block read so far
         self._locator = None  # version 2: locator.jsonl, opened at the first parameter located
 
     def close(self) -> None:
@@ -346,11 +348,11 @@ class Reader:
         version 2 opens only the parts whose locator rows overlap it."""
         if self.index["version"] == 1:
             return [(f, s, e) for f, tp, s, e in self._param(name)["states"].get(state, []) if tp == tp_rank]
-        if name not in self._rows:
+        if (name, tp_rank) not in self._rows:
             if self._locator is None:
                 self._locator = (self.path / LOCATOR).open("rb")
-            self._rows[name] = locate(self._locator, self.index, name, self.path)
-        numbers = dict.fromkeys(n for tp, s, e, n in self._rows[name] if tp == tp_rank and s < b and a < e)
+            self._rows[name, tp_rank] = locate(self._locator, self.index, name, tp_rank, self.path)
+        numbers = dict.fromkeys(n for _, s, e, n in self._rows[name, tp_rank] if s < b and a < e)
         found = []
         for number in numbers:
             part = load_part(self.path, self.index, number)

@@ -194,7 +194,7 @@ TOP = fields(
                     "tp_dim": maybe(integer(0, 1)),
                     "tp_size": integer(1),
                     "states": list_of(text, 1),
-                    "where": row(integer(), integer(), what="[offset, length] of its line in locator.jsonl"),
+                    "where": list_of(row(integer(), integer(), what="[offset, length] in locator.jsonl"), 1),
                 }
             )
         ),
@@ -297,9 +297,9 @@ def check_top(index: dict, index_path: Path) -> None:
     def rules():
         for name, p in index["params"].items():
             _block(p, f"params[{name!r}].tp_dim")
-            offset, length = p["where"]
-            if offset + length > index["locator_bytes"]:
-                raise _Bad(f"params[{name!r}].where", p["where"], f"a range of the {index['locator_bytes']} bytes")
+            if len(p["where"]) != p["tp_size"] or any(a + n > index["locator_bytes"] for a, n in p["where"]):
+                expected = f"{p['tp_size']} ranges (one per tp block) of the {index['locator_bytes']} bytes"
+                raise _Bad(f"params[{name!r}].where", p["where"], expected)
         moments = any(s != "param" for p in index["params"].values() for s in p["states"])
         if moments and not index.get("model_only") and index.get("adam_step") is None:
             raise _Bad("adam_step", index.get("adam_step"), "Adam's step count (the index holds Adam moments)")
@@ -321,14 +321,16 @@ def check_part(part: dict, index: dict, part_path: Path) -> None:
     _checked(PART, rules, part_path)(part)
 
 
-def check_locator(rows: object, index: dict, name: str, path: Path) -> None:
-    """A parameter's locator line: rows [tp rank, start, end, part] inside its tp blocks, of an existing part."""
+def check_locator(rows: object, index: dict, name: str, tp_rank: int, path: Path) -> None:
+    """The locator line of tp block ``tp_rank`` of a parameter: rows [tp rank, start, end, part] inside that
+    block, of an existing part."""
 
     def rules():
         _ranges(rows, index["params"][name], f"[{name!r}]", "a location")
         for i, r in enumerate(rows):
-            if r[3] >= index["parts"]:
-                raise _Bad(f"[{name!r}][{i}]", r, f"a location in one of the {index['parts']} parts")
+            if r[0] != tp_rank or r[3] >= index["parts"]:
+                where = f"a location in tp block {tp_rank}, in one of the {index['parts']} parts"
+                raise _Bad(f"[{name!r}][{i}]", r, where)
 
     _checked(list_of(LOCATION), rules, path)(rows)
 
