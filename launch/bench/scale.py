@@ -14,12 +14,13 @@ shared: wall time means nothing here). The parts:
 - ``shared``: the shared-directory check (engine/cluster/shared.py) of N ranks, 8 per host, on a scratch folder
   (train.out_dir and checkpoint.dir), all ranks' steps over one in-process store (engine/cluster/exchange.py
   ``lockstep``): files written, file-system look-ups, store requests, keys and bytes.
-- ``save``: a save's metadata exchange (engine/checkpoint/checkpointer.py: piece lists gathered to rank 0 through
-  the store, ``merge_index``, the verdict back) on synthetic per-rank piece lists of an 8B model (32 layers,
-  hidden 4,096, tp 8, pp up to 8, ZeRO over dp) with each rank's RNG state, as a save writes them.
-- ``resume``: one rank's ``read_index`` of that checkpoint (N empty shard files on the scratch folder) with its
-  share of the shards to check, as a resume makes it: CPU, peak memory and file-system look-ups (every rank still
-  parses the whole index).
+- ``save``: a save's metadata (engine/checkpoint/checkpointer.py: each rank writes its part of the index and sends
+  its plan, the ranges it holds, to rank 0 through the store; ``merge_index``, the locator and index.json written;
+  the verdict back) on synthetic per-rank piece lists of an 8B model (32 layers, hidden 4,096, tp 8, pp up to 8,
+  ZeRO over dp) with each rank's RNG state, as a save writes them (fsync skipped: a scratch folder).
+- ``resume``: the last rank's ``read_index`` of that checkpoint (N empty shard files on the scratch folder) with its
+  share of the shards and parts to check, and then the location of every piece it holds (``Reader.pieces``), as a
+  resume makes them: CPU, peak memory, files opened, bytes read and file-system look-ups.
 - the store parts of ``launch/bench/scale_store.py`` when it is present (start-up, heartbeat: a real TCPStore in
   another process): its ``PARTS`` dict, or its ``measure*`` functions, each ``fn(n) -> {column: value}``.
 
