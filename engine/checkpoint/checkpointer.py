@@ -1,8 +1,8 @@
 """Sharded checkpoints: every rank writes its own pieces, a checkpoint appears atomically, resumes at any layout.
 
 Layout (docs/architecture.md "Checkpoints"): ``<checkpoint.dir>/step_NNNNNN/`` holds ``rank_NNNNN.safetensors`` (one
-per rank:
-the parameter and Adam-moment pieces it owns, and its RNG states) and ``index.json`` (engine/checkpoint/format.py).
+per rank: the parameter and Adam-moment pieces it owns, and its RNG states) with its ``part_NNNNN.json``, a
+``locator.jsonl`` and ``index.json`` (engine/checkpoint/format.py).
 ``<checkpoint.dir>/latest`` names the newest complete one.
 
 Save (collective): each rank copies its pieces of the explicit parts (engine/checkpoint/parts.py: the stage, the
