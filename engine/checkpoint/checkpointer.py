@@ -1,17 +1,18 @@
 """Sharded checkpoints: every rank writes its own pieces, a checkpoint appears atomically, resumes at any layout.
 
 Layout (docs/architecture.md "Checkpoints"): ``<checkpoint.dir>/step_NNNNNN/`` holds ``rank_NNNNN.safetensors`` (one
-per rank:
-the parameter and Adam-moment pieces it owns, and its RNG states) and ``index.json`` (engine/checkpoint/format.py).
+per rank: the parameter and Adam-moment pieces it owns, and its RNG states) with its ``part_NNNNN.json``, a
+``locator.jsonl`` and ``index.json`` (engine/checkpoint/format.py).
 ``<checkpoint.dir>/latest`` names the newest complete one.
 
 Save (collective): each rank copies its pieces of the explicit parts (engine/checkpoint/parts.py: the stage, the
 dp mode's state access, config, context) to CPU with the run position it is given (engine/checkpoint/contents.py),
-then writes ``step_N.tmp-<run token>/rank_R.safetensors``; the ranks send their piece lists and shard sizes/CRCs
-to rank 0 through the job's store (metadata only, engine/cluster/exchange.py: O(1) requests per rank, no world-sized
-gloo group); rank 0 publishes the directory (engine/checkpoint/publish.py: the
-index, the rename to ``step_N``, only then ``latest``, then pruning to ``checkpoint.keep``, never the new one or a
-step above it).
+then writes ``step_N.tmp-<run token>/rank_R.safetensors`` and its part of the index, ``part_R.json`` (its pieces,
+shard size and CRC, RNG: engine/checkpoint/format.py ``write_part``); the ranks send small plans (the ranges each
+holds, no pieces) to rank 0 through the job's store (engine/cluster/exchange.py: O(1) requests per rank, no
+world-sized gloo group); rank 0 publishes the directory (engine/checkpoint/publish.py: the locator and the
+top-level index, the rename to ``step_N``, only then ``latest``, then pruning to ``checkpoint.keep``, never the new
+one or a step above it).
 With ``checkpoint.async_save`` the writing and committing run in a background thread while training goes on
 (the writer thread exchanges over a store connection of its own, made at its first save); the next save or the
 end of fit waits for it.
@@ -44,7 +45,14 @@ import torch.distributed as dist
 
 from engine.checkpoint.choose import resolve, to_try
 from engine.checkpoint.contents import check_model, contents, data_changes, layout_change, load_into
-from engine.checkpoint.format import CheckpointError, merge_index, read_index, verify_shard, write_shard
+from engine.checkpoint.format import (
+    CheckpointError,
+    merge_index,
+    read_index,
+    verify_shard,
+    write_part,
+    write_shard,
+)
 from engine.checkpoint.lineage import set_aside, settle
 from engine.checkpoint.lock import CheckpointLock, claim_run_directories
 from engine.checkpoint.parts import CheckpointParts, RunPosition
@@ -185,17 +193,19 @@ class Checkpointer:
         try:
             staging_dir(self.root, step, self.token)
             meta.update(write_shard(tmp / meta["file"], tensors))
+            plan = write_part(tmp, meta["rank"], meta)  # this rank's part of the index, written by itself
         except Exception as e:  # the others must not wait forever for this rank's metadata
-            meta = {"error": f"rank {meta['rank']} could not save step {step}: {describe(tmp / meta['file'], e)}"}
+            plan = {"error": f"rank {meta['rank']} could not save step {step}: {describe(tmp / meta['file'], e)}"}
         if self.exchange is not None:
             self.exchange.store = self._store()
-        metas = self.exchange.gather(meta) if self.exchange is not None else [meta]  # to rank 0 only
-        errors = [m["error"] for m in metas or [] if "error" in m]
+        plans = self.exchange.gather(plan) if self.exchange is not None else [plan]  # to rank 0 only
+        errors = [m["error"] for m in plans or [] if "error" in m]
         if not errors and self.ctx.rank == 0:
             try:
-                steps = [m.pop("adam_step") for m in metas]
+                steps = [m.pop("adam_step") for m in plans]
                 header["adam_step"] = max((s for s in steps if s is not None), default=None)
-                publish(self.root, step, self.token, merge_index(metas, header), keep)
+                index, locator = merge_index(plans, header)
+                publish(self.root, step, self.token, index, keep, locator)
                 say(f"checkpoint: saved {self.root / step_name(step)}")  # where to export it from
             except Exception as e:  # reported on every rank: none may wait for a commit that never comes
                 errors.append(f"rank 0 could not commit step {step}: {describe(self.root, e)}")
@@ -293,9 +303,8 @@ class Checkpointer:
         index, error = None, None
         try:
             index = read_index(path, share=(self.ctx.rank, self.ctx.world_size))
-            for i, file in enumerate(sorted(index["files"])):
-                if i % self.ctx.world_size == self.ctx.rank:
-                    verify_shard(path, index, file)
+            for file in index["_share"]:
+                verify_shard(path, index, file)
         except CheckpointError as e:
             error = str(e)
         error = self._first(error)

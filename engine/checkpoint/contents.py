@@ -20,7 +20,15 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from engine.checkpoint.format import INDEX, MODEL_SHAPE_KEYS, CheckpointError, Reader, piece_key, shard_name
+from engine.checkpoint.format import (
+    INDEX,
+    MODEL_SHAPE_KEYS,
+    CheckpointError,
+    Reader,
+    piece_key,
+    rank_entry,
+    shard_name,
+)
 from engine.checkpoint.parts import CheckpointParts, RunPosition
 from engine.config import ModelConfig
 from engine.parallel.dp.state import slots
@@ -139,8 +147,9 @@ def load_into(parts: CheckpointParts, path: Path, index: dict) -> RunPosition:
                 access.set(slot, state, value.to(ctx.device))
     access.finish()
     reader.close()
-    meta = index["ranks"][ctx.rank] if ctx.rank < len(index["ranks"]) else {}
-    if index["layout"] == layout_of(cfg, ctx) and "rng" in meta:  # RNG streams belong to ranks; another layout
+    same = index["layout"] == layout_of(cfg, ctx)
+    meta = rank_entry(path, index, ctx.rank) if same else {}  # version 2: its own part, read only then
+    if same and "rng" in meta:  # RNG streams belong to ranks; another layout
         _set_rng_state(path / meta["file"], meta["rng"], ctx.device)  # starts fresh ones
     return RunPosition(index["step"], index["consumed_samples"])
 

@@ -2,14 +2,15 @@
 
 Every writer of a checkpoint (a training save, engine/checkpoint/checkpointer.py, and the Hugging Face import,
 engine/hf/convert.py) writes its shards into ``staging_dir(root, step, token)`` = ``<root>/step_N.tmp-<token>`` and
-then calls ``publish``, the only code that makes a ``step_N`` directory or ``latest`` appear: index.json written
-and fsynced last into the temporary directory, the directory renamed to ``step_N`` (a stale one of the same step
-moved aside first), ``latest`` replaced by write + fsync + os.replace, and the directories fsynced so that the
-renames survive a crash. A reader therefore sees a complete checkpoint or none; ``list_checkpoints`` never
-matches a temporary directory. A publish that fails or is interrupted before ``latest`` names the new step (a full
-disk, a read-only remount, a second SIGINT) puts the directory back under its temporary name, so the last good
-checkpoint stays ``latest`` and no complete step lies above it (which the next start-up would refuse,
-engine/checkpoint/lineage.py); the caller then ``discard``s the staging directory where the file system lets it.
+then calls ``publish``, the only code that makes a ``step_N`` directory or ``latest`` appear: the locator and then
+index.json written and fsynced last into the temporary directory (each rank wrote its shard and part before), the
+directory renamed to ``step_N`` (a stale one of the same step moved aside first), ``latest`` replaced by write +
+fsync + os.replace, and the directories fsynced so that the renames survive a crash. A reader therefore sees a
+complete checkpoint or none; ``list_checkpoints`` never matches a temporary directory. A publish that fails or is
+interrupted before ``latest`` names the new step (a full disk, a read-only remount, a second SIGINT) puts the
+directory back under its temporary name, so the last good checkpoint stays ``latest`` and no complete step lies
+above it (which the next start-up would refuse, engine/checkpoint/lineage.py); the caller then ``discard``s the
+staging directory where the file system lets it.
 """
 
 from __future__ import annotations
@@ -87,11 +88,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def publish(root: Path, step: int, token: str, index: dict, keep: int = 0) -> Path:
-    """One process (rank 0): commit ``staging_dir(root, step, token)``, whose shards are written and fsynced,
-    with ``index`` as its index.json; point ``latest`` at it; ``prune`` to ``keep`` checkpoints (0: all) and
-    delete the temporary directories a crash left. Returns the published ``root/step_N``."""
+def publish(root: Path, step: int, token: str, index: dict, keep: int = 0, extra: dict[str, str] | None = None) -> Path:
+    """One process (rank 0): commit ``staging_dir(root, step, token)``, whose shards and parts are written and
+    fsynced by their ranks, with ``extra`` ({file name: text}: the locator, format.py ``merge_index``) and then
+    ``index`` as its index.json; point ``latest`` at it; ``prune`` to ``keep`` checkpoints (0: all) and delete
+    the temporary directories a crash left. Returns the published ``root/step_N``."""
     tmp, final = staging_path(root, step, token), root / step_name(step)
+    for name, text in (extra or {}).items():
+        fsync_write(tmp / name, text)
     fsync_write(tmp / INDEX, json.dumps(index))
     fsync_dir(tmp)
     aside = _commit(root, tmp, final, token)

@@ -1,4 +1,5 @@
-"""The shape of a checkpoint's index.json (engine/checkpoint/format.py), checked whole before any field is used.
+"""The shape of a checkpoint's index.json (engine/checkpoint/format.py), checked whole before any field is used;
+version 2's parts and locator lines (``check_top``, ``check_part``, ``check_locator``) as they are read.
 
 Why: an index that is valid JSON but hand-edited or foreign (a files entry that is a number, consumed_samples
 missing, no ranks, adam_step "abc", a piece of 3 numbers) used to fail deep in the load with a KeyError or
@@ -177,6 +178,45 @@ INDEX = fields(
     {"adam_step": maybe(integer()), "model_only": boolean},
 )
 
+# Version 2 (engine/checkpoint/format.py): the top level, a rank's part, a parameter's locator line.
+TOP = fields(
+    {
+        "step": integer(),
+        "consumed_samples": integer(),
+        "config": fields({"model": MODEL}, {"train": fields({})}),
+        "layout": fields({}),
+        "parts": integer(1),
+        "locator_bytes": integer(),
+        "params": mapping(
+            fields(
+                {
+                    "shape": list_of(integer(), 1),
+                    "tp_dim": maybe(integer(0, 1)),
+                    "tp_size": integer(1),
+                    "states": list_of(text, 1),
+                    "where": list_of(row(integer(), integer(), what="[offset, length] in locator.jsonl"), 1),
+                }
+            )
+        ),
+    },
+    {"adam_step": maybe(integer()), "model_only": boolean},
+)
+PART = fields(
+    {
+        "rank": integer(),
+        "file": text,
+        "bytes": integer(),
+        "crc32": integer(0, 2**32 - 1),
+        "params": mapping(
+            fields(
+                {"states": mapping(list_of(row(integer(), integer(), integer(), what="a piece [tp rank, start, end]")))}
+            )
+        ),
+    },
+    {"rng": RNG},
+)
+LOCATION = row(integer(), integer(), integer(), integer(), what="a location [tp rank, start, end, part]")
+
 
 def _consistent(index: dict) -> None:
     """The rules between fields: what the load indexes by (rank, shard file, tp block) must exist."""
@@ -192,10 +232,7 @@ def _consistent(index: dict) -> None:
         raise _Bad("ranks", f"{len(ranks)} entries", f"one per rank of layout.world_size={world}")
     moments = False
     for name, p in index["params"].items():
-        shape, tp_size = p["shape"], p["tp_size"]
-        if (p["tp_dim"] == 1 and len(shape) != 2) or (p["tp_dim"] is not None and shape[p["tp_dim"]] % tp_size):
-            raise _Bad(f"params[{name!r}].tp_dim", p["tp_dim"], f"a dimension of {shape} that {tp_size} divides")
-        block = _numel(shape) // (tp_size if p["tp_dim"] is not None else 1)
+        block, tp_size = _block(p, f"params[{name!r}].tp_dim"), p["tp_size"]
         for state, pieces in p["states"].items():
             moments = moments or state != "param"
             for i, (file, tp, start, end) in enumerate(pieces):
@@ -225,6 +262,77 @@ def _numel(shape: list[int]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def _block(p: dict, where: str = "tp_dim") -> int:
+    """Elements of one tp block of parameter entry ``p``, after checking that its tp cut divides its shape."""
+    shape, tp_size = p["shape"], p["tp_size"]
+    if (p["tp_dim"] == 1 and len(shape) != 2) or (p["tp_dim"] is not None and shape[p["tp_dim"]] % tp_size):
+        raise _Bad(where, p["tp_dim"], f"a dimension of {shape} that {tp_size} divides")
+    return _numel(shape) // (tp_size if p["tp_dim"] is not None else 1)
+
+
+def _ranges(rows: list, p: dict, where: str, what: str) -> None:
+    """Every row's [tp rank, start, end] (its first three entries) lies inside a tp block of parameter ``p``."""
+    block = _block(p)
+    for i, r in enumerate(rows):
+        if r[0] >= p["tp_size"] or not r[1] <= r[2] <= block:
+            raise _Bad(f"{where}[{i}]", r, f"{what}, tp rank < {p['tp_size']}, 0 <= start <= end <= {block}")
+
+
+def _checked(spec: Spec, rules: Callable[[], None], path: Path) -> Callable[[object], None]:
+    def check(value):
+        try:
+            spec(value, "")
+            rules()
+        except _Bad as e:
+            raise CheckpointError(f"{path}: {e} (a hand-edited or foreign index)") from None
+
+    return check
+
+
+def check_top(index: dict, index_path: Path) -> None:
+    """``check_index`` for a version-2 top-level index.json."""
+
+    def rules():
+        for name, p in index["params"].items():
+            _block(p, f"params[{name!r}].tp_dim")
+            if len(p["where"]) != p["tp_size"] or any(a + n > index["locator_bytes"] for a, n in p["where"]):
+                expected = f"{p['tp_size']} ranges (one per tp block) of the {index['locator_bytes']} bytes"
+                raise _Bad(f"params[{name!r}].where", p["where"], expected)
+        moments = any(s != "param" for p in index["params"].values() for s in p["states"])
+        if moments and not index.get("model_only") and index.get("adam_step") is None:
+            raise _Bad("adam_step", index.get("adam_step"), "Adam's step count (the index holds Adam moments)")
+        _heads(index["config"]["model"])
+
+    _checked(TOP, rules, index_path)(index)
+
+
+def check_part(part: dict, index: dict, part_path: Path) -> None:
+    """A rank's part: its fields, and every piece inside a tp block of a parameter the index lists."""
+
+    def rules():
+        for name, p in part["params"].items():
+            if name not in index["params"]:
+                raise _Bad(f"params[{name!r}]", "a parameter", f"one of the {len(index['params'])} index.json lists")
+            for state, pieces in p["states"].items():
+                _ranges(pieces, index["params"][name], f"params[{name!r}].states.{state}", "a piece")
+
+    _checked(PART, rules, part_path)(part)
+
+
+def check_locator(rows: object, index: dict, name: str, tp_rank: int, path: Path) -> None:
+    """The locator line of tp block ``tp_rank`` of a parameter: rows [tp rank, start, end, part] inside that
+    block, of an existing part."""
+
+    def rules():
+        _ranges(rows, index["params"][name], f"[{name!r}]", "a location")
+        for i, r in enumerate(rows):
+            if r[0] != tp_rank or r[3] >= index["parts"]:
+                where = f"a location in tp block {tp_rank}, in one of the {index['parts']} parts"
+                raise _Bad(f"[{name!r}][{i}]", r, where)
+
+    _checked(list_of(LOCATION), rules, path)(rows)
 
 
 def check_index(index: dict, index_path: Path) -> None:

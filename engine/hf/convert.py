@@ -44,6 +44,7 @@ from engine.checkpoint.format import (
     read_index,
     save_safetensors,
     verify_shard,
+    write_part,
     write_shard,
 )
 from engine.checkpoint.parts import RunPosition
@@ -88,8 +89,8 @@ def export(
     temporary folder beside it, renamed into place at the end (engine/checkpoint/folder.py; ``overwrite``: an
     existing non-empty ``out`` is replaced as a whole)."""
     (path,) = resolve(ckpt)
-    index = read_index(path)
-    for file in index["files"]:
+    index = read_index(path)  # every part and shard, as one process of one rank checks them
+    for file in index["_share"]:
         verify_shard(path, index, file)
     source = index["config"].get("data", {}).get("tokenizer", "")
     if source:
@@ -117,6 +118,7 @@ def _write_export(path: Path, index: dict, out: Path, max_shard_bytes: int, dtyp
         tensors = {n: reader.full(n).to(DTYPES[dtype]).contiguous() for n in names}
         save_safetensors(tensors, out / file)  # the mode of config.json beside it, not safetensors' 0600
         weight_map.update({n: file for n in names})
+    reader.close()
     if len(groups) > 1:
         total = sum(torch.Size(s).numel() * element for s in shapes.values())
         (out / "model.safetensors.index.json").write_text(
@@ -207,7 +209,8 @@ def _write_import(
                 "states": {"param": [[0, 0, t.numel()]]},
             }
         file = f"import_{i:05d}.safetensors"
-        metas.append({"rank": i, "file": file, "params": params, **write_shard(path / file, tensors)})
+        meta = {"rank": i, "file": file, "params": params, **write_shard(path / file, tensors)}
+        metas.append(write_part(path, i, meta))  # the part of the index a rank writes, a plan for the top level
     cfg = Config(model=m)
     # config.json too: AutoTokenizer reads its model_type to pick the tokenizer class, so the copy loads as
     # the source folder does (and as --model.init_from of it does)
@@ -221,4 +224,5 @@ def _write_import(
     )
     # Published last, through the one commit path of every checkpoint: `latest` appears only once all is written.
     run = header(RunPosition(0, 0), cfg, {"imported_from": str(hf_dir.resolve())}, model_only=True)
-    publish(tmp, 0, token, merge_index(metas, {**run, "adam_step": None}))
+    index, locator = merge_index(metas, {**run, "adam_step": None})
+    publish(tmp, 0, token, index, extra=locator)

@@ -143,9 +143,9 @@ def damage(ops: list[tuple[str, Path]]) -> None:
             data = bytearray(path.read_bytes())
             data[-100] ^= 0xFF
             path.write_bytes(bytes(data))
-        elif op == "index":  # an index whose pieces do not match the shards (one piece one element shorter)
+        elif op == "index":  # an index part whose pieces do not match the shards (one piece one element shorter)
             index = json.loads(path.read_text())
-            next(iter(index["params"].values()))["states"]["param"][0][3] -= 1
+            next(iter(index["params"].values()))["states"]["param"][0][-1] -= 1
             path.write_text(json.dumps(index))
         elif op == "partial":  # a save cut short before its commit: a temporary directory with one shard
             path.mkdir(parents=True)

@@ -108,7 +108,7 @@ def test_damaged_checkpoints_fall_back_and_a_signal_saves(tmp_path):
                 ("truncate", c / "step_000020" / "rank_00001.safetensors"),
                 ("remove", c / "step_000016" / "rank_00000.safetensors"),
                 ("flip", c / "step_000012" / "rank_00001.safetensors"),
-                ("index", c / "step_000008" / "index.json"),
+                ("index", c / "step_000008" / "part_00000.json"),
                 ("partial", c / "step_000024.tmp-cutshort"),
             ],
         ),
@@ -126,7 +126,7 @@ def test_damaged_checkpoints_fall_back_and_a_signal_saves(tmp_path):
     assert "step_000020/rank_00001.safetensors has" in truncated and "truncated" in truncated
     assert "step_000016/rank_00000.safetensors" in removed and "missing" in removed
     assert "step_000012/rank_00001.safetensors fails its CRC-32" in flipped
-    assert "does not hold piece" in mismatched and "step_000008/index.json" in mismatched
+    assert "does not hold piece" in mismatched and "step_000008/part_00000.json" in mismatched
     assert r[3]["start"] == 20 and r[3]["loss"] == [] and r[3]["skipped"] == []
     assert "nonexistent' does not exist" in r[4] and r[4].startswith("checkpoint.resume")
     assert "model.hidden_size=64" in r[5] and "128" in r[5]

@@ -4,15 +4,17 @@ A checkpoint that cannot be read or parsed is treated as a corrupt one: ``resume
 the step and why and resumes the next older good step; an explicit ``checkpoint.resume PATH`` and ``convert.py
 export`` print one ``error:`` line and exit 2. Each case damages the newest step (6) of a copy of one small MoE
 run's checkpoints (steps 3 and 6):
-- index.json valid JSON with bad inner fields: a files entry a number, consumed_samples missing, ranks empty,
-  adam_step "abc", a piece of 3 numbers (before: KeyError / TypeError / IndexError / ValueError tracebacks);
-- index.json naming its shards ``../../elsewhere/...`` (before: read from outside the step directory);
+- index.json valid JSON with bad inner fields: consumed_samples missing, parts 0, adam_step "abc"; rank 0's part
+  of the index (issue 43) with bytes a string or a piece of 2 numbers (before: KeyError / TypeError / IndexError /
+  ValueError tracebacks); the locator cut short;
+- a part naming its shard ``../../elsewhere/...`` (before: read from outside the step directory);
 - (issue 42) index.json with a step of 5000 digits, num_heads 0, num_heads 128 on hidden_size 64 (before: ValueError
   and ZeroDivisionError tracebacks, and no fall-back to step 3 under auto);
 - a NaN router weight with a matching CRC (before: resumed without a word);
 - ``latest`` holding a non-UTF-8 byte (before: UnicodeDecodeError); auto then tries the step directories and
   resumes step 6, which is good;
 - (a real process without CAP_DAC_OVERRIDE) a shard and ``latest`` of mode 000 (before: PermissionError).
+Step 6 rewritten in version 1 (one index.json, as before issue 43) resumes and exports as step 6 does.
 The launchers run in-process as ``__main__`` (their own exit-code and one-line handling; os._exit raised as
 SystemExit) in one forked process, so each case costs a model build, not an interpreter start.
 A dense resume inside warmup (step 3 of train.warmup_steps 8) equals the uninterrupted run (losses and grad norms,
@@ -43,13 +45,18 @@ from tests.dist import run_ranks
 
 MOE = [*SMALL, "--model.family", "mixtral", "--model.num_experts", "4", "--model.experts_per_token", "2"]
 ROUTER = "model.layers.0.block_sparse_moe.gate.weight"  # Mixtral's name for the router
-SHARD = "rank_00000.safetensors"
+SHARD, PART = "rank_00000.safetensors", "part_00000.json"
 
 
-def edit_index(step: Path, change) -> None:
-    index = json.loads((step / "index.json").read_text())
+def edit_index(step: Path, change, name: str = "index.json") -> None:
+    index = json.loads((step / name).read_text())
     change(index)
-    (step / "index.json").write_text(json.dumps(index))
+    (step / name).write_text(json.dumps(index))
+
+
+def edit_part(step: Path, change) -> None:
+    """Change rank 0's part of the index (its pieces, shard size and CRC: engine/checkpoint/format.py)."""
+    edit_index(step, change, PART)
 
 
 def first_piece(index: dict) -> list:
@@ -57,24 +64,41 @@ def first_piece(index: dict) -> list:
 
 
 def outside(step: Path) -> None:
-    """The shard moved to ckpt/../elsewhere and the index naming it there: size and CRC still match."""
+    """The shard moved to ckpt/../elsewhere and the index part naming it there: size and CRC still match."""
     elsewhere = step.parent.parent / "elsewhere"
     elsewhere.mkdir(exist_ok=True)
     shutil.copyfile(step / SHARD, elsewhere / SHARD)
-    text = (step / "index.json").read_text().replace(f'"{SHARD}"', f'"../../elsewhere/{SHARD}"')
-    (step / "index.json").write_text(text)
+    text = (step / PART).read_text().replace(f'"{SHARD}"', f'"../../elsewhere/{SHARD}"')
+    (step / PART).write_text(text)
 
 
 def nan_router(step: Path) -> None:
-    """A NaN in the router's weight, with the index's byte count and CRC made to match: only a finiteness
+    """A NaN in the router's weight, with the part's byte count and CRC made to match: only a finiteness
     check can tell."""
     tensors = load_file(str(step / SHARD))
     key = next(k for k in tensors if k.startswith(f"{ROUTER}/param/"))
     tensors[key][0] = float("nan")
     save_file(tensors, str(step / SHARD), metadata={"format": "pt"})
-    edit_index(
-        step, lambda i: i["files"][SHARD].update(bytes=(step / SHARD).stat().st_size, crc32=file_crc32(step / SHARD))
-    )
+    edit_part(step, lambda p: p.update(bytes=(step / SHARD).stat().st_size, crc32=file_crc32(step / SHARD)))
+
+
+def as_version_1(step: Path) -> None:
+    """Rewrite ``step`` as the format before issue 43 wrote it: one index.json holding every rank's pieces (as
+    ``[file, tp rank, start, end]``), shard sizes and CRCs and RNG states; no parts, no locator."""
+    index = json.loads((step / "index.json").read_text())
+    parts = [json.loads((step / f"part_{i:05d}.json").read_text()) for i in range(index.pop("parts"))]
+    index.pop("locator_bytes")
+    for name, p in index["params"].items():
+        p.pop("where")
+        p["states"] = {s: [] for s in p["states"]}
+        for part in parts:
+            for state, pieces in part["params"].get(name, {}).get("states", {}).items():
+                p["states"][state] += [[part["file"], *piece] for piece in pieces]
+    index["files"] = {part["file"]: {"bytes": part.pop("bytes"), "crc32": part.pop("crc32")} for part in parts}
+    index["ranks"] = [{k: v for k, v in part.items() if k != "params"} for part in parts]
+    (step / "index.json").write_text(json.dumps({**index, "version": 1}))
+    for extra in [*step.glob("part_*.json"), step / "locator.jsonl"]:
+        extra.unlink()
 
 
 def long_step(step: Path) -> None:
@@ -86,19 +110,23 @@ def long_step(step: Path) -> None:
 
 # name -> (what it does to step 6, words of the one line that must name it)
 DAMAGES = {
-    "files entry a number": (
-        lambda s: edit_index(s, lambda i: i["files"].update({SHARD: 5})),
-        f"files['{SHARD}'] is 5, not an object",
+    "part's bytes a string": (
+        lambda s: edit_part(s, lambda p: p.update(bytes="5")),
+        f"{PART}: bytes is '5', not an integer",
     ),
     "consumed_samples missing": (
         lambda s: edit_index(s, lambda i: i.pop("consumed_samples")),
         "consumed_samples is missing",
     ),
-    "ranks empty": (lambda s: edit_index(s, lambda i: i.update(ranks=[])), "ranks is [], not a list of at least 1"),
+    "parts 0": (lambda s: edit_index(s, lambda i: i.update(parts=0)), "parts is 0, not an integer >= 1"),
     "adam_step abc": (lambda s: edit_index(s, lambda i: i.update(adam_step="abc")), "adam_step is 'abc'"),
-    "piece of 3 numbers": (
-        lambda s: edit_index(s, lambda i: first_piece(i).pop()),
-        "['param'][0] is ['rank_00000.safetensors', 0, 0], not a piece",
+    "piece of 2 numbers": (
+        lambda s: edit_part(s, lambda p: first_piece(p).pop()),
+        "['param'][0] is [0, 0], not a piece",
+    ),
+    "locator cut short": (
+        lambda s: (s / "locator.jsonl").write_text((s / "locator.jsonl").read_text()[:-7]),
+        "locator.jsonl has",
     ),
     "shard outside the step dir": (outside, "outside the checkpoint directory"),
     # issue 42: tracebacks (ValueError, ZeroDivisionError building the model), and no fall-back under auto
@@ -178,6 +206,18 @@ def cases_rank(base: Path, tmp: Path) -> dict:
             # last: it sets the damaged step 6 aside (engine/checkpoint/lineage.py)
             "auto": launched("launch/pretrain.py", [*run, "--checkpoint.dir", str(ckpt)]),
         }
+    old = tmp / "version_1" / "ckpt"
+    shutil.copytree(base, old)
+    as_version_1(old / "step_000006")
+    for name, ckpt in (("version 1", old), ("version 2", base)):
+        out = tmp / name.replace(" ", "_")
+        got[name] = {
+            "resume": launched(
+                "launch/pretrain.py",
+                [*MOE, "--train.steps", "8", "--train.out_dir", str(out / "out"), "--checkpoint.resume", str(ckpt)],
+            ),
+            "export": launched("launch/convert.py", ["export", str(ckpt / "step_000006"), str(out / "hf")]),
+        }
     return got
 
 
@@ -218,6 +258,23 @@ def test_a_latest_that_is_not_text_is_ignored_by_auto_and_refused_when_followed(
     assert f"resumed from {ckpt / 'step_000006'} (step 6" in run["auto"]["out"], run["auto"]["out"][-3000:]
     one_error_line(run["explicit"], "is not text")
     one_error_line(run["export"], "is not text")
+
+
+def test_a_version_1_checkpoint_resumes_and_exports_as_its_version_2_twin(cases):
+    """Step 6 rewritten in the format before issue 43 (one index.json with every rank's pieces) resumes through
+    launch/pretrain.py to the same losses, and exports to the same bytes, as the step it was made from."""
+    tmp, got = cases
+    old, new = got["version 1"], got["version 2"]
+    for run in (old["resume"], old["export"], new["resume"], new["export"]):
+        assert run["code"] == 0, run["err"][-3000:]
+    assert not (tmp / "version_1" / "ckpt" / "step_000006" / "locator.jsonl").exists()
+    assert f"resumed from {tmp / 'version_1' / 'ckpt' / 'step_000006'} (step 6" in old["resume"]["out"]
+    losses = [
+        [r["loss"] for r in metrics(tmp / name / "out").values() if "loss" in r] for name in ("version_1", "version_2")
+    ]
+    assert len(losses[0]) == 2 and losses[0] == losses[1], losses
+    exported = [tmp / name / "hf" / "model.safetensors" for name in ("version_1", "version_2")]
+    assert exported[0].read_bytes() == exported[1].read_bytes()
 
 
 def without_file_permission_override() -> list[str]:
