@@ -206,6 +206,13 @@ def cases_rank(base: Path, tmp: Path) -> dict:
             # last: it sets the damaged step 6 aside (engine/checkpoint/lineage.py)
             "auto": launched("launch/pretrain.py", [*run, "--checkpoint.dir", str(ckpt)]),
         }
+    bare = tmp / "no_latest" / "ckpt"  # a crash between a first save's rename and its latest; a copied folder
+    shutil.copytree(base, bare)
+    (bare / "latest").unlink()
+    got["no latest"] = launched(
+        "launch/pretrain.py",
+        [*MOE, "--train.steps", "3", "--train.out_dir", str(bare.parent / "out"), "--checkpoint.dir", str(bare)],
+    )
     old = tmp / "version_1" / "ckpt"
     shutil.copytree(base, old)
     as_version_1(old / "step_000006")
@@ -258,6 +265,15 @@ def test_a_latest_that_is_not_text_is_ignored_by_auto_and_refused_when_followed(
     assert f"resumed from {ckpt / 'step_000006'} (step 6" in run["auto"]["out"], run["auto"]["out"][-3000:]
     one_error_line(run["explicit"], "is not text")
     one_error_line(run["export"], "is not text")
+
+
+def test_auto_without_latest_resumes_the_newest_step(cases):
+    """resume: auto in a folder of step directories with no latest resumes the newest, as latest would have
+    (issue 45: a mutant that made it start over survived)."""
+    tmp, got = cases
+    run = got["no latest"]
+    assert run["code"] == 0, run["err"][-3000:]
+    assert f"resumed from {tmp / 'no_latest' / 'ckpt' / 'step_000006'} (step 6" in run["out"], run["out"][-3000:]
 
 
 def test_a_version_1_checkpoint_resumes_and_exports_as_its_version_2_twin(cases):
