@@ -39,6 +39,7 @@ FIRST_FACTOR = 3  # the first step's and a save's allowance, in hang timeouts
 COLLECT_S = 10.0  # how long the reporter waits for every rank's tail (a frozen rank's is the heartbeat's business)
 ACK_S = 5.0  # how long a rank waits, after the verdict, for every rank to have read it
 LISTEN_S = 86400.0
+TAIL = 16  # records a rank posts (the ring keeps oplog.SIZE): ~4 KB a rank, one read of 64 MB at 16,384 ranks
 GROUP_NAMES = ("tp", "pp", "dp", "cp", "dp_cp", "mp", "embed", "ep", "edp")
 
 
@@ -65,7 +66,7 @@ class HangWatch:
         self.timeout = effective_timeout(p.hang_timeout_s, p.timeout_s, ctx.world_size)
         self.allowance = max(FIRST_FACTOR * self.timeout, p.startup_timeout_s)
         self.rank, self.world, self.out_dir, self.exit_fn = ctx.rank, ctx.world_size, cfg.train.out_dir, exit_fn
-        self.names = {None: "world"}
+        self.names, self.members = {None: "world"}, {}
         for name in GROUP_NAMES:
             with contextlib.suppress(KeyError):
                 self.names.setdefault(ctx.group(name), name)
@@ -156,7 +157,7 @@ class HangWatch:
         """This rank's host, step, schedule position and its last operations, with ages instead of clock times."""
         now, log = time.monotonic(), oplog.LOG
         ops = []
-        for seq, kind, group, what, peer, nbytes, step, action, mb, chunk, start, end in log.tail():
+        for seq, kind, group, what, peer, nbytes, step, action, mb, chunk, start, end in log.tail(TAIL):
             ops.append(
                 {"seq": seq, "kind": kind, "group": self.group_name(group), "ranks": self.group_ranks(group)}
                 | {"what": what, "peer": peer, "bytes": nbytes, "step": step, "action": action, "mb": mb}
@@ -170,11 +171,20 @@ class HangWatch:
     def group_name(self, group) -> str:
         return self.names.get(group, "group")
 
-    @staticmethod
-    def group_ranks(group) -> list[int] | None:
-        import torch.distributed as dist
+    def group_ranks(self, group) -> list | None:
+        """The group's global ranks, ["range", start, stop, step] when they are evenly spaced (every mesh axis'
+        group): a dp group of 2,048 ranks is four numbers, not 2,048. None: the world."""
+        if group is None:
+            return None
+        if group not in self.members:
+            import torch.distributed as dist
 
-        return None if group is None else dist.get_process_group_ranks(group)
+            ranks = dist.get_process_group_ranks(group)
+            steps = {b - a for a, b in zip(ranks, ranks[1:])}
+            even = len(ranks) > 2 and len(steps) == 1 and steps.pop() > 0
+            step = ranks[1] - ranks[0] if len(ranks) > 1 else 1
+            self.members[group] = ["range", ranks[0], ranks[-1] + step, step] if even else ranks
+        return self.members[group]
 
     def report(self, store) -> str:
         """The reporter: every rank's tail (those that posted within COLLECT_S), the line, the table on disk."""

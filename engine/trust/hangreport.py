@@ -48,7 +48,11 @@ def key(op: dict) -> tuple:
 
 
 def members(op: dict, world: int) -> list[int]:
-    return list(op["ranks"]) if op["ranks"] is not None else list(range(world))
+    """A collective's global ranks: the world's, a posted list, or a posted ["range", start, stop, step]."""
+    ranks = op["ranks"]
+    if ranks is None:
+        return list(range(world))
+    return list(range(*ranks[1:])) if ranks and ranks[0] == "range" else list(ranks)
 
 
 def waits_for(rank: int, tails: dict, world: int) -> list[int]:
@@ -93,7 +97,7 @@ def chain(tails: dict, world: int) -> tuple[int, list[int], str]:
 
 def op_text(op: dict) -> str:
     """'all-reduce over dp (grad sync)', 'recv from rank 3 over pp (micro-batch 4, action B)'."""
-    where = f"over {op['group']}" if op["group"] != "group" else f"over ranks {span(op['ranks'] or [])}"
+    where = f"over {op['group']}" if op["group"] != "group" else f"over ranks {span(members(op, 0))}"
     text = f"{op['kind']} {'from' if op['kind'] == 'recv' else 'to'} rank {op['peer']} {where}"
     if op["kind"] not in ("send", "recv"):
         text = f"{op['kind']} {where}"
