@@ -133,18 +133,13 @@ class HangWatch:
             return
         try:
             store = connect(COLLECT_S + ACK_S)
-            if detected:
-                store.set("alarm", str(self.rank))
-            store.set(f"tail/{self.rank}", json.dumps(self.tail(idle_s)))
-            if detected and store.add("claim", 1) == 1:
-                self.line = self.report(store)
+            if post(store, self.rank, json.dumps(self.tail(idle_s)), detected):
+                self.line = self.report(collect(store, self.world))
                 store.set("verdict", self.line)
             else:
                 with contextlib.suppress(Exception):
                     store.wait(["verdict"], timedelta(seconds=COLLECT_S + ACK_S))
-            if store.add("acks", 1) >= self.world:
-                store.set("all", "1")
-            else:
+            if not acknowledge(store, self.world):
                 store.wait(["all"], timedelta(seconds=ACK_S))
         except Exception:  # noqa: BLE001  the store went (its host ended first): end all the same
             pass
@@ -186,15 +181,8 @@ class HangWatch:
             self.members[group] = ["range", ranks[0], ranks[-1] + step, step] if even else ranks
         return self.members[group]
 
-    def report(self, store) -> str:
-        """The reporter: every rank's tail (those that posted within COLLECT_S), the line, the table on disk."""
-        keys = [f"tail/{r}" for r in range(self.world)]
-        try:
-            store.wait(keys, timedelta(seconds=COLLECT_S))
-            present = list(range(self.world))
-        except Exception:  # noqa: BLE001  some rank never posted (frozen, dead): one check each, only here
-            present = [r for r in range(self.world) if store.check([keys[r]])]
-        tails = {r: json.loads(v) for r, v in zip(present, store.multi_get([keys[r] for r in present]))}
+    def report(self, tails: dict[int, dict]) -> str:
+        """The reporter: the line from every rank's tail, the table on disk."""
         step, line = hangreport.diagnose(tails, self.world)
         path = Path(self.out_dir) / f"hang-{step}.json"
         try:
@@ -206,3 +194,33 @@ class HangWatch:
             line += f" (the table could not be written to {path}: {e.strerror}; exit status {EXIT_STATUS})"
         report_once(line)
         return line
+
+
+# ---- the store protocol (tests/trainer/test_hang.py counts it at 1,024 simulated ranks) ----------------------------
+def post(store, rank: int, tail: str, detected: bool) -> bool:
+    """A rank's post: the alarm (the rank that saw the hang itself: wakes every listener), its tail, and its claim;
+    True for the first claimer, the reporter. Two or three requests."""
+    if detected:
+        store.set("alarm", str(rank))
+    store.set(f"tail/{rank}", tail)
+    return detected and store.add("claim", 1) == 1
+
+
+def collect(store, world: int) -> dict[int, dict]:
+    """The reporter: every rank's tail that came within COLLECT_S, in one wait and one multi_get (one check per key
+    only when some rank never posted)."""
+    keys = [f"tail/{r}" for r in range(world)]
+    try:
+        store.wait(keys, timedelta(seconds=COLLECT_S))
+        present = list(range(world))
+    except Exception:  # noqa: BLE001  some rank never posted (frozen, dead): the heartbeat names it
+        present = [r for r in range(world) if store.check([keys[r]])]
+    return {r: json.loads(v) for r, v in zip(present, store.multi_get([keys[r] for r in present]))}
+
+
+def acknowledge(store, world: int) -> bool:
+    """Count this rank in after the verdict; True for the last one, which sets ``all`` (the others wait on it)."""
+    if store.add("acks", 1) >= world:
+        store.set("all", "1")
+        return True
+    return False

@@ -14,11 +14,14 @@ import re
 import signal
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from torch.distributed import PrefixStore, TCPStore
 
-from engine.trust.hang import EXIT_STATUS
+from engine.trust.hang import EXIT_STATUS, acknowledge, collect, post
+from launch.bench.scale_store import Counting, start_server
 from tests.cli import ROOT, _child, run_script
 from tests.dist import free_port
 from tests.shrunk import FIVE_STEPS
@@ -128,3 +131,34 @@ def test_negative_hang_timeout_refused():
         "error: parallel.hang_timeout_s=-1.0 must be >= 0 (0 turns the hang watchdog off; it must be below "
         "parallel.timeout_s=600.0 to act)"
     ], r.stderr
+
+
+def protocol_counts(world: int) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """The hang report's store protocol (engine/trust/hang.py post, collect, acknowledge) run for ``world``
+    simulated ranks against a real TCPStore, each rank on a client that counts its requests and keys (issue 43's
+    rule: O(1) requests per rank; one rank reads N keys): ([(requests, keys)] of the other ranks, the reporter's)."""
+    server, port, stop = start_server()
+    try:
+        raw = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60))
+        stores = [Counting(PrefixStore("engine-hang/0/", raw)) for _ in range(world)]
+        tail = json.dumps({"host": "h", "step": 3, "where": {}, "idle_s": None, "ops": []})
+        assert post(stores[0], 0, tail, detected=True)  # rank 0 saw it: the alarm, then the reporter
+        assert not any(post(stores[r], r, tail, detected=False) for r in range(1, world))
+        assert sorted(collect(stores[0], world)) == list(range(world))
+        stores[0].set("verdict", "error: hang")
+        for store in stores[1:]:
+            store.wait(["verdict"])
+        last = [acknowledge(store, world) for store in stores]
+        assert last == [False] * (world - 1) + [True]
+        for store in stores[:-1]:
+            store.wait(["all"])
+    finally:
+        stop()
+    return [(s.requests, s.keys) for s in stores[1:]], (stores[0].requests, stores[0].keys)
+
+
+def test_the_report_costs_each_rank_the_same_requests_at_1024_ranks_as_at_64():
+    small, large = protocol_counts(64), protocol_counts(1024)
+    assert set(small[0]) == set(large[0]) == {(4, 4)}  # tail, verdict, ack, all (the last rank: sets all)
+    assert small[1][0] == large[1][0] == 8  # the reporter: + alarm, claim, one wait and one read of N keys
+    assert (small[1][1] - 2 * 64, large[1][1] - 2 * 1024) == (6, 6)
