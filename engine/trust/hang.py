@@ -72,6 +72,7 @@ class HangWatch:
                 self.names.setdefault(ctx.group(name), name)
         self.period = max(0.2, self.timeout / 10)
         self._stop, self._ending, self._saving = threading.Event(), threading.Lock(), False
+        self._saves = 0  # saves ended: progress (the silence of a long save is not counted after it)
         self.first_step = 1
         self.line: str | None = None
         oplog.arm(ctx.rank)
@@ -95,19 +96,19 @@ class HangWatch:
 
     @contextlib.contextmanager
     def saving(self):
-        """A checkpoint save: the first step's allowance instead of hang_timeout_s."""
+        """A checkpoint save: the first step's allowance instead of hang_timeout_s; its end counts as progress."""
         self._saving = True
         try:
             yield
         finally:
-            self._saving = False
+            self._saving, self._saves = False, self._saves + 1
 
     # ---- the threads ---------------------------------------------------------------------------------------------
     def _watch(self) -> None:
         log, mark = oplog.LOG, None
         last = time.monotonic()
         while not self._stop.wait(self.period):
-            now, seen = time.monotonic(), (log.done, log.step)
+            now, seen = time.monotonic(), (log.done, log.step, self._saves)
             if seen != mark:
                 mark, last = seen, now
                 continue
