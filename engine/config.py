@@ -122,6 +122,12 @@ class ParallelConfig:
     # cut off: every rank prints one line naming its host and rank and exits 1. 0 turns the heartbeat off. Until the
     # first step is done (start-up) the silence allowed is startup_timeout_s, if longer.
     heartbeat_timeout_s: float = 30.0
+    # A rank that completes no communication operation and no step for this many seconds while every process lives
+    # (a deadlock, a rank stuck in its forward) starts the hang report: one line naming the operation and the
+    # rank(s) that never entered it, out_dir/hang-<step>.json, exit status 5 (engine/trust/hang.py). The first step
+    # and a checkpoint save get 3x this (at least startup_timeout_s). 0 turns it off; so does a value not below
+    # timeout_s (a collective's timeout ends the job first; rank 0 says so).
+    hang_timeout_s: float = 120.0
 
 
 @dataclass

@@ -91,6 +91,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"parallel.heartbeat_timeout_s={cfg.parallel.heartbeat_timeout_s} must be >= 0 (0 turns the heartbeat off)"
         )
+    if cfg.parallel.hang_timeout_s < 0:
+        raise ConfigError(
+            f"parallel.hang_timeout_s={cfg.parallel.hang_timeout_s} must be >= 0 (0 turns the hang watchdog off; "
+            f"it must be below parallel.timeout_s={cfg.parallel.timeout_s} to act)"
+        )
     m = cfg.model
     validate_heads(m)
     if cfg.train.seq_len > m.max_seq_len:

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import engine.trust.oplog as oplog  # floor 0 (docs/architecture.md), not the trust package
 from engine.config import TrainConfig
 from engine.model.shards import local as _local
 from engine.model.shards import tp_dim
@@ -112,11 +113,15 @@ def global_grad_norm(
         total = total + sum_of_squares(replicated).to(device)
     if ep_group is not None:  # every ep rank joins, with or without expert gradients
         spread = sum_of_squares(expert).to(device) if expert else torch.zeros_like(total)
+        op = oplog.begin("all-reduce", ep_group, "grad norm", 4)
         dist.all_reduce(spread, group=ep_group)
+        oplog.end(op)
         total = total + spread
     for g in (group, dp_group):
         if g is not None and dist.get_world_size(g) > 1:
+            op = oplog.begin("all-reduce", g, "grad norm", 4)
             dist.all_reduce(total, group=g)
+            oplog.end(op)
     return total.sqrt()
 
 

@@ -37,7 +37,9 @@ from engine.parallel.pp.executor import PipelineExecutor
 from engine.parallel.tp.layers import vocab_parallel_cross_entropy
 from engine.planning.balance import describe as describe_split
 from engine.stage import build_executors, build_model  # noqa: F401 (build_model: launch/bench imports it here)
+from engine.trust import oplog
 from engine.trust.goodput import Goodput
+from engine.trust.hang import HangWatch
 from engine.trust.replicas import ReplicaCheck
 
 
@@ -105,6 +107,7 @@ class Trainer:
         self.metrics.rewind(self.step)  # a resume rolls back the steps logged after its checkpoint
         self.replicas = ReplicaCheck(cfg, ctx, self.model)  # train.check_replicas_every (engine/trust/replicas.py)
         self.goodput = Goodput(t.out_dir, ctx.rank == 0, self.step, started)  # out_dir/goodput.json
+        self.hang = HangWatch(cfg, ctx)  # parallel.hang_timeout_s (engine/trust/hang.py), started by fit
 
     @property
     def position(self) -> RunPosition:
@@ -138,7 +141,9 @@ class Trainer:
         forwards = [timer.wrap("forward", functools.partial(self.stage_forward, chunk=c)) for c in range(executor.v)]
         loss = executor.run(forwards, timer.wrap("forward", loss_fn), inputs, extra_inputs=extra, **kwargs)
         if ctx.pp > 1:
+            op = oplog.begin("all-reduce", ctx.pp_group, "loss", 4)
             dist.all_reduce(loss, group=ctx.pp_group)  # only the last stage's term is non-zero
+            oplog.end(op)
         return loss
 
     def stage_forward(self, x: torch.Tensor, chunk: int = 0, **kwargs) -> torch.Tensor:
@@ -177,7 +182,10 @@ class Trainer:
         """A rank's mean loss -> the mean over dp x cp: each cp rank's mean is over the same number (s/cp) of its
         row's tokens, so the cp mean is the whole sequence's."""
         if self.ctx.grad_size > 1:
-            dist.all_reduce(loss, group=self.ctx.grad_group)
+            if oplog.FAULT is None or not oplog.fault("skip_collective"):  # test-only: a rank skips it
+                op = oplog.begin("all-reduce", self.ctx.grad_group, "loss", 4)
+                dist.all_reduce(loss, group=self.ctx.grad_group)
+                oplog.end(op)
             loss = loss / self.ctx.grad_size
         return loss
 
@@ -283,8 +291,10 @@ class Trainer:
         clock = self.stats.clock  # a step's time runs from the previous step's record to its own, data included
         clock.start()
         self.goodput.begin()
+        self.hang.start(self.step + 1)  # the progress watchdog: no operation and no step for parallel.hang_timeout_s
         stop = False
         while self.step < self.cfg.train.steps:
+            oplog.LOG.step = self.step + 1
             with self.stats.timer.phase("data"):
                 batch = self.next_local_batch()
             record = self.train_step(batch)
@@ -302,13 +312,15 @@ class Trainer:
             # saves every checkpoint.every steps, at the last, on a signal; True: stop now. The stop-signal
             # all-reduce counts to the next step; a save does not (Megatron stops its interval timer around it).
             saved, start = self.checkpointer.last_saved, time.perf_counter()
-            stop = self.checkpointer.after_step(self.parts, self.position, self.bad_steps)
+            with self.hang.saving():
+                stop = self.checkpointer.after_step(self.parts, self.position, self.bad_steps)
             if self.checkpointer.last_saved != saved:
                 clock.exclude(time.perf_counter() - start)
                 self.goodput.saved(time.perf_counter() - start)
             if stop:
                 break
         clock.stop()  # train_step called on its own times itself again
+        self.hang.stop()
         self.checkpointer.finish()  # an async save commits before fit returns
         self.metrics.close()
         self.goodput.end("stopped" if stop else "done")

@@ -145,6 +145,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
         "engine.internals",
         "engine.kinds",
         "engine.assets",
+        "engine.trust.oplog",
     ),
     ("engine.config_types", "engine.config_yaml", "engine.config", "engine.config_checks"),
     ("engine.model", "engine.metrics", "engine.cluster", "engine.optim"),

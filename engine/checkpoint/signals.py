@@ -31,6 +31,8 @@ import os
 import signal
 import threading
 
+from engine.trust import oplog
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 SIGNALLED, RESTART, FAILED = 1.0, 2.0, 3.0  # the flag's values (MAX over ranks: a failure outranks the rest)
 
@@ -138,7 +140,9 @@ class StopSignal:
 
         value = FAILED if self.failed else RESTART if self.restart else SIGNALLED if self.requested else 0.0
         flag = torch.tensor([value], device=ctx.device)
+        op = oplog.begin("all-reduce", None, "stop signal", 4)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        oplog.end(op)
         value = flag.item()
         self.requested, self.failed, self.restart = bool(value), value == FAILED, value == RESTART
         if self.failed:

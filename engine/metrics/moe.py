@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import engine.trust.oplog as oplog  # floor 0 (docs/architecture.md), not the trust package
 from engine.config import Config
 from engine.model.moe import moe_blocks, moe_layer_count, set_loss_scale
 
@@ -50,7 +51,9 @@ def collect(model: nn.Module, cfg: Config, ctx, micro_batches: int) -> dict:
         block.records.clear()
     for size, group in ((ctx.pp, ctx.pp_group), (ctx.grad_size, ctx.grad_group)):
         if size > 1:
+            op = oplog.begin("all-reduce", group, "step stats", sums.numel() * sums.element_size())
             dist.all_reduce(sums, group=group)
+            oplog.end(op)
     layers = moe_layer_count(m)
     mean_over = layers * micro_batches * ctx.grad_size  # a cp rank's aux and z average to the micro-batch's
     counts = sums[3:]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+import engine.trust.oplog as oplog  # floor 0 (docs/architecture.md), not the trust package
 from engine.config import Config
 from engine.metrics.timers import PhaseTimer, StepClock
 from engine.model.flops import device_peak_tflops, flops_per_token
@@ -58,7 +59,9 @@ class StepStats:
         if self.ctx.world_size == 1:
             return value
         t = torch.tensor(value, dtype=torch.int64, device=self.ctx.device)
+        op = oplog.begin("all-reduce", None, "step stats", 8)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the world group: stages and tp/dp shards hold different bytes
+        oplog.end(op)
         return int(t.item())
 
     def finish(self, record: dict) -> dict:

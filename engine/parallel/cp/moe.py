@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+import engine.trust.oplog as oplog  # floor 0 (docs/architecture.md), not the trust package
+
 
 class MicroBatchCounts:
     """(counts (E,) of this rank's tokens, T/cp) -> (counts (E,) of the micro-batch, T): one all-reduce of E
@@ -25,5 +27,7 @@ class MicroBatchCounts:
 
     def __call__(self, counts: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
         total = counts.clone()
+        op = oplog.begin("all-reduce", self.group, "layer", total.numel() * total.element_size())
         dist.all_reduce(total, group=self.group)
+        oplog.end(op)
         return total, tokens * self.cp  # every cp rank holds s/cp of each row (cp/inputs.py): equal shares

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import engine.trust.oplog as oplog  # floor 0 (docs/architecture.md), not the trust package
 from engine.config import Config
 from engine.metrics.memory import tensor_bytes_held
 from engine.model.shards import local
@@ -85,7 +86,9 @@ class DataParallel:
             param.grad = torch.zeros_like(param)
         grad = local(param.grad)
         on_device = grad.to(self.ctx.device)  # FSDP's CPU offload keeps it on the host; NCCL reduces device tensors
+        op = oplog.begin("all-reduce", group, "tied embedding", on_device.numel() * on_device.element_size())
         dist.all_reduce(on_device, group=group)
+        oplog.end(op)
         if on_device is not grad:
             grad.copy_(on_device)
 

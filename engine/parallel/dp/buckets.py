@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+import engine.trust.oplog as oplog  # floor 0 (docs/architecture.md), not the trust package
+
 
 def size_buckets(tensors: list[torch.Tensor], bucket_mb: float) -> list[list[torch.Tensor]]:
     """``tensors`` in order, packed into consecutive runs of about bucket_mb MB of one dtype (a run is closed once
@@ -65,7 +67,8 @@ class ReadyBuckets:
         grads = [p.grad for p in bucket if p.grad is not None]
         if grads:
             flat = torch.cat([g.reshape(-1) for g in grads])  # a copy: W may not touch the grads any more anyway
-            self.in_flight.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, grads))
+            op = oplog.begin("all-reduce", self.group, "grad sync", flat.numel() * flat.element_size())
+            self.in_flight.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, grads, op))
 
     def launched(self) -> int:
         return self.next
@@ -75,8 +78,9 @@ class ReadyBuckets:
         if self.next < len(self.buckets):
             raise RuntimeError(f"gradient buckets {self.next}..{len(self.buckets) - 1} never became ready")
         size = dist.get_world_size(self.group)
-        for work, flat, grads in self.in_flight:
+        for work, flat, grads, op in self.in_flight:
             work.wait()
+            oplog.end(op)
             _write_mean(flat, grads, size)
         self.in_flight.clear()
 
@@ -87,7 +91,9 @@ def all_reduce_mean(grads: list[torch.Tensor], group, bucket_mb: float) -> None:
     size = dist.get_world_size(group)
     for bucket in size_buckets(grads, bucket_mb):
         flat = torch.cat([g.reshape(-1) for g in bucket])  # (sum of numels,)
+        op = oplog.begin("all-reduce", group, "grad sync", flat.numel() * flat.element_size())
         dist.all_reduce(flat, group=group)
+        oplog.end(op)
         _write_mean(flat, bucket, size)
 
 

@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+import engine.trust.oplog as oplog  # floor 0 (docs/architecture.md), not the trust package
 from engine.config import Config
 from engine.internals import TESTED, UnsupportedVersion, installed_version, private
 from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin
@@ -184,6 +185,7 @@ class DDP(TorchOptimizerMixin, DataParallel):
             if hook is not None:
                 ddp.register_comm_hook(*hook)
         self.armed: set[int] = set()  # chunks whose reducer ran in this step's backward, or whose W launched
+        self.syncing = False  # the next backward runs an armed reducer (logged as the grad sync)
         self.launched: list[ReadyBuckets] = []  # zero bubble: the chunks' reductions started in their last W
         # The stage's copy of a tied embedding is summed over the embedding group after the W's (the trainer's
         # sync_tied_embedding): it is averaged over dp after that sum, in reduce_gradients, not in the W.
@@ -209,6 +211,17 @@ class DDP(TorchOptimizerMixin, DataParallel):
             # find_unused_parameters off the outputs are not searched, so none are passed.
             private(self.ddps[chunk], "torch", "reducer").prepare_for_backward([])
             self.armed.add(chunk)
+            self.syncing = True
+
+    def backward(self, output: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """A backward whose reducer is armed runs DDP's own gradient all-reduces (and waits for them at its end):
+        logged as one operation (engine/trust/oplog.py), from the backward's start."""
+        if not self.syncing:
+            return super().backward(output, grad)
+        self.syncing = False
+        op = oplog.begin("all-reduce", self.ctx.grad_group, "grad sync")
+        super().backward(output, grad)
+        oplog.end(op)
 
     def last_weight(self, store, key, chunk: int = 0) -> None:
         """Chunk ``chunk``'s last W, reducing its buckets as they complete: the parameters W does not add to

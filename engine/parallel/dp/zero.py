@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import engine.trust.oplog as oplog  # floor 0 (docs/architecture.md), not the trust package
 from engine.config import Config, ConfigError
 from engine.internals import private
 from engine.kinds.ds_config import load_base_config, offload_of
@@ -242,7 +243,9 @@ class ZeRO(DataParallel):
             dtype = private(opt, "deepspeed", "gradient_accumulation_dtype") if accum else param.dtype
             grad = torch.zeros_like(param, dtype=dtype)
             setattr(param, attr, grad)
+        op = oplog.begin("all-reduce", group, "tied embedding", grad.numel() * grad.element_size())
         dist.all_reduce(grad, group=group)
+        oplog.end(op)
 
     def step(self, lr: float) -> float:
         """Set lr on every param group, reduce (ZeRO-1) or finish reducing (ZeRO-2/3) the accumulated gradients,

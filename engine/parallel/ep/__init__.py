@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import engine.trust.oplog as oplog  # floor 0 (docs/architecture.md), not the trust package
 from engine.model.moe import Experts
 from engine.parallel.ep.dispatch import ExpertParallelExperts
 
@@ -74,7 +75,9 @@ def reduce_expert_gradients(model: nn.Module, ctx) -> None:
     flat = torch.cat([p.grad.reshape(-1) for p in params])  # (sum of numels,)
     group = ctx.group("edp")
     if group is not None:
+        op = oplog.begin("all-reduce", group, "grad sync", flat.numel() * flat.element_size())
         dist.all_reduce(flat, group=group)
+        oplog.end(op)
     flat.div_(expert_grad_divisor(ctx))
     for p, part in zip(params, flat.split([p.numel() for p in params])):
         p.grad.copy_(part.view_as(p.grad))

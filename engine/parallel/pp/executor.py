@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+import engine.trust.oplog as oplog  # floor 0 (docs/architecture.md), not the trust package
 from engine.kinds.schedules import SCHEDULES
 from engine.parallel.autograd.weight_grad import WeightGradStore, split_weight_gradients
 from engine.parallel.pp import schedule as sched
@@ -148,13 +149,16 @@ class PipelineExecutor:
         op). NCCL coalesces a batch into ONE Work, gloo returns one per op: the Works are never paired with the
         ops, only waited together. The peer of each op is the rank holding the neighbouring virtual stage (with
         v > 1 the last rank's chunk c sends on to rank 0's chunk c+1)."""
-        ctx, ops, meta = self.ctx, [], []
+        ctx, ops, meta, ids = self.ctx, [], [], []
         for a in actions:
-            other = ctx.stage_ranks[peer(ctx.pp, self.v, ctx.pp_rank, a, self.vshape)[0]]
+            other, group = ctx.stage_ranks[peer(ctx.pp, self.v, ctx.pp_rank, a, self.vshape)[0]], ctx.pp_group
             key = (a.mb, a.chunk)
+            oplog.LOG.where = (a.op.value, a.mb, a.chunk)
             if a.op in (Op.RECV_FWD, Op.RECV_BWD):
                 t = torch.empty(self.act_shape, dtype=self.act_dtype, device=ctx.device)
-                ops.append(dist.P2POp(dist.irecv, t, other, ctx.pp_group))
+                if oplog.FAULT is not None and oplog.fault("wrong_peer"):  # test-only: a send that never comes
+                    other, group = next(r for r in range(ctx.world_size) if r not in (other, ctx.rank)), None
+                ops.append(dist.P2POp(dist.irecv, t, other, group))
             elif a.op == Op.SEND_FWD:
                 # The wire dtype is fixed (act_dtype): under FSDP bf16 compute the output is bf16; .to() is a
                 # no-op when the dtypes already agree.
@@ -164,18 +168,22 @@ class PipelineExecutor:
                 t = state["inputs"].pop(key).grad.to(self.act_dtype)
                 ops.append(dist.P2POp(dist.isend, t, other, ctx.pp_group))
             meta.append((a, t))
-        return list(dist.batch_isend_irecv(ops)), meta
+            kind = "recv" if a.op in (Op.RECV_FWD, Op.RECV_BWD) else "send"
+            ids.append(oplog.begin(kind, group, "pipeline", t.numel() * t.element_size(), other))
+        return list(dist.batch_isend_irecv(ops)), meta, ids
 
     def _complete(self, posted: tuple[list, list], state: dict) -> None:
         """A batch that holds a receive is waited whole (its sends too: under NCCL they are one Work); a send-only
         batch is kept pending. Sent outputs are freed once their batch has completed."""
-        works, meta = posted
+        works, meta, ids = posted
         if any(a.op in (Op.RECV_FWD, Op.RECV_BWD) for a, _ in meta):
             start = time.perf_counter()
             with self.waiting():  # the trainer's pp_wait: on CUDA the stream's stall, measured by events
                 for work in works:
                     work.wait()
             self.wait_s += time.perf_counter() - start
+            for op in ids:
+                oplog.end(op)
             for a, t in meta:
                 if a.op == Op.RECV_FWD:
                     state["inputs"][(a.mb, a.chunk)] = t.requires_grad_()
@@ -183,11 +191,13 @@ class PipelineExecutor:
                     state["grads"][(a.mb, a.chunk)] = t
             self._sent(meta, state)
         else:
-            state["pending"].append((works, meta))
+            state["pending"].append(posted)
         still = []
         for pending in state["pending"]:
             if all(work.is_completed() for work in pending[0]):
                 self._sent(pending[1], state)
+                for op in pending[2]:
+                    oplog.end(op)
             else:
                 still.append(pending)
         state["pending"] = still
@@ -216,7 +226,10 @@ class PipelineExecutor:
         key, ctx = (a.mb, a.chunk), self.ctx
         g = virtual_stage(ctx.pp, ctx.pp_rank, a.chunk, self.vshape)
         first, last = g == 0, g == ctx.pp * self.v - 1
+        oplog.LOG.where = (a.op.value, a.mb, a.chunk)
         if a.op == Op.FWD:
+            if oplog.FAULT is not None and oplog.fault("sleep_forward"):  # test-only: a rank stuck in its forward
+                time.sleep(3600)
             x = first_inputs[a.mb] if first else state["inputs"][key]
             out = forwards[a.chunk](x, **(extra_inputs[a.mb] if extra_inputs else {}))
             loss = None
@@ -275,10 +288,13 @@ class PipelineExecutor:
             )
             if loss is not None:
                 total += loss.detach()
-        for works, meta in state["pending"]:
+        for works, meta, ids in state["pending"]:
             for work in works:
                 work.wait()
             self._sent(meta, state)
+            for op in ids:
+                oplog.end(op)
+        oplog.LOG.where = ("", -1, 0)  # outside the schedule: the step's reductions
         if self.weight_grads is not None and self.weight_grads.pending():
             raise RuntimeError(f"weight gradients left unflushed after the step: {self.weight_grads.pending()}")
         return total

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+import engine.trust.oplog as oplog  # floor 0 (docs/architecture.md), not the trust package
+
 # fp32 values per temporary of one chunk: tokens per chunk = CHUNK_ELEMENTS // (V/tp), at least 1. 2^24 values
 # are 64 MiB per fp32 temporary; the forward and backward each hold about three of them at once.
 CHUNK_ELEMENTS = 2**24
@@ -24,7 +26,9 @@ CHUNK_ELEMENTS = 2**24
 
 def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
+        record = oplog.begin("all-reduce", group, "loss", x.numel() * x.element_size())
         dist.all_reduce(x, op=op, group=group)
+        oplog.end(record)
     return x
 
 

@@ -1,0 +1,164 @@
+"""Hang localisation (parallel.hang_timeout_s, engine/trust/hang.py) through launch/pretrain.py: four ranks, each a
+fork of this process running the launcher as torchrun would start it (RANK, WORLD_SIZE, MASTER_* set; rank 0 serves
+the job's store, as under the deepspeed launcher), with one fault injected through ENGINE_TEST_HANG (read by
+engine/trust/oplog.py, acted on by the real executor and trainer code): a rank sleeping inside a stage's forward,
+a rank skipping the loss all-reduce over dp, a pipeline receive from a rank that never sends it. Each job must end
+within hang_timeout_s + 30 s, every rank with exit status 5, in ONE ``error: hang`` line naming the right rank and
+operation, with out_dir/hang-<step>.json holding every rank's table, and the last committed checkpoint intact."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from torch.distributed import PrefixStore, TCPStore
+
+from engine.trust.hang import EXIT_STATUS, acknowledge, collect, post
+from launch.bench.scale_store import Counting, start_server
+from tests.cli import ROOT, _child, run_script
+from tests.dist import free_port
+from tests.shrunk import FIVE_STEPS
+
+HANG_S = 3
+BOUND_S = HANG_S + 30  # the issue's bound, from the fault (step 3 begins within seconds of the start)
+START_S = 60  # imports are already done in the fork; joining the store, building the model: a loaded machine
+
+
+def fork_world(world: int, args: list[str], env: dict) -> list[int]:
+    """Fork ``world`` ranks of ``python launch/pretrain.py args``; their pids (output in env's OUT folder)."""
+    port, pids = free_port(), []
+    for rank in range(world):
+        rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
+        rank_env |= {"LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        out = os.open(Path(env["OUT"]) / f"{rank}.log", os.O_CREAT | os.O_WRONLY, 0o644)
+        pid = os.fork()
+        if pid == 0:
+            tempfile.tempdir = env["TMPDIR"]  # report_once's marker: this job's, not the session's (same parent)
+            _child("launch/pretrain.py", args, ROOT, rank_env, out, out, os.open(os.devnull, os.O_RDONLY), False)
+        os.close(out)
+        pids.append(pid)
+    return pids
+
+
+def wait_all(pids: list[int], timeout: float) -> list[int | None]:
+    """Exit statuses by rank; None for a rank still running at ``timeout`` (then killed)."""
+    codes: dict[int, int] = {}
+    deadline = time.monotonic() + timeout
+    while len(codes) < len(pids) and time.monotonic() < deadline:
+        for pid in pids:
+            if pid not in codes and (done := os.waitpid(pid, os.WNOHANG))[0]:
+                codes[pid] = os.waitstatus_to_exitcode(done[1])
+        time.sleep(0.05)
+    for pid in pids:
+        if pid not in codes:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    return [codes.get(pid) for pid in pids]
+
+
+def hang_run(tmp_path: Path, fault: str, *layout: str) -> tuple[list, str, Path]:
+    """(exit statuses, every rank's output, out_dir) of a 6-step run with ``fault`` (ENGINE_TEST_HANG) at step 3."""
+    out, ckpt, logs = tmp_path / "run", tmp_path / "ckpt", tmp_path / "logs"
+    logs.mkdir()
+    args = [*FIVE_STEPS, "--train.steps", "6", "--train.out_dir", str(out), "--train.global_batch_size", "8"]
+    args += ["--train.micro_batch_size", "2", "--parallel.hang_timeout_s", str(HANG_S)]
+    args += ["--checkpoint.dir", str(ckpt), "--checkpoint.every", "2", *layout]
+    env = {**os.environ, "ENGINE_TEST_HANG": fault, "OUT": str(logs), "OMP_NUM_THREADS": "1"}
+    env["TMPDIR"] = tempfile.mkdtemp(dir=tmp_path)
+    started = time.monotonic()
+    codes = wait_all(fork_world(4, args, env), START_S + BOUND_S)
+    text = "\n".join((logs / f"{r}.log").read_text() for r in range(4))
+    assert time.monotonic() - started < START_S + BOUND_S, text[-4000:]
+    return codes, text, out
+
+
+def the_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith("error: hang at step 3: "), text[-4000:]
+    return lines[0]
+
+
+CASES = {
+    # rank 1 (stage 0, tp rank 1) sleeps in a forward: its tp peer waits in the layer's all-reduce over tp
+    "sleep_forward": (
+        ["--parallel.tp", "2", "--parallel.pp", "2"],
+        r"(rank 0 on host .* in all-reduce over tp \(layer; micro-batch 0, action F\)|rank 3 on host .* in recv from "
+        r"rank 1 over pp \(micro-batch 0, action recv F\)); rank 1 on host .* never (entered|sent) it: rank 1 is in "
+        r"its forward \(micro-batch 0, action F\) for \d+ s, in no communication",
+    ),
+    # rank 1 (stage 0, dp rank 1) skips step 3's loss all-reduce over dp: rank 0 waits in it, rank 1 went on
+    "skip_collective": (
+        ["--parallel.pp", "2", "--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2"]
+        + ["--model.num_layers", "4"],
+        r"rank 0 on host .* in all-reduce over dp_cp \(loss\); rank 1 on host .* never entered it( \(the ranks wait "
+        r"for each other in a cycle\))?: rank 1 waits in all-reduce over world \(step stats\)",
+    ),
+    # rank 2 (stage 1, dp rank 0) receives its forward input from rank 1 (over the world group), which never sends it
+    "wrong_peer": (
+        ["--parallel.pp", "2"],
+        r"rank 2 on host .* in recv from rank 1 over world \(micro-batch 0, action recv F\); rank 1 on host .* never "
+        r"sent it",
+    ),
+}
+
+
+# sleep_forward at tp 2 x pp 2 runs in CI across two hosts (tests/cluster/test_hang_hosts.py): here it is slow
+@pytest.mark.parametrize(
+    "fault", [pytest.param(f, marks=[pytest.mark.slow] if f == "sleep_forward" else []) for f in CASES]
+)
+def test_hang_is_named(tmp_path, fault):
+    layout, pattern = CASES[fault]
+    rank = {"wrong_peer": 2}.get(fault, 1)
+    codes, text, out = hang_run(tmp_path, f"{fault}:{rank}:3", *layout)
+    assert codes == [EXIT_STATUS] * 4, (codes, text[-4000:])
+    line = the_line(text)
+    assert re.search(pattern, line), line
+    table = json.loads((out / "hang-3.json").read_text())
+    assert table["line"] in line and sorted(table["ranks"]) == ["0", "1", "2", "3"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_")) == ["step_000002"]
+
+
+def test_negative_hang_timeout_refused():
+    r = run_script("launch/pretrain.py", *FIVE_STEPS, "--parallel.hang_timeout_s", "-1")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: parallel.hang_timeout_s=-1.0 must be >= 0 (0 turns the hang watchdog off; it must be below "
+        "parallel.timeout_s=600.0 to act)"
+    ], r.stderr
+
+
+def protocol_counts(world: int) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """The hang report's store protocol (engine/trust/hang.py post, collect, acknowledge) run for ``world``
+    simulated ranks against a real TCPStore, each rank on a client that counts its requests and keys (issue 43's
+    rule: O(1) requests per rank; one rank reads N keys): ([(requests, keys)] of the other ranks, the reporter's)."""
+    server, port, stop = start_server()
+    try:
+        raw = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60))
+        stores = [Counting(PrefixStore("engine-hang/0/", raw)) for _ in range(world)]
+        tail = json.dumps({"host": "h", "step": 3, "where": {}, "idle_s": None, "ops": []})
+        assert post(stores[0], 0, tail, detected=True)  # rank 0 saw it: the alarm, then the reporter
+        assert not any(post(stores[r], r, tail, detected=False) for r in range(1, world))
+        assert sorted(collect(stores[0], world)) == list(range(world))
+        stores[0].set("verdict", "error: hang")
+        for store in stores[1:]:
+            store.wait(["verdict"])
+        last = [acknowledge(store, world) for store in stores]
+        assert last == [False] * (world - 1) + [True]
+        for store in stores[:-1]:
+            store.wait(["all"])
+    finally:
+        stop()
+    return [(s.requests, s.keys) for s in stores[1:]], (stores[0].requests, stores[0].keys)
+
+
+def test_the_report_costs_each_rank_the_same_requests_at_1024_ranks_as_at_64():
+    small, large = protocol_counts(64), protocol_counts(1024)
+    assert set(small[0]) == set(large[0]) == {(4, 4)}  # tail, verdict, ack, all (the last rank: sets all)
+    assert small[1][0] == large[1][0] == 8  # the reporter: + alarm, claim, one wait and one read of N keys
+    assert (small[1][1] - 2 * 64, large[1][1] - 2 * 1024) == (6, 6)
