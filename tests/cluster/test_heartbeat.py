@@ -91,3 +91,35 @@ def test_a_late_first_beat_is_allowed_the_startup_bound():
     assert run_ranks(_late_first_beat, 2, 6 * TIMEOUT, timeout_s=120)[0] == (None, [])
     verdict, codes = run_ranks(_late_first_beat, 2, 0.0, timeout_s=120)[0]
     assert codes == [1] and re.match(r"error: rank 1 on host .* silent for \d+ s", verdict), verdict
+
+
+STALL = 4.0  # the stall test's timeout: beats every 0.4 s; a failed collective's limit is 3 beats (1.2 s)
+
+
+def _stalled_peer():
+    """Mid-run (step 5), rank 1 stops for half a timeout (a GIL-holding call, swapping: its beat thread with it)
+    and goes on; rank 0 lets it go, then both beat for another timeout. Returns rank 0's verdict and exit codes."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    codes: list[int] = []
+    beat = Heartbeat(rank, world, STALL, step_of=lambda: 5, exit_fn=codes.append).start()
+    while beat._beats < 2:
+        time.sleep(0.05)
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        time.sleep(STALL / 2)
+        os.kill(pids[1], signal.SIGCONT)
+    time.sleep(STALL)
+    dist.barrier()
+    beat.stop()
+    return beat.verdict, codes
+
+
+def test_a_live_peer_that_stalls_for_less_than_the_timeout_is_not_named():
+    """Only the heartbeat's timeout names a silent peer while no collective has failed: a stall of half of it,
+    longer than the few beats that name a peer after a failed collective, ends nothing (issue 45: a threshold
+    swapped so that it did survived every test)."""
+    assert run_ranks(_stalled_peer, 2, timeout_s=120)[0] == (None, [])
