@@ -14,9 +14,11 @@ With `--parallel.pp_layers auto` every pp is planned with its balanced split (en
 --json rows give each layout's pp_layers), else with the even one.
 Memory: engine/planning/planner.py (checked against measured memory on CPU in tests/planning/test_planner.py); time:
 engine/planning/search.py, the bubble from simulating the schedule. Layouts that fit in --device-memory come
-first, fastest first. Offload (parallel.offload: host memory for the optimizer, or also the parameters) is tried
-only when no layout fits without it; "host GB" is what a rank then keeps in host memory (step time leaves out
-the host copies and the host Adam step). A bad argument exits with status 2 and one line `error: ...`.
+first, fastest first; only the layouts that a lower bound on the step time leaves in reach of the --top fastest are
+planned in full (engine/planning/search.py; --json and --top 0 plan every one). Offload (parallel.offload: host
+memory for the optimizer, or also the parameters) is tried only when no layout fits without it; "host GB" is what a
+rank then keeps in host memory (step time leaves out the host copies and the host Adam step). A bad argument exits
+with status 2 and one line `error: ...`.
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ HEADER = [
     "host GB",
 ]
 SCHEDULE_KEYS = ("parallel.schedule", "parallel.virtual_stages")
-# A search of an 8-device config takes 30 s to 3 min on a busy CPU: say every few seconds that it is still going.
+# The table's search takes seconds to ~30 s of CPU (8 to 16,384 devices), --json's minutes: say every few seconds
+# that it is still going.
 PROGRESS_EVERY_S = 5.0
 
 
