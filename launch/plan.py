@@ -14,9 +14,11 @@ With `--parallel.pp_layers auto` every pp is planned with its balanced split (en
 --json rows give each layout's pp_layers), else with the even one.
 Memory: engine/planning/planner.py (checked against measured memory on CPU in tests/planning/test_planner.py); time:
 engine/planning/search.py, the bubble from simulating the schedule. Layouts that fit in --device-memory come
-first, fastest first. Offload (parallel.offload: host memory for the optimizer, or also the parameters) is tried
-only when no layout fits without it; "host GB" is what a rank then keeps in host memory (step time leaves out
-the host copies and the host Adam step). A bad argument exits with status 2 and one line `error: ...`.
+first, fastest first; only the layouts that a lower bound on the step time leaves in reach of the --top fastest are
+planned in full (engine/planning/search.py; --json and --top 0 plan every one). Offload (parallel.offload: host
+memory for the optimizer, or also the parameters) is tried only when no layout fits without it; "host GB" is what a
+rank then keeps in host memory (step time leaves out the host copies and the host Adam step). A bad argument exits
+with status 2 and one line `error: ...`.
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ HEADER = [
     "host GB",
 ]
 SCHEDULE_KEYS = ("parallel.schedule", "parallel.virtual_stages")
-# A search of an 8-device config takes 30 s to 3 min on a busy CPU: say every few seconds that it is still going.
+# The table's search takes seconds to ~30 s of CPU (8 to 16,384 devices), --json's minutes: say every few seconds
+# that it is still going.
 PROGRESS_EVERY_S = 5.0
 
 
@@ -235,15 +238,18 @@ def main(argv: list[str]) -> int:
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, backend="nccl"))
     # TF32 is not the default for fp32 matmuls in torch, so an fp32 run is planned at the fp32 peak.
     hw = hardware(args, "bf16" if cfg.train.dtype == "bf16" else "fp32")
-    schedules, refused = searched_schedules(args, cfg), []
+    schedules, refused, counts = searched_schedules(args, cfg), [], {}
+    top = 0 if args.json else args.top  # --top N: only the N best are planned in full (search's lower bound)
     with progress(f"searching the layouts of {cfg.model.name} on {args.world_size} devices"):
-        plans = search(cfg, args.world_size, hw, schedules, refused)
-    if not plans and schedules is None and refused:  # the schedule given: say why layout.checks.check_schedule refused
+        plans = search(cfg, args.world_size, hw, schedules, refused, top, counts)
+    if (
+        not counts["valid"] and schedules is None and refused
+    ):  # the schedule given: say why layout.checks.check_schedule refused
         # (a chunked one, interleaved or zbv: from a pipelined layout; its pp = 1 refusal only says pp must be >= 2)
         spec = SCHEDULES[cfg.parallel.schedule]
         piped = [msg for layout, msg in refused if layout.pp > 1] if spec.chunks or spec.vshape else []
         raise ArgumentError((piped or [msg for _, msg in refused])[0])
-    if not plans:
+    if not counts["valid"]:
         raise ArgumentError(
             f"no valid layout of {cfg.model.name} on --world-size={args.world_size} with global "
             f"batch {cfg.train.global_batch_size}; try a world size that divides it"
@@ -252,8 +258,8 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps([p.describe() for p in plans], indent=1))  # all of them; "fits" says which fit
         return 0
-    if not fitting:
-        best = min(plans, key=lambda p: p.peak_bytes)
+    if not fitting:  # the smallest of every layout (planned in full: the pruned search drops those over)
+        best = min(search(cfg, args.world_size, hw, schedules), key=lambda p: p.peak_bytes)
         raise ArgumentError(
             f"no layout fits in --device-memory={args.device_memory:g} GB; the smallest needs "
             f"{best.peak_bytes / 1e9:.1f} GB ({best.describe()['dp_mode']}, tp={best.layout.tp}, "
@@ -269,7 +275,12 @@ def main(argv: list[str]) -> int:
     print(
         f"{cfg.model.name}: seq_len {cfg.train.seq_len}, global batch {cfg.train.global_batch_size}, "
         f"{cfg.train.dtype}, {what}; {args.world_size} devices of {args.device_memory:g} GB, "
-        f"{hw.peak_tflops:g} TFLOP/s at {hw.efficiency:.0%}; {len(fitting)} of {len(plans)} valid layouts fit"
+        f"{hw.peak_tflops:g} TFLOP/s at {hw.efficiency:.0%}; "
+        + (
+            f"{counts['valid']} valid layouts, {counts['planned']} planned in full, the fastest that fit below"
+            if top
+            else f"{len(fitting)} of {len(plans)} valid layouts fit"
+        )
     )
     print(table([p.describe() for p in fitting[: args.top or None]]))
     return 0

@@ -5,6 +5,8 @@ configs.
 
 from __future__ import annotations
 
+import dataclasses
+
 from engine.config import Config, ConfigError
 from engine.kinds.cp_modes import CP_MODES
 from engine.kinds.dp_modes import MODES as DP_MODE_SPECS
@@ -12,7 +14,7 @@ from engine.kinds.offload import OFFLOADS
 from engine.kinds.recompute import RECOMPUTE
 from engine.kinds.schedules import SCHEDULES
 from engine.parallel.layout.checks import Layout, check_supported, resolve_layout
-from engine.planning.planner import planner_model, with_layout
+from engine.planning.planner import planner_model
 
 
 def _divisors(n: int) -> list[int]:
@@ -76,6 +78,13 @@ def layouts(
         dp = world_size // (tp * pp * cp)
         if gbs % dp:
             continue
+        # the sections are built once per combination of their own fields (with_layout's result, shared: configs
+        # are never changed in place), not once per layout: the search at 16,384 ranks builds ~10^6 of them
+        trains = {
+            (mbs, ac): dataclasses.replace(cfg.train, micro_batch_size=mbs, activation_checkpointing=ac)
+            for mbs in _divisors(gbs // dp)
+            for ac in RECOMPUTE
+        }
         for schedule, v in schedules[:1] if pp == 1 else schedules:
             # chunked schedules (interleaved, zbv) split the layers evenly; other pp keep no pp_layers of another pp
             # (auto is a rule, not counts: it balances every pp)
@@ -83,32 +92,36 @@ def layouts(
             pp_layers = cfg.parallel.pp_layers if same and SCHEDULES[schedule].per_rank(v) == 1 else []
             for mbs, ep in ((mbs, ep) for mbs in _divisors(gbs // dp) for ep in _ep_sizes(cfg, dp * cp)):
                 for mode, stage, reshard, off in dp_modes(offload or cfg.parallel.offload, dp * cp):
+                    parallel = dataclasses.replace(
+                        cfg.parallel,
+                        tp=tp,
+                        pp=pp,
+                        dp=dp,
+                        cp=cp,
+                        cp_mode=cp_mode,
+                        ep=ep,
+                        dp_mode=mode,
+                        zero_stage=stage,
+                        reshard_after_forward=reshard,
+                        offload=off,
+                        pp_layers=pp_layers,
+                        schedule=schedule,
+                        virtual_stages=v,
+                    )
                     for ac in RECOMPUTE:
-                        c = with_layout(
-                            cfg,
-                            tp=tp,
-                            pp=pp,
-                            dp=dp,
-                            cp=cp,
-                            cp_mode=cp_mode,
-                            ep=ep,
-                            dp_mode=mode,
-                            zero_stage=stage,
-                            reshard_after_forward=reshard,
-                            offload=off,
-                            pp_layers=pp_layers,
-                            micro_batch_size=mbs,
-                            activation_checkpointing=ac,
-                            schedule=schedule,
-                            virtual_stages=v,
-                        )
-                        asked = Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)
-                        try:
-                            # the dp-mode refusals first: resolve_layout's schedule check builds a table
-                            check_supported(c, asked)
-                            layout = resolve_layout(c, world_size)  # refuses unsupported combinations too
-                        except ConfigError as e:
-                            if refused is not None:
-                                refused.append((asked, str(e)))
-                            continue
-                        yield c, layout
+                        c = dataclasses.replace(cfg, parallel=parallel, train=trains[mbs, ac])
+                        layout = _resolved(c, Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), world_size, refused)
+                        if layout is not None:
+                            yield c, layout
+
+
+def _resolved(cfg: Config, asked: Layout, world_size: int, refused: list | None) -> Layout | None:
+    """resolve_layout's layout of ``cfg``, or None when refused ((asked, message) then goes to ``refused``)."""
+    try:
+        # the dp-mode refusals first: resolve_layout's schedule check builds a table
+        check_supported(cfg, asked)
+        return resolve_layout(cfg, world_size)  # refuses unsupported combinations too
+    except ConfigError as e:
+        if refused is not None:
+            refused.append((asked, str(e)))
+        return None

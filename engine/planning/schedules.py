@@ -121,7 +121,7 @@ def actions(schedule: str, pp: int, micro_batches: int, stage: int, v: int) -> t
     return tuple(sched.build(schedule, pp, micro_batches, stage, v))
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=None)
 def held_states(schedule: str, pp: int, micro_batches: int, stage: int, v: int) -> tuple:
     """Walk the action list of rank ``stage`` once: the distinct states it passes through after each compute, as
     (activations held per chunk, W states held per chunk, weight gradients exist yet). Bytes differ by chunk
@@ -156,7 +156,13 @@ def activations_in_flight(cfg: Config, tp: int, pp: int, micro_batches: int, sta
             peak, w_at_peak = total, w_bytes
         if grads:
             after = max(after, total)
-    return InFlight(max_in_flight(actions(*key)), peak, after, w_at_peak)
+    return InFlight(in_flight_count(*key), peak, after, w_at_peak)
+
+
+@lru_cache(maxsize=None)
+def in_flight_count(schedule: str, pp: int, micro_batches: int, stage: int, v: int) -> int:
+    """engine.parallel.pp.actions.max_in_flight of the rank's action list, cached as held_states is."""
+    return max_in_flight(actions(schedule, pp, micro_batches, stage, v))
 
 
 SIMULATED_GROUPS = 2

@@ -29,6 +29,8 @@ optimizer update, data loading, kernel launch overheads.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from dataclasses import dataclass, field
 
 from engine.config import Config
@@ -41,11 +43,20 @@ from engine.parallel.tp.layers import LAYER_PLAN
 from engine.planning import cp as cp_plan
 from engine.planning import ep as ep_plan
 from engine.planning import schedules
+from engine.planning.activations import mode as activation_mode
 from engine.planning.activations import sequence_share
 from engine.planning.balance import layer_counts
 from engine.planning.layouts import layouts
 from engine.planning.links import link_bandwidth, ring_time
-from engine.planning.planner import StageMemory, data_layout, dp_model, plan_memory, stage_params, state_groups
+from engine.planning.planner import (
+    StageMemory,
+    data_layout,
+    dp_model,
+    plan_memory,
+    stage_memory,
+    stage_params,
+    state_groups,
+)
 from engine.planning.schedules import head_stage, virtual_stages
 
 
@@ -169,28 +180,22 @@ def pipeline_time(cfg: Config, layout: Layout, cost: StageCost, micro_batches: i
     )
 
 
-def step_time(cfg: Config, world_size: int, hw: Hardware, layout: Layout | None = None) -> StepTime:
+def worst_stage(cfg: Config, layout: Layout, hw: Hardware) -> StageCost:
+    """The slowest stage's StageCost (the first of equals), which sets the pipeline's pace."""
+    return max((stage_cost(cfg, layout, hw, s) for s in range(layout.pp)), key=lambda c: c.total)
+
+
+def step_time(
+    cfg: Config, world_size: int, hw: Hardware, layout: Layout | None = None, worst: StageCost | None = None
+) -> StepTime:
     """Estimated seconds of one optimizer step of the configured layout (see the module docstring; ``layout``:
-    the resolved one, if the caller has it)."""
+    the resolved one, ``worst``: its worst_stage, if the caller has them)."""
     layout = layout or resolve_layout(cfg, world_size)
     t, m = cfg.train, cfg.model
     micro_batches = micro_batches_per_step(t, layout.dp)
-    worst = max((stage_cost(cfg, layout, hw, s) for s in range(layout.pp)), key=lambda c: c.total)
+    worst = worst or worst_stage(cfg, layout, hw)
     makespan, idle = pipeline_time(cfg, layout, worst, micro_batches)
-    # the mode's exposed communication (engine/planning/dp.py), over dp x cp and, under expert
-    # parallelism, the experts' over expert-dp
-    model = dp_model(cfg)
-    dp = sum(
-        model.dp_comm(
-            cfg,
-            lay,
-            hw,
-            p["layers"] + p["root"],
-            micro_batches,
-            worst.compute if i == 0 or model.experts_overlap else 0.0,
-        )
-        for i, (lay, p) in enumerate(state_groups(layout, worst.params))
-    )
+    dp = dp_time(cfg, layout, hw, worst)
     total = makespan + dp
     tokens_per_s = t.global_batch_size * t.seq_len / total
     mfu = flops.mfu(tokens_per_s / world_size, flops.flops_per_token(m, t.seq_len), hw.peak_tflops) or 0.0
@@ -206,6 +211,23 @@ def step_time(cfg: Config, world_size: int, hw: Hardware, layout: Layout | None 
         max(idle) / makespan,
         micro_batches * worst.cp_comm,
         micro_batches * worst.ep_comm,
+    )
+
+
+def dp_time(cfg: Config, layout: Layout, hw: Hardware, worst: StageCost) -> float:
+    """The dp mode's exposed communication (engine/planning/dp.py), over dp x cp and, under expert parallelism,
+    the experts' over expert-dp."""
+    model, micro_batches = dp_model(cfg), micro_batches_per_step(cfg.train, layout.dp)
+    return sum(
+        model.dp_comm(
+            cfg,
+            lay,
+            hw,
+            p["layers"] + p["root"],
+            micro_batches,
+            worst.compute if i == 0 or model.experts_overlap else 0.0,
+        )
+        for i, (lay, p) in enumerate(state_groups(layout, worst.params))
     )
 
 
@@ -265,21 +287,118 @@ def search(
     hw: Hardware,
     schedules: tuple[tuple[str, int], ...] | None = None,
     refused: list[tuple[Layout, str]] | None = None,
+    top: int = 0,
+    counts: dict | None = None,
 ) -> list[Candidate]:
     """Every valid layout (``schedules`` and ``refused`` as for layouts), planned; those that fit in
-    hw.memory_gb first, each group by step time."""
-    out = _planned(cfg, world_size, hw, schedules, refused)
+    hw.memory_gb first, each group by step time. ``top`` > 0: only the first ``top`` of those that fit, the same
+    as the whole list's (see ``_best``), planning in full only the layouts a lower bound on the step time cannot
+    rule out. ``counts``, if given, gets "valid" (layouts enumerated), "planned" (memory planned) and "timed"
+    (step times simulated)."""
+    counts = counts if counts is not None else {}
+    memo: dict = {}
+    plan = _best if top > 0 else _planned
+    out = plan(cfg, world_size, hw, schedules, refused, top, memo, counts)
     # offload only where nothing fits without
     if not OFFLOADS[cfg.parallel.offload].offloads and not any(c.fits for c in out):
-        out += _planned(cfg, world_size, hw, schedules, refused, "any")
-    return sorted(out, key=lambda c: (not c.fits, c.time.total, c.peak_bytes))
+        out += plan(cfg, world_size, hw, schedules, refused, top, memo, counts, "any")
+    out = sorted(out, key=lambda c: (not c.fits, c.time.total, c.peak_bytes))
+    return out[:top] if top > 0 else out
 
 
-def _planned(cfg: Config, world_size: int, hw: Hardware, schedules, refused, offload: str | None = None) -> list:
+def _cost_key(cfg: Config, layout: Layout) -> tuple:
+    """What a layout's stage costs depend on within one search: its axes, schedule, micro-batch, checkpointing and
+    the activations' dtype (activations.mode); not the dp mode's sharding, offload or resharding (dp_comm's)."""
+    p, t = cfg.parallel, cfg.train
+    return (layout, p.cp_mode, p.schedule, p.virtual_stages, repr(p.pp_layers)) + (
+        t.micro_batch_size,
+        t.activation_checkpointing,
+        activation_mode(cfg),
+    )
+
+
+def _worst(cfg: Config, layout: Layout, hw: Hardware, memo: dict) -> StageCost:
+    """worst_stage, memoised over one search: the dp modes of a layout share it."""
+    key = _cost_key(cfg, layout)
+    if key not in memo:
+        memo[key] = worst_stage(cfg, layout, hw)
+    return memo[key]
+
+
+def _candidate(cfg: Config, world_size: int, hw: Hardware, layout: Layout, memory: list, memo: dict) -> Candidate:
+    cand = Candidate(cfg, layout, memory, step_time(cfg, world_size, hw, layout, _worst(cfg, layout, hw, memo)))
+    cand.fits = cand.peak_bytes <= hw.memory_gb * 1e9
+    return cand
+
+
+def _planned(cfg: Config, world_size: int, hw: Hardware, schedules, refused, top, memo, counts, offload=None) -> list:
+    """Every layout planned in full (search with top 0)."""
     out = []
     for c, layout in layouts(cfg, world_size, schedules, refused, offload):
-        memory = plan_memory(c, world_size, layout=layout)
-        cand = Candidate(c, layout, memory, step_time(c, world_size, hw, layout))
-        cand.fits = cand.peak_bytes <= hw.memory_gb * 1e9
-        out.append(cand)
+        out.append(_candidate(c, world_size, hw, layout, plan_memory(c, world_size, layout=layout), memo))
+    for name in ("valid", "planned", "timed"):
+        counts[name] = counts.get(name, 0) + len(out)
     return out
+
+
+# A lower bound is compared with step times as (1 - BOUND_SLACK) of itself: the makespan extrapolated past the
+# simulated micro-batches (schedules.makespan_and_idle), or the mean of the stages' FLOPs, may round below the
+# busy time by a few ulps.
+BOUND_SLACK = 1e-9
+
+
+def lower_bound(cfg: Config, layout: Layout, hw: Hardware, worst: StageCost) -> float:
+    """Seconds no step of the layout can beat: the slowest stage's rank computes every micro-batch's forward and
+    backward one after another (its busy time: the makespan adds its idle time), then the exposed dp
+    communication (step_time's own)."""
+    busy = micro_batches_per_step(cfg.train, layout.dp) * worst.total
+    return busy * (1 - BOUND_SLACK) + dp_time(cfg, layout, hw, worst)
+
+
+def compute_bound(cfg: Config, layout: Layout, hw: Hardware) -> float:
+    """A lower bound below lower_bound's, without planning a stage: the slowest stage computes at least the
+    mean of the stages' FLOPs (stage_cost's compute, whose other parts are communication, all >= 0)."""
+    t = cfg.train
+    tokens = t.micro_batch_size * t.seq_len // layout.cp
+    model = flops.stage_flops_per_token(cfg.model, t.seq_len, cfg.model.num_layers, True, t.activation_checkpointing)
+    rate = hw.peak_tflops * 1e12 * hw.efficiency * layout.tp
+    busy = micro_batches_per_step(t, layout.dp) * (tokens * model / rate / layout.pp)
+    return busy * (1 - BOUND_SLACK)
+
+
+def _best(cfg: Config, world_size: int, hw: Hardware, schedules, refused, top, memo, counts, offload=None) -> list:
+    """The ``top`` fastest layouts that fit, as the whole search would rank them (step time, then peak memory, then
+    the order of enumeration), or every one that fits if fewer do. Layouts are taken by their lower bound, least
+    first (compute_bound until a layout comes up, then lower_bound): each is planned stage by stage, dropped at the
+    first stage over hw.memory_gb, and timed only if it fits; once ``top`` fit, a layout whose bound exceeds the
+    ``top``-th step time cannot enter, nor any after it."""
+    found = list(layouts(cfg, world_size, schedules, refused, offload))
+    queue = [(compute_bound(c, layout, hw), False, i) for i, (c, layout) in enumerate(found)]
+    heapq.heapify(queue)
+    fitting: list[tuple[float, float, int]] = []  # (step time, peak bytes, index), kept sorted
+    kept: dict[int, Candidate] = {}
+    while queue and not (len(fitting) >= top and queue[0][0] > fitting[top - 1][0]):
+        _, tight, i = heapq.heappop(queue)
+        c, layout = found[i]
+        if not tight:  # the stages' costs now: a tighter bound, back in the queue
+            heapq.heappush(queue, (lower_bound(c, layout, hw, _worst(c, layout, hw, memo)), True, i))
+            continue
+        memory = _memory_within(c, world_size, layout, hw.memory_gb * 1e9)
+        counts["planned"] = counts.get("planned", 0) + 1
+        if memory is None:
+            continue
+        kept[i] = _candidate(c, world_size, hw, layout, memory, memo)
+        counts["timed"] = counts.get("timed", 0) + 1
+        bisect.insort(fitting, (kept[i].time.total, kept[i].peak_bytes, i))
+    counts["valid"] = counts.get("valid", 0) + len(found)
+    return [kept[i] for _, _, i in fitting[:top]]
+
+
+def _memory_within(cfg: Config, world_size: int, layout: Layout, limit: float) -> list[StageMemory] | None:
+    """plan_memory's stages, or None at the first stage whose peak is over ``limit`` bytes."""
+    memory = []
+    for stage in range(layout.pp):
+        memory.append(stage_memory(cfg, world_size, stage, layout=layout))
+        if memory[-1].total > limit:
+            return None
+    return memory

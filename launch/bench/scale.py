@@ -415,8 +415,8 @@ def _store_parts() -> dict:
 
 
 def _launch_parts() -> dict:
-    """Preflight's plan (N ranks as N / 8 hosts of 8) and the data readers' corpus scans (N readers) of
-    launch/bench/scale_parts.py, when that file is present."""
+    """Preflight's plan (N ranks as N / 8 hosts of 8), the data readers' corpus scans (N readers) and the layout
+    search (N devices) of launch/bench/scale_parts.py, when that file is present."""
     try:
         from launch.bench import scale_parts
     except ImportError:
@@ -424,6 +424,7 @@ def _launch_parts() -> dict:
     return {
         "preflight": lambda n: scale_parts.measure_preflight(n // scale_parts.SLOTS),
         "data": scale_parts.measure_data,
+        "search": scale_parts.measure_search,
     }
 
 

@@ -1,6 +1,7 @@
-"""Two parts of the scale benchmark (issue 43): preflight's plan and data start-up, at a given size.
+"""Three parts of the scale benchmark (issue 43): preflight's plan, data start-up and the layout search, at a given
+size.
 
-    python launch/bench/scale_parts.py [--hosts 8 64 512 2048] [--readers 8 64 512 4096]
+    python launch/bench/scale_parts.py [--hosts 8 64 512 2048] [--readers 8 64 512 4096] [--devices 8 64 ...]
 
 ``measure_preflight(hosts)``: the plan preflight runs at that many hosts of 8 ranks (engine/cluster/linktest.py's
 link_rounds, launch/preflight.py's plan): host-check waves at the default fan-out, link pairs and rounds (checked
@@ -8,16 +9,21 @@ disjoint), and the estimated seconds from the per-unit times preflight's --plan-
 plan used before. ``measure_data(readers)``: ``readers`` simulated data readers (one TrainData each, in this process,
 one after another) open one synthetic indexed corpus; full reads of its .bin are counted as bytes reduced by max()
 (the token-range scan) over its size. Before issue 43 every reader scanned it (full reads = readers).
-Counts, not times: the machine is shared.
+``measure_search(devices)``: launch/plan.py's search (engine/planning/search.py, its table's 15 best, every
+schedule searched) of Llama 3 8B on ``devices`` H100s of 80 GB: the valid layouts, those planned in full (memory),
+those timed (step time simulated), and its CPU seconds. Before issue 43 every valid layout was planned and timed.
+Counts, not times: the machine is shared (the search's CPU seconds are process time).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import struct
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -26,10 +32,14 @@ sys.path.insert(0, str(ROOT))
 
 from engine.cluster.hostcheck import FANOUT  # noqa: E402
 from engine.cluster.linktest import link_rounds  # noqa: E402
+from engine.config import load  # noqa: E402
 from engine.data import blend  # noqa: E402
+from engine.planning.schedules import SEARCHED  # noqa: E402
+from engine.planning.search import Hardware, search  # noqa: E402
 from launch.preflight import plan  # noqa: E402
 
 SLOTS, CHECK_S, ROUND_S = 8, 10.0, 0.06  # preflight --plan-only's defaults
+SEARCH_CONFIG, SEARCH_TOP = "configs/llama-3-8b.yaml", 15  # launch/plan.py's --top default
 
 
 def measure_preflight(hosts: int) -> dict:
@@ -97,15 +107,34 @@ def measure_data(readers: int, tokens: int = 1 << 20) -> dict:
     }
 
 
+def measure_search(devices: int) -> dict:
+    """launch/plan.py's search of SEARCH_CONFIG on ``devices`` H100s (80 GB): layouts valid, planned, timed; CPU."""
+    cfg = load(["--config", str(ROOT / SEARCH_CONFIG)])
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, backend="nccl"))  # as plan.py
+    counts: dict = {}
+    start = time.process_time()
+    best = search(cfg, devices, Hardware(), SEARCHED, top=SEARCH_TOP, counts=counts)
+    return {
+        "cpu_s/rank": time.process_time() - start,
+        "note": f"{cfg.model.name}, gbs {cfg.train.global_batch_size}",
+        **counts,
+        "best_step_s": round(best[0].time.total, 3) if best else None,
+        "before_planned": counts["valid"],
+    }
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hosts", type=int, nargs="+", default=[8, 64, 512, 2048])
     p.add_argument("--readers", type=int, nargs="+", default=[8, 64, 512, 4096])
+    p.add_argument("--devices", type=int, nargs="+", default=[8, 64, 512, 4096, 16384])
     args = p.parse_args(argv)
     for h in args.hosts:
         print(measure_preflight(h), flush=True)
     for r in args.readers:
         print(measure_data(r), flush=True)
+    for d in args.devices:
+        print(measure_search(d), flush=True)
     return 0
 
 

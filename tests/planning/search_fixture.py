@@ -1,0 +1,56 @@
+"""Writes tests/planning/data/search_best.json: the best layouts (those fitting, fastest first, as
+launch/plan.py's table lists them) of today's exhaustive search for the cases below, from the checkout this file is
+run in. Made once with the search before issue 43's pruning (commit d940f07):
+
+    git archive d940f07 | tar -x -C /tmp/base && cp tests/planning/search_fixture.py /tmp/base/tests/planning/
+    cd /tmp/base && python tests/planning/search_fixture.py > <worktree>/tests/planning/data/search_best.json
+
+(or one process per case, ``search_fixture.py 4`` for the fifth, its lists merged: how this file was made).
+
+tests/planning/test_search_scale.py checks that the pruned search finds the same rows, bit for bit.
+"""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from engine.config import load  # noqa: E402
+from engine.model.flops import peak_tflops  # noqa: E402
+from engine.planning.schedules import SEARCHED  # noqa: E402
+from engine.planning.search import Hardware, search  # noqa: E402
+
+TOP = 15
+# (config, world size, device memory GB, overrides): plan.py's defaults otherwise (every schedule searched)
+CASES = [
+    ("configs/tiny.yaml", 8, 1.0, []),
+    ("configs/tiny-moe.yaml", 8, 1.0, []),
+    ("configs/llama-3.2-1b.yaml", 8, 80.0, ["--parallel.pp_layers", "auto"]),
+    ("configs/llama-3.2-1b.yaml", 8, 16.0, []),
+    ("configs/llama-3.2-1b.yaml", 64, 80.0, []),
+]
+
+
+def case_config(config: str, overrides: list[str]):
+    """The config launch/plan.py plans: the file, the overrides, its attention planned for CUDA devices."""
+    cfg = load(["--config", config, *overrides])
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, backend="nccl"))
+
+
+def case_hardware(cfg, memory_gb: float) -> Hardware:
+    """launch/plan.py's default device (an H100 at its peak in the config's dtype) with ``memory_gb``."""
+    dtype = "bf16" if cfg.train.dtype == "bf16" else "fp32"
+    return Hardware(peak_tflops=peak_tflops("NVIDIA H100 80GB HBM3", dtype), memory_gb=memory_gb)
+
+
+def best_rows(config: str, world: int, memory_gb: float, overrides: list[str]) -> list[dict]:
+    cfg = case_config(config, overrides)
+    plans = search(cfg, world, case_hardware(cfg, memory_gb), SEARCHED)
+    return [p.describe() for p in plans if p.fits][:TOP]
+
+
+if __name__ == "__main__":  # all cases, or those whose indices are given (one process each: they are slow)
+    chosen = [CASES[int(i)] for i in sys.argv[1:]] or CASES
+    print(json.dumps([{"case": list(case), "best": best_rows(*case)} for case in chosen], indent=1))
