@@ -53,8 +53,9 @@ def copy(base: Path, tmp: Path) -> Path:
 
 def resume(step: Path, *layout: str):
     """Resume ``step`` explicitly for one more step (tp 1 unless ``layout`` says otherwise), in a fork."""
-    argv = [*SMALL, "--train.steps", "5", "--checkpoint.resume", str(step), "--checkpoint.dir", str(step.parent)]
-    return run_script("launch/pretrain.py", *argv, "--train.out_dir", str(step.parent.parent / "out"), *layout)
+    tmp = step.parent.parent  # saves go to a checkpoint.dir of their own (no lineage check sees step 4's folder)
+    argv = [*SMALL, "--train.steps", "5", "--checkpoint.resume", str(step), "--checkpoint.dir", str(tmp / "new")]
+    return run_script("launch/pretrain.py", *argv, "--train.out_dir", str(tmp / "out"), *layout)
 
 
 def rewrite(step: Path, change) -> None:
@@ -76,9 +77,7 @@ def test_clean_resumes_pass_at_another_layout_and_at_the_same(base, tmp_path):
     one = resume(step)
     assert one.returncode == 0, one.stderr[-3000:]
     assert f"resumed from {step} (step 4" in one.stdout and "notice" not in one.stdout, one.stdout[-2000:]
-    (tmp_path / "same").mkdir()
-    step = copy(base, tmp_path / "same")  # the resume above saved its step 5 beside the first copy
-    argv = [*RUN, "--train.steps", "6", "--checkpoint.resume", str(step), "--checkpoint.dir", str(step.parent)]
+    argv = [*RUN, "--train.steps", "6", "--checkpoint.resume", str(step), "--checkpoint.dir", str(tmp_path / "new2")]
     same = run_ranks(pretrain_rank, 2, [*argv, "--train.out_dir", str(tmp_path / "out2")], timeout_s=300)
     assert [g["code"] for g in same] == [0, 0], same[0]["err"][-3000:] + same[1]["err"][-3000:]
     assert f"resumed from {step} (step 4" in same[0]["out"], same[0]["out"][-2000:]
