@@ -367,13 +367,14 @@ class Checkpointer:
                 )
             return
         mine, loss = saved.digests(parts), self.probe() if self.probe else None
+        adam_step = parts.state().adam_step()  # on every rank: a dp mode's state() may be collective (fsdp)
         if self.exchange is not None:
             self.exchange.store = self._store()
         everyone = self.exchange.gather(mine) if self.exchange is not None else [mine]  # to rank 0 only
         error = None
         if self.ctx.rank == 0:
             dtype = next(parts.model.parameters()).dtype
-            found = saved.compare(record, saved.combine(everyone), position, parts.state().adam_step(), (loss, dtype))
+            found = saved.compare(record, saved.combine(everyone), position, adam_step, (loss, dtype))
             error = saved.verdict(path, found)
         error = self._first(error)
         if error is not None:

@@ -1,24 +1,26 @@
 """A resume checked against what was saved (checkpoint.verify, engine/trust/saved.py), through launch/pretrain.py.
 
-One run at tp 2 (two forked ranks running the launcher in-process) saves steps 2 and 4. Each case copies those
-checkpoints, does one thing a CRC cannot see to step 4 (the index's sizes and CRCs made to match) and resumes it
-explicitly at tp 1 (another layout: the digests are exact at any layout):
+One run at dp 2 under fsdp (two forked ranks running the launcher in-process) saves steps 2 and 4. Each case
+copies those checkpoints, does one thing a CRC cannot see to step 4 (the index's sizes and CRCs made to match) and
+resumes it explicitly on one rank (another layout: the digests are exact at any layout):
 - (a) one Adam moment of one tensor replaced by step 2's (a file rewritten with a valid CRC): before, resumed;
-- (b) a resharding bug: the real reader (format.Reader) made to read tp block 1 where block 0 is asked, for one
-  tensor (patched in this process before the fork); before, resumed;
+- (b) a resharding bug: the real reader (format.Reader) made to read one tensor's two pieces (rank 0's rows,
+  rank 1's) in each other's place (patched in this process before the fork); before, resumed;
 - (c) the run position edited consistently to step 2's (step, scheduler, Adam's step, samples): before, resumed;
 - (d) the optimizer states gone from the index and the shards: before, resumed with a fresh optimizer.
-Each is refused with one line naming what differs, exit 2. A clean resume passes at tp 1 and at tp 2 (the same
+Each is refused with one line naming what differs, exit 2. A clean resume passes on one rank and at fsdp dp 2 (the same
 layout, two ranks), and a checkpoint without digests (an older engine's) resumes with one notice.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from engine.checkpoint import format as ckpt_format
@@ -28,8 +30,9 @@ from tests.checkpoint.runs import SMALL, edit_index, launched
 from tests.cli import one_error_line, run_script
 from tests.dist import run_ranks
 
-RUN = [*SMALL, "--parallel.tp", "2", "--checkpoint.every", "2", "--checkpoint.keep", "0"]
-MOMENT = "model.layers.1.mlp.up_proj.weight"  # column-parallel: its tp blocks are row ranges
+# fsdp at dp 2: each rank writes a row range of every tensor (a resume there once met a collective on rank 0 only)
+RUN = [*SMALL, "--parallel.dp", "2", "--parallel.dp_mode", "fsdp", "--checkpoint.every", "2", "--checkpoint.keep", "0"]
+MOMENT = "model.layers.1.mlp.up_proj.weight"
 
 
 def pretrain_rank(argv: list[str]) -> dict:
@@ -51,11 +54,11 @@ def copy(base: Path, tmp: Path) -> Path:
     return tmp / "ckpt" / "step_000004"
 
 
-def resume(step: Path, *layout: str):
-    """Resume ``step`` explicitly for one more step (tp 1 unless ``layout`` says otherwise), in a fork."""
+def resume(step: Path, steps: int = 4):
+    """Resume ``step`` explicitly on one rank, in a fork, up to ``steps`` (4: check and stop; 5: train one more)."""
     tmp = step.parent.parent  # saves go to a checkpoint.dir of their own (no lineage check sees step 4's folder)
-    argv = [*SMALL, "--train.steps", "5", "--checkpoint.resume", str(step), "--checkpoint.dir", str(tmp / "new")]
-    return run_script("launch/pretrain.py", *argv, "--train.out_dir", str(tmp / "out"), *layout)
+    argv = [*SMALL, "--train.steps", str(steps), "--checkpoint.resume", str(step), "--checkpoint.dir", str(tmp / "new")]
+    return run_script("launch/pretrain.py", *argv, "--train.out_dir", str(tmp / "out"))
 
 
 def rewrite(step: Path, change) -> None:
@@ -74,7 +77,7 @@ def test_clean_resumes_pass_at_another_layout_and_at_the_same(base, tmp_path):
         "exp_avg",
         "exp_avg_sq",
     }
-    one = resume(step)
+    one = resume(step, steps=5)
     assert one.returncode == 0, one.stderr[-3000:]
     assert f"resumed from {step} (step 4" in one.stdout and "notice" not in one.stdout, one.stdout[-2000:]
     argv = [*RUN, "--train.steps", "6", "--checkpoint.resume", str(step), "--checkpoint.dir", str(tmp_path / "new2")]
@@ -98,12 +101,17 @@ def test_an_older_moment_with_a_valid_crc_is_refused(base, tmp_path):
 
 def test_a_resharding_bug_is_refused(base, tmp_path, monkeypatch):
     step = copy(base, tmp_path)
-    flat = ckpt_format.Reader._flat
+    flat, n = (
+        ckpt_format.Reader._flat,
+        math.prod(json.loads((step / "index.json").read_text())["params"][MOMENT]["shape"]),
+    )
 
-    def wrong_block(self, name, state, tp_rank, a, b):  # reads the other tp block of one tensor's parameter
-        return flat(self, name, state, 1 - tp_rank if (name, state) == (MOMENT, "param") else tp_rank, a, b)
+    def swapped(self, name, state, tp_rank, a, b):  # one tensor's two dp pieces read in each other's place
+        if (name, state, a, b) != (MOMENT, "param", 0, n):
+            return flat(self, name, state, tp_rank, a, b)
+        return torch.cat([flat(self, name, state, tp_rank, n // 2, n), flat(self, name, state, tp_rank, 0, n // 2)])
 
-    monkeypatch.setattr(ckpt_format.Reader, "_flat", wrong_block)
+    monkeypatch.setattr(ckpt_format.Reader, "_flat", swapped)
     one_error_line(resume(step), f"{MOMENT} param differs from what was saved")
 
 
