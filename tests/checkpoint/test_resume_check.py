@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.checkpoint import format as ckpt_format
 from engine.checkpoint.format import file_crc32
-from engine.trust.saved import FIELD
+from engine.trust.saved import FIELD, piece_digest
 from tests.checkpoint.runs import SMALL, edit_index, launched
 from tests.cli import one_error_line, run_script
 from tests.dist import run_ranks
@@ -148,3 +148,20 @@ def test_a_checkpoint_without_digests_resumes_with_a_notice(base, tmp_path):
     assert notices == [
         f"notice: {step} holds no digests (an older engine's, or checkpoint.verify=false): resumed unchecked"
     ]
+
+
+@pytest.mark.parametrize("tp_dim", [0, 1])
+def test_the_digest_adds_up_over_any_cut(tp_dim):
+    """The digest of a tensor is the sum of its pieces' at any tp cut and flat ranges (what makes it exact at another
+    layout), and any two elements swapped change it. The resumes above cut at dp only."""
+    t = torch.randn(6, 8)
+    whole = piece_digest(t.view(-1), [6, 8], (None, 1, 0), 0)
+    total = 0
+    for rank, block in enumerate(t.chunk(2, dim=tp_dim)):
+        flat = block.reshape(-1)
+        for lo, hi in ((0, 5), (5, flat.numel())):  # a ZeRO-like fragment boundary inside the block
+            total += piece_digest(flat[lo:hi], [6, 8], (tp_dim, 2, rank), lo)
+    assert total % 2**64 == whole
+    swapped = t.clone()
+    swapped[0, 0], swapped[0, 1] = t[0, 1], t[0, 0]
+    assert piece_digest(swapped.view(-1), [6, 8], (None, 1, 0), 0) != whole
