@@ -28,6 +28,7 @@ KIND = "sum of fp32 bits x splitmix64(global flat index) mod 2^64"
 PROBE_SEED = 0x5EED_C0DE
 PROBE_BOUND = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}  # relative, README "What is proven"
 _CHUNK = 1 << 22  # elements per step of a digest: bounded temporaries whatever the tensor's size
+_COLUMN_SALT = 1 << 40  # column hashes are not row hashes: a transposed square block changes the digest
 _MASK = (1 << 64) - 1
 
 
@@ -53,15 +54,22 @@ def splitmix64(i: torch.Tensor) -> torch.Tensor:
 
 def piece_digest(values: torch.Tensor, shape: list[int], tp: tuple, lo: int) -> int:
     """The digest (0 <= d < 2^64) of ``values``: elements [lo, lo + n) of the flattened tp block ``tp`` =
-    (tp_dim, tp_size, tp_rank) of a tensor of global ``shape``."""
+    (tp_dim, tp_size, tp_rank) of a tensor of global ``shape``, in its (rows, row length) view. An element's weight
+    is a row hash times a column hash (of its global row and column): per element a conversion, a product and a
+    sum over a row (the column hashes are computed once per call), the row hashes once per row."""
     r0, _, c0, c1 = tp_box(shape, *tp)
-    width, cols = c1 - c0, tp_box(shape, None, 1, 0)[3]  # the block's row length, the global tensor's
-    total = torch.zeros((), dtype=torch.int64, device=values.device)
-    for a in range(0, values.numel(), _CHUNK):
-        x = values[a : a + _CHUNK].float()
-        k = torch.arange(lo + a, lo + a + x.numel(), dtype=torch.int64, device=values.device)
-        g = (r0 + k // width) * cols + c0 + k % width
-        total += (x.view(torch.int32).to(torch.int64) * splitmix64(g)).sum()
+    width, dev, n = c1 - c0, values.device, values.numel()
+    columns = splitmix64(torch.arange(c0, c1, dtype=torch.int64, device=dev) + _COLUMN_SALT)
+    total = torch.zeros((), dtype=torch.int64, device=dev)
+    done = 0
+    while done < n:
+        row, col = divmod(lo + done, width)
+        rows = 1 if col or n - done < width else min((n - done) // width, max(1, _CHUNK // width))
+        m = min(width - col, n - done) if rows == 1 else rows * width
+        bits = values[done : done + m].float().view(torch.int32).to(torch.int64)
+        sums = (bits.view(rows, -1) * columns[col : col + m // rows]).sum(dim=1)
+        total += (sums * splitmix64(torch.arange(r0 + row, r0 + row + rows, dtype=torch.int64, device=dev))).sum()
+        done += m
     return int(total.item()) & _MASK
 
 
