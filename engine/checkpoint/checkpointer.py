@@ -148,9 +148,8 @@ class Checkpointer:
             return None
         self.timings = {"snapshot_s": time.perf_counter() - start}
         if self.cfg.checkpoint.verify:  # what a resume will be checked against (engine/trust/saved.py)
-            meta["digests"] = saved.digests(parts)
-            header[saved.FIELD] = saved.record(position, self.probe() if self.probe else None)
-            self.timings["verify_s"] = time.perf_counter() - start - self.timings["snapshot_s"]
+            header[saved.FIELD] = saved.record(position, self.probe() if self.probe else None)  # the digests: writer
+            self.timings["probe_s"] = time.perf_counter() - start - self.timings["snapshot_s"]
         args = (position.step, tensors, meta, header, self.cfg.checkpoint.keep if prune else 0)
         if self.cfg.checkpoint.async_save:
             self.pending = threading.Thread(
@@ -193,6 +192,10 @@ class Checkpointer:
         try:
             staging_dir(self.root, step, self.token)
             meta.update(write_shard(tmp / meta["file"], tensors))
+            if saved.FIELD in header:  # the digests of what was written (engine/trust/saved.py), rank 0 adds them
+                digested = time.perf_counter()
+                meta["digests"] = saved.written(tensors, meta["params"])
+                self.timings["digest_s"] = time.perf_counter() - digested
         except Exception as e:  # the others must not wait forever for this rank's metadata
             meta = {"error": f"rank {meta['rank']} could not save step {step}: {describe(tmp / meta['file'], e)}"}
         if self.exchange is not None:

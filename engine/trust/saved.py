@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.checkpoint.format import tp_box
+from engine.checkpoint.format import piece_key, tp_box
 from engine.parallel.dp.state import slots
 
 FIELD = "resume_check"  # the index's top-level header field (none in a checkpoint of an older engine)
@@ -77,7 +77,8 @@ def piece_digest(values: torch.Tensor, shape: list[int], tp: tuple, lo: int) -> 
 
 
 def digests(parts) -> dict[str, dict[str, int]]:
-    """{tensor name: {state: digest}} of the pieces this rank writes (engine/checkpoint/contents.py snapshot's)."""
+    """{tensor name: {state: digest}} of the pieces this rank would write (engine/checkpoint/contents.py snapshot's),
+    from the state it holds, in place (a resume's)."""
     access, out = parts.state(), {}
     for slot in slots(parts.model, access, parts.ctx, parts.cfg.model.tie_embeddings):
         if slot.write is None:
@@ -91,6 +92,20 @@ def digests(parts) -> dict[str, dict[str, int]]:
                 values = held[part.at + lo - slot.start : part.at + hi - slot.start]
                 d = piece_digest(values, part.shape, (slot.tp_dim, slot.tp_size, slot.tp_rank), lo)
                 states = out.setdefault(part.name, {})
+                states[state] = (states.get(state, 0) + d) & _MASK
+    return out
+
+
+def written(tensors: dict, params: dict) -> dict[str, dict[str, int]]:
+    """The same digests from a save's CPU pieces as they are written (contents.py: ``piece_key`` -> fp32 tensor, and
+    the rank's index entry placing them): in the writer thread of an async save, off the training loop."""
+    out: dict[str, dict[str, int]] = {}
+    for name, p in params.items():
+        for state, pieces in p["states"].items():
+            for tp_rank, lo, _ in pieces:
+                values = tensors[piece_key(name, state, tp_rank, lo)]
+                d = piece_digest(values, p["shape"], (p["tp_dim"], p["tp_size"], tp_rank), lo)
+                states = out.setdefault(name, {})
                 states[state] = (states.get(state, 0) + d) & _MASK
     return out
 

@@ -12,8 +12,9 @@ moments exist; a small batch: the size of a checkpoint does not depend on it), t
            plus the wait for its commit, to compare with ``3 steps`` alone and ``save``;
   load     resume into a fresh Trainer: validation (sizes, every shard's CRC) and reading the pieces;
   size     bytes on disk (fp32 weights + 2 Adam moments, written once whatever the number of replicas);
-  check    checkpoint.verify's part of the save and of the load (engine/trust/saved.py: the digests of the state
-           and the probe batch's forward; included in ``save``, not in ``load``).
+  check    checkpoint.verify's part of the save and of the load (engine/trust/saved.py: the probe batch's forward
+           and the digests of the state, in the writer thread of an async save; included in ``save``, not in
+           ``load``).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def bench_rank(argv: list[str], root: str) -> dict:
 
     steps(1)
     out = {"save": timed(lambda: ckpt.save(trainer.parts, trainer.position))}
-    out["save check"] = ckpt.timings.get("verify_s", 0.0)
+    out["save check"] = ckpt.timings.get("probe_s", 0.0) + ckpt.timings.get("digest_s", 0.0)
     out["3 steps"] = timed(steps)
     path = ckpt.root / f"step_{trainer.step - 3:06d}"
     out["size_mb"] = sum(f.stat().st_size for f in path.iterdir()) / 1e6
