@@ -184,6 +184,8 @@ class CheckpointConfig:
     keep: int = 3  # newest complete checkpoints kept; 0 keeps all
     resume: str = "auto"  # auto (latest good one in dir, if any) | none | PATH (a step_* dir or a dir with latest)
     async_save: bool = False  # write and commit in a background thread while training continues
+    # record digests of the state and a probe loss at each save; a resume recomputes and compares them
+    verify: bool = True  # (engine/trust/saved.py)
 
 
 @dataclass

@@ -37,7 +37,7 @@ from engine.parallel.pp.executor import PipelineExecutor
 from engine.parallel.tp.layers import vocab_parallel_cross_entropy
 from engine.planning.balance import describe as describe_split
 from engine.stage import build_executors, build_model  # noqa: F401 (build_model: launch/bench imports it here)
-from engine.trust import oplog
+from engine.trust import oplog, saved
 from engine.trust.goodput import Goodput
 from engine.trust.hang import HangWatch
 from engine.trust.replicas import ReplicaCheck
@@ -98,6 +98,8 @@ class Trainer:
             sinks=build_sinks(cfg, create=ctx.rank == 0),
             on_failure=self.checkpointer.stop.fail,
         )  # disk full: save, stop, exit 3
+        if cfg.checkpoint.verify:  # the probe loss a save records and a resume compares (engine/trust/saved.py)
+            self.checkpointer.probe = self.probe_loss
         resumed = self.checkpointer.resume(self.parts)
         if resumed is not None:
             self.step = resumed.step
@@ -177,6 +179,16 @@ class Trainer:
         if not losses:
             return None
         return self.mean_over_data(torch.stack(losses).mean()).item()
+
+    @torch.no_grad()
+    def probe_loss(self) -> float:
+        """The loss of the fixed probe batch (engine/trust/saved.py) with the weights as they are: one forward."""
+        self.dp.train(False)
+        batch = saved.probe_batch(self.cfg, self.ctx, len(self.tokenizer), self.feed.needs_batch)
+        loss = self.run_schedule(self.eval_executor, batch)
+        self.dp.train(True)
+        self.stats.timer.discard()  # not part of the next step's breakdown
+        return self.mean_over_data(loss).item()
 
     def mean_over_data(self, loss: torch.Tensor) -> torch.Tensor:
         """A rank's mean loss -> the mean over dp x cp: each cp rank's mean is over the same number (s/cp) of its

@@ -69,6 +69,7 @@ from engine.checkpoint.signals import Interrupted, StopSignal
 from engine.cluster.exchange import StoreExchange
 from engine.cluster.shared import check_shared, describe_hosts, run_directories
 from engine.storage import StorageError, describe, say
+from engine.trust import saved
 
 __all__ = ["Checkpointer", "CheckpointError", "list_checkpoints", "resolve"]
 
@@ -87,6 +88,9 @@ class Checkpointer:
         self.resumed_from: Path | None = None
         self.timings: dict[str, float] = {}  # seconds of the latest save/load (launch/bench/checkpoint.py)
         self.skipped: list[str] = []  # why resume: auto passed over each damaged checkpoint
+        # checkpoint.verify: the trainer's loss of the fixed probe batch (collective), recorded at each save and
+        # compared after a load with the digests of the state (engine/trust/saved.py)
+        self.probe = None
         self.stopped_unsaved = False  # a stop signal ended training with nothing saved (no checkpoint.dir)
         self.locks: list[CheckpointLock] = []  # train.out_dir's, and checkpoint.dir's unless it is the same
         # Metadata travels through the job's store, gathered to rank 0 (engine/cluster/exchange.py): usable from the
@@ -151,6 +155,9 @@ class Checkpointer:
         if not self._all_finite(tensors, position.step):
             return None
         self.timings = {"snapshot_s": time.perf_counter() - start}
+        if self.cfg.checkpoint.verify:  # what a resume will be checked against (engine/trust/saved.py)
+            header[saved.FIELD] = saved.record(position, self.probe() if self.probe else None)  # the digests: writer
+            self.timings["probe_s"] = time.perf_counter() - start - self.timings["snapshot_s"]
         args = (position.step, tensors, meta, header, self.cfg.checkpoint.keep if prune else 0)
         if self.cfg.checkpoint.async_save:
             self.pending = threading.Thread(
@@ -193,7 +200,14 @@ class Checkpointer:
         try:
             staging_dir(self.root, step, self.token)
             meta.update(write_shard(tmp / meta["file"], tensors))
+            digests = None
+            if saved.FIELD in header:  # the digests of what was written (engine/trust/saved.py), rank 0 adds them
+                digested = time.perf_counter()
+                digests = saved.written(tensors, meta["params"])
+                self.timings["digest_s"] = time.perf_counter() - digested
             plan = write_part(tmp, meta["rank"], meta)  # this rank's part of the index, written by itself
+            if digests is not None:
+                plan["digests"] = digests  # to rank 0 with the plan, not into the part
         except Exception as e:  # the others must not wait forever for this rank's metadata
             plan = {"error": f"rank {meta['rank']} could not save step {step}: {describe(tmp / meta['file'], e)}"}
         if self.exchange is not None:
@@ -204,6 +218,7 @@ class Checkpointer:
             try:
                 steps = [m.pop("adam_step") for m in plans]
                 header["adam_step"] = max((s for s in steps if s is not None), default=None)
+                saved.at_commit(header, plans)
                 index, locator = merge_index(plans, header)
                 publish(self.root, step, self.token, index, keep, locator)
                 say(f"checkpoint: saved {self.root / step_name(step)}")  # where to export it from
@@ -330,8 +345,11 @@ class Checkpointer:
             check_model(path, index, self.cfg.model)
             validated = time.perf_counter()
             position = load_into(parts, path, index)
+            loaded = time.perf_counter()
+            self._check_loaded(parts, path, index, position)
             self._settle(position.step, bad)
-            self.timings = {"validate_s": validated - start, "load_s": time.perf_counter() - start}
+            self.timings = {"validate_s": validated - start, "load_s": loaded - start}
+            self.timings["verify_s"] = time.perf_counter() - loaded
             if self.ctx.rank == 0:
                 print(f"resumed from {path} (step {index['step']}, saved at {index['layout']})", flush=True)
                 change = layout_change(index, self.cfg, self.ctx)
@@ -348,6 +366,34 @@ class Checkpointer:
             )
         self._settle(0, bad)
         return None
+
+    def _check_loaded(self, parts: CheckpointParts, path: Path, index: dict, position: RunPosition) -> None:
+        """Collective (checkpoint.verify): the loaded state's digests and probe loss against those saved with it
+        (engine/trust/saved.py); a mismatch is a CheckpointError naming what differs. An older checkpoint without
+        them resumes unchecked, said once."""
+        record = index.get(saved.FIELD)
+        if not self.cfg.checkpoint.verify or index.get("model_only"):
+            return
+        if record is None:
+            if self.ctx.rank == 0:
+                say(
+                    f"notice: {path} holds no digests (an older engine's, or checkpoint.verify=false): "
+                    "resumed unchecked"
+                )
+            return
+        mine, loss = saved.digests(parts), self.probe() if self.probe else None
+        adam_step = parts.state().adam_step()  # on every rank: a dp mode's state() may be collective (fsdp)
+        if self.exchange is not None:
+            self.exchange.store = self._store()
+        everyone = self.exchange.gather(mine) if self.exchange is not None else [mine]  # to rank 0 only
+        error = None
+        if self.ctx.rank == 0:
+            dtype = next(parts.model.parameters()).dtype
+            found = saved.compare(record, saved.combine(everyone), position, adam_step, (loss, dtype))
+            error = saved.verdict(path, found)
+        error = self._first(error)
+        if error is not None:
+            raise CheckpointError(error)
 
     def _settle(self, start: int, bad: dict[Path, str]) -> None:
         """Collective: the steps of checkpoint.dir above ``start`` are refused or set aside (engine/checkpoint/

@@ -2,4 +2,5 @@
 entered from the trainer through one small call; ``replicas.py``: the ranks that must hold identical weights
 compare a digest of each tensor (silent data corruption); ``goodput.py``: where the run's wall time went, across
 restarts (out_dir/goodput.json); ``oplog.py`` + ``hang.py`` + ``hangreport.py``: a hang named by its operation and
-the rank(s) that never entered it (parallel.hang_timeout_s)."""
+the rank(s) that never entered it (parallel.hang_timeout_s); ``saved.py``, entered from the checkpointer: a resume
+checked against digests of what was saved."""

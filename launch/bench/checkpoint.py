@@ -2,6 +2,7 @@
 
     python launch/bench/checkpoint.py [--config configs/tiny.yaml --config configs/50m.yaml] [--world 1 2 4]
                                       [--dp-mode ddp fsdp zero2] [--repeat 3] [--dir /tmp/bench_ckpt]
+                                      [--verify true false]
 
 Each case builds the model with dp = world size (one torch thread per rank), takes one optimizer step (so Adam's
 moments exist; a small batch: the size of a checkpoint does not depend on it), then measures, on the slowest rank:
@@ -10,12 +11,16 @@ moments exist; a small batch: the size of a checkpoint does not depend on it), t
            snapshot), ``3 steps + async save`` the time of three training steps run while the writer thread works
            plus the wait for its commit, to compare with ``3 steps`` alone and ``save``;
   load     resume into a fresh Trainer: validation (sizes, every shard's CRC) and reading the pieces;
-  size     bytes on disk (fp32 weights + 2 Adam moments, written once whatever the number of replicas).
+  size     bytes on disk (fp32 weights + 2 Adam moments, written once whatever the number of replicas);
+  check    checkpoint.verify's part of the save and of the load (engine/trust/saved.py: the probe batch's forward
+           and the digests of the state, in the writer thread of an async save; included in ``save``, not in
+           ``load``).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import sys
@@ -53,7 +58,9 @@ def bench_rank(argv: list[str], root: str) -> dict:
             trainer.train_step(trainer.next_local_batch())
 
     steps(1)
-    out = {"save": timed(lambda: ckpt.save(trainer.parts, trainer.position)), "3 steps": timed(steps)}
+    out = {"save": timed(lambda: ckpt.save(trainer.parts, trainer.position))}
+    out["save check"] = ckpt.timings.get("probe_s", 0.0) + ckpt.timings.get("digest_s", 0.0)
+    out["3 steps"] = timed(steps)
     path = ckpt.root / f"step_{trainer.step - 3:06d}"
     out["size_mb"] = sum(f.stat().st_size for f in path.iterdir()) / 1e6
     cfg.checkpoint.async_save = True
@@ -67,6 +74,7 @@ def bench_rank(argv: list[str], root: str) -> dict:
     resume = load([*argv, "--checkpoint.resume", str(path)])
     fresh = Trainer(resume, trainer.ctx)
     out["load"] = fresh.checkpointer.timings["load_s"]
+    out["load check"] = fresh.checkpointer.timings.get("verify_s", 0.0)
     return out
 
 
@@ -82,22 +90,23 @@ def main() -> None:
         help="zero1/zero2/zero3: dp_mode zero at that stage",
     )
     p.add_argument("--dir", default="/tmp/bench_ckpt")
+    p.add_argument("--verify", nargs="+", default=["true"], choices=["true", "false"], help="checkpoint.verify")
     p.add_argument("--repeat", type=int, default=1, help="runs per case; the fastest is printed (a shared machine)")
     args = p.parse_args()
     # One thread per rank at every world size (ParallelContext would give a lone rank all the cores), so that the
     # writer thread of an async save has a core and oversubscribed OpenMP threads do not distort the timings.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     configs = args.config or ["configs/tiny.yaml", "configs/50m.yaml"]
-    keys = ["size_mb", "save", "async blocked", "3 steps", "3 steps + async save", "load"]
+    keys = ["size_mb", "save", "save check", "async blocked", "3 steps", "3 steps + async save", "load", "load check"]
     print(
         f"torch {torch.__version__}, one thread per rank; times in seconds (slowest rank, fastest of "
         f"{args.repeat} runs)"
     )
-    print("| config | ranks | dp_mode | " + " | ".join(keys) + " |")
-    print("|---" * (len(keys) + 3) + "|")
+    print("| config | ranks | dp_mode | verify | " + " | ".join(keys) + " |")
+    print("|---" * (len(keys) + 4) + "|")
     for config in configs:
         for world in args.world:
-            for mode in args.dp_mode if world > 1 else ["ddp"]:
+            for mode, verify in itertools.product(args.dp_mode if world > 1 else ["ddp"], args.verify):
                 dp_mode = MODES.get(mode, ["--parallel.dp_mode", mode])
                 argv = [
                     "--config",
@@ -113,6 +122,8 @@ def main() -> None:
                     "false",
                     "--train.out_dir",
                     f"{args.dir}/out",
+                    "--checkpoint.verify",
+                    verify,
                 ]
                 rows = []
                 for _ in range(args.repeat):
@@ -121,7 +132,7 @@ def main() -> None:
                     rows.append({k: max(r[k] for r in results) for k in keys})
                 row = {k: min(r[k] for r in rows) for k in keys}
                 print(
-                    f"| {Path(config).stem} | {world} | {mode} | "
+                    f"| {Path(config).stem} | {world} | {mode} | {verify} | "
                     + " | ".join(f"{row[k]:.2f}" if k != "size_mb" else f"{row[k]:.1f} MB" for k in keys)
                     + " |",
                     flush=True,

@@ -1,15 +1,20 @@
 """Checkpointed runs shared by the checkpoint tests (and cp's and the converters'): the shrunk model (SMALL), the
 tolerances of a resume at the same and at another layout, phases run in one set of forked ranks (run_phases), the
-resume checks, a run saved at steps 3 and 6 (train_six_steps), and a folder made unwritable (read_only)."""
+resume checks, a run saved at steps 3 and 6 (train_six_steps), a folder made unwritable (read_only), an index edited
+in place (edit_index) and a launcher run in this process (launched)."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import runpy
 import shutil
 import signal
 import subprocess
+import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -19,7 +24,7 @@ from engine.checkpoint.checkpointer import CheckpointError
 from engine.config import load
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
-from tests.cli import launch
+from tests.cli import ROOT, launch
 from tests.dist import run_ranks
 from tests.numerics import rel_err
 from tests.shrunk import SHRUNK
@@ -232,3 +237,32 @@ def read_only(folder: Path):
         if immutable:
             subprocess.run(["chattr", "-i", str(folder)], check=True)
         folder.chmod(0o755)
+
+
+def edit_index(step: Path, change, name: str = "index.json") -> None:
+    index = json.loads((step / name).read_text())
+    change(index)
+    (step / name).write_text(json.dumps(index))
+
+
+def launched(script: str, argv: list[str]) -> dict:
+    """Run ``script`` as ``python script argv`` would, in this process: its exit code and output; an exception
+    that escapes its own handling is recorded as code "traceback"."""
+    out, err, real_exit = io.StringIO(), io.StringIO(), os._exit
+    sys.argv = [script, *argv]
+
+    def exit_(code):
+        raise SystemExit(code)
+
+    os._exit = exit_  # launch/pretrain.py ends with os._exit (skipping teardown): here it must return
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(str(ROOT / script), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    except Exception:  # noqa: BLE001 - what the user would have seen as a traceback
+        code, err = "traceback", io.StringIO(err.getvalue() + traceback.format_exc())
+    finally:
+        os._exit = real_exit
+    return {"code": code, "out": out.getvalue(), "err": err.getvalue()}

@@ -23,15 +23,11 @@ same layout: bit-identical in practice, rel <= 1e-6); the other dense resume tes
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
-import runpy
 import shutil
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -39,19 +35,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.checkpoint.format import file_crc32
-from tests.checkpoint.runs import SAME, SMALL, assert_curves
+from tests.checkpoint.runs import SAME, SMALL, assert_curves, edit_index, launched
 from tests.cli import ROOT, run_script
 from tests.dist import run_ranks
 
 MOE = [*SMALL, "--model.family", "mixtral", "--model.num_experts", "4", "--model.experts_per_token", "2"]
 ROUTER = "model.layers.0.block_sparse_moe.gate.weight"  # Mixtral's name for the router
 SHARD, PART = "rank_00000.safetensors", "part_00000.json"
-
-
-def edit_index(step: Path, change, name: str = "index.json") -> None:
-    index = json.loads((step / name).read_text())
-    change(index)
-    (step / name).write_text(json.dumps(index))
 
 
 def edit_part(step: Path, change) -> None:
@@ -141,29 +131,6 @@ DAMAGES = {
     ),
     "NaN router weight": (nan_router, f"NaN/inf values in {ROUTER} (param) of step 6"),
 }
-
-
-def launched(script: str, argv: list[str]) -> dict:
-    """Run ``script`` as ``python script argv`` would, in this process: its exit code and output; an exception
-    that escapes its own handling is recorded as code "traceback"."""
-    out, err, real_exit = io.StringIO(), io.StringIO(), os._exit
-    sys.argv = [script, *argv]
-
-    def exit_(code):
-        raise SystemExit(code)
-
-    os._exit = exit_  # launch/pretrain.py ends with os._exit (skipping teardown): here it must return
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            runpy.run_path(str(ROOT / script), run_name="__main__")
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    except Exception:  # noqa: BLE001 - what the user would have seen as a traceback
-        code, err = "traceback", io.StringIO(err.getvalue() + traceback.format_exc())
-    finally:
-        os._exit = real_exit
-    return {"code": code, "out": out.getvalue(), "err": err.getvalue()}
 
 
 def cases_rank(base: Path, tmp: Path) -> dict:

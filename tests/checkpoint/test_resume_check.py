@@ -1,0 +1,169 @@
+"""A resume checked against what was saved (checkpoint.verify, engine/trust/saved.py), through launch/pretrain.py.
+
+One run at dp 2 under fsdp (two forked ranks running the launcher in-process) saves steps 2 and 4. Each case
+copies those checkpoints, does one thing a CRC cannot see to step 4 (the index's sizes and CRCs made to match) and
+resumes it explicitly on one rank (another layout: the digests are exact at any layout):
+- (a) one Adam moment of one tensor replaced by step 2's (a file rewritten with a valid CRC): before, resumed;
+- (b) a resharding bug: the real reader (format.Reader) made to read one tensor's two pieces (rank 0's rows,
+  rank 1's) in each other's place (patched in this process before the fork); before, resumed;
+- (c) the run position edited consistently to step 2's (step, scheduler, Adam's step, samples): before, resumed;
+- (d) the optimizer states gone from the index and the shards: before, resumed with a fresh optimizer.
+Each is refused with one line naming what differs, exit 2. A clean resume passes on one rank and at fsdp dp 2 (the same
+layout, two ranks), and a checkpoint without digests (an older engine's) resumes with one notice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.checkpoint import format as ckpt_format
+from engine.checkpoint.format import file_crc32
+from engine.trust.saved import FIELD, piece_digest
+from tests.checkpoint.runs import SMALL, edit_index, launched
+from tests.cli import one_error_line, run_script
+from tests.dist import run_ranks
+
+# fsdp at dp 2: each rank writes a row range of every tensor (a resume there once met a collective on rank 0 only)
+RUN = [*SMALL, "--parallel.dp", "2", "--parallel.dp_mode", "fsdp", "--checkpoint.every", "2", "--checkpoint.keep", "0"]
+MOMENT = "model.layers.1.mlp.up_proj.weight"
+
+
+def pretrain_rank(argv: list[str]) -> dict:
+    """Rank function: launch/pretrain.py in this rank, on the group run_ranks made (pretrain uses and ends it)."""
+    return launched("launch/pretrain.py", argv)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("resumecheck")
+    argv = [*RUN, "--train.steps", "4", "--checkpoint.dir", str(tmp / "ckpt"), "--train.out_dir", str(tmp / "out")]
+    got = run_ranks(pretrain_rank, 2, argv, timeout_s=300)
+    assert [g["code"] for g in got] == [0, 0], got[0]["err"][-3000:]
+    return tmp / "ckpt"
+
+
+def copy(base: Path, tmp: Path) -> Path:
+    shutil.copytree(base, tmp / "ckpt")
+    return tmp / "ckpt" / "step_000004"
+
+
+def resume(step: Path, steps: int = 4):
+    """Resume ``step`` explicitly on one rank, in a fork, up to ``steps`` (4: check and stop; 5: train one more)."""
+    tmp = step.parent.parent  # saves go to a checkpoint.dir of their own (no lineage check sees step 4's folder)
+    argv = [*SMALL, "--train.steps", str(steps), "--checkpoint.resume", str(step), "--checkpoint.dir", str(tmp / "new")]
+    return run_script("launch/pretrain.py", *argv, "--train.out_dir", str(tmp / "out"))
+
+
+def rewrite(step: Path, change) -> None:
+    """``change(file, tensors)`` on every shard of ``step``, then its part's size and CRC made to match."""
+    for shard in sorted(step.glob("rank_*.safetensors")):
+        tensors = load_file(str(shard))
+        change(shard.name, tensors)
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+        part = shard.name.replace("rank_", "part_").replace(".safetensors", ".json")
+        edit_index(step, lambda p: p.update(bytes=shard.stat().st_size, crc32=file_crc32(shard)), part)
+
+
+def test_clean_resumes_pass_at_another_layout_and_at_the_same(base, tmp_path):
+    step = copy(base, tmp_path)
+    assert json.loads((step / "index.json").read_text())[FIELD]["tensors"][MOMENT].keys() == {
+        "param",
+        "exp_avg",
+        "exp_avg_sq",
+    }
+    one = resume(step, steps=5)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert f"resumed from {step} (step 4" in one.stdout and "notice" not in one.stdout, one.stdout[-2000:]
+    argv = [*RUN, "--train.steps", "6", "--checkpoint.resume", str(step), "--checkpoint.dir", str(tmp_path / "new2")]
+    same = run_ranks(pretrain_rank, 2, [*argv, "--train.out_dir", str(tmp_path / "out2")], timeout_s=300)
+    assert [g["code"] for g in same] == [0, 0], same[0]["err"][-3000:] + same[1]["err"][-3000:]
+    assert f"resumed from {step} (step 4" in same[0]["out"], same[0]["out"][-2000:]
+
+
+def test_an_older_moment_with_a_valid_crc_is_refused(base, tmp_path):
+    step = copy(base, tmp_path)
+    older = {s.name: load_file(str(s)) for s in (step.parent / "step_000002").glob("rank_*.safetensors")}
+
+    def swap(file: str, tensors: dict) -> None:
+        for key in tensors:
+            if key.startswith(f"{MOMENT}/exp_avg/"):
+                tensors[key] = older[file][key]
+
+    rewrite(step, swap)
+    one_error_line(resume(step), f"{MOMENT} exp_avg differs from what was saved", "checkpoint.verify=false")
+
+
+def test_a_resharding_bug_is_refused(base, tmp_path, monkeypatch):
+    step = copy(base, tmp_path)
+    flat, n = (
+        ckpt_format.Reader._flat,
+        math.prod(json.loads((step / "index.json").read_text())["params"][MOMENT]["shape"]),
+    )
+
+    def swapped(self, name, state, tp_rank, a, b):  # one tensor's two dp pieces read in each other's place
+        if (name, state, a, b) != (MOMENT, "param", 0, n):
+            return flat(self, name, state, tp_rank, a, b)
+        return torch.cat([flat(self, name, state, tp_rank, n // 2, n), flat(self, name, state, tp_rank, 0, n // 2)])
+
+    monkeypatch.setattr(ckpt_format.Reader, "_flat", swapped)
+    one_error_line(resume(step), f"{MOMENT} param differs from what was saved")
+
+
+def test_a_wrong_schedule_position_is_refused(base, tmp_path):
+    step = copy(base, tmp_path)
+    older = json.loads((step.parent / "step_000002" / "index.json").read_text())
+
+    def to_step_2(index: dict) -> None:
+        for key in ("step", "scheduler", "adam_step", "consumed_samples"):
+            index[key] = older[key]
+
+    edit_index(step, to_step_2)
+    one_error_line(resume(step), "step 2, saved at 4 (a wrong schedule position)")
+
+
+def test_a_missing_optimizer_state_is_refused(base, tmp_path):
+    step = copy(base, tmp_path)
+
+    def drop_moments(index: dict) -> None:  # the top-level index lists each tensor's states; a part their pieces
+        for p in index["params"].values():
+            p["states"] = ["param"] if isinstance(p["states"], list) else {"param": p["states"]["param"]}
+
+    for name in ["index.json", *(part.name for part in step.glob("part_*.json"))]:
+        edit_index(step, drop_moments, name)
+    rewrite(step, lambda file, tensors: [tensors.pop(k) for k in list(tensors) if "/exp_avg" in k])
+    one_error_line(resume(step), "exp_avg was saved but not loaded (a missing optimizer state)")
+
+
+def test_a_checkpoint_without_digests_resumes_with_a_notice(base, tmp_path):
+    step = copy(base, tmp_path)
+    edit_index(step, lambda index: index.pop(FIELD))
+    one = resume(step)
+    assert one.returncode == 0, one.stderr[-3000:]
+    notices = [line for line in one.stdout.splitlines() if "holds no digests" in line]
+    assert notices == [
+        f"notice: {step} holds no digests (an older engine's, or checkpoint.verify=false): resumed unchecked"
+    ]
+
+
+@pytest.mark.parametrize("tp_dim", [0, 1])
+def test_the_digest_adds_up_over_any_cut(tp_dim):
+    """The digest of a tensor is the sum of its pieces' at any tp cut and flat ranges (what makes it exact at another
+    layout), and any two elements swapped change it. The resumes above cut at dp only."""
+    t = torch.randn(6, 8)
+    whole = piece_digest(t.view(-1), [6, 8], (None, 1, 0), 0)
+    total = 0
+    for rank, block in enumerate(t.chunk(2, dim=tp_dim)):
+        flat = block.reshape(-1)
+        for lo, hi in ((0, 5), (5, flat.numel())):  # a ZeRO-like fragment boundary inside the block
+            total += piece_digest(flat[lo:hi], [6, 8], (tp_dim, 2, rank), lo)
+    assert total % 2**64 == whole
+    swapped = t.clone()
+    swapped[0, 0], swapped[0, 1] = t[0, 1], t[0, 0]
+    assert piece_digest(swapped.view(-1), [6, 8], (None, 1, 0), 0) != whole
