@@ -90,6 +90,12 @@ def _trained_into(run: Path) -> Path:
     return run / "imported"
 
 
+def _link(folder: Path) -> Path:
+    link = folder.with_name(f"{folder.name}-link")
+    link.symlink_to(folder)
+    return link
+
+
 # (argv after `convert.py` given the run copy, the cwd (None: the checkout), what the line must name)
 CASES = {
     "checkpoint-dir-itself": (lambda r: ("export", r / "ckpt", r / "ckpt"), None, ["ckpt", "source"]),
@@ -110,6 +116,9 @@ CASES = {
         ["LICENSE", "README.md", "did not write"],
     ),
     "import-a-run-saved-into": (lambda r: ("import", r / "hf", _trained_into(r)), None, ["step_000006"]),
+    # the source named through a link to the target (an earlier export, which --overwrite may replace): the
+    # target would replace its own source (issue 45: comparing the link's path, not where it leads, passed)
+    "import-through-a-link-to-its-target": (lambda r: ("import", _link(r / "hf"), r / "hf"), None, ["source"]),
 }
 
 
