@@ -6,9 +6,11 @@ ratio is named in the log, in metrics.jsonl and in TensorBoard, with what it cos
 
 Each rank sends, per phase, its median over the report's steps (a step the scheduler preempted is an outlier a
 median ignores; a straggler is slow at every step), leaving out a process's first step (lazy initialisation,
-compilation). A rank's peers are the ranks of its pipeline stage (stages do different work: the first embeds, the
-last computes the loss), and its median is theirs without it. Compute is the forward, backward and optimizer phases
-(engine/metrics/timers.py); the median pp_wait and dp_comm go to metrics.jsonl beside the findings.
+compilation); a logged step with fewer than ``MIN_STEPS`` steps since the last report waits for more (at log.every
+1, the default, a report every 4 steps). A rank's peers are the ranks of its pipeline stage (stages do different
+work: the first embeds, the last computes the loss), and its median is theirs without it. Compute is the forward,
+backward and optimizer phases (engine/metrics/timers.py); the median pp_wait and dp_comm go to metrics.jsonl beside
+the findings.
 
 A phase includes the collectives that run inside it (tp's in forward and backward, ddp's gradient all-reduce in the
 last backward, the norm's all-reduce in the optimizer), so a straggler's peers wait for it there: under ddp a rank
@@ -37,6 +39,7 @@ COMPUTE = ("forward", "backward", "optimizer")
 PER_STEP = (*COMPUTE, "pp_wait", "dp_comm", "step_time")  # a rank's median over the steps of a report
 FIELDS = (*PER_STEP, "steps", "stage")
 MIN_COST = 0.02  # a finding that costs under 2 % of the step is not named
+MIN_STEPS = 4  # a report waits for this many steps (log.every 1: every 4th step): a median of one step is noise
 MAX_LINES = 3  # named per report; more are counted
 
 
@@ -62,7 +65,7 @@ class StragglerReport:
 
     def report(self, record: dict) -> None:
         """Gather each rank's per-step medians to rank 0 and start over; rank 0 names the stragglers in ``record``."""
-        if not self.enabled or self.first is None:
+        if not self.enabled or len(self.rows) < MIN_STEPS:  # the same count on every rank
             return
         medians = torch.tensor(self.rows, dtype=torch.float64).median(dim=0).values.tolist()
         mine = torch.tensor([*medians, len(self.rows), self.stage], dtype=torch.float64, device=self.ctx.device)

@@ -105,6 +105,9 @@ def test_hosts_and_stages_from_the_table():
     rows[2] = (1.0, 3.0, 0.01, 0)
     (rank,) = find(table(rows), 1.4, local=4)["named"]
     assert (rank["ranks"], rank["whole_host"], rank["phase"], rank["cost"]) == ([2], False, "backward", 0.1)
+    # a rank's median is its peers' without it: 3 s against ranks 0 and 1's (1 s, 2 s) is 2x (against all three: 1.5x)
+    (rank,) = find(table([(1.0, 2.0, 0.5, 0), (2.0, 2.0, 0.5, 0), (3.0, 2.0, 0.5, 0)]), 1.8, local=3)["named"]
+    assert (rank["ranks"], rank["ratio"], rank["cost"]) == ([2], 2.0, 0.15)
 
 
 def test_bad_ratio_refused():
