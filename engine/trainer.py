@@ -105,7 +105,7 @@ class Trainer:
             load_weights(self.parts, Path(cfg.model.init_from).expanduser())
         self.metrics.rewind(self.step)  # a resume rolls back the steps logged after its checkpoint
         self.replicas = ReplicaCheck(cfg, ctx, self.model)  # train.check_replicas_every (engine/trust/replicas.py)
-        self.goodput = Goodput(t.out_dir, ctx.rank == 0, self.step, started)  # out_dir/goodput.json
+        self.goodput = Goodput(t.out_dir, ctx.rank == 0 and cfg.log.goodput, self.step, started)  # goodput.json
         self.stragglers = StragglerReport(cfg, ctx)  # log.straggler_ratio (engine/trust/stragglers.py)
 
     @property

@@ -16,6 +16,7 @@ The test judges at ratio ``RATIO`` 4 and slows the rank 16x: 4x of noise each wa
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import torch
@@ -35,6 +36,7 @@ SLOWDOWN = 15.0  # the slowed rank sleeps 15x its forward: 16x slower
 
 def slowed_run(argv: list[str], slow_rank: int) -> list[dict] | None:
     """Rank function: train with ``slow_rank``'s forward slowed (-1: none); rank 0 returns metrics.jsonl's records."""
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core for both: see the module's docstring
     cfg = load(argv)
     trainer = Trainer(cfg, ParallelContext.from_config(cfg))
     if trainer.ctx.rank == slow_rank:
