@@ -25,7 +25,7 @@ from engine.config import load
 from engine.metrics.tensorboard import scalars
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
-from engine.trust.stragglers import FIELDS, describe, find
+from engine.trust.stragglers import FIELDS, describe, find, ranks_per_host
 from tests.cli import run_script
 from tests.dist import run_ranks
 from tests.shrunk import FIVE_STEPS
@@ -110,6 +110,17 @@ def test_hosts_and_stages_from_the_table():
     # a rank's median is its peers' without it: 3 s against ranks 0 and 1's (1 s, 2 s) is 2x (against all three: 1.5x)
     (rank,) = find(table([(1.0, 2.0, 0.5, 0), (2.0, 2.0, 0.5, 0), (3.0, 2.0, 0.5, 0)]), 1.8, local=3)["named"]
     assert (rank["ranks"], rank["ratio"], rank["cost"]) == ([2], 2.0, 0.15)
+
+
+def test_hosts_as_the_launchers_number_them(monkeypatch):
+    """torchrun's LOCAL_WORLD_SIZE, else the deepspeed launcher's LOCAL_SIZE; neither (forked ranks): one host."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    assert ranks_per_host(16) == 16
+    monkeypatch.setenv("LOCAL_SIZE", "8")
+    assert ranks_per_host(16) == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert ranks_per_host(16) == 4
 
 
 def test_bad_ratio_refused():
