@@ -8,9 +8,11 @@ forward at 1/(1 + SLOWDOWN) of its speed, whatever the machine's load does to th
 Noise: on a loaded 2-core machine a rank's phase can be preempted for longer than it runs (the shrunk model's
 forward takes ~15 ms a step). Measured on clean dp 2 runs (/tmp scripts around ``slowed_run``): with sums over 3
 steps, the warm-up step included, the worst ratio reached 5.6 at load ~3 and 6.1 at load ~11, so the report sends
-each rank's median over the steps and leaves the warm-up step out; with that, 16 reports over 4-5 steps at load
-~9-12 reached 1.09-2.42, and at load ~30 (14 busy loops on the one core the two ranks were pinned to) 1.13 and 1.44.
-The test judges at ratio ``RATIO`` 4 and slows the rank 16x: 4x of noise each way before it fails.
+each rank's median over the steps and leaves the warm-up step out. Still, with each rank on its own core, one whose
+core another job loads is genuinely slower (3.9x for 4 steps at load ~15), so both ranks are pinned to one core: a
+clean run's worst ratio was then 1.05-1.84 over 20 reports at load ~16 and 1.09-1.48 over 6 at load ~30 (14 busy
+loops on that core), and the 16x slowed rank's 6.0-14.3 over 4 reports at load ~30 (its sleep gives the other rank
+the core). The tests judge at ``RATIO`` 3: 1.6x of margin over the clean run, 2x under the slowed one.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from tests.cli import run_script
 from tests.dist import run_ranks
 from tests.shrunk import FIVE_STEPS
 
-RATIO = "4"
+RATIO = "3"
 SLOWDOWN = 15.0  # the slowed rank sleeps 15x its forward: 16x slower
 
 
