@@ -1,5 +1,6 @@
 """The straggler report (log.straggler_ratio, engine/trust/stragglers.py): a rank slowed in its forward is named at
-each logged step, with its phase and cost, in the log and in metrics.jsonl; a clean run names nothing.
+each logged step, with its phase and cost, in the log and in metrics.jsonl (in forked ranks and through torchrun and
+launch/pretrain.py); a clean run names nothing.
 
 The fault: one rank's stage forward, wrapped in-process (the trainer's ``stage_forward``, which the timed forward
 calls on every micro-batch), sleeps ``SLOWDOWN`` times the forward's own duration after it: that rank computes its
@@ -29,7 +30,8 @@ from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from engine.trust.stragglers import FIELDS, describe, find, ranks_per_host
 from tests.cli import run_script
-from tests.dist import run_ranks
+from tests.cluster.jobs import Job, agent
+from tests.dist import free_port, run_ranks
 from tests.shrunk import FIVE_STEPS
 
 RATIO = "3"
@@ -82,6 +84,23 @@ def test_slowed_rank_named_clean_run_not(tmp_path, capfd):
         line = f"straggler: rank 1 (host h0) forward {named['ratio']:.1f}x the median over steps {steps}; costs ~"
         assert line in out, out
         assert scalars(r)["straggler/cost"] == named["cost"]
+
+
+def test_launcher_names_the_slowed_rank(tmp_path):
+    """Through torchrun (1 agent, 2 ranks: LOCAL_WORLD_SIZE 2, one host) and launch/pretrain.py
+    (tests/trainer/slow_pretrain.py slows rank 1 as above): the line in the job's output, the finding in
+    metrics.jsonl, exit status 0."""
+    job = Job(tmp_path)
+    args = ["tests/trainer/slow_pretrain.py", *argv_for(tmp_path, "out")]
+    try:
+        proc = job.start(agent(1, 2, f"127.0.0.1:{free_port()}", args), {**os.environ, "SLOW_RANK": "1"})
+        assert job.wait([proc])[0] == 0, job.output()[-3000:]
+    finally:
+        job.kill_all()
+    out = job.output()
+    assert "straggler: rank 1 (host h0) forward " in out and " the median over steps 6-10; costs ~" in out, out[-3000:]
+    last = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert [(f["ranks"], f["phase"]) for f in last["stragglers"]] == [([1], "forward")], last
 
 
 def table(rows: list[tuple]) -> torch.Tensor:
