@@ -193,6 +193,8 @@ class LogConfig:
     every: int = 1  # log a metrics.jsonl line every N steps
     progress: bool = True  # the progress line with ETA on rank 0
     breakdown: bool = True  # seconds per phase in each record (on CUDA from events, no host synchronize)
+    straggler_ratio: float = 1.4  # name a rank whose compute phase is this many times its peers' median; 0: off
+    goodput: bool = True  # keep <train.out_dir>/goodput.json, its line at start and end (engine/trust/goodput.py)
     peak_tflops: float = 0.0  # device peak for MFU; 0: engine/model/flops.py's table by CUDA device name (none on CPU)
     tensorboard: bool = False  # TensorBoard event files in <train.out_dir>/tensorboard (engine/metrics/tensorboard.py)
     wandb_project: str = ""  # '' = off; else log to Weights & Biases (offline unless WANDB_MODE says otherwise)

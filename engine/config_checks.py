@@ -110,6 +110,7 @@ def validate(cfg: Config) -> None:
     if cfg.parallel.dp == 0 or cfg.parallel.dp < -1:
         raise ConfigError(f"parallel.dp={cfg.parallel.dp} must be a positive integer or -1 (infer from world size)")
     _validate_run(cfg)
+    _validate_log(cfg)
     _validate_dp(cfg)
 
 
@@ -170,6 +171,14 @@ def _validate_run(cfg: Config) -> None:
         )
     if not c.resume:
         raise ConfigError("checkpoint.resume is empty; use auto, none or a checkpoint PATH")
+
+
+def _validate_log(cfg: Config) -> None:
+    ratio = cfg.log.straggler_ratio
+    if not (ratio == 0 or 1 < ratio < float("inf")):  # NaN fails both
+        raise ConfigError(
+            f"log.straggler_ratio={ratio} must be 0 (off) or a number > 1 (a rank's phase time over its peers' median)"
+        )
 
 
 def _validate_dp(cfg: Config) -> None:

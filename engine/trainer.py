@@ -41,6 +41,7 @@ from engine.trust import oplog, saved
 from engine.trust.goodput import Goodput
 from engine.trust.hang import HangWatch
 from engine.trust.replicas import ReplicaCheck
+from engine.trust.stragglers import StragglerReport
 
 
 class TrainingAborted(RuntimeError):
@@ -108,8 +109,9 @@ class Trainer:
             load_weights(self.parts, Path(cfg.model.init_from).expanduser())
         self.metrics.rewind(self.step)  # a resume rolls back the steps logged after its checkpoint
         self.replicas = ReplicaCheck(cfg, ctx, self.model)  # train.check_replicas_every (engine/trust/replicas.py)
-        self.goodput = Goodput(t.out_dir, ctx.rank == 0, self.step, started)  # out_dir/goodput.json
+        self.goodput = Goodput(t.out_dir, ctx.rank == 0 and cfg.log.goodput, self.step, started)  # goodput.json
         self.hang = HangWatch(cfg, ctx)  # parallel.hang_timeout_s (engine/trust/hang.py), started by fit
+        self.stragglers = StragglerReport(cfg, ctx)  # log.straggler_ratio (engine/trust/stragglers.py)
 
     @property
     def position(self) -> RunPosition:
@@ -319,7 +321,9 @@ class Trainer:
             history.append(record)
             self.goodput.step(self.step, record["step_time"], write=self.step % self.cfg.log.every == 0)
             self.replicas.maybe_check(self.step, self.checkpointer.wait)  # ends the run before this step's save
+            self.stragglers.add(record)
             if self.step % self.cfg.log.every == 0 or self.step == self.cfg.train.steps:
+                self.stragglers.report(record)  # every rank: one gather of a few floats to rank 0
                 self.metrics.log(record)
             # saves every checkpoint.every steps, at the last, on a signal; True: stop now. The stop-signal
             # all-reduce counts to the next step; a save does not (Megatron stops its interval timer around it).

@@ -5,7 +5,8 @@
 ``log.wandb_project: NAME`` logs the same scalars to W&B (needs ``wandb``); the mode is ``offline`` unless
 ``WANDB_MODE`` says otherwise, so a run without network works and ``wandb sync`` uploads it later.
 Scalars, by the record's keys (engine/metrics/stepstats.py): loss, eval_loss, lr, grad_norm, tokens_per_s, tflops, mfu,
-peak_mem_bytes (as memory/peak_GiB), step_time and time/<phase> seconds; an MoE model's lm_loss, aux and z losses,
+peak_mem_bytes (as memory/peak_GiB), step_time and time/<phase> seconds, the straggler report's worst ratio and
+cost (straggler/worst_ratio, straggler/cost); an MoE model's lm_loss, aux and z losses,
 tokens per expert (min, max, CV) and dropped tokens. Only the rank that writes metrics.jsonl
 (rank 0) makes a sink.
 """
@@ -28,6 +29,9 @@ SCALARS = {
     "mfu": "throughput/mfu",
     "step_time": "time/step_s",
     "skipped_steps": "skipped_steps",
+    # the straggler report (engine/trust/stragglers.py), at logged steps
+    "straggler_ratio": "straggler/worst_ratio",
+    "straggler_cost": "straggler/cost",
     # mixture of experts (engine/metrics/moe.py)
     "lm_loss": "loss/lm",
     "moe_aux_loss": "moe/aux_loss",

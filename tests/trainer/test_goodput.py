@@ -51,3 +51,20 @@ def test_ledger_counts_a_restart_and_the_steps_redone(tmp_path):
     starts = json.loads((tmp_path / "out" / "goodput.json").read_text())["starts"]
     assert [(s["first_step"], s["last_step"], s["ended"]) for s in starts] == [(0, 4, None), (3, 6, "done")]
     assert starts[1]["saves_s"] > 0 and starts[1]["startup_s"] > 0 and starts[0]["steps_s"] > 0
+
+
+def test_log_goodput_false_keeps_no_ledger(tmp_path):
+    """log.goodput false: the run trains and logs, with no goodput.json and no goodput line."""
+    r = run_script(
+        "launch/pretrain.py",
+        *FIVE_STEPS,
+        "--train.steps",
+        "2",
+        "--log.goodput",
+        "false",
+        "--train.out_dir",
+        str(tmp_path / "out"),
+    )
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "out" / "metrics.jsonl").is_file() and not (tmp_path / "out" / "goodput.json").exists()
+    assert "goodput " not in r.stdout, r.stdout

@@ -1,0 +1,153 @@
+"""The straggler report (log.straggler_ratio, engine/trust/stragglers.py): a rank slowed in its forward is named at
+each logged step, with its phase and cost, in the log and in metrics.jsonl (in forked ranks and through torchrun and
+launch/pretrain.py); a clean run names nothing.
+
+The fault: one rank's stage forward, wrapped in-process (the trainer's ``stage_forward``, which the timed forward
+calls on every micro-batch), sleeps ``SLOWDOWN`` times the forward's own duration after it: that rank computes its
+forward at 1/(1 + SLOWDOWN) of its speed, whatever the machine's load does to the speed itself.
+
+Noise: on a loaded 2-core machine a rank's phase can be preempted for longer than it runs (the shrunk model's
+forward takes ~15 ms a step). Measured on clean dp 2 runs (/tmp scripts around ``slowed_run``): with sums over 3
+steps, the warm-up step included, the worst ratio reached 5.6 at load ~3 and 6.1 at load ~11, so the report sends
+each rank's median over the steps and leaves the warm-up step out. Still, with each rank on its own core, one whose
+core another job loads is genuinely slower (3.9x for 4 steps at load ~15), so both ranks are pinned to one core: a
+clean run's worst ratio was then 1.05-1.84 over 20 reports at load ~16 and 1.09-1.48 over 6 at load ~30 (14 busy
+loops on that core), and the 16x slowed rank's 6.0-14.3 over 4 reports at load ~30 (its sleep gives the other rank
+the core). The tests judge at ``RATIO`` 3: 1.6x of margin over the clean run, 2x under the slowed one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+from engine.config import load
+from engine.metrics.tensorboard import scalars
+from engine.parallel.layout.context import ParallelContext
+from engine.trainer import Trainer
+from engine.trust.stragglers import FIELDS, describe, find, ranks_per_host
+from tests.cli import run_script
+from tests.cluster.jobs import Job, agent
+from tests.dist import free_port, run_ranks
+from tests.shrunk import FIVE_STEPS
+
+RATIO = "3"
+SLOWDOWN = 15.0  # the slowed rank sleeps 15x its forward: 16x slower
+
+
+def slowed_run(argv: list[str], slow_rank: int) -> list[dict] | None:
+    """Rank function: train with ``slow_rank``'s forward slowed (-1: none); rank 0 returns metrics.jsonl's records."""
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core for both: see the module's docstring
+    cfg = load(argv)
+    trainer = Trainer(cfg, ParallelContext.from_config(cfg))
+    if trainer.ctx.rank == slow_rank:
+        forward = trainer.stage_forward
+
+        def slowed(*args, **kwargs):
+            start = time.perf_counter()
+            out = forward(*args, **kwargs)
+            time.sleep(SLOWDOWN * (time.perf_counter() - start))
+            return out
+
+        trainer.stage_forward = slowed
+    trainer.fit()
+    if trainer.ctx.rank != 0:
+        return None
+    return [json.loads(line) for line in (trainer.metrics.path).read_text().splitlines()]
+
+
+def argv_for(tmp_path, name: str) -> list[str]:
+    return [
+        *FIVE_STEPS,
+        *("--train.steps", "10", "--log.every", "5", "--parallel.dp", "2", "--log.straggler_ratio", RATIO),
+        *("--train.out_dir", str(tmp_path / name)),
+    ]
+
+
+def test_slowed_rank_named_clean_run_not(tmp_path, capfd):
+    """dp 2: rank 1's forward 16x slower is named at both reports (steps 2-5, 6-10; step 1 is the warm-up); the
+    same run clean names none."""
+    clean = run_ranks(slowed_run, 2, argv_for(tmp_path, "clean"), -1, timeout_s=300)[0]
+    assert [r["step"] for r in clean] == [5, 10]
+    for r in clean:
+        assert "stragglers" not in r and r["straggler_cost"] == 0.0 and r["straggler_ratio"] >= 1.0, r
+    assert "straggler:" not in capfd.readouterr().out
+    slow = run_ranks(slowed_run, 2, argv_for(tmp_path, "slow"), 1, timeout_s=300)[0]
+    out = capfd.readouterr().out
+    for r, steps in zip(slow, ("2-5", "6-10")):
+        (named,) = r["stragglers"]
+        assert (named["ranks"], named["host"], named["phase"]) == ([1], "h0", "forward"), r
+        assert named["ratio"] > float(RATIO) and r["straggler_cost"] == named["cost"] > 0.1, r
+        line = f"straggler: rank 1 (host h0) forward {named['ratio']:.1f}x the median over steps {steps}; costs ~"
+        assert line in out, out
+        assert scalars(r)["straggler/cost"] == named["cost"]
+
+
+def test_launcher_names_the_slowed_rank(tmp_path):
+    """Through torchrun (1 agent, 2 ranks: LOCAL_WORLD_SIZE 2, one host) and launch/pretrain.py
+    (tests/trainer/slow_pretrain.py slows rank 1 as above): the line in the job's output, the finding in
+    metrics.jsonl, exit status 0."""
+    job = Job(tmp_path)
+    args = ["tests/trainer/slow_pretrain.py", *argv_for(tmp_path, "out")]
+    try:
+        proc = job.start(agent(1, 2, f"127.0.0.1:{free_port()}", args), {**os.environ, "SLOW_RANK": "1"})
+        assert job.wait([proc])[0] == 0, job.output()[-3000:]
+    finally:
+        job.kill_all()
+    out = job.output()
+    assert "straggler: rank 1 (host h0) forward " in out and " the median over steps 6-10; costs ~" in out, out[-3000:]
+    last = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert [(f["ranks"], f["phase"]) for f in last["stragglers"]] == [([1], "forward")], last
+
+
+def table(rows: list[tuple]) -> torch.Tensor:
+    """Synthetic per-rank sums: (forward, backward, optimizer, stage) per rank; 1 s of waits, a 10 s step, 1 step."""
+    return torch.tensor([[f, b, o, 1.0, 1.0, 10.0, 1.0, s] for f, b, o, s in rows], dtype=torch.float64)
+
+
+def test_hosts_and_stages_from_the_table():
+    """find() on a synthetic table of 8 ranks, 4 a host, 2 stages (pure: no ranks started). Host h1's ranks
+    (4-7, both stages) are all 2x slower in forward: the host is named once, costing its slowest rank's excess. The
+    last stage's forward (the loss) is slower than the first's everywhere: not a straggler, its peers are alike."""
+    assert len(FIELDS) == 8
+    rows = [(1.0, 2.0, 0.5, 0), (1.0, 2.0, 0.5, 0), (3.0, 2.0, 0.5, 1), (3.0, 2.0, 0.5, 1)]
+    rows += [(2.0, 2.0, 0.5, 0), (2.0, 2.0, 0.5, 0), (6.0, 2.0, 0.5, 1), (6.0, 2.0, 0.5, 1)]
+    found = find(table(rows), 1.4, local=4)
+    (host,) = found["named"]
+    assert (host["host"], host["ranks"], host["whole_host"], host["phase"]) == ("h1", [4, 5, 6, 7], True, "forward")
+    assert host["cost"] == 0.3  # rank 6: 6 s against its stage's median 3 s (ranks 2, 3 and 7), of a 10 s step
+    assert describe(host, (11, 20)) == (
+        "straggler: host h1 (ranks 4-7) forward 2.0x the median over steps 11-20; costs ~30% of the step"
+    )
+    # one rank of a host: the rank is named; a slow phase that costs under 2 % of the step is not
+    rows = [(1.0, 2.0, 0.01, 0)] * 7 + [(1.0, 2.0, 0.1, 0)]
+    assert find(table(rows), 1.4, local=4)["named"] == []
+    rows[2] = (1.0, 3.0, 0.01, 0)
+    (rank,) = find(table(rows), 1.4, local=4)["named"]
+    assert (rank["ranks"], rank["whole_host"], rank["phase"], rank["cost"]) == ([2], False, "backward", 0.1)
+    # a rank's median is its peers' without it: 3 s against ranks 0 and 1's (1 s, 2 s) is 2x (against all three: 1.5x)
+    (rank,) = find(table([(1.0, 2.0, 0.5, 0), (2.0, 2.0, 0.5, 0), (3.0, 2.0, 0.5, 0)]), 1.8, local=3)["named"]
+    assert (rank["ranks"], rank["ratio"], rank["cost"]) == ([2], 2.0, 0.15)
+
+
+def test_hosts_as_the_launchers_number_them(monkeypatch):
+    """torchrun's LOCAL_WORLD_SIZE, else the deepspeed launcher's LOCAL_SIZE; neither (forked ranks): one host."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    assert ranks_per_host(16) == 16
+    monkeypatch.setenv("LOCAL_SIZE", "8")
+    assert ranks_per_host(16) == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert ranks_per_host(16) == 4
+
+
+def test_bad_ratio_refused():
+    for bad in ("1", "-2"):
+        r = run_script("launch/pretrain.py", *FIVE_STEPS, "--log.straggler_ratio", bad)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+            f"error: log.straggler_ratio={float(bad)} must be 0 (off) or a number > 1 (a rank's phase time over its "
+            "peers' median)"
+        ], r.stderr
