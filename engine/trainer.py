@@ -70,11 +70,7 @@ class Trainer:
             )
         self.feed = BatchFeed(cfg, ctx, self.tokenizer)
         if ctx.rank == 0:
-            print(self.feed.describe(), flush=True)
-            if moe_metrics.dense_notice(cfg):
-                print(moe_metrics.dense_notice(cfg), flush=True)
-            if cfg.parallel.pp_layers == "auto" and ctx.pp > 1:  # the split chosen by cost (planning/balance.py)
-                print(describe_split(cfg, ctx.pp), flush=True)
+            self._announce()
         self.stats = StepStats(cfg, ctx)  # throughput, MFU, memory, time per phase (metrics.jsonl)
         self.param_dtype = next(self.model.parameters()).dtype
         self.executor, self.eval_executor = build_executors(
@@ -112,6 +108,15 @@ class Trainer:
         self.goodput = Goodput(t.out_dir, ctx.rank == 0 and cfg.log.goodput, self.step, started)  # goodput.json
         self.hang = HangWatch(cfg, ctx)  # parallel.hang_timeout_s (engine/trust/hang.py), started by fit
         self.stragglers = StragglerReport(cfg, ctx)  # log.straggler_ratio (engine/trust/stragglers.py)
+
+    def _announce(self) -> None:
+        """Rank 0's start-up lines: the data, a MoE config whose layers are all dense, an automatic pp split."""
+        cfg = self.cfg
+        print(self.feed.describe(), flush=True)
+        if moe_metrics.dense_notice(cfg):
+            print(moe_metrics.dense_notice(cfg), flush=True)
+        if cfg.parallel.pp_layers == "auto" and self.ctx.pp > 1:  # the split chosen by cost (planning/balance.py)
+            print(describe_split(cfg, self.ctx.pp), flush=True)
 
     @property
     def position(self) -> RunPosition:
