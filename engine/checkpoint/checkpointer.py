@@ -156,7 +156,8 @@ class Checkpointer:
             return None
         self.timings = {"snapshot_s": time.perf_counter() - start}
         if self.cfg.checkpoint.verify:  # what a resume will be checked against (engine/trust/saved.py)
-            header[saved.FIELD] = saved.record(position, self.probe() if self.probe else None)  # the digests: writer
+            probe = self.probe() if self.probe else None
+            header[saved.FIELD] = saved.record(position, probe, saved.probe_shape(self.cfg))  # the digests: writer
             self.timings["probe_s"] = time.perf_counter() - start - self.timings["snapshot_s"]
         args = (position.step, tensors, meta, header, self.cfg.checkpoint.keep if prune else 0)
         if self.cfg.checkpoint.async_save:
@@ -381,7 +382,9 @@ class Checkpointer:
                     "resumed unchecked"
                 )
             return
-        mine, loss = saved.digests(parts), self.probe() if self.probe else None
+        # a resume with another global batch or sequence length (said by the resume notices) has another probe
+        same_probe = record.get("probe_batch") == saved.probe_shape(self.cfg)
+        mine, loss = saved.digests(parts), self.probe() if self.probe and same_probe else None
         adam_step = parts.state().adam_step()  # on every rank: a dp mode's state() may be collective (fsdp)
         if self.exchange is not None:
             self.exchange.store = self._store()

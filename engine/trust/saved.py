@@ -121,15 +121,21 @@ def combine(per_rank: list[dict]) -> dict[str, dict[str, str]]:
     return {name: {s: f"{d:016x}" for s, d in sorted(states.items())} for name, states in sorted(total.items())}
 
 
-def record(position, probe: float | None) -> dict:
-    """The header field a save writes: the run position it was taken at and the probe loss (the digests and Adam's
-    step count are added by rank 0 at the commit, ``at_commit``)."""
+def probe_shape(cfg) -> list[int]:
+    """The probe batch's shape (global batch, sequence length): a resume with another compares no probe loss."""
+    return [cfg.train.global_batch_size, cfg.train.seq_len]
+
+
+def record(position, probe: float | None, shape: list[int]) -> dict:
+    """The header field a save writes: the run position it was taken at and the probe loss with its batch's shape
+    (the digests and Adam's step count are added by rank 0 at the commit, ``at_commit``)."""
     return {
         "digest": KIND,
         "step": position.step,
         "consumed_samples": position.consumed_samples,
         "adam_step": None,
         "probe_loss": probe,
+        "probe_batch": shape,
         "tensors": {},
     }
 

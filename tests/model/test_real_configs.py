@@ -69,4 +69,4 @@ def test_plan_real_config(name, capsys):
         == 0
     )
     out = capsys.readouterr().out
-    assert out.startswith(f"{name}: seq_len") and "valid layouts fit" in out
+    assert out.startswith(f"{name}: seq_len") and "valid layouts, " in out and "planned in full" in out

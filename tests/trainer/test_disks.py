@@ -150,9 +150,10 @@ def test_checkpoint_disk_full_keeps_latest(tmp_path, tmpfs):
 
 
 def test_checkpoint_inodes_exhausted_at_the_staging_mkdir(tmp_path, tmpfs):
-    """Was: OSError traceback from engine/checkpoint/publish.py staging_dir. 6 inodes: the root, LOCK and one
-    checkpoint (directory, shard, index, latest); the next save's staging mkdir finds none."""
-    ckpt = tmpfs(tmp_path / "ckpt", size="64m", nr_inodes="6")
+    """Was: OSError traceback from engine/checkpoint/publish.py staging_dir. 8 inodes: the root, LOCK and one
+    checkpoint (directory, shard, the rank's part, locator, index, latest); the next save's staging mkdir finds
+    none."""
+    ckpt = tmpfs(tmp_path / "ckpt", size="64m", nr_inodes="8")
     args = [
         *ARGS,
         "--train.steps",
@@ -171,7 +172,7 @@ def test_checkpoint_inodes_exhausted_at_the_staging_mkdir(tmp_path, tmpfs):
         run.stdout,
         f"cannot write '{ckpt}/step_000004.tmp-",
         "(ENOSPC)",
-        "0 of 6 inodes free",
+        "0 of 8 inodes free",
         "the latest checkpoint stays step_000002",
     )
     subprocess.run(["mount", "-o", "remount,nr_inodes=64", str(ckpt)], check=True)

@@ -130,9 +130,20 @@ class FSDP(TorchOptimizerMixin, DataParallel):
                 group.post_backward()  # reduce-scatters what the B's and W's accumulated unsharded
         private(state, "torch", "_root_post_backward_final_callback")()  # waits for them; states back to idle
 
-    def checkpoint_state(self):
-        for root in self.chunks:  # a forward-only pass (evaluation) can leave a root unsharded,
-            for module in root.modules():  # with plain tensors in place of the sharded DTensor parameters
+    def train(self, mode: bool = True) -> None:
+        super().train(mode)
+        if mode:  # back from an evaluation or the resume check's probe: the parameters as training left them
+            self.reshard()
+
+    def reshard(self) -> None:
+        """A forward-only pass (evaluation, the probe) leaves a root unit (reshard_after_forward=False) unsharded,
+        with plain bf16/fp32 tensors in place of the sharded DTensor parameters: anything reading the parameters
+        then (a save, the replica check, a test's comparison) would see those."""
+        for root in self.chunks:
+            for module in root.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
+
+    def checkpoint_state(self):
+        self.reshard()
         return TorchState(self.module, self.optimizer, self.ctx, fsdp=True)
