@@ -5,10 +5,10 @@ CPU kernels choose their summation order by instruction set: ATen's vectorised o
 ``ONEDNN_MAX_CPU_ISA``; each of the three changed the bits of an fp32 sum, an fp32 matmul or a bf16 matmul on the
 AVX-512 + AMX Xeon where this was written. The rest of the suite runs under the machine's own path; this test reruns
 a slice of it in a subprocess under the oldest path of each library (``KERNEL_PATH``), so a bound fitted to one
-machine's rounding fails on that machine, not on the next one: the tp loss curve of tests/trainer/test_train.py (the
-bound
-that did fail: its grad norm on the AVX-512 path), a dp and a pp combination of the parity matrix (fp32 and bf16)
-and a resume at another layout (tests/parity/).
+machine's rounding fails on that machine, not on the next one: a dp, a pp and a tp combination of the parity matrix
+(fp32 and bf16) and a resume at another layout (tests/parity/). The tp loss curve of tests/trainer/test_train.py
+(the bound that did fail: its grad norm on the AVX-512 path; its figures below) is no longer run here nor in CI
+(marked slow): the parity matrix's tp2-pp1-dp1-ddp holds tp 2 to one process step by step at tighter bounds.
 
 Worst relative errors of correct code by path: own = this machine's (AVX512, AMX); ATen = ATEN_CPU_CAPABILITY=default;
 MKL = MKL_ENABLE_INSTRUCTIONS=AVX2; all = KERNEL_PATH; core, core_bf16 = ONEDNN_MAX_CPU_ISA=AVX512_CORE,
@@ -42,7 +42,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from tests.cli import ROOT
 
@@ -57,7 +56,6 @@ def run_slice(root: str) -> list[str]:
 
     from tests.dist import warm_imports
     from tests.parity import matrix, resume, runner
-    from tests.trainer.runs import _short_run, assert_runs_match
 
     # Under the environment the subprocess got: proof that the path really is another one (an ignored or
     # misspelt variable would rerun the default path and prove nothing).
@@ -80,12 +78,6 @@ def run_slice(root: str) -> list[str]:
     for scenario, outcome in resume.run_resumes([move], f"{root}/resume").items():
         if outcome.failure:
             failures.append(f"{scenario.name}: {outcome.failure}")
-    # One thread per rank, as multi-rank runs get: two threads per process crawl on a loaded 2-core machine.
-    tp1 = _short_run(Path(root) / "tp1", 1, threads=1)
-    try:
-        assert_runs_match(_short_run(Path(root) / "tp2", 2, "--parallel.tp", "2", threads=1), tp1)
-    except AssertionError as e:
-        failures.append(f"tp2 loss curve: {e}")
     return failures
 
 

@@ -51,6 +51,7 @@ def tp1_curve(tmp_path_factory):
     return _short_run(tmp_path_factory.mktemp("tp1"), 1)
 
 
+@pytest.mark.slow  # the parity matrix's tp2 combinations (CI subset) hold tp 2 to one process step by step, tighter
 def test_tp2_follows_tp1_loss_curve(tmp_path, tp1_curve):
     assert_runs_match(_short_run(tmp_path, 2, "--parallel.tp", "2"), tp1_curve)
 
