@@ -242,6 +242,19 @@ def test_lock_holder_keeps_refreshing_it(tmp_path, monkeypatch):
     lock.release()
 
 
+def _sleeps(sshd: psutil.Process) -> list[psutil.Process]:
+    """The remote command's ``sleep`` processes under ``sshd``; a session's short-lived child may be gone between
+    listing and naming it (psutil.NoSuchProcess: seen once in a full-suite run)."""
+    found = []
+    for p in sshd.children(recursive=True):
+        try:
+            if p.name() == "sleep":
+                found.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
 @needs_pdsh
 @pytest.mark.parametrize("keepalive", [True, pytest.param(False, marks=pytest.mark.slow)])  # False: today's hang
 def test_ssh_keepalive_ends_the_deepspeed_launcher(tmp_path, local_sshd, keepalive):
@@ -261,9 +274,10 @@ def test_ssh_keepalive_ends_the_deepspeed_launcher(tmp_path, local_sshd, keepali
         start_new_session=True,
     )
     sshd = psutil.Process(int((local_sshd.key.parent / "sshd.pid").read_text()))
+    sessions = []
     try:
         deadline = time.monotonic() + 120
-        while not any(p.name() == "sleep" for p in sshd.children(recursive=True)):
+        while not _sleeps(sshd):
             assert time.monotonic() < deadline and launcher.poll() is None, "the remote command never started"
             time.sleep(0.2)
         sessions = sshd.children()
@@ -278,9 +292,8 @@ def test_ssh_keepalive_ends_the_deepspeed_launcher(tmp_path, local_sshd, keepali
     finally:
         for session in sessions:
             session.resume()
-        for p in sshd.children(recursive=True):
-            if p.name() == "sleep":
-                p.kill()
+        for p in _sleeps(sshd):
+            p.kill()
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
