@@ -113,15 +113,13 @@ def global_grad_norm(
         total = total + sum_of_squares(replicated).to(device)
     if ep_group is not None:  # every ep rank joins, with or without expert gradients
         spread = sum_of_squares(expert).to(device) if expert else torch.zeros_like(total)
-        op = oplog.begin("all-reduce", ep_group, "grad norm", 4)
-        dist.all_reduce(spread, group=ep_group)
-        oplog.end(op)
+        with oplog.logged("all-reduce", ep_group, "grad norm", 4):
+            dist.all_reduce(spread, group=ep_group)
         total = total + spread
     for g in (group, dp_group):
         if g is not None and dist.get_world_size(g) > 1:
-            op = oplog.begin("all-reduce", g, "grad norm", 4)
-            dist.all_reduce(total, group=g)
-            oplog.end(op)
+            with oplog.logged("all-reduce", g, "grad norm", 4):
+                dist.all_reduce(total, group=g)
     return total.sqrt()
 
 

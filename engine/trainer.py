@@ -150,9 +150,8 @@ class Trainer:
         forwards = [timer.wrap("forward", functools.partial(self.stage_forward, chunk=c)) for c in range(executor.v)]
         loss = executor.run(forwards, timer.wrap("forward", loss_fn), inputs, extra_inputs=extra, **kwargs)
         if ctx.pp > 1:
-            op = oplog.begin("all-reduce", ctx.pp_group, "loss", 4)
-            dist.all_reduce(loss, group=ctx.pp_group)  # only the last stage's term is non-zero
-            oplog.end(op)
+            with oplog.logged("all-reduce", ctx.pp_group, "loss", 4):
+                dist.all_reduce(loss, group=ctx.pp_group)  # only the last stage's term is non-zero
         return loss
 
     def stage_forward(self, x: torch.Tensor, chunk: int = 0, **kwargs) -> torch.Tensor:
@@ -178,11 +177,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float | None:
         """Mean loss over train.eval_batches global batches of the held-out split (None if it is empty)."""
-        self.dp.train(False)
-        batches = self.feed.valid_batches(self.cfg.train.eval_batches)
-        losses = [self.run_schedule(self.eval_executor, batch) for batch in batches]
-        self.dp.train(True)
-        self.stats.timer.discard()  # evaluation is not part of the next step's breakdown
+        losses = self.eval_losses(self.feed.valid_batches(self.cfg.train.eval_batches))
         if not losses:
             return None
         return self.mean_over_data(torch.stack(losses).mean()).item()
@@ -190,21 +185,25 @@ class Trainer:
     @torch.no_grad()
     def probe_loss(self) -> float:
         """The loss of the fixed probe batch (engine/trust/saved.py) with the weights as they are: one forward."""
-        self.dp.train(False)
-        batch = saved.probe_batch(self.cfg, self.ctx, len(self.tokenizer), self.feed.needs_batch)
-        loss = self.run_schedule(self.eval_executor, batch)
-        self.dp.train(True)
-        self.stats.timer.discard()  # not part of the next step's breakdown
+        (loss,) = self.eval_losses([saved.probe_batch(self.cfg, self.ctx, len(self.tokenizer), self.feed.needs_batch)])
         return self.mean_over_data(loss).item()
+
+    def eval_losses(self, batches) -> list[torch.Tensor]:
+        """Each local batch's loss through the eval schedule, in eval mode (evaluation, the probe); not part of the
+        next step's time breakdown."""
+        self.dp.train(False)
+        losses = [self.run_schedule(self.eval_executor, batch) for batch in batches]
+        self.dp.train(True)
+        self.stats.timer.discard()
+        return losses
 
     def mean_over_data(self, loss: torch.Tensor) -> torch.Tensor:
         """A rank's mean loss -> the mean over dp x cp: each cp rank's mean is over the same number (s/cp) of its
         row's tokens, so the cp mean is the whole sequence's."""
         if self.ctx.grad_size > 1:
             if oplog.FAULT is None or not oplog.fault("skip_collective"):  # test-only: a rank skips it
-                op = oplog.begin("all-reduce", self.ctx.grad_group, "loss", 4)
-                dist.all_reduce(loss, group=self.ctx.grad_group)
-                oplog.end(op)
+                with oplog.logged("all-reduce", self.ctx.grad_group, "loss", 4):
+                    dist.all_reduce(loss, group=self.ctx.grad_group)
             loss = loss / self.ctx.grad_size
         return loss
 

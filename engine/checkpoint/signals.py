@@ -140,9 +140,8 @@ class StopSignal:
 
         value = FAILED if self.failed else RESTART if self.restart else SIGNALLED if self.requested else 0.0
         flag = torch.tensor([value], device=ctx.device)
-        op = oplog.begin("all-reduce", None, "stop signal", 4)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        oplog.end(op)
+        with oplog.logged("all-reduce", None, "stop signal", 4):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         value = flag.item()
         self.requested, self.failed, self.restart = bool(value), value == FAILED, value == RESTART
         if self.failed:

@@ -56,9 +56,8 @@ class BatchFeed:
             if batch is None:
                 batch = torch.empty(self.local_shape, dtype=torch.long)
             batch = batch.to(self.ctx.device)
-            op = oplog.begin("broadcast", self.ctx.tp_group, "data", batch.numel() * batch.element_size())
-            dist.broadcast(batch, src=self.ctx.get_tensor_model_parallel_src_rank(), group=self.ctx.tp_group)
-            oplog.end(op)
+            with oplog.logged("broadcast", self.ctx.tp_group, "data", batch.numel() * batch.element_size()):
+                dist.broadcast(batch, src=self.ctx.get_tensor_model_parallel_src_rank(), group=self.ctx.tp_group)
         return batch
 
     def next_train(self) -> torch.Tensor | None:
@@ -76,9 +75,8 @@ class BatchFeed:
             batches = list(self.data.valid_batches(self.cfg.train.global_batch_size, max_batches))
             count.fill_(len(batches))
         # Every rank of the job must run the same number of forward passes: the readers tell the rest.
-        op = oplog.begin("all-reduce", None, "data", 8)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        oplog.end(op)
+        with oplog.logged("all-reduce", None, "data", 8):
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
         for i in range(int(count.item())):
             local = batches[i].chunk(ctx.dp)[ctx.dp_rank].contiguous() if self.reads else None
             yield self._share(local)

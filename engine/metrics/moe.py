@@ -51,9 +51,8 @@ def collect(model: nn.Module, cfg: Config, ctx, micro_batches: int) -> dict:
         block.records.clear()
     for size, group in ((ctx.pp, ctx.pp_group), (ctx.grad_size, ctx.grad_group)):
         if size > 1:
-            op = oplog.begin("all-reduce", group, "step stats", sums.numel() * sums.element_size())
-            dist.all_reduce(sums, group=group)
-            oplog.end(op)
+            with oplog.logged("all-reduce", group, "step stats", sums.numel() * sums.element_size()):
+                dist.all_reduce(sums, group=group)
     layers = moe_layer_count(m)
     mean_over = layers * micro_batches * ctx.grad_size  # a cp rank's aux and z average to the micro-batch's
     counts = sums[3:]

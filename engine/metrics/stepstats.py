@@ -59,9 +59,8 @@ class StepStats:
         if self.ctx.world_size == 1:
             return value
         t = torch.tensor(value, dtype=torch.int64, device=self.ctx.device)
-        op = oplog.begin("all-reduce", None, "step stats", 8)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the world group: stages and tp/dp shards hold different bytes
-        oplog.end(op)
+        with oplog.logged("all-reduce", None, "step stats", 8):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the world group: stages and tp/dp shards hold different bytes
         return int(t.item())
 
     def finish(self, record: dict) -> dict:

@@ -58,6 +58,23 @@ LOG = OpLog()
 begin, end = LOG.begin, LOG.end
 
 
+class logged:
+    """``with logged(kind, group, what, nbytes, peer): dist.all_reduce(...)``: ``begin`` before the block, ``end``
+    after it; an operation that raised never ended (its record stays open, as a hang's would)."""
+
+    __slots__ = ("args", "i")
+
+    def __init__(self, kind: str, group, what: str, nbytes: int = 0, peer: int = -1):
+        self.args = (kind, group, what, nbytes, peer)
+
+    def __enter__(self) -> None:
+        self.i = LOG.begin(*self.args)
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is None:
+            LOG.end(self.i)
+
+
 def parse_fault(text: str, rank: int) -> tuple[str, int] | None:
     """(point, step) when ``text`` (POINT:RANK:STEP) names this rank; None otherwise or when it is empty."""
     parts = text.split(":")

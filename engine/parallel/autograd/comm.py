@@ -20,9 +20,8 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if _size(group) == 1:
         return x
     x = x.contiguous()
-    op = oplog.begin("all-reduce", group, "layer", x.numel() * x.element_size())
-    dist.all_reduce(x, group=group)
-    oplog.end(op)
+    with oplog.logged("all-reduce", group, "layer", x.numel() * x.element_size()):
+        dist.all_reduce(x, group=group)
     return x
 
 
@@ -45,9 +44,8 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     if size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(size)]
-    op = oplog.begin("all-gather", group, "layer", x.numel() * x.element_size())
-    dist.all_gather(parts, x.contiguous(), group=group)
-    oplog.end(op)
+    with oplog.logged("all-gather", group, "layer", x.numel() * x.element_size()):
+        dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
 
 
@@ -125,9 +123,8 @@ def gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     if size == 1:
         return x
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # (tp * b, s/tp, ...): gloo wants the concatenated form
-    op = oplog.begin("all-gather", group, "layer", x.numel() * x.element_size())
-    _all_gather_dim0(out, x.contiguous(), group=group)
-    oplog.end(op)
+    with oplog.logged("all-gather", group, "layer", x.numel() * x.element_size()):
+        _all_gather_dim0(out, x.contiguous(), group=group)
     return out.unflatten(0, (size, x.shape[0])).movedim(0, 1).flatten(1, 2)  # (b, tp, s/tp, ...) -> (b, s, ...)
 
 
@@ -138,9 +135,8 @@ def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
         return x
     chunks = x.unflatten(1, (size, x.shape[1] // size)).movedim(1, 0)  # (tp, b, s/tp, ...)
     out = x.new_empty(chunks.shape[1:])
-    op = oplog.begin("reduce-scatter", group, "layer", x.numel() * x.element_size())
-    _reduce_scatter_dim0(out, chunks.flatten(0, 1).contiguous(), group=group)  # in: (tp * b, s/tp, ...)
-    oplog.end(op)
+    with oplog.logged("reduce-scatter", group, "layer", x.numel() * x.element_size()):
+        _reduce_scatter_dim0(out, chunks.flatten(0, 1).contiguous(), group=group)  # in: (tp * b, s/tp, ...)
     return out
 
 

@@ -27,7 +27,6 @@ class MicroBatchCounts:
 
     def __call__(self, counts: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
         total = counts.clone()
-        op = oplog.begin("all-reduce", self.group, "layer", total.numel() * total.element_size())
-        dist.all_reduce(total, group=self.group)
-        oplog.end(op)
+        with oplog.logged("all-reduce", self.group, "layer", total.numel() * total.element_size()):
+            dist.all_reduce(total, group=self.group)
         return total, tokens * self.cp  # every cp rank holds s/cp of each row (cp/inputs.py): equal shares

@@ -86,9 +86,8 @@ class DataParallel:
             param.grad = torch.zeros_like(param)
         grad = local(param.grad)
         on_device = grad.to(self.ctx.device)  # FSDP's CPU offload keeps it on the host; NCCL reduces device tensors
-        op = oplog.begin("all-reduce", group, "tied embedding", on_device.numel() * on_device.element_size())
-        dist.all_reduce(on_device, group=group)
-        oplog.end(op)
+        with oplog.logged("all-reduce", group, "tied embedding", on_device.numel() * on_device.element_size()):
+            dist.all_reduce(on_device, group=group)
         if on_device is not grad:
             grad.copy_(on_device)
 

@@ -91,9 +91,8 @@ def all_reduce_mean(grads: list[torch.Tensor], group, bucket_mb: float) -> None:
     size = dist.get_world_size(group)
     for bucket in size_buckets(grads, bucket_mb):
         flat = torch.cat([g.reshape(-1) for g in bucket])  # (sum of numels,)
-        op = oplog.begin("all-reduce", group, "grad sync", flat.numel() * flat.element_size())
-        dist.all_reduce(flat, group=group)
-        oplog.end(op)
+        with oplog.logged("all-reduce", group, "grad sync", flat.numel() * flat.element_size()):
+            dist.all_reduce(flat, group=group)
         _write_mean(flat, bucket, size)
 
 

@@ -219,9 +219,8 @@ class DDP(TorchOptimizerMixin, DataParallel):
         if not self.syncing:
             return super().backward(output, grad)
         self.syncing = False
-        op = oplog.begin("all-reduce", self.ctx.grad_group, "grad sync")
-        super().backward(output, grad)
-        oplog.end(op)
+        with oplog.logged("all-reduce", self.ctx.grad_group, "grad sync"):
+            super().backward(output, grad)
 
     def last_weight(self, store, key, chunk: int = 0) -> None:
         """Chunk ``chunk``'s last W, reducing its buckets as they complete: the parameters W does not add to

@@ -243,9 +243,8 @@ class ZeRO(DataParallel):
             dtype = private(opt, "deepspeed", "gradient_accumulation_dtype") if accum else param.dtype
             grad = torch.zeros_like(param, dtype=dtype)
             setattr(param, attr, grad)
-        op = oplog.begin("all-reduce", group, "tied embedding", grad.numel() * grad.element_size())
-        dist.all_reduce(grad, group=group)
-        oplog.end(op)
+        with oplog.logged("all-reduce", group, "tied embedding", grad.numel() * grad.element_size()):
+            dist.all_reduce(grad, group=group)
 
     def step(self, lr: float) -> float:
         """Set lr on every param group, reduce (ZeRO-1) or finish reducing (ZeRO-2/3) the accumulated gradients,

@@ -75,9 +75,8 @@ def reduce_expert_gradients(model: nn.Module, ctx) -> None:
     flat = torch.cat([p.grad.reshape(-1) for p in params])  # (sum of numels,)
     group = ctx.group("edp")
     if group is not None:
-        op = oplog.begin("all-reduce", group, "grad sync", flat.numel() * flat.element_size())
-        dist.all_reduce(flat, group=group)
-        oplog.end(op)
+        with oplog.logged("all-reduce", group, "grad sync", flat.numel() * flat.element_size()):
+            dist.all_reduce(flat, group=group)
     flat.div_(expert_grad_divisor(ctx))
     for p, part in zip(params, flat.split([p.numel() for p in params])):
         p.grad.copy_(part.view_as(p.grad))

@@ -26,9 +26,8 @@ CHUNK_ELEMENTS = 2**24
 
 def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
-        record = oplog.begin("all-reduce", group, "loss", x.numel() * x.element_size())
-        dist.all_reduce(x, op=op, group=group)
-        oplog.end(record)
+        with oplog.logged("all-reduce", group, "loss", x.numel() * x.element_size()):
+            dist.all_reduce(x, op=op, group=group)
     return x
 
 
