@@ -11,8 +11,16 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from engine.kinds.recompute import RECOMPUTE
 
 aten = torch.ops.aten
-# Outputs kept under selective: the GEMMs (F.linear lowers to mm on 2-D views, addmm with a bias).
+# Outputs kept under selective: the GEMMs (F.linear lowers to mm on 2-D views, addmm with a bias), and operators
+# registered by ``save_under_selective``.
 SAVED_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default}
+
+
+def save_under_selective(op) -> None:
+    """Keep ``op``'s output under selective recomputation: an operator that ends in a GEMM's output made smaller (the
+    sequence-parallel row-parallel linear, engine/parallel/autograd/comm.py sequence_reduced_linear: its (b, s/tp, h)
+    shard, not the (b, s, h) partial sums) and whose body recomputation should then skip."""
+    SAVED_OPS.add(op)
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

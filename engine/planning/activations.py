@@ -53,6 +53,7 @@ from engine.kinds import dp_modes
 from engine.kinds.cp_modes import CP_MODES
 from engine.kinds.families import FAMILIES
 from engine.kinds.recompute import RECOMPUTE
+from engine.kinds.schedules import SCHEDULES
 from engine.model.attention import EFFICIENT, EFFICIENT_REPEAT_KV, MATH, REPEATS_KV, attention_path
 from engine.parallel.tp.cross_entropy import CHUNK_ELEMENTS
 from engine.planning.moe import (
@@ -93,10 +94,14 @@ def checkpointed_layer_bytes_per_token(cfg: Config, tp: int) -> float:
     selective recomputation."""
     m = cfg.model
     h, qd, kvd, f = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, ffn_width(cfg)
-    kept = h * residual_bytes(cfg) / sequence_share(cfg, tp)
-    # selective: qkv_proj's (qd + 2 kvd)/t, o_proj's and down's h
+    sp = sequence_share(cfg, tp)
+    kept = h * residual_bytes(cfg) / sp
+    # selective: qkv_proj's (qd + 2 kvd)/t and gate_up's 2f/t, o_proj's and down's h: under sequence parallelism their
+    # reduce-scattered h/t (engine/parallel/autograd/comm.py sequence_reduced_linear), except under zero bubble,
+    # whose deferrable linear keeps the (b, s, h) partial sums before the reduce-scatter
     if RECOMPUTE[cfg.train.activation_checkpointing].keeps_matmul_outputs:
-        kept += logit_bytes(cfg) * (2 * h + (qd + 2 * kvd + 2 * f) / tp)
+        row = 2 * h / (sp if not SCHEDULES[cfg.parallel.schedule].split_w else 1)
+        kept += logit_bytes(cfg) * (row + (qd + 2 * kvd + 2 * f) / tp)
     return kept
 
 
@@ -163,32 +168,42 @@ def document_mask_bytes(cfg: Config, num_layers: int) -> float:
 def layer_bytes_per_token(cfg: Config, tp: int) -> float:
     """Saved bytes per token of one decoder layer (without autocast's weight copies)."""
     m = cfg.model
-    h, a, f = m.hidden_size, m.num_heads, ffn_width(cfg)
+    a, f = m.num_heads, ffn_width(cfg)
     qd, kvd = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim  # q and k/v widths: qd need not be h (Qwen3)
     sp, attn = sequence_share(cfg, tp), attention_bytes_per_token(cfg, tp) + qk_norm_bytes_per_token(cfg, tp)
+    lb = logit_bytes(cfg)
     # MoE (f: the k experts' width a token has, engine/planning/moe.py): + copies, router logits, indices
     attn += mean_over_layers(m, lambda m, i: routing_bytes_per_token(m, i, logit_bytes(cfg), cfg.parallel.ep))
-    if mode(cfg) == "fp32":  # rotated q and the attention output: qd/t each
-        return (24 * h + 8) / sp + (8 * qd + 8 * kvd + 4 * a + 16 * f) / tp + attn
-    # autocast: y cast to bf16 by qkv_proj and gate_up_proj; under sequence parallelism y itself (fp32) is kept
-    casts = 0 if mode(cfg) != "autocast" else 4 * h if sp == 1 else 8 * h
-    return (16 * h + 8 + casts) / sp + (4 * qd + 4 * kvd + 4 * a + 8 * f) / tp + attn
+    # the two norms (``norm_bytes_per_token``; over s/t tokens under sp), q, k, v and the attention output, the MLP's 4
+    return 2 * norm_bytes_per_token(cfg, tp) / sp + (lb * (2 * qd + 2 * kvd + 4 * f) + 4 * a) / tp + attn
+
+
+def norm_bytes_per_token(cfg: Config, tp: int) -> float:
+    """What one RMSNorm (engine/model/transformer.py rms_norm) and the linear it feeds save per token it holds: its
+    input as given (the residual stream's dtype) and the fp32 rstd, which is all the norm saves; its output y,
+    which the next linear saves: y in fp32 and bf16, autocast's bf16 cast of y, or under sequence parallelism y
+    itself (the gathered linear keeps its local fp32 input, engine/parallel/autograd/comm.py)."""
+    h = cfg.model.hidden_size
+    y = 2 if mode(cfg) == "bf16" or (mode(cfg) == "autocast" and sequence_share(cfg, tp) == 1) else 4
+    return (residual_bytes(cfg) + y) * h + 4
 
 
 def qk_norm_bytes_per_token(cfg: Config, tp: int) -> float:
-    """What the q/k RMSNorms save (FamilySpec.qk_norm), per token on one tp rank: their input in fp32
-    (x, saved by pow and x * rsqrt), the rsqrt (one fp32 value per normalised row: a head (Qwen3), or the whole
-    projection (OLMoE)) and x_n in the input's dtype (weight * x_n saves it); their output is RoPE's input, which
-    saves only cos/sin. In fp32 x.float() is x itself, a view of the fused qkv output, whose whole (qd + 2 kvd)/t
-    storage it keeps (measured); otherwise its fp32 copy, (qd + kvd)/t. Rows: (a + a_kv)/t heads, or 2."""
+    """What the q/k RMSNorms save (FamilySpec.qk_norm), per token on one tp rank: their input as given, a view of
+    the fused qkv output, whose whole (qd + 2 kvd)/t storage it keeps in the matmul dtype (measured), and the fp32
+    rstd (one value per normalised row: (a + a_kv)/t heads (Qwen3), or 2 whole projections (OLMoE)); their output
+    is RoPE's input, which saves only cos/sin. OLMoE's norms at tp > 1 (engine/parallel/tp/moe.py
+    TensorParallelProjectionNorm, op by op) keep an fp32 x ((qd + kvd)/t values; in fp32 the whole qkv storage
+    (qd + 2 kvd)/t) and x_n in the matmul dtype."""
     m = cfg.model
     kind = FAMILIES[m.family].qk_norm
     if kind is None:
         return 0.0
-    qk = (m.num_heads + m.num_kv_heads) * m.head_dim / tp
-    kept_input = qk + (m.num_kv_heads * m.head_dim / tp if mode(cfg) == "fp32" else 0)
+    qk, kvd = (m.num_heads + m.num_kv_heads) * m.head_dim / tp, m.num_kv_heads * m.head_dim / tp
     rows = (m.num_heads + m.num_kv_heads) / tp if kind == "head" else 2
-    return 4 * kept_input + logit_bytes(cfg) * qk + 4 * rows
+    if kind == "head" or tp == 1:
+        return logit_bytes(cfg) * (qk + kvd) + 4 * rows
+    return 4 * (qk + (kvd if mode(cfg) == "fp32" else 0)) + logit_bytes(cfg) * qk + 4 * rows
 
 
 def weight_copy_bytes(cfg: Config, tp: int, num_layers: int, last_stage: bool) -> float:
@@ -206,10 +221,8 @@ def weight_copy_bytes(cfg: Config, tp: int, num_layers: int, last_stage: bool) -
 
 def head_bytes_per_token(cfg: Config, tp: int) -> float:
     """Last stage: final norm, LM head input, and what the loss saves: the logits (b s, V/t) and per-token values."""
-    h, v = cfg.model.hidden_size, cfg.model.vocab_size
-    norm = {"fp32": 12 * h + 4, "autocast": 10 * h + 4, "bf16": 8 * h + 4}[mode(cfg)]
-    if sequence_share(cfg, tp) > 1:  # s/t tokens; autocast: the head keeps y (fp32), not its bf16 cast
-        norm = (norm + (2 * h if mode(cfg) == "autocast" else 0)) / tp
+    v = cfg.model.vocab_size
+    norm = norm_bytes_per_token(cfg, tp) / sequence_share(cfg, tp)  # the final norm and the LM head's input
     # The chunked loss (engine/parallel/tp/cross_entropy.py) saves the logits in their own dtype (fp32, or bf16 from
     # an autocast or bf16 LM head), the fp32 log-sum-exp, the int64 local targets and two bool masks.
     return norm + logit_bytes(cfg) * v / tp + 14
@@ -228,8 +241,7 @@ def local_tokens(cfg: Config) -> int:
 def micro_batch_bytes(cfg: Config, tp: int, pp: int, stage: int, num_layers: int) -> float:
     """Bytes one micro-batch keeps alive on ``stage`` from its forward to its backward."""
     t = cfg.train
-    tokens, h = local_tokens(cfg), cfg.model.hidden_size
-    res = residual_bytes(cfg)
+    tokens = local_tokens(cfg)
     last = stage == pp - 1
     per_token = 0.0
     if stage == 0:
@@ -240,8 +252,6 @@ def micro_batch_bytes(cfg: Config, tp: int, pp: int, stage: int, num_layers: int
         per_token += num_layers * layer_bytes_per_token(cfg, tp)
     if last:
         per_token += head_bytes_per_token(cfg, tp)
-    if stage > 0 and mode(cfg) == "bf16":
-        per_token += h * res / sequence_share(cfg, tp)  # the received input: the first norm saves an fp32 copy
     # cos and sin tables in the compute dtype, built once per forward: (s, hd), or (b, s, hd) from the document
     # mask's per-row positions
     rope = (

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import engine.trust.oplog as oplog  # floor 0 (docs/architecture.md), not the trust package
+from engine.model.recompute_run import save_under_selective
 
 
 def _size(group) -> int:
@@ -214,3 +215,55 @@ def sequence_gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     if _size(group) == 1:
         return torch.nn.functional.linear(x, weight, bias)
     return _SequenceGatheredLinear.apply(x, weight, bias, group)
+
+
+# ---- the row-parallel linear and its reduce-scatter as one operator: selective recomputation
+# (engine/model/recompute_run.py) keeps an operator's output, and a cached matmul output here would be the (b, s, h)
+# partial sums, full width on every tp rank (more than no recomputation stores at tp 8); this operator's output is
+# the (b, s/tp, h) shard, which recomputation takes as is, without the matmul or the reduce-scatter again.
+_GROUPS: dict[str, dist.ProcessGroup] = {}  # custom operators take strings, not process groups
+
+
+@torch.library.custom_op("engine::sequence_reduced_linear", mutates_args=())
+def _sequence_reduced_linear(x: torch.Tensor, weight: torch.Tensor, group: str) -> torch.Tensor:
+    return reduce_scatter_seq(torch.nn.functional.linear(x, weight), _GROUPS[group])
+
+
+@_sequence_reduced_linear.register_fake
+def _(x, weight, group):
+    return x.new_empty((*x.shape[:-2], x.shape[-2] // _size(_GROUPS[group]), weight.shape[0]))
+
+
+def _sequence_reduced_setup(ctx, inputs, output):
+    x, weight, group = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.group = _GROUPS[group]
+
+
+def _sequence_reduced_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    full = gather_seq(grad, ctx.group)  # (b, s, out): every rank's chunk of the output gradient
+    grad_x = torch.matmul(full, weight) if ctx.needs_input_grad[0] else None
+    grad_w = None
+    if ctx.needs_input_grad[1]:
+        grad_w = torch.matmul(full.flatten(0, -2).t(), x.flatten(0, -2))
+    return grad_x, grad_w, None
+
+
+_sequence_reduced_linear.register_autograd(_sequence_reduced_backward, setup_context=_sequence_reduced_setup)
+save_under_selective(_sequence_reduced_linear._opoverload)
+
+
+def sequence_reduced_linear(x: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
+    """reduce_scatter_seq(x A^T): the row-parallel matmul's (b, s, out) partial sums summed over the group, this
+    rank's (b, s/tp, out) kept; backward all-gathers the output gradient along the sequence (Megatron's g after a
+    row-parallel layer). One operator (``engine::sequence_reduced_linear``): see above. Under autocast x and A are
+    cast as autocast casts a linear's inputs (the cast A is what backward keeps, as autocast's linear keeps it)."""
+    if _size(group) == 1:
+        return torch.nn.functional.linear(x, weight)
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+    _GROUPS.setdefault(group.group_name, group)
+    return _sequence_reduced_linear(x, weight, group.group_name)

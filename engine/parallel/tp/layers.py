@@ -37,6 +37,7 @@ from engine.parallel.autograd.comm import (
     reduce_scatter_to_sequence_parallel,
     scatter_to_parallel,
     sequence_gathered_linear,
+    sequence_reduced_linear,
 )
 from engine.parallel.autograd.weight_grad import WeightGradStore, linear_with_deferred_weight
 from engine.parallel.tp.cross_entropy import vocab_parallel_cross_entropy  # noqa: F401 (layers.vocab_parallel_cross_entropy: the public name)
@@ -134,6 +135,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_parallel(x, self.group)
+        if self.sequence_parallel and self.weight_grad_store is None:  # zero bubble: below, W deferrable
+            return sequence_reduced_linear(x, self.weight, self.group)  # (b, s/tp, out): one operator
         y = linear_with_deferred_weight(x, self.weight, None, self.weight_grad_store)  # (b, s, out) partial sums
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel(y, self.group)  # (b, s/tp, out)
