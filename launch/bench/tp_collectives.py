@@ -32,6 +32,7 @@ from engine.config import load  # noqa: E402
 from engine.model import transformer as model_lib  # noqa: E402
 from engine.model.init import materialize  # noqa: E402
 from engine.model.rope import rope_cos_sin  # noqa: E402
+from engine.parallel.autograd.comm import SEQUENCE_REDUCED_LINEAR  # noqa: E402
 from engine.parallel.layout.context import ParallelContext  # noqa: E402
 from engine.parallel.layout.spawn import run_ranks  # noqa: E402
 from engine.parallel.tp.layers import apply_tensor_parallel  # noqa: E402
@@ -79,11 +80,17 @@ class CollectiveCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kind = KINDS.get(func.overloadpacket)
-        if kind is not None:
-            got = self.counts[self.phase].setdefault(kind, [0, 0])
-            got[0] += 1
-            got[1] += max([_bytes(a) for a in args] + [_bytes(v) for v in (kwargs or {}).values()])
+        if func == SEQUENCE_REDUCED_LINEAR:  # one operator, the reduce-scatter of its (b, s, out) partial sums inside
+            x, weight = args[:2]
+            self._count("reduce_scatter", x.numel() // x.shape[-1] * weight.shape[0] * x.element_size())
+        elif kind is not None:
+            self._count(kind, max([_bytes(a) for a in args] + [_bytes(v) for v in (kwargs or {}).values()]))
         return func(*args, **(kwargs or {}))
+
+    def _count(self, kind: str, nbytes: int) -> None:
+        got = self.counts[self.phase].setdefault(kind, [0, 0])
+        got[0] += 1
+        got[1] += nbytes
 
     def calls(self) -> dict[str, dict[str, int]]:
         return {phase: {k: v[0] for k, v in kinds.items()} for phase, kinds in self.counts.items()}

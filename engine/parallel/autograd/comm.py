@@ -251,7 +251,9 @@ def _sequence_reduced_backward(ctx, grad):
 
 
 _sequence_reduced_linear.register_autograd(_sequence_reduced_backward, setup_context=_sequence_reduced_setup)
-save_under_selective(_sequence_reduced_linear._opoverload)
+# The operator as a dispatch mode sees it: whole, its reduce-scatter inside (launch/bench/tp_collectives.py counts it)
+SEQUENCE_REDUCED_LINEAR = _sequence_reduced_linear._opoverload
+save_under_selective(SEQUENCE_REDUCED_LINEAR)
 
 
 def sequence_reduced_linear(x: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:

@@ -29,6 +29,7 @@ from torch import nn
 
 from engine.model.fused import FusedLinear
 from engine.model.moe import MoE
+from engine.model.recompute_run import in_selective_block
 from engine.model.transformer import RMSNorm, rms_norm
 from engine.parallel.autograd.comm import (
     copy_to_parallel,
@@ -135,8 +136,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_parallel(x, self.group)
-        if self.sequence_parallel and self.weight_grad_store is None:  # zero bubble: below, W deferrable
-            return sequence_reduced_linear(x, self.weight, self.group)  # (b, s/tp, out): one operator
+        if self.sequence_parallel and self.weight_grad_store is None and in_selective_block():
+            # one operator, whose (b, s/tp, out) output selective recomputation keeps (zero bubble: below, W deferred)
+            return sequence_reduced_linear(x, self.weight, self.group)
         y = linear_with_deferred_weight(x, self.weight, None, self.weight_grad_store)  # (b, s, out) partial sums
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel(y, self.group)  # (b, s/tp, out)
