@@ -46,6 +46,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.internals import in_backward
 from engine.kinds.families import FAMILIES
+from engine.model.lean_ops import swiglu
 
 
 def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
@@ -132,7 +133,7 @@ class Experts(nn.Module):
         for e, n in enumerate(counts.tolist()):  # one host sync per layer; experts without tokens skipped
             if n:
                 gate, up = F.linear(x[at : at + n], gate_up[e]).chunk(2, dim=-1)  # (n, ffn) each
-                out.append(F.linear(F.silu(gate) * up, down[e]))
+                out.append(F.linear(swiglu(gate, up), down[e]))
             at += n
         return torch.cat(out) if out else x.new_zeros(0, x.shape[-1])
 
@@ -143,7 +144,7 @@ class Experts(nn.Module):
         dtype = torch.bfloat16
         gu = F.grouped_mm(x.to(dtype), self.gate_up_proj.to(dtype).transpose(-2, -1), offs=offs)  # (N, 2 ffn)
         gate, up = gu.chunk(2, dim=-1)
-        y = F.grouped_mm(F.silu(gate) * up, self.down_proj.to(dtype).transpose(-2, -1), offs=offs)
+        y = F.grouped_mm(swiglu(gate, up), self.down_proj.to(dtype).transpose(-2, -1), offs=offs)
         return y.to(x.dtype)
 
 

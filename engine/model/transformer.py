@@ -10,49 +10,22 @@ q/k/v and gate/up run as one GEMM each (``qkv_proj``, ``gate_up_proj``: engine/m
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
 from engine.kinds.families import FAMILIES
 from engine.model.attention import DEFAULT_CORE, compute_dtype
 from engine.model.fused import FusedLinear, hf_state_dict_hooks, split_output
+from engine.model.lean_ops import RMSNormFunction, swiglu
 from engine.model.moe import MoE, is_moe_layer
 from engine.model.recompute_run import run_block
 from engine.model.rope import rope_cos_sin
 
 
-class _RMSNormFunction(torch.autograd.Function):
-    """y = weight * (x.float() * rstd).to(x.dtype), rstd = 1 / sqrt(mean(x.float()^2) + eps), saving for backward
-    only x as given and rstd (one fp32 value a row): the fp32 copy of a bf16 x, x_n and the product are recomputed
-    in backward (Megatron's and Apex's fused norms keep the same), where autograd's op-by-op graph kept x in fp32
-    (pow, mul) and x_n (the weight product): 16h bytes a token of two bf16 norms against 4h + 4 here (the output,
-    the next linear's input, is saved by that linear). The same fp32 math as before in forward; backward computes
-    the fp32 gradient dx = rstd (g - x_n mean(g x_n)), g = (dy weight) in x_n's dtype, then in fp32."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, weight, rstd)
-        return weight * (x.float() * rstd).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, rstd = ctx.saved_tensors
-        normed = x.float() * rstd  # x_n in fp32, recomputed
-        cast = normed.to(x.dtype)
-        grad_w = None
-        if ctx.needs_input_grad[1]:  # sum over every token of dy * x_n, as autograd's mul reduces a broadcast
-            grad_w = (grad * cast).reshape(-1, weight.shape[-1]).sum(0).to(weight.dtype)
-        g = (grad * weight).to(x.dtype).float()  # d(x_n) through the casts, as autograd's mul and to() give it
-        grad_x = rstd * (g - normed * (g * normed).mean(-1, keepdim=True))
-        return grad_x.to(x.dtype), grad_w, None
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = x / sqrt(mean(x^2) + eps) * w (Zhang & Sennrich 2019), computed in fp32 as HF Llama does; autograd keeps
-    only x and the (..., 1) fp32 rstd (``_RMSNormFunction``)."""
-    return _RMSNormFunction.apply(x, weight, eps)
+    only x and the (..., 1) fp32 rstd (engine/model/lean_ops.py)."""
+    return RMSNormFunction.apply(x, weight, eps)
 
 
 class RMSNorm(nn.Module):
@@ -137,7 +110,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = split_output(self.gate_up_proj, self.gate_up_proj(x))  # (b, s, ffn/tp) each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu(gate, up))
 
 
 class DecoderLayer(nn.Module):

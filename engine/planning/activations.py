@@ -174,8 +174,9 @@ def layer_bytes_per_token(cfg: Config, tp: int) -> float:
     lb = logit_bytes(cfg)
     # MoE (f: the k experts' width a token has, engine/planning/moe.py): + copies, router logits, indices
     attn += mean_over_layers(m, lambda m, i: routing_bytes_per_token(m, i, logit_bytes(cfg), cfg.parallel.ep))
-    # the two norms (``norm_bytes_per_token``; over s/t tokens under sp), q, k, v and the attention output, the MLP's 4
-    return 2 * norm_bytes_per_token(cfg, tp) / sp + (lb * (2 * qd + 2 * kvd + 4 * f) + 4 * a) / tp + attn
+    # the two norms (``norm_bytes_per_token``; over s/t tokens under sp), q, k, v and the attention output, the MLP's
+    # gate and up (engine/model/lean_ops.py swiglu) and their product (down_proj's input)
+    return 2 * norm_bytes_per_token(cfg, tp) / sp + (lb * (2 * qd + 2 * kvd + 3 * f) + 4 * a) / tp + attn
 
 
 def norm_bytes_per_token(cfg: Config, tp: int) -> float:
