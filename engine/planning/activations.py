@@ -2,40 +2,44 @@
 
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", Sec. 4.1) give
 s b h (34 + 5 a s / h) bytes per layer for GPT-3 in 16-bit with dropout and a stored s x s score matrix. This
-engine differs in every term, so the ledger below lists what autograd saves for backward in each op of
-DecoderLayer.forward, per token (b s tokens), for tp-sharded widths h/t, qd/t = heads*head_dim/t (h unless
-model.head_dim says otherwise), kvd/t = kv_heads*head_dim/t, f/t and a/t heads:
-  RMSNorm (x2)  x (pow and x*rsqrt save it), rsqrt (1 value), x_n (weight*x_n saves it), y = weight*x_n (the
-                next linears' input)                                       -> x, x_n, y: 3h values; rsqrt: 1
+engine differs in every term (side by side: docs/design-notes.md, "Activation memory per layer"), so the ledger
+below lists what autograd saves for backward in each op of DecoderLayer.forward, per token (b s tokens), for
+tp-sharded widths h/t, qd/t = heads*head_dim/t (h unless model.head_dim says otherwise), kvd/t = kv_heads*head_dim/t,
+f/t and a/t heads:
+  RMSNorm (x2)  x as given and the fp32 rstd (engine/model/lean_ops.py), y = weight*x_n (the next linears'
+                input)                                                     -> x, y: 2h values; rstd: 1 fp32
   attention     a fused SDPA kernel (flash/memory-efficient; no s x s matrix) saves rotated q, rotated k, v, its
                 output (which is o_proj's input) and the log-sum-exp (a/t fp32 values); RoPE saves only cos/sin
                                                                            -> 2qd/t + 2 kvd/t (+ a/t fp32)
                 plus what the run's kernel path holds beyond that (``attention_bytes_per_token``, the path from
                 engine/model/attention.py): k/v repeated to a/t heads, or on the math path the (b, a/t, s, s)
                 softmax; and once per micro-batch the document mask, (b, 1, s, s) in the kernel's dtype
-  SwiGLU MLP    gate output (silu saves it), silu(gate), up (the product saves both), their product (down_proj's
-                input)                                                     -> 4 f/t
+  SwiGLU MLP    gate and up (engine/model/lean_ops.py swiglu recomputes silu(gate) in backward), their product
+                (down_proj's input)                                        -> 3 f/t
 Dtypes (measured on CPU with torch.autograd.graph.saved_tensors_hooks; tests/planning/test_planner.py):
-  fp32      everything fp32:  24h + 8 + (8qd + 8kvd + 4a + 16f)/t bytes per token
-  autocast  bf16 matmuls on fp32 weights (train.dtype bf16 with ddp): norms stay fp32 (x, x_n: 16h + 8), each
+  fp32      everything fp32:  16h + 8 + (8qd + 8kvd + 4a + 12f)/t bytes per token
+  autocast  bf16 matmuls on fp32 weights (train.dtype bf16 with ddp): norms stay fp32 (x: 8h + 8), each
             linear saves its own bf16 cast of y (the fused qkv and gate_up: 2 x 2h; 5 x 2h before the fusion),
-            attention and MLP tensors are bf16: 20h + 8 + (4qd + 4kvd + 4a + 8f)/t, plus the bf16 copy of every
+            attention and MLP tensors are bf16: 12h + 8 + (4qd + 4kvd + 4a + 6f)/t, plus the bf16 copy of every
             weight autocast makes for each forward (2 bytes x the layer's matmul parameters, per micro-batch, since
             the cache dies with the autocast region)
-  bf16      bf16 weights (fsdp's bf16 compute copy; DeepSpeed bf16): the norm computes on an fp32 copy of x
-            (4h + 4), x_n and y are bf16 (2h each): 16h + 8 + (4qd + 4kvd + 4a + 8f)/t
+  bf16      bf16 weights (fsdp's bf16 compute copy; DeepSpeed bf16): x and y are bf16 (2h each; the norm's fp32
+            math is redone in backward): 8h + 8 + (4qd + 4kvd + 4a + 6f)/t (before issue 46: 16h + 8 + ... + 8f/t)
 With full activation checkpointing only each layer's input (the residual stream) is kept per micro-batch, and
 one layer's activations are rebuilt at a time during backward (``transient_bytes``). Selective checkpointing
 (engine/model/recompute.py) keeps the input and the matmul outputs: qkv ((qd + 2 kvd)/t), o_proj (h, the
-row-parallel output), gate_up (2f/t), down (h), in the matmul dtype (fp32, or bf16 under autocast and bf16),
-and rebuilds the rest of one layer at a time; autocast's weight copies are recomputed too.
+row-parallel output; h/t under sequence parallelism), gate_up (2f/t), down (h; h/t), in the matmul dtype (fp32,
+or bf16 under autocast and bf16), and rebuilds the rest of one layer at a time; autocast's weight copies are
+recomputed too.
 Sequence parallelism (parallel.sequence_parallel; Korthikanti et al. Sec. 4.2.2, their sbh(34/t + 5as/(ht))):
 the norms, the residual stream and the layer input run on s/t tokens, so every term above that is not already /t becomes
 /t (``sequence_share``). The column-parallel layers keep only their local (s/t) input and gather it again in backward
 (engine/parallel/autograd/comm.py; engine/parallel/autograd/weight_grad.py under zero bubble), so under autocast no bf16
-cast of y is saved but y itself is (fp32, 2 x 4h: the 10h of casts become 8h), and only the row-parallel weights' bf16
-copies are saved. Unchanged: the token ids, the logits and the loss's per-token values, and under selective
-recomputation the o_proj/down_proj matmul outputs (b, s, h), which are the partial sums before the reduce-scatter.
+cast of y is saved but y itself is (fp32, 2 x 4h: the 6h of casts become 8h), and only the row-parallel weights' bf16
+copies are saved. Under selective recomputation the row-parallel linear and its reduce-scatter are one operator
+(engine/parallel/autograd/comm.py sequence_reduced_linear) whose (b, s/t, h) output is kept, not the (b, s, h)
+partial sums (except under zero bubble, whose deferrable linears keep those). Unchanged: the token ids, the logits
+and the loss's per-token values.
 Context parallelism (parallel.cp): a rank holds b s / cp tokens (``local_tokens``), so every per-token term counts
 those; the document mask stays whole ((b, 1, s, s) on every cp rank; the ring keeps none: it masks each K/V block
 from the (b, s) document ids). Both keep o_proj's own copy of the attention output (a hd/t values a token).
