@@ -163,10 +163,11 @@ class FSDPModel(TorchAdamWModel):
         d, bw, lat = layout.dp, link_bandwidth(hw, group_span(layout)), hw.latency_us
         weights = (2.0 if cfg.train.dtype == "bf16" else 4.0) * params
         gathers = 1 + reshard_after_forward(cfg, layout.pp)
-        reduce = ring_time(4.0 * params, d, 1, bw, lat)
-        every = 0.0 if fsdp_unsharded_grads(cfg) else reduce
-        hidden = max(0.0, gathers * ring_time(weights, d, 1, bw, lat) + every - compute_mb)
-        return (micro_batches - 1) * hidden + max(0.0, hidden - every) + reduce
+        gather, reduce = gathers * ring_time(weights, d, 1, bw, lat), ring_time(4.0 * params, d, 1, bw, lat)
+        hidden = max(0.0, gather - compute_mb)
+        if micro_batches == 1 or fsdp_unsharded_grads(cfg):
+            return micro_batches * hidden + reduce
+        return (micro_batches - 1) * max(0.0, gather + reduce - compute_mb) + hidden + reduce
 
 
 class ZeroModel:
