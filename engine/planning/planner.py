@@ -13,10 +13,11 @@ In fp32 training (as on CPU) weights and gradients take 4 bytes each and Adam's 
   split by tp as engine/parallel/tp/layers.py's plan does, norms replicated.
 - state by dp mode, from the mode's planner model (engine/planning/dp.py, named by its DpModeSpec; a
   mode without one is refused, never priced as another): ddp = stage 0 and fsdp = stage 3 with fp32 weights,
-  gradients and AdamW moments (bf16 is autocast or FSDP's bf16 compute copy); under fsdp, gradients stay unsharded
-  until the last micro-batch (no-sync accumulation), and the gathered weights are extra: one block plus the root unit
-  with reshard_after_forward, the
-  whole stage without. zero k = stage k with DeepSpeed's fp32 master copy (K = 12; bf16 weights in bf16 runs).
+  gradients and AdamW moments (bf16 is autocast or FSDP's bf16 compute copy); under fsdp, gradients are
+  reduce-scattered every micro-batch and stay sharded (parallel.fsdp_grad_accumulation=sharded), or stay unsharded
+  until the last micro-batch (unsharded, and zero bubble / zbv: no-sync accumulation, 4 bytes per parameter), and
+  the gathered weights are extra: one block plus the root unit with reshard_after_forward, the whole stage without.
+  zero k = stage k with DeepSpeed's fp32 master copy (K = 12; bf16 weights in bf16 runs).
 - expert parallelism (parallel.ep): a rank holds E/ep experts of each MoE layer (stage_params "experts"), their
   state priced by the same dp-mode model over the expert-dp group of dp cp / ep ranks (``state_groups``,
   engine/planning/ep.py), the dense weights over dp cp as above.
@@ -30,7 +31,7 @@ In fp32 training (as on CPU) weights and gradients take 4 bytes each and Adam's 
   fp32 gradient partition (K P / N + 4 P / N), ZeRO-3's offload_param also the 16-bit weight partition; the
   device keeps the 16-bit weights (stages 1-2), ZeRO-1's whole gradients and the buckets. fsdp (CPUOffloadPolicy):
   the sharded weights, gradients, AdamW state and its temporaries; the device keeps the gathered weights and,
-  with several micro-batches, the unsharded accumulated gradients.
+  with several micro-batches under unsharded accumulation, the unsharded accumulated gradients.
 """
 
 from __future__ import annotations
