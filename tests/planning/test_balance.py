@@ -148,26 +148,48 @@ def test_chunked_auto_gives_the_first_and_last_virtual_stage_fewer_layers(schedu
         resolve_layout(_chunked(schedule, extra), 2)
 
 
+# Llama 3.1 405B under interleaved with 2 virtual stages, the balanced split (plan.py takes the first 6 alone: its
+# search plans every pp, the balanced split where equal chunks cannot be cut)
+LLAMA_405B_IL2 = [
+    "--config",
+    "configs/llama-3.1-405b.yaml",
+    "--parallel.schedule",
+    "interleaved",
+    "--parallel.virtual_stages",
+    "2",
+    "--parallel.pp_layers",
+    "auto",
+    "--parallel.pp",
+    "16",
+]
+
+
 def test_llama3_405b_auto_is_metas_layout():
     """126 layers on pp 16 x v 2 (32 virtual stages): one layer fewer on the first and the last, 4 elsewhere
     (Llama 3 paper, Sec. 3.3.2); rank 0 holds virtual stages 0 and 16, 7 layers, rank 15 stages 15 and 31."""
-    cfg = load(
-        [
-            "--config",
-            "configs/llama-3.1-405b.yaml",
-            "--parallel.pp",
-            "16",
-            "--parallel.schedule",
-            "interleaved",
-            "--parallel.virtual_stages",
-            "2",
-            "--parallel.pp_layers",
-            "auto",
-        ]
-    )
+    cfg = load(LLAMA_405B_IL2)
     assert layer_counts(cfg, 16) == [3] + [4] * 30 + [3]
     assert rank_ranges(cfg, 16, 0) == [range(0, 3), range(63, 67)]
     assert rank_ranges(cfg, 16, 15) == [range(59, 63), range(123, 126)]
+
+
+def test_llama3_405b_interleaved_is_planned(tmp_path):
+    """launch/plan.py with the 405B config under interleaved (v 2) on 16 devices: every pp of the search (2..16)
+    cuts 126 layers into 2 pp unequal chunks, which were refused before (exit 2, "equal chunks"); now planned, the
+    balanced split searched. The planner at Meta's layout (tp 8, pp 16: Llama 3 paper, Table 4) gives rank 0 and
+    rank 15 seven layers each, the others eight."""
+    from engine.planning.planner import stage_params
+    from tests.cli import run_script
+
+    got = run_script(
+        "launch/plan.py", *LLAMA_405B_IL2[:6], "--world-size", "16", "--device-memory", "2000", "--top", "3"
+    )
+    assert got.returncode == 0, got.stderr
+    rows = got.stdout.splitlines()[2:]
+    assert len(rows) == 3 and all(" il-v2 " in row for row in rows), got.stdout
+    cfg = load([*LLAMA_405B_IL2, "--parallel.tp", "8", "--train.global_batch_size", "16"])
+    assert resolve_layout(cfg, 128).pp == 16
+    assert [stage_params(cfg, 8, 16, s)["num_layers"] for s in range(16)] == [7] + [8] * 14 + [7]
 
 
 @pytest.mark.parametrize("schedule,extra", CHUNKED)
