@@ -115,12 +115,12 @@ def layouts(
 def searched_split(cfg: Config, pp: int, schedule: str, v: int) -> list[int] | str:
     """parallel.pp_layers of a searched layout: the config's where its counts fit (the same pp and as many counts as
     the layout has stages or virtual stages; "auto" is a rule, not counts: it balances every one), else the even
-    split; where that cannot cut a chunked schedule's pp*v equal chunks, the balanced one (auto: Llama 3 405B's 126
-    layers on pp 16 x v 2, engine/planning/balance.py)."""
+    split; where that cannot cut a chunked schedule's pp*v equal chunks but each can have a layer, the balanced one
+    (auto: Llama 3 405B's 126 layers on pp 16 x v 2, engine/planning/balance.py)."""
     given, runs = cfg.parallel.pp_layers, pp * SCHEDULES[schedule].per_rank(v) if pp > 1 else 1
     if given == "auto" or (given and pp == cfg.parallel.pp and len(given) == runs):
         return given
-    return "auto" if runs > pp and cfg.model.num_layers % runs else []
+    return "auto" if pp < runs <= cfg.model.num_layers and cfg.model.num_layers % runs else []
 
 
 def _resolved(cfg: Config, asked: Layout, world_size: int, refused: list | None) -> Layout | None:
