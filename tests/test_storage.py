@@ -127,5 +127,6 @@ def test_say_flushes_each_line(tmp_path):
     """A line said just before the process is ended (os._exit after a fault, a SIGKILL) still reaches the log a
     scheduler keeps: stdout is a pipe there, block-buffered."""
     script = "import os; from engine import storage; storage.say('saved step 4'); os._exit(3)"
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a scheduler's default
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env)
     assert (run.returncode, run.stdout) == (3, "saved step 4\n"), run.stderr[-2000:]
