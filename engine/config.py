@@ -93,6 +93,11 @@ class ParallelConfig:
     powersgd_rank: int = 4
     powersgd_warmup_steps: int = 10
     reshard_after_forward: str = "auto"  # fsdp: true (ZeRO-3) | false (keep gathered to backward) | auto (pp == 1)
+    # fsdp: sharded (each micro-batch's backward reduce-scatters its gradients into the sharded fp32 gradient: 4 bytes
+    # per parameter / dp held) | unsharded (no-sync: the fp32 gradients accumulate whole, 4 bytes per parameter, and
+    # are reduce-scattered once, in the last micro-batch's backward: fewer collectives). zero_bubble and zbv reduce
+    # after the last W either way (W adds weight gradients outside autograd; engine/parallel/dp/fsdp.py).
+    fsdp_grad_accumulation: str = "sharded"
     # 1f1b | gpipe | interleaved (virtual_stages model chunks per rank) | zero_bubble (ZB-H1;
     # engine/parallel/pp/schedule.py)
     # | zbv (ZB-V: 2 chunks per rank in a V, implied; engine/parallel/pp/schedules/zbv.py)

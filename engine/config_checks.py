@@ -27,6 +27,7 @@ CHOICES = {
     "parallel.backend": ("auto", "gloo", "nccl"),
     "parallel.p2p_dtype": ("auto", "bf16"),
     "parallel.reshard_after_forward": ("auto", "true", "false"),
+    "parallel.fsdp_grad_accumulation": ("sharded", "unsharded"),
     "parallel.offload": OFFLOADS,
     "parallel.cp_mode": CP_MODES,
     "train.dtype": ("fp32", "bf16"),

@@ -43,10 +43,19 @@ def _size(n: float) -> str:
     return ""
 
 
+def _reachable(path: Path) -> bool:
+    """``path`` exists and can be looked up: a folder we may not search (EACCES) hides what is under it, and
+    Path.exists() raises there (Python < 3.13), which would turn the refused write's one line into a traceback."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
 def free_space(path: Path) -> str:
-    """Free bytes and inodes of the file system holding ``path`` (its nearest existing parent)."""
+    """Free bytes and inodes of the file system holding ``path`` (its nearest existing parent we can look up)."""
     where = Path(os.path.abspath(path))
-    while not where.exists() and where != where.parent:
+    while not _reachable(where) and where != where.parent:
         where = where.parent
     try:
         st = os.statvfs(where)

@@ -77,6 +77,7 @@ class Trainer:
             cfg, ctx, self.model, self.micro_batches, self.stats.timer.waiting
         )
         self.step = 0
+        self.stop_agreed: bool | None = None  # the stop decision of this step's agreement (``agree``)
         # Callables observe(event) at "backward" (before each micro-batch's backward) and "update" (after the last
         # backward, before the update): measurements hook in here (launch/bench/measure.py).
         self.observers: list = []
@@ -127,10 +128,13 @@ class Trainer:
     def optimizer(self) -> torch.optim.Optimizer:
         return self.dp.optimizer
 
-    def run_schedule(self, executor: PipelineExecutor, local_batch: torch.Tensor | None, **kwargs) -> torch.Tensor:
+    def run_schedule(
+        self, executor: PipelineExecutor, local_batch: torch.Tensor | None, over_pp: bool = True, **kwargs
+    ) -> torch.Tensor:
         """Run ``executor`` on this rank's share of a global batch (None on middle stages unless data.document_mask).
         local_batch: (B/dp, s+1) token ids. Each micro-batch's mean loss is divided by the number of micro-batches,
-        so the sum is the mean over this rank's tokens; returned (detached) on every stage via a pp all-reduce."""
+        so the sum is the mean over this rank's tokens; returned (detached) on every stage via a pp all-reduce
+        (``over_pp``; else the stage's own term, zero where the stage computes no loss: the step's ``agree``)."""
         ctx = self.ctx
         micro = (
             []
@@ -149,7 +153,7 @@ class Trainer:
         timer = self.stats.timer  # the loss counts as forward time
         forwards = [timer.wrap("forward", functools.partial(self.stage_forward, chunk=c)) for c in range(executor.v)]
         loss = executor.run(forwards, timer.wrap("forward", loss_fn), inputs, extra_inputs=extra, **kwargs)
-        if ctx.pp > 1:
+        if ctx.pp > 1 and over_pp:
             with oplog.logged("all-reduce", ctx.pp_group, "loss", 4):
                 dist.all_reduce(loss, group=ctx.pp_group)  # only the last stage's term is non-zero
         return loss
@@ -161,12 +165,14 @@ class Trainer:
             x = x.to(self.param_dtype)
         return self.dp.forward(x, chunk=chunk, **kwargs)
 
-    def forward_backward(self, local_batch: torch.Tensor | None) -> torch.Tensor:
-        """Accumulate the gradient of this rank's share of the global batch; returns its mean loss."""
+    def forward_backward(self, local_batch: torch.Tensor | None, over_pp: bool = True) -> torch.Tensor:
+        """Accumulate the gradient of this rank's share of the global batch; returns its mean loss (``over_pp``
+        False: the stage's own term of it, as ``run_schedule``)."""
         backward = self.stats.timer.wrap("backward", self.dp.backward)
         loss = self.run_schedule(
             self.executor,
             local_batch,
+            over_pp,
             before_backward=self.before_backward,
             backward=backward,
             last_weight=self.dp.last_weight,
@@ -201,11 +207,38 @@ class Trainer:
         """A rank's mean loss -> the mean over dp x cp: each cp rank's mean is over the same number (s/cp) of its
         row's tokens, so the cp mean is the whole sequence's."""
         if self.ctx.grad_size > 1:
-            if oplog.FAULT is None or not oplog.fault("skip_collective"):  # test-only: a rank skips it
-                with oplog.logged("all-reduce", self.ctx.grad_group, "loss", 4):
-                    dist.all_reduce(loss, group=self.ctx.grad_group)
+            with oplog.logged("all-reduce", self.ctx.grad_group, "loss", 4):
+                dist.all_reduce(loss, group=self.ctx.grad_group)
             loss = loss / self.ctx.grad_size
         return loss
+
+    def agree(self, loss: torch.Tensor) -> tuple[float, dict]:
+        """The step's one meeting of every rank before the update: one SUM all-reduce over the world of a small
+        float64 vector [loss term, the stop flag's 3 one-hot slots, the MoE sums]; returns (the global-batch mean
+        loss, the MoE metrics), the same on every rank, and keeps the stop decision for ``after_step``.
+        ``loss``: this stage's term of the rank's mean loss (zero on stages without the loss). Its tp peers hold
+        the same term and MoE sums, so only tp rank 0 adds them: the sum is over pp (one stage's term is non-zero)
+        and dp x cp, as the pp and dp x cp all-reduces it replaces. The stop flag, a MAX over ranks, rides as counts
+        (engine/checkpoint/signals.py ``slots``). The grad-norm all-reduce stays in the update (the math needs the
+        loss first: a NaN loss skips it), and the peak memory's MAX runs on logging steps (StepStats)."""
+        ctx, stop = self.ctx, self.checkpointer.stop
+        moe = moe_metrics.local_sums(self.model, self.cfg, ctx.device)  # None when dense
+        if ctx.world_size == 1:
+            self.stop_agreed = None  # after_step reads the local flag, no collective
+            return moe_metrics.step_loss(loss.item(), moe, self.cfg, ctx, self.micro_batches)
+        vec = torch.zeros(4 + (0 if moe is None else moe.numel()), dtype=torch.float64, device=ctx.device)
+        if ctx.tp_rank == 0:
+            vec[0] = loss.detach()
+            if moe is not None:
+                vec[4:] = moe
+        vec[1:4] = torch.tensor(stop.slots(), dtype=torch.float64)
+        if oplog.FAULT is None or not oplog.fault("skip_collective"):  # test-only: a rank skips it
+            with oplog.logged("all-reduce", None, "step agreement", vec.numel() * vec.element_size()):
+                dist.all_reduce(vec)
+        values = vec.tolist()  # one device-to-host copy
+        self.stop_agreed = stop.settle(values[1:4], self.checkpointer.stop_exchange)
+        sums = None if moe is None else vec[4:]
+        return moe_metrics.step_loss(values[0] / ctx.grad_size, sums, self.cfg, ctx, self.micro_batches)
 
     def before_backward(self, mb: int, is_last: bool, chunk: int = 0) -> None:
         """Before each micro-batch's backward: the dp mode reduces a chunk's gradients only in its last one."""
@@ -225,12 +258,11 @@ class Trainer:
 
     def train_step(self, local_batch: torch.Tensor) -> dict:
         """One optimizer step on one global batch; returns the step's metrics (loss is the global-batch mean)."""
-        ctx, t = self.ctx, self.cfg.train
+        t = self.cfg.train
         start = time.perf_counter()
-        loss = self.mean_over_data(self.forward_backward(local_batch))
-        # The loss is now the global-batch mean on every rank (pp and dp all-reduced; tp peers compute it
-        # identically), so every rank takes the same decision.
-        loss_value, moe = moe_metrics.step_loss(loss.item(), self.model, self.cfg, ctx, self.micro_batches)
+        # The loss is the global-batch mean on every rank (one all-reduce: ``agree``), so every rank takes the
+        # same decision.
+        loss_value, moe = self.agree(self.forward_backward(local_batch, over_pp=False))
         lr = lr_at(self.step, t)
         self.stats.before_update(self.dp.bytes_held)
         if not math.isfinite(loss_value):
@@ -255,7 +287,12 @@ class Trainer:
         }
         if self.skipped_steps:
             record["skipped_steps"] = self.skipped_steps
-        return self.stats.finish(record)
+        return self.stats.finish(record, logged=self.logs(self.step))
+
+    def logs(self, step: int) -> bool:
+        """Whether step ``step``'s record is logged (metrics.jsonl, the progress line): every log.every steps and
+        the last."""
+        return step % self.cfg.log.every == 0 or step == self.cfg.train.steps
 
     def count_bad_step(self, what: str) -> None:
         """Count a skipped step (``what``: loss or gradient norm was NaN/inf); abort after train.max_bad_steps
@@ -326,14 +363,16 @@ class Trainer:
             self.goodput.step(self.step, record["step_time"], write=self.step % self.cfg.log.every == 0)
             self.replicas.maybe_check(self.step, self.checkpointer.wait)  # ends the run before this step's save
             self.stragglers.add(record)
-            if self.step % self.cfg.log.every == 0 or self.step == self.cfg.train.steps:
+            if self.logs(self.step):
                 self.stragglers.report(record)  # every rank: one gather of a few floats to rank 0
                 self.metrics.log(record)
-            # saves every checkpoint.every steps, at the last, on a signal; True: stop now. The stop-signal
-            # all-reduce counts to the next step; a save does not (Megatron stops its interval timer around it).
+            # saves every checkpoint.every steps, at the last, on a signal; True: stop now. The stop flag rode in
+            # the step's agreement; at the last step it is asked again (a failure to log it must reach every rank),
+            # an all-reduce that counts to the step; a save does not (Megatron stops its interval timer around it).
             saved, start = self.checkpointer.last_saved, time.perf_counter()
+            agreed = None if self.step == self.cfg.train.steps else self.stop_agreed
             with self.hang.saving():
-                stop = self.checkpointer.after_step(self.parts, self.position, self.bad_steps)
+                stop = self.checkpointer.after_step(self.parts, self.position, self.bad_steps, agreed)
             if self.checkpointer.last_saved != saved:
                 clock.exclude(time.perf_counter() - start)
                 self.goodput.saved(time.perf_counter() - start)

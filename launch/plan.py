@@ -11,7 +11,8 @@ the model, sequence length and dtype. The schedule is searched too (1f1b, interl
 zero_bubble, zbv: engine/planning/schedules.py SEARCHED) unless the config file or the command line sets
 parallel.schedule or parallel.virtual_stages, e.g. `--parallel.schedule interleaved --parallel.virtual_stages 2`.
 With `--parallel.pp_layers auto` every pp is planned with its balanced split (engine/planning/balance.py; the
---json rows give each layout's pp_layers), else with the even one.
+--json rows give each layout's pp_layers), else with the even one, or the balanced one where interleaved or zbv cannot
+cut pp*v equal chunks (Llama 3 405B's 126 layers at pp 16).
 Memory: engine/planning/planner.py (checked against measured memory on CPU in tests/planning/test_planner.py); time:
 engine/planning/search.py, the bubble from simulating the schedule. Layouts that fit in --device-memory come
 first, fastest first; only the layouts that a lower bound on the step time leaves in reach of the --top fastest are

@@ -119,6 +119,28 @@ def _no_process_group_left_in_the_parent():
 
 
 @pytest.fixture
+def tmpfs():
+    """``mount(path, size=..., nr_inodes=...)``: a tmpfs at ``path`` (inside tmp_path), unmounted at teardown."""
+    mounted: list[Path] = []
+
+    def mount(path: Path, **options) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        opts = ",".join(f"{k}={v}" for k, v in options.items())
+        out = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)
+        if out.returncode != 0:
+            why = f"cannot mount a tmpfs (needs root or CAP_SYS_ADMIN): {out.stderr.strip()}"
+            if os.environ.get("CI") == "true":
+                pytest.fail(why)
+            pytest.skip(why)
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in reversed(mounted):
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.fixture
 def live_pid():
     """A live process on this host that is neither this one nor its parent (the directory locks of
     engine/checkpoint/lock.py count both as the same job's own): a rival job's pid for lock tests."""

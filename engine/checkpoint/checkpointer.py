@@ -249,13 +249,17 @@ class Checkpointer:
     def start(self) -> None:
         self.stop.install()
 
-    def after_step(self, parts: CheckpointParts, position: RunPosition, streak: int = 0) -> bool:
+    def after_step(
+        self, parts: CheckpointParts, position: RunPosition, streak: int = 0, agreed: bool | None = None
+    ) -> bool:
         """Save when due (every N steps, the last step, a stop signal); True when training must stop now.
+        ``agreed``: the stop decision the step's agreement already took (engine/trainer.py ``agree``); None: ask
+        the ranks now (``StopSignal.agreed``, one all-reduce).
         ``streak``: the steps skipped in a row so far for a NaN/inf loss or gradient (the trainer's count). Inside
         one the weights are those that diverged: a periodic save is skipped, and the last step's or a stop's
         is saved without pruning, so the checkpoints from before the streak, which the abort tells the user to
         resume from, are never pruned for it."""
-        stop = self.stop.agreed(self.ctx, self.stop_exchange)
+        stop = self.stop.agreed(self.ctx, self.stop_exchange) if agreed is None else agreed
         c, step = self.cfg.checkpoint, position.step
         final = step == self.cfg.train.steps or stop
         due = (c.every and step % c.every == 0) or final

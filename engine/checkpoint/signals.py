@@ -1,13 +1,15 @@
 """SIGTERM/SIGHUP/SIGINT as a request to stop cleanly: save a checkpoint after the current step, then leave fit().
 
-A cluster scheduler (SLURM, Kubernetes) sends SIGTERM some time before it kills a job; a dropped ssh session
-sends SIGHUP (the default action ended the run at once, exit 129, nothing saved); Ctrl-C sends SIGINT. The
-handler only sets a flag: a save from inside a signal handler could run in the middle of a collective. The trainer
-asks ``agreed(ctx)`` after every step: an all-reduce MAX of the flag, because the signal may reach only some ranks
-(torchrun forwards it to all of its workers, a scheduler may signal one node first) and every rank must stop at
-the same step. A second SIGINT while the first is pending raises ``Interrupted`` at once: the user wants out now;
-a save it cuts short is dropped and ``latest`` keeps naming the last good checkpoint (engine/checkpoint/
-checkpointer.py), and the launcher prints one line, exit status 130 (128 + SIGINT, as the shell reports it).
+A cluster scheduler (SLURM, Kubernetes) sends SIGTERM some time before it kills a job; a dropped ssh session sends
+SIGHUP (the default action ended the run at once, exit 129, nothing saved); Ctrl-C sends SIGINT. The handler only
+sets a flag: a save from inside a signal handler could run in the middle of a collective. Every rank must stop at
+the same step, and the signal may reach only some ranks (torchrun forwards it to all of its workers, a scheduler may
+signal one node first): the flag rides, as one-hot counts (``slots``), in the step's one agreement all-reduce beside
+the loss (engine/trainer.py ``agree``, before the update), and at the last step in an all-reduce of its own
+(``agreed``). A signal that comes after a step's agreement stops the run after the next step. A second SIGINT while
+the first is pending raises ``Interrupted`` at once: the user wants out now; a save it cuts short is dropped and
+``latest`` keeps naming the last good checkpoint (engine/checkpoint/checkpointer.py), and the launcher prints one
+line, exit status 130 (128 + SIGINT, as the shell reports it).
 
 The same flag stops a run whose metrics cannot be written (``fail``, engine/metrics/logger.py, rank 0 only): the
 flag then carries 3, so every rank learns that this stop is a failure (saved, then exit 3: engine/storage.py).
@@ -128,22 +130,34 @@ class StopSignal:
         """Stop after this step because a write failed (``message``: its one line)."""
         self.requested, self.failed, self.failure = True, True, message
 
+    def slots(self) -> list[float]:
+        """This rank's flag as one-hot counts (signalled, restart, failed): summed over the ranks (the trainer's one
+        step agreement, or ``agreed``), the highest non-zero slot is the MAX of the flags (a failure outranks a
+        restart, which outranks a signal), so the flag rides in a SUM all-reduce beside the loss."""
+        value = FAILED if self.failed else RESTART if self.restart else SIGNALLED if self.requested else 0.0
+        return [float(value == flag) for flag in (SIGNALLED, RESTART, FAILED)]
+
+    def settle(self, counts: list[float], exchange=None) -> bool:
+        """Take the summed ``slots`` of every rank (collective only when some rank failed: its line through the
+        store); True when the run stops after this step, the same on every rank."""
+        value = next((flag for flag, n in zip((FAILED, RESTART, SIGNALLED), counts[::-1]) if n > 0), 0.0)
+        self.requested, self.failed, self.restart = bool(value), value == FAILED, value == RESTART
+        if self.failed:
+            self.failure = exchange.broadcast(self.failure)
+        return self.requested
+
     def agreed(self, ctx, exchange=None) -> bool:
-        """Collective: True on every rank when any rank was signalled or failed (one 1-element all-reduce per
-        step); ``failed`` and ``restart`` then say, on every rank, whether any rank failed or was stopped by its
-        agent, and ``failure`` is rank 0's line (rank 0 writes the metrics), sent through the store (``exchange``:
-        the checkpointer's engine/cluster/exchange.py StoreExchange for it)."""
+        """Collective: True on every rank when any rank was signalled or failed (one 3-element all-reduce); ``failed``
+        and ``restart`` then say, on every rank, whether any rank failed or was stopped by its agent, and
+        ``failure`` is rank 0's line (rank 0 writes the metrics), sent through the store (``exchange``: the
+        checkpointer's engine/cluster/exchange.py StoreExchange for it). The trainer asks it only at the last step:
+        on the others the flag rode in the step's agreement (engine/trainer.py ``agree``)."""
         if ctx.world_size == 1:
             return self.requested
         import torch  # here, not at the top: launch/pretrain.py imports this module before anything starts a thread
         import torch.distributed as dist
 
-        value = FAILED if self.failed else RESTART if self.restart else SIGNALLED if self.requested else 0.0
-        flag = torch.tensor([value], device=ctx.device)
-        with oplog.logged("all-reduce", None, "stop signal", 4):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        value = flag.item()
-        self.requested, self.failed, self.restart = bool(value), value == FAILED, value == RESTART
-        if self.failed:
-            self.failure = exchange.broadcast(self.failure)
-        return self.requested
+        flags = torch.tensor(self.slots(), device=ctx.device)
+        with oplog.logged("all-reduce", None, "stop signal", flags.numel() * flags.element_size()):
+            dist.all_reduce(flags, group=None)
+        return self.settle(flags.tolist(), exchange)

@@ -31,6 +31,14 @@ def check_ddp(cfg) -> None:
         )
 
 
+def refuse_fsdp_key(cfg, key: str) -> str:
+    p = cfg.parallel
+    return (
+        f"parallel.{key}={getattr(p, key)} is read only with parallel.dp_mode=fsdp (got {p.dp_mode}); remove it "
+        f"or set dp_mode=fsdp"
+    )
+
+
 def check_fsdp(cfg) -> None:
     p = cfg.parallel
     if OFFLOADS[p.offload].optimizer and not OFFLOADS[p.offload].params:
@@ -39,6 +47,13 @@ def check_fsdp(cfg) -> None:
             f"CPUOffloadPolicy offloads parameters, gradients and the step together); use "
             f"offload=optimizer_and_params, or dp_mode=zero for the optimizer alone"
         )
+
+
+def fsdp_unsharded_grads(cfg) -> bool:
+    """Whether fsdp accumulates a step's gradients unsharded, reduce-scattering them once (engine/parallel/dp/fsdp.py
+    FSDP.before_backward; engine/planning/dp.py FSDPModel): parallel.fsdp_grad_accumulation=unsharded, and always
+    under a schedule that splits the backward (W adds the weight gradients after the B's, outside autograd)."""
+    return cfg.parallel.fsdp_grad_accumulation == "unsharded" or SCHEDULES[cfg.parallel.schedule].split_w
 
 
 def check_fsdp_layout(cfg, layout) -> None:

@@ -84,13 +84,16 @@ MODES: dict[str, DpModeSpec] = {
             expert_parallel=True,
             identical_over=("dp_cp", "tp"),  # every replica holds the whole stage; tp peers the norms whole
         ),
-        # FSDP: each model chunk its own root, reduce-scattered after its last backward or, under zero bubble and zbv,
-        # its last W (zbv with a tied embedding refused: checks.check_fsdp_layout); experts: units over expert-dp
+        # FSDP: each model chunk its own root, reduce-scattered after every backward (fsdp_grad_accumulation=sharded)
+        # or its last one (unsharded) or, under zero bubble and zbv, after its last W (zbv with a tied embedding
+        # refused: checks.check_fsdp_layout); experts: units over expert-dp
         DpModeSpec(
             "fsdp",
             "fsdp:FSDP",
             _TORCH_STATE,
             "FSDPModel",
+            keys=("fsdp_grad_accumulation",),
+            refuse_key=checks.refuse_fsdp_key,
             check=checks.check_fsdp,
             check_layout=checks.check_fsdp_layout,
             offload=("none", "optimizer_and_params"),

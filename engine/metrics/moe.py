@@ -7,16 +7,15 @@
   MoE layers, micro-batches and dp x cp ranks (each cp rank counts its own tokens), and their coefficient of
   variation (std / mean over experts; 0 = even);
 - ``moe_dropped_tokens``: token copies over capacity (model.moe_capacity_factor), summed likewise; 0 when dropless.
-Sums over pipeline stages (each holds its own layers) and dp x cp ranks: one all-reduce each of E + 3 numbers.
+Sums over pipeline stages (each holds its own layers) and dp x cp ranks: E + 3 numbers that ride in the trainer's
+one step agreement all-reduce (engine/trainer.py ``agree``).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-import engine.trust.oplog as oplog  # floor 0 (docs/architecture.md), not the trust package
 from engine.config import Config
 from engine.model.moe import moe_blocks, moe_layer_count, set_loss_scale
 
@@ -38,10 +37,12 @@ def weigh_losses(model: nn.Module, cfg: Config, micro_batches: int) -> None:
     set_loss_scale(model, cfg.model, cfg.train.moe_aux_loss_coef, cfg.train.moe_z_loss_coef, micro_batches)
 
 
-def collect(model: nn.Module, cfg: Config, ctx, micro_batches: int) -> dict:
-    """The step's MoE metrics, the same on every rank; clears the blocks' records. Collective over pp and dp x cp."""
-    m = cfg.model
-    sums = torch.zeros(3 + m.num_experts, dtype=torch.float64, device=ctx.device)  # aux, z, dropped, counts (E,)
+def local_sums(model: nn.Module, cfg: Config, device) -> torch.Tensor | None:
+    """This rank's (3 + E,) float64 sums of the step (aux, z, dropped, token counts per expert), None when no layer
+    has experts; clears the blocks' records. The trainer sums them over pp and dp x cp in its step agreement."""
+    if not moe_layer_count(cfg.model):
+        return None
+    sums = torch.zeros(3 + cfg.model.num_experts, dtype=torch.float64, device=device)
     for block in moe_blocks(model):
         for r in block.records:
             sums[0] += r["aux"].double()
@@ -49,11 +50,12 @@ def collect(model: nn.Module, cfg: Config, ctx, micro_batches: int) -> dict:
             sums[2] += r["dropped"]
             sums[3:] += r["counts"].double()
         block.records.clear()
-    for size, group in ((ctx.pp, ctx.pp_group), (ctx.grad_size, ctx.grad_group)):
-        if size > 1:
-            with oplog.logged("all-reduce", group, "step stats", sums.numel() * sums.element_size()):
-                dist.all_reduce(sums, group=group)
-    layers = moe_layer_count(m)
+    return sums
+
+
+def collect(sums: torch.Tensor, cfg: Config, ctx, micro_batches: int) -> dict:
+    """The step's MoE metrics from ``local_sums`` summed over pipeline stages and dp x cp ranks."""
+    layers = moe_layer_count(cfg.model)
     mean_over = layers * micro_batches * ctx.grad_size  # a cp rank's aux and z average to the micro-batch's
     counts = sums[3:]
     return {
@@ -66,12 +68,13 @@ def collect(model: nn.Module, cfg: Config, ctx, micro_batches: int) -> dict:
     }
 
 
-def step_loss(lm_loss: float, model: nn.Module, cfg: Config, ctx, micro_batches: int) -> tuple[float, dict]:
+def step_loss(lm_loss: float, sums: torch.Tensor | None, cfg: Config, ctx, micro_batches: int) -> tuple[float, dict]:
     """The step's objective, the loss the gradient follows: cross-entropy + moe_aux_loss_coef * aux +
-    moe_z_loss_coef * z, and the MoE metrics with ``lm_loss`` (cross-entropy alone); (lm_loss, {}) when dense,
-    an MoE family without MoE layers included (their means over zero layers were 0/0: a NaN loss every step)."""
-    if not moe_layer_count(cfg.model):
+    moe_z_loss_coef * z, and the MoE metrics with ``lm_loss`` (cross-entropy alone); (lm_loss, {}) when dense
+    (``sums`` None: ``local_sums`` of a model without MoE layers, an MoE family's included, whose means over zero
+    layers were 0/0: a NaN loss every step)."""
+    if sums is None:
         return lm_loss, {}
-    moe = {**collect(model, cfg, ctx, micro_batches), "lm_loss": lm_loss}
+    moe = {**collect(sums, cfg, ctx, micro_batches), "lm_loss": lm_loss}
     t = cfg.train
     return lm_loss + t.moe_aux_loss_coef * moe["moe_aux_loss"] + t.moe_z_loss_coef * moe["moe_z_loss"], moe

@@ -1,18 +1,19 @@
 """What each step's metrics.jsonl record says beyond the loss: throughput, FLOP/s and MFU, memory, time per phase.
 
 - ``step_time``: wall seconds from the previous step's record to this one (engine/metrics/timers.py StepClock,
-  under Trainer.fit): the data phase, the previous step's logging and the checkpointer's stop-signal all-reduce
-  count; evaluation and checkpoint saves do not. A ``train_step`` called outside fit times itself.
+  under Trainer.fit): the data phase and the previous step's logging count (and, at the last step, the checkpointer's
+  stop-signal all-reduce); evaluation and checkpoint saves do not. A ``train_step`` called outside fit times itself.
 - ``tokens_per_s`` (global, global_batch_size * seq_len / step_time) and ``tokens_per_s_per_device`` (/ world size).
 - ``warmup``: true on the first WARMUP_STEPS steps of a process (compilation, first touch of memory, DDP's
   re-bucketing), which the progress line's ETA leaves out; absent on later steps.
 - ``tflops``: achieved model TFLOP/s per device, ``tokens_per_s_per_device * flops_per_token`` with PaLM's
   6N + 12 L H Q T per token (engine/model/flops.py); ``mfu`` = tflops / the device's peak (``log.peak_tflops``, else
   engine/model/flops.py's table by CUDA device name; absent where no peak is known, a CPU for one).
-- ``peak_mem_bytes``: on CUDA the allocator's peak since the previous step (``torch.cuda.max_memory_allocated``);
+- ``peak_mem_bytes``: on logged steps only (log.every and the last); on CUDA the allocator's peak since the previous
+  logged step (``torch.cuda.max_memory_allocated``);
   on CPU, which has no allocator to ask, the bytes of tensors the rank holds for weights, gradients and optimizer
   state at the update (engine/metrics/memory.py), activations not included. ``mem_source`` says which. The
-  maximum over all ranks (one scalar all-reduce a step): the rank closest to running out, whichever writes it.
+  maximum over all ranks (one scalar all-reduce a logged step): the rank closest to running out, whichever writes it.
 - ``time``: seconds per phase of the step (engine/metrics/timers.py; CUDA events on CUDA): data, forward, backward,
   pp_wait (stalled on pipeline receives), dp_comm (the part of the dp gradient reduction that did not overlap with
   backward: none under DDP, whose bucketed all-reduce runs inside the last backward), optimizer (clip + update;
@@ -63,7 +64,19 @@ class StepStats:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the world group: stages and tp/dp shards hold different bytes
         return int(t.item())
 
-    def finish(self, record: dict) -> dict:
+    def add_memory(self, record: dict) -> None:
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated(self.ctx.device)
+            torch.cuda.reset_peak_memory_stats(self.ctx.device)
+        else:
+            peak = self.state_bytes
+        record.update(
+            peak_mem_bytes=self.max_over_ranks(peak), mem_source="cuda_allocator" if self.cuda else "tensors_held"
+        )
+
+    def finish(self, record: dict, logged: bool = True) -> dict:
+        """Add this step's measurements to ``record``; ``logged``: the record is written (Trainer.logs), the only
+        steps whose peak memory is reduced over the ranks and reported (on CUDA, the peak since the last one)."""
         self.steps_done += 1
         if self.steps_done <= WARMUP_STEPS:
             record["warmup"] = True
@@ -73,14 +86,8 @@ class StepStats:
         record.update(tokens_per_s_per_device=per_device, tflops=tflops)
         if self.peak_tflops:
             record["mfu"] = tflops / self.peak_tflops
-        if self.cuda:
-            peak = torch.cuda.max_memory_allocated(self.ctx.device)
-            torch.cuda.reset_peak_memory_stats(self.ctx.device)
-        else:
-            peak = self.state_bytes
-        record.update(
-            peak_mem_bytes=self.max_over_ranks(peak), mem_source="cuda_allocator" if self.cuda else "tensors_held"
-        )
+        if logged:
+            self.add_memory(record)
         if self.timer.enabled:
             record["time"] = {k: round(v, 6) for k, v in self.timer.pop().items()}
         return record

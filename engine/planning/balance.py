@@ -22,15 +22,30 @@ layers (the even split's rule for a remainder), so a negligible head gives the e
 The default stays the even split: auto balances compute, not memory, and the layers it moves go to the earlier
 stages, which under 1F1B already hold the most micro-batches in flight (pp - stage), so auto can raise the peak
 memory of stage 0 where the even split fits (launch/plan.py prints both, per stage).
+
+Chunked schedules (interleaved: v virtual stages per rank; zbv: 2 in a V; ScheduleSpec.per_rank) split the layers
+into pp*v contiguous runs, one per virtual stage, so their counts are pp*v long, in virtual-stage order. Their auto
+solves the same problem over the virtual stages, with the embedding's virtual stage also charged one decoder layer:
+the split Llama 3 405B trained with (Llama 3 paper, Sec. 3.3.2: one layer fewer on the first stage, which holds the
+embedding and the most warm-up micro-batches, and on the last, which computes the output and the loss) and
+TorchTitan's default (pipeline_parallel_first_stage_less_layers = pipeline_parallel_last_stage_less_layers = 1).
+The LM head keeps its FLOPs (0.65 of a layer at 405B), so 126 layers on pp 16 x v 2 give [3, 4 x 30, 3]. Every cost
+is a multiple of one layer's plus the head's and the embedding's, so a split is computed once per (layers, stages,
+costs) and cached: the planner asks for it at every layout it plans.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import lru_cache
 
 from engine.config import Config
+from engine.kinds.schedules import SCHEDULES
 from engine.model.flops import stage_flops_per_token
-from engine.parallel.pp.split import even_layers
+from engine.parallel.pp import schedule as sched
+from engine.parallel.pp.split import chunk_layer_ranges, even_layers, stage_layer_ranges
+
+EMBEDDING_LAYERS = 1  # chunked schedules' auto: the embedding's virtual stage charged as this many decoder layers
 
 
 def stage_cost(cfg: Config, pp: int, stage: int, layers: int) -> int:
@@ -38,6 +53,14 @@ def stage_cost(cfg: Config, pp: int, stage: int, layers: int) -> int:
     return stage_flops_per_token(
         cfg.model, cfg.train.seq_len, layers, stage == pp - 1, cfg.train.activation_checkpointing
     )
+
+
+def chunk_cost(cfg: Config, chunks: int, g: int, layers: int) -> int:
+    """Cost of virtual stage ``g`` of ``chunks`` holding ``layers`` layers, for a chunked schedule's auto: its
+    layers' FLOPs per token, the LM head's on the last, and the embedding's charged as EMBEDDING_LAYERS layers on
+    the first (module docstring)."""
+    first = EMBEDDING_LAYERS if g == 0 else 0
+    return stage_cost(cfg, chunks, g, layers + first)
 
 
 def best_split(num_layers: int, pp: int, cost: Callable[[int, int], int]) -> list[int]:
@@ -75,26 +98,58 @@ def best_split(num_layers: int, pp: int, cost: Callable[[int, int], int]) -> lis
 
 
 def balanced_layers(cfg: Config, pp: int) -> list[int]:
-    """The split minimising the slowest stage's FLOPs per token (parallel.pp_layers: auto)."""
-    return best_split(cfg.model.num_layers, pp, lambda s, k: stage_cost(cfg, pp, s, k))
+    """The split minimising the slowest stage's cost (parallel.pp_layers: auto): per stage its FLOPs per token,
+    per virtual stage under a chunked schedule (``chunk_cost``)."""
+    chunks = sched.layer_runs(cfg.parallel, pp)
+    layer, head = stage_cost(cfg, 1, 1, 1), stage_cost(cfg, 1, 0, 0)  # one layer; the LM head alone
+    return list(_split(cfg.model.num_layers, chunks, layer, head, EMBEDDING_LAYERS * layer if chunks > pp else 0))
+
+
+@lru_cache(maxsize=4096)
+def _split(num_layers: int, stages: int, layer: int, head: int, embedding: int) -> tuple[int, ...]:
+    """best_split of stages costing k * layer, plus ``embedding`` on the first and ``head`` on the last."""
+    return tuple(
+        best_split(num_layers, stages, lambda s, k: k * layer + (s == 0) * embedding + (s == stages - 1) * head)
+    )
 
 
 def layer_counts(cfg: Config, pp: int) -> list[int]:
-    """Decoder layers of each of ``pp`` stages: parallel.pp_layers as given, balanced (auto) or even (empty). The
-    one place the counts come from (the stage split, the planner); resolve_layout has checked them."""
+    """Decoder layers of each of ``pp`` stages, or of each of the pp*v virtual stages of a chunked schedule in
+    virtual-stage order: parallel.pp_layers as given, balanced (auto) or even (empty). The one place the counts
+    come from (the stage split, the planner); resolve_layout has checked them."""
     given = cfg.parallel.pp_layers
     if given == "auto":
         return balanced_layers(cfg, pp)
-    return list(given) if given else even_layers(cfg.model.num_layers, pp)
+    return list(given) if given else even_layers(cfg.model.num_layers, sched.layer_runs(cfg.parallel, pp))
+
+
+def rank_ranges(cfg: Config, pp: int, stage: int) -> list[range]:
+    """The global layer indices pipeline rank ``stage`` holds: one range per model chunk (one chunk without a
+    chunked schedule), as engine/parallel/pp/executor.py split_stage cuts the stage."""
+    spec, layers, counts = SCHEDULES[cfg.parallel.schedule], cfg.model.num_layers, layer_counts(cfg, pp)
+    if sched.layer_runs(cfg.parallel, pp) == pp:
+        return [stage_layer_ranges(layers, pp, counts)[stage]]
+    return chunk_layer_ranges(layers, pp, spec.per_rank(cfg.parallel.virtual_stages), spec.vshape, counts)[stage]
+
+
+def rank_layers(cfg: Config, pp: int, stage: int) -> list[int]:
+    """Every decoder layer (global index) that pipeline rank ``stage`` holds, over its chunks."""
+    return [i for r in rank_ranges(cfg, pp, stage) for i in r]
 
 
 def describe(cfg: Config, pp: int) -> str:
     """One line for the log: the chosen split, its stage costs and the even split's slowest stage."""
-    counts, even = layer_counts(cfg, pp), even_layers(cfg.model.num_layers, pp)
-    costs = [stage_cost(cfg, pp, s, k) for s, k in enumerate(counts)]
-    slowest_even = max(stage_cost(cfg, pp, s, k) for s, k in enumerate(even))
+    chunks = sched.layer_runs(cfg.parallel, pp)
+    counts, even = layer_counts(cfg, pp), even_layers(cfg.model.num_layers, chunks)
+    unit = "stage" if chunks == pp else "virtual stage"
+
+    def cost(s: int, k: int) -> int:
+        return stage_cost(cfg, pp, s, k) if chunks == pp else chunk_cost(cfg, chunks, s, k)
+
+    costs = [cost(s, k) for s, k in enumerate(counts)]
+    slowest_even = max(cost(s, k) for s, k in enumerate(even))
     return (
-        f"pipeline: parallel.pp_layers={cfg.parallel.pp_layers} -> layers per stage {counts}, stage cost "
+        f"pipeline: parallel.pp_layers={cfg.parallel.pp_layers} -> layers per {unit} {counts}, {unit} cost "
         f"{[round(c / 1e6, 2) for c in costs]} MFLOP/token (slowest {max(costs) / 1e6:.2f}; the even split "
         f"{even}: {slowest_even / 1e6:.2f}, x{slowest_even / max(costs):.2f})"
     )

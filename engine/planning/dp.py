@@ -19,6 +19,7 @@ whether the experts' reduction overlaps the backward as the dense one does (ddp:
 
 from __future__ import annotations
 
+from engine.kinds.dp_checks import fsdp_unsharded_grads
 from engine.kinds.dp_modes import DpModeSpec
 from engine.kinds.ds_config import load_base_config, offload_of
 from engine.kinds.offload import OFFLOADS
@@ -114,7 +115,9 @@ class DDPModel(TorchAdamWModel):
 
 
 class FSDPModel(TorchAdamWModel):
-    """ZeRO stage 3 in fp32, gradients unsharded until the last micro-batch (no-sync accumulation), the gathered
+    """ZeRO stage 3 in fp32: gradients reduce-scattered every micro-batch into the sharded fp32 gradient
+    (parallel.fsdp_grad_accumulation=sharded), or held unsharded until the last micro-batch (unsharded: no-sync
+    accumulation; zero bubble and zbv always: engine/kinds/dp_checks.py ``fsdp_unsharded_grads``), the gathered
     weights extra (one block plus the root unit with reshard_after_forward, the whole stage without);
     CPUOffloadPolicy moves the sharded weights, gradients, AdamW state and its temporaries to the host."""
 
@@ -131,7 +134,7 @@ class FSDPModel(TorchAdamWModel):
 
     def state(self, cfg, layout, params: int, micro_batches: int) -> tuple[float, float, float]:
         weights, grads, optimizer = model_state_parts(params, layout.dp, 3, "fp32")
-        if micro_batches > 1:
+        if micro_batches > 1 and fsdp_unsharded_grads(cfg):
             grads = 4.0 * params  # accumulated unsharded (fp32 reduce dtype) until the last micro-batch's backward
         return weights, grads, optimizer
 
@@ -155,12 +158,16 @@ class FSDPModel(TorchAdamWModel):
 
     def dp_comm(self, cfg, layout, hw, params: int, micro_batches: int, compute_mb: float) -> float:
         """An all-gather per micro-batch forward (and backward with resharding) that prefetch overlaps with compute,
-        and the last micro-batch's gradient reduce-scatter."""
+        and the gradient reduce-scatter: the last micro-batch's (unsharded accumulation), or every micro-batch's,
+        all but the last overlapping the next micro-batches' compute as the all-gathers do."""
         d, bw, lat = layout.dp, link_bandwidth(hw, group_span(layout)), hw.latency_us
         weights = (2.0 if cfg.train.dtype == "bf16" else 4.0) * params
         gathers = 1 + reshard_after_forward(cfg, layout.pp)
-        hidden = max(0.0, gathers * ring_time(weights, d, 1, bw, lat) - compute_mb)
-        return micro_batches * hidden + ring_time(4.0 * params, d, 1, bw, lat)
+        gather, reduce = gathers * ring_time(weights, d, 1, bw, lat), ring_time(4.0 * params, d, 1, bw, lat)
+        hidden = max(0.0, gather - compute_mb)
+        if micro_batches == 1 or fsdp_unsharded_grads(cfg):
+            return micro_batches * hidden + reduce
+        return (micro_batches - 1) * max(0.0, gather + reduce - compute_mb) + hidden + reduce
 
 
 class ZeroModel:

@@ -86,10 +86,7 @@ def layouts(
             for ac in RECOMPUTE
         }
         for schedule, v in schedules[:1] if pp == 1 else schedules:
-            # chunked schedules (interleaved, zbv) split the layers evenly; other pp keep no pp_layers of another pp
-            # (auto is a rule, not counts: it balances every pp)
-            same = pp == cfg.parallel.pp or cfg.parallel.pp_layers == "auto"
-            pp_layers = cfg.parallel.pp_layers if same and SCHEDULES[schedule].per_rank(v) == 1 else []
+            pp_layers = searched_split(cfg, pp, schedule, v)
             for mbs, ep in ((mbs, ep) for mbs in _divisors(gbs // dp) for ep in _ep_sizes(cfg, dp * cp)):
                 for mode, stage, reshard, off in dp_modes(offload or cfg.parallel.offload, dp * cp):
                     parallel = dataclasses.replace(
@@ -113,6 +110,17 @@ def layouts(
                         layout = _resolved(c, Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), world_size, refused)
                         if layout is not None:
                             yield c, layout
+
+
+def searched_split(cfg: Config, pp: int, schedule: str, v: int) -> list[int] | str:
+    """parallel.pp_layers of a searched layout: the config's where its counts fit (the same pp and as many counts as
+    the layout has stages or virtual stages; "auto" is a rule, not counts: it balances every one), else the even
+    split; where that cannot cut a chunked schedule's pp*v equal chunks but each can have a layer, the balanced one
+    (auto: Llama 3 405B's 126 layers on pp 16 x v 2, engine/planning/balance.py)."""
+    given, runs = cfg.parallel.pp_layers, pp * SCHEDULES[schedule].per_rank(v) if pp > 1 else 1
+    if given == "auto" or (given and pp == cfg.parallel.pp and len(given) == runs):
+        return given
+    return "auto" if pp < runs <= cfg.model.num_layers and cfg.model.num_layers % runs else []
 
 
 def _resolved(cfg: Config, asked: Layout, world_size: int, refused: list | None) -> Layout | None:

@@ -8,29 +8,31 @@ over the N data-parallel ranks, stage 2 also the gradients, stage 3 also the wei
 In fp32 training (as on CPU) weights and gradients take 4 bytes each and Adam's two moments 8, with no master copy.
 
 ``stage_memory(cfg, world_size, stage)`` applies this to what THIS engine holds on one rank of a pipeline stage:
-- parameters: the stage's layers (engine.parallel.pp.split.stage_layer_ranges), the embedding on the first stage,
+- parameters: the stage's layers (engine.planning.balance.rank_layers: every chunk's, under a chunked schedule), the
+  embedding on the first stage,
   final norm and LM head on the last (a tied head is a second copy there when pp > 1); linears and the vocab
   split by tp as engine/parallel/tp/layers.py's plan does, norms replicated.
 - state by dp mode, from the mode's planner model (engine/planning/dp.py, named by its DpModeSpec; a
   mode without one is refused, never priced as another): ddp = stage 0 and fsdp = stage 3 with fp32 weights,
-  gradients and AdamW moments (bf16 is autocast or FSDP's bf16 compute copy); under fsdp, gradients stay unsharded
-  until the last micro-batch (no-sync accumulation), and the gathered weights are extra: one block plus the root unit
-  with reshard_after_forward, the
-  whole stage without. zero k = stage k with DeepSpeed's fp32 master copy (K = 12; bf16 weights in bf16 runs).
+  gradients and AdamW moments (bf16 is autocast or FSDP's bf16 compute copy); under fsdp, gradients are
+  reduce-scattered every micro-batch and stay sharded (parallel.fsdp_grad_accumulation=sharded), or stay unsharded
+  until the last micro-batch (unsharded, and zero bubble / zbv: no-sync accumulation, 4 bytes per parameter), and
+  the gathered weights are extra: one block plus the root unit with reshard_after_forward, the whole stage without.
+  zero k = stage k with DeepSpeed's fp32 master copy (K = 12; bf16 weights in bf16 runs).
 - expert parallelism (parallel.ep): a rank holds E/ep experts of each MoE layer (stage_params "experts"), their
   state priced by the same dp-mode model over the expert-dp group of dp cp / ep ranks (``state_groups``,
   engine/planning/ep.py), the dense weights over dp cp as above.
 - activations: engine/planning/activations.py per micro-batch (per model chunk under interleaving), summed over
   what the schedule's action table keeps in flight on the stage (engine/planning/schedules.py: 1F1B keeps
   min(pp - stage, m), GPipe m, interleaved warmup + 1 chunks, ZB-H1 1F1B's until B, then W states until W).
-  Interleaving leaves the parameters as they are: the layers split evenly (pp_layers is refused), and the
-  embedding and head stay on ranks 0 and pp-1.
+  Interleaving moves no parameter but the layers (each virtual stage its run, even or parallel.pp_layers'), and
+  the embedding and head stay on ranks 0 and pp-1.
 - offload (parallel.offload, or the DeepSpeed file's offload keys; Ren et al. 2021, "ZeRO-Offload"): what moves to
   host memory is counted in ``host``, not in the device fields. zero: the fp32 master weights, Adam moments and the
   fp32 gradient partition (K P / N + 4 P / N), ZeRO-3's offload_param also the 16-bit weight partition; the
   device keeps the 16-bit weights (stages 1-2), ZeRO-1's whole gradients and the buckets. fsdp (CPUOffloadPolicy):
   the sharded weights, gradients, AdamW state and its temporaries; the device keeps the gathered weights and,
-  with several micro-batches, the unsharded accumulated gradients.
+  with several micro-batches under unsharded accumulation, the unsharded accumulated gradients.
 """
 
 from __future__ import annotations
@@ -44,11 +46,10 @@ from engine.kinds import dp_modes
 from engine.kinds.families import FAMILIES
 from engine.model.moe import is_moe_layer
 from engine.parallel.layout.checks import Layout, micro_batches_per_step, resolve_layout
-from engine.parallel.pp.split import stage_layer_ranges
 from engine.planning import activations as acts
 from engine.planning import cp as cp_plan
 from engine.planning import ep as ep_plan
-from engine.planning.balance import layer_counts
+from engine.planning.balance import rank_layers
 from engine.planning.dp import model_class
 from engine.planning.moe import expert_params, mlp_params
 from engine.planning.schedules import activations_in_flight, head_stage, one_embedding
@@ -77,7 +78,7 @@ def stage_params(cfg: Config, tp: int, pp: int, stage: int) -> dict[str, int]:
     the embedding / final norm / LM head that the stage holds (FSDP's root unit); "layer" the largest layer.
     "layers" and "layer" count this rank's E/ep experts (parallel.ep), "experts" and "expert_layer" those alone."""
     m, ep = cfg.model, cfg.parallel.ep
-    indices = stage_layer_ranges(m.num_layers, pp, layer_counts(cfg, pp))[stage]
+    indices = rank_layers(cfg, pp, stage)  # over the rank's chunks under a chunked schedule
     experts = [expert_params(m, i) // tp // ep for i in indices] or [0]  # this rank's slice of each layer's experts
     # a layer's weights with all E experts, less the (ep - 1)/ep of them held elsewhere
     sizes = [sum(layer_params(m, tp, i)) - expert_params(m, i) // tp + e for i, e in zip(indices, experts)] or [

@@ -4,11 +4,11 @@ in bytes, and the step's makespan, both read off the schedule's own tables rathe
 Memory: walk the rank's action list (once per table: held_states) and price what is alive after each compute:
 - FWD of (micro-batch, chunk) adds that chunk's activations of one micro-batch (engine/planning/activations.py
   for the chunk's layers). Without virtual stages the one chunk is the whole stage. Interleaved 1F1B
-  (Narayanan et al. 2021, Sec. 2.2.2): the layers are split into pp*v equal chunks and rank r holds chunks r,
-  r+pp, ... (engine/parallel/pp/actions.py), so each chunk holds 1/v of the stage's layers; virtual stage 0 (chunk
-  0 of rank 0) also keeps the token ids of the embedding, the last virtual stage (chunk v-1 of rank pp-1) the
-  final norm, logits and loss, and every chunk but virtual stage 0 its received input (bf16) and its own RoPE
-  tables (built per forward).
+  (Narayanan et al. 2021, Sec. 2.2.2): the layers are split into pp*v chunks (equal, or parallel.pp_layers') and
+  rank r holds chunks r, r+pp, ... (engine/parallel/pp/actions.py), each priced for its own layers; virtual
+  stage 0 (chunk 0 of rank 0) also keeps the token ids of the embedding, the last virtual stage (chunk v-1 of
+  rank pp-1) the final norm, logits and loss, and every chunk but virtual stage 0 its received input (bf16) and
+  its own RoPE tables (built per forward).
 - BWD releases them. Under zero bubble (Qi et al. 2023, Sec. 2) B (BWD_INPUT) releases them too (autograd frees
   the graph) but leaves the W state (engine/parallel/autograd/weight_grad.py), which W (BWD_WEIGHT) releases: for every
   split linear its input x and output gradient g, in the matmul dtype. Per token of a block, x: the norm output
@@ -38,9 +38,8 @@ from engine.config import Config
 from engine.kinds.schedules import SCHEDULES
 from engine.parallel.pp import schedule as sched
 from engine.parallel.pp.actions import Op, max_in_flight, virtual_stage
-from engine.parallel.pp.split import chunk_layer_ranges, stage_layer_ranges
 from engine.planning import activations as acts
-from engine.planning.balance import layer_counts
+from engine.planning.balance import rank_ranges
 
 # What the planner searches when the config leaves the schedule open: each schedule's ScheduleSpec.searched virtual
 # stage counts (1F1B, interleaved with 2..4 virtual stages, ZB-H1 and ZB-V; GPipe declares none).
@@ -69,14 +68,13 @@ def label(schedule: str, v: int) -> str:
 
 def rank_chunks(cfg: Config, pp: int, stage: int) -> list[tuple[int, int]]:
     """(virtual stage, layer count) of each model chunk rank ``stage`` holds, rank-local chunk c at index c.
-    Interleaved: virtual stage g = c*pp + stage holds num_layers/(pp*v) layers, zbv: g = stage and 2pp-1-stage
-    (engine/parallel/pp/split.py chunk_layer_ranges, the split the stage module is cut by); otherwise one chunk,
-    the stage's layers."""
-    v = virtual_stages(cfg)
-    if v == 1:
-        return [(stage, len(stage_layer_ranges(cfg.model.num_layers, pp, layer_counts(cfg, pp))[stage]))]
+    Interleaved: virtual stage g = c*pp + stage, zbv: g = stage and 2pp-1-stage, each its run of layers (even or
+    parallel.pp_layers'; engine.planning.balance.rank_ranges, the split the stage module is cut by); otherwise one
+    chunk, the stage's layers."""
     vshape = SCHEDULES[cfg.parallel.schedule].vshape
-    ranges = chunk_layer_ranges(cfg.model.num_layers, pp, v, vshape)[stage]
+    ranges = rank_ranges(cfg, pp, stage)
+    if len(ranges) == 1:
+        return [(stage, len(ranges[0]))]
     return [(virtual_stage(pp, stage, c, vshape), len(r)) for c, r in enumerate(ranges)]
 
 

@@ -38,14 +38,13 @@ from engine.kinds.offload import OFFLOADS
 from engine.kinds.recompute import RECOMPUTE
 from engine.model import flops
 from engine.parallel.layout.checks import Layout, micro_batches_per_step, resolve_layout
-from engine.parallel.pp.split import stage_layer_ranges
 from engine.parallel.tp.layers import LAYER_PLAN
 from engine.planning import cp as cp_plan
 from engine.planning import ep as ep_plan
 from engine.planning import schedules
 from engine.planning.activations import mode as activation_mode
 from engine.planning.activations import sequence_share
-from engine.planning.balance import layer_counts
+from engine.planning.balance import layer_counts, rank_layers
 from engine.planning.layouts import layouts
 from engine.planning.links import link_bandwidth, ring_time
 from engine.planning.planner import (
@@ -131,7 +130,7 @@ def stage_cost(cfg: Config, layout: Layout, hw: Hardware, stage: int) -> StageCo
             cfg, layout.tp, rate / layout.tp, link_bandwidth(hw, layout.cp * layout.tp), hw.latency_us
         )
     )
-    moe = ep_plan.moe_layers(m, stage_layer_ranges(m.num_layers, layout.pp, layer_counts(cfg, layout.pp))[stage])
+    moe = ep_plan.moe_layers(m, rank_layers(cfg, layout.pp, stage))
     ep_fwd, ep_bwd = (
         moe * x
         for x in ep_plan.a2a_time_per_layer(cfg, layout.ep, link_bandwidth(hw, ep_plan.ep_span(layout)), hw.latency_us)

@@ -10,9 +10,9 @@ posted). ``begin`` + ``end`` cost two ``time.monotonic`` calls and a list, under
 (launch/bench/oplog.py). Standard library only (floor 0 in docs/architecture.md): the parallel floor imports it.
 
 Test-only fault injection, read here and nowhere else: ``ENGINE_TEST_HANG=POINT:RANK:STEP`` makes global rank RANK,
-at step STEP, ``sleep_forward`` (sleep inside a stage's forward), ``skip_collective`` (skip the loss all-reduce over
-dp) or ``wrong_peer`` (post a pipeline receive from a rank that never sends it); ``fault(POINT)`` says when
-(``arm`` reads the variable).
+at step STEP, ``sleep_forward`` (sleep inside a stage's forward), ``skip_collective`` (skip the step's agreement
+all-reduce over the world, engine/trainer.py ``agree``) or ``wrong_peer`` (post a pipeline receive from a rank that
+never sends it); ``fault(POINT)`` says when (``arm`` reads the variable).
 """
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ from engine.metrics.memory import (
 def measure_step(trainer, local_batch: torch.Tensor | None) -> dict[str, int]:
     """One ``trainer.train_step(local_batch)`` (an engine.trainer.Trainer whose optimizer state an earlier step has
     created), measured. Returns bytes: params, grads (the most held before any backward or before the optimizer
-    step: FSDP holds them unsharded until the last micro-batch), optimizer, activations (peak saved for backward),
-    gathered (peak FSDP all-gathered weights), before (held at the start), peak (before + the peak of storages
-    allocated during the step: activations, gradients, communication and optimizer temporaries) and
-    backward_peak (the same until the optimizer step begins)."""
+    step: FSDP with parallel.fsdp_grad_accumulation=unsharded holds them unsharded until the last micro-batch),
+    optimizer, activations (peak saved for backward), gathered (peak FSDP all-gathered weights), before (held at the
+    start), peak (before + the peak of storages allocated during the step: activations, gradients, communication
+    and optimizer temporaries) and backward_peak (the same until the optimizer step begins)."""
     model = trainer.model
     held = tensor_bytes_held(model, trainer.optimizer)
     records = fsdp_params(model)

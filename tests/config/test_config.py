@@ -170,7 +170,8 @@ def test_layout_resolves_dp():
         (
             {"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "pp_layers": [1, 3]},
             2,
-            "parallel.pp_layers=[1, 3] is not supported with schedule=interleaved",
+            "parallel.pp_layers=[1, 3] must list 4 positive layer counts (one per virtual stage, pp*2, in "
+            "virtual-stage order) summing to model.num_layers=4",
         ),
         ({"pp": 2, "virtual_stages": 2}, 2, "virtual_stages=2 needs schedule 'interleaved'"),
         ({"virtual_stages": 2}, 1, "parallel.virtual_stages=2 needs parallel.schedule=interleaved and pp >= 2"),

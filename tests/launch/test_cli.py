@@ -70,6 +70,15 @@ def test_short_run_writes_metrics(tmp_path):
             ["--parallel.dp_mode", "fsdp", "--parallel.grad_compression", "bf16"],
             "parallel.grad_compression=bf16 is a DDP communication hook and needs parallel.dp_mode=ddp (got fsdp)",
         ),
+        # fsdp's gradient accumulation (issue 46): its values, and refused under another mode
+        (
+            ["--parallel.dp_mode", "fsdp", "--parallel.fsdp_grad_accumulation", "full"],
+            "parallel.fsdp_grad_accumulation='full' is not one of sharded, unsharded",
+        ),
+        (
+            ["--parallel.fsdp_grad_accumulation", "unsharded"],
+            "parallel.fsdp_grad_accumulation=unsharded is read only with parallel.dp_mode=fsdp (got ddp)",
+        ),
         (["--parallel.bucket_mb", "0"], "parallel.bucket_mb=0"),
         (["--parallel.grad_compression", "powersgd", "--parallel.powersgd_rank", "0"], "parallel.powersgd_rank=0"),
         (

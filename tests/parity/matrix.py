@@ -75,6 +75,7 @@ class Combo:
     cp_mode: str = "-"  # parallel.cp_mode when cp > 1
     model: str = "dense"  # dense | moe (MOE_ARGS)
     ep: int = 1  # parallel.ep (moe only; divides dp x cp)
+    pp_layers: tuple[int, ...] = ()  # parallel.pp_layers: per stage, or per virtual stage (uneven_slice); () even
 
     @property
     def world(self) -> int:
@@ -94,6 +95,7 @@ class Combo:
             + (f"-cp{self.cp}-{self.cp_mode}" if self.cp > 1 else "")
             + ("-moe" if self.model == "moe" else "")
             + (f"-ep{self.ep}" if self.ep > 1 else "")
+            + (f"-uneven{'.'.join(map(str, self.pp_layers))}" if self.pp_layers else "")
         )
 
     def argv(self) -> list[str]:
@@ -138,6 +140,8 @@ class Combo:
             args += ["--parallel.offload", "optimizer" if mode == "zero2" else "optimizer_and_params"]
         if self.ep > 1:
             args += ["--parallel.ep", str(self.ep)]
+        if self.pp_layers:
+            args += ["--parallel.pp_layers", f"[{','.join(map(str, self.pp_layers))}]"]
         return args + (MOE_ARGS if self.model == "moe" else [])
 
     def values(self) -> dict:
@@ -146,7 +150,7 @@ class Combo:
         or sharded), so that pairs with a dp mode are
         covered where that mode really works across ranks."""
         v = asdict(self)
-        del v["layers"]
+        del v["layers"], v["pp_layers"]  # not factors: uneven_slice declares its rows
         if self.pp == 1:
             del v["schedule"]
         if self.tp == 1:
@@ -260,8 +264,8 @@ def refusal(c: Combo) -> tuple[str, str] | None:
 
 
 def full_matrix() -> list[Combo]:
-    """Every supported combination, clipping off."""
-    return [c for c in all_combos(clip=(False,)) if refusal(c) is None]
+    """Every supported combination, clipping off, and the uneven pipeline splits."""
+    return [c for c in all_combos(clip=(False,)) if refusal(c) is None] + uneven_slice()
 
 
 def refused() -> list[Combo]:
@@ -309,8 +313,62 @@ def covering_subset() -> list[Combo]:
 
 
 def ci_combos() -> list[Combo]:
-    """What CI runs: the pairwise covering subset and the offload slice."""
-    return covering_subset() + offload_slice()
+    """What CI runs: the pairwise covering subset, the offload slice and the uneven splits' CI rows."""
+    return covering_subset() + offload_slice() + [c for c in uneven_slice() if c in UNEVEN_CI]
+
+
+def _uneven(pp, dp, mode, schedule, counts, tied=False, dtype="fp32", tp=1) -> Combo:
+    layers = sum(counts)
+    return Combo(tp, pp, dp, mode, schedule, dtype, tied, False, False, layers=layers, pp_layers=tuple(counts))
+
+
+def uneven_slice() -> list[Combo]:
+    """parallel.pp_layers: stages (1f1b, gpipe, zero_bubble: one count per stage) and virtual stages (interleaved
+    at v 2, zbv: one count per virtual stage, in virtual-stage order) holding different numbers of layers, every
+    schedule at pp 2 alone and under the dp modes it runs with, against the one process of as many layers. The
+    chunked rows run 6 layers split so that the ranks differ too ([1, 1, 3, 1]: interleaved rank 0 holds virtual
+    stages 0 and 2, 4 layers, rank 1 2; zbv's V rank 0 holds 0 and 3, 2 layers, rank 1 4), and Meta's shape, fewer
+    on the first and the last ([1, 2, 2, 1]), with a tied embedding."""
+    return sorted(
+        [
+            _uneven(2, 1, "ddp", "1f1b", (3, 1)),
+            _uneven(2, 1, "ddp", "gpipe", (1, 3)),
+            _uneven(2, 1, "ddp", "zero_bubble", (3, 1)),
+            _uneven(2, 1, "ddp", "interleaved", (1, 1, 3, 1)),
+            _uneven(2, 1, "ddp", "zbv", (1, 1, 3, 1)),
+            _uneven(2, 1, "ddp", "interleaved", (1, 2, 2, 1), tied=True),
+            _uneven(2, 1, "ddp", "zbv", (1, 2, 2, 1), tied=True),
+            _uneven(2, 2, "ddp", "interleaved", (1, 1, 3, 1)),
+            _uneven(2, 2, "fsdp-reshard", "interleaved", (1, 1, 3, 1)),
+            _uneven(2, 2, "fsdp-keep", "zbv", (1, 1, 3, 1)),
+            _uneven(2, 2, "zero1", "interleaved", (1, 1, 3, 1)),
+            _uneven(2, 2, "zero2", "interleaved", (3, 1, 1, 1)),
+            _uneven(2, 2, "fsdp-reshard", "zero_bubble", (1, 3)),
+            _uneven(2, 2, "zero1", "gpipe", (3, 1)),
+            _uneven(2, 1, "ddp", "interleaved", (1, 1, 3, 1), tp=2),
+            _uneven(2, 1, "ddp", "zbv", (1, 1, 3, 1), dtype="bf16"),
+        ]
+    )
+
+
+def held_layers(c: Combo) -> list[set[int]]:
+    """The decoder layers each pipeline rank must hold under ``c.pp_layers``, stated here apart from the engine's
+    split: virtual stage g holds the g-th run of counts[g] layers; it sits on rank g (one chunk per rank), g mod pp
+    (interleaved), or g and 2pp-1-g on rank g's V (zbv)."""
+    counts, pp = c.pp_layers, c.pp
+    starts = list(itertools.accumulate(counts, initial=0))
+    held: list[set[int]] = [set() for _ in range(pp)]
+    for g, n in enumerate(counts):
+        rank = g if len(counts) == pp else g % pp if c.schedule == "interleaved" else min(g, 2 * pp - 1 - g)
+        held[rank] |= set(range(starts[g], starts[g] + n))
+    return held
+
+
+# The uneven rows CI runs (chosen by cost: world 2, one per chunked placement; the rest run with --full).
+UNEVEN_CI = (
+    _uneven(2, 1, "ddp", "interleaved", (1, 1, 3, 1)),
+    _uneven(2, 1, "ddp", "zbv", (1, 1, 3, 1)),
+)
 
 
 def offload_slice() -> list[Combo]:
@@ -365,9 +423,21 @@ class Resume:
 
 
 def _combo(
-    tp=1, pp=1, dp=1, mode="ddp", schedule=None, dtype="fp32", tied=False, ac=False, clip=False, model="dense"
+    tp=1,
+    pp=1,
+    dp=1,
+    mode="ddp",
+    schedule=None,
+    dtype="fp32",
+    tied=False,
+    ac=False,
+    clip=False,
+    model="dense",
+    pp_layers=(),
+    layers=4,
 ) -> Combo:
-    return Combo(tp, pp, dp, mode, schedule or ("1f1b" if pp > 1 else "-"), dtype, tied, ac, clip, model=model)
+    schedule = schedule or ("1f1b" if pp > 1 else "-")
+    return Combo(tp, pp, dp, mode, schedule, dtype, tied, ac, clip, layers=layers, model=model, pp_layers=pp_layers)
 
 
 def resume_scenarios() -> list[Resume]:
@@ -389,6 +459,10 @@ def resume_scenarios() -> list[Resume]:
         Resume(_combo(pp=4, schedule="zero_bubble"), _combo(pp=2, tp=2, schedule="interleaved")),
         # The MoE model: stacked expert weights and their Adam moments, stored per expert, across pp and dp modes.
         Resume(_combo(pp=2, dp=2, mode="zero1", model="moe"), _combo(dp=4, mode="fsdp-reshard", model="moe")),
-        # zbv's V: a tied embedding is one parameter on rank 0, a copy on the last stage elsewhere
-        Resume(_combo(pp=2, dp=2, schedule="zbv", tied=True), _combo(pp=2, dp=2, schedule="1f1b", tied=True)),
+        # zbv's V: a tied embedding is one parameter on rank 0, a copy on the last stage elsewhere; uneven splits
+        # on both sides (parallel.pp_layers per virtual stage, then per stage): layers move between ranks by name
+        Resume(
+            _combo(pp=2, dp=2, schedule="zbv", tied=True, layers=6, pp_layers=(1, 3, 1, 1)),
+            _combo(pp=2, dp=2, schedule="1f1b", tied=True, layers=6, pp_layers=(2, 4)),
+        ),
     ]

@@ -23,7 +23,7 @@ from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
 from tests.dist import run_ranks
 from tests.numerics import rel_err
-from tests.parity.matrix import MOE_ARGS, Combo
+from tests.parity.matrix import MOE_ARGS, Combo, held_layers
 
 STEPS = 4
 CLIP = 0.5  # below the gradient norm of every step (1.8-4.5 here), so "clip on" clips every step
@@ -312,4 +312,23 @@ def _outcome(c: Combo, run: list[dict], ref_of: dict) -> Outcome:
     if "error" in run[0]:
         return Outcome({}, f"refused: {run[0]['error']}", 0.0)
     errors = compare(run, ref_of[reference_of(c)])
-    return Outcome(errors, verdict(errors, tolerance(c)), max(r["seconds"] for r in run))
+    return Outcome(errors, verdict(errors, tolerance(c)) or wrong_split(c, run), max(r["seconds"] for r in run))
+
+
+def wrong_split(c: Combo, run: list[dict]) -> str | None:
+    """An uneven row (parallel.pp_layers) whose pipeline ranks hold other layers than it asks for (matrix.held_layers;
+    an even split would match one process too), or None. Ranks are numbered pp outermost (mesh AXES)."""
+    if not c.pp_layers:
+        return None
+    per_pp = c.world // c.pp
+    got = [
+        {
+            int(name.split(".")[2])
+            for r in run[p * per_pp : (p + 1) * per_pp]
+            for name in r["params"]
+            if ".layers." in name
+        }
+        for p in range(c.pp)
+    ]
+    want = held_layers(c)
+    return None if got == want else f"layers held per pipeline rank {got}, parallel.pp_layers asks {want}"

@@ -6,8 +6,12 @@ run in. Made once with the search before issue 43's pruning (commit d940f07):
     cd /tmp/base && python tests/planning/search_fixture.py > <worktree>/tests/planning/data/search_best.json
 
 (or one process per case, ``search_fixture.py 4`` for the fifth, its lists merged: how this file was made).
+Remade from its own checkout's exhaustive search (``search`` without ``top``) when the planner's figures change:
+issue 46 (fsdp reduce-scatters every micro-batch, its gradients sharded), cases 0-3 (case 4's rows were unchanged).
 
-tests/planning/test_search_scale.py checks that the pruned search finds the same rows, bit for bit.
+tests/planning/test_search_scale.py checks that the pruned search finds the same rows, bit for bit. Issue 46 made
+parallel.pp_layers count virtual stages under interleaved and zbv: the "pp_layers" of those rows were rewritten from
+per stage to per virtual stage (the same even split; every other figure, and which rows, unchanged).
 """
 
 import dataclasses

@@ -11,7 +11,15 @@ import pytest
 from engine.config import ConfigError, load
 from engine.parallel.layout.checks import resolve_layout
 from engine.parallel.pp.split import even_layers
-from engine.planning.balance import balanced_layers, best_split, describe, layer_counts, stage_cost
+from engine.planning.balance import (
+    balanced_layers,
+    best_split,
+    chunk_cost,
+    describe,
+    layer_counts,
+    rank_ranges,
+    stage_cost,
+)
 from engine.planning.search import Hardware, step_time
 
 TINY = ["--config", "configs/tiny.yaml"]
@@ -114,19 +122,91 @@ def test_config_refuses_junk(value, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-def test_interleaved_refuses_auto():
-    cfg = _cfg(
-        "--parallel.pp",
-        "2",
-        "--parallel.schedule",
-        "interleaved",
-        "--parallel.virtual_stages",
-        "2",
-        "--parallel.pp_layers",
-        "auto",
+CHUNKED = [("interleaved", ["--parallel.virtual_stages", "2"]), ("zbv", [])]
+
+
+def _chunked(schedule: str, extra: list[str], *argv: str):
+    return _cfg("--model.num_layers", "6", "--parallel.pp", "2", "--parallel.schedule", schedule, *extra, *argv)
+
+
+@pytest.mark.parametrize("schedule,extra", CHUNKED)
+def test_chunked_auto_gives_the_first_and_last_virtual_stage_fewer_layers(schedule, extra):
+    """Interleaved and zbv: auto counts per virtual stage (pp*2 of them, virtual-stage order), the embedding's
+    charged a layer and the LM head its FLOPs (Meta's and TorchTitan's shape), the best of every split under that
+    cost; on 6 layers [1, 2, 2, 1], where the even split cannot cut 4 equal chunks (refused without pp_layers)."""
+    cfg = _chunked(schedule, extra, "--parallel.pp_layers", "auto")
+    resolve_layout(cfg, 2)
+    counts = layer_counts(cfg, 2)
+    assert counts == [1, 2, 2, 1]
+
+    def slowest(c):
+        return max(chunk_cost(cfg, 4, g, k) for g, k in enumerate(c))
+
+    assert slowest(counts) == min(slowest(c) for c in _compositions(6, 4))
+    assert "layers per virtual stage [1, 2, 2, 1]" in describe(cfg, 2)
+    with pytest.raises(ConfigError, match="into 2\\*pp=4 equal chunks|into pp\\*virtual_stages=4 equal chunks"):
+        resolve_layout(_chunked(schedule, extra), 2)
+
+
+# Llama 3.1 405B under interleaved with 2 virtual stages, the balanced split (plan.py takes the first 6 alone: its
+# search plans every pp, the balanced split where equal chunks cannot be cut)
+LLAMA_405B_IL2 = [
+    "--config",
+    "configs/llama-3.1-405b.yaml",
+    "--parallel.schedule",
+    "interleaved",
+    "--parallel.virtual_stages",
+    "2",
+    "--parallel.pp_layers",
+    "auto",
+    "--parallel.pp",
+    "16",
+]
+
+
+def test_llama3_405b_auto_is_metas_layout():
+    """126 layers on pp 16 x v 2 (32 virtual stages): one layer fewer on the first and the last, 4 elsewhere
+    (Llama 3 paper, Sec. 3.3.2); rank 0 holds virtual stages 0 and 16, 7 layers, rank 15 stages 15 and 31."""
+    cfg = load(LLAMA_405B_IL2)
+    assert layer_counts(cfg, 16) == [3] + [4] * 30 + [3]
+    assert rank_ranges(cfg, 16, 0) == [range(0, 3), range(63, 67)]
+    assert rank_ranges(cfg, 16, 15) == [range(59, 63), range(123, 126)]
+
+
+def test_llama3_405b_interleaved_is_planned(tmp_path):
+    """launch/plan.py with the 405B config under interleaved (v 2) on 16 devices: every pp of the search (2..16)
+    cuts 126 layers into 2 pp unequal chunks, which were refused before (exit 2, "equal chunks"); now planned, the
+    balanced split searched. The planner at Meta's layout (tp 8, pp 16: Llama 3 paper, Table 4) gives rank 0 and
+    rank 15 seven layers each, the others eight."""
+    from engine.planning.planner import stage_params
+    from tests.cli import run_script
+
+    got = run_script(
+        "launch/plan.py", *LLAMA_405B_IL2[:6], "--world-size", "16", "--device-memory", "2000", "--top", "3"
     )
-    with pytest.raises(ConfigError, match="parallel.pp_layers=auto is not supported with schedule=interleaved"):
-        resolve_layout(cfg, 2)
+    assert got.returncode == 0, got.stderr
+    rows = got.stdout.splitlines()[2:]
+    assert len(rows) == 3 and all(" il-v2 " in row for row in rows), got.stdout
+    cfg = load([*LLAMA_405B_IL2, "--parallel.tp", "8", "--train.global_batch_size", "16"])
+    assert resolve_layout(cfg, 128).pp == 16
+    assert [stage_params(cfg, 8, 16, s)["num_layers"] for s in range(16)] == [7] + [8] * 14 + [7]
+
+
+@pytest.mark.parametrize("schedule,extra", CHUNKED)
+@pytest.mark.parametrize(
+    "value,needle",
+    [
+        ("[3,3]", "parallel.pp_layers=[3, 3] must list 4 positive layer counts (one per virtual stage, pp*2, in "),
+        ("[1,1,1,1]", "parallel.pp_layers=[1, 1, 1, 1] must list 4 positive layer counts"),
+        ("[0,2,2,2]", "parallel.pp_layers=[0, 2, 2, 2] must list 4 positive layer counts"),
+    ],
+)
+def test_chunked_counts_are_checked(schedule, extra, value, needle):
+    """A list per virtual stage: the wrong length, a wrong sum or a zero is refused in one line naming the value
+    and what is valid (its length, positive, the layer total)."""
+    with pytest.raises(ConfigError) as e:
+        resolve_layout(_chunked(schedule, extra, "--parallel.pp_layers", value), 2)
+    assert needle in str(e.value) and "summing to model.num_layers=6" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_pp2_auto_trains_like_one_process(tmp_path):

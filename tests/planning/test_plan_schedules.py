@@ -151,7 +151,16 @@ def test_search_offers_the_new_schedules_and_no_refused_combination():
     refused = []
     plans = search(cfg, 4, Hardware(), schedules.SEARCHED, refused)
     found = {(p.cfg.parallel.schedule, p.cfg.parallel.virtual_stages) for p in plans}
-    assert found == {("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zero_bubble", 1), ("zbv", 2)}  # no v=4
+    # interleaved v 4 cuts 12 layers into 8 unequal chunks at pp 2: searched with the balanced split (balance.py)
+    assert found == {
+        ("1f1b", 1),
+        ("interleaved", 2),
+        ("interleaved", 3),
+        ("interleaved", 4),
+        ("zero_bubble", 1),
+        ("zbv", 2),
+    }
+    assert {p.cfg.parallel.pp_layers for p in plans if p.cfg.parallel.virtual_stages == 4} == {"auto"}
     assert any("virtual_stages" in msg for _, msg in refused)
     for p in plans:
         c, layout = p.cfg, resolve_layout(p.cfg, 4)  # raises on a refused combination
@@ -160,10 +169,11 @@ def test_search_offers_the_new_schedules_and_no_refused_combination():
             sched.build(c.parallel.schedule, layout.pp, m, stage, v)
         if layout.pp == 1:
             assert c.parallel.schedule == "1f1b"
+        even = c.parallel.pp_layers != "auto"
         if c.parallel.schedule == "interleaved":
-            assert 12 % (layout.pp * v) == 0 and m % layout.pp == 0
+            assert (12 % (layout.pp * v) == 0) == even and m % layout.pp == 0
         if c.parallel.schedule == "zbv":  # 2 chunks per rank in a V, ddp or fsdp (CHUNK_LAST_W)
-            assert 12 % (2 * layout.pp) == 0 and layout.pp >= 2 and c.parallel.dp_mode in ("ddp", "fsdp")
+            assert (12 % (2 * layout.pp) == 0) == even and layout.pp >= 2 and c.parallel.dp_mode in ("ddp", "fsdp")
         assert p.describe()["bubble_fraction"] == p.time.bubble_fraction
     # Issue 27: fsdp and zero run under the split schedules too, and the search offers them.
     split = {p.cfg.parallel.dp_mode for p in plans if p.cfg.parallel.schedule != "1f1b"}

@@ -8,7 +8,6 @@ a save is one line (exit 130); train.out_dir '' is refused. Full disks are small
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -21,28 +20,6 @@ from tests.cli import ROOT, run_script
 from tests.shrunk import FIVE_STEPS
 
 ARGS = [*FIVE_STEPS, "--log.progress", "true"]  # a "step" line per step: the tests act on it
-
-
-@pytest.fixture
-def tmpfs():
-    """``mount(path, size=..., nr_inodes=...)``: a tmpfs at ``path`` (inside tmp_path), unmounted at teardown."""
-    mounted: list[Path] = []
-
-    def mount(path: Path, **options) -> Path:
-        path.mkdir(parents=True, exist_ok=True)
-        opts = ",".join(f"{k}={v}" for k, v in options.items())
-        out = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)
-        if out.returncode != 0:
-            why = f"cannot mount a tmpfs (needs root or CAP_SYS_ADMIN): {out.stderr.strip()}"
-            if os.environ.get("CI") == "true":
-                pytest.fail(why)
-            pytest.skip(why)
-        mounted.append(path)
-        return path
-
-    yield mount
-    for path in reversed(mounted):
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
 def _pretrain(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:

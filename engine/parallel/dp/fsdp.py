@@ -17,6 +17,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from engine.config import Config
 from engine.internals import private
+from engine.kinds.dp_checks import fsdp_unsharded_grads
 from engine.kinds.offload import OFFLOADS
 from engine.parallel.dp.base import DataParallel, TorchOptimizerMixin
 from engine.parallel.dp.state import TorchState
@@ -75,13 +76,20 @@ def shard_experts(layer: nn.Module, edp_mesh, divisor: int, **kw) -> None:
 
 
 class FSDP(TorchOptimizerMixin, DataParallel):
-    """The stage sharded over dp; gradients are reduce-scattered in the last micro-batch's backward only (they
-    accumulate unsharded before it, as DDP's no_sync does).
+    """The stage sharded over dp. ``parallel.fsdp_grad_accumulation=sharded`` (the default, as torchtitan's):
+    every micro-batch's backward reduce-scatters each unit's gradients as it completes them (FSDP2's post-backward
+    with gradient sync on), adding them into the sharded fp32 gradient, so a rank holds 4 bytes per parameter / dp
+    between micro-batches (one unit's unsharded gradient at a time inside a backward). ``unsharded``: they are
+    reduce-scattered in the last micro-batch's backward only and accumulate unsharded before it (4 bytes per
+    parameter, as DDP's no_sync: m times fewer reduce-scatters). Either way each unit reshards its parameters after
+    its backward (FSDP2's reshard_after_backward, left at its default), so the gathered weights between micro-batches
+    are the same.
 
     Virtual stages (interleaved): each model chunk is a root unit of its own, whose gradients are reduce-scattered
-    in that chunk's last backward. Zero bubble: no backward completes a gradient (W adds the linears' weight
-    gradients later, outside autograd), so gradient sync stays off in every B and each chunk's units are reduced
-    by hand right after its last W (``last_weight``), as torch.distributed.pipelining's ``perform_reduce_grad``
+    in each of that chunk's backwards (sharded) or in its last (unsharded). Zero bubble: no backward completes a
+    gradient (W adds the linears' weight gradients later, outside autograd), so gradient sync stays off in every B
+    (the gradients accumulate unsharded under either setting) and each chunk's units are reduced by hand right
+    after its last W (``last_weight``), as torch.distributed.pipelining's ``perform_reduce_grad``
     (stage.py) does for FSDP after its last W: ``post_backward`` of every param group, then the root's final
     callback."""
 
@@ -111,7 +119,9 @@ class FSDP(TorchOptimizerMixin, DataParallel):
             return self.chunks[chunk](x, **kwargs)  # the stage itself without virtual stages
 
     def before_backward(self, is_last: bool, chunk: int = 0) -> None:
-        self.chunks[chunk].set_requires_gradient_sync(is_last)
+        """Gradient sync on in every backward (sharded), or in the chunk's last (unsharded). A schedule that
+        splits the backward never passes is_last: its B's leave the gradient incomplete (``last_weight``)."""
+        self.chunks[chunk].set_requires_gradient_sync(is_last or not fsdp_unsharded_grads(self.cfg))
 
     def last_weight(self, store, key, chunk: int = 0) -> None:
         """The chunk's last W, then its reduce-scatter (every dp rank runs the same W's: the same order)."""

@@ -64,12 +64,6 @@ def resolve_layout(cfg: Config, world_size: int) -> Layout:
         raise ConfigError(f"parallel.tp={tp} must divide model.intermediate_size={m.intermediate_size}")
     if m.num_layers < pp:
         raise ConfigError(f"parallel.pp={pp} exceeds model.num_layers={m.num_layers}; each stage needs a layer")
-    counts = p.pp_layers  # "auto": engine/planning/balance.py picks them (any pp <= num_layers has a split)
-    if counts and counts != "auto" and (len(counts) != pp or sum(counts) != m.num_layers or min(counts) < 1):
-        raise ConfigError(
-            f"parallel.pp_layers={counts} must list {pp} positive layer counts (one per stage) "
-            f"summing to model.num_layers={m.num_layers}"
-        )
     check_context_parallel(cfg)
     dp = p.dp if p.dp != -1 else world_size // (tp * pp * cp)
     if dp < 1 or tp * pp * cp * dp != world_size:
@@ -159,15 +153,11 @@ def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
                 f"parallel.schedule={p.schedule} needs parallel.pp >= 2 (with pp=1 there is no bubble "
                 "to shrink); use schedule 1f1b"
             )
-        if m.num_layers % chunks:
+        if m.num_layers % chunks and not p.pp_layers:
             raise ConfigError(
                 f"parallel.schedule={p.schedule} splits model.num_layers={m.num_layers} into pp*"
-                f"virtual_stages={chunks} equal chunks; choose virtual_stages so that it divides"
-            )
-        if p.pp_layers:
-            raise ConfigError(
-                f"parallel.pp_layers={p.pp_layers} is not supported with schedule={p.schedule} "
-                f"(layers split evenly into pp*virtual_stages chunks); leave pp_layers empty"
+                f"virtual_stages={chunks} equal chunks; choose virtual_stages so that it divides, or set "
+                f"parallel.pp_layers (auto, or {chunks} counts, one per virtual stage)"
             )
     if spec.vshape:
         check_vshape(cfg, pp)
@@ -183,6 +173,7 @@ def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
     elif p.virtual_stages != 1:
         chunked = " or ".join(name for name, s in SCHEDULES.items() if s.chunks)
         raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule={chunked} and pp >= 2")
+    check_pp_layers(cfg, pp)
     if p.sequence_parallel and p.tp < 2:
         raise ConfigError(
             f"parallel.sequence_parallel=true needs parallel.tp >= 2 (got tp={p.tp}): it shards the "
@@ -194,23 +185,39 @@ def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
         )
 
 
+def check_pp_layers(cfg: Config, pp: int) -> None:
+    """parallel.pp_layers against what it counts (engine/parallel/pp/schedule.py layer_runs): a layer count per
+    stage, or per virtual stage in virtual-stage order under a chunked schedule (interleaved: pp*v, zbv: 2*pp;
+    engine/parallel/pp/split.py); "auto" (engine/planning/balance.py) needs a layer for each."""
+    p, layers = cfg.parallel, cfg.model.num_layers
+    runs, counts = sched.layer_runs(p, pp), p.pp_layers
+    if runs > layers:
+        raise ConfigError(
+            f"parallel.schedule={p.schedule} at pp={pp} runs {runs} virtual stages, more than "
+            f"model.num_layers={layers}; each needs a layer (fewer virtual_stages or a smaller pp)"
+        )
+    if counts and counts != "auto" and (len(counts) != runs or sum(counts) != layers or min(counts) < 1):
+        what = "one per stage" if runs == pp else f"one per virtual stage, pp*{runs // pp}, in virtual-stage order"
+        raise ConfigError(
+            f"parallel.pp_layers={counts} must list {runs} positive layer counts ({what}) summing to "
+            f"model.num_layers={layers}"
+        )
+
+
 def check_vshape(cfg: Config, pp: int) -> None:
     """A schedule with 2 chunks per rank in a V (ScheduleSpec.vshape: zbv, engine/parallel/pp/schedules/zbv.py) needs
-    pp >= 2, 2*pp equal layer chunks, no uneven split; parallel.virtual_stages is implied (1 or 2 accepted)."""
+    pp >= 2 and 2*pp equal layer chunks unless parallel.pp_layers gives them; parallel.virtual_stages is implied (1
+    or 2 accepted)."""
     p, layers = cfg.parallel, cfg.model.num_layers
     if pp < 2:
         raise ConfigError(
             f"parallel.schedule={p.schedule} needs parallel.pp >= 2 (its V turns on the last rank); use 1f1b"
         )
-    if layers % (2 * pp):
+    if layers % (2 * pp) and not p.pp_layers:
         raise ConfigError(
             f"parallel.schedule={p.schedule} splits model.num_layers={layers} into 2*pp={2 * pp} equal "
-            f"chunks; choose pp so that 2*pp divides it"
-        )
-    if p.pp_layers:
-        raise ConfigError(
-            f"parallel.pp_layers={p.pp_layers} is not supported with schedule={p.schedule} (layers split "
-            f"evenly into 2*pp chunks); leave pp_layers empty"
+            f"chunks; choose pp so that 2*pp divides it, or set parallel.pp_layers (auto, or {2 * pp} counts, "
+            f"one per virtual stage)"
         )
     if p.virtual_stages not in (1, 2):
         raise ConfigError(

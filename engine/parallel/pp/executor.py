@@ -49,12 +49,15 @@ def split_stage(
 ) -> nn.Module:
     """Keep only this stage's part of a (meta-device) Llama, in place: its layers under their global names
     (``model.layers.7`` stays ``7``), the embedding on the first stage, the final norm and LM head on the last.
-    With virtual stages the rank keeps the layers of each of its chunks (engine/parallel/pp/virtual.py); in ZB-V's V
-    (``vshape``) the last virtual stage is on rank 0, which keeps the norm and LM head too."""
+    ``counts``: layers per stage, or per virtual stage with virtual stages (None: the even split). With virtual
+    stages the rank keeps the layers of each of its chunks, recorded as ``model.chunk_layers`` (one range per chunk,
+    what engine/parallel/pp/virtual.py model_chunks runs); in ZB-V's V (``vshape``) the last virtual stage is on
+    rank 0, which keeps the norm and LM head too."""
     if pp == 1:
         return model
     if virtual_stages > 1:
-        ranges = chunk_layer_ranges(len(model.model.layers), pp, virtual_stages, vshape)[stage]
+        ranges = chunk_layer_ranges(len(model.model.layers), pp, virtual_stages, vshape, counts)[stage]
+        model.chunk_layers = ranges
         keep = [i for r in ranges for i in r]
     else:
         keep = stage_layer_ranges(len(model.model.layers), pp, counts)[stage]

@@ -127,6 +127,12 @@ def chunking(parallel) -> tuple[int, bool]:
     return spec.per_rank(parallel.virtual_stages), spec.vshape
 
 
+def layer_runs(parallel, pp: int) -> int:
+    """How many contiguous runs of decoder layers a ParallelConfig's stage split cuts at ``pp`` stages, which is
+    what parallel.pp_layers counts: pp stages, or pp*v virtual stages under a chunked schedule (split.py)."""
+    return pp * chunking(parallel)[0] if pp > 1 else 1
+
+
 def _check_chunks(schedule: str, pp: int, micro_batches: int, virtual_stages: int) -> None:
     """Virtual stages belong to the schedules with chunks; those need v >= 2 and Megatron's whole groups of pp.
     A V's 2 chunks are implied (virtual_stages 1 or 2 accepted)."""

@@ -6,9 +6,11 @@ layer is on the same stage wherever it is asked. Layers keep their global indice
 layout); a stage or chunk is a ``range`` of them.
 
 - One chunk per stage (1F1B, GPipe, zero bubble): contiguous runs, given counts or the even split.
-- Virtual stages (interleaved; Narayanan et al. 2021, Sec. 2.2.2): pp*v equal chunks, rank r holding virtual
+- Virtual stages (interleaved; Narayanan et al. 2021, Sec. 2.2.2): pp*v chunks, rank r holding virtual
   stages r, r+pp, ...; ZB-V (Qi et al. 2023, Sec. 6): 2 chunks in a V, virtual stages r and 2pp-1-r
-  (actions.virtual_stage).
+  (actions.virtual_stage). Virtual stage g holds a contiguous run of layers, in g's order: the even split of pp*v
+  runs, or one count per virtual stage (parallel.pp_layers in virtual-stage order; Llama 3 405B's 126 layers on pp
+  16 x v 2 as [3, 4, ..., 4, 3]).
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ def even_layers(num_layers: int, pp: int) -> list[int]:
     return [len(r) for r in stage_layer_ranges(num_layers, pp)]
 
 
-def chunk_layer_ranges(num_layers: int, pp: int, v: int, vshape: bool = False) -> list[list[range]]:
-    """[rank][chunk] -> global layer indices: virtual stage g (chunk*pp + rank, or in a V r and 2pp-1-r) holds
-    layers [g*n, (g+1)*n), n = num_layers / (pp*v) (layout.checks.check_schedule has checked that it divides)."""
-    n = num_layers // (pp * v)
-    stages = [[virtual_stage(pp, r, c, vshape) for c in range(v)] for r in range(pp)]
-    return [[range(g * n, (g + 1) * n) for g in row] for row in stages]
+def chunk_layer_ranges(
+    num_layers: int, pp: int, v: int, vshape: bool = False, counts: list[int] | None = None
+) -> list[list[range]]:
+    """[rank][chunk] -> global layer indices: virtual stage g (chunk*pp + rank, or in a V r and 2pp-1-r) holds the
+    g-th of pp*v contiguous runs, ``counts[g]`` layers long (one count per virtual stage, checked in
+    layout.checks.check_schedule) or the even split's."""
+    runs = stage_layer_ranges(num_layers, pp * v, counts)
+    return [[runs[virtual_stage(pp, r, c, vshape)] for c in range(v)] for r in range(pp)]

@@ -1,5 +1,6 @@
 """Virtual pipeline stages (interleaved 1F1B; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
-on GPU Clusters Using Megatron-LM", Sec. 2.2.2): the layers are split into pp*v equal chunks and rank r holds
+on GPU Clusters Using Megatron-LM", Sec. 2.2.2): the layers are split into pp*v chunks (equal, or parallel.pp_layers'
+counts, engine/parallel/pp/split.py) and rank r holds
 chunks r, r+pp, ..., r+(v-1)*pp (engine/parallel/pp/actions.py: rank-local chunk c is virtual stage c*pp + r).
 
 A rank still holds *one* stage module (the Llama with the other ranks' layers dropped, layers under their global
@@ -20,7 +21,6 @@ from torch import nn
 
 from engine.model.transformer import decode
 from engine.parallel.pp.actions import virtual_stage
-from engine.parallel.pp.split import chunk_layer_ranges
 
 
 class ModelChunk(nn.Module):
@@ -47,9 +47,10 @@ class ModelChunk(nn.Module):
 
 def model_chunks(stage: nn.Module, pp: int, rank: int, v: int, vshape: bool = False) -> list[nn.Module]:
     """The modules the executor runs as this rank's virtual stages: the stage module itself when v == 1, else
-    one ModelChunk per chunk (``vshape``: ZB-V's placement)."""
+    one ModelChunk per chunk (``vshape``: ZB-V's placement), over the layer runs executor.split_stage cut the stage
+    by (``stage.chunk_layers``: even or parallel.pp_layers' uneven counts)."""
     if v == 1:
         return [stage]
-    ranges = chunk_layer_ranges(stage.cfg.num_layers, pp, v, vshape)[rank]
+    ranges = stage.chunk_layers
     stages = [virtual_stage(pp, rank, c, vshape) for c in range(v)]
     return [ModelChunk(stage, r, first=g == 0, last=g == pp * v - 1) for g, r in zip(stages, ranges)]

@@ -38,7 +38,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, chunk: int):
         n, local_v = logits.shape
-        rank = dist.get_rank(group) if group is not None else 0
+        if group is None or dist.get_world_size(group) == 1:
+            return _forward_whole_vocab(ctx, logits, target, chunk)
+        rank = dist.get_rank(group)
         start = rank * local_v
         outside = (target < start) | (target >= start + local_v)  # (n,): the target's logit is on another rank
         local_target = (target - start).masked_fill(outside, 0)
@@ -64,14 +66,30 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         logits, lse, local_target, outside = ctx.saved_tensors
         grad = torch.empty_like(logits)  # (n, V/tp) in the logits' dtype
         inside = (~outside).float()
+        in_place = logits.dtype == torch.float32  # the softmax is computed in the gradient's own rows
         for lo in range(0, logits.shape[0], ctx.chunk):
             hi = min(lo + ctx.chunk, logits.shape[0])
-            # out of place: .float() of fp32 logits is the saved tensor itself
-            g = (logits[lo:hi].float() - lse[lo:hi].unsqueeze(-1)).exp_()  # softmax (chunk, V/tp) fp32
+            # never in the logits: .float() of fp32 logits is the saved tensor itself
+            out = grad[lo:hi] if in_place else None
+            g = torch.sub(logits[lo:hi].float(), lse[lo:hi].unsqueeze(-1), out=out).exp_()  # softmax, fp32
             rows = torch.arange(hi - lo, device=g.device)
             g[rows, local_target[lo:hi]] -= inside[lo:hi]
-            grad[lo:hi] = g.mul_(grad_loss[lo:hi].unsqueeze(-1))
+            g.mul_(grad_loss[lo:hi].unsqueeze(-1))
+            if not in_place:
+                grad[lo:hi] = g
         return grad, None, None, None
+
+
+def _forward_whole_vocab(ctx, logits, target, chunk: int) -> torch.Tensor:
+    """ChunkedCrossEntropy.forward at tp = 1 (the rank holds the whole vocabulary): one fused log-sum-exp per chunk
+    (faster than F.cross_entropy's log-softmax and its backward: launch/bench/loss.py) instead of the max, exp and
+    sum passes the tp > 1 path needs between its all-reduces; saves the same logits and lse for the same backward."""
+    lse = torch.empty(logits.shape[0], device=logits.device)
+    for lo in range(0, logits.shape[0], chunk):
+        lse[lo : lo + chunk] = torch.logsumexp(logits[lo : lo + chunk].float(), dim=-1)
+    ctx.chunk = chunk
+    ctx.save_for_backward(logits, lse, target, torch.zeros_like(target, dtype=torch.bool))
+    return lse - logits.gather(-1, target.unsqueeze(-1)).squeeze(-1).float()
 
 
 def vocab_parallel_cross_entropy(

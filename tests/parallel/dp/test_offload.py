@@ -195,7 +195,7 @@ def test_fsdp_cpu_offload_trains_like_fsdp(init, tmp_path):
 def test_planner_moves_state_to_host_and_keeps_the_total(mode):
     """What offload takes off the device is what the host gets: the model state (plus AdamW's temporaries for
     fsdp) before equals device state + host after, at one micro-batch (several keep fsdp's unsharded gradients
-    on the device, besides the host copy)."""
+    on the device, besides the host copy, under parallel.fsdp_grad_accumulation=unsharded)."""
     argv = [*BASE, *mode]
     off = stage_memory(load(argv), 2, 0)
     plain = stage_memory(load([*argv, "--parallel.offload", "none"]), 2, 0)

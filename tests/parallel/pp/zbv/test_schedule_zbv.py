@@ -201,7 +201,8 @@ def _cfg(**parallel):
         (
             {"pp": 2, "schedule": "zbv", "pp_layers": [1, 3]},
             2,
-            "parallel.pp_layers=[1, 3] is not supported with schedule=zbv",
+            "parallel.pp_layers=[1, 3] must list 4 positive layer counts (one per virtual stage, pp*2, in "
+            "virtual-stage order)",
         ),
         (
             {"pp": 2, "schedule": "zbv", "virtual_stages": 3},
