@@ -275,7 +275,7 @@ def micro_batch_bytes(cfg: Config, tp: int, pp: int, stage: int, num_layers: int
 
 def transient_bytes(cfg: Config, tp: int, last_stage: bool) -> float:
     """Short-lived buffers at the backward's peak, the largest of: on the last stage the logits' gradient ((b s, V/t)
-    in their dtype, beside the saved logits) and the loss's fp32 temporaries (one or two of its chunks); the
+    in their dtype, beside the saved logits) and the loss's fp32 temporaries (two of its chunks from bf16 logits); the
     gradients flowing back through one MLP (about four (b s, f/t) tensors; an MoE layer's also its experts'
     stacked weight gradient, engine/planning/moe.py); with activation checkpointing, one
     layer of one micro-batch rebuilt for its backward."""
@@ -287,6 +287,8 @@ def transient_bytes(cfg: Config, tp: int, last_stage: bool) -> float:
     if last_stage:
         local_v = m.vocab_size / tp
         chunk = min(tokens, max(1, CHUNK_ELEMENTS // int(local_v)))  # tokens per loss chunk
-        temps = 1 if logit_bytes(cfg) == 4 else 2  # the fp32 softmax of a chunk (+ its fp32 cast from bf16)
+        # the backward's fp32 softmax of a chunk and its fp32 cast from bf16; fp32 logits: none (the softmax is
+        # written into the gradient's own rows, engine/parallel/tp/cross_entropy.py)
+        temps = 0 if logit_bytes(cfg) == 4 else 2
         out = max(out, tokens * logit_bytes(cfg) * local_v + temps * 4 * chunk * local_v)
     return out
