@@ -58,12 +58,12 @@ def _best(seq_len: int):
 
 
 def test_long_sequences_choose_cp_short_ones_do_not():
-    """llama-3.1-8b on one node of 8 x 80 GB: at seq 131072 no layout without cp fits (the activations of a whole
-    sequence per rank), so cp > 1; at seq 2048 one without cp fits and the cp layouts pay their communication
-    for no gain, so cp == 1."""
+    """llama-3.1-8b on one node of 8 x 80 GB: at seq 131072 no layout without cp or sequence parallelism fits (the
+    activations of a whole sequence per rank), and cp > 1 is the fastest; at seq 2048 one without cp fits and the cp
+    layouts pay their communication for no gain, so cp == 1."""
     long = _best(131072)
     assert long[0].fits and long[0].layout.cp > 1
-    assert not any(p.fits for p in long if p.layout.cp == 1)
+    assert not any(p.fits for p in long if p.layout.cp == 1 and not p.cfg.parallel.sequence_parallel)
     short = _best(2048)
     assert short[0].fits and short[0].layout.cp == 1
     with_cp = [p for p in short if p.fits and p.layout.cp > 1]
