@@ -7,6 +7,9 @@ run in. Made once with the search before issue 43's pruning (commit d940f07):
 
 (or one process per case, ``search_fixture.py 4`` for the fifth, its lists merged: how this file was made).
 
+Remade (issue 46: FSDP's reduce-scatter overlapped with the backward, sequence parallelism searched) from the
+exhaustive search (``search(..., top=0)``) of the checkout that made those changes, one process per case.
+
 tests/planning/test_search_scale.py checks that the pruned search finds the same rows, bit for bit.
 """
 
