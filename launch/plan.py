@@ -1,12 +1,14 @@
 """Plan a run: per-rank memory and step time of every valid layout on N devices, ranked.
 
     python launch/plan.py --config configs/llama-3.2-1b.yaml --world-size 8 --device-memory 80 [--global-batch 512]
-        [--top 15] [--json] [--device "NVIDIA H100 80GB HBM3" | --peak-tflops 989] [--efficiency 0.5]
+        [--top 15] [--json] [--device "NVIDIA H100 80GB HBM3" | --peak-tflops 989]
+        [--efficiency 0.55 | --efficiency-from step.json]
         [--gpus-per-node 8] [--intra-node-gbps 450] [--inter-node-gbps 50] [--set section.key=value ...]
         [--section.key value ...]
 
-Layouts are (tp, pp, dp, cp, cp mode, ep, dp mode, micro-batch size, activation checkpointing, pipeline schedule; ep:
-expert parallelism for an MoE model, engine/planning/ep.py, its all-to-all time in "ep s"); the config fixes
+Layouts are (tp, pp, dp, cp, cp mode, ep, sp, dp mode, micro-batch size, activation checkpointing, pipeline schedule;
+ep: expert parallelism for an MoE model, engine/planning/ep.py, its all-to-all time in "ep s"; sp: sequence
+parallelism, tried on and off at tp > 1); the config fixes
 the model, sequence length and dtype. The schedule is searched too (1f1b, interleaved with 2-4 virtual stages,
 zero_bubble, zbv: engine/planning/schedules.py SEARCHED) unless the config file or the command line sets
 parallel.schedule or parallel.virtual_stages, e.g. `--parallel.schedule interleaved --parallel.virtual_stages 2`.
@@ -20,6 +22,10 @@ planned in full (engine/planning/search.py; --json and --top 0 plan every one). 
 memory for the optimizer, or also the parameters) is tried only when no layout fits without it; "host GB" is what a
 rank then keeps in host memory (step time leaves out the host copies and the host Adam step). A bad argument exits
 with status 2 and one line `error: ...`.
+Efficiency (the fraction of the peak the matmuls achieve; bubbles and exposed communication come on top): the
+--device kind's default (engine/planning/devices.py: A100, H100, H200, CPU, each with its source, calibrated on the
+published runs of tests/planning/data/published.json), or --efficiency-from the file `launch/bench/step.py --side ours
+--json-out F` wrote on one such device.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from engine.config import ConfigError, ParallelConfig, load  # noqa: E402
 from engine.kinds.schedules import SCHEDULES  # noqa: E402
 from engine.model.flops import peak_tflops  # noqa: E402
+from engine.planning.devices import KINDS, default_efficiency, device_kind  # noqa: E402
 from engine.planning.schedules import SEARCHED, label  # noqa: E402
 from engine.planning.search import Hardware, search  # noqa: E402
 
@@ -49,6 +56,7 @@ COLUMNS = [
     ("cp", "{}"),
     ("cp_mode", "{}"),
     ("ep", "{}"),
+    ("sp", "{}"),
     ("dp_mode", "{}"),
     ("schedule", "{}"),
     ("micro_batch_size", "{}"),
@@ -74,6 +82,7 @@ HEADER = [
     "cp",
     "cp mode",
     "ep",
+    "sp",
     "dp mode",
     "schedule",
     "mbs",
@@ -119,10 +128,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print every planned layout as JSON")
     p.add_argument("--device", default="NVIDIA H100 80GB HBM3", help="device name for the peak-FLOPs table")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="overrides the table (TFLOP/s per device)")
-    p.add_argument("--efficiency", type=float, default=0.5, help="fraction of the peak the matmuls achieve")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--intra-node-gbps", type=float, default=450.0, help="GB/s per device inside a node")
-    p.add_argument("--inter-node-gbps", type=float, default=50.0, help="GB/s per device between nodes")
+    p.add_argument(
+        "--efficiency",
+        type=float,
+        help="fraction of the peak the matmuls achieve (default: the --device kind's, engine/planning/devices.py)",
+    )
+    p.add_argument(
+        "--efficiency-from",
+        metavar="FILE",
+        help="the efficiency launch/bench/step.py measured on one device (its --json-out file)",
+    )
+    p.add_argument("--gpus-per-node", type=int, help="default: the --device kind's node (devices.py)")
+    p.add_argument("--intra-node-gbps", type=float, help="GB/s per device inside a node (default: the kind's)")
+    p.add_argument("--inter-node-gbps", type=float, help="GB/s per device between nodes (default: the kind's)")
     p.add_argument(
         "--set",
         action="append",
@@ -142,8 +160,44 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def measured_efficiency(path: str) -> float:
+    """The ``efficiency`` of launch/bench/step.py's --json-out file (hardware FLOP/s over the peak on one device)."""
+    try:
+        value = json.loads(Path(path).read_text()).get("efficiency")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ArgumentError(f"--efficiency-from={path!r}: not a launch/bench/step.py --json-out file ({e})") from None
+    if not (value is None or isinstance(value, (int, float))):
+        raise ArgumentError(f"--efficiency-from={path!r}: efficiency={value!r} is not a number")
+    if value is None:
+        raise ArgumentError(
+            f"--efficiency-from={path!r} has no efficiency (step.py ran where no peak is known: a CPU without "
+            f"log.peak_tflops); give --efficiency"
+        )
+    return value
+
+
+def efficiency(args: argparse.Namespace) -> float:
+    """--efficiency, else --efficiency-from's measure, else the --device kind's default (devices.py)."""
+    if args.efficiency is not None and args.efficiency_from:
+        raise ArgumentError("give --efficiency or --efficiency-from, not both")
+    if args.efficiency_from:
+        return measured_efficiency(args.efficiency_from)
+    if args.efficiency is not None:
+        return args.efficiency
+    value = default_efficiency(args.device)
+    if value is None:
+        known = ", ".join(KINDS)
+        raise ArgumentError(f"no default efficiency for --device={args.device!r} (kinds: {known}); give --efficiency")
+    return value
+
+
 def hardware(args: argparse.Namespace, dtype: str) -> Hardware:
     """The Hardware of the arguments; every value is checked here so that errors name the flag."""
+    args.efficiency = efficiency(args)
+    kind = KINDS.get(device_kind(args.device) or "", Hardware())  # an unknown kind: Hardware's (an H100 node)
+    for flag in ("gpus_per_node", "intra_node_gbps", "inter_node_gbps"):
+        if getattr(args, flag) is None:
+            setattr(args, flag, getattr(kind, flag))
     for flag in ("world_size", "device_memory", "efficiency", "gpus_per_node", "intra_node_gbps", "inter_node_gbps"):
         value = getattr(args, flag)
         if not (value > 0 and math.isfinite(value)):  # nan is not > 0

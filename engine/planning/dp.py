@@ -8,7 +8,8 @@ formulas are explained in those two modules' docstrings; this file only says whi
 Methods, each (cfg, layout, ...): ``state(params, micro_batches)`` -> (weights, grads, optimizer) bytes;
 ``step_buffers(params, foreach)``: temporaries of the optimizer step; ``buffers(params)`` -> (gathered weights,
 gradient bucket); ``offloaded(local, parts)`` -> (weights, grads, optimizer, step_buffers, host);
-``dp_comm(hw, params, micro_batches, compute_mb)``: exposed seconds; ``label``: its name in tables. Attributes:
+``dp_comm(hw, params, micro_batches, compute_mb, last)``: exposed seconds (``last``: the parameters reduced
+last, after the backward); ``label``: its name in tables. Attributes:
 ``shards`` (sharding over one rank changes nothing, so the search tries only non-sharding modes at dp = 1),
 ``grads_whole_step`` (gradients held from the first backward to the step), ``per_tensor_step`` (AdamW's fp32 step
 counter per parameter tensor), ``variants(offload)``: the (zero_stage, reshard_after_forward, offload) it is
@@ -58,6 +59,13 @@ def model_state_parts(params: int, dp: int, zero_stage: int, precision: str = "m
     )
 
 
+def overlapped(reduce: float, compute_mb: float, last: float) -> float:
+    """Exposed seconds of a gradient reduction issued during one micro-batch's backward (~2/3 of its ``compute_mb``,
+    the forward being 1/3), as torch DDP's buckets and FSDP's per-block reduce-scatters run: what the backward
+    cannot hide, and at least the ``last`` piece's, which starts only as the backward ends."""
+    return max(reduce - 2.0 / 3.0 * compute_mb, last)
+
+
 def group_span(layout) -> int:
     """Consecutive global ranks the reduction group spans: its dp ranks (dp x cp for the dense weights, ``layout``
     from planner.data_layout), tp apart, and for the experts (engine/planning/ep.py expert_layout) the expert-dp
@@ -105,13 +113,13 @@ class DDPModel(TorchAdamWModel):
     def state(self, cfg, layout, params: int, micro_batches: int) -> tuple[float, float, float]:
         return model_state_parts(params, layout.dp, 0, "fp32")
 
-    def dp_comm(self, cfg, layout, hw, params: int, micro_batches: int, compute_mb: float) -> float:
-        """Buckets reduce during the last micro-batch's backward (~2/3 of its compute); the last bucket's all-reduce
-        starts only when backward ends."""
+    def dp_comm(self, cfg, layout, hw, params: int, micro_batches: int, compute_mb: float, last: int = 0) -> float:
+        """Buckets reduce during the last micro-batch's backward; the last bucket's all-reduce starts only when
+        backward ends."""
         d, bw, lat = layout.dp, link_bandwidth(hw, group_span(layout)), hw.latency_us
         grads = 4.0 * params
         bucket = min(grads, cfg.parallel.bucket_mb * 2**20)
-        return max(ring_time(grads, d, 2, bw, lat) - 2.0 / 3.0 * compute_mb, ring_time(bucket, d, 2, bw, lat))
+        return overlapped(ring_time(grads, d, 2, bw, lat), compute_mb, ring_time(bucket, d, 2, bw, lat))
 
 
 class FSDPModel(TorchAdamWModel):
@@ -156,18 +164,21 @@ class FSDPModel(TorchAdamWModel):
         on_device = grads if grads > sharded_grads else 0.0  # the no-sync accumulation buffer (several micro-batches)
         return 0.0, on_device, 0.0, 0.0, weights + sharded_grads + optimizer + step_buffers
 
-    def dp_comm(self, cfg, layout, hw, params: int, micro_batches: int, compute_mb: float) -> float:
+    def dp_comm(self, cfg, layout, hw, params: int, micro_batches: int, compute_mb: float, last: int = 0) -> float:
         """An all-gather per micro-batch forward (and backward with resharding) that prefetch overlaps with compute,
         and the gradient reduce-scatter: the last micro-batch's (unsharded accumulation), or every micro-batch's,
-        all but the last overlapping the next micro-batches' compute as the all-gathers do."""
+        all but the last overlapping the next micro-batches' compute as the all-gathers do. The last micro-batch's
+        runs unit by unit as each block's backward ends: overlapped with the rest of that backward, all but the
+        ``last`` parameters' (the first block's and the root unit's)."""
         d, bw, lat = layout.dp, link_bandwidth(hw, group_span(layout)), hw.latency_us
         weights = (2.0 if cfg.train.dtype == "bf16" else 4.0) * params
         gathers = 1 + reshard_after_forward(cfg, layout.pp)
         gather, reduce = gathers * ring_time(weights, d, 1, bw, lat), ring_time(4.0 * params, d, 1, bw, lat)
-        hidden = max(0.0, gather - compute_mb)
+        exposed_gather = max(0.0, gather - compute_mb)
+        last_reduce = overlapped(reduce, compute_mb, ring_time(4.0 * last, d, 1, bw, lat))
         if micro_batches == 1 or fsdp_unsharded_grads(cfg):
-            return micro_batches * hidden + reduce
-        return (micro_batches - 1) * max(0.0, gather + reduce - compute_mb) + hidden + reduce
+            return micro_batches * exposed_gather + last_reduce
+        return (micro_batches - 1) * max(0.0, gather + reduce - compute_mb) + exposed_gather + last_reduce
 
 
 class ZeroModel:
@@ -221,7 +232,7 @@ class ZeroModel:
             host, weights = host + weights, 0.0
         return weights, grads, 0.0, step_buffers, host
 
-    def dp_comm(self, cfg, layout, hw, params: int, micro_batches: int, compute_mb: float) -> float:
+    def dp_comm(self, cfg, layout, hw, params: int, micro_batches: int, compute_mb: float, last: int = 0) -> float:
         """Stage 1 all-reduces gradients once, stage 2 reduce-scatters every micro-batch, stage 3 also all-gathers
         weights forward and backward; stages 1-2 all-gather the updated weights (overlap_comm off)."""
         d, bw, lat, stage = layout.dp, link_bandwidth(hw, group_span(layout)), hw.latency_us, cfg.parallel.zero_stage

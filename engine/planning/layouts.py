@@ -1,6 +1,6 @@
 """The layouts the search of engine/planning/search.py tries (launch/plan.py): every (tp, pp, dp, cp, cp mode, ep,
-dp mode, micro-batch size, activation checkpointing, schedule) that engine/parallel/layout/checks.py accepts, as
-configs.
+sequence parallelism, dp mode, micro-batch size, activation checkpointing, schedule) that
+engine/parallel/layout/checks.py accepts, as configs.
 """
 
 from __future__ import annotations
@@ -51,6 +51,13 @@ def _axes(cfg: Config, world_size: int):
                     yield tp, pp, cp, mode
 
 
+def _sp(tp: int) -> tuple[bool, ...]:
+    """parallel.sequence_parallel values to try at ``tp``: both where it applies (tp > 1; resolve_layout refuses a
+    seq_len that tp does not divide), off at tp = 1. Its tp collectives move the bytes of the all-reduces it replaces
+    (reduce-scatter + all-gather), so it changes the memory and the pipeline transfers, not the tp time."""
+    return (False, True) if tp > 1 else (False,)
+
+
 def _ep_sizes(cfg: Config, dp: int) -> list[int]:
     """Expert-parallel sizes to try at ``dp`` data-parallel ranks (dp x cp: the ranks that hold the same dense
     weights): those dividing both it and model.num_experts (resolve_layout refuses what this build cannot run);
@@ -64,14 +71,14 @@ def layouts(
     schedules: tuple[tuple[str, int], ...] | None = None,
     refused: list[tuple[Layout, str]] | None = None,
     offload: str | None = None,
+    keep=None,
 ):
-    """Every valid (tp, pp, dp, cp, cp mode, ep, dp mode, micro-batch size, activation checkpointing, schedule) of
+    """Every valid (tp, pp, dp, cp, cp mode, ep, sp, dp mode, micro-batch size, activation checkpointing, schedule) of
     ``cfg`` on ``world_size`` ranks, as configs. ``schedules``: (schedule, virtual stages) pairs to try (default: the
-    config's; engine.planning.schedules.SEARCHED is every one), the first alone at pp = 1 where no pipeline
-    runs. Validity is engine.parallel.layout.checks.resolve_layout's ((tp, pp, dp), message of each refusal go to
-    ``refused``); at
-    dp = 1 only ddp (sharding over one rank changes nothing). ``offload``: dp_modes' (default the config's
-    parallel.offload)."""
+    config's; engine.planning.schedules.SEARCHED is every one), the first alone at pp = 1 where no pipeline runs.
+    Validity is engine.parallel.layout.checks.resolve_layout's ((tp, pp, dp), message of each refusal go to
+    ``refused``); at dp = 1 only ddp (sharding over one rank changes nothing). ``offload``: dp_modes' (default the
+    config's parallel.offload). ``keep``: a predicate; only the configs it accepts are checked and yielded."""
     gbs = cfg.train.global_batch_size
     schedules = schedules or ((cfg.parallel.schedule, cfg.parallel.virtual_stages),)
     for tp, pp, cp, cp_mode in _axes(cfg, world_size):
@@ -87,7 +94,9 @@ def layouts(
         }
         for schedule, v in schedules[:1] if pp == 1 else schedules:
             pp_layers = searched_split(cfg, pp, schedule, v)
-            for mbs, ep in ((mbs, ep) for mbs in _divisors(gbs // dp) for ep in _ep_sizes(cfg, dp * cp)):
+            for sp, mbs, ep in (
+                (sp, mbs, ep) for sp in _sp(tp) for mbs in _divisors(gbs // dp) for ep in _ep_sizes(cfg, dp * cp)
+            ):
                 for mode, stage, reshard, off in dp_modes(offload or cfg.parallel.offload, dp * cp):
                     parallel = dataclasses.replace(
                         cfg.parallel,
@@ -102,11 +111,14 @@ def layouts(
                         reshard_after_forward=reshard,
                         offload=off,
                         pp_layers=pp_layers,
+                        sequence_parallel=sp,
                         schedule=schedule,
                         virtual_stages=v,
                     )
                     for ac in RECOMPUTE:
                         c = dataclasses.replace(cfg, parallel=parallel, train=trains[mbs, ac])
+                        if keep is not None and not keep(c):
+                            continue
                         layout = _resolved(c, Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), world_size, refused)
                         if layout is not None:
                             yield c, layout

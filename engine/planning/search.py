@@ -18,8 +18,9 @@ bandwidth, otherwise the inter-node one.
 What is counted, per engine path: tp: the plan table of engine/parallel/tp/layers.py (one all-reduce forward per
 row-parallel linear, one backward per column-parallel linear, none fused); ddp: torch DDP's bucketed gradient
 all-reduce, overlapped with the last micro-batch's backward except the last bucket; fsdp: an all-gather per micro-batch
-forward (and another in backward with
-reshard_after_forward) that overlaps compute, and the gradient reduce-scatter of the last micro-batch; zero k
+forward (and another in backward with reshard_after_forward) that overlaps compute, and the gradient reduce-scatter of
+the last micro-batch, block by block as each one's backward ends (FSDP2's post-backward hooks), overlapped with the
+rest of the backward except the last block's and the root unit's (engine/planning/dp.py overlapped); zero k
 (DeepSpeed, overlap_comm off in engine/kinds/ds_config.py): stage 1 all-reduces gradients once, stage 2
 reduce-scatters every micro-batch, stage 3 also all-gathers weights forward and backward, and stages 1-2
 all-gather the updated weights; ep (engine/planning/ep.py): the token all-to-alls, exposed, the busiest ep rank's
@@ -225,6 +226,7 @@ def dp_time(cfg: Config, layout: Layout, hw: Hardware, worst: StageCost) -> floa
             p["layers"] + p["root"],
             micro_batches,
             worst.compute if i == 0 or model.experts_overlap else 0.0,
+            p["layer"] + p["root"],  # reduced last: the first block's and the root unit's (embedding) gradients
         )
         for i, (lay, p) in enumerate(state_groups(layout, worst.params))
     )
@@ -255,6 +257,7 @@ class Candidate:
             "cp": self.layout.cp,
             "ep": self.layout.ep,
             "cp_mode": p.cp_mode if self.layout.cp > 1 else "",
+            "sp": p.sequence_parallel,
             "dp_mode": mode,
             "schedule": p.schedule,
             "virtual_stages": p.virtual_stages,
@@ -288,19 +291,20 @@ def search(
     refused: list[tuple[Layout, str]] | None = None,
     top: int = 0,
     counts: dict | None = None,
+    keep=None,
 ) -> list[Candidate]:
     """Every valid layout (``schedules`` and ``refused`` as for layouts), planned; those that fit in
     hw.memory_gb first, each group by step time. ``top`` > 0: only the first ``top`` of those that fit, the same
     as the whole list's (see ``_best``), planning in full only the layouts a lower bound on the step time cannot
     rule out. ``counts``, if given, gets "valid" (layouts enumerated), "planned" (memory planned) and "timed"
-    (step times simulated)."""
+    (step times simulated). ``keep``: layouts' predicate (only the configs it accepts are searched)."""
     counts = counts if counts is not None else {}
     memo: dict = {}
     plan = _best if top > 0 else _planned
-    out = plan(cfg, world_size, hw, schedules, refused, top, memo, counts)
+    out = plan(cfg, world_size, hw, schedules, refused, top, memo, counts, None, keep)
     # offload only where nothing fits without
     if not OFFLOADS[cfg.parallel.offload].offloads and not any(c.fits for c in out):
-        out += plan(cfg, world_size, hw, schedules, refused, top, memo, counts, "any")
+        out += plan(cfg, world_size, hw, schedules, refused, top, memo, counts, "any", keep)
     out = sorted(out, key=lambda c: (not c.fits, c.time.total, c.peak_bytes))
     return out[:top] if top > 0 else out
 
@@ -309,7 +313,7 @@ def _cost_key(cfg: Config, layout: Layout) -> tuple:
     """What a layout's stage costs depend on within one search: its axes, schedule, micro-batch, checkpointing and
     the activations' dtype (activations.mode); not the dp mode's sharding, offload or resharding (dp_comm's)."""
     p, t = cfg.parallel, cfg.train
-    return (layout, p.cp_mode, p.schedule, p.virtual_stages, repr(p.pp_layers)) + (
+    return (layout, p.cp_mode, p.schedule, p.virtual_stages, repr(p.pp_layers), p.sequence_parallel) + (
         t.micro_batch_size,
         t.activation_checkpointing,
         activation_mode(cfg),
@@ -330,10 +334,10 @@ def _candidate(cfg: Config, world_size: int, hw: Hardware, layout: Layout, memor
     return cand
 
 
-def _planned(cfg: Config, world_size: int, hw: Hardware, schedules, refused, top, memo, counts, offload=None) -> list:
+def _planned(cfg: Config, world_size: int, hw: Hardware, schedules, refused, top, memo, counts, offload, keep) -> list:
     """Every layout planned in full (search with top 0)."""
     out = []
-    for c, layout in layouts(cfg, world_size, schedules, refused, offload):
+    for c, layout in layouts(cfg, world_size, schedules, refused, offload, keep):
         out.append(_candidate(c, world_size, hw, layout, plan_memory(c, world_size, layout=layout), memo))
     for name in ("valid", "planned", "timed"):
         counts[name] = counts.get(name, 0) + len(out)
@@ -365,13 +369,13 @@ def compute_bound(cfg: Config, layout: Layout, hw: Hardware) -> float:
     return busy * (1 - BOUND_SLACK)
 
 
-def _best(cfg: Config, world_size: int, hw: Hardware, schedules, refused, top, memo, counts, offload=None) -> list:
+def _best(cfg: Config, world_size: int, hw: Hardware, schedules, refused, top, memo, counts, offload, keep) -> list:
     """The ``top`` fastest layouts that fit, as the whole search would rank them (step time, then peak memory, then
     the order of enumeration), or every one that fits if fewer do. Layouts are taken by their lower bound, least
     first (compute_bound until a layout comes up, then lower_bound): each is planned stage by stage, dropped at the
     first stage over hw.memory_gb, and timed only if it fits; once ``top`` fit, a layout whose bound exceeds the
     ``top``-th step time cannot enter, nor any after it."""
-    found = list(layouts(cfg, world_size, schedules, refused, offload))
+    found = list(layouts(cfg, world_size, schedules, refused, offload, keep))
     queue = [(compute_bound(c, layout, hw), False, i) for i, (c, layout) in enumerate(found)]
     heapq.heapify(queue)
     fitting: list[tuple[float, float, int]] = []  # (step time, peak bytes, index), kept sorted

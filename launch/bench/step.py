@@ -11,7 +11,9 @@ checkpointing (HF's) when train.activation_checkpointing is not none, AdamW fuse
 same micro-batching, clipping and random batches, created on the device. Every step is timed between
 ``torch.cuda.synchronize()`` calls on CUDA (kernels run asynchronously); the figures are medians after ``--warmup``
 steps (compilation happens there). MFU uses the model FLOPs of engine/model/flops.py (PaLM's 6N + 12 L H Q T)
-for both sides and the device's peak from its table; none on CPU.
+for both sides and the device's peak from its table; none on CPU (unless log.peak_tflops gives one).
+``efficiency``: the FLOP/s the device executed (recomputation included) over that peak, on one device with no
+communication: what `launch/plan.py --efficiency-from` reads from the ``--json-out`` file of ``--side ours``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine.config import load  # noqa: E402
-from engine.model.flops import device_peak_tflops, flops_per_token  # noqa: E402
+from engine.model.flops import device_peak_tflops, flops_per_token, hardware_flops_per_token  # noqa: E402
 from engine.optim import adamw_implementation  # noqa: E402
 
 
@@ -137,6 +139,8 @@ def run_side(side: str, argv: list[str], steps: int, warmup: int) -> dict:
     tokens_per_s = t.global_batch_size * t.seq_len / seconds
     peak = device_peak_tflops(device, t.dtype, cfg.log.peak_tflops)
     tflops = tokens_per_s * flops_per_token(cfg.model, t.seq_len) / 1e12
+    # what the device executed (recomputation included) over its peak: launch/plan.py --efficiency-from reads it
+    executed = tokens_per_s * hardware_flops_per_token(cfg.model, t.seq_len, t.activation_checkpointing) / 1e12
     return {
         "side": side,
         "device": str(device),
@@ -145,6 +149,7 @@ def run_side(side: str, argv: list[str], steps: int, warmup: int) -> dict:
         "tokens_per_s": tokens_per_s,
         "tflops": tflops,
         "mfu": tflops / peak if peak else None,
+        "efficiency": executed / peak if peak else None,
         "max_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
     }
 

@@ -9,9 +9,11 @@ run in. Made once with the search before issue 43's pruning (commit d940f07):
 Remade from its own checkout's exhaustive search (``search`` without ``top``) when the planner's figures change:
 issue 46 (fsdp reduce-scatters every micro-batch, its gradients sharded), cases 0-3 (case 4's rows were unchanged).
 
-tests/planning/test_search_scale.py checks that the pruned search finds the same rows, bit for bit. Issue 46 made
-parallel.pp_layers count virtual stages under interleaved and zbv: the "pp_layers" of those rows were rewritten from
-per stage to per virtual stage (the same even split; every other figure, and which rows, unchanged).
+Remade (issue 46: FSDP's reduce-scatter every micro-batch and overlapped with the backward, sequence parallelism
+searched, uneven virtual stages, the leaner activation ledger) from the exhaustive search (``search(..., top=0)``)
+of the checkout that made those changes, one process per case.
+
+tests/planning/test_search_scale.py checks that the pruned search finds the same rows, bit for bit.
 """
 
 import dataclasses

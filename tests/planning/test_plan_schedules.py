@@ -193,12 +193,12 @@ def test_plan_cli_prints_the_schedule_bubble_and_activations(capsys):
     assert main(base + ["--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "schedule interleaved with 2 virtual stages" in lines[0]
-    assert lines[1].split()[9:10] == ["schedule"] and "bubble" in lines[1] and "act GB/stage" in lines[1]
-    for row in lines[2:]:  # tp pp dp cp cp_mode ep dp_mode schedule ...
+    assert lines[1].split()[10:11] == ["schedule"] and "bubble" in lines[1] and "act GB/stage" in lines[1]
+    for row in lines[2:]:  # tp pp dp cp cp_mode ep sp dp_mode schedule ...
         cells = row.split()
-        assert cells[1] == "2" and cells[7] == "il-v2" and cells[15].endswith("%") and cells[16].count("/") == 1
+        assert cells[1] == "2" and cells[8] == "il-v2" and cells[16].endswith("%") and cells[17].count("/") == 1
     assert main(base + ["--set", "parallel.schedule=zero_bubble"]) == 0
-    assert all(row.split()[7] == "zb-h1" for row in capsys.readouterr().out.splitlines()[2:])
+    assert all(row.split()[8] == "zb-h1" for row in capsys.readouterr().out.splitlines()[2:])
     bad = {
         ("--parallel.virtual_stages", "2"): r"^parallel.virtual_stages=2 needs parallel.schedule=interleaved",
         ("--parallel.schedule", "interleaved"): r"interleaved needs virtual_stages >= 2, got virtual_stages=1",

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from engine.config import load
+from engine.planning.devices import KINDS
 from engine.planning.planner import with_layout
 from engine.planning.schedules import SEARCHED
 from engine.planning.search import Hardware, layouts, search, step_time
@@ -43,13 +44,27 @@ def test_ddp_gradient_all_reduce():
     assert st.dp_comm == pytest.approx(4 * PARAMS / 100e9)  # fp32 gradients, 2 (n-1)/n = 1 at n = 2
 
 
+def test_fsdp_reduce_scatter_overlaps_the_backward():
+    """FSDP reduce-scatters each block's gradients as its backward ends: only the last block's and the root unit's
+    (embedding, norm, head: 4 x (256 + 2 x 4096 x 256) parameters) stay exposed when the backward (2/3 of 4 x 128 x
+    FLOPS at 50 TFLOP/s, 173 us) outlasts the whole reduce-scatter (4 PARAMS bytes, half of them per rank of 2 at
+    100 GB/s: 100 us); the weights' all-gathers (the same 100 us) hide under a micro-batch's compute."""
+    # one micro-batch a rank (8 / (4 x 2)): with more, each earlier micro-batch's reduce-scatter shares the link
+    # with the next one's all-gathers (sharded accumulation), which this case leaves out
+    st = step_time(tiny(dp=2, dp_mode="fsdp", global_batch_size=8), 2, HW)
+    layer = (PARAMS - 256 - 2 * 4096 * 256) // 4
+    assert st.dp_comm == pytest.approx(4 * (layer + 256 + 2 * 4096 * 256) / 2 / 100e9)
+
+
 def test_layouts_are_the_valid_ones():
     # world 2, global batch 4, x 3 checkpointing modes (none, full, selective): (tp, pp, dp) = (1, 1, 2):
     # micro-batch 1 or 2, 6 dp modes: 36; (1, 2, 1): 1f1b needs 4 / mbs >= 2 micro-batches, so mbs 1 or 2, ddp
-    # only at dp = 1: 6; (2, 1, 1): mbs 1, 2, 4: 9; cp 2 (dp 1, but the state shards over dp x cp = 2): mbs 1, 2, 4,
-    # 6 dp modes, ring and all_to_all: 108. tp = 4 needs 4 ranks; no layout leaves pp_layers from another pp.
+    # only at dp = 1: 6; (2, 1, 1): mbs 1, 2, 4, sequence parallelism off and on: 18; cp 2 (dp 1, but the state
+    # shards over dp x cp = 2): mbs 1, 2, 4, 6 dp modes, ring and all_to_all: 108. tp = 4 needs 4 ranks; no layout
+    # leaves pp_layers from another pp.
     found = list(layouts(tiny(global_batch_size=4), 2))
-    assert len(found) == 159
+    assert len(found) == 168
+    assert {c.parallel.sequence_parallel for c, layout in found if layout.tp == 2} == {False, True}
     modes = {(c.parallel.dp_mode, c.parallel.zero_stage, c.parallel.reshard_after_forward) for c, _ in found}
     assert len(modes) == 6
     found8 = [layout for _, layout in layouts(tiny(), 8)]
@@ -148,3 +163,24 @@ def test_long_search_shows_progress_on_stderr_only(capsys, monkeypatch):
         line.startswith("plan: searching the layouts of tiny on 4 devices: ") for line in lines
     ), lines
     assert lines[-1].startswith("plan: searching the layouts of tiny on 4 devices: done in ")
+
+
+def test_cli_efficiency_is_the_device_kinds_or_measured(tmp_path):
+    """Issue 46: the efficiency defaults to the --device kind's (engine/planning/devices.py; a CPU's is 1, its
+    --peak-tflops being the rate step.py measures), and --efficiency-from takes what launch/bench/step.py measured
+    (its --json-out, here on this CPU with a given peak); a file without one is refused in one line."""
+    tiny = ["--config", "configs/tiny.yaml", "--world-size", "2", "--device-memory", "1", "--top", "1"]
+    run = run_script("launch/plan.py", *tiny, "--device", "cpu", "--peak-tflops", "0.5")
+    assert run.returncode == 0, run.stderr
+    assert f"0.5 TFLOP/s at {KINDS['cpu'].efficiency:.0%};" in run.stdout.splitlines()[0]
+    step = tmp_path / "step.json"
+    bench = ["--config", "configs/tiny.yaml", "--set", "log.peak_tflops=0.5", "--set", "train.global_batch_size=4"]
+    bench += ["--steps", "1", "--warmup", "0", "--side", "ours", "--out-dir", str(tmp_path / "out")]
+    measured = run_script("launch/bench/step.py", *bench, "--json-out", str(step))
+    assert measured.returncode == 0, measured.stderr
+    efficiency = json.loads(step.read_text())["efficiency"]
+    run = run_script("launch/plan.py", *tiny, "--device", "cpu", "--peak-tflops", "0.5", "--efficiency-from", step)
+    assert run.returncode == 0, run.stderr
+    assert f"0.5 TFLOP/s at {efficiency:.0%};" in run.stdout.splitlines()[0]
+    step.write_text(json.dumps({"efficiency": None}))
+    one_error_line(run_script("launch/plan.py", *tiny, "--efficiency-from", step), "has no efficiency", "--efficiency")

@@ -32,12 +32,16 @@ def test_plan_table_is_the_exhaustive_searchs_best():
     """launch/plan.py's table (its default --top 15) lists the rows the exhaustive search put first."""
     (case,) = [c for c in FIXTURE if c["case"][0] == "configs/tiny.yaml"]
     config, world, memory, overrides = case["case"]
-    run = run_script("launch/plan.py", "--config", config, "--world-size", world, "--device-memory", memory, *overrides)
+    # the fixture's hardware: Hardware()'s efficiency (plan.py's default is the --device kind's, devices.py)
+    efficiency = ["--efficiency", str(Hardware().efficiency)]
+    run = run_script(
+        "launch/plan.py", "--config", config, "--world-size", world, "--device-memory", memory, *efficiency, *overrides
+    )
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     table = runpy.run_path(str(ROOT / "launch" / "plan.py"))["table"]  # not as __main__: its table() alone
     assert lines[1:] == table(case["best"]).splitlines()
-    assert lines[0].endswith("2562 valid layouts, 53 planned in full, the fastest that fit below"), lines[0]
+    assert lines[0].endswith("3669 valid layouts, 52 planned in full, the fastest that fit below"), lines[0]
 
 
 def test_lower_bound_holds_for_every_layout():
