@@ -395,7 +395,11 @@ class Checkpointer:
         everyone = self.exchange.gather(mine) if self.exchange is not None else [mine]  # to rank 0 only
         error = None
         if self.ctx.rank == 0:
-            dtype = next(parts.model.parameters()).dtype
+            # the probe's bound follows the dtype it computes in: bf16 under train.dtype bf16 also where the
+            # weights stay fp32 (fsdp's and autocast's bf16 compute; a zero1 bf16 save resumed under fsdp
+            # moved its probe by 2.3e-5, over fp32's 2e-5)
+            bf16 = self.cfg.train.dtype == "bf16"
+            dtype = torch.bfloat16 if bf16 else next(parts.model.parameters()).dtype
             found = saved.compare(record, saved.combine(everyone), position, adam_step, (loss, dtype))
             error = saved.verdict(path, found)
         error = self._first(error)
