@@ -32,4 +32,17 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     if mode not in RECOMPUTE:
         raise ValueError(f"activation checkpointing mode {mode!r} is not one of {', '.join(RECOMPUTE)}")
     for layer in model.model.layers.values():
-        layer.recompute = mode
+        set_recompute(layer, mode)
+
+
+def set_recompute(layer: nn.Module, mode: str) -> None:
+    """One decoder block recomputes in ``mode``. A module that runs another operator under selective recomputation
+    (the sequence-parallel row-parallel linear: one operator whose (b, s/tp, h) output the policy keeps,
+    engine/model/recompute_run.py save_under_selective) says so by an ``in_selective_block`` attribute: set here,
+    once, not read from a context variable at run time (dynamo cannot trace ContextVar.set: a graph break in every
+    compiled block)."""
+    layer.recompute = mode
+    selective = RECOMPUTE[mode].recomputes and RECOMPUTE[mode].keeps_matmul_outputs
+    for module in layer.modules():
+        if hasattr(module, "in_selective_block"):
+            module.in_selective_block = selective

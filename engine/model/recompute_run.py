@@ -4,8 +4,6 @@ the rest (torch.utils.checkpoint with a create_selective_checkpoint_contexts pol
 
 from __future__ import annotations
 
-import contextvars
-
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -16,28 +14,6 @@ aten = torch.ops.aten
 # Outputs kept under selective: the GEMMs (F.linear lowers to mm on 2-D views, addmm with a bias), and operators
 # registered by ``save_under_selective``.
 SAVED_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default}
-
-
-_SELECTIVE = contextvars.ContextVar("selective_recompute", default=False)
-
-
-def in_selective_block() -> bool:
-    """Whether a block runs (forward, or its recomputation in backward) under selective recomputation: where an
-    operator registered by ``save_under_selective`` pays off. Elsewhere a layer runs its plain ops, which full
-    recomputation stops re-running at the last tensor backward needs (a custom operator saves its inputs only
-    after its body ran: full recomputation would re-run down_proj's matmul and reduce-scatter)."""
-    return _SELECTIVE.get()
-
-
-def _selectively(block: nn.Module):
-    def run(*args):
-        token = _SELECTIVE.set(True)
-        try:
-            return block._block(*args)
-        finally:
-            _SELECTIVE.reset(token)
-
-    return run
 
 
 def save_under_selective(op) -> None:
@@ -65,4 +41,4 @@ def run_block(block: nn.Module, mode: str, *args) -> torch.Tensor:
         return block._block(*args)
     if not spec.keeps_matmul_outputs:
         return checkpoint(block._block, *args, use_reentrant=False)
-    return checkpoint(_selectively(block), *args, use_reentrant=False, context_fn=_selective_context)
+    return checkpoint(block._block, *args, use_reentrant=False, context_fn=_selective_context)

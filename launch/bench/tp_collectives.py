@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from engine.config import load  # noqa: E402
 from engine.model import transformer as model_lib  # noqa: E402
 from engine.model.init import materialize  # noqa: E402
+from engine.model.recompute import set_recompute  # noqa: E402
 from engine.model.rope import rope_cos_sin  # noqa: E402
 from engine.parallel.autograd.comm import SEQUENCE_REDUCED_LINEAR  # noqa: E402
 from engine.parallel.layout.context import ParallelContext  # noqa: E402
@@ -109,7 +110,7 @@ def count_layer(argv: list[str], recompute: str, seq_len: int = 8) -> dict:
         std=0.02,
     )
     layer = model.model.layers["0"]
-    layer.recompute = recompute
+    set_recompute(layer, recompute)
     b, h = cfg.train.micro_batch_size, cfg.model.hidden_size
     local = seq_len // tp if sp else seq_len  # under sp the residual stream is this rank's (b, s/tp, h)
     x = torch.randn(b, local, h, generator=torch.Generator().manual_seed(1 + ctx.tp_rank), requires_grad=True)

@@ -29,7 +29,6 @@ from torch import nn
 
 from engine.model.fused import FusedLinear
 from engine.model.moe import MoE
-from engine.model.recompute_run import in_selective_block
 from engine.model.transformer import RMSNorm, rms_norm
 from engine.parallel.autograd.comm import (
     copy_to_parallel,
@@ -132,11 +131,13 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, _divide(in_features, self.tp_size, "in_features")))
         self.tp_dims = {"weight": 1}
+        # set by engine/model/recompute.py under selective recomputation: run the one operator it keeps
+        self.in_selective_block = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_parallel(x, self.group)
-        if self.sequence_parallel and self.weight_grad_store is None and in_selective_block():
+        if self.sequence_parallel and self.weight_grad_store is None and self.in_selective_block:
             # one operator, whose (b, s/tp, out) output selective recomputation keeps (zero bubble: below, W deferred)
             return sequence_reduced_linear(x, self.weight, self.group)
         y = linear_with_deferred_weight(x, self.weight, None, self.weight_grad_store)  # (b, s, out) partial sums
