@@ -390,12 +390,13 @@ class Heartbeat:
             return line
 
     def _store_line(self, quiet_s: float) -> str:
-        """The same line on every host that lost the store (no store to agree through): the store's host, the
-        silence that ends a rank (not each rank's own measure of it) and the step."""
+        """The same line on every host that lost the store (no store to agree through): the store's host and the
+        step, no duration: the silence that ends a rank is shorter on a rank whose collective failed first
+        (alarmed: ALARM_BEATS beats) than on one still waiting in it, and both end on the same loss."""
         self._store_lost = True
         return (
-            f"error: the job's store at {self.store_addr} (host {store_host(self.hosts)}) has not answered for "
-            f"{self._limit():.0f} s (dead, frozen or cut off) at step {self.step_of()}; ending the job"
+            f"error: the job's store at {self.store_addr} (host {store_host(self.hosts)}) has stopped answering "
+            f"(dead, frozen or cut off) at step {self.step_of()}; ending the job"
         )
 
     def _end(self, line: str) -> None:
