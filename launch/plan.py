@@ -3,7 +3,8 @@
     python launch/plan.py --config configs/llama-3.2-1b.yaml --world-size 8 --device-memory 80 [--global-batch 512]
         [--top 15] [--json] [--device "NVIDIA H100 80GB HBM3" | --peak-tflops 989]
         [--efficiency 0.55 | --efficiency-from step.json]
-        [--gpus-per-node 8] [--intra-node-gbps 450] [--inter-node-gbps 50] [--set section.key=value ...]
+        [--gpus-per-node 8] [--intra-node-gbps 450] [--inter-node-gbps 50] [--hbm-gbps 3350]
+        [--set section.key=value ...]
         [--section.key value ...]
 
 Layouts are (tp, pp, dp, cp, cp mode, ep, sp, dp mode, micro-batch size, activation checkpointing, pipeline schedule;
@@ -45,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from engine.config import ConfigError, ParallelConfig, load  # noqa: E402
 from engine.kinds.schedules import SCHEDULES  # noqa: E402
 from engine.model.flops import peak_tflops  # noqa: E402
-from engine.planning.devices import KINDS, default_efficiency, device_kind  # noqa: E402
+from engine.planning.devices import KINDS, default_efficiency, device_kind, hbm_gbps  # noqa: E402
 from engine.planning.schedules import SEARCHED, label  # noqa: E402
 from engine.planning.search import Hardware, search  # noqa: E402
 
@@ -142,6 +143,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--intra-node-gbps", type=float, help="GB/s per device inside a node (default: the kind's)")
     p.add_argument("--inter-node-gbps", type=float, help="GB/s per device between nodes (default: the kind's)")
     p.add_argument(
+        "--hbm-gbps",
+        type=float,
+        help="device memory GB/s for the element-wise kernels (default: the --device part's; 0: not modelled)",
+    )
+    p.add_argument(
         "--set",
         action="append",
         default=[],
@@ -202,6 +208,10 @@ def hardware(args: argparse.Namespace, dtype: str) -> Hardware:
         value = getattr(args, flag)
         if not (value > 0 and math.isfinite(value)):  # nan is not > 0
             raise ArgumentError(f"--{flag.replace('_', '-')}={value} must be > 0 and finite")
+    if args.hbm_gbps is None:
+        args.hbm_gbps = hbm_gbps(args.device)
+    if not (args.hbm_gbps >= 0 and math.isfinite(args.hbm_gbps)):
+        raise ArgumentError(f"--hbm-gbps={args.hbm_gbps} must be >= 0 and finite (GB/s per device; 0: not modelled)")
     if args.efficiency > 1:
         raise ArgumentError(f"--efficiency={args.efficiency} must be in (0, 1]")
     if not (args.peak_tflops >= 0 and math.isfinite(args.peak_tflops)):  # -5 divided the step time by zero
@@ -218,6 +228,7 @@ def hardware(args: argparse.Namespace, dtype: str) -> Hardware:
         gpus_per_node=args.gpus_per_node,
         intra_node_gbps=args.intra_node_gbps,
         inter_node_gbps=args.inter_node_gbps,
+        hbm_gbps=args.hbm_gbps,
     )
 
 

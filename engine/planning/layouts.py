@@ -94,29 +94,32 @@ def layouts(
         }
         for schedule, v in schedules[:1] if pp == 1 else schedules:
             pp_layers = searched_split(cfg, pp, schedule, v)
+            built: dict = {}  # parallel sections of this (tp, pp, cp, schedule), one per (sp, ep, dp mode), not per mbs
             for sp, mbs, ep in (
                 (sp, mbs, ep) for sp in _sp(tp) for mbs in _divisors(gbs // dp) for ep in _ep_sizes(cfg, dp * cp)
             ):
                 for mode, stage, reshard, off in dp_modes(offload or cfg.parallel.offload, dp * cp):
-                    parallel = dataclasses.replace(
-                        cfg.parallel,
-                        tp=tp,
-                        pp=pp,
-                        dp=dp,
-                        cp=cp,
-                        cp_mode=cp_mode,
-                        ep=ep,
-                        dp_mode=mode,
-                        zero_stage=stage,
-                        reshard_after_forward=reshard,
-                        offload=off,
-                        pp_layers=pp_layers,
-                        sequence_parallel=sp,
-                        schedule=schedule,
-                        virtual_stages=v,
-                    )
+                    key = (sp, ep, mode, stage, reshard, off)
+                    if key not in built:
+                        built[key] = dataclasses.replace(
+                            cfg.parallel,
+                            tp=tp,
+                            pp=pp,
+                            dp=dp,
+                            cp=cp,
+                            cp_mode=cp_mode,
+                            ep=ep,
+                            dp_mode=mode,
+                            zero_stage=stage,
+                            reshard_after_forward=reshard,
+                            offload=off,
+                            pp_layers=pp_layers,
+                            sequence_parallel=sp,
+                            schedule=schedule,
+                            virtual_stages=v,
+                        )
                     for ac in RECOMPUTE:
-                        c = dataclasses.replace(cfg, parallel=parallel, train=trains[mbs, ac])
+                        c = dataclasses.replace(cfg, parallel=built[key], train=trains[mbs, ac])
                         if keep is not None and not keep(c):
                             continue
                         layout = _resolved(c, Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), world_size, refused)

@@ -6,6 +6,8 @@ where the makespan is engine.parallel.pp.simulator's event simulation of the con
 (engine/planning/schedules.py), every virtual stage taking the slowest stage's time for one micro-batch / v:
 forward F, input-gradient backward B and weight-gradient backward W (one backward B+W except under zero bubble),
 from its FLOPs (engine/model/flops.py, recomputation included) at ``efficiency`` of the device peak, its
+element-wise kernels' bytes (engine/planning/kernels.py, recomputation included) at the memory bandwidth
+``hbm_gbps`` (a roofline per kernel class: the matmuls compute-bound, the element-wise kernels memory-bound), its
 tensor-parallel all-reduces, and its pipeline transfers (one each way per model chunk). The bubble is what the
 schedule leaves idle: for 1F1B and GPipe a makespan of (m + p - 1) (F + B), a bubble of (p - 1) / (m + p - 1)
 (Narayanan et al. 2021, Sec. 2.2.1), for interleaved about 1/v of that (their Sec. 2.2.2) with v times the
@@ -42,7 +44,7 @@ from engine.parallel.layout.checks import Layout, micro_batches_per_step, resolv
 from engine.parallel.tp.layers import LAYER_PLAN
 from engine.planning import cp as cp_plan
 from engine.planning import ep as ep_plan
-from engine.planning import schedules
+from engine.planning import kernels, schedules
 from engine.planning.activations import mode as activation_mode
 from engine.planning.activations import sequence_share
 from engine.planning.balance import layer_counts, rank_layers
@@ -72,6 +74,7 @@ class Hardware:
     intra_node_gbps: float = 450.0  # GB/s per device per direction inside a node
     inter_node_gbps: float = 50.0  # GB/s per device between nodes
     latency_us: float = 10.0  # per ring step
+    hbm_gbps: float = 0.0  # device memory bandwidth, GB/s, for the element-wise kernels (0: not modelled)
 
 
 @dataclass
@@ -138,6 +141,8 @@ def stage_cost(cfg: Config, layout: Layout, hw: Hardware, stage: int) -> StageCo
     )
     compute = tokens * flops.stage_flops_per_token(m, t.seq_len, layers, last, t.activation_checkpointing) / rate
     fwd = tokens * flops.stage_flops_per_token(m, t.seq_len, layers, last) / 3 / rate
+    mem_fwd, mem_bwd = elementwise_time(cfg, layout.tp, hw, tokens * layers)
+    compute, fwd = compute + mem_fwd + mem_bwd, fwd + mem_fwd
     weight = tokens * flops.weight_grad_flops_per_token(m, layers, last) / rate
     # the busiest ep rank's extra expert rows: 2 FLOPs a weight forward, 2 B, 2 W (+ 2 recomputed under full)
     wait = tokens * moe * ep_plan.straggler_weights(cfg, layout.ep) / rate
@@ -162,6 +167,15 @@ def stage_cost(cfg: Config, layout: Layout, hw: Hardware, stage: int) -> StageCo
         cp_fwd + cp_bwd,
         ep_fwd + ep_bwd,
     )
+
+
+def elementwise_time(cfg: Config, tp: int, hw: Hardware, token_layers: float) -> tuple[float, float]:
+    """(forward, backward) seconds of the element-wise kernels (engine/planning/kernels.py) over ``token_layers``
+    tokens x layers of one tp rank, at hw.hbm_gbps (none where it is 0)."""
+    if not hw.hbm_gbps:
+        return 0.0, 0.0
+    fwd, bwd = kernels.step_bytes_per_token(cfg, tp)
+    return fwd * token_layers / (hw.hbm_gbps * 1e9), bwd * token_layers / (hw.hbm_gbps * 1e9)
 
 
 def pipeline_time(cfg: Config, layout: Layout, cost: StageCost, micro_batches: int) -> tuple[float, list[float]]:

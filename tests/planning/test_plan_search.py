@@ -130,6 +130,7 @@ def test_cli_exits_2_with_one_line():
         ),
         ("--peak-tflops", "nan", "--peak-tflops=nan must be > 0 and finite"),
         ("--device-memory", "nan", "--device-memory=nan must be > 0 and finite"),
+        ("--hbm-gbps", "-1", "--hbm-gbps=-1.0 must be >= 0 and finite"),
     ],
 )
 def test_cli_refuses_a_negative_or_nan_figure_in_one_line(flag, value, words):

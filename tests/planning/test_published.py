@@ -13,7 +13,8 @@ import pytest
 
 from engine.config import load
 from engine.model import flops
-from engine.planning.devices import KINDS, device_kind
+from engine.planning.devices import KINDS, device_kind, hbm_gbps
+from engine.planning.schedules import SEARCHED
 from engine.planning.search import Hardware, search
 from tests.cli import ROOT
 
@@ -38,6 +39,7 @@ def run_hardware(run: dict) -> Hardware:
         gpus_per_node=kind.gpus_per_node,
         intra_node_gbps=kind.intra_node_gbps,
         inter_node_gbps=kind.inter_node_gbps,
+        hbm_gbps=hbm_gbps(run["device"]),
     )
 
 
@@ -55,11 +57,22 @@ def published_tokens_per_s(run: dict, cfg) -> float:
     return pub["tflops_per_gpu"] * 1e12 * run["world_size"] / per_token
 
 
+def run_schedules(run: dict) -> tuple | None:
+    """The (schedule, virtual stages) pairs searched: the config's, or where the paper fixes the schedule each
+    virtual stage count the planner searches for it (engine.planning.schedules.SEARCHED), after 1F1B, which the
+    layouts without a pipeline (pp 1) take."""
+    name = run["fixed"].get("schedule")
+    return None if name is None else (("1f1b", 1),) + tuple(s for s in SEARCHED if s[0] == name)
+
+
 def fixed_by_paper(run: dict):
-    """The search's predicate: a config whose train or parallel fields match the run's "fixed" ones."""
+    """The search's predicate: a config whose train or parallel fields match the run's "fixed" ones (the schedule
+    only where a pipeline runs, pp > 1)."""
 
     def keep(cfg) -> bool:
         for key, value in run["fixed"].items():
+            if key == "schedule" and cfg.parallel.pp == 1:
+                continue
             section = cfg.train if hasattr(cfg.train, key) else cfg.parallel
             if str(getattr(section, key)).lower() != str(value).lower():
                 return False
@@ -86,7 +99,7 @@ def _layout(plan) -> tuple:
 )
 def test_published_run_is_planned_as_published(run):
     cfg = run_config(run)
-    plans = search(cfg, run["world_size"], run_hardware(run), None, top=40, keep=fixed_by_paper(run))
+    plans = search(cfg, run["world_size"], run_hardware(run), run_schedules(run), top=40, keep=fixed_by_paper(run))
     ranked = list(dict.fromkeys(_layout(p) for p in plans))  # distinct layouts, fastest first
     want = tuple(run["layout"][axis] for axis in ("tp", "pp", "dp", "cp"))
     assert want in ranked[:TOP_LAYOUTS], (want, ranked[:TOP_LAYOUTS])

@@ -32,8 +32,9 @@ def test_plan_table_is_the_exhaustive_searchs_best():
     """launch/plan.py's table (its default --top 15) lists the rows the exhaustive search put first."""
     (case,) = [c for c in FIXTURE if c["case"][0] == "configs/tiny.yaml"]
     config, world, memory, overrides = case["case"]
-    # the fixture's hardware: Hardware()'s efficiency (plan.py's default is the --device kind's, devices.py)
-    efficiency = ["--efficiency", str(Hardware().efficiency)]
+    # the fixture's hardware: Hardware()'s efficiency and no element-wise kernels priced (plan.py's defaults are
+    # the --device kind's and part's, devices.py)
+    efficiency = ["--efficiency", str(Hardware().efficiency), "--hbm-gbps", "0"]
     run = run_script(
         "launch/plan.py", "--config", config, "--world-size", world, "--device-memory", memory, *efficiency, *overrides
     )
