@@ -120,16 +120,43 @@ class Plan:
         return part_mask(q_idx, k_idx, docs_at(self.doc_ids, q_idx), docs_at(self.doc_ids, k_idx)).to(device)
 
 
+def merged(parts: list[tuple[slice, slice, str]], whole: int, causal_whole: bool) -> list[tuple[slice, slice, str]]:
+    """Fewer, larger kernel calls for the same attention: the parts of a block of ``whole`` queries and keys as one
+    CAUSAL part where ``causal_whole`` (the rank's own keys, ascending indices, no documents: query i sees key j
+    iff j <= i in its layout order, the union of block_parts' causal, full, causal), and FULL parts beside each
+    other (same queries and adjacent keys, or the reverse) as one. Each part is a fused kernel call and an
+    online-softmax merge (ring.py); the tiny model at cp 2 computes 2 per layer where it computed 5."""
+    if causal_whole and parts:
+        return [(slice(0, whole), slice(0, whole), CAUSAL)]
+    out: list[tuple[slice, slice, str]] = []
+    for qs, ks, kind in parts:
+        if out and kind == FULL and out[-1][2] == FULL:
+            pq, pk, _ = out[-1]
+            if pq == qs and pk.stop == ks.start:
+                out[-1] = (qs, slice(pk.start, ks.stop), FULL)
+                continue
+            if pk == ks and pq.stop == qs.start:
+                out[-1] = (slice(pq.start, qs.stop), ks, FULL)
+                continue
+        out.append((qs, ks, kind))
+    return out
+
+
 def plan(indices: torch.Tensor, doc_ids: torch.Tensor | None, r: int, fused_kinds: tuple[str, ...]) -> Plan:
     """The Plan of cp rank r over indices (cp, L) and doc_ids (b, s) or None; a part whose kind is not in
-    ``fused_kinds`` (those the fused kernel runs here) is planned MASKED, for the math path."""
+    ``fused_kinds`` (those the fused kernel runs here) is planned MASKED, for the math path; where the fused kernel
+    runs both kinds, its parts are ``merged``."""
     indices = indices.cpu()
     doc_ids = None if doc_ids is None else doc_ids.cpu()
     docs_sorted = doc_ids is None or bool((doc_ids.diff(dim=1) >= 0).all())
     q_doc, cp = docs_at(doc_ids, indices[r]), indices.shape[0]
+    fuse = FULL in fused_kinds and CAUSAL in fused_kinds
+    ascending = doc_ids is None and bool((indices[r].diff() > 0).all())
     steps = []
     for t in range(cp):
         src = (r - t) % cp
         parts = block_parts(indices[r], indices[src], q_doc, docs_at(doc_ids, indices[src]), docs_sorted)
+        if fuse:
+            parts = merged(parts, indices.shape[1], ascending and t == 0)
         steps.append([(qs, ks, kind if kind in fused_kinds else MASKED) for qs, ks, kind in parts])
     return Plan(indices, doc_ids, r, steps)

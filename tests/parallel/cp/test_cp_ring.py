@@ -174,15 +174,33 @@ def _rank_count(case: dict) -> tuple[int, ...]:
 
 
 def test_fully_masked_parts_are_skipped_and_work_is_balanced():
-    """Causal over 2 cp chunks: chunk pair (i, j) has work iff j <= i, so 2cp(2cp+1)/2 of the (2cp)^2 parts are
-    computed, the same number on every rank (the head/tail split), once forward and once backward, every one of
-    them (full or causal within a chunk) by the fused CPU kernel."""
+    """Causal over 2 cp chunks: chunk pair (i, j) has work iff j <= i (block_parts, below); the parts of a ring step
+    are merged (ring_plan.merged): the rank's own keys as one causal call, the other steps' full parts as one, so
+    every rank computes one part per ring step, once forward and once backward, every one by the fused CPU kernel
+    (before the merge: 2cp(2cp+1)/2 parts over the cp ranks, 36 at cp 4, where these are 16)."""
     cp = 4
     case = _reference(2, 2, torch.float32, None, 3)
     counts = run_ranks(_rank_count, cp, case, timeout_s=300)
-    n = 2 * cp
-    assert sum(c[0] for c in counts) == n * (n + 1) // 2, counts
-    assert len(set(counts)) == 1 and len(set(counts[0])) == 1, counts
+    assert counts == [(cp, cp, cp, cp)] * cp, counts
+
+
+def test_merged_parts():
+    """A step's parts as fewer calls: the rank's own keys (ascending, no documents) as one causal part; full parts
+    side by side (the same queries, adjacent keys, or the reverse) as one; anything else as it was."""
+    rows = layout.all_chunk_indices(8, 2)  # rank 0: tokens 0,1 and 6,7; rank 1: 2,3 and 4,5
+    full, causal = ring_plan.FULL, ring_plan.CAUSAL
+    own = ring_plan.block_parts(rows[1], rows[1], None, None)
+    assert ring_plan.merged(own, 4, True) == [(slice(0, 4), slice(0, 4), causal)]
+    assert ring_plan.merged(own, 4, False) == own  # a causal part between: nothing merges
+    assert ring_plan.merged(ring_plan.block_parts(rows[0], rows[1], None, None), 4, False) == [
+        (slice(2, 4), slice(0, 4), full)
+    ]
+    assert ring_plan.merged(ring_plan.block_parts(rows[1], rows[0], None, None), 4, False) == [
+        (slice(0, 4), slice(0, 2), full)
+    ]
+    apart = [(slice(0, 2), slice(0, 2), full), (slice(2, 4), slice(2, 4), full)]
+    assert ring_plan.merged(apart, 4, False) == apart
+    assert ring_plan.merged([], 4, True) == []
 
 
 def test_block_parts_skips_a_key_chunk_after_the_query_chunk():
