@@ -67,3 +67,16 @@ def test_the_parity_writer_changes_only_its_table(tmp_path):
     assert after[1].split(report.END)[0] == "\nanother table\n"
     report.write_readme(copy, f"{report.BEGIN}{before[1].split(report.END)[0]}{report.END}")
     assert copy.read_text() == text, "writing the old table back did not restore the file"
+
+
+def test_the_parity_results_file_reads_back_uneven_rows(tmp_path):
+    """``--rerun-failed`` and ``--write-readme`` read the results file back: a row with an uneven split (its
+    pp_layers a JSON list) must come back as the same, hashable combination."""
+    from tests.parity import matrix
+    from tests.parity.runner import Outcome
+
+    results, row = tmp_path / "ci.jsonl", matrix.UNEVEN_CI[0]
+    report.append_result(results, row, Outcome({}, "planted", 1.0), "abc")
+    assert report.load_results(results) == {row: Outcome({}, "planted", 1.0)}
+    report.save_results(results, {row: None})
+    assert len(results.read_text().splitlines()) == 1

@@ -28,12 +28,18 @@ def append_result(path: Path, c: matrix.Combo, o: Outcome, commit: str) -> None:
         )
 
 
+def read_combo(fields: dict) -> matrix.Combo:
+    """A combination from its JSON fields (JSON has no tuples: pp_layers comes back a list, which would leave the
+    combination unhashable)."""
+    return matrix.Combo(**{**fields, "pp_layers": tuple(fields.get("pp_layers", ()))})
+
+
 def save_results(path: Path, results: dict) -> None:
     """Rewrite ``path`` with the lines of the combinations in ``results`` (their commits kept)."""
     lines = [
         t
         for t in (path.read_text().splitlines() if path.is_file() else [])
-        if matrix.Combo(**json.loads(t)["combo"]) in results
+        if read_combo(json.loads(t)["combo"]) in results
     ]
     path.write_text("".join(t + "\n" for t in lines))
 
@@ -51,7 +57,7 @@ def load_results(path: Path) -> dict:
     out = {}
     for text in path.read_text().splitlines():
         r = json.loads(text)
-        c = matrix.Combo(**r["combo"])
+        c = read_combo(r["combo"])
         # Judged again against today's bounds (runner.py): a result kept from a run under other bounds shows as
         # what those bounds say now.
         failure = runner.verdict(r["errors"], runner.tolerance(c)) if r["errors"] else r["failure"]
