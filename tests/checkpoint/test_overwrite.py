@@ -90,6 +90,14 @@ def _trained_into(run: Path) -> Path:
     return run / "imported"
 
 
+def _without_latest(run: Path) -> Path:
+    """A checkpoint directory without ``latest`` (a copied folder, a crash before the first save's ``latest``),
+    holding three steps."""
+    (run / "ckpt" / "latest").unlink()
+    shutil.copytree(run / "ckpt" / "step_000006", run / "ckpt" / "step_000009")
+    return run / "ckpt"
+
+
 def _link(folder: Path) -> Path:
     link = folder.with_name(f"{folder.name}-link")
     link.symlink_to(folder)
@@ -116,6 +124,12 @@ CASES = {
         ["LICENSE", "README.md", "did not write"],
     ),
     "import-a-run-saved-into": (lambda r: ("import", r / "hf", _trained_into(r)), None, ["step_000006"]),
+    # known by its step folders alone, all three named (no "...")
+    "checkpoint-dir-without-latest": (
+        lambda r: ("export", r / "imported", _without_latest(r)),
+        None,
+        ["is a checkpoint directory (step_000003, step_000006, step_000009);"],
+    ),
     # the source named through a link to the target (an earlier export, which --overwrite may replace): the
     # target would replace its own source (issue 45: comparing the link's path, not where it leads, passed)
     "import-through-a-link-to-its-target": (lambda r: ("import", _link(r / "hf"), r / "hf"), None, ["source"]),
@@ -233,15 +247,20 @@ def test_hostfile_host_names(host, ok):
             parse_hostfile_text(f"{host} slots=2\n")
 
 
-@pytest.mark.parametrize("command", ["export", "import"])
-def test_a_folder_inside_a_checkpoint_step_is_refused_as_a_target(run, tmp_path, command):
+@pytest.mark.parametrize("command,inside", [("export", "step"), ("import", "step"), ("export", "dir-without-latest")])
+def test_a_folder_inside_a_checkpoint_step_is_refused_as_a_target(run, tmp_path, command, inside):
     """Issue 42 item 7: ``convert export ck/step_3 ck/step_3/hf`` was accepted, and the next save's pruning
-    deleted the export with the step; an import into a step folder the same. Refused, one line, nothing written."""
+    deleted the export with the step; an import into a step folder the same. Refused, one line, nothing written.
+    A checkpoint directory without ``latest`` is known by its committed steps, all three named."""
     source = run / "ckpt" / "step_000003" if command == "export" else run / "hf"
     target = run / "ckpt" / "step_000003" / "hf"
+    where = f"lies inside {run / 'ckpt' / 'step_000003'}, a checkpoint step"
+    if inside == "dir-without-latest":
+        source, target = run / "imported", _without_latest(run) / "exports" / "hf"
+        where = f"lies inside {run / 'ckpt'}, a checkpoint directory (step_000003, step_000006, step_000009),"
     before = tree(tmp_path)
     out = launch("convert.py", command, source, target)
-    one_error_line(out, str(target), f"lies inside {run / 'ckpt' / 'step_000003'}, a checkpoint step", "prunes")
+    one_error_line(out, str(target), where, "prunes")
     assert tree(tmp_path) == before, "a refused convert changed or lost files"
 
 
