@@ -34,6 +34,11 @@ DS_CASES = {
         '{"zero_optimization": {"reduce_bucket_size": "lots"}}',
         "sets 'zero_optimization.reduce_bucket_size'=\"lots\"; it must be a whole number >= 0",
     ),
+    # a count below 0 (issue 45: the bound was not checked); the example is the built-in default (README: 5e7)
+    "negative": (
+        '{"zero_optimization": {"reduce_bucket_size": -1}}',
+        "sets 'zero_optimization.reduce_bucket_size'=-1; it must be a whole number >= 0 (such as 50000000)",
+    ),
     "flag-number": (
         '{"zero_optimization": {"contiguous_gradients": 1}}',
         "sets 'zero_optimization.contiguous_gradients'=1; it must be true or false",
