@@ -74,13 +74,15 @@ def _live_out_dir(run: Path) -> Path:
 
 def _hf_with_license(run: Path) -> Path:
     (run / "hf" / "LICENSE").write_text("the model's licence\n")
+    (run / "hf" / "NOTICE").write_text("attributions\n")
     (run / "hf" / "README.md").write_text("# the model card\n")
     return run / "hf"
 
 
 def _docs(run: Path) -> Path:
     (run / "docs").mkdir()
-    (run / "docs" / "notes.md").write_text("unrelated\n")
+    for name in ("notes.md", "a.md", "b.md", "c.md"):
+        (run / "docs" / name).write_text("unrelated\n")
     return run / "docs"
 
 
@@ -117,11 +119,15 @@ CASES = {
     "dot-above-source": (lambda r: ("export", "ckpt", "."), "run", ["current directory"]),
     "import-onto-its-source": (lambda r: ("import", _hf_with_license(r), r / "hf"), None, ["source"]),
     "live-run-out-dir": (lambda r: ("export", r / "ckpt", _live_out_dir(r)), None, ["LOCK"]),
-    "unrelated-folder": (lambda r: ("export", r / "ckpt", _docs(r)), None, ["notes.md", "not written by"]),
+    "unrelated-folder": (
+        lambda r: ("export", r / "ckpt", _docs(r)),
+        None,
+        ["holds a.md, b.md, c.md and 1 more, not written by"],
+    ),
     "export-with-user-files": (
         lambda r: ("export", r / "ckpt", _hf_with_license(r)),
         None,
-        ["LICENSE", "README.md", "did not write"],
+        ["holds LICENSE, NOTICE, README.md, which the earlier convert did not write"],
     ),
     "import-a-run-saved-into": (lambda r: ("import", r / "hf", _trained_into(r)), None, ["step_000006"]),
     # known by its step folders alone, all three named (no "...")
@@ -158,8 +164,9 @@ def test_overwrite_follows_a_symlink_and_replaces_an_earlier_import(run, tmp_pat
     out = launch("convert.py", "export", run / "ckpt", link, "--overwrite")
     assert out.returncode == 0, out.stderr[-3000:]
     assert link.is_symlink() and os.readlink(link) == str(run / "hf"), "the link was replaced"
-    assert launch("convert.py", "export", run / "ckpt", tmp_path / "fresh").returncode == 0
-    assert files(run / "hf") == files(tmp_path / "fresh"), "the linked folder is not the new export"
+    # a new target whose parent does not exist yet is made with its parents
+    assert launch("convert.py", "export", run / "ckpt", tmp_path / "new" / "fresh").returncode == 0
+    assert files(run / "hf") == files(tmp_path / "new" / "fresh"), "the linked folder is not the new export"
     assert MARKER in files(run / "hf")
     # an earlier import, whole, is what import --overwrite replaces
     out = launch("convert.py", "import", run / "hf", run / "imported", "--overwrite")
