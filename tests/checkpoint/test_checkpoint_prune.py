@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -67,16 +68,16 @@ def test_resume_none_beside_another_runs_newer_steps_is_refused(tmp_path):
 
 def test_corrupt_newest_is_set_aside_and_keep_1_keeps_the_good_lineage(tmp_path):
     ckpt = tmp_path / "ckpt"
-    ok(pretrain(tmp_path / "full", ckpt, "--train.steps", "6", "--checkpoint.every", "2", "--checkpoint.keep", "0"))
+    ok(pretrain(tmp_path / "full", ckpt, "--train.steps", "6", "--checkpoint.every", "3", "--checkpoint.keep", "0"))
     full = losses(tmp_path / "full")  # the uninterrupted run: steps 1..6
-    for step in (4, 6):  # the two newest checkpoints truncated: resume: auto falls back to step 2
-        shard = ckpt / f"step_00000{step}" / "rank_00000.safetensors"
-        with open(shard, "r+b") as f:
-            f.truncate(shard.stat().st_size // 2)
+    shard = ckpt / "step_000006" / "rank_00000.safetensors"
+    with open(shard, "r+b") as f:  # a truncated newest checkpoint: resume: auto falls back to step 3
+        f.truncate(shard.stat().st_size // 2)
+    shutil.copytree(ckpt / "step_000006", ckpt / "step_000007")  # a second unusable step above it
     keep1 = ["--checkpoint.every", "1", "--checkpoint.keep", "1", "--checkpoint.resume", "auto"]
     first = pretrain(tmp_path / "a", ckpt, "--train.steps", "4", *keep1)  # as if killed after step 4's save
     ok(first)
-    assert f"resumed from {ckpt / 'step_000002'}" in first.stdout, first.stdout[-3000:]
+    assert f"resumed from {ckpt / 'step_000003'}" in first.stdout, first.stdout[-3000:]
     assert {k: v for k, v in listing(ckpt).items() if k != "set_aside"} == {
         "step_000004": "",
         "latest": "step_000004\n",
@@ -85,15 +86,16 @@ def test_corrupt_newest_is_set_aside_and_keep_1_keeps_the_good_lineage(tmp_path)
     ok(restart)
     assert f"resumed from {ckpt / 'step_000004'}" in restart.stdout, restart.stdout[-3000:]
     got = {**losses(tmp_path / "a"), **losses(tmp_path / "b")}
-    assert sorted(got) == [3, 4, 5, 6], got
-    assert_curves([got[s] for s in (3, 4, 5, 6)], [full[s] for s in (3, 4, 5, 6)], SAME, "resumed vs uninterrupted")
+    assert sorted(got) == [4, 5, 6], got
+    assert_curves([got[s] for s in (4, 5, 6)], [full[s] for s in (4, 5, 6)], SAME, "resumed vs uninterrupted")
     assert {k: v for k, v in listing(ckpt).items() if k != "set_aside"} == {
         "step_000006": "",
         "latest": "step_000006\n",
     }
-    # The corrupt steps were moved aside whole (both into one set_aside folder), one line each; the prunes named.
+    # The corrupt steps were moved aside whole, both into one set_aside folder (issue 45: the second crashed on
+    # the folder the first made), with one line each; the prunes were named.
     aside = sorted((ckpt / "set_aside").iterdir())
-    assert [p.name.split("-")[0] for p in aside] == ["step_000004", "step_000006"], aside
+    assert [p.name.split("-")[0] for p in aside] == ["step_000006", "step_000007"], aside
     assert all((p / shard.name).is_file() for p in aside), aside
     assert first.stdout.count("checkpoint: set aside") == 2, first.stdout[-3000:]
     assert f"checkpoint: pruned {ckpt / 'step_000003'}" in first.stdout, first.stdout[-3000:]
