@@ -74,13 +74,15 @@ def _live_out_dir(run: Path) -> Path:
 
 def _hf_with_license(run: Path) -> Path:
     (run / "hf" / "LICENSE").write_text("the model's licence\n")
+    (run / "hf" / "NOTICE").write_text("attributions\n")
     (run / "hf" / "README.md").write_text("# the model card\n")
     return run / "hf"
 
 
 def _docs(run: Path) -> Path:
     (run / "docs").mkdir()
-    (run / "docs" / "notes.md").write_text("unrelated\n")
+    for name in ("notes.md", "a.md", "b.md", "c.md"):
+        (run / "docs" / name).write_text("unrelated\n")
     return run / "docs"
 
 
@@ -88,6 +90,14 @@ def _trained_into(run: Path) -> Path:
     """An import a later run saved its steps into (checkpoint.dir = the import)."""
     shutil.copytree(run / "ckpt" / "step_000006", run / "imported" / "step_000006")
     return run / "imported"
+
+
+def _without_latest(run: Path) -> Path:
+    """A checkpoint directory without ``latest`` (a copied folder, a crash before the first save's ``latest``),
+    holding three steps."""
+    (run / "ckpt" / "latest").unlink()
+    shutil.copytree(run / "ckpt" / "step_000006", run / "ckpt" / "step_000009")
+    return run / "ckpt"
 
 
 def _link(folder: Path) -> Path:
@@ -109,13 +119,23 @@ CASES = {
     "dot-above-source": (lambda r: ("export", "ckpt", "."), "run", ["current directory"]),
     "import-onto-its-source": (lambda r: ("import", _hf_with_license(r), r / "hf"), None, ["source"]),
     "live-run-out-dir": (lambda r: ("export", r / "ckpt", _live_out_dir(r)), None, ["LOCK"]),
-    "unrelated-folder": (lambda r: ("export", r / "ckpt", _docs(r)), None, ["notes.md", "not written by"]),
+    "unrelated-folder": (
+        lambda r: ("export", r / "ckpt", _docs(r)),
+        None,
+        ["holds a.md, b.md, c.md and 1 more, not written by"],
+    ),
     "export-with-user-files": (
         lambda r: ("export", r / "ckpt", _hf_with_license(r)),
         None,
-        ["LICENSE", "README.md", "did not write"],
+        ["holds LICENSE, NOTICE, README.md, which the earlier convert did not write"],
     ),
     "import-a-run-saved-into": (lambda r: ("import", r / "hf", _trained_into(r)), None, ["step_000006"]),
+    # known by its step folders alone, all three named (no "...")
+    "checkpoint-dir-without-latest": (
+        lambda r: ("export", r / "imported", _without_latest(r)),
+        None,
+        ["is a checkpoint directory (step_000003, step_000006, step_000009);"],
+    ),
     # the source named through a link to the target (an earlier export, which --overwrite may replace): the
     # target would replace its own source (issue 45: comparing the link's path, not where it leads, passed)
     "import-through-a-link-to-its-target": (lambda r: ("import", _link(r / "hf"), r / "hf"), None, ["source"]),
@@ -144,8 +164,9 @@ def test_overwrite_follows_a_symlink_and_replaces_an_earlier_import(run, tmp_pat
     out = launch("convert.py", "export", run / "ckpt", link, "--overwrite")
     assert out.returncode == 0, out.stderr[-3000:]
     assert link.is_symlink() and os.readlink(link) == str(run / "hf"), "the link was replaced"
-    assert launch("convert.py", "export", run / "ckpt", tmp_path / "fresh").returncode == 0
-    assert files(run / "hf") == files(tmp_path / "fresh"), "the linked folder is not the new export"
+    # a new target whose parent does not exist yet is made with its parents
+    assert launch("convert.py", "export", run / "ckpt", tmp_path / "new" / "fresh").returncode == 0
+    assert files(run / "hf") == files(tmp_path / "new" / "fresh"), "the linked folder is not the new export"
     assert MARKER in files(run / "hf")
     # an earlier import, whole, is what import --overwrite replaces
     out = launch("convert.py", "import", run / "hf", run / "imported", "--overwrite")
@@ -233,15 +254,20 @@ def test_hostfile_host_names(host, ok):
             parse_hostfile_text(f"{host} slots=2\n")
 
 
-@pytest.mark.parametrize("command", ["export", "import"])
-def test_a_folder_inside_a_checkpoint_step_is_refused_as_a_target(run, tmp_path, command):
+@pytest.mark.parametrize("command,inside", [("export", "step"), ("import", "step"), ("export", "dir-without-latest")])
+def test_a_folder_inside_a_checkpoint_step_is_refused_as_a_target(run, tmp_path, command, inside):
     """Issue 42 item 7: ``convert export ck/step_3 ck/step_3/hf`` was accepted, and the next save's pruning
-    deleted the export with the step; an import into a step folder the same. Refused, one line, nothing written."""
+    deleted the export with the step; an import into a step folder the same. Refused, one line, nothing written.
+    A checkpoint directory without ``latest`` is known by its committed steps, all three named."""
     source = run / "ckpt" / "step_000003" if command == "export" else run / "hf"
     target = run / "ckpt" / "step_000003" / "hf"
+    where = f"lies inside {run / 'ckpt' / 'step_000003'}, a checkpoint step"
+    if inside == "dir-without-latest":
+        source, target = run / "imported", _without_latest(run) / "exports" / "hf"
+        where = f"lies inside {run / 'ckpt'}, a checkpoint directory (step_000003, step_000006, step_000009),"
     before = tree(tmp_path)
     out = launch("convert.py", command, source, target)
-    one_error_line(out, str(target), f"lies inside {run / 'ckpt' / 'step_000003'}, a checkpoint step", "prunes")
+    one_error_line(out, str(target), where, "prunes")
     assert tree(tmp_path) == before, "a refused convert changed or lost files"
 
 

@@ -9,6 +9,8 @@ quoted in an error gave a line as long as it (engine/config_yaml.py, engine/erro
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,11 @@ DS_CASES = {
         '{"zero_optimization": {"reduce_bucket_size": "lots"}}',
         "sets 'zero_optimization.reduce_bucket_size'=\"lots\"; it must be a whole number >= 0",
     ),
+    # a count below 0 (issue 45: the bound was not checked); the example is the built-in default (README: 5e7)
+    "negative": (
+        '{"zero_optimization": {"reduce_bucket_size": -1}}',
+        "sets 'zero_optimization.reduce_bucket_size'=-1; it must be a whole number >= 0 (such as 50000000)",
+    ),
     "flag-number": (
         '{"zero_optimization": {"contiguous_gradients": 1}}',
         "sets 'zero_optimization.contiguous_gradients'=1; it must be true or false",
@@ -53,6 +60,22 @@ def test_a_malformed_ds_config_is_one_line_at_load(tmp_path, case):
     out = launch("pretrain.py", *SMALL, *ZERO2, "--parallel.ds_config", path, "--train.out_dir", tmp_path / "o")
     one_error_line(out, f"parallel.ds_config '{path}'", words)
     assert "layout tp=" not in out.stdout  # refused at load, before the trainer was built
+
+
+def test_an_unreadable_ds_config_is_one_line_at_load(tmp_path):
+    """A ds_config file that exists but cannot be read (mode 000; for root, without the capabilities that read
+    anyway): one line naming it and why (issue 45: no test reached the OSError, so a traceback would pass)."""
+    from tests.checkpoint.test_checkpoint_read import without_file_permission_override
+
+    prefix = without_file_permission_override()
+    path = tmp_path / "ds.json"
+    path.write_text("{}")
+    path.chmod(0)
+    argv = [*SMALL, *ZERO2, "--parallel.ds_config", str(path), "--train.out_dir", str(tmp_path / "o")]
+    out = subprocess.run(
+        [*prefix, sys.executable, "launch/pretrain.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    one_error_line(out, f"parallel.ds_config '{path}' cannot be read", "Permission denied")
 
 
 def bomb(levels: int = 7) -> str:

@@ -47,12 +47,18 @@ def test_defaults_are_found_in_a_copy_of_the_package_without_the_repository(tmp_
 
 def test_user_file_is_merged_key_by_key_and_our_keys_are_filled_in(tmp_path):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"zero_optimization": {"overlap_comm": True}, "wall_clock_breakdown": True}))
+    # fp16 disabled is no conflict with train.dtype: accepted, where fp16 enabled is refused (below)
+    content = {"zero_optimization": {"overlap_comm": True}, "wall_clock_breakdown": True, "fp16": {"enabled": False}}
+    path.write_text(json.dumps(content))
     c = ds_config(load([*ZERO2, "--parallel.ds_config", str(path)]), Ctx())
     z = c["zero_optimization"]
     assert z["overlap_comm"] is True and z["reduce_bucket_size"] == 50_000_000 and z["stage"] == 2
     assert c["wall_clock_breakdown"] is True and c["train_batch_size"] == 16
     assert ds_config(load(ZERO2), Ctx())["zero_optimization"]["overlap_comm"] is False  # defaults untouched
+    # a count of 0 is a count (ZeRO-3 keeps no parameter whole): accepted, not refused as below 0 (issue 45)
+    path.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
+    zero3 = ["--parallel.dp_mode", "zero", "--parallel.zero_stage", "3", "--parallel.ds_config", str(path)]
+    assert ds_config(load(zero3), Ctx())["zero_optimization"]["stage3_param_persistence_threshold"] == 0
 
 
 @pytest.mark.parametrize(

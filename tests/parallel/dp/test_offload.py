@@ -52,6 +52,8 @@ def test_bad_offload_key_is_one_line(argv, words):
     [
         ({"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}, [], "offload_optimizer.nvme_path"),
         ({"offload_optimizer": {"device": "nvme"}}, [], "NVMe offload is not supported"),
+        # offload_param checked also without offload_optimizer (issue 45: the loop stopped at the absent one)
+        ({"offload_param": {"device": "nvme"}}, [], "'zero_optimization.offload_param.device'='nvme'"),
         ({"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, [], "offload_optimizer.ratio"),
         ({"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}, [], "only in ZeRO-3"),
         ({"cpu_offload": True}, [], "deprecated by DeepSpeed"),
