@@ -7,6 +7,8 @@ tests/cluster/test_heartbeat.py runs the same code on its threads with real sile
 from __future__ import annotations
 
 import re
+import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -23,6 +25,7 @@ from engine.cluster.heartbeat import (
     store_address,
     watched,
 )
+from engine.cluster.verdict import LIVE_KEY, acknowledge, store_host
 from engine.errors import ConfigError
 
 TIMEOUT = 2.0  # a beat every 0.2 s; a verdict's acknowledgement waits at most 2 beats + TIMEOUT / 3
@@ -114,6 +117,16 @@ def test_after_a_failed_collective_a_few_beats_of_silence_name_a_peer(store):
     assert job.ended() == [0, 1], job.codes  # rank 1 (no watcher) reads the verdict at its alarmed beat
     assert re.match(r"error: ranks 2, 3 on host \S+ \(127\.0\.0\.1\) silent for 1 s", job.ranks[0].verdict)
     assert job.ranks[1].verdict == job.ranks[0].verdict
+
+
+def test_explain_gives_the_alarm_its_beats_before_calling_the_error_this_ranks(store):
+    """After a failed collective the trainer asks explain(): it sets the alarm and waits ALARM_BEATS + 3 beats for
+    a verdict (which would end the process) before the error is taken as this rank's own. A lower bound only."""
+    job = Job(store, 2)
+    start = time.monotonic()
+    job.ranks[0].explain()
+    assert time.monotonic() - start >= (ALARM_BEATS + 3) * BEAT and job.ranks[0].alarm.is_set()
+    assert job.ended() == []
 
 
 def test_without_an_alarm_the_timeout_holds_for_every_watcher(store):
@@ -233,3 +246,39 @@ def test_slices_and_rounds(monkeypatch):
     assert launch_round() == "2"
     assert describe_ranks([3, 1, 2], {1: "a", 2: "b", 3: "a"}) == "ranks 1, 3 on host a; rank 2 on host b"
     assert describe_ranks([4], {}) == "rank 4 on host an unknown host"
+
+
+def _acknowledge_all(serve, live: int, coming: int) -> list[bool]:
+    """``coming`` ranks end on a verdict that left ``live`` ranks alive (engine/cluster/verdict.py), each on a
+    thread of its own as on its own host: what each one's acknowledge returned."""
+    serve()
+    connect(1.0).set(LIVE_KEY, str(live))
+    done: list[bool] = []
+    threads = [
+        threading.Thread(target=lambda: done.append(acknowledge(lambda: connect(1.0), 1.0, BEAT)))
+        for _ in range(coming)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return done
+
+
+def test_a_verdict_waits_for_every_live_rank_and_not_for_more(store):
+    """Every live rank counted in: each one's wait ends with all of them (True); one live rank that never comes
+    (it died meanwhile): the others give up within their bound (False) instead of waiting for ever."""
+    assert _acknowledge_all(store, 3, 3) == [True] * 3
+    assert _acknowledge_all(store, 1, 1) == [True]
+    assert _acknowledge_all(store, 3, 2) == [False] * 2
+
+
+def test_the_store_host_is_the_one_with_master_addr(monkeypatch):
+    hosts = {0: "h1 (198.18.0.1)", 1: "h2 (198.18.0.2)"}
+    monkeypatch.setenv("MASTER_ADDR", "198.18.0.2")
+    assert store_host(hosts) == "h2 (198.18.0.2)"
+    monkeypatch.setenv("MASTER_ADDR", "198.18.0.9")  # an agent's host that runs no rank: rank 0's is named
+    assert store_host(hosts) == "h1 (198.18.0.1)"
+    assert store_host({}) == "that of rank 0"
+    monkeypatch.setenv("MASTER_ADDR", "localhost")  # a name: resolved
+    assert store_host({0: "h1 (198.18.0.1)", 1: "h2 (127.0.0.1)"}) == "h2 (127.0.0.1)"
