@@ -89,7 +89,17 @@ def test_hostfile_errors_name_the_line_and_what_is_valid(text, expected):
 
 @pytest.mark.parametrize(
     "host",
-    ["node1", "n-1.cluster_a", "root@10.0.0.3", "a.b-c@node1", "::1", "[fe80::1]", "a" * 63 + ".b", "0" + ".a" * 126],
+    [
+        "node1",
+        "n-1.cluster_a",
+        "root@10.0.0.3",
+        "a.b-c@node1",
+        "::1",
+        "[::1]",
+        "[2001:db8::1:2]",
+        "a" * 63 + ".b",
+        "0" + ".a" * 126,
+    ],
 )
 def test_hostfile_takes_names_users_and_addresses(host):
     assert parse_hostfile_text(f"{host} slots=2\n", "hosts") == [Host(host, 2, 1)]
@@ -105,7 +115,7 @@ def test_hostfile_takes_names_users_and_addresses(host):
         ("node1-", "it is not a host name or address"),
         ("a..b", "it is not a host name or address"),
         ("a" * 64, "it is not a host name or address"),
-        ("0" + ".a" * 127, "it is not a host name or address"),
+        ("0" + ".a" * 125 + ".ab", "it is not a host name or address"),  # 254 characters: DNS allows 253
         ("[node1]", "it is not a host name or address"),
     ],
 )
