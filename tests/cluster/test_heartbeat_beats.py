@@ -26,7 +26,7 @@ from engine.cluster.heartbeat import (
     store_address,
     watched,
 )
-from engine.cluster.verdict import LIVE_KEY, acknowledge, store_host
+from engine.cluster.verdict import ACKS_KEY, LIVE_KEY, acknowledge, store_host
 from engine.errors import ConfigError
 
 TIMEOUT = 2.0  # a beat every 0.2 s; a verdict's acknowledgement waits at most 2 beats + TIMEOUT / 3
@@ -213,7 +213,9 @@ def test_the_store_line_and_a_non_watcher_allows_its_polls(store):
     job = Job(store, 4, local=2)
     job.beat(0)
     assert job.ranks[0]._store_limit() == TIMEOUT and job.ranks[1]._store_limit() == TIMEOUT + (POLL - 1) * BEAT
-    line = job.ranks[1]._store_line(12.0)
+    job.ranks[1]._end(job.ranks[1]._store_line(12.0))  # as its guard thread does when the store stops answering
+    line = job.ranks[1].verdict
+    assert job.codes[1] == [1] and not job.stores[0].check([ACKS_KEY])  # no store to acknowledge through: not tried
     assert re.match(
         r"error: the job's store at 127\.0\.0\.1:\d+ \(host \S+ \(127\.0\.0\.1\)\) has stopped answering \(dead, "
         r"frozen or cut off\) at step 5; ending the job$",
