@@ -117,6 +117,7 @@ def test_hostfile_takes_names_users_and_addresses(host):
         ("a" * 64, "it is not a host name or address"),
         ("0" + ".a" * 125 + ".ab", "it is not a host name or address"),  # 254 characters: DNS allows 253
         ("[node1]", "it is not a host name or address"),
+        ("[::1", "it is not a host name or address"),
     ],
 )
 def test_hostfile_refuses_a_host_ssh_would_read_as_an_option_or_garbage(host, why):
