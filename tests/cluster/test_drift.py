@@ -71,7 +71,8 @@ def test_a_rank_that_joined_and_never_compares_is_a_startup_error(serve):
     lines = _ranks(serve(), [CONFIG, None], timeout_s=1.0)
     assert lines[0].startswith(
         f"StartupError: rank 0 on host {drift.host_name()}: the hosts' config, code and packages were not compared "
-        "within 1 s (parallel.startup_timeout_s): a rank died or hung after joining ("
+        "within 1 s (parallel.startup_timeout_s): a rank died or hung after joining (wait timeout after 1000ms, keys: "
+        f"/{drift._PREFIX}/0/done)"
     ), lines
 
 
