@@ -252,14 +252,14 @@ def test_slices_and_rounds(monkeypatch):
     assert describe_ranks([4], {}) == "rank 4 on host an unknown host"
 
 
-def _acknowledge_all(serve, live: int, coming: int) -> list[bool]:
+def _acknowledge_all(serve, live: int, coming: int, interval: float = BEAT) -> list[bool]:
     """``coming`` ranks end on a verdict that left ``live`` ranks alive (engine/cluster/verdict.py), each on a
     thread of its own as on its own host: what each one's acknowledge returned."""
     serve()
     connect(1.0).set(LIVE_KEY, str(live))
     done: list[bool] = []
     threads = [
-        threading.Thread(target=lambda: done.append(acknowledge(lambda: connect(1.0), 1.0, BEAT)))
+        threading.Thread(target=lambda: done.append(acknowledge(lambda: connect(1.0), 1.0, interval)))
         for _ in range(coming)
     ]
     for t in threads:
@@ -271,10 +271,13 @@ def _acknowledge_all(serve, live: int, coming: int) -> list[bool]:
 
 def test_a_verdict_waits_for_every_live_rank_and_not_for_more(store):
     """Every live rank counted in: each one's wait ends with all of them (True); one live rank that never comes
-    (it died meanwhile): the others give up within their bound (False) instead of waiting for ever."""
+    (it died meanwhile): the others give up within their bound, 2 beats and a store timeout (False), instead of
+    waiting for ever; at 0.05 s beats that is 1.1 s (an upper bound 18 times that: load only adds to it)."""
     assert _acknowledge_all(store, 3, 3) == [True] * 3
     assert _acknowledge_all(store, 1, 1) == [True]
-    assert _acknowledge_all(store, 3, 2) == [False] * 2
+    start = time.monotonic()
+    assert _acknowledge_all(store, 3, 2, interval=0.05) == [False] * 2
+    assert time.monotonic() - start < 20.0
 
 
 def test_the_store_host_is_the_one_with_master_addr(monkeypatch):
