@@ -5,6 +5,7 @@ checkout) through torchrun."""
 
 from __future__ import annotations
 
+import platform
 import threading
 from datetime import timedelta
 
@@ -88,6 +89,7 @@ def test_first_difference_names_the_key_and_both_values():
     assert drift.first_difference("code", {"a.py": "1", "c.py": "2"}, {"a.py": "1"}) == "engine/c.py only here"
     assert drift.first_difference("code", {"a.py": "1"}, {"a.py": "1", "c.py": "2"}) == "engine/c.py missing here"
     assert drift._flat({"a": {"b": {"c": 1}}, "d": 2}) == {"a.b.c": 1, "d": 2}
+    assert drift.packages()["python"] == platform.python_version()  # not the compiler's version beside it
 
 
 def test_refusal_names_packages_before_code_before_config():
