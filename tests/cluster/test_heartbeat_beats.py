@@ -65,7 +65,8 @@ class Job:
             Heartbeat(r, world, TIMEOUT, lambda: self.step, self.codes[r].append, local=local, startup_s=startup_s)
             for r in range(world)
         ]
-        self.stores = [connect(b.op_timeout) for b in self.ranks]
+        # the ranks' clients wait long for a reply (a loaded machine); the engine's own clients keep their timeouts
+        self.stores = [connect(30.0) for _ in self.ranks]
         for b, s in zip(self.ranks, self.stores):
             b.enter(s)
 
@@ -255,14 +256,14 @@ def test_slices_and_rounds(monkeypatch):
     assert describe_ranks([4], {}) == "rank 4 on host an unknown host"
 
 
-def _acknowledge_all(serve, live: int, coming: int, interval: float = BEAT) -> list[bool]:
+def _acknowledge_all(serve, live: int, coming: int, interval: float = BEAT, op_s: float = 10.0) -> list[bool]:
     """``coming`` ranks end on a verdict that left ``live`` ranks alive (engine/cluster/verdict.py), each on a
     thread of its own as on its own host: what each one's acknowledge returned."""
     serve()
     connect(1.0).set(LIVE_KEY, str(live))
     done: list[bool] = []
     threads = [
-        threading.Thread(target=lambda: done.append(acknowledge(lambda: connect(1.0), 1.0, interval)))
+        threading.Thread(target=lambda: done.append(acknowledge(lambda: connect(op_s), op_s, interval)))
         for _ in range(coming)
     ]
     for t in threads:
@@ -279,7 +280,7 @@ def test_a_verdict_waits_for_every_live_rank_and_not_for_more(store):
     assert _acknowledge_all(store, 3, 3) == [True] * 3
     assert _acknowledge_all(store, 1, 1) == [True]
     start = time.monotonic()
-    assert _acknowledge_all(store, 3, 2, interval=0.05) == [False] * 2
+    assert _acknowledge_all(store, 3, 2, interval=0.05, op_s=1.0) == [False] * 2
     assert 1.0 <= time.monotonic() - start < 20.0  # not less: the live rank's 2 beats to read the verdict
 
 
