@@ -1,6 +1,7 @@
 """The heartbeat's watchdog (engine/cluster/heartbeat.py) on forked gloo ranks, its exit replaced by a record: a
 frozen peer is named while this rank's main thread is blocked in a pipeline recv, and a frozen store host is
-named as the store's. SIGSTOP freezes a rank's threads with it, as a hung host would; SIGCONT lets it finish."""
+named as the store's. SIGSTOP freezes a rank's threads with it, as a hung host would; SIGCONT lets it finish.
+The bounds here are generous upper bounds (a loaded machine only makes detection later, never wrong)."""
 
 from __future__ import annotations
 
@@ -71,55 +72,6 @@ def test_frozen_store_host_is_named_as_the_store():
         assert codes == [1] and elapsed < BOUND_S, (elapsed, codes)
 
 
-def _late_first_beat(startup_s: float):
-    """Rank 1's first beat comes 2 timeouts after rank 0's heartbeat started (a slow link's first beats: a connect
-    and a round trip per peer each); both then beat for another timeout and finish. Returns rank 0's verdict."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    codes: list[int] = []
-    if rank == 1:
-        time.sleep(2 * TIMEOUT)
-    beat = Heartbeat(rank, world, TIMEOUT, exit_fn=codes.append, startup_s=startup_s).start()
-    time.sleep(TIMEOUT if rank == 1 else 3 * TIMEOUT)
-    dist.barrier()
-    beat.stop()
-    return beat.verdict, codes
-
-
-def test_a_late_first_beat_is_allowed_the_startup_bound():
-    """Within parallel.startup_timeout_s (here 6 timeouts) a rank whose first beat is late is not named; past it
-    (startup_s 0: the heartbeat's own timeout) the same lateness is, which is what a slow link met at start-up."""
-    assert run_ranks(_late_first_beat, 2, 6 * TIMEOUT, timeout_s=120)[0] == (None, [])
-    verdict, codes = run_ranks(_late_first_beat, 2, 0.0, timeout_s=120)[0]
-    assert codes == [1] and re.match(r"error: rank 1 on host .* silent for \d+ s", verdict), verdict
-
-
-STALL = 4.0  # the stall test's timeout: beats every 0.4 s; a failed collective's limit is 3 beats (1.2 s)
-
-
-def _stalled_peer():
-    """Mid-run (step 5), rank 1 stops for half a timeout (a GIL-holding call, swapping: its beat thread with it)
-    and goes on; rank 0 lets it go, then both beat for another timeout. Returns rank 0's verdict and exit codes."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    pids = [None] * world
-    dist.all_gather_object(pids, os.getpid())
-    codes: list[int] = []
-    beat = Heartbeat(rank, world, STALL, step_of=lambda: 5, exit_fn=codes.append).start()
-    while beat._beats < 2:
-        time.sleep(0.05)
-    dist.barrier()
-    if rank == 1:
-        os.kill(os.getpid(), signal.SIGSTOP)
-    else:
-        time.sleep(STALL / 2)
-        os.kill(pids[1], signal.SIGCONT)
-    time.sleep(STALL)
-    dist.barrier()
-    beat.stop()
-    return beat.verdict, codes
-
-
-def test_a_live_peer_that_stalls_for_less_than_the_timeout_is_not_named():
-    """Only the heartbeat's timeout names a silent peer while no collective has failed: a stall of half of it,
-    longer than the few beats that name a peer after a failed collective, ends nothing (issue 45: a threshold
-    swapped so that it did survived every test)."""
-    assert run_ranks(_stalled_peer, 2, timeout_s=120)[0] == (None, [])
+# The thresholds themselves (the timeout against a stall shorter than it, the start-up bound for a late first beat,
+# the alarm's few beats) are counted in beats, not waited for, in tests/cluster/test_heartbeat_beats.py: they were
+# timing tests here (3 s and 4 s heartbeats, a SIGSTOP of half a timeout) that a loaded machine could fail.

@@ -87,6 +87,57 @@ def test_hostfile_errors_name_the_line_and_what_is_valid(text, expected):
         assert "HOSTNAME slots=N" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "host",
+    [
+        "node1",
+        "n-1.cluster_a",
+        "root@10.0.0.3",
+        "a.b-c@node1",
+        "::1",
+        "[::1]",
+        "[2001:db8::1:2]",
+        "a" * 63 + ".b",
+        "0" + ".a" * 126,
+    ],
+)
+def test_hostfile_takes_names_users_and_addresses(host):
+    assert parse_hostfile_text(f"{host} slots=2\n", "hosts") == [Host(host, 2, 1)]
+
+
+@pytest.mark.parametrize(
+    "host, why",
+    [
+        ("-oProxyCommand", "it would reach ssh as an option"),
+        ("-Elog", "it would reach ssh as an option"),
+        (".x@node1", "user '.x' is not a user name"),
+        ("@node1", "user '' is not a user name"),
+        ("node1-", "it is not a host name or address"),
+        ("a..b", "it is not a host name or address"),
+        ("a" * 64, "it is not a host name or address"),
+        ("0" + ".a" * 125 + ".ab", "it is not a host name or address"),  # 254 characters: DNS allows 253
+        ("[node1]", "it is not a host name or address"),
+        ("[::1", "it is not a host name or address"),
+    ],
+)
+def test_hostfile_refuses_a_host_ssh_would_read_as_an_option_or_garbage(host, why):
+    """DeepSpeed's launcher hands the host to ssh and pdsh: one starting with '-' would be an option there."""
+    with pytest.raises(HostfileError) as e:
+        parse_hostfile_text(f"node0 slots=1\n{host} slots=2\n", "hosts")
+    assert str(e.value) == (
+        f"hosts line 2: host {host!r} is not valid ({why}); a host is a name such as node1 or node1.cluster, or an "
+        "IPv4/IPv6 address, optionally user@ first"
+    )
+
+
+def test_hostfile_that_is_a_folder_or_not_utf8(tmp_path):
+    with pytest.raises(HostfileError, match=f"^hostfile '{tmp_path}' is a directory; give a file with"):
+        parse_hostfile(tmp_path)
+    (tmp_path / "h").write_bytes(b"node1 slots=1\nn\xffode2 slots=1\n")
+    with pytest.raises(HostfileError, match=r"is not UTF-8 text \(byte 15\); each line must be"):
+        parse_hostfile(tmp_path / "h")
+
+
 def test_hostfile_example_parses():
     assert [(h.name, h.slots) for h in parse_hostfile(ROOT / "hostfile.example")] == [("node1", 8), ("node2", 8)]
 

@@ -19,7 +19,7 @@ from tests.slowlink import SlowLink
 STEPS = 2  # the second one under the heartbeat's own timeout: the link mid-run
 
 
-@pytest.mark.slow  # 3 minutes on 2 cores; tests/cluster/test_heartbeat.py guards the allowance in CI
+@pytest.mark.slow  # 3 minutes on 2 cores; tests/cluster/test_heartbeat_beats.py guards the allowance in CI
 def test_slow_link_at_start_up_only_slows_the_job(make_hosts, tmp_path):
     """h3 behind the slow link from the start (1 s of delay; no loss here: at 20 % TCP moves a few KB/s and one
     step of even this model's gradients takes minutes, while the start-up verdict came from round trips alone), the

@@ -1,0 +1,311 @@
+"""The heartbeat's judgement counted in beats, not waited for (issue 45): a job's ranks in this process, each a
+``Heartbeat`` that is not started (no threads), on its own client of a real TCPStore; a beat is the engine's own
+``exchange`` and ``judge`` at a clock the test sets. So the thresholds (the timeout, the start-up bound, the few
+beats after a failed collective) are checked to the beat in well under a second, whatever the machine's load;
+tests/cluster/test_heartbeat.py runs the same code on its threads with real silences (SIGSTOP)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from engine.cluster.heartbeat import (
+    ALARM_BEATS,
+    BEATS,
+    POLL,
+    Heartbeat,
+    connect,
+    describe_ranks,
+    launch_round,
+    slice_size,
+    store_address,
+    watched,
+)
+from engine.cluster.verdict import ACKS_KEY, LIVE_KEY, acknowledge, store_host
+from engine.errors import ConfigError
+from tests.cli import ROOT
+
+TIMEOUT = 2.0  # a beat every 0.2 s; a verdict's acknowledgement waits at most 2 beats + TIMEOUT / 3
+BEAT = TIMEOUT / BEATS
+
+
+@pytest.fixture
+def store(monkeypatch):
+    """Serves a job's store in this process (a new one per job); MASTER_ADDR and MASTER_PORT name it as a
+    launcher would."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    servers = []
+
+    def serve():
+        servers.append(
+            dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+        )
+        monkeypatch.setenv("MASTER_PORT", str(servers[-1].port))
+
+    return serve
+
+
+class Job:
+    """``world`` ranks' heartbeats (``local`` ranks per host), at step ``step`` (mutable: ``job.step``), on a new
+    store served by ``serve``."""
+
+    def __init__(self, serve, world: int, local: int = 1, step: int = 5, startup_s: float = 0.0):
+        serve()
+        self.step = step
+        self.codes: list[list[int]] = [[] for _ in range(world)]
+        self.ranks = [
+            Heartbeat(r, world, TIMEOUT, lambda: self.step, self.codes[r].append, local=local, startup_s=startup_s)
+            for r in range(world)
+        ]
+        # the ranks' clients wait long for a reply (a loaded machine); the engine's own clients keep their timeouts
+        self.stores = [connect(30.0) for _ in self.ranks]
+        for b, s in zip(self.ranks, self.stores):
+            b.enter(s)
+
+    def beat(self, at: float, ranks=None) -> None:
+        """One beat ``at`` beats into the job of ``ranks`` that have not ended, in that order (all, the last first,
+        by default: a watcher reads the counters its peers set in the same beat)."""
+        for r in reversed(range(len(self.ranks))) if ranks is None else ranks:
+            b, s = self.ranks[r], self.stores[r]
+            if not b._stop.is_set():
+                values, _ = b.exchange(s)
+                b.judge(s, values, 1000.0 + at * BEAT)  # a monotonic clock's reading
+
+    def ended(self) -> list[int]:
+        return [r for r, codes in enumerate(self.codes) if codes]
+
+
+def test_a_peer_silent_for_less_than_the_timeout_is_not_named_and_one_silent_past_it_is(store):
+    """Mid-run, rank 1's beats stop for 9 of the 10 beats of the timeout (a GIL-holding call, swapping): nothing
+    ends; then they stop for good: its watcher names it on the first beat past the timeout, and only then."""
+    job = Job(store, 2)
+    for t in range(3):
+        job.beat(t)
+    for t in range(3, 12):  # 9 beats of rank 1's silence
+        job.beat(t, ranks=[0])
+    job.beat(12)
+    assert job.ended() == []
+    for t in [*range(13, 22), 21.9]:  # silent since beat 12: up to 9.9 beats
+        job.beat(t, ranks=[0])
+        assert job.ended() == [], t
+    job.beat(22.1, ranks=[0])  # 10.1 beats: past the timeout
+    assert job.ended() == [0] and job.codes[0] == [1]
+    assert job.stores[0].get(LIVE_KEY) == b"1"  # the ranks it waits for before leaving (verdict.py): itself
+    assert re.match(
+        r"error: rank 1 on host \S+ \(127\.0\.0\.1\) silent for 2 s \(no heartbeat: dead, frozen or cut off\) at "
+        r"step 5; ending the job \(seen first by rank 0 on host \S+ \(127\.0\.0\.1\); the last checkpoint is intact\)$",
+        job.ranks[0].verdict,
+    ), job.ranks[0].verdict
+    job.beat(23, ranks=[1])  # the stalled rank goes on: it reads the verdict and ends with the same line
+    assert job.codes[1] == [1] and job.ranks[1].verdict == job.ranks[0].verdict
+
+
+def test_after_a_failed_collective_a_few_beats_of_silence_name_a_peer(store):
+    """Rank 1's collective failed (explain): it posts the alarm; the watcher of the silent ranks 2, 3 then needs
+    ALARM_BEATS beats, not the timeout, and beats FAST times as often. Ranks of one host are named together."""
+    job = Job(store, 4, local=2)
+    job.beat(0)
+    assert job.ranks[0]._period() == BEAT
+    job.ranks[1].explain(wait_s=0)
+    job.beat(1, ranks=[1, 0])
+    assert job.ranks[1]._period() < BEAT and job.ranks[0]._period() < BEAT  # rank 0 read the alarm
+    job.beat(ALARM_BEATS - 0.1, ranks=[1, 0])
+    assert job.ended() == []
+    job.beat(ALARM_BEATS + 0.1, ranks=[0, 1])
+    assert job.ended() == [0, 1], job.codes  # rank 1 (no watcher) reads the verdict at its alarmed beat
+    assert re.match(r"error: ranks 2, 3 on host \S+ \(127\.0\.0\.1\) silent for 1 s", job.ranks[0].verdict)
+    assert job.ranks[1].verdict == job.ranks[0].verdict
+
+
+def test_explain_gives_the_alarm_its_beats_before_calling_the_error_this_ranks(store):
+    """After a failed collective the trainer asks explain(): it sets the alarm and waits ALARM_BEATS + 3 beats for
+    a verdict (which would end the process) before the error is taken as this rank's own. A lower bound only."""
+    job = Job(store, 2)
+    start = time.monotonic()
+    job.ranks[0].explain()
+    assert time.monotonic() - start >= (ALARM_BEATS + 3) * BEAT and job.ranks[0].alarm.is_set()
+    assert job.ended() == []
+
+
+def test_without_an_alarm_the_timeout_holds_for_every_watcher(store):
+    """An alarm is what shortens the silence: without one, 3 to 9 beats of silence end nothing on any rank."""
+    job = Job(store, 4, local=2)
+    job.beat(0)
+    for t in range(1, 10):
+        job.beat(t, ranks=[0, 1])
+    assert job.ended() == [] and job.ranks[0]._period() == BEAT
+
+
+def test_a_late_first_beat_is_allowed_the_startup_bound_and_not_more(store):
+    """At step 0 a rank that has not beaten yet is allowed ``startup_s`` (parallel.startup_timeout_s); past it,
+    it is named (its counter never existed); after the first step only the timeout holds."""
+    job = Job(store, 2, step=0, startup_s=3 * TIMEOUT)
+    job.stores[1].delete_key("hb/1")  # rank 1 is still connecting: only its host name is there
+    assert job.ranks[0].exchange(job.stores[0])[1]  # the store answered (only a peer is missing)
+    for t in [0, 20, 29.9]:
+        job.beat(t, ranks=[0])
+    assert job.ended() == []
+    job.beat(30.1, ranks=[0])
+    assert job.ended() == [0]
+    assert re.match(r"error: rank 1 on host .* silent for 6 s .* at step 0", job.ranks[0].verdict), job.ranks[0].verdict
+
+    job = Job(store, 2, step=7, startup_s=3 * TIMEOUT)
+    job.stores[1].delete_key("hb/1")
+    job.beat(0, ranks=[0])
+    job.beat(10.1, ranks=[0])
+    assert job.ended() == [0] and "at step 7" in job.ranks[0].verdict
+
+
+def test_a_peer_that_started_late_is_watched_from_its_first_beat(store):
+    """A counter that appears within the start-up bound is watched from then on: beating, it is never named."""
+    job = Job(store, 2, step=0, startup_s=3 * TIMEOUT)
+    job.stores[1].delete_key("hb/1")
+    job.beat(0, ranks=[0])
+    job.beat(15, ranks=[0])
+    for t in range(16, 50):
+        job.beat(t)
+    assert job.ended() == []
+
+
+def test_a_finished_peer_is_never_silent_and_a_failed_one_is_named_at_once(store):
+    """A rank that stops tells its peers: ``done`` is never silent, ``failed`` is named at the next beat."""
+    job = Job(store, 2)
+    job.beat(0, ranks=[0])
+    job.stores[1].set("hb/1", "done")  # what Heartbeat.stop tells its peers
+    for t in range(1, 30):
+        job.beat(t, ranks=[0])
+    assert job.ended() == []
+
+    job = Job(store, 2)
+    job.beat(0, ranks=[0])
+    job.stores[1].set("hb/1", "failed")
+    job.beat(0.5, ranks=[0])
+    assert job.ended() == [0]
+    assert re.match(
+        r"error: rank 1 on host .* failed \(its own error is printed above\) at step 5", job.ranks[0].verdict
+    )
+
+
+def test_the_watcher_that_posts_second_reports_the_first_ones_line(store):
+    """Both watchers see a silent peer (rank 3 and rank 1): the verdict is compare-set, so both print the first
+    poster's line; a rank that watches nothing reads it at its next polling beat (every POLL-th)."""
+    job = Job(store, 4, local=2)
+    job.beat(0)
+    for t in range(1, 10):
+        job.beat(t, ranks=[0, 2])
+    job.beat(10.1, ranks=[0])
+    job.beat(10.1, ranks=[2])
+    assert job.ended() == [0, 2] and job.ranks[2].verdict == job.ranks[0].verdict
+    assert re.match(r"error: rank 3 on host \S+ \(127\.0\.0\.1\) silent", job.ranks[0].verdict), job.ranks[0].verdict
+    # rank 3's beats so far: 1 (beat 0); 2 and 3 are not polling beats; 4 is
+    for beat in range(2, 5):
+        job.beat(10 + beat, ranks=[3])
+        assert job.ended() == ([0, 2, 3] if beat == 4 else [0, 2]), beat
+    assert job.ranks[3].verdict == job.ranks[0].verdict
+
+
+def test_the_store_line_and_a_non_watcher_allows_its_polls(store):
+    """A rank that watches nothing hears the store every POLL beats: it allows those more before naming the
+    store (a watcher names it first); the line names the store's host and the step, no duration."""
+    job = Job(store, 4, local=2)
+    job.beat(0)
+    assert job.ranks[0]._store_limit() == TIMEOUT and job.ranks[1]._store_limit() == TIMEOUT + (POLL - 1) * BEAT
+    job.ranks[1]._end(job.ranks[1]._store_line(12.0))  # as its guard thread does when the store stops answering
+    line = job.ranks[1].verdict
+    assert job.codes[1] == [1] and not job.stores[0].check([ACKS_KEY])  # no store to acknowledge through: not tried
+    assert re.match(
+        r"error: the job's store at 127\.0\.0\.1:\d+ \(host \S+ \(127\.0\.0\.1\)\) has stopped answering \(dead, "
+        r"frozen or cut off\) at step 5; ending the job$",
+        line,
+    ), line
+
+
+def test_master_port_must_be_a_tcp_port(monkeypatch):
+    for good in ["1", "65535"]:
+        monkeypatch.setenv("MASTER_PORT", good)
+        assert store_address()[1] == int(good)
+    for bad in ["0", "65536", "abc"]:
+        monkeypatch.setenv("MASTER_PORT", bad)
+        with pytest.raises(ConfigError, match=f"MASTER_PORT='{bad}' is not a TCP port; give a number in 1-65535"):
+            store_address()
+
+
+def test_slices_and_rounds(monkeypatch):
+    """A host's ranks up to MAX_SLICE are a slice, larger hosts are cut into slices of 8; one rank watches
+    nothing; a torchrun restart sharing the agent's store keys on the agent's restart count."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    assert slice_size(256, 64) == 64 and slice_size(256, 65) == 8 and slice_size(256, 0) == 8
+    assert slice_size(256) == 8 and slice_size(5, 4) == 3 and slice_size(1, 1) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "x")
+    assert slice_size(256) == 8
+    assert watched(0, 1, 1) == [] and watched(1, 4, 2) == [] and watched(2, 5, 2) == [4] and watched(4, 5, 2) == [0, 1]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert launch_round() == "0"
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert launch_round() == "2"
+    assert describe_ranks([3, 1, 2], {1: "a", 2: "b", 3: "a"}) == "ranks 1, 3 on host a; rank 2 on host b"
+    assert describe_ranks([4], {}) == "rank 4 on host an unknown host"
+
+
+def _acknowledge_all(serve, live: int, coming: int, interval: float = BEAT, op_s: float = 10.0) -> list[bool]:
+    """``coming`` ranks end on a verdict that left ``live`` ranks alive (engine/cluster/verdict.py), each on a
+    thread of its own as on its own host: what each one's acknowledge returned."""
+    serve()
+    connect(1.0).set(LIVE_KEY, str(live))
+    done: list[bool] = []
+    threads = [
+        threading.Thread(target=lambda: done.append(acknowledge(lambda: connect(op_s), op_s, interval)))
+        for _ in range(coming)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return done
+
+
+def test_a_verdict_waits_for_every_live_rank_and_not_for_more(store):
+    """Every live rank counted in: each one's wait ends with all of them (True); one live rank that never comes
+    (it died meanwhile): the others give up within their bound, 2 beats and a store timeout (False), instead of
+    waiting for ever; at 0.05 s beats that is 1.1 s (an upper bound 18 times that: load only adds to it)."""
+    assert _acknowledge_all(store, 3, 3) == [True] * 3
+    assert _acknowledge_all(store, 1, 1) == [True]
+    start = time.monotonic()
+    assert _acknowledge_all(store, 3, 2, interval=0.05, op_s=1.0) == [False] * 2
+    assert 1.0 <= time.monotonic() - start < 20.0  # not less: the live rank's 2 beats to read the verdict
+
+
+def test_a_rank_that_finished_exits(store):
+    """A rank's process that finished (stop: ``done``) exits normally: none of the heartbeat's threads (the
+    listener blocks on ``ended`` for as long as the job lasts) holds the interpreter open at exit."""
+    store()
+    code = (
+        "from engine.cluster.heartbeat import Heartbeat\n"
+        "beat = Heartbeat(0, 2, 30.0).start()\n"
+        "while beat._beats < 1: pass\n"
+        "beat.stop()\n"
+        "print('finished')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "finished\n", done.stderr[-2000:]
+
+
+def test_the_store_host_is_the_one_with_master_addr(monkeypatch):
+    hosts = {0: "h1 (198.18.0.1)", 1: "h2 (198.18.0.2)"}
+    monkeypatch.setenv("MASTER_ADDR", "198.18.0.2")
+    assert store_host(hosts) == "h2 (198.18.0.2)"
+    monkeypatch.setenv("MASTER_ADDR", "198.18.0.9")  # an agent's host that runs no rank: rank 0's is named
+    assert store_host(hosts) == "h1 (198.18.0.1)"
+    assert store_host({}) == "that of rank 0"
+    monkeypatch.setenv("MASTER_ADDR", "localhost")  # a name: resolved
+    assert store_host({0: "h1 (198.18.0.1)", 1: "h2 (127.0.0.1)"}) == "h2 (127.0.0.1)"
