@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import os
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,8 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,3 +148,14 @@ def one_error_line(out: subprocess.CompletedProcess, *needles: str) -> str:
     assert "Traceback" not in out.stderr + out.stdout, out.stderr[-3000:]
     assert all(n in lines[0] for n in needles), lines[0]
     return lines[0]
+
+
+def without_file_permission_override() -> list[str]:
+    """A command prefix under which mode 000 stops reads: nothing for a plain user; for root, setpriv dropping
+    CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH (root reads any file otherwise)."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: a mode-000 file stays readable")
+    caps = "-dac_override,-dac_read_search"
+    return ["setpriv", "--bounding-set", caps, "--inh-caps", caps]

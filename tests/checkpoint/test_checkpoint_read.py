@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.checkpoint.format import file_crc32
 from tests.checkpoint.runs import SAME, SMALL, assert_curves, edit_index, launched
-from tests.cli import ROOT, run_script
+from tests.cli import ROOT, run_script, without_file_permission_override
 from tests.dist import run_ranks
 
 MOE = [*SMALL, "--model.family", "mixtral", "--model.num_experts", "4", "--model.experts_per_token", "2"]
@@ -258,17 +258,6 @@ def test_a_version_1_checkpoint_resumes_and_exports_as_its_version_2_twin(cases)
     assert len(losses[0]) == 2 and losses[0] == losses[1], losses
     exported = [tmp / name / "hf" / "model.safetensors" for name in ("version_1", "version_2")]
     assert exported[0].read_bytes() == exported[1].read_bytes()
-
-
-def without_file_permission_override() -> list[str]:
-    """A command prefix under which mode 000 stops reads: nothing for a plain user; for root, setpriv dropping
-    CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH (root reads any file otherwise)."""
-    if os.geteuid() != 0:
-        return []
-    if shutil.which("setpriv") is None:
-        pytest.skip("running as root without setpriv: a mode-000 file stays readable")
-    caps = "-dac_override,-dac_read_search"
-    return ["setpriv", "--bounding-set", caps, "--inh-caps", caps]
 
 
 def test_unreadable_shard_and_latest_fall_back_and_are_refused_when_named(cases):

@@ -17,7 +17,7 @@ import pytest
 
 from engine.errors import MAX_LINE
 from tests.checkpoint.runs import SMALL
-from tests.cli import ROOT, launch, one_error_line, run_script
+from tests.cli import ROOT, launch, one_error_line, run_script, without_file_permission_override
 from tests.shrunk import SHRUNK
 
 ZERO2 = ["--parallel.dp_mode", "zero", "--parallel.zero_stage", "2", "--train.steps", "1"]
@@ -65,8 +65,6 @@ def test_a_malformed_ds_config_is_one_line_at_load(tmp_path, case):
 def test_an_unreadable_ds_config_is_one_line_at_load(tmp_path):
     """A ds_config file that exists but cannot be read (mode 000; for root, without the capabilities that read
     anyway): one line naming it and why (issue 45: no test reached the OSError, so a traceback would pass)."""
-    from tests.checkpoint.test_checkpoint_read import without_file_permission_override
-
     prefix = without_file_permission_override()
     path = tmp_path / "ds.json"
     path.write_text("{}")
