@@ -5,14 +5,18 @@ sends are rendezvous and a rank's batches run in order, as under NCCL, so a pipe
 (issue 24: Works zipped with ops; a schedule that deadlocks on rendezvous sends) fails on CPU too, a deadlock
 within seconds ("NCCL rules: deadlock ..."). Turn it off with ``run_ranks(..., nccl_rules=False)`` or, for a
 whole run, ``ENGINE_NCCL_SHIM=0`` in the environment (e.g. to tell a shim problem from an engine one).
+
+Ranks that need no collective, only the job's store (the heartbeat's and the drift check's tests), run as threads of
+this process instead: ``run_threads``.
 """
 
 import os
+import threading
 
 from engine.parallel.layout import spawn
 from engine.parallel.layout.spawn import free_port
 
-__all__ = ["free_port", "run_ranks", "warm_imports"]
+__all__ = ["free_port", "run_ranks", "run_threads", "warm_imports"]
 
 
 def _under_nccl_rules(fn, *args):
@@ -32,6 +36,16 @@ def run_ranks(
     if nccl_rules:
         return spawn.run_ranks(_under_nccl_rules, world_size, fn, *args, timeout_s=timeout_s, threads=threads)
     return spawn.run_ranks(fn, world_size, *args, timeout_s=timeout_s, threads=threads)
+
+
+def run_threads(calls) -> None:
+    """Each of ``calls`` (no arguments) on a thread of its own, all started before any is joined (ranks that wait
+    for each other through a store); returns when every one has ended."""
+    threads = [threading.Thread(target=call) for call in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def warm_imports() -> None:

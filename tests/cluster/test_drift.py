@@ -5,8 +5,8 @@ checkout) through torchrun."""
 
 from __future__ import annotations
 
+import functools
 import platform
-import threading
 from datetime import timedelta
 
 import pytest
@@ -15,6 +15,7 @@ import torch.distributed as dist
 from engine.cluster import drift
 from engine.cluster.startup import StartupError
 from engine.errors import ConfigError
+from tests.dist import run_threads
 
 CONFIG = {"train": {"lr": 0.0003, "steps": 4}, "log": {"every": 1}, "out_dir": "0700"}
 
@@ -48,11 +49,7 @@ def _ranks(port: int, configs: list[dict | None], timeout_s: float = 20.0) -> li
             if r == 0 and isinstance(e, ConfigError):  # how many ranks had read the line when rank 0 left
                 out[r] += f" (left: {int(store.get(f'{drift._PREFIX}/0/left'))})"
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r, c in enumerate(configs) if c is not None]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads([functools.partial(rank, r) for r, c in enumerate(configs) if c is not None])
     return out
 
 

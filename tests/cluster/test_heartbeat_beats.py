@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import threading
 import time
 from datetime import timedelta
 
@@ -31,6 +30,7 @@ from engine.cluster.heartbeat import (
 from engine.cluster.verdict import ACKS_KEY, LIVE_KEY, acknowledge, store_host
 from engine.errors import ConfigError
 from tests.cli import ROOT
+from tests.dist import run_threads
 
 TIMEOUT = 2.0  # a beat every 0.2 s; a verdict's acknowledgement waits at most 2 beats + TIMEOUT / 3
 BEAT = TIMEOUT / BEATS
@@ -263,14 +263,7 @@ def _acknowledge_all(serve, live: int, coming: int, interval: float = BEAT, op_s
     serve()
     connect(1.0).set(LIVE_KEY, str(live))
     done: list[bool] = []
-    threads = [
-        threading.Thread(target=lambda: done.append(acknowledge(lambda: connect(op_s), op_s, interval)))
-        for _ in range(coming)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads([lambda: done.append(acknowledge(lambda: connect(op_s), op_s, interval))] * coming)
     return done
 
 
