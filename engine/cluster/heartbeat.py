@@ -245,7 +245,7 @@ class Heartbeat:
                 # into the log while the store is away, and one that never connected tries to connect again.
                 now = time.monotonic()
                 if now - self._store_ok > self._store_limit():
-                    self._end(self._store_line(now - self._store_ok))
+                    self._end(self._store_line())
                 continue
             self.judge(store, values, now)
 
@@ -336,7 +336,7 @@ class Heartbeat:
         while not self._stop.wait(self.interval / 2):
             quiet = time.monotonic() - self._store_ok
             if quiet > self._store_limit() + self.interval:  # the beat thread is stuck in a store call
-                self._end(self._store_line(quiet))
+                self._end(self._store_line())
 
     def _limit(self) -> float:
         """The silence that ends: ALARM_BEATS beats after a failed collective; during start-up (step 0: until this
@@ -389,7 +389,7 @@ class Heartbeat:
         except Exception:  # noqa: BLE001
             return line
 
-    def _store_line(self, quiet_s: float) -> str:
+    def _store_line(self) -> str:
         """The same line on every host that lost the store (no store to agree through): the store's host and the
         step, no duration: the silence that ends a rank is shorter on a rank whose collective failed first
         (alarmed: ALARM_BEATS beats) than on one still waiting in it, and both end on the same loss."""

@@ -218,7 +218,7 @@ def test_the_store_line_and_a_non_watcher_allows_its_polls(store):
     job = Job(store, 4, local=2)
     job.beat(0)
     assert job.ranks[0]._store_limit() == TIMEOUT and job.ranks[1]._store_limit() == TIMEOUT + (POLL - 1) * BEAT
-    job.ranks[1]._end(job.ranks[1]._store_line(12.0))  # as its guard thread does when the store stops answering
+    job.ranks[1]._end(job.ranks[1]._store_line())  # as its guard thread does when the store stops answering
     line = job.ranks[1].verdict
     assert job.codes[1] == [1] and not job.stores[0].check([ACKS_KEY])  # no store to acknowledge through: not tried
     assert re.match(
