@@ -31,6 +31,7 @@ def run_ranks(
 ) -> list:
     """engine.parallel.layout.spawn.run_ranks with NCCL's point-to-point rules in every rank (tests/nccl_shim.py) unless
     ``nccl_rules`` is False (None: on unless ENGINE_NCCL_SHIM=0)."""
+    _warm_for_ranks()
     if nccl_rules is None:
         nccl_rules = os.environ.get("ENGINE_NCCL_SHIM", "1") != "0"
     if nccl_rules:
@@ -52,7 +53,8 @@ def warm_imports() -> None:
     """Import, once in the parent, what every forked rank would otherwise import for itself: transformers (the
     tokenizer loader) and the torch modules that the first meta-device initialisation pulls in (torch._refs,
     torch._dynamo). Measured: 6-9 s and 3.6 s per rank, paid by 8 ranks on 2 cores at every spawn. Only imports:
-    nothing here starts a thread, so forking stays safe (tests/conftest.py)."""
+    nothing here starts a thread, so forking stays safe (tests/conftest.py). The costlier part that only forked
+    ranks need waits for the first spawn (``_warm_for_ranks``)."""
     from engine.config import ModelConfig
     from engine.data.dataset import load_tokenizer
     from engine.model import transformer as model_lib
@@ -63,3 +65,43 @@ def warm_imports() -> None:
         ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=2),
         device="meta",
     )
+
+
+_WARMED = []
+
+
+def _warm_for_ranks() -> None:
+    """Once per test process, before its first spawn: what every forked rank's first Trainer would otherwise do for
+    itself. DeepSpeed with the Muon module its ZeRO optimizer check imports at every initialize
+    (deepspeed/runtime/zero/utils.py is_zero_supported_optimizer; its torch.compile decorators import all of
+    torch._inductor), DeepSpeed's op probe (compiles test programs at its first comm init), and the bundled corpus's
+    tokens. Measured on the parity runner's first ZeRO run, one rank of two: 24.7 s -> 4.5 s (the second run in the
+    same ranks: 2-3 s). Not at start-up: a pytest run that forks no ranks (a mutant's tests) does not pay ~8 s.
+    Nothing here starts a thread or leaves a child process (checked: /proc/self/task, ps --ppid)."""
+    if _WARMED:
+        return
+    _WARMED.append(True)
+    _warm_bundled_tokens()
+    try:
+        import deepspeed.ops
+        from deepspeed.runtime.zero.muon import muon_optimizer  # noqa: F401 - imports deepspeed, then torch._inductor
+    except ImportError:  # DeepSpeed absent or without Muon: its tests skip or pay for their own imports
+        return
+    deepspeed.ops.__compatible_ops__  # noqa: B018 - the probe's result is cached in the module, inherited by forks
+
+
+def _warm_bundled_tokens() -> None:
+    """The bundled corpus under the default tokenizer (engine/data/dataset.py caches it in-process): every rank's
+    first Trainer tokenizes it otherwise (1-3 s a rank). Encoded with the tokenizers library's thread pool off, so
+    that the parent has used no threads when it forks (the library would warn in every child and go serial)."""
+    from engine.data.dataset import load_tokenizer, load_train_tokens
+
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        load_train_tokens([], load_tokenizer(""))
+    finally:
+        if before is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
