@@ -233,3 +233,20 @@ def test_the_locator_is_committed_and_every_rank_may_make_the_staging_folder(tmp
     final = publish(root, 1, "run", {"step": 1}, extra={"locator.json": "{}"})
     assert sorted(p.name for p in final.iterdir()) == ["index.json", "locator.json"]
     assert (final / "locator.json").read_text() == "{}"
+
+
+def test_a_folder_that_cannot_be_searched_is_passed_over(tmp_path, monkeypatch):
+    """checkpoint.dir inside a step, in a folder the user may not search (mode 0600; root searches any, so the
+    lookup's EACCES is injected): the step around it is still found."""
+    root = older_steps(tmp_path)
+    locked = root / OLDER[0] / "locked"
+    locked.mkdir()
+    real = Path.is_file
+
+    def is_file(self):
+        if self.parent == locked:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "is_file", is_file)
+    assert enclosing_step(locked) == root / OLDER[0]
