@@ -218,8 +218,9 @@ def train_six_steps(root: Path) -> Path:
 
 
 @contextlib.contextmanager
-def read_only(folder: Path):
-    """``folder`` made unwritable: mode 0555, or immutable (chattr +i) where the tests run as root."""
+def read_only(folder: Path, moved_to: Path | None = None):
+    """``folder`` made unwritable: mode 0555, or immutable (chattr +i) where the tests run as root; ``moved_to``:
+    where the folder is when the block ends (the code under test renamed it), made writable again there."""
     folder.chmod(0o555)
     immutable = (
         os.geteuid() == 0
@@ -234,6 +235,7 @@ def read_only(folder: Path):
             pytest.skip("cannot make a directory unwritable here")
         yield
     finally:
+        folder = moved_to or folder
         if immutable:
             subprocess.run(["chattr", "-i", str(folder)], check=True)
         folder.chmod(0o755)

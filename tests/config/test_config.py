@@ -229,3 +229,41 @@ def test_saved_config_keeps_a_derived_head_dim_derived(tmp_path):
     wider = load(["--config", str(saved), "--model.hidden_size", str(2 * cfg.model.hidden_size)])
     assert wider.model.head_dim == 2 * cfg.model.head_dim
     assert load(["--config", "configs/qwen3-0.6b.yaml"]).to_dict()["model"]["head_dim"] == 128
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (
+            ["--parallel.dp_mode", "fsdp", "--parallel.grad_compression", "bf16"],
+            "parallel.grad_compression=bf16 is a DDP communication hook and needs parallel.dp_mode=ddp (got fsdp)",
+        ),
+        (
+            ["--parallel.fsdp_grad_accumulation", "unsharded"],
+            "parallel.fsdp_grad_accumulation=unsharded is read only with parallel.dp_mode=fsdp (got ddp)",
+        ),
+        (["--parallel.zero_stage", "2"], "parallel.zero_stage=2 needs parallel.dp_mode=zero, not ddp"),
+        (
+            ["--parallel.dp_mode", "fsdp", "--parallel.ds_config", "ds.json"],
+            "parallel.ds_config='ds.json' is read only with parallel.dp_mode=zero (got fsdp)",
+        ),
+    ],
+)
+def test_a_key_only_another_dp_mode_reads_is_refused_in_its_words(argv, needle):
+    """engine/kinds/dp_modes.py check_owned_keys (issue 45): set away from its default under another mode, a mode's
+    key is refused rather than ignored; under its own mode it is read."""
+    with pytest.raises(ConfigError) as e:
+        load(argv)
+    assert str(e.value) == needle or str(e.value).startswith(needle + ";"), str(e.value)
+
+
+def test_each_dp_mode_reads_its_own_keys_and_compiles_where_it_can():
+    """Its own keys accepted under each mode, and train.compile under every mode but zero (test_compile.py)."""
+    for argv in (
+        ["--parallel.grad_compression", "bf16"],
+        ["--parallel.dp_mode", "fsdp", "--parallel.fsdp_grad_accumulation", "unsharded"],
+        ["--parallel.dp_mode", "zero", "--parallel.zero_stage", "2"],
+        ["--train.compile", "true"],
+        ["--train.compile", "true", "--parallel.dp_mode", "fsdp"],
+    ):
+        load(argv)

@@ -84,3 +84,20 @@ def test_cp_halves_the_compute_and_prices_the_all_to_all():
     assert two.compute == pytest.approx(one.compute / 2)
     per_layer = 2 * (8 + 4) * 32 * 4 * 64 * 4 / 2
     assert two.cp_comm == pytest.approx(4 * 4 * 2 * per_layer / 100e9)
+
+
+def test_the_ring_is_priced_without_a_softmax_of_the_whole_sequence_on_any_kernel_path():
+    """Issue 45 (CpModeSpec.saves_own_attention): on a GPU kernel path that keeps the (b, heads, s, s) softmax (SDPA's
+    math path: fp32 with a head_dim not a multiple of 4), all_to_all's plain attention over the whole sequence keeps
+    it, so its bytes a token grow with seq_len; the ring's core (engine/parallel/cp/ring.py) saves only its q, k, v,
+    output and log-sum-exp, so its bytes a token do not. Planned for CUDA (parallel.backend=nccl) on any machine."""
+    from engine.planning.activations import MATH, attention_bytes_per_token, planned_attention_path
+
+    def per_token(mode: str, seq_len: int) -> float:
+        argv = [*ARGV, "--parallel.backend", "nccl", "--model.head_dim", "30", "--train.seq_len", str(seq_len)]
+        cfg = load([*argv, "--parallel.cp", "2", "--parallel.cp_mode", mode, "--model.num_kv_heads", "8"])
+        assert planned_attention_path(cfg) == MATH
+        return attention_bytes_per_token(cfg, 1)
+
+    assert per_token("ring", 64) == per_token("ring", 128)
+    assert per_token("all_to_all", 128) > per_token("all_to_all", 64)

@@ -234,8 +234,10 @@ def test_saved_activations_per_rank_match_the_planner(cp, extra):
         "all_to_all",
         *extra,
     ]
+    # The ledger leaves out the loss's scalars: 8 bytes here (24 at cp 1), measured in every case; a bound in bytes,
+    # not 1e-3 (2 KB), so that a cp mode's 2 * 8 * seq_len bytes of kept token-order indices count (issue 45).
     for got in run_ranks(_saved_rank, cp, argv, threads=1):
-        assert got["saved"] == pytest.approx(got["planned"], rel=1e-3), got
+        assert got["saved"] == pytest.approx(got["planned"], abs=64), got
 
 
 def _eval_losses(argv: list[str]) -> list[float]:
