@@ -6,8 +6,8 @@ methods and never compare a mode's name; a mode without one is refused by the pl
 formulas are explained in those two modules' docstrings; this file only says which applies to which mode.
 
 Methods, each (cfg, layout, ...): ``state(params, micro_batches)`` -> (weights, grads, optimizer) bytes;
-``step_buffers(params, foreach)``: temporaries of the optimizer step; ``buffers(params)`` -> (gathered weights,
-gradient bucket); ``offloaded(local, parts)`` -> (weights, grads, optimizer, step_buffers, host);
+``step_buffers(params, adamw)``: temporaries of the optimizer step (``adamw``: one of ADAMW); ``buffers(params)`` ->
+(gathered weights, gradient bucket); ``offloaded(local, parts)`` -> (weights, grads, optimizer, step_buffers, host);
 ``dp_comm(hw, params, micro_batches, compute_mb, last)``: exposed seconds (``last``: the parameters reduced
 last, after the backward); ``label``: its name in tables. Attributes:
 ``shards`` (sharding over one rank changes nothing, so the search tries only non-sharding modes at dp = 1),
@@ -73,14 +73,25 @@ def group_span(layout) -> int:
     return layout.tp * layout.dp * layout.ep
 
 
+# torch AdamW's implementations (engine.optim.adamw_implementation picks "fused" on CUDA and on CPU, "foreach" for
+# parameters on mixed devices; "loop" is torch's per-tensor default) and their temporaries in the step
+ADAMW = ("fused", "foreach", "loop")
+
+
 class TorchAdamWModel:
-    """What ddp and fsdp share: torch AdamW on fp32 weights, its foreach temporaries (a sqrt buffer per parameter
-    group, ~4 bytes per local parameter, an upper bound for CUDA's fused kernel; the per-tensor loop: ~2 of the
-    largest tensor), nothing offloaded, nothing gathered."""
+    """What ddp and fsdp share: torch AdamW on fp32 weights, nothing offloaded, nothing gathered; the step's
+    temporaries those of the AdamW that runs (``step_buffers``)."""
 
     shards, grads_whole_step, per_tensor_step, experts_overlap = False, False, True, True
 
-    def step_buffers(self, cfg, layout, params: dict, foreach: bool) -> float:
+    def step_buffers(self, cfg, layout, params: dict, adamw: str) -> float:
+        """The fused kernel: none (it reads each parameter, gradient and moment once and writes in place); foreach:
+        a sqrt buffer per parameter group, ~4 bytes per local parameter; the per-tensor loop: ~2 of the largest
+        tensor."""
+        if adamw not in ADAMW:
+            raise ValueError(f"adamw={adamw!r} is not one of {', '.join(ADAMW)}")
+        if adamw == "fused":
+            return 0.0
         m = cfg.model
         shard = layout.dp if self.shards else 1
         local = params["layers"] + params["root"]
@@ -88,7 +99,7 @@ class TorchAdamWModel:
             m.hidden_size * max(m.intermediate_size, m.num_heads * m.head_dim) // layout.tp,
             m.vocab_size * m.hidden_size // layout.tp if params["root"] > m.hidden_size else 0,
         )
-        return 4.0 * local / shard if foreach else 8.0 * largest / shard
+        return 4.0 * local / shard if adamw == "foreach" else 8.0 * largest / shard
 
     def buffers(self, cfg, layout, params: dict) -> tuple[float, float]:
         return 0.0, 0.0
@@ -198,7 +209,7 @@ class ZeroModel:
         precision = "bf16_fp32_grads" if cfg.train.dtype == "bf16" else "fp32_master"
         return model_state_parts(params, layout.dp, cfg.parallel.zero_stage, precision)
 
-    def step_buffers(self, cfg, layout, params: dict, foreach: bool) -> float:
+    def step_buffers(self, cfg, layout, params: dict, adamw: str) -> float:
         return 0.0  # DeepSpeed's own buffers (reduce/all-gather buckets): ``buffers``
 
     def buffers(self, cfg, layout, params: dict) -> tuple[float, float]:

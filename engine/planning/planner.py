@@ -167,28 +167,29 @@ def dp_model(cfg: Config):
 
 
 def stage_memory(
-    cfg: Config, world_size: int, stage: int, foreach: bool = True, layout: Layout | None = None
+    cfg: Config, world_size: int, stage: int, adamw: str = "fused", layout: Layout | None = None
 ) -> StageMemory:
     """Planned bytes held by one rank of pipeline ``stage`` at the peak of a training step (layout from
     ``cfg.parallel`` and ``cfg.train``, checked by engine.parallel.layout.checks.resolve_layout, unless the caller
-    passes the ``layout`` it has resolved). ``foreach``: AdamW's multi-tensor path (engine.optim's choice off
-    CUDA); False: torch's per-tensor loop."""
+    passes the ``layout`` it has resolved). ``adamw``: the torch AdamW that steps (engine/planning/dp.py ADAMW;
+    "fused" is engine.optim's choice on CUDA and on CPU)."""
     layout = layout or resolve_layout(cfg, world_size)
     micro_batches = micro_batches_per_step(cfg.train, layout.dp)
     params = stage_params(cfg, layout.tp, layout.pp, stage)
     model, groups = dp_model(cfg), state_groups(layout, params)
     counters = 4 * _param_tensors(cfg, layout, stage)  # AdamW's fp32 `step` per parameter tensor (dense group's)
     parts = [
-        _group_state(cfg, model, lay, p, micro_batches, foreach, counters if i == 0 else 0)
+        _group_state(cfg, model, lay, p, micro_batches, adamw, counters if i == 0 else 0)
         for i, (lay, p) in enumerate(groups)
     ]
     # (weights, grads, optimizer, step_buffers, host, gathered, bucket) summed over the dense and expert groups;
     # the per-tensor AdamW loop's temporaries are one tensor's, the largest of either group's
     weights, grads, optimizer, step_buffers, host, gathered, bucket = (sum(x) for x in zip(*parts))
-    if not foreach:
+    if adamw == "loop":
         step_buffers = max(p[3] for p in parts)
     held = activations_in_flight(cfg, layout.tp, layout.pp, micro_batches, stage)
-    buffers = acts.transient_bytes(cfg, layout.tp, stage == head_stage(cfg, layout.pp)) + bucket
+    buffers = acts.transient_bytes(cfg, layout.tp, stage == head_stage(cfg, layout.pp))
+    buffers = max(buffers, vocab_grad_bytes(cfg, layout, stage, model, micro_batches, held)) + bucket
     buffers += cp_plan.buffer_bytes(cfg, layout.tp)  # the ring's K/V blocks and dK/dV accumulators
     if model.grads_whole_step:  # DDP's gradients are views into its buckets, held through the whole step
         new_at_peak = gathered + buffers + grads + held.peak
@@ -210,6 +211,21 @@ def stage_memory(
         held.w_state,
         host,
     )
+
+
+def vocab_grad_bytes(cfg: Config, layout: Layout, stage: int, model, micro_batches: int, held) -> float:
+    """The embedding's or LM head's fp32 weight gradient (V/t x h, the largest) as its backward computes it, before
+    AccumulateGrad adds it into a gradient that already exists (held through the step, or a later micro-batch's;
+    not under a sharding mode, whose unsharded gradient is reduce-scattered away), beyond ``held.peak``: the
+    head's beside every activation in flight (its logits' gradient in place of the logits); the embedding's at the
+    end of a micro-batch's backward, whose activations (~held.peak / held.count) are gone. 0 on other stages."""
+    into_grads = model.grads_whole_step or (micro_batches > 1 and not model.shards)
+    grad = 4.0 * cfg.model.vocab_size * cfg.model.hidden_size / layout.tp
+    if not into_grads:
+        return 0.0
+    if stage == head_stage(cfg, layout.pp):
+        return grad
+    return max(0.0, grad - held.peak / max(1, held.count)) if stage == 0 else 0.0
 
 
 def state_groups(layout: Layout, params: dict) -> list[tuple[Layout, dict]]:
@@ -238,14 +254,14 @@ def state_groups(layout: Layout, params: dict) -> list[tuple[Layout, dict]]:
 
 
 def _group_state(
-    cfg: Config, model, layout: Layout, params: dict, micro_batches: int, foreach: bool, counters: float
+    cfg: Config, model, layout: Layout, params: dict, micro_batches: int, adamw: str, counters: float
 ) -> tuple[float, ...]:
     """(weights, grads, optimizer, step_buffers, host, gathered, bucket) of one state group under the dp mode's
     planner model, ``counters`` bytes of optimizer state added before offloading."""
     local = params["layers"] + params["root"]
     weights, grads, optimizer = model.state(cfg, layout, local, micro_batches)
     state = weights, grads, optimizer + counters
-    step_buffers = model.step_buffers(cfg, layout, params, foreach)
+    step_buffers = model.step_buffers(cfg, layout, params, adamw)
     on_device = model.offloaded(cfg, layout, local, (*state, step_buffers))
     return (*on_device, *model.buffers(cfg, layout, params))
 
@@ -260,10 +276,10 @@ def _param_tensors(cfg: Config, layout: Layout, stage: int) -> int:
     return (12 if cfg.model.attention_bias else 9) * p["num_layers"] + root
 
 
-def plan_memory(cfg: Config, world_size: int, foreach: bool = True, layout: Layout | None = None) -> list[StageMemory]:
+def plan_memory(cfg: Config, world_size: int, adamw: str = "fused", layout: Layout | None = None) -> list[StageMemory]:
     """stage_memory of every pipeline stage, stage 0 first (``layout`` as for stage_memory)."""
     layout = layout or resolve_layout(cfg, world_size)
-    return [stage_memory(cfg, world_size, s, foreach, layout) for s in range(layout.pp)]
+    return [stage_memory(cfg, world_size, s, adamw, layout) for s in range(layout.pp)]
 
 
 def with_layout(cfg: Config, **parallel_and_train) -> Config:

@@ -7,8 +7,8 @@ Each side runs in its own process (``--side both``, the default, starts one per 
 other's allocator state, compiled graphs or threads. ``ours``: the engine's Trainer (tp = pp = dp = 1) as the config
 sets it. ``plain``: ``transformers.LlamaForCausalLM`` with the same shapes trained the way a careful user would
 write it: bf16 autocast when train.dtype is bf16, ``torch.compile`` when train.compile, full activation
-checkpointing (HF's) when train.activation_checkpointing is not none, AdamW fused on CUDA (foreach elsewhere), the
-same micro-batching, clipping and random batches, created on the device. Every step is timed between
+checkpointing (HF's) when train.activation_checkpointing is not none, AdamW as the engine picks it (fused on CUDA
+and CPU), the same micro-batching, clipping and random batches, created on the device. Every step is timed between
 ``torch.cuda.synchronize()`` calls on CUDA (kernels run asynchronously); the figures are medians after ``--warmup``
 steps (compilation happens there). MFU uses the model FLOPs of engine/model/flops.py (PaLM's 6N + 12 L H Q T)
 for both sides and the device's peak from its table; none on CPU (unless log.peak_tflops gives one).

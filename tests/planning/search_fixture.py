@@ -13,6 +13,9 @@ Remade (issue 46: FSDP's reduce-scatter every micro-batch and overlapped with th
 searched, uneven virtual stages, the leaner activation ledger) from the exhaustive search (``search(..., top=0)``)
 of the checkout that made those changes, one process per case.
 
+Remade (issue 46: AdamW fused on CPU and CUDA, the planner pricing no foreach temporaries, and the embedding's / LM
+head's weight gradient before it is added into a held one) the same way, one process per case.
+
 tests/planning/test_search_scale.py checks that the pruned search finds the same rows, bit for bit.
 """
 

@@ -66,6 +66,26 @@ SMALL = [
 ]
 
 
+def test_step_buffers_are_those_of_the_adamw_engine_optim_picks():
+    """The plan's default prices the AdamW engine.optim builds (fused on CPU and CUDA: no temporaries); foreach
+    costs a sqrt buffer per parameter (4 bytes each), the per-tensor loop two of the largest tensor."""
+    import torch
+
+    from engine.optim import adamw_implementation
+    from engine.planning.dp import ADAMW
+
+    cfg = load(SMALL)
+    picked = [k for k, on in adamw_implementation([torch.zeros(1)]).items() if on]
+    assert picked == ["fused"]
+    fused, foreach, loop = (stage_memory(cfg, 1, 0, adamw).step_buffers for adamw in ADAMW)
+    assert stage_memory(cfg, 1, 0).step_buffers == fused == 0
+    params = stage_params(cfg, 1, 1, 0)
+    assert foreach == 4 * (params["layers"] + params["root"])
+    assert loop == 8 * cfg.model.vocab_size * cfg.model.hidden_size  # the embedding, the largest tensor
+    with pytest.raises(ValueError, match="adamw='x' is not one of fused, foreach, loop"):
+        stage_memory(cfg, 1, 0, "x")
+
+
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("pp", [1, 2, 3])
 def test_stage_params_match_the_split_model(tied, pp):

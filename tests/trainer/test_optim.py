@@ -1,4 +1,4 @@
-"""engine.optim.build_optimizer picks torch's fused AdamW (CUDA) or foreach (CPU, mixed devices), and that gives
+"""engine.optim.build_optimizer picks torch's fused AdamW (CUDA, CPU) or foreach (mixed devices), and that gives
 torch's per-tensor loop's result up to rounding, on plain and on FSDP2-sharded (DTensor) parameters; the gradient
 norm and clipping equal the loop."""
 
@@ -18,9 +18,9 @@ from tests.dist import run_ranks
 
 SHAPE = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2)
 TRAIN = TrainConfig(lr=1e-2, weight_decay=0.1)
-# Measured: foreach and the loop agree exactly (0.0, worst parameter) after 3 steps on torch 2.13 CPU (so did torch's
-# fused CPU kernel, tried; on the tiny model's shapes after 25 steps it differs from foreach by 6e-8 absolute); 1e-6
-# leaves room for other CPUs' vector widths and is far below any real difference (one lr step is ~1e-2 relative).
+# Measured: fused (and foreach) and the loop agree exactly (0.0, worst parameter) after 3 steps on torch 2.13 CPU
+# (on the tiny model's shapes after 25 steps fused and foreach differ by 6e-8 absolute); 1e-6 leaves room for other
+# CPUs' vector widths and is far below any real difference (one lr step is ~1e-2 relative).
 REL = 1e-6
 
 
@@ -60,14 +60,14 @@ def _loop_twin(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 def test_choice_by_device():
     cpu = build_optimizer(_model(), TRAIN)
-    assert all(g["foreach"] and not g["fused"] for g in cpu.param_groups)
+    assert all(g["fused"] and not g["foreach"] for g in cpu.param_groups)
     cuda = SimpleNamespace(device=torch.device("cuda"))
     assert adamw_implementation([cuda, cuda]) == {"fused": True}
     assert adamw_implementation([cuda, SimpleNamespace(device=torch.device("cpu"))]) == {"foreach": True}
     assert adamw_implementation([SimpleNamespace(device=torch.device("meta"))]) == {"foreach": True}
 
 
-def test_foreach_matches_the_per_tensor_loop():
+def test_fused_matches_the_per_tensor_loop():
     fast, slow = _model(), _model()
     _steps(fast, build_optimizer(fast, TRAIN))
     _steps(slow, _loop_twin(slow))
@@ -78,13 +78,13 @@ def _fsdp_rank() -> float:
     mesh = init_device_mesh("cpu", (2,))
     fast, slow = (apply_fsdp(_model(), mesh, reshard_after_forward=True, bf16=False) for _ in range(2))
     opt = build_optimizer(fast, TRAIN)
-    assert all(g["foreach"] for g in opt.param_groups)
+    assert all(g["fused"] for g in opt.param_groups)
     _steps(fast, opt)
     _steps(slow, _loop_twin(slow))
     return _worst_rel(fast, slow)
 
 
-def test_foreach_on_fsdp2_dtensor_parameters():
+def test_fused_on_fsdp2_dtensor_parameters():
     for err in run_ranks(_fsdp_rank, 2):
         assert err <= REL
 
