@@ -119,6 +119,17 @@ def test_the_earliest_operation_is_reported_step_then_phase_then_micro_batch():
     assert "; rank 0 on host h in recv from rank 3 over pp (micro-batch 0, " in diagnose(tails, 4)[1]  # longest
 
 
+def test_of_two_phases_of_a_step_the_earlier_is_reported():
+    """For each two consecutive phases of a step (data, schedule, loss, tied embedding, grad sync, grad norm, step
+    stats, stop signal, then anything else), rank 2 waits in the earlier one and rank 0 in the later one, which a
+    lower micro-batch and a longer wait would put first if the phases tied."""
+    phases = ["data", "pipeline", "loss", "tied embedding", "grad sync", "grad norm", "step stats", "stop signal", "?"]
+    for earlier, later in zip(phases, phases[1:]):
+        tails = {0: tail(op("all-reduce", later, group="dp", ranks=[0, 1], mb=-1, age=50.0)), 1: tail(FINISHED)}
+        tails |= {2: tail(op("all-reduce", earlier, group="mp", ranks=[2, 3], mb=5, age=1.0)), 3: tail(FINISHED)}
+        assert "; rank 2 on host h in all-reduce over mp" in diagnose(tails, 4)[1], (earlier, later)
+
+
 def test_a_job_with_no_rank_in_communication_lists_what_each_does():
     tails = {r: tail(FINISHED, step=5 + (r == 2), action="fwd", mb=r) for r in range(6)}
     step, line = diagnose(tails, 6)
