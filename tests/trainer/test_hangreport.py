@@ -124,7 +124,7 @@ def test_of_two_phases_of_a_step_the_earlier_is_reported():
     stats, stop signal, then anything else), rank 2 waits in the earlier one and rank 0 in the later one, which a
     lower micro-batch and a longer wait would put first if the phases tied."""
     phases = ["data", "pipeline", "loss", "tied embedding", "grad sync", "grad norm", "step stats", "stop signal", "?"]
-    for earlier, later in zip(phases, phases[1:]):
+    for earlier, later in [*zip(phases, phases[1:]), ("data", "layer"), ("layer", "loss")]:  # a layer's: schedule
         tails = {0: tail(op("all-reduce", later, group="dp", ranks=[0, 1], mb=-1, age=50.0)), 1: tail(FINISHED)}
         tails |= {2: tail(op("all-reduce", earlier, group="mp", ranks=[2, 3], mb=5, age=1.0)), 3: tail(FINISHED)}
         assert "; rank 2 on host h in all-reduce over mp" in diagnose(tails, 4)[1], (earlier, later)
