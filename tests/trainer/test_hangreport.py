@@ -130,6 +130,13 @@ def test_of_two_phases_of_a_step_the_earlier_is_reported():
         assert "; rank 2 on host h in all-reduce over mp" in diagnose(tails, 4)[1], (earlier, later)
 
 
+def test_the_line_tells_what_four_of_the_ranks_that_never_entered_do():
+    tails = {0: tail(op("all-reduce", "loss", ranks=list(range(6))))} | {r: tail(FINISHED) for r in range(1, 6)}
+    line = diagnose(tails, 6)[1]
+    assert "; ranks 1, 2, 3, 4, 5 on host h never entered it: rank 1 is outside" in line, line
+    assert [f"rank {r} is outside the pipeline schedule" in line for r in range(1, 6)] == [True] * 4 + [False]
+
+
 def test_a_job_with_no_rank_in_communication_lists_what_each_does():
     tails = {r: tail(FINISHED, step=5 + (r == 2), action="fwd", mb=r) for r in range(6)}
     step, line = diagnose(tails, 6)
