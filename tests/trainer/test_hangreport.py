@@ -28,7 +28,7 @@ def test_ranks_that_never_entered_a_collective_are_named_with_what_they_do():
     """Ranks 0, 1 wait in the dp all-reduce; rank 2 computes a forward (its last operation ended), rank 3 posted a
     send before the backward it runs now (a send does not block a rank that went on): quiet since it posted it, 9 s
     (only the rank that saw the hang posts how long it saw no progress)."""
-    tails = {r: tail(GRAD_SYNC, host="a") for r in (0, 1)}
+    tails = {r: tail(FINISHED, GRAD_SYNC, host="a") for r in (0, 1)}
     tails[2] = tail(FINISHED, action="fwd", mb=1, host="b")
     tails[3] = tail(FINISHED, op("send", "pipeline", peer=1, action="send_fwd", mb=0), action="bwd", mb=2, host="b")
     step, line = diagnose(tails, 4)

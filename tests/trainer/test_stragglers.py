@@ -142,6 +142,15 @@ def test_hosts_as_the_launchers_number_them(monkeypatch):
     assert ranks_per_host(16) == 8
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert ranks_per_host(16) == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "0")  # not a launcher's: one host, not a division by zero
+    assert ranks_per_host(16) == 16
+
+
+def test_a_rank_is_named_with_its_host_over_one_step():
+    finding = {"host": "h3", "ranks": [13], "whole_host": False, "phase": "optimizer", "ratio": 4.26, "cost": 0.55}
+    assert describe(finding, (7, 7)) == (
+        "straggler: rank 13 (host h3) optimizer 4.3x the median over step 7; costs ~55% of the step"
+    )
 
 
 def test_bad_ratio_refused():
