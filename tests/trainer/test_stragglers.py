@@ -146,6 +146,12 @@ def test_hosts_as_the_launchers_number_them(monkeypatch):
     assert ranks_per_host(16) == 16
 
 
+def test_a_phase_its_peers_spend_no_time_in_is_not_a_ratio():
+    """Peers at 0 s in a phase (nothing to step): a rank's 10 ms there is no ratio (1.0 in the metrics), not 1e10."""
+    found = find(table([(1.0, 2.0, 0.0, 0), (1.0, 2.0, 0.0, 0), (1.0, 2.0, 0.01, 0)]), 1.4, local=3)
+    assert found["named"] == [] and found["metrics"]["straggler_ratio"] == 1.0
+
+
 def test_a_rank_is_named_with_its_host_over_one_step():
     finding = {"host": "h3", "ranks": [13], "whole_host": False, "phase": "optimizer", "ratio": 4.26, "cost": 0.55}
     assert describe(finding, (7, 7)) == (
