@@ -137,6 +137,19 @@ def test_the_line_tells_what_four_of_the_ranks_that_never_entered_do():
     assert [f"rank {r} is outside the pipeline schedule" in line for r in range(1, 6)] == [True] * 4 + [False]
 
 
+def test_the_walk_follows_the_first_peer_that_waits_elsewhere():
+    """Rank 0 waits in an all-reduce that ranks 1 and 2 never entered: both wait in receives of the next step, from
+    ranks 3 and 4, which compute. The walk goes on from rank 1, the first of them."""
+    tails = {0: tail(op("all-reduce", "loss", group="dp", ranks=[0, 1, 2]))}
+    for r, peer in ((1, 3), (2, 4)):
+        tails[r] = tail(op("recv", "pipeline", step=4, group="pp", ranks=[r, peer], peer=peer, action="recv_fwd", mb=0))
+    tails |= {3: tail(FINISHED), 4: tail(FINISHED)}
+    assert (
+        "; rank 1 on host h in recv from rank 3 over pp (micro-batch 0, action recv F); rank 3 "
+        in diagnose(tails, 5)[1]
+    )
+
+
 def test_a_job_with_no_rank_in_communication_lists_what_each_does():
     tails = {r: tail(FINISHED, step=5 + (r == 2), action="fwd", mb=r) for r in range(6)}
     step, line = diagnose(tails, 6)
