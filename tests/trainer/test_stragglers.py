@@ -28,7 +28,7 @@ from engine.config import load
 from engine.metrics.tensorboard import scalars
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
-from engine.trust.stragglers import FIELDS, describe, find, ranks_per_host
+from engine.trust.stragglers import FIELDS, describe, find, median_of_others, ranks_per_host
 from tests.cli import run_script
 from tests.cluster.jobs import Job, agent
 from tests.dist import free_port, run_ranks
@@ -144,6 +144,17 @@ def test_hosts_as_the_launchers_number_them(monkeypatch):
     assert ranks_per_host(16) == 4
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "0")  # not a launcher's: one host, not a division by zero
     assert ranks_per_host(16) == 16
+
+
+def test_the_median_of_the_others_is_that_of_the_rows_left_when_one_is_taken_out():
+    """median_of_others (sorted once) against taking each row out and sorting the rest, at odd and even counts."""
+    for n in (2, 5, 6, 9):
+        values = torch.randperm(4 * n).double().reshape(n, 4)
+        for i in range(n):
+            rest = torch.cat([values[:i], values[i + 1 :]]).sort(dim=0).values
+            m = n - 1
+            want = rest[m // 2] if m % 2 else (rest[m // 2 - 1] + rest[m // 2]) / 2
+            assert torch.equal(median_of_others(values)[i], want), (n, i)
 
 
 def test_a_phase_its_peers_spend_no_time_in_is_not_a_ratio():
