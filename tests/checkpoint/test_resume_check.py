@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.checkpoint import format as ckpt_format
 from engine.checkpoint.format import file_crc32
-from engine.trust.saved import FIELD, piece_digest
+from engine.trust.saved import FIELD, compare, piece_digest, verdict
 from tests.checkpoint.runs import SMALL, edit_index, launched
 from tests.cli import one_error_line, run_script
 from tests.dist import run_ranks
@@ -167,3 +167,40 @@ def test_the_digest_adds_up_over_any_cut(tp_dim):
     swapped = t.clone()
     swapped[0, 0], swapped[0, 1] = t[0, 1], t[0, 0]
     assert piece_digest(swapped.view(-1), [6, 8], (None, 1, 0), 0) != whole
+
+
+def test_what_differs_is_listed_and_the_line_names_two():
+    """compare() and verdict() (rank 0, after a load) on a saved record and the loaded state, one difference of each
+    kind: the line names the first two and counts the rest; a probe loss within the dtype's relative bound passes."""
+
+    class At:
+        step, consumed_samples = 4, 96
+
+    saved = {"step": 4, "consumed_samples": 96, "adam_step": 4, "probe_loss": 2.0}
+    saved["tensors"] = {"a": {"param": "01", "exp_avg": "02"}, "b": {"param": "03"}}
+    same = {"a": {"param": "01", "exp_avg": "02"}, "b": {"param": "03"}}
+    assert compare(saved, same, At, 4, (2.0 * (1 + 1.9e-5), torch.float32)) == []
+    assert compare(saved, same, At, 4, (2.0 * (1 - 3.9e-3), torch.bfloat16)) == []
+    assert compare(saved, same, At, 4, (None, torch.float32)) == [] and verdict("s", []) is None
+    wrong = compare(
+        saved | {"consumed_samples": 48},
+        {"a": {"param": "01", "exp_avg": "0f"}, "b": {"param": "03", "exp_avg": "04"}, "c": {"param": "05"}},
+        At,
+        3,
+        (2.0 * (1 + 2.1e-5), torch.float32),
+    )
+    assert wrong == [
+        "the run position: consumed_samples 96, saved at 48 (a wrong schedule position)",
+        "Adam's step count 3, saved at 4 (a wrong schedule position)",
+        "a exp_avg differs from what was saved (digest 0f, saved 02)",
+        "b exp_avg was loaded but not saved",
+        "c param was loaded but not saved",
+        "the probe batch's loss 2.000042, saved 2 (beyond rel 2e-05)",
+    ]
+    assert verdict("ckpt/step_4", wrong[:3]) == (
+        "ckpt/step_4 does not resume to the state that was saved: the run position: consumed_samples 96, saved at 48 "
+        "(a wrong schedule position); Adam's step count 3, saved at 4 (a wrong schedule position) (and 1 more); a file "
+        "rewritten with a valid CRC, a wrong reshard or an edited index: resume an older step (checkpoint.resume "
+        "PATH), or set checkpoint.verify=false to resume it unchecked"
+    )
+    assert "(and" not in verdict("s", wrong[:2])

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from torch.distributed import PrefixStore, TCPStore
 
-from engine.trust.hang import EXIT_STATUS, acknowledge, collect, post
+from engine.trust.hang import EXIT_STATUS, acknowledge, collect, effective_timeout, post
 from launch.bench.scale_store import Counting, start_server
 from tests.cli import ROOT, _child, run_script
 from tests.dist import free_port
@@ -134,6 +134,13 @@ def test_negative_hang_timeout_refused():
         "error: parallel.hang_timeout_s=-1.0 must be >= 0 (0 turns the hang watchdog off; it must be below "
         "parallel.timeout_s=600.0 to act)"
     ], r.stderr
+
+
+def test_the_watchdog_acts_only_below_the_collective_timeout_and_with_peers():
+    """hang_timeout_s acts when it is below parallel.timeout_s (at it, a collective's own timeout ends the job
+    first: rank 0 says the watchdog is off) and there is another rank; 0 turns it off."""
+    assert [effective_timeout(h, 600.0, 4) for h in (0.0, 3.0, 599.0, 600.0, 900.0)] == [0.0, 3.0, 599.0, 0.0, 0.0]
+    assert effective_timeout(3.0, 600.0, 1) == 0.0 and effective_timeout(3.0, 600.0, 2) == 3.0
 
 
 def protocol_counts(world: int) -> tuple[list[tuple[int, int]], tuple[int, int]]:

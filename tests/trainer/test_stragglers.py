@@ -28,7 +28,7 @@ from engine.config import load
 from engine.metrics.tensorboard import scalars
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
-from engine.trust.stragglers import FIELDS, describe, find, ranks_per_host
+from engine.trust.stragglers import FIELDS, describe, find, median_of_others, ranks_per_host
 from tests.cli import run_script
 from tests.cluster.jobs import Job, agent
 from tests.dist import free_port, run_ranks
@@ -142,6 +142,32 @@ def test_hosts_as_the_launchers_number_them(monkeypatch):
     assert ranks_per_host(16) == 8
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert ranks_per_host(16) == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "0")  # not a launcher's: one host, not a division by zero
+    assert ranks_per_host(16) == 16
+
+
+def test_the_median_of_the_others_is_that_of_the_rows_left_when_one_is_taken_out():
+    """median_of_others (sorted once) against taking each row out and sorting the rest, at odd and even counts."""
+    for n in (2, 5, 6, 9):
+        values = torch.randperm(4 * n).double().reshape(n, 4)
+        for i in range(n):
+            rest = torch.cat([values[:i], values[i + 1 :]]).sort(dim=0).values
+            m = n - 1
+            want = rest[m // 2] if m % 2 else (rest[m // 2 - 1] + rest[m // 2]) / 2
+            assert torch.equal(median_of_others(values)[i], want), (n, i)
+
+
+def test_a_phase_its_peers_spend_no_time_in_is_not_a_ratio():
+    """Peers at 0 s in a phase (nothing to step): a rank's 10 ms there is no ratio (1.0 in the metrics), not 1e10."""
+    found = find(table([(1.0, 2.0, 0.0, 0), (1.0, 2.0, 0.0, 0), (1.0, 2.0, 0.01, 0)]), 1.4, local=3)
+    assert found["named"] == [] and found["metrics"]["straggler_ratio"] == 1.0
+
+
+def test_a_rank_is_named_with_its_host_over_one_step():
+    finding = {"host": "h3", "ranks": [13], "whole_host": False, "phase": "optimizer", "ratio": 4.26, "cost": 0.55}
+    assert describe(finding, (7, 7)) == (
+        "straggler: rank 13 (host h3) optimizer 4.3x the median over step 7; costs ~55% of the step"
+    )
 
 
 def test_bad_ratio_refused():
