@@ -24,6 +24,13 @@ layer's at 2.0 times in bf16, 2.1 in fp32, and its forward at 0.97-0.98 times th
 runs the forward once more. Not counted: the flash attention kernel's q/k/v/o traffic (its FLOPs are matmul
 FLOPs), the document mask, the optimizer, the cross-entropy on the logits, autocast's weight casts, the kernel
 launches, and torch.compile's fusions (train.compile would move far fewer bytes; this counts the eager kernels).
+
+Attention that materialises its scores (Hardware.materialised_scores; not this engine, whose SDPA kernels keep them
+on chip, but a system before FlashAttention, Dao et al. 2022, such as the Megatron-LM of Narayanan et al. 2021)
+writes QK^T / sqrt(d) as a (b, a/t, s, s) tensor in the compute dtype and runs two memory-bound kernels over it: its
+fused scale-mask-softmax and the attention dropout (MATERIALISED_SCORE_BYTES). Per token that is a/t x s elements,
+the whole row (the masked kernels are dense): the term that Korthikanti et al. 2022 count as 5as/h in memory, and
+in time the one that does not shrink relative to the matmuls as h grows (its share falls as s/h, not 1/h).
 """
 
 from __future__ import annotations
@@ -33,6 +40,12 @@ from engine.kinds.recompute import RECOMPUTE
 from engine.planning.activations import ffn_width, mode, residual_bytes, sequence_share
 
 BACKWARD_PER_FORWARD = 2.0  # bytes of an element-wise backward over its forward's (see the module docstring)
+
+# (forward, backward) bytes per attention-score element of a materialising attention, 2-byte scores: the fused
+# scale-mask-softmax reads the scores and writes the probabilities (2 + 2), its backward reads the gradient and the
+# probabilities and writes the scores' gradient (2 + 2 + 2); the dropout reads 2 and writes 2 and a 1-byte mask, its
+# backward reads the gradient and the mask and writes 2 (2 + 1 + 2). tests/planning/test_kernels.py measures both.
+MATERIALISED_SCORE_BYTES = (4 + 5, 6 + 5)
 
 
 def norm_bytes(residual: int) -> int:
@@ -52,9 +65,14 @@ def forward_bytes_per_token(cfg: Config, tp: int) -> float:
     return stream + c * (10 * (qd + kvd) + 2 * (kvd + qd) + 5 * ffn_width(cfg) / tp)
 
 
-def step_bytes_per_token(cfg: Config, tp: int) -> tuple[float, float]:
+def step_bytes_per_token(cfg: Config, tp: int, materialised_scores: bool = False) -> tuple[float, float]:
     """(forward, backward) bytes per token and layer of one micro-batch's training: the backward
-    BACKWARD_PER_FORWARD times the forward, plus the forward again where full recomputation re-runs it."""
+    BACKWARD_PER_FORWARD times the forward, plus the forward again where full recomputation re-runs it; with
+    ``materialised_scores`` also the score kernels of an attention that writes its (b, a/t, s, s) scores."""
     fwd = forward_bytes_per_token(cfg, tp)
+    bwd = BACKWARD_PER_FORWARD * fwd
+    if materialised_scores:
+        elements = cfg.model.num_heads / tp * cfg.train.seq_len  # score elements per token: its whole row
+        fwd, bwd = fwd + MATERIALISED_SCORE_BYTES[0] * elements, bwd + MATERIALISED_SCORE_BYTES[1] * elements
     again = fwd if RECOMPUTE[cfg.train.activation_checkpointing].matmul_flops else 0.0
-    return fwd, BACKWARD_PER_FORWARD * fwd + again
+    return fwd, bwd + again

@@ -75,6 +75,9 @@ class Hardware:
     inter_node_gbps: float = 50.0  # GB/s per device between nodes
     latency_us: float = 10.0  # per ring step
     hbm_gbps: float = 0.0  # device memory bandwidth, GB/s, for the element-wise kernels (0: not modelled)
+    # attention that writes its s x s scores (engine/planning/kernels.py; a published system before FlashAttention),
+    # not this engine's SDPA: their softmax and dropout priced at hbm_gbps
+    materialised_scores: bool = False
 
 
 @dataclass
@@ -174,7 +177,7 @@ def elementwise_time(cfg: Config, tp: int, hw: Hardware, token_layers: float) ->
     tokens x layers of one tp rank, at hw.hbm_gbps (none where it is 0)."""
     if not hw.hbm_gbps:
         return 0.0, 0.0
-    fwd, bwd = kernels.step_bytes_per_token(cfg, tp)
+    fwd, bwd = kernels.step_bytes_per_token(cfg, tp, hw.materialised_scores)
     return fwd * token_layers / (hw.hbm_gbps * 1e9), bwd * token_layers / (hw.hbm_gbps * 1e9)
 
 

@@ -71,3 +71,24 @@ def test_a_wider_model_achieves_more_of_the_peak():
         )
         mfu.append(step_time(cfg, 1, hw).mfu)
     assert mfu == sorted(mfu) and mfu[-1] > 1.5 * mfu[0], mfu
+
+
+def test_materialised_score_bytes_are_what_softmax_and_dropout_move():
+    """MATERIALISED_SCORE_BYTES against the two kernels an attention that writes its scores runs over them, in bf16
+    (Megatron-LM 2021's fused scale-mask-softmax, here torch's one softmax kernel, and the attention dropout with its
+    1-byte mask: aten's native_dropout, the fused kernel CUDA runs; F.dropout on CPU decomposes it into four),
+    forward and backward, per score element; and the planner adds them per token as a/t x s."""
+    b, a, s = 2, 4, 32
+    scores = torch.randn(b, a, s, s, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(scores)
+    fwd, bwd = MovedBytes(), MovedBytes()
+    with fwd:
+        probs, _ = torch.ops.aten.native_dropout(torch.softmax(scores, dim=-1), 0.1, True)
+    with bwd:
+        probs.backward(grad)
+    assert (fwd.total / scores.numel(), bwd.total / scores.numel()) == kernels.MATERIALISED_SCORE_BYTES
+    cfg = _cfg("bf16")
+    plain, with_scores = kernels.step_bytes_per_token(cfg, 2), kernels.step_bytes_per_token(cfg, 2, True)
+    elements = cfg.model.num_heads / 2 * cfg.train.seq_len
+    assert with_scores[0] - plain[0] == kernels.MATERIALISED_SCORE_BYTES[0] * elements
+    assert with_scores[1] - plain[1] == kernels.MATERIALISED_SCORE_BYTES[1] * elements  # no recomputation here

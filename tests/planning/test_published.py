@@ -40,6 +40,7 @@ def run_hardware(run: dict) -> Hardware:
         intra_node_gbps=kind.intra_node_gbps,
         inter_node_gbps=kind.inter_node_gbps,
         hbm_gbps=hbm_gbps(run["device"]),
+        materialised_scores=run.get("materialised_scores", False),  # the paper's attention wrote its s x s scores
     )
 
 
