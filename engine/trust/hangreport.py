@@ -43,8 +43,10 @@ def blocked_in(tail: dict) -> dict | None:
 
 
 def key(op: dict) -> tuple:
-    """What makes two ranks' operations the same collective: kind, group members, purpose, step."""
-    return op["kind"], tuple(op["ranks"] or ()), op["what"], op["step"]
+    """What makes two ranks' operations the same: kind, group members, purpose, step, and for a send or a receive its
+    peer (two receives from different ranks are two operations, also where no group ranks were posted)."""
+    peer = op["peer"] if op["kind"] in ("send", "recv") else None
+    return op["kind"], tuple(op["ranks"] or ()), op["what"], op["step"], peer
 
 
 def members(op: dict, world: int) -> list[int]:

@@ -188,3 +188,14 @@ def test_what_counts_as_blocked():
     assert (
         blocked_in(tail(send, action="send_fwd", mb=3)) is None and blocked_in(tail(send, action="fwd", mb=2)) is None
     )
+
+
+def test_receives_from_different_peers_are_not_one_operation():
+    """Ranks 2 and 3 both wait in step 3's pipeline receive with no group ranks posted (ranks None), rank 2 from
+    rank 1 and rank 3 from rank 0: the line names only the rank in the receive it reports, from its peer (the key
+    once left the peer out and said "ranks 2, 3 ... in recv from rank 1")."""
+    tails = {r: tail(op("all-reduce", "loss", step=4, ranks=WORLD, group="dp"), step=4) for r in (0, 1)}
+    tails[2] = tail(op("recv", "pipeline", group="pp", peer=1, action="recv_fwd", mb=0, age=20.0))
+    tails[3] = tail(op("recv", "pipeline", group="pp", peer=0, action="recv_fwd", mb=0, age=10.0))
+    line = diagnose(tails, 4)[1]
+    assert "; rank 2 on host h in recv from rank 1 over pp (micro-batch 0, action recv F); rank 1 " in line, line
