@@ -177,3 +177,25 @@ def test_bad_ratio_refused():
             f"error: log.straggler_ratio={float(bad)} must be 0 (off) or a number > 1 (a rank's phase time over its "
             "peers' median)"
         ], r.stderr
+
+
+def test_the_report_is_off_at_ratio_0_without_phase_times_or_without_peers():
+    """log.straggler_ratio 0 means off (config.py), as do log.breakdown false (no phase times) and a world of one:
+    an off report keeps no rows (so it never gathers). The launcher and forked-rank tests run it on; this is where
+    "0: off" is held (a report on at 0 would name every rank slower than 0x its peers)."""
+    from types import SimpleNamespace
+
+    from engine.trust.stragglers import StragglerReport
+
+    def report(*extra: str, world: int = 2) -> StragglerReport:
+        cfg = load(["--config", "configs/tiny.yaml", "--log.breakdown", "true", *extra])
+        return StragglerReport(cfg, SimpleNamespace(world_size=world, rank=0, axis_rank=lambda axis: 0))
+
+    assert report().enabled
+    row = {"step": 2, "time": {"forward": 1.0}, "step_time": 1.0}
+    for off in (report("--log.straggler_ratio", "0"), report("--log.breakdown", "false"), report(world=1)):
+        off.add(row)
+        assert not off.enabled and off.rows == []
+    on = report()
+    on.add(row)
+    assert len(on.rows) == 1
