@@ -185,7 +185,7 @@ def test_the_report_is_off_at_ratio_0_without_phase_times_or_without_peers():
     "0: off" is held (a report on at 0 would name every rank slower than 0x its peers)."""
     from types import SimpleNamespace
 
-    from engine.trust.stragglers import StragglerReport
+    from engine.trust.stragglers import PER_STEP, StragglerReport
 
     def report(*extra: str, world: int = 2) -> StragglerReport:
         cfg = load(["--config", "configs/tiny.yaml", "--log.breakdown", "true", *extra])
@@ -198,4 +198,6 @@ def test_the_report_is_off_at_ratio_0_without_phase_times_or_without_peers():
         assert not off.enabled and off.rows == []
     on = report()
     on.add(row)
-    assert len(on.rows) == 1
+    on.add({**row, "warmup": True, "step_time": 9.0})  # a process's first step is left out
+    # a phase the record does not time counts 0 s (the forward's 1 s stands out against it), then the step's time
+    assert on.rows == [[1.0 if name == "forward" else 0.0 for name in PER_STEP[:-1]] + [1.0]]
