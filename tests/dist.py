@@ -10,8 +10,10 @@ Ranks that need no collective, only the job's store (the heartbeat's and the dri
 this process instead: ``run_threads``.
 """
 
+import functools
 import os
 import threading
+from unittest import mock
 
 from engine.parallel.layout import spawn
 from engine.parallel.layout.spawn import free_port
@@ -67,9 +69,7 @@ def warm_imports() -> None:
     )
 
 
-_WARMED = []
-
-
+@functools.cache
 def _warm_for_ranks() -> None:
     """Once per test process, before its first spawn: what every forked rank's first Trainer would otherwise do for
     itself. DeepSpeed with the Muon module its ZeRO optimizer check imports at every initialize
@@ -78,9 +78,6 @@ def _warm_for_ranks() -> None:
     tokens. Measured on the parity runner's first ZeRO run, one rank of two: 24.7 s -> 4.5 s (the second run in the
     same ranks: 2-3 s). Not at start-up: a pytest run that forks no ranks (a mutant's tests) does not pay ~8 s.
     Nothing here starts a thread or leaves a child process (checked: /proc/self/task, ps --ppid)."""
-    if _WARMED:
-        return
-    _WARMED.append(True)
     _warm_bundled_tokens()
     try:
         import deepspeed.ops
@@ -96,12 +93,5 @@ def _warm_bundled_tokens() -> None:
     that the parent has used no threads when it forks (the library would warn in every child and go serial)."""
     from engine.data.dataset import load_tokenizer, load_train_tokens
 
-    before = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
+    with mock.patch.dict(os.environ, {"TOKENIZERS_PARALLELISM": "false"}):
         load_train_tokens([], load_tokenizer(""))
-    finally:
-        if before is None:
-            del os.environ["TOKENIZERS_PARALLELISM"]
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = before
