@@ -288,7 +288,7 @@ def load_yaml(path: str | Path, cfg: Config | None = None) -> Config:
         raise ConfigError(f"config file '{path}' does not exist")
     try:
         text = path.read_text(encoding="utf-8")
-        data = yaml.load(text, Loader=UniqueKeyLoader)
+        data = _parsed(text, UniqueKeyLoader)
     except ConfigError as e:
         raise ConfigError(f"config file '{path}': {e}") from None
     except UnicodeDecodeError as e:
@@ -303,8 +303,16 @@ def load_yaml(path: str | Path, cfg: Config | None = None) -> Config:
         raise ConfigError(f"config file '{path}' is not valid YAML{where}") from None
     except ValueError:  # YAML's int() of a number past Python's digit limit
         raise ConfigError(f"config file '{path}' holds {long_integer(text)}") from None
-    _apply_mapping(cfg, data, str(path), functools.cache(lambda: yaml.load(text, Loader=LiteralLoader)))
+    _apply_mapping(cfg, data, str(path), functools.cache(lambda: _parsed(text, LiteralLoader)))
     return cfg
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed(text: str, loader):
+    """yaml.load(text, Loader=loader), kept for the last texts: the parity checks load ~35,000 configs from a
+    handful of files and override values (34 s of the suite, 16 s kept); a launcher reads one. Read only: a
+    Config never holds a piece of it (engine.config_types.coerce builds every list anew)."""
+    return yaml.load(text, Loader=loader)
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
@@ -335,7 +343,7 @@ def _cli_value(key: str, value: str, loader=BoundedLoader):
     """A ``--key value`` value read as YAML, so that 1e-3, true and [a,b] mean what they mean in the file (text
     that is not YAML stays the text)."""
     try:
-        return yaml.load(value, Loader=loader) if value != "" else ""
+        return _parsed(value, loader) if value != "" else ""
     except ConfigError as e:  # an alias bomb (engine/config_yaml.py); first: ConfigError is a ValueError
         raise ConfigError(f"--{key}: {e}") from None
     except (yaml.YAMLError, ValueError):  # not YAML, or an integer past Python's digits: the text, checked by

@@ -139,3 +139,18 @@ def test_a_path_is_the_text_written_not_what_yaml_types_it_as(tmp_path, given):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert sorted(p.name for p in run.iterdir()) == ["0700", "on"]
     assert (run / "0700" / "metrics.jsonl").is_file() and (run / "on" / "step_000001" / "index.json").is_file()
+
+
+@pytest.mark.parametrize("given", ["cli", "file"])
+def test_two_configs_loaded_from_one_text_share_no_list(tmp_path, given):
+    """engine/config.py keeps the parse of the last YAML texts (the parity checks load ~35,000 configs), and no
+    piece of it may reach a Config (coerce builds each list anew): changing one Config's list (parallel.pp_layers)
+    leaves the next one read from the same text as written. Fails with coerce passing a list through."""
+    from engine.config import load
+
+    path = tmp_path / "run.yaml"
+    path.write_text("parallel:\n  pp: 2\n  pp_layers: [1, 1]\n" if given == "file" else "parallel:\n  pp: 2\n")
+    argv = ["--config", str(path)] + (["--parallel.pp_layers", "[1, 1]"] if given == "cli" else [])
+    first = load(argv)
+    first.parallel.pp_layers.append(5)
+    assert load(argv).parallel.pp_layers == [1, 1]
