@@ -8,11 +8,11 @@ formulas are explained in those two modules' docstrings; this file only says whi
 Methods, each (cfg, layout, ...): ``state(params, micro_batches)`` -> (weights, grads, optimizer) bytes;
 ``step_buffers(params, adamw)``: temporaries of the optimizer step (``adamw``: one of ADAMW); ``buffers(params)`` ->
 (gathered weights, gradient bucket); ``offloaded(local, parts)`` -> (weights, grads, optimizer, step_buffers, host);
-``dp_comm(hw, params, micro_batches, compute_mb, last)``: exposed seconds (``last``: the parameters reduced
-last, after the backward); ``label``: its name in tables. Attributes:
-``shards`` (sharding over one rank changes nothing, so the search tries only non-sharding modes at dp = 1),
-``grads_whole_step`` (gradients held from the first backward to the step), ``per_tensor_step`` (AdamW's fp32 step
-counter per parameter tensor), ``variants(offload)``: the (zero_stage, reshard_after_forward, offload) it is
+``dp_comm(hw, params, micro_batches, compute_mb, last)``: exposed seconds (``last``: the parameters reduced last, after
+the backward); ``label``: its name in tables. Attributes: ``shards`` (sharding over one rank changes nothing, so the
+search tries only non-sharding modes at dp = 1), ``grads_whole_step(layout)`` (gradients held through the whole step,
+from the previous update: ddp's bucket views; ``layout``: the data layout, dp x cp), ``per_tensor_step`` (AdamW's fp32
+step counter per parameter tensor), ``variants(offload)``: the (zero_stage, reshard_after_forward, offload) it is
 searched with. Under expert parallelism the planner calls the methods once for the dense weights and once for this
 rank's experts with the expert-dp group as ``layout.dp`` (engine/planning/planner.py state_groups); ``experts_overlap``:
 whether the experts' reduction overlaps the backward as the dense one does (ddp: no, it runs after the backward).
@@ -82,7 +82,10 @@ class TorchAdamWModel:
     """What ddp and fsdp share: torch AdamW on fp32 weights, nothing offloaded, nothing gathered; the step's
     temporaries those of the AdamW that runs (``step_buffers``)."""
 
-    shards, grads_whole_step, per_tensor_step, experts_overlap = False, False, True, True
+    shards, per_tensor_step, experts_overlap = False, True, True
+
+    def grads_whole_step(self, layout) -> bool:
+        return False
 
     def step_buffers(self, cfg, layout, params: dict, adamw: str) -> float:
         """The fused kernel: none (it reads each parameter, gradient and moment once and writes in place); foreach:
@@ -109,11 +112,16 @@ class TorchAdamWModel:
 
 
 class DDPModel(TorchAdamWModel):
-    """ZeRO stage 0 in fp32; its gradients are views into DDP's buckets, held through the whole step, and its
-    reduction adds no buffer. Expert gradients stay out of the buckets: one all-reduce over expert-dp after the
-    backward (engine/parallel/ep/__init__.py reduce_expert_gradients)."""
+    """ZeRO stage 0 in fp32; its gradients are views into DDP's buckets (at dp x cp > 1), held through the whole
+    step, and its reduction adds no buffer. Expert gradients stay out of the buckets: one all-reduce over expert-dp
+    after the backward (engine/parallel/ep/__init__.py reduce_expert_gradients)."""
 
-    grads_whole_step, experts_overlap = True, False
+    experts_overlap = False
+
+    def grads_whole_step(self, layout) -> bool:
+        """The bucket views exist where DDP wraps the stage, dp x cp > 1; at 1 the gradients are freed after each
+        update (engine/parallel/dp/ddp.py) and appear chunk by chunk at the first backward, as in the other modes."""
+        return layout.dp > 1
 
     def variants(self, offload: str) -> list[tuple[int, str, str]]:
         return [] if OFFLOADS[offload].offloads else [(0, "auto", offload)]
@@ -196,7 +204,10 @@ class ZeroModel:
     """DeepSpeed ZeRO stage k with its fp32 master copy (K = 12; bf16 weights and fp32 gradients in bf16 runs),
     one step counter per flat group, its own buckets (kinds/ds_config.py) and its offload (ZeRO-Offload)."""
 
-    shards, grads_whole_step, per_tensor_step, experts_overlap = True, False, False, True
+    shards, per_tensor_step, experts_overlap = True, False, True
+
+    def grads_whole_step(self, layout) -> bool:
+        return False
 
     def variants(self, offload: str) -> list[tuple[int, str, str]]:
         stages = (3,) if OFFLOADS[offload].params else (1, 2, 3)  # DeepSpeed offloads parameters only in ZeRO-3

@@ -27,6 +27,11 @@ In fp32 training (as on CPU) weights and gradients take 4 bytes each and Adam's 
   min(pp - stage, m), GPipe m, interleaved warmup + 1 chunks, ZB-H1 1F1B's until B, then W states until W).
   Interleaving moves no parameter but the layers (each virtual stage its run, even or parallel.pp_layers'), and
   the embedding and head stay on ranks 0 and pp-1.
+- gradients beside the activations: ddp's are bucket views at dp x cp > 1, held from the previous update through
+  the whole step; otherwise (ddp at dp x cp 1 frees them after each update, the other modes) each model chunk's
+  appear at that chunk's first backward (its B under zero bubble: the LM head and norms are not split), its share of
+  the stage's by parameter count (``chunk_shares``), so an interleaved rank's first backward, of its last chunk,
+  does not yet hold the earlier chunks' gradients.
 - offload (parallel.offload, or the DeepSpeed file's offload keys; Ren et al. 2021, "ZeRO-Offload"): what moves to
   host memory is counted in ``host``, not in the device fields. zero: the fp32 master weights, Adam moments and the
   fp32 gradient partition (K P / N + 4 P / N), ZeRO-3's offload_param also the 16-bit weight partition; the
@@ -52,7 +57,7 @@ from engine.planning import ep as ep_plan
 from engine.planning.balance import rank_layers
 from engine.planning.dp import model_class
 from engine.planning.moe import expert_params, mlp_params
-from engine.planning.schedules import activations_in_flight, head_stage, one_embedding
+from engine.planning.schedules import activations_in_flight, head_stage, one_embedding, rank_chunks, virtual_stages
 
 
 def layer_params(m: ModelConfig, tp: int, index: int = 0) -> tuple[int, int]:
@@ -191,12 +196,10 @@ def stage_memory(
     buffers = acts.transient_bytes(cfg, layout.tp, stage == head_stage(cfg, layout.pp))
     buffers = max(buffers, vocab_grad_bytes(cfg, layout, stage, model, micro_batches, held)) + bucket
     buffers += cp_plan.buffer_bytes(cfg, layout.tp)  # the ring's K/V blocks and dK/dV accumulators
-    if model.grads_whole_step:  # DDP's gradients are views into its buckets, held through the whole step
+    if model.grads_whole_step(data_layout(layout)):  # DDP's bucket views at dp x cp > 1, held through the step
         new_at_peak = gathered + buffers + grads + held.peak
-    else:  # gradients appear in the first backward, before which at most `held.peak` is alive; afterwards up
-        # to `held.peak_after_grads` is (1F1B: the same once past the warmup, if m is large enough; GPipe: one
-        # micro-batch fewer)
-        new_at_peak = gathered + buffers + max(held.peak, grads + held.peak_after_grads)
+    else:  # each chunk's gradients appear at its first backward (schedules.InFlight.peak_with_grads)
+        new_at_peak = gathered + buffers + held.peak_with_grads([grads * s for s in chunk_shares(cfg, layout, stage)])
     return StageMemory(
         stage,
         weights,
@@ -219,13 +222,24 @@ def vocab_grad_bytes(cfg: Config, layout: Layout, stage: int, model, micro_batch
     not under a sharding mode, whose unsharded gradient is reduce-scattered away), beyond ``held.peak``: the
     head's beside every activation in flight (its logits' gradient in place of the logits); the embedding's at the
     end of a micro-batch's backward, whose activations (~held.peak / held.count) are gone. 0 on other stages."""
-    into_grads = model.grads_whole_step or (micro_batches > 1 and not model.shards)
+    into_grads = model.grads_whole_step(data_layout(layout)) or (micro_batches > 1 and not model.shards)
     grad = 4.0 * cfg.model.vocab_size * cfg.model.hidden_size / layout.tp
     if not into_grads:
         return 0.0
     if stage == head_stage(cfg, layout.pp):
         return grad
     return max(0.0, grad - held.peak / max(1, held.count)) if stage == 0 else 0.0
+
+
+def chunk_shares(cfg: Config, layout: Layout, stage: int) -> list[float]:
+    """Each of the rank's model chunks' share of its parameters, and so of its gradients: its layers, and the
+    embedding (first virtual stage) or final norm and LM head (last) where it holds them (schedules.rank_chunks)."""
+    chunks, params = rank_chunks(cfg, layout.pp, stage), stage_params(cfg, layout.tp, layout.pp, stage)
+    last = layout.pp * virtual_stages(cfg) - 1
+    ends = [(g == 0) + (g == last) for g, _ in chunks]
+    per_layer, root = params["layers"] / max(1, params["num_layers"]), params["root"] / max(1, sum(ends))
+    sizes = [n * per_layer + e * root for (_, n), e in zip(chunks, ends)]
+    return [size / sum(sizes) for size in sizes] if sum(sizes) else [1.0 / len(sizes)] * len(sizes)
 
 
 def state_groups(layout: Layout, params: dict) -> list[tuple[Layout, dict]]:

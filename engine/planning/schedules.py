@@ -103,14 +103,21 @@ def w_state_bytes(cfg: Config, tp: int, pp: int, stage: int) -> list[float]:
 @dataclass
 class InFlight:
     """A rank's activations over one step. ``count``: the most (micro-batch, chunk) pairs held at once (each 1/v
-    of the stage under interleaving); ``peak``: the most bytes held; ``peak_after_grads``: the most once the
-    weight gradients exist (from the first BWD, or the first W); ``w_state``: zero bubble's W state within
-    ``peak``."""
+    of the stage under interleaving); ``peak``: the most bytes held; ``states``: each distinct state's bytes held
+    and which of the rank's chunks have their weight gradients by then (from the chunk's first BWD, or its first B),
+    for ``peak_with_grads``; ``w_state``: zero bubble's W state within ``peak``."""
 
     count: int
     peak: float
-    peak_after_grads: float
+    states: tuple[tuple[float, tuple[bool, ...]], ...]
     w_state: float
+
+    def peak_with_grads(self, chunk_grads: list[float]) -> float:
+        """The most bytes held at once, each chunk's gradients (``chunk_grads[c]`` bytes) counted from that chunk's
+        first backward on: under interleaving a rank's last chunk runs the first backward while its earlier chunks'
+        activations are all still held and their gradients not yet made (1F1B: once past the warmup, the same as
+        the peak if m is large enough; GPipe: one micro-batch fewer)."""
+        return max(held + sum(g for g, made in zip(chunk_grads, begun) if made) for held, begun in self.states)
 
 
 @lru_cache(maxsize=1024)
@@ -122,23 +129,25 @@ def actions(schedule: str, pp: int, micro_batches: int, stage: int, v: int) -> t
 @lru_cache(maxsize=None)
 def held_states(schedule: str, pp: int, micro_batches: int, stage: int, v: int) -> tuple:
     """Walk the action list of rank ``stage`` once: the distinct states it passes through after each compute, as
-    (activations held per chunk, W states held per chunk, weight gradients exist yet). Bytes differ by chunk
-    only, so the peak in bytes is the largest of these states priced (cached: one walk per schedule table)."""
-    held, w_held = [0] * v, [0] * v
-    grads, states = False, {}
+    (activations held per chunk, W states held per chunk, whether each chunk's weight gradients exist yet). Bytes
+    differ by chunk only, so the peak in bytes is the largest of these states priced (cached: one walk per schedule
+    table)."""
+    held, w_held, made = [0] * v, [0] * v, [False] * v
+    states = {}
     for a in actions(schedule, pp, micro_batches, stage, v):
         if a.op is Op.FWD:
             held[a.chunk] += 1
-        elif a.op is Op.BWD_INPUT:  # the graph is freed, the W state stays
-            held[a.chunk] -= 1
+        elif a.op is Op.BWD_INPUT:  # the graph is freed, the W state stays; the weights B does not split (the LM
+            held[a.chunk] -= 1  # head, the norms) get their gradients here: the chunk's are counted from its first B
             w_held[a.chunk] += 1
+            made[a.chunk] = True
         elif a.op in (Op.BWD, Op.BWD_WEIGHT):
             held[a.chunk] -= a.op is Op.BWD
             w_held[a.chunk] -= a.op is Op.BWD_WEIGHT
-            grads = True
+            made[a.chunk] = True
         else:
             continue
-        states[(tuple(held), tuple(w_held), grads)] = None  # first-seen order, no repeats
+        states[(tuple(held), tuple(w_held), tuple(made))] = None  # first-seen order, no repeats
     return tuple(states)
 
 
@@ -146,15 +155,15 @@ def activations_in_flight(cfg: Config, tp: int, pp: int, micro_batches: int, sta
     """The schedule's action list of rank ``stage`` priced: what each compute leaves alive, added up."""
     key = (cfg.parallel.schedule, pp, micro_batches, stage, virtual_stages(cfg))
     held, w_held = chunk_bytes(cfg, tp, pp, stage), w_state_bytes(cfg, tp, pp, stage)
-    peak = after = w_at_peak = 0.0
-    for counts, w_counts, grads in held_states(*key):
+    peak = w_at_peak = 0.0
+    priced = []
+    for counts, w_counts, made in held_states(*key):
         w_bytes = sum(n * b for n, b in zip(w_counts, w_held))
         total = sum(n * b for n, b in zip(counts, held)) + w_bytes
         if total > peak:
             peak, w_at_peak = total, w_bytes
-        if grads:
-            after = max(after, total)
-    return InFlight(in_flight_count(*key), peak, after, w_at_peak)
+        priced.append((total, made))
+    return InFlight(in_flight_count(*key), peak, tuple(priced), w_at_peak)
 
 
 @lru_cache(maxsize=None)

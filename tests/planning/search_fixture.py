@@ -16,6 +16,9 @@ of the checkout that made those changes, one process per case.
 Remade (issue 46: AdamW fused on CPU and CUDA, the planner pricing no foreach temporaries, and the embedding's / LM
 head's weight gradient before it is added into a held one) the same way, one process per case.
 
+Remade (ddp at dp x cp 1 frees its gradients after the update; a chunk's gradients counted from its own first
+backward, B under zero bubble, not the whole stage's from the rank's first) the same way: cases 0 and 1 moved.
+
 tests/planning/test_search_scale.py checks that the pruned search finds the same rows, bit for bit.
 """
 

@@ -180,6 +180,10 @@ class DDP(TorchOptimizerMixin, DataParallel):
                 chunk, [name for name, _ in expert_parameters(chunk)]
             )
         self.ddps = [static_buckets(chunk, cfg, ctx) for chunk in self.chunks] if ctx.grad_size > 1 else []
+        # No bucket views at dp x cp 1: gradients freed after each update, so the first backward of a step writes
+        # them (AccumulateGrad takes its tensor) instead of a fill with zeros and an add into them; the planner
+        # prices the same (engine/planning/dp.py DDPModel.grads_whole_step)
+        self.zero_grad_to_none = not self.ddps
         for ddp in self.ddps:  # a hook state per chunk: PowerSGD keys its error feedback by bucket index
             hook = comm_hook(cfg, ctx)
             if hook is not None:

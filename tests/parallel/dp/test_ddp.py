@@ -50,19 +50,23 @@ def test_ddp_equals_one_process(tmp_path, dp1):
         assert rel_err(run["grad_norm"], dp1["grad_norm"]) <= 1e-5, (run["grad_norm"], dp1["grad_norm"])
 
 
-def wrappers(argv: list[str]) -> int:
-    """Rank function: how many DistributedDataParallel modules the ddp mode built."""
+def wrappers(argv: list[str]) -> tuple[int, bool]:
+    """Rank function: how many DistributedDataParallel modules the ddp mode built, and whether every gradient is
+    freed after a step (dp 1: nothing to keep; dp 2: the bucket views stay, zeroed)."""
     cfg = load(argv)
-    dp = Trainer(cfg, ParallelContext.from_config(cfg)).dp
-    return sum(isinstance(m, DistributedDataParallel) for m in vars(dp).get("ddps", []))
+    trainer = Trainer(cfg, ParallelContext.from_config(cfg))
+    trainer.train_step(trainer.next_local_batch())
+    freed = all(p.grad is None for p in trainer.model.parameters())
+    return sum(isinstance(m, DistributedDataParallel) for m in vars(trainer.dp).get("ddps", [])), freed
 
 
 @pytest.mark.parametrize("world,pp", [(1, 1), (2, 2), (2, 1)])
 def test_no_wrapper_at_dp_1(tmp_path, world, pp):
-    """dp 1 (one process, or pp 2 over two) runs the stage unwrapped; dp 2 wraps it."""
-    argv = [*DDP, "--parallel.pp", str(pp), "--train.out_dir", str(tmp_path)]
+    """dp 1 (one process, or pp 2 over two) runs the stage unwrapped and frees its gradients after the update (the
+    next step's first backward writes them: no fill with zeros, no add into them); dp 2 wraps it and keeps them."""
+    argv = [*DDP, "--parallel.pp", str(pp), "--train.out_dir", str(tmp_path), "--train.steps", "1"]
     dp = world // pp
-    assert run_ranks(wrappers, world, argv) == [1 if dp > 1 else 0] * world
+    assert run_ranks(wrappers, world, argv) == [(1, False) if dp > 1 else (0, True)] * world
 
 
 def test_one_reduction_per_step_into_bucket_views(tmp_path):
