@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.checkpoint import format as ckpt_format
 from engine.checkpoint.format import file_crc32
-from engine.trust.saved import FIELD, compare, piece_digest, verdict
+from engine.trust.saved import FIELD, combine, compare, piece_digest, splitmix64, verdict
 from tests.checkpoint.runs import SMALL, edit_index, launched
 from tests.cli import one_error_line, run_script
 from tests.dist import run_ranks
@@ -167,6 +167,49 @@ def test_the_digest_adds_up_over_any_cut(tp_dim):
     swapped = t.clone()
     swapped[0, 0], swapped[0, 1] = t[0, 1], t[0, 0]
     assert piece_digest(swapped.view(-1), [6, 8], (None, 1, 0), 0) != whole
+
+
+def _splitmix64(i: int) -> int:
+    """Vigna's splitmix64, the (i + 1)-th output from seed 0, in Python integers (the reference of the digest)."""
+    z = (i + 1) * 0x9E3779B97F4A7C15 % 2**64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % 2**64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB % 2**64
+    return z ^ (z >> 31)
+
+
+def _reference_digest(t: torch.Tensor) -> int:
+    """index.json's KIND written out: sum of fp32 bits (as a signed 32-bit integer) x splitmix64(row) x
+    splitmix64(column + 2^40) mod 2^64."""
+    bits = t.float().view(torch.int32).tolist()
+    return (
+        sum(b * _splitmix64(r) * _splitmix64(c + 2**40) for r, row in enumerate(bits) for c, b in enumerate(row))
+        % 2**64
+    )
+
+
+def test_the_digest_is_the_documented_sum_and_rank_0_adds_the_ranks_up():
+    """The digest index.json records is the formula its KIND names, with splitmix64's published outputs (seed 0:
+    e220a8397b1dcdaf, 6e789e6aa1b965f4, 06c45d188009454f), whatever tool recomputes it: the engine's int64 version
+    agrees with the reference in Python integers, also past 2^40, and rank 0's record is the ranks' pieces summed."""
+    assert [_splitmix64(i) for i in range(3)] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+    at = [0, 1, 2, 7, 2**31 + 5, 2**40, 2**40 + 12345, 2**62 + 1]
+    assert [int(v) % 2**64 for v in splitmix64(torch.tensor(at))] == [_splitmix64(i) for i in at]
+    t = torch.randn(5, 7)
+    whole = piece_digest(t.view(-1), [5, 7], (None, 1, 0), 0)
+    assert whole == _reference_digest(t)
+    flat = t.view(-1)
+    ranks = [{"w": {"param": piece_digest(flat[lo:hi], [5, 7], (None, 1, 0), lo)}} for lo, hi in ((0, 12), (12, 35))]
+    assert combine(ranks) == {"w": {"param": f"{whole:016x}"}}
+
+
+def test_a_row_longer_than_a_digest_chunk_is_digested_whole():
+    """A (rows, row length) view whose row holds more elements than a chunk of the digest (2^22) is digested a row
+    at a time, not skipped or looped on: the pieces' sum is the whole's, and the last element counts."""
+    t = torch.zeros(2, (1 << 22) + 3)
+    t[1, -1] = 1.0
+    whole = piece_digest(t.view(-1), list(t.shape), (None, 1, 0), 0)
+    one = 0x3F800000 * _splitmix64(1) * _splitmix64(t.shape[1] - 1 + 2**40) % 2**64  # 1.0's bits at its place
+    assert whole == one
 
 
 def test_what_differs_is_listed_and_the_line_names_two():
