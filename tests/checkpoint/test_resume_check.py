@@ -224,6 +224,8 @@ def test_what_differs_is_listed_and_the_line_names_two():
     same = {"a": {"param": "01", "exp_avg": "02"}, "b": {"param": "03"}}
     assert compare(saved, same, At, 4, (2.0 * (1 + 1.9e-5), torch.float32)) == []
     assert compare(saved, same, At, 4, (2.0 * (1 - 3.9e-3), torch.bfloat16)) == []
+    beyond = compare(saved, same, At, 4, (2.0 * (1 - 4.1e-3), torch.bfloat16))  # bf16 weights off by more
+    assert beyond == ["the probe batch's loss 1.9918, saved 2 (beyond rel 0.004)"]
     assert compare(saved, same, At, 4, (None, torch.float32)) == [] and verdict("s", []) is None
     wrong = compare(
         saved | {"consumed_samples": 48},
