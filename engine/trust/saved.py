@@ -168,7 +168,7 @@ def compare(saved: dict, tensors: dict, position, adam_step: int | None, probe: 
                 wrong.append(f"{name} {state} differs from what was saved (digest {now[state]}, saved {was[state]})")
     loss, dtype = probe
     saved_loss = saved.get("probe_loss")
-    bound = PROBE_BOUND.get(dtype, 4e-3)
+    bound = PROBE_BOUND[dtype]
     if loss is not None and saved_loss is not None and abs(loss - saved_loss) > bound * max(abs(saved_loss), 1e-12):
         wrong.append(f"the probe batch's loss {loss:.7g}, saved {saved_loss:.7g} (beyond rel {bound:g})")
     return wrong

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.checkpoint import format as ckpt_format
 from engine.checkpoint.format import file_crc32
-from engine.trust.saved import FIELD, combine, compare, piece_digest, splitmix64, verdict
+from engine.trust.saved import FIELD, combine, compare, piece_digest, probe_batch, splitmix64, verdict
 from tests.checkpoint.runs import SMALL, edit_index, launched
 from tests.cli import one_error_line, run_script
 from tests.dist import run_ranks
@@ -210,6 +210,23 @@ def test_a_row_longer_than_a_digest_chunk_is_digested_whole():
     whole = piece_digest(t.view(-1), list(t.shape), (None, 1, 0), 0)
     one = 0x3F800000 * _splitmix64(1) * _splitmix64(t.shape[1] - 1 + 2**40) % 2**64  # 1.0's bits at its place
     assert whole == one
+
+
+def test_the_probe_batch_is_one_batch_of_token_ids_at_any_dp():
+    """The probe batch (seeded) is the same global batch at dp 1 and dp 2 (each rank its rows), holds only token ids
+    of the vocabulary (a small one, so every id is drawn), and none is made where the stage takes no batch."""
+
+    class Cfg:
+        class train:  # noqa: N801 - the config's section name
+            global_batch_size, seq_len = 4, 64
+
+    def at(dp: int, rank: int):
+        return type("Ctx", (), {"dp": dp, "dp_rank": rank})
+
+    whole = probe_batch(Cfg, at(1, 0), 8, True)
+    assert torch.equal(torch.cat([probe_batch(Cfg, at(2, r), 8, True) for r in (0, 1)]), whole)
+    assert whole.shape == (4, 65) and whole.min() >= 0 and whole.max() < 8
+    assert probe_batch(Cfg, at(1, 0), 8, False) is None
 
 
 def test_what_differs_is_listed_and_the_line_names_two():
