@@ -14,7 +14,7 @@ import pytest
 from engine.config import load
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
-from engine.trust.goodput import Goodput, summary, totals
+from engine.trust.goodput import Goodput, minutes, summary, totals
 from tests.cli import run_script
 from tests.dist import run_ranks
 from tests.shrunk import FIVE_STEPS
@@ -101,6 +101,18 @@ def test_the_ledger_adds_up_each_kind_of_time():
     later = {**RESUMED, "first_step": 4, "start": 1000.0}
     t = totals([stopped, later])
     assert (t["lost"], t["restarts"], t["redone"], t["redone_steps"], t["productive"]) == (0.0, 0, 0.0, 0, 70.0)
+    # a next start that began before this one's last record (another host's clock) lost nothing
+    assert totals([{**FAILED, "updated": 100.5}, RESUMED])["lost"] == 0.0
+    # the newest checkpoint set aside: a start that trained nothing (resumed from 3, died in step 4) followed by one
+    # resuming from 2 re-did nothing of it; one resuming past a start's last step (a copied folder) neither
+    died = entry(0.0, 3, 3, 1.0, 0.0, 0.0, 2.0, None)
+    for first, nxt in ((died, RESUMED | {"first_step": 2}), (FAILED, RESUMED | {"first_step": 6})):
+        t = totals([first, nxt])
+        assert (t["redone_steps"], t["redone"]) == (0, 0.0), (first, nxt)
+    assert [minutes(x) for x in (59.9, 60.0, 606.0)] == ["59.9 s", "1.0 min", "10.1 min"]
+    # a start of under a second: its wall time as it was (0.3 s besides start-up); one of no time at all is 100 %
+    assert totals([entry(0.0, 0, 0, 0.2, 0.0, 0.0, 0.5, "done")])["other"] == pytest.approx(0.3)
+    assert summary([entry(5.0, 0, 0, 0.0, 0.0, 0.0, 5.0, "done")]).startswith("goodput 100.0% over 1 start: lost 0.0 s")
 
 
 def test_the_ledger_file_is_kept_across_starts_and_dropped_once_on_a_failed_write(tmp_path, capsys):
@@ -113,7 +125,8 @@ def test_the_ledger_file_is_kept_across_starts_and_dropped_once_on_a_failed_writ
     first.step(1, 2.0, write=True)
     assert "goodput" not in capsys.readouterr().out  # nothing earlier to print
     second = Goodput(str(out), True, 1, 0.0)
-    assert [e["first_step"] for e in second.entries] == [0, 1] and second.entries[0]["last_step"] == 1
+    assert [e["first_step"] for e in second.entries] == [0, 1]
+    assert (second.entries[0]["last_step"], second.entries[0]["steps_s"], second.entries[0]["saves_s"]) == (1, 2.0, 0.0)
     second.begin()
     so_far = capsys.readouterr().out
     assert so_far.startswith("goodput ") and " over 1 start: " in so_far and so_far.endswith(" so far\n"), so_far
