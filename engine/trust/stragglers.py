@@ -77,10 +77,7 @@ class StragglerReport:
             return
         found = find(torch.stack(table).cpu(), self.ratio, self.local)
         record.update(found["metrics"])
-        lines = [describe(f, steps) for f in found["named"]]
-        if len(lines) > MAX_LINES:
-            lines = lines[:MAX_LINES] + [f"straggler: and {len(lines) - MAX_LINES} more (metrics.jsonl)"]
-        for line in lines:
+        for line in log_lines(found["named"], steps):
             say(line)
 
 
@@ -161,6 +158,15 @@ def group_by_host(slow: list[int], local: int, world: int, phase: int, rel, cost
                 }
             )
     return sorted(found, key=lambda f: -f["cost"])
+
+
+def log_lines(named: list[dict], steps: tuple[int, int]) -> list[str]:
+    """A report's lines in the log: the first MAX_LINES findings (the costliest: find sorts them), the rest counted
+    (every one is in metrics.jsonl)."""
+    lines = [describe(f, steps) for f in named]
+    if len(lines) > MAX_LINES:
+        lines = lines[:MAX_LINES] + [f"straggler: and {len(lines) - MAX_LINES} more (metrics.jsonl)"]
+    return lines
 
 
 def describe(finding: dict, steps: tuple[int, int]) -> str:

@@ -208,6 +208,51 @@ def test_layout_errors_name_every_factor(parallel, world, needle):
     assert needle in str(e.value)
 
 
+# What each dp mode runs, accepted by its checks (engine/kinds/dp_checks.py): each next to the refusal it borders
+# (issue 45: a boundary or a condition of those checks widened refused one of these, and no test ran it)
+ZERO_1 = ["--parallel.dp_mode", "zero", "--parallel.zero_stage", "1"]
+ACCEPTED = [
+    ["--parallel.pp", "2", "--parallel.schedule", "zero_bubble"],  # ddp without a communication hook
+    ["--parallel.grad_compression", "bf16"],  # the hook under 1f1b
+    ["--parallel.dp_mode", "fsdp", "--parallel.pp", "2", "--parallel.schedule", "zbv"],  # untied in a V
+    ["--parallel.dp_mode", "fsdp", "--parallel.pp", "2", "--model.tie_embeddings", "true"],  # tied, not in a V
+    ["--parallel.dp_mode", "zero", "--parallel.zero_stage", "3", "--parallel.offload", "optimizer_and_params"],
+    ["--parallel.dp_mode", "zero", "--parallel.zero_stage", "3"],  # ZeRO-3 without pipeline stages
+    ["--parallel.dp_mode", "zero", "--parallel.zero_stage", "2", "--model.tie_embeddings", "true"],  # pp 1
+    [*ZERO_1, "--parallel.pp", "2", "--model.tie_embeddings", "true"],  # fp32, tied
+    ["--parallel.dp_mode", "zero", "--parallel.pp", "2", "--parallel.zero_stage", "2"],  # 1f1b
+    [
+        "--parallel.dp_mode",
+        "zero",
+        "--parallel.pp",
+        "2",
+        "--parallel.zero_stage",
+        "2",
+        "--parallel.offload",
+        "optimizer",
+    ],
+    [*ZERO_1, "--parallel.pp", "2", "--parallel.schedule", "zero_bubble"],  # fp32
+    *(
+        ["--parallel.dp_mode", "zero", "--parallel.pp", "2", "--parallel.schedule", "interleaved", *extra]
+        + ["--parallel.virtual_stages", "2"]
+        for extra in (
+            ["--parallel.zero_stage", "1"],
+            ["--parallel.zero_stage", "2"],  # nothing offloaded
+            ["--parallel.zero_stage", "2", "--parallel.offload", "optimizer", "--train.dtype", "bf16"],
+        )
+    ),
+]
+
+
+@pytest.mark.parametrize("argv", ACCEPTED, ids=" ".join)
+def test_what_each_dp_mode_runs_is_accepted(argv):
+    cfg = load(
+        ["--config", "configs/tiny.yaml", "--train.micro_batch_size", "1", "--train.global_batch_size", "8", *argv]
+    )
+    layout = resolve_layout(cfg, 2 * cfg.parallel.pp)  # dp 2
+    assert (layout.pp, layout.dp) == (cfg.parallel.pp, 2)
+
+
 def test_global_batch_must_split_into_micro_batches():
     cfg = Config()
     cfg.train.global_batch_size, cfg.train.micro_batch_size = 10, 4

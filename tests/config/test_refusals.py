@@ -279,3 +279,15 @@ def test_zero_under_split_schedules_names_deepspeeds_limit(argv, needle):
     with pytest.raises(ConfigError) as e:
         resolve_layout(load([*ZERO_PP, *argv]), 4)
     assert needle in str(e.value) and "\n" not in str(e.value) and "; use " in str(e.value)
+
+
+def test_zero2_under_interleaved_with_the_optimizer_offloaded_by_the_ds_config_is_refused(tmp_path):
+    """As parallel.offload=optimizer above, an offload_optimizer the ds_config file asks for (check_zero_schedule reads
+    the file)."""
+    from engine.parallel.layout.checks import resolve_layout
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}))
+    argv = ["--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2", "--parallel.zero_stage", "2"]
+    with pytest.raises(ConfigError, match="async_accumulate_grad_in_cpu_via_gpu"):
+        resolve_layout(load([*ZERO_PP, *argv, "--parallel.ds_config", str(ds)]), 4)

@@ -257,6 +257,23 @@ FSDP_ACCUMULATION = SMALL + [
 ]
 
 
+def test_fsdp_plans_unsharded_gradients_when_asked_and_under_a_split_backward():
+    """The planner's fsdp gradients (engine/kinds/dp_checks.py fsdp_unsharded_grads, which engine/parallel/dp/fsdp.py
+    follows; measured against the plan by test_fsdp_accumulation_memory_matches_plan): at 4 micro-batches, the shard
+    when reduce-scattered each micro-batch, the whole fp32 gradient (dp 2 times the shard) with no-sync accumulation,
+    which zero bubble always uses (W adds the weight gradients outside autograd) and 1f1b only when asked."""
+    base = [*SMALL, "--parallel.dp_mode", "fsdp", "--parallel.pp", "2", "--train.micro_batch_size", "1"]
+    base += ["--train.global_batch_size", "8"]
+
+    def grads(*argv: str) -> float:
+        return stage_memory(load([*base, *argv]), 4, 0).grads
+
+    sharded = grads()
+    assert grads("--parallel.fsdp_grad_accumulation", "unsharded") == 2 * sharded
+    assert grads("--parallel.schedule", "zero_bubble") == 2 * sharded
+    assert grads("--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2") < 2 * sharded
+
+
 def measure_each(argvs: list[list[str]]) -> list[dict]:
     """Rank function: measure_rank of each argv in turn, in one process group."""
     return [measure_rank(argv) for argv in argvs]

@@ -14,6 +14,7 @@ import pytest
 from engine.config import load
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
+from engine.trust.goodput import Goodput, minutes, summary, totals
 from tests.cli import run_script
 from tests.dist import run_ranks
 from tests.shrunk import FIVE_STEPS
@@ -68,3 +69,70 @@ def test_log_goodput_false_keeps_no_ledger(tmp_path):
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "out" / "metrics.jsonl").is_file() and not (tmp_path / "out" / "goodput.json").exists()
     assert "goodput " not in r.stdout, r.stdout
+
+
+def entry(start: float, first: int, last: int, startup: float, steps: float, saves: float, updated: float, ended):
+    times = {"startup_s": startup, "steps_s": steps, "saves_s": saves, "updated": updated}
+    return {"start": start, "first_step": first, "last_step": last, **times, "ended": ended}
+
+
+# a start that failed 30 s before the next one, which resumed from step 3 after it had trained to step 4, then finished
+FAILED = entry(0.0, 0, 4, 10.0, 40.0, 5.0, 70.0, None)
+RESUMED = entry(100.0, 3, 6, 8.0, 30.0, 4.0, 150.0, "done")
+
+
+def test_the_ledger_adds_up_each_kind_of_time():
+    """totals() of two starts, worked by hand: step 4 re-done (a quarter of the first start's 40 s of steps), the 30 s
+    from its last record to the next start lost, the rest of each start's wall time (70 s, 50 s) not in start-up,
+    steps or saves counted as evaluation and logging; 60 s trained of 150 s is 40 %."""
+    assert totals([FAILED, RESUMED]) == {
+        **{"productive": 60.0, "startup": 18.0, "saves": 9.0, "redone": 10.0, "lost": 30.0, "other": 23.0},
+        **{"restarts": 1, "redone_steps": 1},
+    }
+    assert summary([FAILED, RESUMED]) == (
+        "goodput 40.0% over 2 starts: lost 30.0 s to 1 restart, 10.0 s re-doing 1 step, 9.0 s saving, 18.0 s "
+        "starting, 23.0 s in evaluation and logging (1.0 min training; goodput.json)"
+    )
+    # at the second start's first step: the first start alone, which the running one's resume point qualifies
+    t = totals([FAILED], RESUMED)
+    assert (t["productive"], t["redone"], t["redone_steps"], t["lost"], t["restarts"]) == (30.0, 10.0, 1, 30.0, 1)
+    # a start that ended on a stop signal lost nothing and is no restart; one that resumed past its last step redid none
+    stopped = {**FAILED, "ended": "stopped"}
+    later = {**RESUMED, "first_step": 4, "start": 1000.0}
+    t = totals([stopped, later])
+    assert (t["lost"], t["restarts"], t["redone"], t["redone_steps"], t["productive"]) == (0.0, 0, 0.0, 0, 70.0)
+    # a next start that began before this one's last record (another host's clock) lost nothing
+    assert totals([{**FAILED, "updated": 100.5}, RESUMED])["lost"] == 0.0
+    # the newest checkpoint set aside: a start that trained nothing (resumed from 3, died in step 4) followed by one
+    # resuming from 2 re-did nothing of it; one resuming past a start's last step (a copied folder) neither
+    died = entry(0.0, 3, 3, 1.0, 0.0, 0.0, 2.0, None)
+    for first, nxt in ((died, RESUMED | {"first_step": 2}), (FAILED, RESUMED | {"first_step": 6})):
+        t = totals([first, nxt])
+        assert (t["redone_steps"], t["redone"]) == (0, 0.0), (first, nxt)
+    assert [minutes(x) for x in (59.9, 60.0, 606.0)] == ["59.9 s", "1.0 min", "10.1 min"]
+    # a start of under a second: its wall time as it was (0.3 s besides start-up); one of no time at all is 100 %
+    assert totals([entry(0.0, 0, 0, 0.2, 0.0, 0.0, 0.5, "done")])["other"] == pytest.approx(0.3)
+    assert summary([entry(5.0, 0, 0, 0.0, 0.0, 0.0, 5.0, "done")]).startswith("goodput 100.0% over 1 start: lost 0.0 s")
+
+
+def test_the_ledger_file_is_kept_across_starts_and_dropped_once_on_a_failed_write(tmp_path, capsys):
+    """Goodput in-process: a second start reads the first's entries and prints the ledger so far at its first step;
+    a write that fails (out_dir gone) is said once and the ledger is no longer kept in that start."""
+    out = tmp_path / "out"
+    out.mkdir()
+    first = Goodput(str(out), True, 0, 0.0)
+    first.begin()
+    first.step(1, 2.0, write=True)
+    assert "goodput" not in capsys.readouterr().out  # nothing earlier to print
+    second = Goodput(str(out), True, 1, 0.0)
+    assert [e["first_step"] for e in second.entries] == [0, 1]
+    assert (second.entries[0]["last_step"], second.entries[0]["steps_s"], second.entries[0]["saves_s"]) == (1, 2.0, 0.0)
+    second.begin()
+    so_far = capsys.readouterr().out
+    assert so_far.startswith("goodput ") and " over 1 start: " in so_far and so_far.endswith(" so far\n"), so_far
+    (out / "goodput.json").unlink()
+    out.rmdir()
+    second.saved(1.0)
+    second.end("done")
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("goodput")]
+    assert len(said) == 1 and "the ledger is no longer kept in this start" in said[0], said

@@ -28,7 +28,7 @@ from engine.config import load
 from engine.metrics.tensorboard import scalars
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
-from engine.trust.stragglers import FIELDS, describe, find, median_of_others, ranks_per_host
+from engine.trust.stragglers import FIELDS, describe, find, log_lines, median_of_others, ranks_per_host
 from tests.cli import run_script
 from tests.cluster.jobs import Job, agent
 from tests.dist import free_port, run_ranks
@@ -103,9 +103,9 @@ def test_launcher_names_the_slowed_rank(tmp_path):
     assert [(f["ranks"], f["phase"]) for f in last["stragglers"]] == [([1], "forward")], last
 
 
-def table(rows: list[tuple]) -> torch.Tensor:
+def table(rows: list[tuple], step: float = 10.0) -> torch.Tensor:
     """Synthetic per-rank sums: (forward, backward, optimizer, stage) per rank; 1 s of waits, a 10 s step, 1 step."""
-    return torch.tensor([[f, b, o, 1.0, 1.0, 10.0, 1.0, s] for f, b, o, s in rows], dtype=torch.float64)
+    return torch.tensor([[f, b, o, 1.0, 1.0, step, 1.0, s] for f, b, o, s in rows], dtype=torch.float64)
 
 
 def test_hosts_and_stages_from_the_table():
@@ -131,6 +131,36 @@ def test_hosts_and_stages_from_the_table():
     # a rank's median is its peers' without it: 3 s against ranks 0 and 1's (1 s, 2 s) is 2x (against all three: 1.5x)
     (rank,) = find(table([(1.0, 2.0, 0.5, 0), (2.0, 2.0, 0.5, 0), (3.0, 2.0, 0.5, 0)]), 1.8, local=3)["named"]
     assert (rank["ranks"], rank["ratio"], rank["cost"]) == ([2], 2.0, 0.15)
+
+
+def test_a_partial_last_host_is_named_whole_and_the_ratio_kept_to_2_decimals():
+    """6 ranks, 4 a host: host h1 holds ranks 4 and 5 only, both 3 s in forward against their peers' 1.4 s (2.142..x,
+    2.14 in metrics.jsonl): the host is named, not its two ranks."""
+    rows = [(1.4, 2.0, 0.5, 0)] * 4 + [(3.0, 2.0, 0.5, 0)] * 2
+    assert find(table(rows), 1.4, local=4)["named"] == [
+        {"host": "h1", "ranks": [4, 5], "whole_host": True, "phase": "forward", "ratio": 2.14, "cost": 0.16}
+    ]
+
+
+def test_a_finding_is_named_from_2_percent_of_the_step_on():
+    """MIN_COST is the least a named finding costs: 0.25 s over a 12.5 s step (exactly 2 %) is named, 0.24 s not."""
+    rows = [(1.0, 2.0, 0.5, 0)] * 3
+    (rank,) = find(table([*rows, (1.25, 2.0, 0.5, 0)], step=12.5), 1.2, local=4)["named"]
+    assert (rank["ranks"], rank["cost"]) == ([3], 0.02)
+    assert find(table([*rows, (1.24, 2.0, 0.5, 0)], step=12.5), 1.2, local=4)["named"] == []
+
+
+def test_the_log_names_the_three_costliest_and_counts_the_rest():
+    """12 ranks, one a host, 5 of them slow in forward by different amounts: the log names the 3 costliest and counts
+    the other 2; metrics.jsonl keeps all 5. At 3 findings the log names all 3 and counts nothing."""
+    rows = [(1.0, 2.0, 0.5, 0)] * 7 + [(3.0 + i / 10, 2.0, 0.5, 0) for i in range(5)]
+    found = find(table(rows), 1.4, local=1)
+    named = found["named"]
+    assert [f["ranks"] for f in named] == [[11], [10], [9], [8], [7]] and found["metrics"]["stragglers"] == named
+    lines = log_lines(named, (11, 20))
+    assert lines == [describe(f, (11, 20)) for f in named[:3]] + ["straggler: and 2 more (metrics.jsonl)"]
+    assert lines[0] == "straggler: rank 11 (host h11) forward 3.4x the median over steps 11-20; costs ~24% of the step"
+    assert log_lines(named[:3], (11, 20)) == lines[:3]
 
 
 def test_hosts_as_the_launchers_number_them(monkeypatch):

@@ -89,6 +89,10 @@ def test_runs_under_nccl_rules_with_the_v_bubble_and_memory(pp, m):
     if m >= 2 * pp - 1:
         assert t.makespan == pytest.approx(6 * m + pp - 1, abs=1e-9)
         assert t.peak_in_flight == [2 * pp] * pp
+        # the bubble the schedule printout quotes (engine/kinds/schedules.py zbv_theory) is this one, at any F = B = W
+        twice = simulate("zbv", pp, m, fwd_time=2.0, bwd_time=4.0, bwd_input_time=2.0, bwd_weight_time=2.0)
+        _, theory = sched.theory("zbv", pp, m, 2, 2.0, 4.0, 2.0, 2.0)
+        assert sched.bubble_fraction(twice) == sched.bubble_fraction(t) == pytest.approx([theory] * pp, abs=1e-12)
         zb = simulate("zero_bubble", pp, m, bwd_input_time=2.0, bwd_weight_time=2.0, fwd_time=2.0)
         assert zb.makespan - 6 * m == pytest.approx(2 * (pp - 1), abs=1e-9)
 
