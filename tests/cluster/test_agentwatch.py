@@ -23,11 +23,19 @@ watchdog = agentwatch.start({grace})
 print(watchdog.pid if watchdog else "none", flush=True)
 """
 
-# The agent: starts the worker, reaps it or not, then waits to be killed (60 s at most)
-AGENT = """import subprocess, sys, time
-worker = subprocess.Popen([sys.executable, "-c", sys.argv[1]])
+# The agent: starts the worker in a session of its own (as torchrun's does), then reaps it, or (blocked) does not,
+# and kills the ended worker's process group as torchrun stops a worker group; then waits (60 s at most)
+AGENT = """import os, signal, subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True)
 if sys.argv[2] == "reaps":
     worker.wait()
+else:
+    while open(f"/proc/{worker.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.02)
+try:
+    os.killpg(worker.pid, signal.SIGKILL)
+except OSError:
+    pass
 time.sleep(60)
 """
 

@@ -104,3 +104,5 @@ def test_more_than_eight_late_ranks_are_counted(port):
     got = _ranks(port, 12, [0, 11], lambda ex: ex.gather(None), timeout_s=0.5)
     assert re.fullmatch(r"rank 0: rank\(s\) 1, 2, 3, 4, 5, 6, 7, 8 and 2 more did not reach exchange 1 of .*", got[0])
     assert got[11] is None
+    got = _ranks(port, 10, [0, 9], lambda ex: ex.barrier(), timeout_s=0.5)
+    assert re.fullmatch(r"rank 0: rank\(s\) 1, 2, 3, 4, 5, 6, 7, 8 did not reach exchange 1 of .*", got[0]), got

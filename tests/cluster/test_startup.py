@@ -32,12 +32,13 @@ def env(monkeypatch):
     return port
 
 
-def _join(ranks: list[int], world: int, timeout_s: float) -> dict[int, str]:
+def _join(ranks: list[int], world: int, timeout_s: float, late: dict[int, float] | None = None) -> dict[int, str]:
     """Each of ``ranks`` joining on a thread of its own: rank -> 'ok' (its store serves) or the error's line. The
     stores are kept until every rank is done, as a job's processes keep theirs (rank 0's serves the others)."""
     out, stores = {}, []
 
     def rank(r: int) -> None:
+        time.sleep((late or {}).get(r, 0))
         try:
             store = join(r, world, timeout_s)
         except StartupError as e:
@@ -52,7 +53,8 @@ def _join(ranks: list[int], world: int, timeout_s: float) -> dict[int, str]:
 
 
 def test_every_rank_joins_through_rank_0s_store_or_the_agents(env, monkeypatch):
-    assert _join([0, 1, 2], 3, 20) == {0: "ok", 1: "ok", 2: "ok"}
+    # rank 2 half a second late, within a start-up timeout shorter than GRACE_S: the ranks before it wait for it
+    assert _join([0, 1, 2], 3, 2, late={2: 0.5}) == {0: "ok", 1: "ok", 2: "ok"}
     # torchrun's agent serves the store: rank 0 is a client like the others (as the server too, it would fail
     # to bind the agent's port)
     agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -84,7 +86,7 @@ def test_rank_0_serving_the_store_leaves_after_every_joined_rank_has_read_the_li
     def rank_0() -> None:
         with pytest.raises(StartupError, match=r"^rank 2 \(node 1 at 2 ranks per node\) of 3 did not join"):
             join(0, 3, 1)
-        events.append("rank 0 left")
+        events.append(("rank 0 left", time.monotonic()))
 
     def late_rank_1() -> None:
         _until_joined(watcher, 1)
@@ -93,14 +95,37 @@ def test_rank_0_serving_the_store_leaves_after_every_joined_rank_has_read_the_li
             time.sleep(0.05)
         time.sleep(0.5)
         watcher.add("left", 1)
-        events.append("rank 1 left")
+        events.append(("rank 1 left", time.monotonic()))
 
     server = threading.Thread(target=rank_0)
     server.start()
     watcher = clients(env, 1)[0]  # after rank 0 started serving: a client waits for its server
     run_threads([late_rank_1])
     server.join()
-    assert events == ["rank 1 left", "rank 0 left"]
+    assert [name for name, _ in events] == ["rank 1 left", "rank 0 left"]
+    assert events[1][1] - events[0][1] < 2  # at its next look (0.1 s), not at the end of its 5 s
+
+
+def test_every_rank_ends_at_the_first_ranks_deadline(env):
+    """Rank 1 joins 2 s after rank 0, rank 2 never: both end at rank 0's deadline (3 s after it joined), rank 1
+    after 1 s of waiting, not at its own deadline (3 s after it joined)."""
+    waited = {}
+
+    def rank(r: int) -> None:
+        if r:
+            _until_joined(watcher, 1)
+            time.sleep(2)
+        start = time.monotonic()
+        with pytest.raises(StartupError, match="did not join within 3 s"):
+            join(r, 3, 3)
+        waited[r] = time.monotonic() - start
+
+    first = threading.Thread(target=rank, args=(0,))
+    first.start()
+    watcher = clients(env, 1)[0]
+    run_threads([functools.partial(rank, 1)])
+    first.join()
+    assert waited[1] < 2.5, waited
 
 
 def test_missing_ranks_over_several_nodes_and_without_the_launchers_node_size(env, monkeypatch):
@@ -111,17 +136,23 @@ def test_missing_ranks_over_several_nodes_and_without_the_launchers_node_size(en
     assert _join([1, 0], 3, 1)[0].startswith("rank 2 of 3 did not join within 1 s")
 
 
-def test_ranges_of_ranks():
+def test_ranges_of_ranks_and_their_nodes(monkeypatch):
     assert startup._ranges([]) == ""
     assert startup._ranges([7]) == "7"
     assert startup._ranges([0, 1, 2, 5, 7, 8, 10]) == "0-2, 5, 7-8, 10"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "")  # set but empty: no node size known
+    assert startup._nodes([2, 3]) == ""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert startup._nodes([2, 3]) == " (node 0 at 4 ranks per node)"
+    assert startup._nodes([4, 8, 9]) == " (nodes 1-2 at 4 ranks per node)"
 
 
 def test_no_store_to_join_is_one_line_within_the_timeout(env, monkeypatch):
     """Nobody serves the port (rank 0's host never started): each rank's line names the store and the limit."""
     pattern = (
         r"rank (\d) on host .+ could not reach the job's store at 127\.0\.0\.1:{port} within 1 s "
-        r"\(parallel\.startup_timeout_s\): the first host \(rank 0's\) is down, unreachable or not started \(.+\)"
+        r"\(parallel\.startup_timeout_s\): the first host \(rank 0's\) is down, unreachable or not started "
+        r"\(.*\b{port}\b.*\)"  # torch's reason, which names the port
     )
     line = _join([1], 2, 1)[1]
     assert re.fullmatch(pattern.format(port=env), line), line
@@ -144,7 +175,7 @@ def test_a_store_that_goes_away_during_start_up_is_one_line(env, monkeypatch):
     watcher = clients(port, 1)[0]
     run_threads([rank_1, lambda: (_until_joined(watcher, 1), server.kill())])
     assert re.fullmatch(
-        rf"rank 1 on host .+: the job's store at 127\.0\.0\.1:{port} went away during start-up \(.+\)", lines[1]
+        rf"rank 1 on host .+: the job's store at 127\.0\.0\.1:{port} went away during start-up \(.+ .+\)", lines[1]
     ), lines
 
 
