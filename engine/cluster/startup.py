@@ -133,8 +133,9 @@ def _missing_line(ours, world: int, timeout_s: float) -> str:
     missing = sorted(set(range(world)) - set(present))
     hosts = dict(zip(present, (v.decode() for v in ours.multi_get([f"host/{r}" for r in present]))))
     return (
-        f"ranks {_ranges(missing)}{_nodes(missing)} of {world} did not join within {timeout_s:.0f} s "
-        f"(parallel.startup_timeout_s): their host is down, unreachable or did not start them; joined: "
+        f"rank{'s' if len(missing) > 1 else ''} {_ranges(missing)}{_nodes(missing)} of {world} did not join "
+        f"within {timeout_s:.0f} s (parallel.startup_timeout_s): their host is down, unreachable or did not start "
+        f"them; joined: "
         f"{describe_ranks(present, hosts)}"
     )
 

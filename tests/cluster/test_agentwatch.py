@@ -1,0 +1,124 @@
+"""The watchdog of a torchrun agent blocked on a frozen store host (engine/cluster/agentwatch.py) without torchrun:
+an "agent" process that starts a worker and then never reaps it (as one blocked in a store call) or reaps it (as
+one monitoring its workers); the worker starts the watchdog through ``agentwatch.start`` and exits. In seconds;
+tests/cluster/test_store_host.py freezes a real store host under torchrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from engine.cluster import agentwatch
+from tests.cli import ROOT
+
+WORKER = """import sys
+sys.path.insert(0, {root!r})
+from engine.cluster import agentwatch
+watchdog = agentwatch.start({grace})
+print(watchdog.pid if watchdog else "none", flush=True)
+"""
+
+# The agent: starts the worker in a session of its own (as torchrun's does), then reaps it, or (blocked) does not,
+# and kills the ended worker's process group as torchrun stops a worker group; then waits (60 s at most)
+AGENT = """import os, signal, subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True)
+if sys.argv[2] == "reaps":
+    worker.wait()
+else:
+    while open(f"/proc/{worker.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.02)
+try:
+    os.killpg(worker.pid, signal.SIGKILL)
+except OSError:
+    pass
+time.sleep(60)
+"""
+
+
+def _agent(tmp_path: Path, reaps: bool, grace: float = 0.5, run_id: str = "job1") -> tuple[subprocess.Popen, str]:
+    """The agent and the watchdog's pid as its worker printed it ('none': not started)."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
+    if run_id:
+        env["TORCHELASTIC_RUN_ID"] = run_id
+    agent = subprocess.Popen(
+        [sys.executable, "-c", AGENT, WORKER.format(root=str(ROOT), grace=grace), "reaps" if reaps else "blocked"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    return agent, agent.stdout.readline().strip()
+
+
+def _ended(pid: int, timeout_s: float = 30) -> bool:
+    try:
+        psutil.Process(pid).wait(timeout=timeout_s)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.TimeoutExpired:
+        return False
+    return True
+
+
+def test_an_agent_that_never_reaps_its_ended_worker_is_killed_with_one_line(tmp_path):
+    agent, watchdog = _agent(tmp_path, reaps=False)
+    try:
+        assert watchdog != "none"
+        assert agent.wait(timeout=30) == -9  # SIGKILL, within the grace (0.5 s) of the worker's exit
+        line = agent.stderr.read()
+        assert "engine-heartbeat: the torchrun agent (pid " in line and "within 0 s: it is blocked" in line, line
+        assert _ended(int(watchdog))
+    finally:
+        agent.kill()
+
+
+def test_an_agent_that_reaps_its_worker_is_left_alone(tmp_path):
+    agent, watchdog = _agent(tmp_path, reaps=True, grace=0.5)
+    try:
+        assert watchdog != "none" and _ended(int(watchdog))  # gone without killing anyone
+        assert agent.poll() is None
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+def test_no_watchdog_outside_torchrun():
+    """Only under a torchrun agent (TORCHELASTIC_RUN_ID set): another parent (a shell, the deepspeed launcher,
+    slurmstepd) is never watched."""
+    agent, watchdog = _agent(Path(), reaps=True, run_id="")
+    agent.kill()
+    agent.wait()
+    assert watchdog == "none"
+
+
+def test_a_worker_that_never_exits_or_a_pid_reused_is_never_signalled(tmp_path, monkeypatch):
+    """The watchdog checks start times: an agent whose start time is not the one given (its pid reused) is not
+    killed, nor is one whose worker pid belongs to another process; a worker still running after EXIT_WAIT_S
+    (something else holds it) leaves its agent alone."""
+    agent, watchdog = _agent(tmp_path, reaps=False, grace=30)  # its own watchdog waits 30 s: this test acts first
+    worker = psutil.Process(agent.pid).children()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert len(worker) == 1 and watchdog != "none"
+        zombie = worker[0].pid
+        while agentwatch._stat(zombie)[0] != "Z":
+            time.sleep(0.05)
+        started, agent_started = agentwatch._stat(zombie)[2], agentwatch._stat(agent.pid)[2]
+        assert not agentwatch.watch(zombie, started, agent.pid, str(int(agent_started) + 1), 0.1)
+        assert not agentwatch.watch(zombie, str(int(started) + 1), agent.pid, agent_started, 0.1)
+        assert agent.poll() is None
+        monkeypatch.setattr(agentwatch, "EXIT_WAIT_S", 0.3)
+        assert not agentwatch.watch(sleeper.pid, agentwatch._stat(sleeper.pid)[2], agent.pid, agent_started, 0.1)
+        assert agent.poll() is None and sleeper.poll() is None
+        assert agentwatch.watch(zombie, started, agent.pid, agent_started, 0.1)  # the real one: ended
+        assert agent.wait(timeout=10) == -9
+    finally:
+        for proc in (agent, sleeper):
+            proc.kill()
+            proc.wait()
+    assert agentwatch._stat(sleeper.pid) is None

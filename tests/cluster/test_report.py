@@ -1,0 +1,67 @@
+"""The once-per-host error line (engine/cluster/report.py) without a launcher: the test process is the ranks'
+parent (as torchrun's agent or the deepspeed launcher is), each rank a python process calling ``report_once``.
+tests/launch/test_launch_errors.py runs it under torchrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from tests.cli import ROOT
+
+RANK = "import sys; from engine.cluster.report import report_once; report_once(sys.argv[1])"
+
+
+def _ranks(count: int, world: int, round_: str, prelude: str = "") -> list[str]:
+    """``count`` ranks of a ``world``-rank launch (restart round ``round_``) reporting the same line: the stderr
+    lines they printed, all together."""
+    env = {"WORLD_SIZE": str(world), "TORCHELASTIC_RESTART_COUNT": round_, "PATH": "/usr/bin:/bin"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", prelude + RANK, "error: bad value"],
+            cwd=ROOT,
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(count)
+    ]
+    lines = []
+    for proc in procs:
+        lines += proc.communicate(timeout=60)[1].splitlines()
+        assert proc.returncode == 0
+    return lines
+
+
+def _marker(round_: str) -> Path:
+    """The marker of this process's ranks: named by their parent (this process), its start time and the round."""
+    started = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]
+    return Path(tempfile.gettempdir()) / f"engine-error-{os.getpid()}-{started}-{round_}"
+
+
+def test_the_line_is_printed_once_for_the_ranks_of_one_launch_and_again_in_another_round():
+    round_ = uuid.uuid4().hex
+    try:
+        assert _ranks(4, 4, round_) == ["error: bad value"]
+        assert _marker(round_).read_text() == "done"
+    finally:
+        _marker(round_).unlink(missing_ok=True)
+    assert _ranks(1, 1, round_) == ["error: bad value"] and not _marker(round_).exists()  # alone: no marker
+
+
+def test_a_claim_whose_winner_died_before_printing_is_printed_after_the_wait():
+    round_ = uuid.uuid4().hex
+    _marker(round_).write_text("")  # claimed, never done
+    try:
+        assert _ranks(2, 2, round_) == ["error: bad value"] * 2
+    finally:
+        _marker(round_).unlink(missing_ok=True)
+
+
+def test_without_a_usable_temp_folder_every_rank_prints():
+    lines = _ranks(2, 2, uuid.uuid4().hex, prelude="import tempfile; tempfile.tempdir = '/nonexistent/tmp'; ")
+    assert lines == ["error: bad value"] * 2
