@@ -112,6 +112,7 @@ def test_a_valid_version_1_index_passes_at_every_bound():
         (lambda x: x["params"]["w"].update(shape=[]), ["params['w'].shape is [], not a list of at least 1 entries"]),
         (lambda x: x["params"]["w"].update(shape=(4, 6)), ["params['w'].shape is (4, 6), not a list of at least 1"]),
         (lambda x: x["params"]["w"].update(tp_dim=2), ["params['w'].tp_dim is 2, not an integer >= 0 and <= 1"]),
+        (lambda x: x["params"]["w"].update(tp_dim=-1), ["params['w'].tp_dim is -1, not an integer >= 0 and <= 1"]),
         (lambda x: x["params"]["w"].update(tp_size=0), ["params['w'].tp_size is 0, not an integer >= 1"]),
         (lambda x: x["params"]["w"]["states"].update(param=[]), ["states['param'] is [], not a list of at least 1"]),
         (w_piece(0, [SHARDS[0], 0, 0]), ["states['param'][0] is", "not a piece [shard file, tp rank, start, end]"]),
@@ -199,6 +200,8 @@ def test_version_2s_top_level_is_checked():
     top(index)  # no moments: no Adam step needed
     for change, words in (
         (lambda x: x.update(parts=0), ["parts is 0, not an integer >= 1"]),
+        (lambda x: x["params"]["w"].update(tp_dim=-1), ["params['w'].tp_dim is -1, not an integer >= 0 and <= 1"]),
+        (lambda x: x["params"]["w"].update(tp_dim=2), ["params['w'].tp_dim is 2, not an integer >= 0 and <= 1"]),
         (lambda x: x.update(locator_bytes=-1), ["locator_bytes is -1"]),
         (lambda x: x["params"]["w"].update(states=[]), ["params['w'].states is [], not a list of at least 1"]),
         (lambda x: x["params"]["w"]["where"].pop(), ["params['w'].where is [[0, 40]], not 2 ranges (one per tp"]),
