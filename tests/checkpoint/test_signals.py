@@ -142,11 +142,12 @@ def test_two_ranks_stop_together_when_one_is_signalled(which):
 _CHILD = """
 import os, signal, sys, time
 sys.path.insert(0, {root!r})
-os.environ["TORCHELASTIC_RUN_ID"] = "test"
+if sys.argv[1] != "plain":  # plain: not under torchrun
+    os.environ["TORCHELASTIC_RUN_ID"] = "test"
 from engine.checkpoint.signals import StopSignal, watch_agent_sigterm
 watch_agent_sigterm()
 stop = StopSignal()
-if sys.argv[1] == "fit":
+if sys.argv[1] in ("fit", "plain"):
     stop.install()
     print("ready", flush=True)
     deadline = time.monotonic() + 30
@@ -187,3 +188,9 @@ def test_under_torchrun_the_agents_sigterm_is_a_restart_and_anyone_elses_a_stop(
     assert other.stdout.readline() == "True False SIGTERM\n"
     _ends_on_sigterm(other)
     _ends_on_sigterm(_child("idle"))  # no fit at all
+    plain = _child("plain")  # not under torchrun: the parent's SIGTERM is a stop as anyone's
+    assert plain.stdout.readline() == "ready\n"
+    plain.send_signal(signal.SIGTERM)
+    assert plain.stdout.readline() == "True False SIGTERM\n"
+    plain.kill()
+    plain.communicate(timeout=30)
