@@ -1,0 +1,205 @@
+"""The on-disk format (engine/checkpoint/format.py) through its own write and read functions, without a model: four
+ranks (tp 2 x dp 2, each holding a flat half of its tp block, as FSDP or ZeRO cut it) write their shards and parts,
+rank 0 merges their plans into index.json and locator.jsonl as a save does, and the Reader puts back the full
+tensors and any other cut (tp 1, 3 on another dimension, 4; any flat range) exactly. Damage to a shard (its CRC,
+its size, a piece missing or of another length, a NaN with a matching CRC) and to the metadata (a part missing, a
+locator line that is not JSON) is one CheckpointError naming the file; ``read_index``'s share splits the shards
+among the ranks that check them. The launcher cases (tests/checkpoint/test_checkpoint_read.py) cost a model build
+each; these seconds for every cut.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine.checkpoint.format import (
+    INDEX,
+    LOCATOR,
+    Reader,
+    file_crc32,
+    fsync_write,
+    merge_index,
+    part_name,
+    piece_key,
+    rank_entry,
+    read_index,
+    save_safetensors,
+    shard_name,
+    tp_box,
+    verify_shard,
+    write_part,
+    write_shard,
+)
+from engine.errors import CheckpointError
+
+# name -> (shape, tp_dim): a row-cut weight, a column-cut weight, a row-cut bias, a replicated norm
+PARAMS = {"w": ([6, 8], 0), "o": ([4, 6], 1), "b": ([6], 0), "norm": ([5], None)}
+STATES = ("param", "exp_avg")
+TP, DP = 2, 2
+MODEL = {"vocab_size": 32, "hidden_size": 8, "num_heads": 2, "num_kv_heads": 1, "num_layers": 1}
+
+
+def full_tensors() -> dict[tuple[str, str], torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {(n, s): torch.randn(shape, generator=g) for n, (shape, _) in PARAMS.items() for s in STATES}
+
+
+def tp_block(full: torch.Tensor, tp_dim: int | None, tp_rank: int) -> torch.Tensor:
+    return full.reshape(-1) if tp_dim is None else full.chunk(TP, tp_dim)[tp_rank].reshape(-1)
+
+
+def save(root: Path) -> tuple[Path, dict]:
+    """Four ranks at tp 2 x dp 2 write their shards and parts; rank 0 merges the plans into index.json."""
+    full, step = full_tensors(), root / "step_000003"
+    step.mkdir(parents=True)
+    plans = []
+    for rank in range(TP * DP):
+        tp_rank, dp_rank = rank // DP, rank % DP
+        tensors, params = {}, {}
+        for name, (shape, tp_dim) in PARAMS.items():
+            if tp_dim is None and tp_rank:
+                continue  # a replicated parameter is written by tp rank 0 only
+            block_tp = 0 if tp_dim is None else tp_rank
+            entry = params[name] = {"shape": shape, "tp_dim": tp_dim, "tp_size": 1 if tp_dim is None else TP}
+            entry["states"] = {}
+            for state in STATES:
+                block = tp_block(full[name, state], tp_dim, block_tp)
+                cut = (block.numel() + 1) // DP  # uneven halves (an odd block: the second rank holds one less)
+                lo, hi = dp_rank * cut, min(block.numel(), (dp_rank + 1) * cut)
+                tensors[piece_key(name, state, block_tp, lo)] = block[lo:hi].clone()
+                entry["states"][state] = [[block_tp, lo, hi]]
+        meta = {"rank": rank, "file": shard_name(rank), "params": params, "adam_step": 3 if rank == 1 else None}
+        meta.update(write_shard(step / shard_name(rank), tensors))
+        plans.append(write_part(step, rank, meta))
+    header = {"step": 3, "consumed_samples": 48, "config": {"model": MODEL}, "layout": {"world_size": 4}}
+    header["adam_step"] = max(p.pop("adam_step") or 0 for p in plans)
+    index, extra = merge_index(plans[::-1], header)  # in any order: parts by number
+    for name, text in extra.items():
+        fsync_write(step / name, text)
+    fsync_write(step / INDEX, json.dumps(index))
+    return step, full
+
+
+@pytest.fixture
+def saved(tmp_path) -> tuple[Path, dict]:
+    return save(tmp_path / "ckpt")
+
+
+def test_a_save_reads_back_whole_and_at_every_other_cut(saved):
+    step, full = saved
+    index = read_index(step)
+    assert index["parts"] == 4 and index["step"] == 3 and index["adam_step"] == 3
+    assert sorted(index["_share"]) == [shard_name(r) for r in range(4)]
+    for file in index["_share"]:
+        verify_shard(step, index, file)
+    reader = Reader(step, index)
+    assert reader.states("w") == list(STATES)
+    for (name, state), want in full.items():
+        assert torch.equal(reader.full(name, state), want), (name, state)
+        shape, tp_dim = PARAMS[name]
+        for dim, size in [(None, 1), (0, 2), (0, 3), (1, 2), (1, 3)]:
+            if dim is not None and (dim >= len(shape) or shape[dim] % size):
+                continue
+            for rank in range(size):
+                block = want.reshape(-1) if dim is None else want.chunk(size, dim)[rank].reshape(-1)
+                n = block.numel()
+                for start, end in [(0, n), (1, n - 1), (n // 2, n), (0, 1), (n - 1, n), (2, 2)]:
+                    got = reader.read(name, state, dim, size, rank, start, end)
+                    assert torch.equal(got, block[start:end]), (name, state, dim, size, rank, start, end)
+    reader.close()
+
+
+def test_the_index_and_locator_say_who_holds_what(saved):
+    step, _ = saved
+    index = json.loads((step / INDEX).read_text())
+    assert index["params"]["w"]["states"] == list(STATES) and index["locator_bytes"] == (step / LOCATOR).stat().st_size
+    lines = (step / LOCATOR).read_text().splitlines()
+    assert len(lines) == sum(1 if tp_dim is None else TP for _, tp_dim in PARAMS.values())
+    offset, length = index["params"]["w"]["where"][1]
+    rows = json.loads((step / LOCATOR).read_bytes()[offset : offset + length])
+    assert rows == [[1, 0, 12, 2], [1, 12, 24, 3]]  # tp block 1 of w: ranks 2 and 3, parts 2 and 3
+    part = json.loads((step / part_name(3)).read_text())
+    assert part["file"] == shard_name(3) and "adam_step" not in part
+    assert part["params"]["o"] == {"states": {"param": [[1, 6, 12]], "exp_avg": [[1, 6, 12]]}}
+    assert rank_entry(step, read_index(step), 3)["file"] == shard_name(3)
+    assert rank_entry(step, read_index(step), 4) == {}  # no such rank: a larger world resumes it
+
+
+def test_ranks_disagreeing_on_a_cut_is_a_bug_named():
+    plan = {"part": 0, "params": {"w": {"shape": [4], "tp_dim": None, "tp_size": 1, "states": ["param"], "rows": []}}}
+    other = {"part": 1, "params": {"w": {**plan["params"]["w"], "shape": [5]}}}
+    with pytest.raises(RuntimeError, match="ranks disagree on the layout of w"):
+        merge_index([plan, other], {})
+
+
+def test_each_rank_checks_its_share_of_the_shards(saved):
+    step, _ = saved
+    shares = [read_index(step, (rank, 3))["_share"] for rank in range(3)]
+    assert shares == [[shard_name(0), shard_name(3)], [shard_name(1)], [shard_name(2)]]
+
+
+def _rewrite(step: Path, rank: int, change) -> None:
+    """Rank ``rank``'s shard changed by ``change`` (its tensors), its part's size and CRC made to match."""
+    shard = step / shard_name(rank)
+    tensors = load_file(str(shard))
+    change(tensors)
+    save_safetensors(tensors, shard)
+    part = json.loads((step / part_name(rank)).read_text())
+    part.update(bytes=shard.stat().st_size, crc32=file_crc32(shard))
+    (step / part_name(rank)).write_text(json.dumps(part))
+
+
+def test_a_damaged_shard_is_named(saved):
+    step, _ = saved
+    key = piece_key("w", "exp_avg", 1, 12)
+    _rewrite(step, 3, lambda t: t[key].__setitem__(0, float("inf")))
+    index = read_index(step)
+    with pytest.raises(CheckpointError, match=r"holds NaN/inf values in w \(exp_avg\) of step 3: resuming it"):
+        verify_shard(step, index, shard_name(3))
+    _rewrite(step, 3, lambda t: t.pop(key))
+    with pytest.raises(CheckpointError, match=f"does not hold piece '{key}' of 12 elements recorded in .*part_00003"):
+        verify_shard(step, read_index(step), shard_name(3))
+    _rewrite(step, 3, lambda t: t.update({key: torch.zeros(11)}))
+    with pytest.raises(CheckpointError, match=f"does not hold piece '{key}' of 12 elements"):
+        verify_shard(step, read_index(step), shard_name(3))
+    shard = step / shard_name(2)
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # same size, another CRC
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"shard {shard} fails its CRC-32 check"):
+        verify_shard(step, read_index(step), shard_name(2))
+    shard.write_bytes(bytes(data[:-1]))
+    with pytest.raises(CheckpointError, match=f"shard {shard} has {len(data) - 1} bytes, .*records {len(data)}"):
+        read_index(step)
+    assert read_index(step, (1, 2))["_share"] == [shard_name(1), shard_name(3)]  # not this rank's share
+
+
+def test_damaged_metadata_is_named(saved):
+    step, _ = saved
+    text = (step / LOCATOR).read_text()
+    (step / LOCATOR).write_text("x" + text[1:])
+    with pytest.raises(CheckpointError, match=r"locator.jsonl: the line of \w+ at byte 0 is not JSON"):
+        read_index(step)
+    (step / LOCATOR).write_text(text[:-1])
+    with pytest.raises(CheckpointError, match=f"{step / LOCATOR} has {len(text) - 1} bytes"):
+        read_index(step)
+    (step / LOCATOR).write_text(text)
+    (step / part_name(2)).unlink()
+    with pytest.raises(CheckpointError, match=f"{step / part_name(2)} is missing"):
+        read_index(step)
+    index = json.loads((step / INDEX).read_text())
+    (step / INDEX).write_text(json.dumps({**index, "version": 3}))
+    with pytest.raises(CheckpointError, match="is not an engine-checkpoint v1 or v2 index"):
+        read_index(step)
+
+
+def test_a_tp_cut_of_another_kind_is_refused():
+    assert tp_box([6, 8], 1, 2, 1) == (0, 6, 4, 8) and tp_box([6], 0, 3, 2) == (4, 6, 0, 1)
+    assert tp_box([6, 8], None, 2, 1) == (0, 6, 0, 8) and tp_box([0, 8], 0, 1, 0) == (0, 0, 0, 0)
+    with pytest.raises(CheckpointError, match="tp_dim=1 of a 3-D parameter is not supported"):
+        tp_box([2, 2, 2], 1, 2, 0)
