@@ -243,6 +243,10 @@ def test_what_differs_is_listed_and_the_line_names_two():
     assert compare(saved, same, At, 4, (2.0 * (1 - 3.9e-3), torch.bfloat16)) == []
     beyond = compare(saved, same, At, 4, (2.0 * (1 - 4.1e-3), torch.bfloat16))  # bf16 weights off by more
     assert beyond == ["the probe batch's loss 1.9918, saved 2 (beyond rel 0.004)"]
+    low = saved | {"probe_loss": 0.5}  # a loss under 1 (late in a fine-tuning): the bound stays relative
+    assert compare(low, same, At, 4, (0.5 * (1 + 3e-5), torch.float32)) == [
+        "the probe batch's loss 0.500015, saved 0.5 (beyond rel 2e-05)"
+    ]
     assert compare(saved, same, At, 4, (None, torch.float32)) == [] and verdict("s", []) is None
     wrong = compare(
         saved | {"consumed_samples": 48},
