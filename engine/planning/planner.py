@@ -199,7 +199,8 @@ def stage_memory(
     if model.grads_whole_step(data_layout(layout)):  # DDP's bucket views at dp x cp > 1, held through the step
         new_at_peak = gathered + buffers + grads + held.peak
     else:  # each chunk's gradients appear at its first backward (schedules.InFlight.peak_with_grads)
-        new_at_peak = gathered + buffers + held.peak_with_grads([grads * s for s in chunk_shares(cfg, layout, stage)])
+        shares = chunk_shares(cfg, layout, stage, params)
+        new_at_peak = gathered + buffers + held.peak_with_grads([grads * s for s in shares])
     return StageMemory(
         stage,
         weights,
@@ -231,15 +232,16 @@ def vocab_grad_bytes(cfg: Config, layout: Layout, stage: int, model, micro_batch
     return max(0.0, grad - held.peak / max(1, held.count)) if stage == 0 else 0.0
 
 
-def chunk_shares(cfg: Config, layout: Layout, stage: int) -> list[float]:
-    """Each of the rank's model chunks' share of its parameters, and so of its gradients: its layers, and the
-    embedding (first virtual stage) or final norm and LM head (last) where it holds them (schedules.rank_chunks)."""
-    chunks, params = rank_chunks(cfg, layout.pp, stage), stage_params(cfg, layout.tp, layout.pp, stage)
-    last = layout.pp * virtual_stages(cfg) - 1
+def chunk_shares(cfg: Config, layout: Layout, stage: int, params: dict) -> list[float]:
+    """Each of the rank's model chunks' share of its parameters (``params``: the stage's, stage_params), and so of
+    its gradients: its layers, and the embedding (first virtual stage) or final norm and LM head (last) where it
+    holds them (schedules.rank_chunks)."""
+    chunks, last = rank_chunks(cfg, layout.pp, stage), layout.pp * virtual_stages(cfg) - 1
     ends = [(g == 0) + (g == last) for g, _ in chunks]
     per_layer, root = params["layers"] / max(1, params["num_layers"]), params["root"] / max(1, sum(ends))
     sizes = [n * per_layer + e * root for (_, n), e in zip(chunks, ends)]
-    return [size / sum(sizes) for size in sizes] if sum(sizes) else [1.0 / len(sizes)] * len(sizes)
+    total = sum(sizes)
+    return [size / total for size in sizes] if total else [1.0 / len(sizes)] * len(sizes)
 
 
 def state_groups(layout: Layout, params: dict) -> list[tuple[Layout, dict]]:
