@@ -13,7 +13,8 @@ machine's rounding fails on that machine, not on the next one: a dp, a pp and a 
 Worst relative errors of correct code by path: own = this machine's (AVX512, AMX); ATen = ATEN_CPU_CAPABILITY=default;
 MKL = MKL_ENABLE_INSTRUCTIONS=AVX2; all = KERNEL_PATH; core, core_bf16 = ONEDNN_MAX_CPU_ISA=AVX512_CORE,
 AVX512_CORE_BF16 (the bf16 paths of AVX-512 CPUs without AMX). test_train: one process at 1 and 2 threads, tp 2 at
-1 per rank; parity: as tests/dist.py starts it (2 threads for one process, 1 per rank).
+1 per rank; parity: as tests/dist.py started it then (2 threads for one process, 1 per rank; the suite now
+runs every process at 1, tests/conftest.py, as the "all" column's subprocess did).
 
     fp32                        bound   own       ATen      MKL       all       defects the bound must catch
     test_train tp2 grad norm    1e-4    1.53e-05  1.09e-05  7.4e-06   2.31e-05  1.9e-3 (a), 5.8e-3 (b)
