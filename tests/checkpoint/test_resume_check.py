@@ -8,8 +8,9 @@ resumes it explicitly on one rank (another layout: the digests are exact at any 
   rank 1's) in each other's place (patched in this process before the fork); before, resumed;
 - (c) the run position edited consistently to step 2's (step, scheduler, Adam's step, samples): before, resumed;
 - (d) the optimizer states gone from the index and the shards: before, resumed with a fresh optimizer.
-Each is refused with one line naming what differs, exit 2. A clean resume passes on one rank and at fsdp dp 2 (the same
-layout, two ranks), and a checkpoint without digests (an older engine's) resumes with one notice.
+Each is refused with one line naming what differs, exit 2. A clean resume passes on one rank, at fsdp dp 2 (the same
+layout, two ranks) and at ddp dp 4 (each rank digesting a quarter of whole tensors), and a checkpoint without
+digests (an older engine's) resumes with one notice.
 """
 
 from __future__ import annotations
@@ -85,6 +86,15 @@ def test_clean_resumes_pass_at_another_layout_and_at_the_same(base, tmp_path):
     same = run_ranks(pretrain_rank, 2, [*argv, "--train.out_dir", str(tmp_path / "out2")], timeout_s=300)
     assert [g["code"] for g in same] == [0, 0], same[0]["err"][-3000:] + same[1]["err"][-3000:]
     assert f"resumed from {step} (step 4" in same[0]["out"], same[0]["out"][-2000:]
+    # ddp at dp 4: every rank holds whole tensors and digests the quarter it would write, from an offset inside
+    # them (rank 1's [n/4, n/2)); at dp 2 the halves hide an offset taken with the wrong sign (held[-n/2:] is the
+    # second half too), at dp 4 it refuses this clean resume (issue 45: saved.py's survivor, planted)
+    argv = [*SMALL, "--parallel.dp", "4", "--train.steps", "4", "--checkpoint.resume", str(step)]
+    four = run_ranks(
+        pretrain_rank, 4, [*argv, "--checkpoint.dir", str(tmp_path / "new4"), "--train.out_dir", str(tmp_path / "out4")]
+    )
+    assert [g["code"] for g in four] == [0] * 4, four[0]["err"][-3000:]
+    assert f"resumed from {step} (step 4" in four[0]["out"], four[0]["out"][-2000:]
 
 
 def test_an_older_moment_with_a_valid_crc_is_refused(base, tmp_path):
