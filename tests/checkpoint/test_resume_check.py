@@ -86,15 +86,20 @@ def test_clean_resumes_pass_at_another_layout_and_at_the_same(base, tmp_path):
     same = run_ranks(pretrain_rank, 2, [*argv, "--train.out_dir", str(tmp_path / "out2")], timeout_s=300)
     assert [g["code"] for g in same] == [0, 0], same[0]["err"][-3000:] + same[1]["err"][-3000:]
     assert f"resumed from {step} (step 4" in same[0]["out"], same[0]["out"][-2000:]
-    # ddp at dp 4: every rank holds whole tensors and digests the quarter it would write, from an offset inside
-    # them (rank 1's [n/4, n/2)); at dp 2 the halves hide an offset taken with the wrong sign (held[-n/2:] is the
-    # second half too), at dp 4 it refuses this clean resume (issue 45: saved.py's survivor, planted)
-    argv = [*SMALL, "--parallel.dp", "4", "--train.steps", "4", "--checkpoint.resume", str(step)]
+    # ddp at dp 4: every rank holds whole tensors and digests, then writes, the quarter that is its own, from an
+    # offset inside them (rank 1's [n/4, n/2)); dp 2's halves hide an offset taken with the wrong sign (held[-n/2:]
+    # is the second half too). It resumes, trains to step 6 and saves it; one rank resumes that save (issue 45:
+    # saved.py's and contents.py's slice with -lo, planted one at a time: this test fails on each)
+    argv = [*SMALL, "--parallel.dp", "4", "--train.steps", "6", "--checkpoint.every", "2", "--checkpoint.resume"]
     four = run_ranks(
-        pretrain_rank, 4, [*argv, "--checkpoint.dir", str(tmp_path / "new4"), "--train.out_dir", str(tmp_path / "out4")]
+        pretrain_rank,
+        4,
+        [*argv, str(step), "--checkpoint.dir", str(tmp_path / "new4"), "--train.out_dir", str(tmp_path / "out4")],
     )
     assert [g["code"] for g in four] == [0] * 4, four[0]["err"][-3000:]
     assert f"resumed from {step} (step 4" in four[0]["out"], four[0]["out"][-2000:]
+    again = resume(tmp_path / "new4" / "step_000006", steps=6)
+    assert again.returncode == 0 and "resumed from " in again.stdout, again.stdout[-2000:] + again.stderr[-3000:]
 
 
 def test_an_older_moment_with_a_valid_crc_is_refused(base, tmp_path):
