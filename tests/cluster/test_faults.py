@@ -56,8 +56,8 @@ def _one_error_line(text: str, pattern: str) -> str:
 def test_frozen_host_ends_the_job_in_one_line(tmp_path, job, reference):
     """SIGSTOP node 1's workers (a frozen host: its sockets stay open, so no collective fails): node 0's ranks exit
     1 within the bound (not parallel.timeout_s, 600 s) with one line naming ranks 2, 3, their host and the step.
-    The heartbeat at 10 s, not its default 30 s (which tests/cluster/test_partition.py's cut host runs under): the same
-    silence, 20 s less of CI."""
+    The heartbeat at 10 s, not its default 30 s (as tests/cluster/test_partition.py's cut host): the same silence,
+    20 s less of CI."""
     out, args = _fault_args(tmp_path)
     agents = job.nodes(2, 2, [*args, "--train.steps", "100000", "--parallel.heartbeat_timeout_s", "10"])
     job.wait_for(lambda: (tmp_path / "ckpt" / "latest").exists(), "a checkpoint")
