@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.checkpoint import format as ckpt_format
 from engine.checkpoint.format import file_crc32
+from engine.metrics.memory import LiveTensorBytes
 from engine.trust.saved import FIELD, combine, compare, piece_digest, probe_batch, splitmix64, verdict
 from tests.checkpoint.runs import SMALL, edit_index, launched
 from tests.cli import one_error_line, run_script
@@ -225,6 +226,20 @@ def test_a_row_longer_than_a_digest_chunk_is_digested_whole():
     whole = piece_digest(t.view(-1), list(t.shape), (None, 1, 0), 0)
     one = 0x3F800000 * _splitmix64(1) * _splitmix64(t.shape[1] - 1 + 2**40) % 2**64  # 1.0's bits at its place
     assert whole == one
+
+
+def test_a_digest_holds_temporaries_of_one_chunk_whatever_the_tensor_size():
+    """A resume digests every tensor it holds (a 128k x 16k embedding is 2^31 elements): its int64 temporaries are
+    bounded by a chunk of the digest (2^22 elements), not by the tensor. Bytes counted at every op (LiveTensorBytes),
+    never times: four chunks' worth of rows takes the peak of one (a digest of the whole tensor at once: 4x)."""
+    width = 1 << 12
+    peaks = []
+    for rows in (1 << 10, 1 << 12):  # one chunk, four chunks
+        t = torch.ones(rows, width)
+        with LiveTensorBytes() as seen:
+            piece_digest(t.view(-1), [rows, width], (None, 1, 0), 0)
+        peaks.append(seen.peak)
+    assert peaks[1] <= 1.25 * peaks[0], peaks
 
 
 def test_the_probe_batch_is_one_batch_of_token_ids_at_any_dp():
