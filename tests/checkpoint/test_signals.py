@@ -7,7 +7,10 @@ ranks for the agreement, and a child under torchrun's variables for the agent's 
 - The flag as one-hot counts: a failure outranks a restart, which outranks a signal, summed over ranks.
 - Two ranks, one signalled (or one failed): both stop, and the failed rank's line reaches the other.
 - Under torchrun's variables, a SIGTERM from the parent (the agent) is a restart, anyone else's a stop; outside a
-  fit it ends the process as SIGTERM does.
+  fit it ends the process as SIGTERM does, and a process whose main ends exits (the watching thread keeps none
+  alive).
+- One process stops on its own flag (a refused metrics write too); the stop's all-reduce is logged for a hang
+  report with its bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import types
 import pytest
 
 from engine.checkpoint.signals import FAILED, RESTART, SIGNALLED, SIGNALS, Interrupted, StopSignal
+from engine.trust import oplog
 from tests.cli import ROOT
 from tests.dist import run_ranks
 
@@ -104,8 +108,9 @@ def test_the_flag_rides_as_counts_and_the_highest_wins():
         assert rank.settle(counts, _Exchange()) is want[0]
         assert (rank.requested, rank.restart, rank.failed) == want, counts
         assert rank.failure == "metrics: disk full"
-    one = types.SimpleNamespace(world_size=1)
+    one = types.SimpleNamespace(world_size=1)  # one process: the flag itself, no all-reduce
     assert StopSignal().agreed(one) is False and signalled.agreed(one) is True
+    assert failed.agreed(one) is True and failed.failed  # a metrics write refused stops a one-process run too
 
 
 def _agree(which: str) -> tuple:
@@ -125,7 +130,10 @@ def _agree(which: str) -> tuple:
         stop.take(signal.SIGTERM, restart=True)
     if which == "fail":  # rank 0 writes the metrics; rank 1 was signalled too
         stop.fail("metrics: no space left") if rank == 0 else stop.take(signal.SIGTERM)
-    return stop.agreed(ctx, exchange), stop.restart, stop.failed, stop.failure
+    agreed = stop.agreed(ctx, exchange)
+    record = oplog.LOG.tail(1)[0]  # what a hang report would show of it: [seq, kind, group, what, peer, bytes, ...]
+    assert (record[1], record[3], record[5]) == ("all-reduce", "stop signal", 3 * 4)  # three fp32 counts
+    return agreed, stop.restart, stop.failed, stop.failure
 
 
 @pytest.mark.parametrize("which", ["none", "signal", "restart", "fail"])
@@ -147,6 +155,8 @@ if sys.argv[1] != "plain":  # plain: not under torchrun
 from engine.checkpoint.signals import StopSignal, watch_agent_sigterm
 watch_agent_sigterm()
 stop = StopSignal()
+if sys.argv[1] == "done":  # main ends at once: the watching thread must not keep the process alive
+    sys.exit(0)
 if sys.argv[1] in ("fit", "plain"):
     stop.install()
     print("ready", flush=True)
@@ -188,6 +198,11 @@ def test_under_torchrun_the_agents_sigterm_is_a_restart_and_anyone_elses_a_stop(
     assert other.stdout.readline() == "True False SIGTERM\n"
     _ends_on_sigterm(other)
     _ends_on_sigterm(_child("idle"))  # no fit at all
+    done = _child("done")  # a run that finished: the process ends, its SIGTERM thread with it
+    try:
+        assert done.communicate(timeout=30)[0] == "" and done.returncode == 0
+    finally:
+        done.kill()  # nothing once it ended
     plain = _child("plain")  # not under torchrun: the parent's SIGTERM is a stop as anyone's
     assert plain.stdout.readline() == "ready\n"
     plain.send_signal(signal.SIGTERM)

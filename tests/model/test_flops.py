@@ -5,11 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from engine.config import load
 from engine.model import flops
 from engine.model import transformer as model_lib
+from engine.model.recompute import apply_activation_checkpointing
 
 
 def tiny():
@@ -47,6 +49,44 @@ def test_matches_torch_flop_counter():
         logits = model(ids[:, :-1])
         F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
     assert counter.get_total_flops() == flops.flops_per_token(cfg.model, 32) * 2 * 32
+
+
+class _AttentionCores(TorchDispatchMode):
+    """Counts the attention core's forward runs (SDPA, whatever kernel it picks: its FLOPs on CPU have no formula)."""
+
+    def __init__(self):
+        super().__init__()
+        self.runs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        self.runs += "scaled_dot_product" in name and "backward" not in name
+        return func(*args, **(kwargs or {}))
+
+
+def test_recomputed_flops_are_what_selective_runs_again():
+    """Under selective recomputation the hardware FLOPs above 'none' are what backward runs again, counted on the
+    engine's model: no matmul (FlopCounterMode: their outputs are kept) and each layer's attention core once more
+    (4 H Q T a token). Full runs every core again too; its matmuls are re-run up to the last one backward needs
+    (torch.utils.checkpoint stops there), which PaLM's 2 N counts whole."""
+    cfg = load(["--config", "configs/tiny.yaml", "--model.num_layers", "2", "--train.seq_len", "32"])
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 33))
+    measured = {}
+    for mode in ("none", "full", "selective"):
+        model = model_lib.build(cfg.model, device="cpu")
+        apply_activation_checkpointing(model, mode)
+        with FlopCounterMode(display=False) as counter, _AttentionCores() as cores:
+            logits = model(ids[:, :-1])
+            F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+        measured[mode] = (counter.get_total_flops(), cores.runs)
+    layers = cfg.model.num_layers
+    assert [measured[m][1] for m in ("none", "full", "selective")] == [layers, 2 * layers, 2 * layers]
+    attention = 4 * cfg.model.num_heads * cfg.model.head_dim * 32 * 2 * 32  # one core's forward, every token
+    again = measured["selective"][0] - measured["none"][0] + layers * attention
+    planned = [flops.hardware_flops_per_token(cfg.model, 32, m) * 2 * 32 for m in ("none", "full", "selective")]
+    assert again == planned[2] - planned[0] > 0
+    full_matmuls = measured["full"][0] - measured["none"][0]
+    assert 0 < full_matmuls <= planned[1] - planned[0] - layers * attention
 
 
 @pytest.mark.parametrize(
