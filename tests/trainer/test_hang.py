@@ -18,7 +18,9 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from engine.config import Config
 from engine.trust import oplog
@@ -177,13 +179,13 @@ def test_the_report_costs_each_rank_the_same_requests_at_1024_ranks_as_at_64():
 
 
 class Ctx:
-    """A rank's place without process groups (hang.py asks ``group`` for each axis; none exist here)."""
+    """A rank's place: its process groups by axis name (hang.py asks ``group`` for each; KeyError: no such axis)."""
 
-    def __init__(self, rank: int, world: int):
-        self.rank, self.world_size = rank, world
+    def __init__(self, rank: int, world: int, groups: dict | None = None):
+        self.rank, self.world_size, self.groups = rank, world, groups or {}
 
     def group(self, name: str):
-        raise KeyError(name)
+        return self.groups[name]
 
 
 def two_watches(tmp_path: Path, monkeypatch, allowance_s: float) -> tuple[list, list, TCPStore]:
@@ -272,3 +274,37 @@ def test_a_silent_rank_reports_the_hang_and_every_rank_ends_with_its_status(tmp_
         f"(the table could not be written to {tmp_path / 'gone' / 'hang-5.json'}: No such file or directory; "
         "exit status 5)"
     )
+
+
+def test_rank_0_alone_says_when_the_watchdog_is_off(capsys):
+    """A hang_timeout_s not below parallel.timeout_s turns the watchdog off: rank 0 says so, once per job; a
+    watchdog that acts, or one process, says nothing."""
+    said = []
+    for hang_s, rank, world in [(600.0, 0, 2), (600.0, 1, 2), (900.0, 0, 1), (599.0, 0, 2), (0.0, 0, 2)]:
+        cfg = Config()
+        cfg.parallel.hang_timeout_s = hang_s
+        HangWatch(cfg, Ctx(rank, world))
+        said.append(capsys.readouterr().out)
+    assert said[0] == (
+        "parallel.hang_timeout_s=600.0 is not below parallel.timeout_s=600.0: the hang watchdog is off (a "
+        "collective's own timeout ends a hang, unnamed)\n"
+    )
+    assert said[1:] == [""] * 4
+
+
+def test_a_group_is_posted_by_name_and_its_ranks_in_four_numbers_when_evenly_spaced():
+    """The operations' groups in a rank's tail: the axis' name (the first of two names for one group, dp before
+    dp_cp), "group" for another; the members as ["range", start, stop, step] when evenly spaced (a dp group of 2,048
+    ranks is four numbers), else the list. Rank 0 of eight under torch's fake process group: real group objects
+    and get_process_group_ranks, no communication."""
+    dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
+    try:
+        dp, tp, pp, ep = (dist.new_group(r) for r in ([0, 2, 4, 6], [0, 4], [0], [0, 1, 3]))
+        watch = HangWatch(Config(), Ctx(0, 8, {"tp": tp, "pp": pp, "dp": dp, "dp_cp": dp, "ep": ep}))
+        groups = (None, dist.group.WORLD, dp, tp, pp, ep)
+        assert [watch.group_name(g) for g in groups] == ["world", "group", "dp", "tp", "pp", "ep"]
+        ranks = [["range", 0, 8, 1], ["range", 0, 8, 2], [0, 4], [0], [0, 1, 3]]
+        assert [watch.group_ranks(g) for g in groups] == [None, *ranks]
+        assert [watch.group_ranks(g) for g in groups] == [None, *ranks]  # the second time from what it kept
+    finally:
+        dist.destroy_process_group()
