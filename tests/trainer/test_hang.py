@@ -188,10 +188,9 @@ class Ctx:
         return self.groups[name]
 
 
-def two_watches(tmp_path: Path, monkeypatch, allowance_s: float) -> tuple[list, list, TCPStore]:
-    """Ranks 0 and 1 of a job, in this process on a store of its own: rank 0 watches with a 0.5 s hang_timeout_s
-    (``allowance_s`` the first step's and a save's), rank 1 with one it never reaches (it only listens); their exit
-    statuses land in the returned list instead of ending the process."""
+def watches(tmp_path: Path, monkeypatch, ranks: list[tuple[int, float]]) -> tuple[list, list, TCPStore]:
+    """Ranks of a job of two (rank, hang_timeout_s), in this process on a store of its own, 600 s of start-up
+    allowance: their exit statuses land in the returned list instead of ending the process."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(store.port))
@@ -199,17 +198,17 @@ def two_watches(tmp_path: Path, monkeypatch, allowance_s: float) -> tuple[list, 
     for name in ("TORCHELASTIC_USE_AGENT_STORE", oplog.FAULT_ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(oplog, "LOG", oplog.OpLog())
-    exits, watches = [], []
+    exits, made = [], []
 
     def exit_(rank: int, status: int) -> None:
         exits.append((rank, status, time.monotonic()))
 
-    for rank, hang_s in [(0, 0.5), (1, 599.0)]:
+    for rank, hang_s in ranks:
         cfg = Config()
-        cfg.parallel.hang_timeout_s, cfg.parallel.startup_timeout_s = hang_s, allowance_s
+        cfg.parallel.hang_timeout_s, cfg.parallel.startup_timeout_s = hang_s, 600.0
         cfg.train.out_dir = str(tmp_path)
-        watches.append(HangWatch(cfg, Ctx(rank, 2), exit_fn=lambda status, rank=rank: exit_(rank, status)))
-    return watches, exits, store
+        made.append(HangWatch(cfg, Ctx(rank, 2), exit_fn=lambda status, rank=rank: exit_(rank, status)))
+    return made, exits, store
 
 
 def wait_for(condition, seconds: float) -> bool:
@@ -220,37 +219,42 @@ def wait_for(condition, seconds: float) -> bool:
 
 
 def test_a_silent_rank_reports_the_hang_and_every_rank_ends_with_its_status(tmp_path, monkeypatch, capsys):
-    """In process, on a real store: no operation ends for hang_timeout_s on rank 0, past its first step and outside
-    a save; rank 0 raises the alarm, rank 1's listener hears it and posts its tail, rank 0 reports the operation both
-    wait in, writes the table, and both exit with status 5. The first step and a save get the allowance instead (a
-    silence of two timeouts there ends nothing; a save's end counts as progress). A table that cannot be written is
-    named in the line instead."""
-    watches, exits, store = two_watches(tmp_path, monkeypatch, allowance_s=600.0)
+    """In process, on a real store: no operation ends for hang_timeout_s on rank 0, past its first step; rank 0
+    raises the alarm, rank 1's listener hears it and posts its tail, rank 0 reports the operation both wait in,
+    writes the table, and both exit with status 5. The first step and a save get the allowance instead (a silence
+    of two timeouts there ends nothing). A table that cannot be written is named in the line instead."""
+    (saving, reporter, listener), exits, store = watches(tmp_path, monkeypatch, [(0, 0.5), (0, 0.5), (1, 599.0)])
     # the rule: the first step and a save get max(3 hang timeouts, startup_timeout_s); a look every tenth of the
     # timeout, at most five a second
-    assert [(w.timeout, w.allowance, w.period) for w in watches] == [(0.5, 600.0, 0.2), (599.0, 1797.0, 59.9)]
-    log = oplog.LOG
+    assert [(w.timeout, w.allowance, w.period) for w in (reporter, listener)] == [
+        (0.5, 600.0, 0.2),
+        (599.0, 1797.0, 59.9),
+    ]
+    keys, log = PrefixStore("engine-hang/0/", store), oplog.LOG  # this launch round's keys, as hang.connect names them
+    log.step = 5
+    with saving.saving():  # a save past the first step: two timeouts of silence end nothing
+        saving.start(first_step=4)
+        time.sleep(1.0)
+        saving.stop()
     log.step = 4
     log.end(log.begin("all-reduce", None, "loss", 4))
-    for watch in watches:
+    for watch in (reporter, listener):
         watch.start(first_step=4)
-    time.sleep(1.0)  # two hang timeouts in the first step: within its allowance
-    log.step = 5
-    with watches[0].saving():
-        time.sleep(1.0)  # the same in a save past the first step
-        quiet = time.monotonic()  # the save's end (below) is the last progress
-    assert exits == []
+    time.sleep(1.0)  # the same in the first step
+    assert exits == [] and not keys.check(["alarm"])
+    quiet = time.monotonic()
+    log.step = 5  # step 4 done: the last progress
     log.begin("all-reduce", None, "step agreement", 16)  # never ends
     assert wait_for(lambda: len(exits) == 2, 60), exits
     assert sorted(e[:2] for e in exits) == [(0, EXIT_STATUS), (1, EXIT_STATUS)]
     assert min(e[2] for e in exits) > quiet + 0.5  # nothing before hang_timeout_s of silence after the last progress
-    line = watches[0].line
+    line = reporter.line
     assert (
         line.startswith("error: hang at step 5: 2 of 2 ranks wait in communication") and line in capsys.readouterr().err
     )
     assert f"(every rank's last operations: {tmp_path / 'hang-5.json'}; exit status 5)" in line
     table = json.loads((tmp_path / "hang-5.json").read_text())
-    assert table["line"] in line and sorted(table["ranks"]) == ["0", "1"] and watches[1].line is None
+    assert table["line"] in line and sorted(table["ranks"]) == ["0", "1"] and listener.line is None
     for rank, tail in table["ranks"].items():
         assert tail["step"] == 5 and tail["where"] == {"action": "", "mb": -1, "chunk": 0}, tail
         done, waiting = tail["ops"]
@@ -264,12 +268,11 @@ def test_a_silent_rank_reports_the_hang_and_every_rank_ends_with_its_status(tmp_
         )
     idle = [tail["idle_s"] for _, tail in sorted(table["ranks"].items())]
     assert 0.5 < idle[0] < 5.0 and idle[1] is None  # rank 0 saw the silence itself (within ten looks), rank 1 was told
-    keys = PrefixStore("engine-hang/0/", store)  # this launch round's, as hang.connect names them
     assert keys.get("verdict").decode() == line and keys.get("alarm") == b"0" and keys.add("acks", 0) == 2
-    for watch in watches:
+    for watch in (reporter, listener):
         watch.stop()
-    watches[0].out_dir = str(tmp_path / "gone")
-    again = watches[0].report({int(rank): tail for rank, tail in table["ranks"].items()})
+    reporter.out_dir = str(tmp_path / "gone")
+    again = reporter.report({int(rank): tail for rank, tail in table["ranks"].items()})
     assert again.startswith(table["line"]) and again.endswith(
         f"(the table could not be written to {tmp_path / 'gone' / 'hang-5.json'}: No such file or directory; "
         "exit status 5)"
