@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.checkpoint.format import file_crc32
 from tests.checkpoint.runs import SAME, SMALL, assert_curves, edit_index, launched
+from tests.checkpoint.versions import as_version_1
 from tests.cli import ROOT, run_script, without_file_permission_override
 from tests.dist import run_ranks
 
@@ -70,25 +71,6 @@ def nan_router(step: Path) -> None:
     tensors[key][0] = float("nan")
     save_file(tensors, str(step / SHARD), metadata={"format": "pt"})
     edit_part(step, lambda p: p.update(bytes=(step / SHARD).stat().st_size, crc32=file_crc32(step / SHARD)))
-
-
-def as_version_1(step: Path) -> None:
-    """Rewrite ``step`` as the format before issue 43 wrote it: one index.json holding every rank's pieces (as
-    ``[file, tp rank, start, end]``), shard sizes and CRCs and RNG states; no parts, no locator."""
-    index = json.loads((step / "index.json").read_text())
-    parts = [json.loads((step / f"part_{i:05d}.json").read_text()) for i in range(index.pop("parts"))]
-    index.pop("locator_bytes")
-    for name, p in index["params"].items():
-        p.pop("where")
-        p["states"] = {s: [] for s in p["states"]}
-        for part in parts:
-            for state, pieces in part["params"].get(name, {}).get("states", {}).items():
-                p["states"][state] += [[part["file"], *piece] for piece in pieces]
-    index["files"] = {part["file"]: {"bytes": part.pop("bytes"), "crc32": part.pop("crc32")} for part in parts}
-    index["ranks"] = [{k: v for k, v in part.items() if k != "params"} for part in parts]
-    (step / "index.json").write_text(json.dumps({**index, "version": 1}))
-    for extra in [*step.glob("part_*.json"), step / "locator.jsonl"]:
-        extra.unlink()
 
 
 def long_step(step: Path) -> None:

@@ -11,6 +11,7 @@ each; these seconds for every cut.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,7 @@ from engine.checkpoint.format import (
     write_shard,
 )
 from engine.errors import CheckpointError
+from tests.checkpoint.versions import as_version_1
 
 # name -> (shape, tp_dim): a row-cut weight, a column-cut weight, a row-cut bias, a replicated norm
 PARAMS = {"w": ([6, 8], 0), "o": ([4, 6], 1), "b": ([6], 0), "norm": ([5], None)}
@@ -94,6 +96,13 @@ def test_a_save_reads_back_whole_and_at_every_other_cut(saved):
     step, full = saved
     index = read_index(step)
     assert index["parts"] == 4 and index["step"] == 3 and index["adam_step"] == 3
+    reads_back_at_every_cut(step, full, index)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert {(step / shard_name(r)).stat().st_mode & 0o777 for r in range(4)} == {0o666 & ~umask}  # as index.json's
+
+
+def reads_back_at_every_cut(step: Path, full: dict, index: dict) -> None:
     assert sorted(index["_share"]) == [shard_name(r) for r in range(4)]
     for file in index["_share"]:
         verify_shard(step, index, file)
@@ -164,8 +173,17 @@ def test_a_damaged_shard_is_named(saved):
     _rewrite(step, 3, lambda t: t.pop(key))
     with pytest.raises(CheckpointError, match=f"does not hold piece '{key}' of 12 elements recorded in .*part_00003"):
         verify_shard(step, read_index(step), shard_name(3))
+    reader = Reader(step, read_index(step))  # a read that was not verified first: the piece is named all the same
+    with pytest.raises(CheckpointError, match=f"shard {step / shard_name(3)}: cannot read piece of w exp_avg"):
+        reader.full("w", "exp_avg")
     _rewrite(step, 3, lambda t: t.update({key: torch.zeros(11)}))
     with pytest.raises(CheckpointError, match=f"does not hold piece '{key}' of 12 elements"):
+        verify_shard(step, read_index(step), shard_name(3))
+    (step / shard_name(3)).write_bytes(b"\xff" * 64)  # not safetensors, its size and CRC recorded
+    part = json.loads((step / part_name(3)).read_text())
+    part.update(bytes=64, crc32=file_crc32(step / shard_name(3)))
+    (step / part_name(3)).write_text(json.dumps(part))
+    with pytest.raises(CheckpointError, match=f"shard {step / shard_name(3)} is not a readable safetensors file"):
         verify_shard(step, read_index(step), shard_name(3))
     shard = step / shard_name(2)
     data = bytearray(shard.read_bytes())
@@ -203,3 +221,26 @@ def test_a_tp_cut_of_another_kind_is_refused():
     assert tp_box([6, 8], None, 2, 1) == (0, 6, 0, 8) and tp_box([0, 8], 0, 1, 0) == (0, 0, 0, 0)
     with pytest.raises(CheckpointError, match="tp_dim=1 of a 3-D parameter is not supported"):
         tp_box([2, 2, 2], 1, 2, 0)
+
+
+def test_a_version_1_checkpoint_reads_back_shares_and_names_damage_as_version_2(saved):
+    """The format before issue 43 (one index.json with every rank's pieces, files and entries) is still read: every
+    cut, each rank's share of the shards, the ranks' entries, and a damaged piece named with index.json."""
+    step, full = saved
+    as_version_1(step)
+    index = read_index(step)
+    assert index["version"] == 1 and not (step / LOCATOR).exists()
+    reads_back_at_every_cut(step, full, index)
+    shares = [read_index(step, (rank, 3))["_share"] for rank in range(3)]
+    assert shares == [[shard_name(0), shard_name(3)], [shard_name(1)], [shard_name(2)]]
+    assert rank_entry(step, index, 3)["file"] == shard_name(3) and rank_entry(step, index, 4) == {}
+    key = piece_key("w", "exp_avg", 1, 12)
+    shard = step / shard_name(3)
+    tensors = load_file(str(shard))
+    tensors[key] = torch.zeros(11)
+    save_safetensors(tensors, shard)
+    files = json.loads((step / INDEX).read_text())
+    files["files"][shard_name(3)] = {"bytes": shard.stat().st_size, "crc32": file_crc32(shard)}
+    (step / INDEX).write_text(json.dumps(files))
+    with pytest.raises(CheckpointError, match=f"does not hold piece '{key}' of 12 elements recorded in .*index.json"):
+        verify_shard(step, read_index(step), shard_name(3))

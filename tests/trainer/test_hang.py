@@ -13,14 +13,19 @@ import os
 import re
 import signal
 import tempfile
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from engine.trust.hang import EXIT_STATUS, acknowledge, collect, effective_timeout, post
+from engine.config import Config
+from engine.trust import oplog
+from engine.trust.hang import EXIT_STATUS, HangWatch, acknowledge, collect, effective_timeout, post
 from launch.bench.scale_store import Counting, start_server
 from tests.cli import ROOT, _child, run_script
 from tests.dist import free_port
@@ -172,3 +177,140 @@ def test_the_report_costs_each_rank_the_same_requests_at_1024_ranks_as_at_64():
     assert set(small[0]) == set(large[0]) == {(4, 4)}  # tail, verdict, ack, all (the last rank: sets all)
     assert small[1][0] == large[1][0] == 8  # the reporter: + alarm, claim, one wait and one read of N keys
     assert (small[1][1] - 2 * 64, large[1][1] - 2 * 1024) == (6, 6)
+
+
+class Ctx:
+    """A rank's place: its process groups by axis name (hang.py asks ``group`` for each; KeyError: no such axis)."""
+
+    def __init__(self, rank: int, world: int, groups: dict | None = None):
+        self.rank, self.world_size, self.groups = rank, world, groups or {}
+
+    def group(self, name: str):
+        return self.groups[name]
+
+
+def watches(tmp_path: Path, monkeypatch, ranks: list[tuple[int, float]]) -> tuple[list, list, TCPStore]:
+    """Ranks of a job of two (rank, hang_timeout_s), in this process on a store of its own, 600 s of start-up
+    allowance: their exit statuses land in the returned list instead of ending the process."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("WORLD_SIZE", "1")  # report_once prints directly (no marker file shared with other tests)
+    for name in ("TORCHELASTIC_USE_AGENT_STORE", oplog.FAULT_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(oplog, "LOG", oplog.OpLog())
+    exits, made = [], []
+
+    def exit_(rank: int, status: int) -> None:
+        exits.append((rank, status, time.monotonic()))
+
+    for rank, hang_s in ranks:
+        cfg = Config()
+        cfg.parallel.hang_timeout_s, cfg.parallel.startup_timeout_s = hang_s, 600.0
+        cfg.train.out_dir = str(tmp_path)
+        made.append(HangWatch(cfg, Ctx(rank, 2), exit_fn=lambda status, rank=rank: exit_(rank, status)))
+    return made, exits, store
+
+
+def wait_for(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def test_a_silent_rank_reports_the_hang_and_every_rank_ends_with_its_status(tmp_path, monkeypatch, capsys):
+    """In process, on a real store: no operation ends for hang_timeout_s on rank 0, past its first step; rank 0
+    raises the alarm, rank 1's listener hears it and posts its tail, rank 0 reports the operation both wait in,
+    writes the table, and both exit with status 5. The first step and a save get the allowance instead (a silence
+    of two timeouts there ends nothing). A table that cannot be written is named in the line instead."""
+    (saving, reporter, listener), exits, store = watches(tmp_path, monkeypatch, [(0, 0.5), (0, 0.5), (1, 599.0)])
+    # the rule: the first step and a save get max(3 hang timeouts, startup_timeout_s); a look every tenth of the
+    # timeout, at most five a second
+    assert [(w.timeout, w.allowance, w.period) for w in (reporter, listener)] == [
+        (0.5, 600.0, 0.2),
+        (599.0, 1797.0, 59.9),
+    ]
+    keys, log = PrefixStore("engine-hang/0/", store), oplog.LOG  # this launch round's keys, as hang.connect names them
+    log.step = 5
+    with saving.saving():  # a save past the first step: two timeouts of silence end nothing
+        saving.start(first_step=4)
+        time.sleep(1.0)
+        saving.stop()
+    log.step = 4
+    log.end(log.begin("all-reduce", None, "loss", 4))
+    for watch in (reporter, listener):
+        watch.start(first_step=4)
+    threads = [t for t in threading.enumerate() if t.name.startswith("engine-hang")]
+    assert len(threads) >= 4 and all(t.daemon for t in threads)  # a crash of the main thread still ends the process
+    time.sleep(1.0)  # the same in the first step
+    assert exits == [] and not keys.check(["alarm"])
+    quiet = time.monotonic()
+    log.step = 5  # step 4 done: the last progress
+    log.begin("all-reduce", None, "step agreement", 16)  # never ends
+    assert wait_for(lambda: len(exits) == 2, 60), exits
+    assert sorted(e[:2] for e in exits) == [(0, EXIT_STATUS), (1, EXIT_STATUS)]
+    assert min(e[2] for e in exits) > quiet + 0.5  # nothing before hang_timeout_s of silence after the last progress
+    line = reporter.line
+    assert (
+        line.startswith("error: hang at step 5: 2 of 2 ranks wait in communication") and line in capsys.readouterr().err
+    )
+    assert f"(every rank's last operations: {tmp_path / 'hang-5.json'}; exit status 5)" in line
+    table = json.loads((tmp_path / "hang-5.json").read_text())
+    assert table["line"] in line and sorted(table["ranks"]) == ["0", "1"] and listener.line is None
+    for rank, tail in table["ranks"].items():
+        assert tail["step"] == 5 and tail["where"] == {"action": "", "mb": -1, "chunk": 0}, tail
+        done, waiting = tail["ops"]
+        assert done["open"] is False and done["took_s"] >= 0 and done["what"] == "loss" and done["step"] == 4
+        assert waiting["open"] is True and "took_s" not in waiting and 0.5 <= waiting["age_s"] < 60
+        assert (waiting["group"], waiting["ranks"], waiting["bytes"], waiting["what"]) == (
+            "world",
+            None,
+            16,
+            "step agreement",
+        )
+    idle = [tail["idle_s"] for _, tail in sorted(table["ranks"].items())]
+    assert 0.5 < idle[0] < 5.0 and idle[1] is None  # rank 0 saw the silence itself (within ten looks), rank 1 was told
+    assert keys.get("verdict").decode() == line and keys.get("alarm") == b"0" and keys.add("acks", 0) == 2
+    for watch in (reporter, listener):
+        watch.stop()
+    reporter.out_dir = str(tmp_path / "gone")
+    again = reporter.report({int(rank): tail for rank, tail in table["ranks"].items()})
+    assert again.startswith(table["line"]) and again.endswith(
+        f"(the table could not be written to {tmp_path / 'gone' / 'hang-5.json'}: No such file or directory; "
+        "exit status 5)"
+    )
+
+
+def test_rank_0_alone_says_when_the_watchdog_is_off(capsys):
+    """A hang_timeout_s not below parallel.timeout_s turns the watchdog off: rank 0 says so, once per job; a
+    watchdog that acts, or one process, says nothing."""
+    said = []
+    for hang_s, rank, world in [(600.0, 0, 2), (600.0, 1, 2), (900.0, 0, 1), (599.0, 0, 2), (0.0, 0, 2)]:
+        cfg = Config()
+        cfg.parallel.hang_timeout_s = hang_s
+        HangWatch(cfg, Ctx(rank, world))
+        said.append(capsys.readouterr().out)
+    assert said[0] == (
+        "parallel.hang_timeout_s=600.0 is not below parallel.timeout_s=600.0: the hang watchdog is off (a "
+        "collective's own timeout ends a hang, unnamed)\n"
+    )
+    assert said[1:] == [""] * 4
+
+
+def test_a_group_is_posted_by_name_and_its_ranks_in_four_numbers_when_evenly_spaced():
+    """The operations' groups in a rank's tail: the axis' name (the first of two names for one group, dp before
+    dp_cp), "group" for another; the members as ["range", start, stop, step] when evenly spaced (a dp group of 2,048
+    ranks is four numbers), else the list. Rank 1 of eight under torch's fake process group: real group objects
+    and get_process_group_ranks, no communication."""
+    dist.init_process_group("fake", rank=1, world_size=8, store=FakeStore())
+    try:
+        dp, tp, pp, ep = (dist.new_group(r) for r in ([1, 3, 5, 7], [1, 5], [1], [1, 2, 4]))
+        watch = HangWatch(Config(), Ctx(1, 8, {"tp": tp, "pp": pp, "dp": dp, "dp_cp": dp, "ep": ep}))
+        groups = (None, dist.group.WORLD, dp, tp, pp, ep)
+        assert [watch.group_name(g) for g in groups] == ["world", "group", "dp", "tp", "pp", "ep"]
+        ranks = [["range", 0, 8, 1], ["range", 1, 9, 2], [1, 5], [1], [1, 2, 4]]
+        assert [watch.group_ranks(g) for g in groups] == [None, *ranks]
+        assert [watch.group_ranks(g) for g in groups] == [None, *ranks]  # the second time from what it kept
+    finally:
+        dist.destroy_process_group()

@@ -28,6 +28,9 @@ def test_the_ring_keeps_the_last_records_oldest_first():
     short = OpLog(size=8)
     short.begin("send", None, "p2p")
     assert [r[0] for r in short.tail()] == [0]  # fewer records than the ring holds
+    # an operation of unknown size, before the first step and outside any schedule (the start-up's, a run without
+    # pipeline stages): 0 bytes, no peer, step 0, no action, micro-batch -1, chunk 0 in the hang table
+    assert short.tail()[0][4:10] == [-1, 0, 0, "", -1, 0]
 
 
 def test_an_operation_that_raised_stays_open(monkeypatch):
@@ -35,11 +38,13 @@ def test_an_operation_that_raised_stays_open(monkeypatch):
     monkeypatch.setattr(oplog, "LOG", log)
     with logged("send", None, "p2p", 8, 3):
         pass
+    with logged("all-reduce", None, "grad sync"):  # its size unknown (ddp's hook-driven sync): 0 bytes
+        pass
     with pytest.raises(RuntimeError), logged("recv", None, "p2p", 8, 1):
         raise RuntimeError("peer gone")
-    done, failed = log.tail()
-    assert done[1:6] == ["send", None, "p2p", 3, 8] and done[11] > 0
-    assert failed[1:6] == ["recv", None, "p2p", 1, 8] and failed[11] == 0.0 and log.done == 1
+    done, unsized, failed = log.tail()
+    assert done[1:6] == ["send", None, "p2p", 3, 8] and done[11] > 0 and unsized[4:6] == [-1, 0]
+    assert failed[1:6] == ["recv", None, "p2p", 1, 8] and failed[11] == 0.0 and log.done == 2
 
 
 def test_the_fault_names_a_point_a_rank_and_a_step():
