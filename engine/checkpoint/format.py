@@ -379,6 +379,11 @@ class Reader:
                 raise CheckpointError(
                     f"shard {self.path / file}: cannot read piece of {name} {state} ({err})"
                 ) from None
+            if piece.numel() != hi - lo:  # a shard rewritten with a shorter piece, read without verify_shard
+                raise CheckpointError(
+                    f"shard {self.path / file}: piece of {name} {state} holds {piece.numel()} of the "
+                    f"{hi - lo} elements [{lo}, {hi}) that {INDEX} places there"
+                )
             out[lo - a : hi - a] = piece
             covered += hi - lo
         if covered != b - a:
