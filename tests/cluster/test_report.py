@@ -11,18 +11,19 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from engine.cluster import report
 from tests.cli import ROOT
 
-RANK = "import sys; from engine.cluster.report import report_once; report_once(sys.argv[1])"
+RANK = "import sys; from engine.cluster.report import report_once; report_once(sys.argv[1], float(sys.argv[2]))"
 
 
-def _ranks(count: int, world: int, round_: str, prelude: str = "") -> list[str]:
-    """``count`` ranks of a ``world``-rank launch (restart round ``round_``) reporting the same line: the stderr
-    lines they printed, all together."""
+def _ranks(count: int, world: int, round_: str, prelude: str = "", wait_s: float = report.WAIT_S) -> list[str]:
+    """``count`` ranks of a ``world``-rank launch (restart round ``round_``) reporting the same line, a loser
+    waiting ``wait_s`` at most for the winner's: the stderr lines they printed, all together."""
     env = {"WORLD_SIZE": str(world), "TORCHELASTIC_RESTART_COUNT": round_, "PATH": "/usr/bin:/bin"}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", prelude + RANK, "error: bad value"],
+            [sys.executable, "-c", prelude + RANK, "error: bad value", str(wait_s)],
             cwd=ROOT,
             env=env,
             stderr=subprocess.PIPE,
@@ -48,8 +49,10 @@ def test_the_line_is_printed_once_for_the_ranks_of_one_launch_and_again_in_anoth
     try:
         assert _ranks(4, 4, round_) == ["error: bad value"]
         assert _marker(round_).read_text() == "done"
+        assert _ranks(2, 2, round_ + "b") == ["error: bad value"]  # two ranks are a launch too
     finally:
         _marker(round_).unlink(missing_ok=True)
+        _marker(round_ + "b").unlink(missing_ok=True)
     assert _ranks(1, 1, round_) == ["error: bad value"] and not _marker(round_).exists()  # alone: no marker
 
 
@@ -57,7 +60,7 @@ def test_a_claim_whose_winner_died_before_printing_is_printed_after_the_wait():
     round_ = uuid.uuid4().hex
     _marker(round_).write_text("")  # claimed, never done
     try:
-        assert _ranks(2, 2, round_) == ["error: bad value"] * 2
+        assert _ranks(2, 2, round_, wait_s=0.3) == ["error: bad value"] * 2  # the same wait, shorter
     finally:
         _marker(round_).unlink(missing_ok=True)
 
