@@ -223,9 +223,9 @@ def test_a_host_whose_torch_or_engine_is_broken_says_so_and_names_are_resolved_w
     report = json.loads(out.stdout)
     assert report["torch"] == {"error": "ImportError: libcudart.so.12: cannot open"}
     assert report["engine"] == {"error": f"cannot import the engine from {ROOT}: SyntaxError: a broken pyyaml"}
-    assert hostreport.resolve(["198.18.0.7", "::1", "127.0.0.2", "nonexistent.invalid"]) == {
+    assert hostreport.resolve(["nonexistent.invalid", "198.18.0.7", "::1", "127.0.0.2"]) == {
+        "nonexistent.invalid": [],  # and the names after it are resolved too
         "198.18.0.7": ["198.18.0.7"],
         "::1": [],
         "127.0.0.2": [],
-        "nonexistent.invalid": [],
     }
