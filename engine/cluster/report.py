@@ -34,8 +34,9 @@ def _print(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def report_once(line: str) -> None:
-    """Print ``line`` on stderr once per host for the ranks of one launch (directly when there is one rank)."""
+def report_once(line: str, wait_s: float = WAIT_S) -> None:
+    """Print ``line`` on stderr once per host for the ranks of one launch (directly when there is one rank); a rank
+    that lost the claim waits ``wait_s`` at most for the winner's line."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         _print(line)
         return
@@ -43,7 +44,7 @@ def report_once(line: str) -> None:
     try:
         fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:  # another rank of this host prints it; do not exit (and get it killed) before
-        deadline = time.monotonic() + WAIT_S
+        deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             try:
                 if marker.read_text() == "done":

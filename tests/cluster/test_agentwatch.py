@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from engine.cluster import agentwatch
 from tests.cli import ROOT
@@ -21,6 +22,8 @@ sys.path.insert(0, {root!r})
 from engine.cluster import agentwatch
 watchdog = agentwatch.start({grace})
 print(watchdog.pid if watchdog else "none", flush=True)
+import time
+time.sleep({linger})  # a worker's teardown (atexit, process groups) before it exits
 """
 
 # The agent: starts the worker in a session of its own (as torchrun's does), then reaps it, or (blocked) does not,
@@ -40,13 +43,22 @@ time.sleep(60)
 """
 
 
-def _agent(tmp_path: Path, reaps: bool, grace: float = 0.5, run_id: str = "job1") -> tuple[subprocess.Popen, str]:
-    """The agent and the watchdog's pid as its worker printed it ('none': not started)."""
+def _agent(
+    tmp_path: Path, reaps: bool, grace: float = 0.5, run_id: str = "job1", linger: float = 0
+) -> tuple[subprocess.Popen, str]:
+    """The agent and the watchdog's pid as its worker printed it ('none': not started); the worker exits ``linger``
+    seconds after starting the watchdog."""
     env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
     if run_id:
         env["TORCHELASTIC_RUN_ID"] = run_id
     agent = subprocess.Popen(
-        [sys.executable, "-c", AGENT, WORKER.format(root=str(ROOT), grace=grace), "reaps" if reaps else "blocked"],
+        [
+            sys.executable,
+            "-c",
+            AGENT,
+            WORKER.format(root=str(ROOT), grace=grace, linger=linger),
+            "reaps" if reaps else "blocked",
+        ],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -65,8 +77,10 @@ def _ended(pid: int, timeout_s: float = 30) -> bool:
     return True
 
 
-def test_an_agent_that_never_reaps_its_ended_worker_is_killed_with_one_line(tmp_path):
-    agent, watchdog = _agent(tmp_path, reaps=False)
+@pytest.mark.parametrize("linger", [0, 1.5], ids=["exits", "exits-later"])
+def test_an_agent_that_never_reaps_its_ended_worker_is_killed_with_one_line(tmp_path, linger):
+    """Also when the worker exits a while after starting the watchdog (which waits EXIT_WAIT_S for that)."""
+    agent, watchdog = _agent(tmp_path, reaps=False, linger=linger)
     try:
         assert watchdog != "none"
         assert agent.wait(timeout=30) == -9  # SIGKILL, within the grace (0.5 s) of the worker's exit
@@ -122,3 +136,69 @@ def test_a_worker_that_never_exits_or_a_pid_reused_is_never_signalled(tmp_path, 
             proc.kill()
             proc.wait()
     assert agentwatch._stat(sleeper.pid) is None
+
+
+def test_the_start_time_read_is_the_processes_own(tmp_path):
+    """A reused pid is told apart by its start time: the one /proc gives in clock ticks since boot, as psutil reads
+    it independently (another field, the same for every process, would let a reused pid be signalled); also for a
+    process whose name holds ')', which /proc/PID/stat does not quote."""
+    python = tmp_path / "py) x"
+    python.symlink_to(sys.executable)
+    sleeper = subprocess.Popen([str(python), "-c", "import time; time.sleep(30)"])
+    try:
+        while psutil.Process(sleeper.pid).name() != "py) x":  # until its exec
+            time.sleep(0.01)
+        for pid in (os.getpid(), sleeper.pid):
+            state, parent, ticks = agentwatch._stat(pid)
+            assert state in ("R", "S") and parent == psutil.Process(pid).ppid()
+            assert (
+                abs(int(ticks) / os.sysconf("SC_CLK_TCK") + psutil.boot_time() - psutil.Process(pid).create_time())
+                < 0.02
+            )
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+# A worker whose agent has died, adopted by init (pid 1): init is nobody's agent, so no watchdog starts (one would
+# wait on init and could signal it); a watchdog that did start is stopped at once
+ORPHAN = """import os, sys, time
+sys.path.insert(0, {root!r})
+from engine.cluster import agentwatch
+parent = os.getpid()
+if os.fork():
+    os._exit(0)
+while os.getppid() == parent:
+    time.sleep(0.01)
+watchdog = agentwatch.start(0.1)
+if watchdog:
+    watchdog.kill()
+print(os.getppid(), "none" if watchdog is None else "started", flush=True)
+"""
+
+
+def test_an_orphaned_worker_starts_no_watchdog_over_init():
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "job1"}
+    out = subprocess.run(
+        [sys.executable, "-c", ORPHAN.format(root=str(ROOT))], env=env, capture_output=True, text=True, timeout=30
+    ).stdout.split()
+    if out[0] != "1":
+        pytest.skip(f"orphans are adopted by a subreaper here (pid {out[0]}), not by init")
+    assert out == ["1", "none"]
+
+
+def test_no_watchdog_when_the_agent_is_gone_before_it_is_read(monkeypatch):
+    """The agent dies between the worker's getppid() and the read of its /proc entry: nothing to watch, no error."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
+    monkeypatch.setattr(os, "getppid", lambda: gone.pid)
+    assert agentwatch._stat(gone.pid) is None and agentwatch.start(0.1) is None
+
+
+def test_no_watchdog_when_it_cannot_be_started(monkeypatch):
+    """A watchdog that cannot be started (no such Python, no process left to fork) leaves the worker to end as it
+    would without one."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    assert agentwatch.start(0.1) is None
