@@ -18,7 +18,8 @@ os.environ.setdefault("ENGINE_CPU_ADAM_BUILD", "0")
 # One torch thread in every process the suite starts (forked ranks, launcher runs, their children), unless a test
 # sets its own: a one-process run would otherwise take both cores of a CI machine, and on a busy machine OpenMP's
 # spin-waits cost it several times its work (the parity matrix's 19 one-process references: 64 and 100 s at 2
-# threads, 19 s at 1, load 4-5). tests/parallel/layout/test_threads.py unsets it to test the engine's own choice.
+# threads, 19 s at 1, load 4-5; quiet, 16.5-16.8 s at 2 and 16.5-17.1 s at 1: the tests' models are too small to
+# use a second thread). tests/parallel/layout/test_threads.py unsets it to test the engine's own choice.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
