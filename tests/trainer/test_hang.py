@@ -305,11 +305,11 @@ def test_a_group_is_posted_by_name_and_its_ranks_in_four_numbers_when_evenly_spa
     and get_process_group_ranks, no communication."""
     dist.init_process_group("fake", rank=1, world_size=8, store=FakeStore())
     try:
-        dp, tp, pp, ep = (dist.new_group(r) for r in ([1, 3, 5, 7], [1, 5], [1], [1, 2, 4]))
+        dp, tp, pp, ep, three = (dist.new_group(r) for r in ([1, 3, 5, 7], [1, 5], [1], [1, 2, 4], [1, 3, 5]))
         watch = HangWatch(Config(), Ctx(1, 8, {"tp": tp, "pp": pp, "dp": dp, "dp_cp": dp, "ep": ep}))
-        groups = (None, dist.group.WORLD, dp, tp, pp, ep)
-        assert [watch.group_name(g) for g in groups] == ["world", "group", "dp", "tp", "pp", "ep"]
-        ranks = [["range", 0, 8, 1], ["range", 1, 9, 2], [1, 5], [1], [1, 2, 4]]
+        groups = (None, dist.group.WORLD, dp, tp, pp, ep, three)
+        assert [watch.group_name(g) for g in groups] == ["world", "group", "dp", "tp", "pp", "ep", "group"]
+        ranks = [["range", 0, 8, 1], ["range", 1, 9, 2], [1, 5], [1], [1, 2, 4], ["range", 1, 7, 2]]
         assert [watch.group_ranks(g) for g in groups] == [None, *ranks]
         assert [watch.group_ranks(g) for g in groups] == [None, *ranks]  # the second time from what it kept
     finally:
