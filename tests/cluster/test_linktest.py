@@ -1,7 +1,7 @@
 """The link test's plan and its numbers (engine/cluster/linktest.py) in seconds: the rounds of pairs as functions, the
-measurement on three forked gloo ranks with a clock that ticks one second per reading (so each bandwidth is the
-bytes the test moved, in GB, whatever the machine's load). tests/cluster/test_preflight.py runs it through
-launch/preflight.py (--local, and two hosts over a fake ssh)."""
+measurement on three forked gloo ranks with a clock that ticks four seconds per reading (so each bandwidth is the
+bytes the test moved, in GB, over 4, whatever the machine's load; 4, not 1, so that a product is not a quotient).
+tests/cluster/test_preflight.py runs it through launch/preflight.py (--local, and two hosts over a fake ssh)."""
 
 from __future__ import annotations
 
@@ -62,9 +62,9 @@ def test_the_plan_counts_rounds_pairs_and_the_serial_plan_of_before():
 
 
 def _measure(size_bytes: int, iters: int):
-    """One rank of the link test, its clock ticking one second per reading."""
+    """One rank of the link test, its clock ticking four seconds per reading."""
     ticks = iter(range(10**6))
-    linktest.time = types.SimpleNamespace(perf_counter=lambda: float(next(ticks)))  # linktest's clock only
+    linktest.time = types.SimpleNamespace(perf_counter=lambda: 4.0 * next(ticks))  # linktest's clock only
     rank = torch.distributed.get_rank()
     return linktest.measure(f"host{rank // 2}", size_bytes, iters, torch.device("cpu"))
 
@@ -74,9 +74,9 @@ def test_three_ranks_measure_every_link_and_rank_0_reports_the_bandwidths():
     assert reports[1:] == [None, None]
     r = reports[0]
     assert (r.labels, r.size_bytes, r.backend) == (["host0", "host0", "host1"], 4000, "gloo")
-    # a ping-pong: 2 x 3 messages of 4,000 bytes in one tick; the all-reduce: 3 of 4,000 bytes in one tick
-    assert r.p2p == [(0, 1, 24000 / 1e9), (0, 2, 24000 / 1e9), (1, 2, 24000 / 1e9)]
-    assert r.allreduce_algbw == 12000 / 1e9 and r.allreduce_busbw == 12000 / 1e9 * 2 * 2 / 3
+    # a ping-pong: 2 x 3 messages of 4,000 bytes in one tick (4 s); the all-reduce: 3 of 4,000 bytes in one tick
+    assert r.p2p == [(0, 1, 6000 / 1e9), (0, 2, 6000 / 1e9), (1, 2, 6000 / 1e9)]
+    assert r.allreduce_algbw == 3000 / 1e9 and r.allreduce_busbw == 3000 / 1e9 * 2 * 2 / 3
     assert linktest.format_report(r).splitlines() == [
         "links (gloo, 0.0 MiB messages, 3 ranks):",
         "  p2p rank 0 (host0) <-> rank 1 (host0):     0.00 GB/s",
@@ -85,4 +85,4 @@ def test_three_ranks_measure_every_link_and_rank_0_reports_the_bandwidths():
         "  all-reduce over 3 ranks: algbw     0.00 GB/s, busbw     0.00 GB/s",
     ]
     one = run_ranks(_measure, 1, 2, 1, nccl_rules=False)[0]  # under 4 bytes: one float all the same
-    assert (one.size_bytes, one.p2p, one.allreduce_busbw) == (4, [], 0.0) and one.allreduce_algbw == 4 / 1e9
+    assert (one.size_bytes, one.p2p, one.allreduce_busbw) == (4, [], 0.0) and one.allreduce_algbw == 1 / 1e9
