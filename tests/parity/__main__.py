@@ -15,6 +15,7 @@ Exit status 0 when every combination matches one process, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -61,6 +62,7 @@ def main(argv: list[str]) -> int:
     from tests.parity.runner import run_combos  # imports torch.distributed and the engine
 
     torch.set_num_threads(1)  # the parent forks the ranks (tests/conftest.py says why)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # every rank at one thread, as the suite runs them (conftest.py)
     warm_imports()
     start, commit = time.time(), report.current_commit()
     path = ROOT / "runs" / "parity" / ("full.jsonl" if args.full else "ci.jsonl")
