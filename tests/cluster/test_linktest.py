@@ -70,7 +70,7 @@ def _measure(size_bytes: int, iters: int):
 
 
 def test_three_ranks_measure_every_link_and_rank_0_reports_the_bandwidths():
-    reports = run_ranks(_measure, 3, 4000, 3, nccl_rules=False)
+    reports = run_ranks(_measure, 3, 4000, 3)
     assert reports[1:] == [None, None]
     r = reports[0]
     assert (r.labels, r.size_bytes, r.backend) == (["host0", "host0", "host1"], 4000, "gloo")
@@ -84,5 +84,5 @@ def test_three_ranks_measure_every_link_and_rank_0_reports_the_bandwidths():
         "  p2p rank 1 (host0) <-> rank 2 (host1):     0.00 GB/s",
         "  all-reduce over 3 ranks: algbw     0.00 GB/s, busbw     0.00 GB/s",
     ]
-    one = run_ranks(_measure, 1, 2, 1, nccl_rules=False)[0]  # under 4 bytes: one float all the same
+    one = run_ranks(_measure, 1, 2, 1)[0]  # under 4 bytes: one float all the same
     assert (one.size_bytes, one.p2p, one.allreduce_busbw) == (4, [], 0.0) and one.allreduce_algbw == 1 / 1e9
