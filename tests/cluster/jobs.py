@@ -4,8 +4,10 @@ launcher over ssh."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,6 +23,9 @@ from tests.cli import ROOT
 from tests.dist import free_port
 
 STEPS = 12
+
+# c10d's C++ stack-trace lines (frames, "Exception raised from", socket warnings)
+NOISE = re.compile(r"\s*(frame #\d+|<omitting python frames>|Exception raised from|\[W\d{4} .*(socket|TCPStore)\.cpp)")
 
 
 def records(out_dir: Path) -> list[dict]:
@@ -99,9 +104,10 @@ class Job:
 
     def __init__(self, log_dir: Path):
         self.log_dir, self.procs = log_dir, []
+        self.starts = itertools.count()  # a log per start, never reused (a killed agent's log stays readable)
 
     def start(self, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
-        with (self.log_dir / f"agent{len(self.procs)}.log").open("w") as log:  # the child keeps its own handle
+        with (self.log_dir / f"agent{next(self.starts)}.log").open("w") as log:  # the child keeps its own handle
             self.procs.append(
                 subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
             )
@@ -120,7 +126,16 @@ class Job:
         return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
 
     def output(self) -> str:
-        return "\n".join(p.read_text() for p in sorted(self.log_dir.glob("agent*.log")))
+        """Every agent's log, in start order."""
+        logs = sorted(
+            (p for p in self.log_dir.glob("agent*.log") if p.stem[5:].isdigit()), key=lambda p: int(p.stem[5:])
+        )
+        return "\n".join(p.read_text() for p in logs)
+
+    def readable(self, tail: int = 5000) -> str:
+        """The end of output() without c10d's C++ stack traces (an agent that lost its store prints pages of them,
+        which filled a failed assertion's whole message once)."""
+        return "\n".join(line for line in self.output().splitlines() if not NOISE.match(line))[-tail:]
 
     def worker(self, rank: int) -> psutil.Process:
         """The worker process that torchrun started with RANK=rank (found through the agents' children)."""
@@ -137,9 +152,10 @@ class Job:
         deadline = time.monotonic() + timeout
         while not condition():
             if any(p.poll() is not None for p in self.procs):
-                raise AssertionError(f"the job ended before {what}:\n{self.output()[-3000:]}")
+                codes = [p.poll() for p in self.procs]
+                raise AssertionError(f"the job ended before {what} (exit codes {codes}):\n{self.readable()}")
             if time.monotonic() > deadline:
-                raise AssertionError(f"no {what} within {timeout} s:\n{self.output()[-3000:]}")
+                raise AssertionError(f"no {what} within {timeout} s:\n{self.readable()}")
             time.sleep(0.05)
 
     def kill_all(self) -> None:
