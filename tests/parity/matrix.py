@@ -301,7 +301,8 @@ def _pairs(c: Combo) -> frozenset:
 def covering_subset() -> list[Combo]:
     """Greedy pairwise covering of the supported combinations (clip off and on): repeatedly take the combination
     that covers the most not-yet-covered pairs of factor values per unit of cost (ties: the smaller combo first,
-    so the choice is deterministic)."""
+    so the choice is deterministic); then drop, costliest first, each chosen one whose pairs the others cover (the
+    greedy's early picks are often covered by its later ones: 97 combinations, cost 614 -> 84, 567)."""
     pool = [c for c in all_combos() if refusal(c) is None and c.dp_mode not in OFFLOAD_MODES]
     uncovered = set().union(*(_pairs(c) for c in pool))
     chosen = []
@@ -309,6 +310,9 @@ def covering_subset() -> list[Combo]:
         best = max(pool, key=lambda c: (len(_pairs(c) & uncovered) / cost(c), [-x for x in _key(c)]))
         chosen.append(best)
         uncovered -= _pairs(best)
+    for c in sorted(chosen, key=lambda c: (-cost(c), _key(c))):
+        if _pairs(c) <= set().union(*(_pairs(x) for x in chosen if x != c)):
+            chosen.remove(c)
     return sorted(chosen)
 
 

@@ -282,7 +282,7 @@ def run_combos(combos: list[Combo], root, chunk: int = 16, on_result=None) -> di
     world size share a set of forked ranks, ``chunk`` at a time; a chunk whose ranks fail marks its combinations
     failed with the error and the rest still run. ``on_result(combo, outcome)`` is called as each one is known.
     (16 a spawn, not 8: 16 world-8 combinations of the CI subset took 35.2 s in one spawn, 38.4 s in two; CI's
-    107 take 9 spawns instead of 16.)"""
+    94 take 7 spawns.)"""
     if not combos:
         return {}
     refs = sorted({reference_of(c) for c in combos})
