@@ -17,7 +17,8 @@ class RecomputeSpec:
     included (which are not GEMMs), and the planner counts the checkpointed ledger (the block's input kept per
     micro-batch, one layer rebuilt at a time). ``keeps_matmul_outputs``: the ledger also keeps the GEMM outputs
     (selective). FLOPs per token and layer (PaLM's hardware FLOPs) add one more forward of: the matmuls,
-    2 N (``matmul_flops``), and of the attention core, 4 H Q T (``attention_flops``)."""
+    2 N (``matmul_flops``; less a dense block's down_proj, which torch's checkpoint does not re-run:
+    engine/model/flops.py recomputed_matmul_params), and of the attention core, 4 H Q T (``attention_flops``)."""
 
     name: str
     recomputes: bool = False

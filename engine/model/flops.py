@@ -65,19 +65,31 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     return 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
 
 
+def recomputed_matmul_params(cfg: ModelConfig) -> int:
+    """Weights per layer (averaged over the layers) whose matmuls full recomputation runs again: all but a dense
+    block's down_proj. torch.utils.checkpoint stops re-running once it has rebuilt what backward saved, and a dense
+    down_proj's output only feeds the residual add, which saves nothing; an MoE layer's expert outputs are weighted
+    by the router's probabilities, whose product saves them, so its experts run again whole. Measured with
+    FlopCounterMode on the engine's model (tests/model/test_flops.py): tiny re-runs 2 (N - h f) a token and layer."""
+    h, layers = cfg.hidden_size, cfg.num_layers
+    dense_down = sum(h * cfg.intermediate_size for i in range(layers) if not is_moe_layer(cfg, i))
+    return layer_matmul_params(cfg) - round(dense_down / layers)
+
+
 def stage_flops_per_token(
     cfg: ModelConfig, seq_len: int, layers: int, lm_head: bool, recompute: str | bool = "none"
 ) -> int:
     """FLOPs per token of ``layers`` decoder layers (and the LM head): 6 N + 12 H Q T per layer, plus one more
-    forward of each layer (2 N + 4 H Q T) when full activation checkpointing recomputes it (PaLM's hardware
-    FLOPs), or of its attention core (4 H Q T) under selective recomputation (the matmul outputs are kept).
+    forward of each layer when full activation checkpointing recomputes it (PaLM's hardware FLOPs count 2 N + 4 H Q T;
+    torch re-runs all but a dense block's last matmul: recomputed_matmul_params), or of its attention core (4 H Q T)
+    under selective recomputation (the matmul outputs are kept).
     ``recompute``: a train.activation_checkpointing mode (True/False: full/none), whose RecomputeSpec says what
     it runs again (engine/kinds/recompute.py)."""
     spec = RECOMPUTE[{True: "full", False: "none"}.get(recompute, recompute)]
     attention = 4 * cfg.num_heads * cfg.head_dim * seq_len  # forward of Q K^T and A V
     matmuls = layer_matmul_params(cfg)
     per_layer = 6 * matmuls + 3 * attention
-    per_layer += 2 * matmuls * spec.matmul_flops + attention * spec.attention_flops  # the recomputed forward
+    per_layer += 2 * recomputed_matmul_params(cfg) * spec.matmul_flops + attention * spec.attention_flops
     return layers * per_layer + (6 * cfg.vocab_size * cfg.hidden_size if lm_head else 0)
 
 

@@ -19,6 +19,9 @@ head's weight gradient before it is added into a held one) the same way, one pro
 Remade (ddp at dp x cp 1 frees its gradients after the update; a chunk's gradients counted from its own first
 backward, B under zero bubble, not the whole stage's from the rank's first) the same way: cases 0 and 1 moved.
 
+Remade (full recomputation re-runs every matmul but a dense block's down_proj, as torch's checkpoint does) the same
+way: case 0 (two full rows moved).
+
 tests/planning/test_search_scale.py checks that the pruned search finds the same rows, bit for bit.
 """
 
