@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -44,7 +43,7 @@ from tests.checkpoint.runs import (
 )
 from tests.cli import ROOT, run_script
 from tests.cluster.jobs import per_step
-from tests.dist import free_port, run_ranks
+from tests.dist import run_ranks
 
 
 @pytest.mark.slow  # CI: the parity matrix's resumes (tests/trainer/test_parity.py) cross ddp, fsdp and layouts
@@ -181,34 +180,37 @@ def test_pretrain_sigterm_saves_and_exits_0_and_a_bad_path_exits_2(tmp_path):
     shutil.rmtree(tmp_path / "c")
 
 
-def test_resume_at_tp2_dp3_under_torchrun_is_bit_identical(tmp_path):
+def test_resume_at_tp2_dp3_is_bit_identical(tmp_path):
     """Issue 42 item 6: a resume at tp 2 x dp 3 (DDP) repeats the uninterrupted run bit for bit: the same losses
     and gradient norms (==) and byte-identical shards at the last step. Before, torch's DDP reduced its first
     step (a resumed run's first) in one bucket scaled by 1/3 and later steps in rebuilt buckets divided by 3: three
     summands in another order, an ulp apart in most gradients (engine/parallel/dp/ddp.py static_buckets). dp 2's
-    two-term sums hid it. Six ranks under torchrun, the step-3 checkpoint copied and resumed to step 6."""
-
-    def train(root: Path) -> dict[int, dict]:
-        cmd = [
-            *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "6", "--master-port"),
-            str(free_port()),
-            "launch/pretrain.py",
-            *SMALL,
-            *("--train.steps", "6", "--train.global_batch_size", "12", "--train.micro_batch_size", "2"),
-            *("--parallel.tp", "2", "--checkpoint.every", "3", "--checkpoint.dir", str(root)),
-            *("--train.out_dir", str(root / "out")),
-        ]
-        run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        return per_step(root / "out")
-
-    straight = train(tmp_path / "straight")
-    shutil.copytree(tmp_path / "straight" / "step_000003", tmp_path / "resumed" / "step_000003")
-    resumed = train(tmp_path / "resumed")
-    assert sorted(resumed) == [4, 5, 6]
-    for step, record in resumed.items():
-        assert (record["loss"], record["grad_norm"]) == (straight[step]["loss"], straight[step]["grad_norm"]), step
-    want, got = files(tmp_path / "straight" / "step_000006"), files(tmp_path / "resumed" / "step_000006")
+    two-term sums hid it. Six forked ranks (a fresh DDP per run, as a fresh torchrun's; 27 s under torchrun, most
+    of it twelve process starts): the uninterrupted run to step 6, then a run resuming its step-3 checkpoint."""
+    args = [*SMALL, "--train.steps", "6", "--train.global_batch_size", "12", "--train.micro_batch_size", "2"]
+    args += ["--parallel.tp", "2", "--checkpoint.every", "3"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    phases = [
+        ("train", [*args, "--checkpoint.dir", str(straight), "--train.out_dir", str(straight / "out")]),
+        (
+            "train",
+            [
+                *args,
+                "--checkpoint.dir",
+                str(resumed),
+                "--train.out_dir",
+                str(resumed / "out"),
+                "--checkpoint.resume",
+                str(straight / "step_000003"),
+            ],
+        ),
+    ]
+    run_ranks(run_phases, 6, phases, timeout_s=300)
+    before, after = per_step(straight / "out"), per_step(resumed / "out")
+    assert sorted(after) == [4, 5, 6]
+    for step, record in after.items():
+        assert (record["loss"], record["grad_norm"]) == (before[step]["loss"], before[step]["grad_norm"]), step
+    want, got = files(straight / "step_000006"), files(resumed / "step_000006")
     shards = [name for name in want if name.startswith("rank_")]
     assert len(shards) == 6 and [n for n in shards if got[n] != want[n]] == [], "step 6's shards differ"
 
