@@ -1,0 +1,60 @@
+"""engine/cluster/hostreport.py's answers where a host's checkout or packages differ from this one's: a checkout that
+lacks one of its two parts, an edited checkout whose engine does not import (the checkout on the command line, not
+an installed copy, is what the host reports), a package its metadata does not know, and the script run by hand with
+a root and a config only (tests/cluster/test_hostcheck.py covers the rest)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from engine.cluster import hostreport
+from tests.cli import ROOT
+
+
+def test_a_checkout_missing_either_part_is_no_checkout(tmp_path):
+    """launch/pretrain.py without engine/, or engine/ without launch/pretrain.py: either is not a checkout."""
+    only_launch, only_engine = tmp_path / "launch_only", tmp_path / "engine_only"
+    (only_launch / "launch").mkdir(parents=True)
+    (only_launch / "launch" / "pretrain.py").write_text("")
+    (only_engine / "engine").mkdir(parents=True)
+    for root in (only_launch, only_engine):
+        assert hostreport.report(str(root))["engine"] == {
+            "error": f"no engine checkout at {root} (launch/pretrain.py or engine/ is missing)"
+        }
+
+
+def test_a_package_the_metadata_does_not_know_is_none():
+    """A host without deepspeed (say) reports None for it, so preflight names the difference."""
+    assert hostreport._version("no-such-package-on-any-host") is None
+    assert hostreport._version("torch") == hostreport.package_versions().get("torch", hostreport._version("torch"))
+
+
+def test_the_checkout_named_is_imported_not_the_working_folders(tmp_path):
+    """A host whose checkout was edited so that its engine no longer imports says so, although ssh's working folder
+    (sys.path[0] of a script on stdin) holds a working engine, as a home folder that is another checkout does: the
+    named checkout goes first on sys.path, as launch/pretrain.py puts it. With a root and a config only (no host
+    names), the config's digest is reported."""
+    checkout = tmp_path / "checkout"
+    shutil.copytree(ROOT / "engine", checkout / "engine", ignore=shutil.ignore_patterns("__pycache__"))
+    (checkout / "launch").mkdir()
+    (checkout / "launch" / "pretrain.py").write_text("")
+    (checkout / "engine" / "config.py").write_text("raise ImportError('an edit that broke the checkout')\n")
+    config = ROOT / "configs" / "tiny.yaml"
+    out = subprocess.run(
+        [sys.executable, "-", str(checkout), str(config)],
+        input=Path(hostreport.__file__).read_text(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,  # a working engine in the working folder
+    )
+    report = json.loads(out.stdout)
+    assert report["engine"] == {
+        "error": f"cannot import the engine from {checkout}: ImportError: an edit that broke the checkout"
+    }
+    assert report["config"] == hashlib.sha256(config.read_bytes()).hexdigest()[:16]
