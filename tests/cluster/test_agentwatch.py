@@ -6,6 +6,7 @@ tests/cluster/test_store_host.py freezes a real store host under torchrun."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ import psutil
 import pytest
 
 from engine.cluster import agentwatch
+from tests import hosts
 from tests.cli import ROOT
 
 WORKER = """import sys
@@ -202,3 +204,26 @@ def test_no_watchdog_when_it_cannot_be_started(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
     monkeypatch.setattr(sys, "executable", "/nonexistent/python")
     assert agentwatch.start(0.1) is None
+
+
+def test_an_agent_at_pid_2_of_a_container_is_watched():
+    """A container whose init (tini, a shell) is PID 1 runs torchrun as PID 2: its worker watches it like any other
+    (pid 1 alone means the agent is gone and init adopted the worker). A new PID namespace with /proc mounted for
+    it: a shell as its PID 1, the blocked agent PID 2, its worker 3; the agent is killed within its grace."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        hosts.unavailable("a PID namespace needs root and util-linux's unshare")
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "job1"}
+    worker = WORKER.format(root=str(ROOT), grace=0.5, linger=0)
+    # --kill-child: the namespace (its init, then everything in it) ends with unshare, whatever the test's outcome
+    container = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c"]
+    command = '"$0" -c "$1" "$2" blocked; echo $?'
+    with subprocess.Popen(
+        [*container, command, sys.executable, AGENT, worker], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    ) as run:
+        try:
+            assert run.stdout.readline().strip() != b"none"
+            status, errors = run.communicate(timeout=30)
+        finally:
+            run.kill()
+    assert status.strip() == b"137", status  # 128 + SIGKILL
+    assert b"engine-heartbeat: the torchrun agent (pid 2) has not reaped its ended worker (pid 3)" in errors, errors
