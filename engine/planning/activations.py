@@ -38,7 +38,7 @@ the norms, the residual stream and the layer input run on s/t tokens, so every t
 cast of y is saved but y itself is (fp32, 2 x 4h: the 6h of casts become 8h), and only the row-parallel weights' bf16
 copies are saved. Under selective recomputation the row-parallel linear and its reduce-scatter are one operator
 (engine/parallel/autograd/comm.py sequence_reduced_linear) whose (b, s/t, h) output is kept, not the (b, s, h)
-partial sums (except under zero bubble, whose deferrable linears keep those). Unchanged: the token ids, the logits
+partial sums (under zero bubble too: its backward defers the weight gradient). Unchanged: the token ids, the logits
 and the loss's per-token values.
 Context parallelism (parallel.cp): a rank holds b s / cp tokens (``local_tokens``), so every per-token term counts
 those; the document mask stays whole ((b, 1, s, s) on every cp rank; the ring keeps none: it masks each K/V block
@@ -57,7 +57,6 @@ from engine.kinds import dp_modes
 from engine.kinds.cp_modes import CP_MODES
 from engine.kinds.families import FAMILIES
 from engine.kinds.recompute import RECOMPUTE
-from engine.kinds.schedules import SCHEDULES
 from engine.model.attention import EFFICIENT, EFFICIENT_REPEAT_KV, MATH, REPEATS_KV, attention_path
 from engine.parallel.tp.cross_entropy import CHUNK_ELEMENTS
 from engine.planning.moe import (
@@ -101,11 +100,9 @@ def checkpointed_layer_bytes_per_token(cfg: Config, tp: int) -> float:
     sp = sequence_share(cfg, tp)
     kept = h * residual_bytes(cfg) / sp
     # selective: qkv_proj's (qd + 2 kvd)/t and gate_up's 2f/t, o_proj's and down's h: under sequence parallelism their
-    # reduce-scattered h/t (engine/parallel/autograd/comm.py sequence_reduced_linear), except under zero bubble,
-    # whose deferrable linear keeps the (b, s, h) partial sums before the reduce-scatter
+    # reduce-scattered h/t (engine/parallel/autograd/comm.py sequence_reduced_linear, zero bubble's deferred W too)
     if RECOMPUTE[cfg.train.activation_checkpointing].keeps_matmul_outputs:
-        row = 2 * h / (sp if not SCHEDULES[cfg.parallel.schedule].split_w else 1)
-        kept += logit_bytes(cfg) * (row + (qd + 2 * kvd + 2 * f) / tp)
+        kept += logit_bytes(cfg) * (2 * h / sp + (qd + 2 * kvd + 2 * f) / tp)
     return kept
 
 

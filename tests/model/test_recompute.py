@@ -6,6 +6,8 @@ only its input and rstd; the old boolean spellings still load."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +17,8 @@ from engine.metrics.memory import LiveTensorBytes, SavedActivations
 from engine.model import transformer as model_lib
 from engine.model.init import materialize
 from engine.model.recompute import apply_activation_checkpointing
-from engine.parallel.tp.layers import apply_tensor_parallel, vocab_parallel_cross_entropy
+from engine.parallel.autograd.weight_grad import WeightGradStore, split_weight_gradients
+from engine.parallel.tp.layers import RowParallelLinear, apply_tensor_parallel, vocab_parallel_cross_entropy
 from engine.planning import activations as acts
 from engine.planning.activations import checkpointed_layer_bytes_per_token
 from tests.dist import run_ranks
@@ -82,28 +85,43 @@ TINY = ["--config", "configs/tiny.yaml", "--model.num_layers", "2", "--train.seq
 TINY += ["--train.micro_batch_size", "2", "--train.global_batch_size", "2"]
 
 
-def _kept(argv: list[str], mode: str, sp: bool) -> dict:
+def _kept(argv: list[str], mode: str, sp: bool, split_w: bool = False) -> dict:
     """Bytes allocated by one micro-batch's forward and alive at the loss on this tp rank (what the step keeps for
-    backward: LiveTensorBytes also sees what checkpointing keeps), and the ledger's micro_batch_bytes."""
+    backward: LiveTensorBytes also sees what checkpointing keeps), and the ledger's micro_batch_bytes; ``split_w``:
+    zero bubble's backward, B deferring the linears' weight gradients to W (engine/parallel/autograd/weight_grad.py),
+    and the gradients it gave."""
     tp = dist.get_world_size()
     argv = argv + ["--parallel.tp", str(tp), "--parallel.sequence_parallel", str(sp).lower()]
-    cfg = load(argv + ["--train.activation_checkpointing", mode])
+    cfg = load(argv + ["--train.activation_checkpointing", mode, "--parallel.schedule", SPLIT_W[split_w]])
     model = model_lib.build(cfg.model, device="meta")
     apply_tensor_parallel(model, dist.group.WORLD, sp)
     materialize(model, torch.device("cpu"), seed=0, std=0.02)
     if acts.mode(cfg) == "bf16":  # fsdp's bf16 compute weights
         model = model.to(torch.bfloat16)
     apply_activation_checkpointing(model, mode)
+    store = WeightGradStore()
+    if split_w:
+        split_weight_gradients(model, store)
     ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len + 1), generator=torch.Generator().manual_seed(1))
     with LiveTensorBytes() as live:
         loss = vocab_parallel_cross_entropy(model(ids[:, :-1]), ids[:, 1:], dist.group.WORLD)
         kept = live.live
-    loss.backward()
-    return {"kept": kept, "planned": acts.micro_batch_bytes(cfg, tp, 1, 0, cfg.model.num_layers)}
+    with store.defer(0) if split_w else contextlib.nullcontext():
+        loss.backward()
+    rows = [m.weight for m in model.modules() if isinstance(m, RowParallelLinear)]
+    deferred = all(id(w) in store.queued(0) for w in rows)  # each row-parallel weight's gradient waits for W
+    store.flush(0)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    planned = acts.micro_batch_bytes(cfg, tp, 1, 0, cfg.model.num_layers)
+    return {"kept": kept, "planned": planned, "grads": grads, "deferred": deferred}
+
+
+SPLIT_W = {False: "1f1b", True: "zero_bubble"}
 
 
 def _ledger_rank(argv: list[str]) -> dict:
-    return {(sp, mode): _kept(argv, mode, sp) for sp in (False, True) for mode in ("none", "selective", "full")}
+    got = {(sp, mode): _kept(argv, mode, sp) for sp in (False, True) for mode in ("none", "selective", "full")}
+    return {where: {k: v for k, v in g.items() if k != "grads"} for where, g in got.items()}
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16: bf16 weights (fsdp's compute copy), not autocast
@@ -120,6 +138,17 @@ def _sp_modes_rank(argv: list[str]) -> dict:
     return {mode: _kept(argv, mode, True)["kept"] for mode in ("none", "selective")}
 
 
+def _zero_bubble_rank(argv: list[str]) -> dict:
+    """Selective and none under zero bubble's split backward with sequence parallelism: kept bytes, the ledger's,
+    and the worst relative gradient difference of selective's from none's."""
+    got = {mode: _kept(argv, mode, True, split_w=True) for mode in ("none", "selective")}
+    worst = max(
+        ((g - got["none"]["grads"][n]).abs().max() / got["none"]["grads"][n].abs().max()).item()
+        for n, g in got["selective"]["grads"].items()
+    )
+    return {mode: (g["kept"], g["planned"], g["deferred"]) for mode, g in got.items()} | {"worst": worst}
+
+
 def test_selective_keeps_less_than_none_under_sequence_parallelism():
     # tp 4 with a narrow MLP (f = h/2): selective kept o_proj's and down_proj's (b, s, h) partial sums, full width
     # on every rank, and so more than no recomputation (measured on the base: 1.07x); it keeps their reduce-scattered
@@ -127,6 +156,19 @@ def test_selective_keeps_less_than_none_under_sequence_parallelism():
     argv = TINY + ["--model.intermediate_size", "64"]
     for got in run_ranks(_sp_modes_rank, 4, argv, threads=1):
         assert got["selective"] < got["none"], got
+
+
+def test_selective_under_zero_bubble_keeps_the_sequence_shards_and_defers_their_weight_gradients():
+    """Zero bubble's deferred weight gradients and selective recomputation under sequence parallelism (tp 4, the
+    narrow MLP above): the row-parallel linears keep their (b, s/tp, h) shards as without zero bubble (they kept
+    the (b, s, h) partial sums, more than no recomputation: 1.07x), the ledger's figure, and W gives the gradients
+    of no recomputation."""
+    argv = TINY + ["--model.intermediate_size", "64"]
+    for got in run_ranks(_zero_bubble_rank, 4, argv, threads=1):
+        assert got["selective"][0] < got["none"][0], got
+        for kept, planned, deferred in (got["none"], got["selective"]):
+            assert kept == pytest.approx(planned, rel=0.02) and deferred, got
+        assert got["worst"] <= REL, got
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

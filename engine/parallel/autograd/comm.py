@@ -6,6 +6,8 @@ size one makes every collective an identity, so the tp=1 model runs no communica
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -222,32 +224,38 @@ def sequence_gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.
 # partial sums, full width on every tp rank (more than no recomputation stores at tp 8); this operator's output is
 # the (b, s/tp, h) shard, which recomputation takes as is, without the matmul or the reduce-scatter again.
 _GROUPS: dict[str, dist.ProcessGroup] = {}  # custom operators take strings, not process groups
+# zero bubble: the layers whose weight gradient the operator's backward may defer (a key per layer, as above)
+_DEFERRING: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 @torch.library.custom_op("engine::sequence_reduced_linear", mutates_args=())
-def _sequence_reduced_linear(x: torch.Tensor, weight: torch.Tensor, group: str) -> torch.Tensor:
+def _sequence_reduced_linear(x: torch.Tensor, weight: torch.Tensor, group: str, layer: str) -> torch.Tensor:
     return reduce_scatter_seq(torch.nn.functional.linear(x, weight), _GROUPS[group])
 
 
 @_sequence_reduced_linear.register_fake
-def _(x, weight, group):
+def _(x, weight, group, layer):
     return x.new_empty((*x.shape[:-2], x.shape[-2] // _size(_GROUPS[group]), weight.shape[0]))
 
 
 def _sequence_reduced_setup(ctx, inputs, output):
-    x, weight, group = inputs
+    x, weight, group, layer = inputs
     ctx.save_for_backward(x, weight)
-    ctx.group = _GROUPS[group]
+    ctx.group, ctx.layer = _GROUPS[group], _DEFERRING.get(layer)
 
 
 def _sequence_reduced_backward(ctx, grad):
     x, weight = ctx.saved_tensors
     full = gather_seq(grad, ctx.group)  # (b, s, out): every rank's chunk of the output gradient
     grad_x = torch.matmul(full, weight) if ctx.needs_input_grad[0] else None
+    store = None if ctx.layer is None else ctx.layer.weight_grad_store
+    if store is not None and store.deferring:  # zero bubble's B: W adds full^T x later (autograd/weight_grad.py)
+        store.put(ctx.layer.weight, None, x, full)
+        return grad_x, None, None, None
     grad_w = None
     if ctx.needs_input_grad[1]:
         grad_w = torch.matmul(full.flatten(0, -2).t(), x.flatten(0, -2))
-    return grad_x, grad_w, None
+    return grad_x, grad_w, None, None
 
 
 _sequence_reduced_linear.register_autograd(_sequence_reduced_backward, setup_context=_sequence_reduced_setup)
@@ -256,11 +264,13 @@ SEQUENCE_REDUCED_LINEAR = _sequence_reduced_linear._opoverload
 save_under_selective(SEQUENCE_REDUCED_LINEAR)
 
 
-def sequence_reduced_linear(x: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
+def sequence_reduced_linear(x: torch.Tensor, weight: torch.Tensor, group, layer=None) -> torch.Tensor:
     """reduce_scatter_seq(x A^T): the row-parallel matmul's (b, s, out) partial sums summed over the group, this
     rank's (b, s/tp, out) kept; backward all-gathers the output gradient along the sequence (Megatron's g after a
     row-parallel layer). One operator (``engine::sequence_reduced_linear``): see above. Under autocast x and A are
-    cast as autocast casts a linear's inputs (the cast A is what backward keeps, as autocast's linear keeps it)."""
+    cast as autocast casts a linear's inputs (the cast A is what backward keeps, as autocast's linear keeps it).
+    ``layer``: a module with ``weight`` (A's parameter) and a ``weight_grad_store`` (zero bubble): backward queues
+    (x, g) there while the store defers, as engine/parallel/autograd/weight_grad.py's deferrable linear does."""
     if _size(group) == 1:
         return torch.nn.functional.linear(x, weight)
     device = x.device.type
@@ -268,4 +278,7 @@ def sequence_reduced_linear(x: torch.Tensor, weight: torch.Tensor, group) -> tor
         dtype = torch.get_autocast_dtype(device)
         x, weight = x.to(dtype), weight.to(dtype)
     _GROUPS.setdefault(group.group_name, group)
-    return _sequence_reduced_linear(x, weight, group.group_name)
+    key = "" if layer is None else str(id(layer))
+    if layer is not None:
+        _DEFERRING[key] = layer
+    return _sequence_reduced_linear(x, weight, group.group_name, key)

@@ -137,9 +137,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_parallel(x, self.group)
-        if self.sequence_parallel and self.weight_grad_store is None and self.in_selective_block:
-            # one operator, whose (b, s/tp, out) output selective recomputation keeps (zero bubble: below, W deferred)
-            return sequence_reduced_linear(x, self.weight, self.group)
+        if self.sequence_parallel and self.in_selective_block:
+            # one operator, whose (b, s/tp, out) output selective recomputation keeps (zero bubble: its backward
+            # defers W through this layer's store)
+            return sequence_reduced_linear(x, self.weight, self.group, None if self.weight_grad_store is None else self)
         y = linear_with_deferred_weight(x, self.weight, None, self.weight_grad_store)  # (b, s, out) partial sums
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel(y, self.group)  # (b, s/tp, out)
