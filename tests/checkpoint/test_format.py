@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,7 @@ def reads_back_at_every_cut(step: Path, full: dict, index: dict) -> None:
     for (name, state), want in full.items():
         assert torch.equal(reader.full(name, state), want), (name, state)
         shape, tp_dim = PARAMS[name]
+        row = want[0].numel()  # a row of the global tensor: no block's is longer
         for dim, size in [(None, 1), (0, 2), (0, 3), (1, 2), (1, 3)]:
             if dim is not None and (dim >= len(shape) or shape[dim] % size):
                 continue
@@ -120,6 +122,8 @@ def reads_back_at_every_cut(step: Path, full: dict, index: dict) -> None:
                 for start, end in [(0, n), (1, n - 1), (n // 2, n), (0, 1), (n - 1, n), (2, 2)]:
                     got = reader.read(name, state, dim, size, rank, start, end)
                     assert torch.equal(got, block[start:end]), (name, state, dim, size, rank, start, end)
+                    # what the read holds: the block rows the range touches, not the rows before them too
+                    assert got.untyped_storage().nbytes() < 4 * (end - start + 2 * row), (name, dim, start, end)
     reader.close()
 
 
@@ -136,6 +140,10 @@ def test_the_index_and_locator_say_who_holds_what(saved):
     assert part["file"] == shard_name(3) and "adam_step" not in part
     assert part["params"]["o"] == {"states": {"param": [[1, 6, 12]], "exp_avg": [[1, 6, 12]]}}
     assert rank_entry(step, read_index(step), 3)["file"] == shard_name(3)
+    for (start, end), part in [((2, 3), 3), ((0, 2), 2)]:  # a read opens only the parts overlapping its range
+        index = read_index(step, (0, 4))  # rank 0 of 4: part 0 checked
+        Reader(step, index).read("b", "param", 0, TP, 1, start, end)  # b's tp block 1: [0, 2) part 2, [2, 3) part 3
+        assert sorted(index["_parts"]) == [0, part], (start, end)
     assert rank_entry(step, read_index(step), 4) == {}  # no such rank: a larger world resumes it
 
 
@@ -201,6 +209,21 @@ def test_a_damaged_shard_is_named(saved):
 
 def test_damaged_metadata_is_named(saved):
     step, _ = saved
+    part, long = (step / part_name(3)).read_text(), "rank_" + "0" * 300 + ".safetensors"
+    (step / part_name(3)).write_text(json.dumps({**json.loads(part), "file": long}))  # a name no file system holds
+    with pytest.raises(CheckpointError, match=re.escape(f"cannot read {step / long} (File name too long)")):
+        read_index(step)  # the file that cannot be read is named, not index.json
+    (step / part_name(3)).write_bytes(b"\xff" + part.encode()[1:])
+    with pytest.raises(CheckpointError, match=re.escape(f"{step / part_name(3)} is not UTF-8 text (byte 0)")):
+        read_index(step)
+    (step / part_name(3)).write_text(part)
+    damaged = json.loads(part)
+    del damaged["params"]["w"]["states"]["exp_avg"]  # part 3 no longer places its piece of w's exp_avg
+    (step / part_name(3)).write_text(json.dumps(damaged))
+    covered = f"{step / INDEX}: w exp_avg elements [0, 24) of tp block 1 are covered 12 times over 24"
+    with pytest.raises(CheckpointError, match=re.escape(covered)):
+        Reader(step, read_index(step)).full("w", "exp_avg")
+    (step / part_name(3)).write_text(part)
     text = (step / LOCATOR).read_text()
     (step / LOCATOR).write_text("x" + text[1:])
     with pytest.raises(CheckpointError, match=r"locator.jsonl: the line of \w+ at byte 0 is not JSON"):

@@ -18,6 +18,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import psutil
 import pytest
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
@@ -189,26 +190,34 @@ class Ctx:
         return self.groups[name]
 
 
-def watches(tmp_path: Path, monkeypatch, ranks: list[tuple[int, float]]) -> tuple[list, list, TCPStore]:
-    """Ranks of a job of two (rank, hang_timeout_s), in this process on a store of its own, 600 s of start-up
-    allowance: their exit statuses land in the returned list instead of ending the process."""
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+def watches(
+    tmp_path: Path, monkeypatch, ranks: list[tuple[int, float]], port: int = 0, world: int = 2
+) -> tuple[list, list, TCPStore | None]:
+    """Ranks of a job of ``world`` (rank, hang_timeout_s), in this process on a store of its own (or the one at
+    ``port``), 600 s of start-up allowance: their exit statuses land in the returned list instead of ending the
+    process, with the count of ranks that read the verdict when they end."""
+    store = None
+    if not port:
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+        port = store.port
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setenv("WORLD_SIZE", "1")  # report_once prints directly (no marker file shared with other tests)
     for name in ("TORCHELASTIC_USE_AGENT_STORE", oplog.FAULT_ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(oplog, "LOG", oplog.OpLog())
     exits, made = [], []
 
+    acks = store and PrefixStore("engine-hang/0/", store)
+
     def exit_(rank: int, status: int) -> None:
-        exits.append((rank, status, time.monotonic()))
+        exits.append((rank, status, time.monotonic(), acks.add("acks", 0) if acks else None))
 
     for rank, hang_s in ranks:
         cfg = Config()
         cfg.parallel.hang_timeout_s, cfg.parallel.startup_timeout_s = hang_s, 600.0
         cfg.train.out_dir = str(tmp_path)
-        made.append(HangWatch(cfg, Ctx(rank, 2), exit_fn=lambda status, rank=rank: exit_(rank, status)))
+        made.append(HangWatch(cfg, Ctx(rank, world), exit_fn=lambda status, rank=rank: exit_(rank, status)))
     return made, exits, store
 
 
@@ -223,7 +232,8 @@ def test_a_silent_rank_reports_the_hang_and_every_rank_ends_with_its_status(tmp_
     """In process, on a real store: no operation ends for hang_timeout_s on rank 0, past its first step; rank 0
     raises the alarm, rank 1's listener hears it and posts its tail, rank 0 reports the operation both wait in,
     writes the table, and both exit with status 5. The first step and a save get the allowance instead (a silence
-    of two timeouts there ends nothing). A table that cannot be written is named in the line instead."""
+    of two timeouts there ends nothing), and a save's end is progress (the silence before it is not counted after
+    it). A table that cannot be written is named in the line instead."""
     (saving, reporter, listener), exits, store = watches(tmp_path, monkeypatch, [(0, 0.5), (0, 0.5), (1, 599.0)])
     # the rule: the first step and a save get max(3 hang timeouts, startup_timeout_s); a look every tenth of the
     # timeout, at most five a second
@@ -245,12 +255,14 @@ def test_a_silent_rank_reports_the_hang_and_every_rank_ends_with_its_status(tmp_
     assert len(threads) >= 4 and all(t.daemon for t in threads)  # a crash of the main thread still ends the process
     time.sleep(1.0)  # the same in the first step
     assert exits == [] and not keys.check(["alarm"])
-    quiet = time.monotonic()
-    log.step = 5  # step 4 done: the last progress
+    log.step = 5  # step 4 done
+    with reporter.saving():  # a save longer than hang_timeout_s: its end is the last progress
+        time.sleep(1.0)
+        quiet = time.monotonic()
     log.begin("all-reduce", None, "step agreement", 16)  # never ends
     assert wait_for(lambda: len(exits) == 2, 60), exits
     assert sorted(e[:2] for e in exits) == [(0, EXIT_STATUS), (1, EXIT_STATUS)]
-    assert min(e[2] for e in exits) > quiet + 0.5  # nothing before hang_timeout_s of silence after the last progress
+    assert min(e[2] for e in exits) > quiet + 0.5  # nothing before hang_timeout_s of silence after the save
     line = reporter.line
     assert (
         line.startswith("error: hang at step 5: 2 of 2 ranks wait in communication") and line in capsys.readouterr().err
@@ -282,20 +294,78 @@ def test_a_silent_rank_reports_the_hang_and_every_rank_ends_with_its_status(tmp_
     )
 
 
+def test_no_rank_ends_before_every_rank_read_the_verdict(tmp_path, monkeypatch):
+    """A job of three: rank 0 reports a hang, rank 1 hears it, rank 2 (this test, through hang.py's own protocol
+    functions) posts its tail and reads the verdict last: neither watch ends before it counted in, as the rank
+    serving the store (rank 0 under the deepspeed launcher) must not take it away from a rank still reading."""
+    watching, exits, store = watches(tmp_path, monkeypatch, [(0, 0.5), (1, 599.0)], world=3)
+    keys, tail = PrefixStore("engine-hang/0/", store), {"host": "h", "step": 5, "where": {}, "idle_s": None}
+    oplog.LOG.step = 5
+    for watch in watching:
+        watch.start(first_step=4)
+    assert wait_for(lambda: keys.check(["alarm"]), 60)
+    assert not post(keys, 2, json.dumps(tail | {"ops": []}), detected=False)
+    keys.wait(["verdict"])
+    assert wait_for(lambda: keys.add("acks", 0) == 2, 60)
+    time.sleep(0.2)  # the others counted in: they wait for this rank
+    assert exits == []
+    assert acknowledge(keys, 3)  # the last: sets "all"
+    assert wait_for(lambda: len(exits) == 2, 60) and sorted(e[:2] + e[3:] for e in exits) == [(0, 5, 3), (1, 5, 3)]
+    for watch in watching:
+        watch.stop()
+
+
+def watch_until_the_store_goes(tmp_path: Path, monkeypatch, rank: int, hang_s: float) -> tuple:
+    """Rank ``rank`` of two past its first step on a store in a process of its own, killed once the rank's listener
+    is connected (rank 1) or its hang report posted its tail (rank 0: the report then waits for rank 1's tail, which
+    never comes): (the watch, its exit statuses, its listener thread)."""
+    server, port, _ = start_server()
+    raw = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=60))
+    keys = PrefixStore("engine-hang/0/", raw)
+    (watch,), exits, _ = watches(tmp_path, monkeypatch, [(rank, hang_s)], port=port)
+    oplog.LOG.step = 5
+    before = set(threading.enumerate())
+    watch.start(first_step=4)
+    listener = next(t for t in set(threading.enumerate()) - before if t.name == "engine-hang-listener")
+    me = psutil.Process()
+    connected = lambda: sum(1 for c in me.net_connections("tcp") if c.raddr and c.raddr.port == port) == 2  # noqa: E731
+    assert wait_for(lambda: keys.check(["tail/0"]) if rank == 0 else connected(), 60), rank
+    server.kill()
+    server.join()
+    return watch, exits, listener
+
+
+def test_a_store_that_goes_away_ends_a_listener_quietly_and_a_report_with_its_status(tmp_path, monkeypatch):
+    """The job's store can go before a rank ends (its host finished first, or died): a listener then ends without
+    a word (no traceback after a job that finished), and a rank reporting a hang ends with status 5 all the same,
+    not left in its collective until parallel.timeout_s."""
+    uncaught = []
+    monkeypatch.setattr(threading, "excepthook", uncaught.append)  # what would print a thread's traceback
+    quiet, exits, listener = watch_until_the_store_goes(tmp_path, monkeypatch, 1, 599.0)
+    listener.join(60)
+    assert not listener.is_alive() and exits == [] and uncaught == [], (exits, uncaught)
+    reporter, exits, _ = watch_until_the_store_goes(tmp_path, monkeypatch, 0, 0.5)
+    assert wait_for(lambda: exits, 30) and [e[:2] for e in exits] == [(0, EXIT_STATUS)] and uncaught == [], uncaught
+    quiet.stop()
+    reporter.stop()
+
+
 def test_rank_0_alone_says_when_the_watchdog_is_off(capsys):
     """A hang_timeout_s not below parallel.timeout_s turns the watchdog off: rank 0 says so, once per job; a
     watchdog that acts, or one process, says nothing."""
     said = []
-    for hang_s, rank, world in [(600.0, 0, 2), (600.0, 1, 2), (900.0, 0, 1), (599.0, 0, 2), (0.0, 0, 2)]:
+    cases = [(600.0, 600.0, 0, 2), (1.0, 1.0, 0, 2), (600.0, 600.0, 1, 2), (900.0, 600.0, 0, 1), (599.0, 600.0, 0, 2)]
+    for hang_s, timeout_s, rank, world in [*cases, (0.0, 600.0, 0, 2)]:
         cfg = Config()
-        cfg.parallel.hang_timeout_s = hang_s
+        cfg.parallel.hang_timeout_s, cfg.parallel.timeout_s = hang_s, timeout_s
         HangWatch(cfg, Ctx(rank, world))
         said.append(capsys.readouterr().out)
-    assert said[0] == (
-        "parallel.hang_timeout_s=600.0 is not below parallel.timeout_s=600.0: the hang watchdog is off (a "
+    assert said[:2] == [
+        f"parallel.hang_timeout_s={s} is not below parallel.timeout_s={s}: the hang watchdog is off (a "
         "collective's own timeout ends a hang, unnamed)\n"
-    )
-    assert said[1:] == [""] * 4
+        for s in (600.0, 1.0)  # a collective timeout of a second is a timeout too
+    ]
+    assert said[2:] == [""] * 4
 
 
 def test_a_group_is_posted_by_name_and_its_ranks_in_four_numbers_when_evenly_spaced():
