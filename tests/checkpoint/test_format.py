@@ -211,7 +211,12 @@ def test_damaged_metadata_is_named(saved):
     step, _ = saved
     part, long = (step / part_name(3)).read_text(), "rank_" + "0" * 300 + ".safetensors"
     (step / part_name(3)).write_text(json.dumps({**json.loads(part), "file": long}))  # a name no file system holds
-    with pytest.raises(CheckpointError, match=re.escape(f"cannot read {step / long} (File name too long)")):
+    try:  # Python 3.10-3.12: an over-long name raises here; later ones may call it no file
+        (step / long).is_file()
+        words = f"{step / long}"
+    except OSError:
+        words = f"cannot read {step / long} (File name too long)"
+    with pytest.raises(CheckpointError, match=re.escape(words)):
         read_index(step)  # the file that cannot be read is named, not index.json
     (step / part_name(3)).write_bytes(b"\xff" + part.encode()[1:])
     with pytest.raises(CheckpointError, match=re.escape(f"{step / part_name(3)} is not UTF-8 text (byte 0)")):
