@@ -160,7 +160,7 @@ def test_a_report_after_a_login_banner_is_read_and_a_silent_host_is_bounded(tmp_
         "no answer over ssh within 0 s",
     )
     with pytest.raises(ConfigError, match="the ssh command '/nonexistent/ssh' was not found; give a working one"):
-        hostcheck.query_host(["/nonexistent/ssh"], "h", str(ROOT), "", 30)
+        hostcheck.query_host(["/nonexistent/ssh", "-o", "BatchMode=yes"], "h", str(ROOT), "", 30)
 
 
 def test_a_fanout_of_one_asks_one_host_at_a_time(tmp_path):
