@@ -127,7 +127,7 @@ def test_what_differs_on_a_host_is_named(tmp_path):
     remote = copy.deepcopy(local)
     remote.update(config=None, torch={"error": "ImportError: no torch"}, engine={"error": "no engine checkout at x"})
     remote["engine"]["version"] = "other"
-    assert hostcheck.compare(local, remote, 1, config) == [
+    assert hostcheck.compare(local, remote, 2, config) == [  # no torch: no CUDA devices claimed either
         "ImportError: no torch",
         "no engine checkout at x",
         f"config file {config} does not exist there",
@@ -160,7 +160,19 @@ def test_a_report_after_a_login_banner_is_read_and_a_silent_host_is_bounded(tmp_
         "no answer over ssh within 0 s",
     )
     with pytest.raises(ConfigError, match="the ssh command '/nonexistent/ssh' was not found; give a working one"):
-        hostcheck.query_host(["/nonexistent/ssh"], "h", str(ROOT), "", 30)
+        hostcheck.query_host(["/nonexistent/ssh", "-o", "BatchMode=yes"], "h", str(ROOT), "", 30)
+
+
+def test_a_fanout_of_one_asks_one_host_at_a_time(tmp_path):
+    """--fanout 1 (a bastion or sshd that takes one login at a time): never two ssh commands at once. Each call of the
+    stand-in leaves a token while it runs and counts the tokens half a second in; two calls started together would
+    count each other's (tests/cluster/test_preflight.py counts larger fan-outs through launch/preflight.py)."""
+    run = f"{tmp_path}/run.$$"
+    count = f"set -- {tmp_path}/run.*; echo $# >> {tmp_path}/seen"
+    ssh = ["sh", "-c", f"touch {run}; sleep 0.5; {count}; rm {run}; echo down >&2; exit 255", "ssh"]
+    results = hostcheck.check_hosts(_hosts("a", "b"), ssh, str(ROOT), fanout=1)
+    assert [r.problems for r in results] == [["ssh failed: down"]] * 2
+    assert (tmp_path / "seen").read_text().split() == ["1", "1"]
 
 
 def test_remote_commands_get_the_deepspeed_env_of_home_then_the_working_folder(tmp_path, monkeypatch):
