@@ -1,6 +1,8 @@
 """What a save takes of a rank and a resume puts back (engine/checkpoint/contents.py), in one process:
 
 - a save's pieces are copies: the training that goes on while an async save writes them does not change them;
+  a sync save has committed (`latest`) when it returns, a weight gone NaN is not saved (one line naming it, `latest`
+  stays), and the save's and the resume's timings (launch/bench/checkpoint.py's figures) lie within their calls;
 - a resume at the layout that saved restores the rank's RNG streams (torch, Python, NumPy draw what they would
   have drawn after the save), from a checkpoint written at cp 1 by this engine or before cp existed (its layout
   without a "cp" key);
