@@ -78,6 +78,8 @@ def test_corrupt_newest_is_set_aside_and_keep_1_keeps_the_good_lineage(tmp_path)
     first = pretrain(tmp_path / "a", ckpt, "--train.steps", "4", *keep1)  # as if killed after step 4's save
     ok(first)
     assert f"resumed from {ckpt / 'step_000003'}" in first.stdout, first.stdout[-3000:]
+    skipped = [line.split(":")[1] for line in first.stdout.splitlines() if line.startswith("checkpoint: skipping ")]
+    assert skipped == [f" skipping {ckpt / 'step_000006'}", f" skipping {ckpt / 'step_000007'}"], first.stdout[-3000:]
     assert {k: v for k, v in listing(ckpt).items() if k != "set_aside"} == {
         "step_000004": "",
         "latest": "step_000004\n",
@@ -154,6 +156,7 @@ def test_a_nan_streak_never_prunes_the_checkpoints_before_it(tmp_path, monkeypat
     assert "checkpoint: step 5 is skipped step 2 of a streak (NaN/inf loss or gradient): saved without pruning" in (
         out.stdout
     )
+    assert "stop signal" not in out.stdout, out.stdout[-3000:]  # a run that was not signalled never says it stopped
 
 
 def test_a_step_folder_as_checkpoint_dir_is_refused(tmp_path):

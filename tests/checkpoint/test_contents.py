@@ -1,6 +1,8 @@
 """What a save takes of a rank and a resume puts back (engine/checkpoint/contents.py), in one process:
 
 - a save's pieces are copies: the training that goes on while an async save writes them does not change them;
+  a sync save has committed (`latest`) when it returns, a weight gone NaN is not saved (one line naming it, `latest`
+  stays), and the save's and the resume's timings (launch/bench/checkpoint.py's figures) lie within their calls;
 - a resume at the layout that saved restores the rank's RNG streams (torch, Python, NumPy draw what they would
   have drawn after the save), from a checkpoint written at cp 1 by this engine or before cp existed (its layout
   without a "cp" key);
@@ -12,7 +14,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import random
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -47,14 +52,20 @@ def save_train_resume(root: str) -> dict:
         "moved": sum(not torch.equal(before[k], v) for k, v in _weights(trainer, pieces).items()),
         "layout": header["layout"],
     }
+    start = time.perf_counter()
     path = trainer.checkpointer.save(trainer.parts, RunPosition(2, 32))
-    trainer.checkpointer.finish()
+    out["save_timings"] = (dict(trainer.checkpointer.timings), time.perf_counter() - start)
+    out["latest_on_return"] = (path.parent / "latest").read_text().strip()  # a sync save has committed by then
     out["after_save"] = _draws()
+    out["nan_save"] = _save_with_a_nan(trainer)
+    trainer.checkpointer.finish()
     # as a checkpoint from before parallel.cp has it (its layout without a "cp" key): this engine's at cp 1
     edit_index(path, lambda index: index["layout"].pop("cp", None))
     again = load([*SMALL, "--checkpoint.resume", str(path), "--train.out_dir", f"{root}/again"])
+    start = time.perf_counter()
     fresh = Trainer(again, ParallelContext.from_config(again))
     out["resumed"] = (fresh.step, _draws())
+    out["load_timings"] = (dict(fresh.checkpointer.timings), time.perf_counter() - start)
     fresh.checkpointer.finish()
     # the same model as a mixture of experts: the same shape keys (check_model passes), parameters it never saved
     moe = ["--model.family", "mixtral", "--model.num_experts", "4", "--model.experts_per_token", "2"]
@@ -64,6 +75,19 @@ def save_train_resume(root: str) -> dict:
     except Exception as e:
         out["moe"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def _save_with_a_nan(trainer: Trainer) -> tuple:
+    """One weight made NaN (as a diverged update leaves it), then a save: (its return, what it said, `latest`)."""
+    weight = trainer.model.model.norm.weight
+    kept = weight.detach().clone()
+    with torch.no_grad():
+        weight[0] = float("nan")
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        got = trainer.checkpointer.save(trainer.parts, RunPosition(3, 48))
+    with torch.no_grad():
+        weight.copy_(kept)
+    return got, said.getvalue(), (trainer.checkpointer.root / "latest").read_text().strip()
 
 
 def _weights(trainer: Trainer, pieces: dict) -> dict:
@@ -78,6 +102,19 @@ def test_a_save_holds_copies_and_a_resume_at_its_layout_restores_the_rng(tmp_pat
     assert got["kept"], "a save's pieces changed with the training after it: an async save writes other weights"
     assert "cp" not in got["layout"], got["layout"]  # at cp 1 as before cp: older checkpoints compare equal
     assert got["resumed"] == (2, got["after_save"]), "the RNG streams were not restored"
+    assert got["latest_on_return"] == "step_000002", got["latest_on_return"]
+    # a weight gone NaN is not saved: one line naming it, `latest` stays (one rank: no "and on N more ranks")
+    assert got["nan_save"] == (
+        None,
+        "checkpoint: not saving step 3: rank 0 holds NaN/inf values in model.norm.weight/param; "
+        "the latest checkpoint stays step_000002\n",
+        "step_000002",
+    ), got["nan_save"]
+    # the phases launch/bench/checkpoint.py reports: each within the call that measured it
+    for timings, wall in (got["save_timings"], got["load_timings"]):
+        assert timings and all(0 <= t <= wall for t in timings.values()), (timings, wall)
+    assert {"snapshot_s", "probe_s", "digest_s", "write_commit_s"} <= set(got["save_timings"][0])
+    assert {"validate_s", "load_s", "verify_s"} <= set(got["load_timings"][0])
     assert got.get("moe", "").startswith("CheckpointError: "), got.get("moe")
     assert "has shape None, this model needs [" in got["moe"], got["moe"]
 

@@ -56,10 +56,11 @@ def copy(base: Path, tmp: Path) -> Path:
     return tmp / "ckpt" / "step_000004"
 
 
-def resume(step: Path, steps: int = 4):
+def resume(step: Path, steps: int = 4, *extra: str):
     """Resume ``step`` explicitly on one rank, in a fork, up to ``steps`` (4: check and stop; 5: train one more)."""
     tmp = step.parent.parent  # saves go to a checkpoint.dir of their own (no lineage check sees step 4's folder)
     argv = [*SMALL, "--train.steps", str(steps), "--checkpoint.resume", str(step), "--checkpoint.dir", str(tmp / "new")]
+    argv += extra
     return run_script("launch/pretrain.py", *argv, "--train.out_dir", str(tmp / "out"))
 
 
@@ -142,6 +143,8 @@ def test_a_wrong_schedule_position_is_refused(base, tmp_path):
 
     edit_index(step, to_step_2)
     one_error_line(resume(step), "step 2, saved at 4 (a wrong schedule position)")
+    unchecked = resume(step, 4, "--checkpoint.verify", "false")  # the refusal's advice: resume it unchecked
+    assert unchecked.returncode == 0 and "resumed from " in unchecked.stdout, unchecked.stderr[-3000:]
 
 
 def test_a_missing_optimizer_state_is_refused(base, tmp_path):

@@ -4,6 +4,8 @@ unwritable or locked checkpoint.dir."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import socket
@@ -143,7 +145,9 @@ def test_second_job_is_refused_and_its_saves_are_safe(tmp_path, live_pid):
     holder["pid"] = dead.pid
     (tmp_path / LOCK).write_text(json.dumps(holder))
     ckpt = _checkpointer(tmp_path)
-    assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
+    mine = json.loads((tmp_path / LOCK).read_text())
+    # the run its staging folders (step_N.tmp-<run>) name, which the next job's refusal quotes
+    assert mine["pid"] == os.getpid() and mine["run"] == ckpt.token, (mine, ckpt.token)
     ckpt.finish()
     assert not (tmp_path / LOCK).exists()
 
@@ -208,25 +212,59 @@ def test_metrics_rewind_keeps_a_line_that_is_not_utf8(tmp_path, capsys):
     assert "1 records past step 3 and 2 unreadable lines moved" in capsys.readouterr().out
 
 
-def _claim_rank(argv: list[str]) -> str | None:
-    """Rank function: the start-up claim of a world of 2; this rank's error, or None."""
+def _claim_rank(cases: list[tuple[list[str], list[str] | None]]) -> list[tuple[str | None, str]]:
+    """Rank function: the start-up claim of a world of 2 for each case (argv, rank 1's argv or None: the same);
+    this rank's (error or None, what it printed), per case. Rank 1 with an argv of its own stands for a second
+    host (h2, the name the shared check reads) with a disk of its own: the directories rank 0 writes are not the
+    ones it sees."""
+    from unittest import mock
+
     import torch.distributed as dist
 
-    try:
-        Checkpointer(load(argv), SimpleNamespace(rank=dist.get_rank(), world_size=dist.get_world_size())).finish()
-    except CheckpointError as e:
-        return str(e)
-    return None
+    from engine.cluster import shared
+
+    shared.SETTLE_S = 0.5  # a missing token is waited for: briefly here
+    errors = []
+    for argv, own in cases:
+        elsewhere = own is not None and dist.get_rank() == 1
+        said = io.StringIO()
+        try:
+            with mock.patch("socket.gethostname", return_value="h2") if elsewhere else contextlib.nullcontext():
+                cfg = load(own if elsewhere else argv)
+                with contextlib.redirect_stdout(said):
+                    Checkpointer(cfg, SimpleNamespace(rank=dist.get_rank(), world_size=dist.get_world_size())).finish()
+        except CheckpointError as e:
+            errors.append((str(e), said.getvalue()))
+        else:
+            errors.append((None, said.getvalue()))
+    return errors
 
 
-def test_every_rank_refuses_a_bad_out_dir(tmp_path):
+def test_every_rank_refuses_a_bad_out_dir_and_a_checkpoint_dir_not_shared(tmp_path):
     """rank 0 checks train.out_dir; the other ranks must raise its error too, not go on into the first collective
-    and hang there until parallel.timeout_s (with checkpoint.dir empty there was no group to tell them)."""
+    and hang there until parallel.timeout_s (with checkpoint.dir empty there was no group to tell them). A
+    checkpoint.dir that a second host does not share (a disk of its own there) is refused on every rank at start-up,
+    before any save lacks that host's shards (engine/cluster/shared.py)."""
     from tests.dist import run_ranks
 
     (tmp_path / "file").write_text("x")
-    errors = run_ranks(_claim_rank, 2, ["--train.out_dir", str(tmp_path / "file")], timeout_s=120)
-    assert errors[0] == errors[1] and "train.out_dir" in errors[0] and "is not a directory" in errors[0]
+    out = ["--train.out_dir", str(tmp_path / "out")]
+    shared_ckpt = [*out, "--checkpoint.dir", str(tmp_path / "ckpt")]
+    cases = [
+        (["--train.out_dir", str(tmp_path / "file")], None),
+        (shared_ckpt, [*out, "--checkpoint.dir", str(tmp_path / "h2" / "ckpt")]),
+    ]
+    got = run_ranks(_claim_rank, 2, cases, timeout_s=120)
+    errors = [[error for error, _ in rank] for rank in got]
+    assert errors[0] == errors[1], errors
+    bad_out, not_shared = errors[0]
+    assert got[0][1][1] == f"hosts: {socket.gethostname()} ranks 0, h2 ranks 1\n", got[0][1]  # rank 0 names them
+    assert "train.out_dir" in bad_out and "is not a directory" in bad_out
+    assert not_shared == (
+        f"checkpoint.dir '{tmp_path / 'ckpt'}' is not shared by host(s) h2: rank 0 (on {socket.gethostname()}) and "
+        "their ranks do not see each other's files there, so a checkpoint would lack their shards; give a directory "
+        "on a file system every host mounts"
+    ), not_shared
 
 
 ZERO_PP = [

@@ -126,7 +126,11 @@ def test_sigterm_with_nothing_to_save_says_so_and_fails(tmp_path):
     text = "".join(seen) + rest
     assert proc.returncode == 1, (text, err)
     assert "checkpoint.dir is empty: no checkpoint will be saved" in text
-    assert "nothing saved (checkpoint.dir is empty)" in text
+    assert "stop signal (SIGTERM): stopping after step " in text
+    assert "; nothing saved (checkpoint.dir is empty), exit status 1" in text
+    # the same run left to finish has lost nothing: exit 0, no stop line
+    done = _pretrain(*FIVE_STEPS, "--train.steps", "1", "--train.out_dir", str(tmp_path / "done"))
+    assert done.returncode == 0 and "stop signal" not in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
 
 
 def test_second_run_on_one_out_dir_is_one_line(tmp_path, live_pid):

@@ -91,6 +91,7 @@ def test_metrics_disk_full_saves_then_exits_3(tmp_path, tmpfs, tensorboard):
     assert records or (tensorboard and f"cannot write '{out / 'tensorboard'}" in line), line
     step = _latest(ckpt)
     assert f"checkpoint {step} saved in {ckpt}" in line
+    assert "stop signal" not in stdout, stdout[-3000:]  # a failed write, not a signal: its line alone says why
     logged = [json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()]
     assert int(step[5:]) == logged[-1] + records  # the step whose record failed is in the checkpoint
     (out / "filler").unlink()
@@ -113,7 +114,7 @@ def test_checkpoint_disk_full_keeps_latest(tmp_path, tmpfs):
     ]
     run = _pretrain(*args)
     assert run.returncode == 3, run.stderr[-3000:]
-    _one_error_line(
+    line = _one_error_line(
         run.stderr,
         run.stdout,
         "could not save step 4: cannot write",
@@ -121,7 +122,9 @@ def test_checkpoint_disk_full_keeps_latest(tmp_path, tmpfs):
         "of 10.0 MiB",
         "the latest checkpoint stays step_000002",
     )
+    assert line.startswith("error: checkpoint: rank 0 could not save step 4: cannot write"), line  # nothing else
     assert _latest(ckpt) == "step_000002" and not list(ckpt.glob("step_*.tmp-*"))  # staging removed
+    assert not (ckpt / "LOCK").exists(), "the failed save kept the lock"  # given back: the run is over
     subprocess.run(["mount", "-o", "remount,size=64m", str(ckpt)], check=True)  # make room
     _resumes(args, ckpt, "step_000002")
 

@@ -8,7 +8,9 @@ infinite learning rate for one step (finite loss and norm, non-finite weights an
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import math
 
 import pytest
@@ -54,10 +56,18 @@ def nonfinite_run(argv: list[str]) -> dict:
     trainer.cfg.train.lr = float("inf")  # past validation: the update makes weights and moments non-finite
     records.append(trainer.train_step(trainer.next_local_batch()))
     poisoned = any(not torch.isfinite(p).all() for p in snapshot(trainer).values())
-    refused = trainer.checkpointer.save(trainer.parts, trainer.position)
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        refused = trainer.checkpointer.save(trainer.parts, trainer.position)
     trainer.checkpointer.finish()
     unchanged = all(torch.equal(before[n], after[n]) for n in before)
-    return {"records": records, "first": str(first), "refused": refused, "unchanged": unchanged, "poisoned": poisoned}
+    return {
+        "records": records,
+        "first": str(first),
+        "refused": refused,
+        "said": said.getvalue(),
+        "unchanged": unchanged,
+        "poisoned": poisoned,
+    }
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -82,6 +92,10 @@ def test_nan_gradients_skip_the_update_and_never_reach_a_checkpoint(tmp_path, mo
     assert got["records"][1].get("skipped_steps") == 1
     assert got["poisoned"], "lr=inf did not make the weights non-finite: the test injects nothing"
     assert got["refused"] is None
+    # one line on rank 0, naming the first rank that holds them and how many more do (lr inf reached both)
+    said = got["said"].splitlines()
+    assert len(said) == 1 and said[0].startswith("checkpoint: not saving step 3: rank 0 holds NaN/inf values in "), said
+    assert said[0].endswith(" (and on 1 more ranks); the latest checkpoint stays step_000001"), said
     assert [p.name for p in list_checkpoints(ckpt)] == ["step_000001"]
     assert (ckpt / "latest").read_text().strip() == "step_000001"
     assert not list(ckpt.glob("step_*.tmp-*")), "a refused save left its temporary directory"
