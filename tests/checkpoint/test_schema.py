@@ -78,6 +78,7 @@ def test_a_valid_version_1_index_passes_at_every_bound():
     v1(edited(lambda x: x["layout"].pop("world_size")))  # an older layout: no world size to match
     v1(edited(lambda x: x["ranks"][0].pop("rng")))
     v1(edited(lambda x: x.update(extra={"another version's key": 1})))
+    v1(edited(lambda x: x["params"]["w"].update(tp_dim=1)))  # a row-parallel weight: (4, 6) cut on dim 1
 
 
 @pytest.mark.parametrize(
@@ -107,6 +108,7 @@ def test_a_valid_version_1_index_passes_at_every_bound():
         (lambda x: x["ranks"][1].pop("file"), ["ranks[1].file is missing"]),
         (lambda x: x["ranks"][1]["rng"]["python"].pop(), ["ranks[1].rng.python is", "not Python's random state"]),
         (lambda x: x["ranks"][1]["rng"]["python"][1].append(2**32), ["ranks[1].rng.python[1][2] is 4294967296"]),
+        (lambda x: x["ranks"][1]["rng"]["python"][1].append(-1), ["ranks[1].rng.python[1][2] is -1, not an integer"]),
         (lambda x: x["ranks"][0]["rng"]["python"].__setitem__(2, "g"), ["ranks[0].rng.python[2] is 'g', not a num"]),
         (lambda x: x["ranks"][0]["rng"]["numpy"].__setitem__(3, None), ["ranks[0].rng.numpy[3] is None, not a num"]),
         (lambda x: x["params"]["w"].update(shape=[]), ["params['w'].shape is [], not a list of at least 1 entries"]),
@@ -209,6 +211,9 @@ def test_version_2s_top_level_is_checked():
         (lambda x: x["params"]["norm"].update(where=[[81, 40]]), ["params['norm'].where is [[81, 40]]", "120 bytes"]),
         (lambda x: x["params"]["w"]["where"][0].pop(), ["params['w'].where[0] is [0], not [offset, length] in loc"]),
         (lambda x: x["params"]["w"].update(shape=[3, 6]), ["params['w'].tp_dim is 0, not a dimension of [3, 6]"]),
+        (lambda x: x["params"]["w"].update(tp_size=0), ["params['w'].tp_size is 0, not an integer >= 1"]),
+        (lambda x: x["params"]["w"].update(shape=[]), ["params['w'].shape is [], not a list of at least 1 entries"]),
+        (lambda x: x["params"]["norm"].update(where=[]), ["params['norm'].where is [], not a list of at least 1"]),
         (lambda x: x.pop("adam_step"), ["adam_step is None, not Adam's step count"]),
         (lambda x: x["config"]["model"].update(num_kv_heads=0), ["config.model.num_kv_heads is 0"]),
         (lambda x: x["config"]["model"].update(head_dim=5), ["config.model: model.head_dim=5 must be even for RoPE"]),
@@ -236,6 +241,9 @@ def test_a_part_and_a_locator_line_are_checked_against_the_index():
         check_part(p, index, Path("ck/part_00001.json"))
 
     check(part)
+    empty = copy.deepcopy(part)
+    empty["params"]["w"]["states"]["exp_avg"] = [[1, 6, 6]]  # a piece of no elements (start == end) is valid
+    check(empty)
     for change, words in (
         (lambda p: p.update(bytes="5"), ["ck/part_00001.json: bytes is '5', not an integer"]),
         (lambda p: p.update(crc32=2**32), ["crc32 is 4294967296, not an integer >= 0 and <= 4294967295"]),
