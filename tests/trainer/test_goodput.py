@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 
 from engine.config import load
 from engine.parallel.layout.context import ParallelContext
 from engine.trainer import Trainer
-from engine.trust.goodput import Goodput, minutes, summary, totals
+from engine.trust.goodput import NAME, Goodput, minutes, read, summary, totals
 from tests.cli import run_script
 from tests.dist import run_ranks
 from tests.shrunk import FIVE_STEPS
@@ -136,3 +137,14 @@ def test_the_ledger_file_is_kept_across_starts_and_dropped_once_on_a_failed_writ
     second.end("done")
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("goodput")]
     assert len(said) == 1 and "the ledger is no longer kept in this start" in said[0], said
+
+
+def test_start_up_is_the_time_from_the_process_start_to_the_first_step(tmp_path):
+    """begin() records start-up as now minus the process's start, written with the ledger: a process that began
+    2 s ago has started for 2 s (not its start's epoch seconds plus now), and later steps do not change it."""
+    started = time.time() - 2.0
+    ledger = Goodput(str(tmp_path), True, 0, started)
+    ledger.begin()
+    ledger.step(1, 0.5, write=True)
+    (me,) = read(tmp_path / NAME)
+    assert 2.0 <= me["startup_s"] < 30.0, me
