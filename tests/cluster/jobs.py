@@ -106,8 +106,12 @@ class Job:
         self.log_dir, self.procs = log_dir, []
         self.starts = itertools.count()  # a log per start, never reused (a killed agent's log stays readable)
 
+    def next_log(self) -> Path:
+        """The log file of the next agent started (output() reads them in this order)."""
+        return self.log_dir / f"agent{next(self.starts)}.log"
+
     def start(self, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
-        with (self.log_dir / f"agent{next(self.starts)}.log").open("w") as log:  # the child keeps its own handle
+        with self.next_log().open("w") as log:  # the child keeps its own handle
             self.procs.append(
                 subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
             )

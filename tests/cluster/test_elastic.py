@@ -120,7 +120,7 @@ def host_agent(
         cmd = [cmd[0], "-c", GATED, str(gate), *cmd[3:]]  # cmd[1:3] is "-m torch.distributed.run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     # A log per start: a host that comes back gets a new one (job.output() reads them all, in start order)
-    with (job.log_dir / f"agent{next(job.starts)}.log").open("w") as log:
+    with job.next_log().open("w") as log:
         job.procs.append(
             host.popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         )
