@@ -392,7 +392,9 @@ class Heartbeat:
     def _store_line(self) -> str:
         """The same line on every host that lost the store (no store to agree through): the store's host and the
         step, no duration: the silence that ends a rank is shorter on a rank whose collective failed first
-        (alarmed: ALARM_BEATS beats) than on one still waiting in it, and both end on the same loss."""
+        (alarmed: ALARM_BEATS beats) than on one still waiting in it, and both end on the same loss. The step is
+        each rank's own and can be one apart: a collective can complete on one rank and not on its neighbour (a
+        ring all-reduce hands its last chunks on one peer at a time) when the store's host freezes in it."""
         self._store_lost = True
         return (
             f"error: the job's store at {self.store_addr} (host {store_host(self.hosts)}) has stopped answering "
