@@ -3,6 +3,7 @@
     python -m tests.mutation                        # every module of tests/mutation/targets.toml
     python -m tests.mutation engine/json_input.py   # some of them
     python -m tests.mutation --list                 # the map: module -> the tests its mutants run
+    python -m tests.mutation --slice 0:100 MODULE   # its first 100 mutants (in the file's order), the rest skipped
 
 Each module is mutated one change at a time by cosmic-ray (https://github.com/sixty-north/cosmic-ray): it writes the
 mutant to the file on disk, so the tests' forked ranks, launcher subprocesses and torchrun agents all run it (mutmut
@@ -121,16 +122,32 @@ def write_config(work: Path, module: str, tests: list[str], timeout: float, excl
     return config
 
 
-def mutate(work: Path, module: str, tests: list[str], exclude: list[str]) -> list[tuple[dict, dict]]:
-    """Every kept mutant of ``module`` run against ``tests``: [(work item, result)]."""
+def keep_slice(session: Path, work: Path, part: slice) -> int:
+    """Marks skipped every pending mutant outside ``part`` of the pending ones in the file's order (line, column,
+    operator, occurrence: the same order for the same source, whatever order the database keeps), so that a module
+    too costly for one sitting runs in parts that add up to the whole. Returns how many were pending."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    pending = [item for item, result in dump(session, work) if result is None]
+    pending.sort(key=lambda i: [(m["start_pos"], m["operator_name"], m["occurrence"]) for m in i["mutations"]])
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        for item in pending[: part.start] + pending[part.stop :]:
+            db.set_result(item["job_id"], WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
+    return len(pending)
+
+
+def mutate(work: Path, module: str, tests: list[str], exclude: list[str], part: slice) -> list[tuple[dict, dict]]:
+    """Every kept mutant of ``module`` in ``part`` run against ``tests``: [(work item, result)]."""
     seconds = clean_run(work, tests)
     config = write_config(work, module, tests, max(60.0, 3 * seconds), exclude)
     session = config.with_suffix(".sqlite")
     quiet = {"cwd": work, "check": True, "capture_output": True, "text": True}
     subprocess.run(["cosmic-ray", "init", str(config), str(session)], **quiet)
     subprocess.run(["cr-filter-operators", str(session), str(config)], **quiet)
+    total = keep_slice(session, work, part)
     pending = sum(1 for line in dump(session, work) if line[1] is None)
-    print(f"{module}: {pending} mutants, {seconds:.0f} s of tests each", flush=True)
+    print(f"{module}: {pending} of its {total} mutants, {seconds:.0f} s of tests each", flush=True)
     subprocess.run(["cosmic-ray", "exec", str(config), str(session)], **quiet)
     return [line for line in dump(session, work) if line[1] and line[1]["worker_outcome"] != "skipped"]
 
@@ -169,11 +186,25 @@ def score(module: str, results: list[tuple[dict, dict]]) -> tuple[int, int, list
     return killed, counted, survivors, known - seen
 
 
+def parse_slice(text: str) -> slice | None:
+    """``START:END`` (either may be empty) as a slice of non-negative bounds, START < END; None if it is not one."""
+    m = re.fullmatch(r"(\d*):(\d*)", text.strip())
+    if not m:
+        return None
+    start, stop = int(m[1] or 0), int(m[2]) if m[2] else None
+    return slice(start, stop) if stop is None or start < stop else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.mutation", description=__doc__.split("\n")[0])
     parser.add_argument("modules", nargs="*", help="modules of tests/mutation/targets.toml (default: all)")
     parser.add_argument("--list", action="store_true", help="print the map and stop")
+    parser.add_argument("--slice", default=":", help="START:END of each module's mutants in the file's order")
     args = parser.parse_args(argv)
+    part = parse_slice(args.slice)
+    if part is None:
+        print(f"error: --slice {args.slice!r} is not START:END with 0 <= START < END (either may be left out)")
+        return 2
     table = targets()
     unknown = [m for m in args.modules if m not in table]
     if unknown:
@@ -190,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     work, exclude, rows = scratch_copy(), excluded_operators(), []
     try:
         for module in chosen:
-            killed, counted, survivors, stale = score(module, mutate(work, module, table[module], exclude))
+            killed, counted, survivors, stale = score(module, mutate(work, module, table[module], exclude, part))
+            stale = stale if part == slice(0, None) else set()  # a part runs only some of the listed mutants
             rows.append((module, killed, counted))
             print(f"{module}: {killed} of {counted} killed ({100 * killed / max(counted, 1):.0f} %)")
             print(
