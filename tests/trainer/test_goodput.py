@@ -148,3 +148,14 @@ def test_start_up_is_the_time_from_the_process_start_to_the_first_step(tmp_path)
     ledger.step(1, 0.5, write=True)
     (me,) = read(tmp_path / NAME)
     assert 2.0 <= me["startup_s"] < 30.0, me
+
+
+def test_overlapping_timers_count_no_negative_time_and_a_short_start_has_its_share():
+    """A start whose start-up, steps and saves add up to more than its wall time (the step clock and the start-up's
+    end overlap by a hair, or a save timed twice) spends 0 s in evaluation and logging, not a negative figure; a
+    start of under a second has its real share (0.4 s trained of 0.8 s is 50 %), not 100 % as a start of no time."""
+    over = entry(0.0, 0, 2, 0.5, 1.0, 0.0, 1.2, "done")  # 1.5 s of parts in 1.2 s
+    assert totals([over])["other"] == 0.0
+    assert " 0.0 s in evaluation and logging " in summary([over]), summary([over])
+    short = entry(0.0, 0, 1, 0.4, 0.4, 0.0, 0.8, "done")
+    assert summary([short]).startswith("goodput 50.0% over 1 start: "), summary([short])
