@@ -12,7 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 from engine.cluster import hostreport
+from engine.cluster.hostcheck import compare
 from tests.cli import ROOT
 
 
@@ -58,3 +62,14 @@ def test_the_checkout_named_is_imported_not_the_working_folders(tmp_path):
         "error": f"cannot import the engine from {checkout}: ImportError: an edit that broke the checkout"
     }
     assert report["config"] == hashlib.sha256(config.read_bytes()).hexdigest()[:16]
+
+
+def test_a_host_without_cuda_reports_no_devices_and_any_slot_count_passes():
+    """A CPU host (gloo) reports 0 CUDA devices, so preflight never refuses its slots for lack of GPUs; a count of
+    one there would refuse every CPU host with slots=2 ("slots=2 but only 1 CUDA devices"). GPU hosts: the count
+    against the slots is test_hostcheck.py's."""
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA devices")
+    rep = hostreport.report(str(ROOT))
+    assert rep["torch"]["cuda_devices"] == 0, rep["torch"]
+    assert compare(rep, rep, 4, "") == []
