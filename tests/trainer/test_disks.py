@@ -159,6 +159,23 @@ def test_checkpoint_inodes_exhausted_at_the_staging_mkdir(tmp_path, tmpfs):
     _resumes(args, ckpt, "step_000002")
 
 
+def test_checkpoint_inodes_exhausted_at_the_commit(tmp_path, tmpfs):
+    """Every rank's shard and part written, then rank 0's commit (the locator, the index, `latest`) finds no inode:
+    one line naming the commit and the step, exit 3, `latest` stays step 2, the staging folder is gone and the same
+    command resumes. 11 inodes: the 8 of the inode test above, then step 4's staging folder, shard and part.
+    (A mutant no longer catching the commit's error: its traceback, exit 1.)"""
+    ckpt = tmpfs(tmp_path / "ckpt", size="64m", nr_inodes="11")
+    every_2 = ["--train.steps", "6", "--checkpoint.every", "2"]
+    args = [*ARGS, *every_2, "--train.out_dir", str(tmp_path / "out"), "--checkpoint.dir", str(ckpt)]
+    run = _pretrain(*args)
+    assert run.returncode == 3, run.stderr[-3000:]
+    line = _one_error_line(run.stderr, run.stdout, "(ENOSPC)", "the latest checkpoint stays step_000002")
+    assert line.startswith(f"error: checkpoint: rank 0 could not commit step 4: cannot write '{ckpt}"), line
+    assert _latest(ckpt) == "step_000002" and not list(ckpt.glob("step_*.tmp-*")), sorted(ckpt.iterdir())
+    subprocess.run(["mount", "-o", "remount,nr_inodes=64", str(ckpt)], check=True)
+    _resumes(args, ckpt, "step_000002")
+
+
 def test_checkpoint_dir_remounted_read_only_mid_run(tmp_path, tmpfs):
     """Was: OSError (EROFS) traceback from publish.py staging_dir, exit 1."""
     ckpt = tmpfs(tmp_path / "ckpt", size="64m")
