@@ -287,6 +287,47 @@ def test_second_sigint_during_a_save_is_one_line(tmp_path):
     _resumes(args, ckpt, "step_000002")
 
 
+# An async save's writer stuck in its shard (a hung disk; under several ranks a peer that died before the gather),
+# then a crash in the training loop: deterministic, inside the real launcher.
+CRASH_DURING_A_STUCK_ASYNC_SAVE = """
+import runpy, sys, threading, time
+import engine.checkpoint.checkpointer as c
+import engine.trainer as t
+write, stuck = c.write_shard, threading.Event()
+def stuck_write(path, tensors):
+    stuck.set()
+    time.sleep(120)
+    return write(path, tensors)
+c.write_shard = stuck_write
+step = t.Trainer.train_step
+def crash_once_stuck(self, batch):
+    if self.step >= 1 and stuck.wait(60):
+        raise RuntimeError("a bug in the training loop")
+    return step(self, batch)
+t.Trainer.train_step = crash_once_stuck
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_crash_does_not_wait_for_a_stuck_async_writer(tmp_path):
+    """A run that crashes while its async save's writer is stuck exits at once with its traceback (exit 1), as a
+    crash without a save in flight does: the writer thread is a daemon, so the interpreter does not wait for it
+    (here 120 s; behind a dead peer, up to parallel.timeout_s) before the job can be restarted."""
+    ckpt = tmp_path / "ckpt"
+    args = [*ARGS, "--train.steps", "6", "--checkpoint.async_save", "true", "--checkpoint.every", "1"]
+    args += ["--train.out_dir", str(tmp_path), "--checkpoint.dir", str(ckpt)]
+    proc = _start(prefix=[sys.executable, "-c", CRASH_DURING_A_STUCK_ASYNC_SAVE, "launch/pretrain.py", *args])
+    try:
+        stdout, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise AssertionError("the crashed run waited for its stuck checkpoint writer") from None
+    assert proc.returncode == 1 and "RuntimeError: a bug in the training loop" in stderr, stderr[-3000:]
+    assert not (ckpt / "latest").exists(), "the stuck save committed: the injection is not vacuous"
+
+
 def test_empty_out_dir_is_refused(tmp_path):
     """Was: metrics.jsonl and LOCK written into the current directory."""
     args = [str(ROOT / a) if a.endswith(".yaml") else a for a in ARGS]  # from another directory
