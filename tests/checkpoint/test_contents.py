@@ -114,6 +114,10 @@ def test_a_save_holds_copies_and_a_resume_at_its_layout_restores_the_rng(tmp_pat
     for timings, wall in (got["save_timings"], got["load_timings"]):
         assert timings and all(0 <= t <= wall for t in timings.values()), (timings, wall)
     assert {"snapshot_s", "probe_s", "digest_s", "write_commit_s"} <= set(got["save_timings"][0])
+    # and a sync save's phases follow one another inside it (digest_s lies within write_commit_s): they add up to
+    # at most its wall time (mutc1: a probe_s that also counted the snapshot passed the bounds above)
+    (save, wall) = got["save_timings"]
+    assert save["snapshot_s"] + save["probe_s"] + save["write_commit_s"] <= wall, got["save_timings"]
     assert {"validate_s", "load_s", "verify_s"} <= set(got["load_timings"][0])
     assert got.get("moe", "").startswith("CheckpointError: "), got.get("moe")
     assert "has shape None, this model needs [" in got["moe"], got["moe"]

@@ -171,6 +171,17 @@ def test_a_checkpoint_without_digests_resumes_with_a_notice(base, tmp_path):
     ]
 
 
+def test_the_probe_loss_is_saved_and_a_resume_that_moves_it_is_refused(base, tmp_path):
+    """A save records its probe batch's loss (the loss of the weights it wrote) and a resume whose probe loss is off
+    by more than fp32's bound (rel 2e-5; bf16's is 4e-3) is refused naming it: the check that catches a model that
+    computes otherwise at the new layout though every digest matches. Here the saved loss is moved by rel 1e-3."""
+    step = copy(base, tmp_path)
+    saved_loss = json.loads((step / "index.json").read_text())[FIELD]["probe_loss"]
+    assert isinstance(saved_loss, float) and math.isfinite(saved_loss), saved_loss  # not a save without its probe
+    edit_index(step, lambda index: index[FIELD].update(probe_loss=saved_loss * 1.001))
+    one_error_line(resume(step), "the probe batch's loss ", f"saved {saved_loss * 1.001:.7g} (beyond rel 2e-05)")
+
+
 @pytest.mark.parametrize("tp_dim", [0, 1])
 def test_the_digest_adds_up_over_any_cut(tp_dim):
     """The digest of a tensor is the sum of its pieces' at any tp cut and flat ranges (what makes it exact at another

@@ -159,6 +159,23 @@ def test_checkpoint_inodes_exhausted_at_the_staging_mkdir(tmp_path, tmpfs):
     _resumes(args, ckpt, "step_000002")
 
 
+def test_checkpoint_inodes_exhausted_at_the_commit(tmp_path, tmpfs):
+    """Every rank's shard and part written, then rank 0's commit (the locator, the index, `latest`) finds no inode:
+    one line naming the commit and the step, exit 3, `latest` stays step 2, the staging folder is gone and the same
+    command resumes. 11 inodes: the 8 of the inode test above, then step 4's staging folder, shard and part.
+    (A mutant no longer catching the commit's error: its traceback, exit 1.)"""
+    ckpt = tmpfs(tmp_path / "ckpt", size="64m", nr_inodes="11")
+    every_2 = ["--train.steps", "6", "--checkpoint.every", "2"]
+    args = [*ARGS, *every_2, "--train.out_dir", str(tmp_path / "out"), "--checkpoint.dir", str(ckpt)]
+    run = _pretrain(*args)
+    assert run.returncode == 3, run.stderr[-3000:]
+    line = _one_error_line(run.stderr, run.stdout, "(ENOSPC)", "the latest checkpoint stays step_000002")
+    assert line.startswith(f"error: checkpoint: rank 0 could not commit step 4: cannot write '{ckpt}"), line
+    assert _latest(ckpt) == "step_000002" and not list(ckpt.glob("step_*.tmp-*")), sorted(ckpt.iterdir())
+    subprocess.run(["mount", "-o", "remount,nr_inodes=64", str(ckpt)], check=True)
+    _resumes(args, ckpt, "step_000002")
+
+
 def test_checkpoint_dir_remounted_read_only_mid_run(tmp_path, tmpfs):
     """Was: OSError (EROFS) traceback from publish.py staging_dir, exit 1."""
     ckpt = tmpfs(tmp_path / "ckpt", size="64m")
@@ -268,6 +285,47 @@ def test_second_sigint_during_a_save_is_one_line(tmp_path):
     )
     assert _latest(ckpt) == "step_000002" and not list(ckpt.glob("step_*.tmp-*"))
     _resumes(args, ckpt, "step_000002")
+
+
+# An async save's writer stuck in its shard (a hung disk; under several ranks a peer that died before the gather),
+# then a crash in the training loop: deterministic, inside the real launcher.
+CRASH_DURING_A_STUCK_ASYNC_SAVE = """
+import runpy, sys, threading, time
+import engine.checkpoint.checkpointer as c
+import engine.trainer as t
+write, stuck = c.write_shard, threading.Event()
+def stuck_write(path, tensors):
+    stuck.set()
+    time.sleep(120)
+    return write(path, tensors)
+c.write_shard = stuck_write
+step = t.Trainer.train_step
+def crash_once_stuck(self, batch):
+    if self.step >= 1 and stuck.wait(60):
+        raise RuntimeError("a bug in the training loop")
+    return step(self, batch)
+t.Trainer.train_step = crash_once_stuck
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_crash_does_not_wait_for_a_stuck_async_writer(tmp_path):
+    """A run that crashes while its async save's writer is stuck exits at once with its traceback (exit 1), as a
+    crash without a save in flight does: the writer thread is a daemon, so the interpreter does not wait for it
+    (here 120 s; behind a dead peer, up to parallel.timeout_s) before the job can be restarted."""
+    ckpt = tmp_path / "ckpt"
+    args = [*ARGS, "--train.steps", "6", "--checkpoint.async_save", "true", "--checkpoint.every", "1"]
+    args += ["--train.out_dir", str(tmp_path), "--checkpoint.dir", str(ckpt)]
+    proc = _start(prefix=[sys.executable, "-c", CRASH_DURING_A_STUCK_ASYNC_SAVE, "launch/pretrain.py", *args])
+    try:
+        stdout, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise AssertionError("the crashed run waited for its stuck checkpoint writer") from None
+    assert proc.returncode == 1 and "RuntimeError: a bug in the training loop" in stderr, stderr[-3000:]
+    assert not (ckpt / "latest").exists(), "the stuck save committed: the injection is not vacuous"
 
 
 def test_empty_out_dir_is_refused(tmp_path):
