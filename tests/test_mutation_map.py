@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.mutation.__main__ import equivalents, main, parse_slice, targets
+from tests.mutation.__main__ import equivalents, main, outside, parse_slice, targets
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,3 +33,13 @@ def test_a_slice_is_start_end_in_order_and_anything_else_is_refused(capsys):
     assert [parse_slice(t) for t in ("4:4", "5:2", "x", "1", "-1:3", "1:2:3")] == [None] * 6
     assert main(["--slice", "5:2", "engine/storage.py"]) == 2
     assert "--slice '5:2' is not START:END" in capsys.readouterr().out
+
+
+def test_the_parts_of_a_slice_add_up_to_the_whole():
+    """``--slice 0:N`` and ``--slice N:`` run every mutant once between them; ``N:`` skipped them all when its open
+    end was taken as ``items[None:]``."""
+    items = list(range(10))
+    for text in ("0:4", "4:", ":", "3:7"):
+        part = parse_slice(text)
+        kept = [i for i in items if i not in outside(items, part)]
+        assert kept == items[part], text

@@ -132,9 +132,14 @@ def keep_slice(session: Path, work: Path, part: slice) -> int:
     pending = [item for item, result in dump(session, work) if result is None]
     pending.sort(key=lambda i: [(m["start_pos"], m["operator_name"], m["occurrence"]) for m in i["mutations"]])
     with use_db(str(session), WorkDB.Mode.open) as db:
-        for item in pending[: part.start] + pending[part.stop :]:
+        for item in outside(pending, part):
             db.set_result(item["job_id"], WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
     return len(pending)
+
+
+def outside(items: list, part: slice) -> list:
+    """The items before and after ``part`` (``START:`` leaves none after: ``items[None:]`` would be all of them)."""
+    return items[: part.start] + (items[part.stop :] if part.stop is not None else [])
 
 
 def mutate(work: Path, module: str, tests: list[str], exclude: list[str], part: slice) -> list[tuple[dict, dict]]:
