@@ -1,14 +1,16 @@
-"""What a resume says and does before training starts (engine/checkpoint/checkpointer.py ``resume``), in one process:
+"""What the checkpointer (engine/checkpoint/checkpointer.py) says and does at a resume and a failed save, in process:
 
 - ``resume: auto`` with a damaged ``latest`` names it once (rank 0) and goes on with the step directories;
 - a fresh start (``resume: none``) sets aside the unusable steps above step 0, not step 0 itself (a model-only
   import's step), and names the step it starts from;
 - a set-aside that cannot move the steps is one CheckpointError naming the folder, not an OSError's traceback;
 - a resume checked against its digests refuses a probe loss beyond fp32's bound (one within bf16's looser bound:
-  the check follows train.dtype), and a clean resume at the same layout says one line.
+  the check follows train.dtype), and a clean resume at the same layout says one line;
+- a due save that fails raises its own line, prefixed by the failed metrics write that stopped the run if one did,
+  and gives checkpoint.dir's lock back.
 
 Issue 45: the mutants that made each of these pass silently survived the module's end-to-end tests. The first three
-run a Checkpointer at rank 0 of 1 (no training, well under a second); the last one rank's Trainer in a fork.
+run a Checkpointer at rank 0 of 1 (no training, well under a second); the last two one rank's Trainer in a fork.
 """
 
 from __future__ import annotations
@@ -119,3 +121,38 @@ def test_a_probe_loss_beyond_fp32s_bound_is_refused_and_a_clean_resume_says_one_
     assert len(resumed) == 1 and lines[resumed[0] :] == lines[-1:], lines
     assert "the probe batch's loss " in got.get("moved", ""), got
     assert "(beyond rel 2e-05)" in got["moved"], got["moved"]
+
+
+def _failed_saves(root: str) -> dict:
+    """Rank function (1 rank): a due save whose staging folder cannot be made (a file in its place), alone and
+    after a failed metrics write stopped the run: what each raised, and whether checkpoint.dir's LOCK was left."""
+    cfg = load([*SMALL, "--checkpoint.dir", root, "--checkpoint.every", "1", "--train.out_dir", f"{root}/o"])
+    trainer = Trainer(cfg, ParallelContext.from_config(cfg))
+    out = {}
+    for step, failure in ((1, None), (2, "cannot write 'metrics.jsonl' (No space left on device)")):
+        checkpointer = Checkpointer(cfg, trainer.ctx) if step > 1 else trainer.checkpointer
+        (Path(root) / f"step_{step:06d}.tmp-{checkpointer.token}").write_text("in the way\n")
+        if failure is not None:
+            checkpointer.stop.fail(failure)  # as the metrics writer does (engine/metrics/logger.py)
+        try:
+            checkpointer.after_step(trainer.parts, RunPosition(step, 16 * step), agreed=failure is not None)
+        except CheckpointError as e:
+            out[step] = (type(e).__name__, str(e), (Path(root) / "LOCK").exists())
+    return out
+
+
+def test_a_failed_save_ends_the_run_with_its_line_and_the_directories_given_back(tmp_path):
+    """A save that fails raises its own StorageError (exit 3), prefixed by the failed metrics write that stopped the
+    run if one did, and gives checkpoint.dir's lock back either way (before: mutants that prefixed every failure
+    with 'None; and', dropped the metrics line, or kept the lock passed)."""
+    got = run_ranks(_failed_saves, 1, str(tmp_path / "c"), timeout_s=300)[0]
+    assert set(got) == {1, 2}, got
+    kind, line, locked = got[1]
+    assert (kind, locked) == ("StorageError", False) and line.startswith("checkpoint: rank 0 could not save step 1"), (
+        got
+    )
+    kind, line, locked = got[2]
+    assert (kind, locked) == ("StorageError", False), got
+    assert line.startswith(
+        "cannot write 'metrics.jsonl' (No space left on device); and checkpoint: rank 0 could not save step 2"
+    ), line
