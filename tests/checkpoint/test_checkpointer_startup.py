@@ -91,14 +91,18 @@ def test_a_set_aside_that_cannot_move_the_steps_is_one_checkpoint_error(tmp_path
 
 
 def _probe_resumes(root: str) -> dict:
-    """Rank function (1 rank): a step and a save; a clean resume of it (what it printed), then the same resume
-    with the saved probe loss moved by rel 1e-3 (over fp32's bound 2e-5, under bf16's 4e-3): its refusal."""
-    cfg = load([*SMALL, "--checkpoint.dir", root, "--checkpoint.resume", "none", "--train.out_dir", f"{root}/o"])
+    """Rank function (1 rank): a step and its due save (what it printed); a clean resume of it (what it printed),
+    then the same resume with the saved probe loss moved by rel 1e-3 (over fp32's bound 2e-5, under bf16's 4e-3):
+    its refusal."""
+    argv = ["--checkpoint.dir", root, "--checkpoint.every", "1", "--train.out_dir", f"{root}/o"]
+    cfg = load([*SMALL, *argv])
     trainer = Trainer(cfg, ParallelContext.from_config(cfg))
     trainer.train_step(trainer.next_local_batch())
-    path = trainer.checkpointer.save(trainer.parts, RunPosition(1, 16))
+    with contextlib.redirect_stdout(io.StringIO()) as said:  # no streak, no stop: the save's line alone
+        trainer.checkpointer.after_step(trainer.parts, RunPosition(1, 16), streak=0, agreed=False)
     trainer.checkpointer.finish()
-    out = {"path": str(path)}
+    path = Path(root) / "step_000001"
+    out = {"path": str(path), "saved": said.getvalue()}
     again = load([*SMALL, "--checkpoint.resume", str(path), "--train.out_dir", f"{root}/a"])
     with contextlib.redirect_stdout(io.StringIO()) as said:
         Trainer(again, ParallelContext.from_config(again)).checkpointer.finish()
@@ -112,10 +116,12 @@ def _probe_resumes(root: str) -> dict:
     return out
 
 
-def test_a_probe_loss_beyond_fp32s_bound_is_refused_and_a_clean_resume_says_one_line(tmp_path):
+def test_a_save_and_a_clean_resume_say_one_line_each_and_a_probe_loss_beyond_fp32s_bound_is_refused(tmp_path):
     """checkpoint.verify at train.dtype fp32: the probe batch's loss is compared, at fp32's bound (before: mutants
-    that skipped the probe loss at the same batch, or took bf16's bound for fp32 weights, passed)."""
+    that skipped the probe loss at the same batch, took bf16's bound for fp32 weights, or called every save a
+    skipped step of a NaN streak, passed)."""
     got = run_ranks(_probe_resumes, 1, str(tmp_path / "c"), timeout_s=300)[0]
+    assert got["saved"].splitlines() == [f"checkpoint: saved {got['path']}"], got["saved"]
     lines = got["clean"].splitlines()  # the trainer's start-up lines, then the resume's: the same layout, no change
     resumed = [i for i, line in enumerate(lines) if line.startswith(f"resumed from {got['path']} (step 1, saved at ")]
     assert len(resumed) == 1 and lines[resumed[0] :] == lines[-1:], lines
