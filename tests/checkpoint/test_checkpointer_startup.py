@@ -2,7 +2,7 @@
 
 - ``resume: auto`` with a damaged ``latest`` names it once (rank 0) and goes on with the step directories;
 - a fresh start (``resume: none``) sets aside the unusable steps above step 0, not step 0 itself (a model-only
-  import's step), and names the step it starts from;
+  import's step), and names the step it starts from; at two ranks rank 0 alone moves them;
 - a set-aside that cannot move the steps is one CheckpointError naming the folder, not an OSError's traceback;
 - a resume checked against its digests refuses a probe loss beyond fp32's bound (one within bf16's looser bound:
   the check follows train.dtype), and a clean resume at the same layout says one line;
@@ -10,7 +10,8 @@
   and gives checkpoint.dir's lock back.
 
 Issue 45: the mutants that made each of these pass silently survived the module's end-to-end tests. The first three
-run a Checkpointer at rank 0 of 1 (no training, well under a second); the last two one rank's Trainer in a fork.
+run a Checkpointer at rank 0 of 1 (no training, well under a second); the next two one rank's Trainer in a fork,
+the last two forked ranks' Checkpointers.
 """
 
 from __future__ import annotations
@@ -162,3 +163,27 @@ def test_a_failed_save_ends_the_run_with_its_line_and_the_directories_given_back
     assert line.startswith(
         "cannot write 'metrics.jsonl' (No space left on device); and checkpoint: rank 0 could not save step 2"
     ), line
+
+
+def _fresh_start_rank(ckpt: str) -> str | None:
+    """Rank function (2 ranks): resume none beside an unusable step 1; the error this rank's resume raised, if any."""
+    import torch.distributed as dist
+
+    cfg = load(["--checkpoint.dir", ckpt, "--train.out_dir", f"{ckpt}/../o", "--checkpoint.resume", "none"])
+    checkpointer = Checkpointer(cfg, SimpleNamespace(rank=dist.get_rank(), world_size=dist.get_world_size()))
+    try:
+        checkpointer.resume(None)
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        checkpointer.release()
+    return None
+
+
+def test_rank_0_alone_sets_aside_the_unusable_steps_of_two_ranks(tmp_path):
+    """Every rank finds the same unusable steps, but only rank 0 moves them (before: a mutant that let every rank
+    with steps to move do it passed; the second rank's rename of a step already moved failed the start-up)."""
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step_000001").mkdir(parents=True)  # no index.json: unusable
+    assert run_ranks(_fresh_start_rank, 2, str(ckpt), timeout_s=120) == [None, None]
+    assert [p.name.split("-")[0] for p in (ckpt / "set_aside").iterdir()] == ["step_000001"]
