@@ -131,9 +131,11 @@ def keep_slice(session: Path, work: Path, part: slice) -> int:
 
     pending = [item for item, result in dump(session, work) if result is None]
     pending.sort(key=lambda i: [(m["start_pos"], m["operator_name"], m["occurrence"]) for m in i["mutations"]])
+    kept = {item["job_id"] for item in pending[part]}  # (pending[part.stop:] would be all of them at stop None)
     with use_db(str(session), WorkDB.Mode.open) as db:
-        for item in pending[: part.start] + pending[part.stop :]:
-            db.set_result(item["job_id"], WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
+        for item in pending:
+            if item["job_id"] not in kept:
+                db.set_result(item["job_id"], WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
     return len(pending)
 
 
