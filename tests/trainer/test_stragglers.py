@@ -135,11 +135,14 @@ def test_hosts_and_stages_from_the_table():
 
 def test_a_partial_last_host_is_named_whole_and_the_ratio_kept_to_2_decimals():
     """6 ranks, 4 a host: host h1 holds ranks 4 and 5 only, both 3 s in forward against their peers' 1.4 s (2.142..x,
-    2.14 in metrics.jsonl): the host is named, not its two ranks."""
+    2.14 in the finding, 2.143 as the report's largest ratio in metrics.jsonl): the host is named, not its two
+    ranks."""
     rows = [(1.4, 2.0, 0.5, 0)] * 4 + [(3.0, 2.0, 0.5, 0)] * 2
-    assert find(table(rows), 1.4, local=4)["named"] == [
+    found = find(table(rows), 1.4, local=4)
+    assert found["named"] == [
         {"host": "h1", "ranks": [4, 5], "whole_host": True, "phase": "forward", "ratio": 2.14, "cost": 0.16}
     ]
+    assert found["metrics"]["straggler_ratio"] == 2.143
 
 
 def test_a_finding_is_named_from_2_percent_of_the_step_on():
