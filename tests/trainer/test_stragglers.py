@@ -146,11 +146,16 @@ def test_a_partial_last_host_is_named_whole_and_the_ratio_kept_to_2_decimals():
 
 
 def test_a_finding_is_named_from_2_percent_of_the_step_on():
-    """MIN_COST is the least a named finding costs: 0.25 s over a 12.5 s step (exactly 2 %) is named, 0.24 s not."""
+    """MIN_COST is the least a named finding costs: 0.25 s over a 12.5 s step (exactly 2 %) is named, 0.24 s not;
+    log.straggler_ratio is a bound a phase must exceed."""
     rows = [(1.0, 2.0, 0.5, 0)] * 3
     (rank,) = find(table([*rows, (1.25, 2.0, 0.5, 0)], step=12.5), 1.2, local=4)["named"]
     assert (rank["ranks"], rank["cost"]) == ([3], 0.02)
     assert find(table([*rows, (1.24, 2.0, 0.5, 0)], step=12.5), 1.2, local=4)["named"] == []
+    # the ratio is a bound to exceed: 2 s in forward against its peers' 1 s is named at 1.99, not at 2
+    rows = [(1.0, 2.0, 0.5, 0), (1.0, 2.0, 0.5, 0), (2.0, 2.0, 0.5, 0)]
+    assert [f["ranks"] for f in find(table(rows), 1.99, local=4)["named"]] == [[2]]
+    assert find(table(rows), 2.0, local=4)["named"] == []
 
 
 def test_the_log_names_the_three_costliest_and_counts_the_rest():
