@@ -131,6 +131,14 @@ def test_hosts_and_stages_from_the_table():
     # a rank's median is its peers' without it: 3 s against ranks 0 and 1's (1 s, 2 s) is 2x (against all three: 1.5x)
     (rank,) = find(table([(1.0, 2.0, 0.5, 0), (2.0, 2.0, 0.5, 0), (3.0, 2.0, 0.5, 0)]), 1.8, local=3)["named"]
     assert (rank["ranks"], rank["ratio"], rank["cost"]) == ([2], 2.0, 0.15)
+    # one rank slow in forward, another in backward: only the earliest slow phase's rank is named, with that phase
+    rows = [(1.0, 2.0, 0.5, 0)] * 2 + [(2.0, 2.0, 0.5, 0), (1.0, 4.0, 0.5, 0)]
+    (rank,) = find(table(rows), 1.4, local=4)["named"]
+    assert (rank["ranks"], rank["phase"], rank["ratio"]) == ([2], "forward", 2.0)
+    # two ranks a host (the smallest host that is one), both slow: the host is named
+    rows = [(1.0, 2.0, 0.5, 0)] * 2 + [(2.0, 2.0, 0.5, 0)] * 2
+    (host,) = find(table(rows), 1.4, local=2)["named"]
+    assert (host["host"], host["ranks"], host["whole_host"]) == ("h1", [2, 3], True)
 
 
 def test_a_partial_last_host_is_named_whole_and_the_ratio_kept_to_2_decimals():
@@ -152,6 +160,10 @@ def test_a_finding_is_named_from_2_percent_of_the_step_on():
     (rank,) = find(table([*rows, (1.25, 2.0, 0.5, 0)], step=12.5), 1.2, local=4)["named"]
     assert (rank["ranks"], rank["cost"]) == ([3], 0.02)
     assert find(table([*rows, (1.24, 2.0, 0.5, 0)], step=12.5), 1.2, local=4)["named"] == []
+    # a step of 100 ms (the shrunk model's): 10 ms over the peers' forward is 10 % of it
+    rows = [(0.01, 0.02, 0.005, 0)] * 3 + [(0.02, 0.02, 0.005, 0)]
+    (rank,) = find(table(rows, step=0.1), 1.4, local=4)["named"]
+    assert (rank["ranks"], rank["cost"]) == ([3], 0.1)
     # the ratio is a bound to exceed: 2 s in forward against its peers' 1 s is named at 1.99, not at 2
     rows = [(1.0, 2.0, 0.5, 0), (1.0, 2.0, 0.5, 0), (2.0, 2.0, 0.5, 0)]
     assert [f["ranks"] for f in find(table(rows), 1.99, local=4)["named"]] == [[2]]
