@@ -25,7 +25,7 @@ from torch.distributed import PrefixStore, TCPStore
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from engine.config import Config
-from engine.trust import oplog
+from engine.trust import hang, oplog
 from engine.trust.hang import EXIT_STATUS, HangWatch, acknowledge, collect, effective_timeout, post
 from launch.bench.scale_store import Counting, start_server
 from tests.cli import ROOT, _child, run_script
@@ -180,6 +180,27 @@ def test_the_report_costs_each_rank_the_same_requests_at_1024_ranks_as_at_64():
     assert (small[1][1] - 2 * 64, large[1][1] - 2 * 1024) == (6, 6)
 
 
+class Impatient(Counting):
+    """A counting client whose waits run out after 50 ms instead of the timeout asked (the store's own error, as
+    when COLLECT_S passes): a rank that never posts costs the test no wait."""
+
+    def wait(self, keys, timeout=None):
+        return super().wait(keys, timedelta(milliseconds=50))
+
+
+def test_a_rank_that_never_posted_is_left_out_and_the_others_reported():
+    """The reporter's wait for every rank's tail runs out when a rank never posts (frozen, dead: the heartbeat
+    names it): the others' tails are still read (one request after a check a key) for the report;
+    the rank that never posted is not in the table."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    keys = Impatient(PrefixStore("engine-hang/0/", store))
+    for rank in (0, 2):
+        post(keys, rank, json.dumps({"step": 3, "rank": rank}), detected=rank == 0)
+    requests = keys.requests
+    assert collect(keys, 3) == {0: {"step": 3, "rank": 0}, 2: {"step": 3, "rank": 2}}
+    assert keys.requests - requests == 1 + 3 + 1  # the wait that ran out, a check a key, one multi_get
+
+
 class Ctx:
     """A rank's place: its process groups by axis name (hang.py asks ``group`` for each; KeyError: no such axis)."""
 
@@ -273,7 +294,9 @@ def test_a_silent_rank_reports_the_hang_and_every_rank_ends_with_its_status(tmp_
     for rank, tail in table["ranks"].items():
         assert tail["step"] == 5 and tail["where"] == {"action": "", "mb": -1, "chunk": 0}, tail
         done, waiting = tail["ops"]
-        assert done["open"] is False and done["took_s"] >= 0 and done["what"] == "loss" and done["step"] == 4
+        assert done["open"] is False and done["what"] == "loss" and done["step"] == 4
+        # its duration, within its age: the line's "for N s" of a rank in no communication is age_s - took_s
+        assert 0 <= done["took_s"] <= done["age_s"] and done["age_s"] - done["took_s"] >= waiting["age_s"]
         assert waiting["open"] is True and "took_s" not in waiting and 0.5 <= waiting["age_s"] < 60
         assert (waiting["group"], waiting["ranks"], waiting["bytes"], waiting["what"]) == (
             "world",
@@ -313,6 +336,30 @@ def test_no_rank_ends_before_every_rank_read_the_verdict(tmp_path, monkeypatch):
     assert wait_for(lambda: len(exits) == 2, 60) and sorted(e[:2] + e[3:] for e in exits) == [(0, 5, 3), (1, 5, 3)]
     for watch in watching:
         watch.stop()
+
+
+def test_a_rank_waits_for_the_verdict_longer_than_the_reporter_waits_for_the_tails(tmp_path, monkeypatch):
+    """A rank that is not the reporter waits for the verdict longer than the reporter may wait for every rank's tail
+    (a frozen rank's never comes): one that gave up sooner would count in and end before the verdict, and on the
+    rank serving the store take the store away from the reporter still collecting: the job would end unnamed.
+    Each wait's timeout is read as hang.py passes it to the real store (no wait runs out: a job of two)."""
+    waits, connect = [], hang.connect
+
+    class Recording(Counting):
+        def wait(self, keys, timeout=None):
+            waits.append((keys[0], timeout))
+            return super().wait(keys, timeout)
+
+    monkeypatch.setattr(hang, "connect", lambda timeout_s: Recording(connect(timeout_s)))
+    watching, exits, _ = watches(tmp_path, monkeypatch, [(0, 0.5), (1, 599.0)])
+    oplog.LOG.step = 5
+    for watch in watching:
+        watch.start(first_step=4)
+    assert wait_for(lambda: len(exits) == 2, 60), exits
+    for watch in watching:
+        watch.stop()
+    timeout = dict(waits)
+    assert timeout["verdict"] > timeout["tail/0"], waits  # rank 1 waits for rank 0's verdict, rank 0 for the tails
 
 
 def watch_until_the_store_goes(tmp_path: Path, monkeypatch, rank: int, hang_s: float) -> tuple:

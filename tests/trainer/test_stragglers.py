@@ -131,23 +131,43 @@ def test_hosts_and_stages_from_the_table():
     # a rank's median is its peers' without it: 3 s against ranks 0 and 1's (1 s, 2 s) is 2x (against all three: 1.5x)
     (rank,) = find(table([(1.0, 2.0, 0.5, 0), (2.0, 2.0, 0.5, 0), (3.0, 2.0, 0.5, 0)]), 1.8, local=3)["named"]
     assert (rank["ranks"], rank["ratio"], rank["cost"]) == ([2], 2.0, 0.15)
+    # one rank slow in forward, another in backward: only the earliest slow phase's rank is named, with that phase
+    rows = [(1.0, 2.0, 0.5, 0)] * 2 + [(2.0, 2.0, 0.5, 0), (1.0, 4.0, 0.5, 0)]
+    (rank,) = find(table(rows), 1.4, local=4)["named"]
+    assert (rank["ranks"], rank["phase"], rank["ratio"]) == ([2], "forward", 2.0)
+    # two ranks a host (the smallest host that is one), both slow: the host is named
+    rows = [(1.0, 2.0, 0.5, 0)] * 2 + [(2.0, 2.0, 0.5, 0)] * 2
+    (host,) = find(table(rows), 1.4, local=2)["named"]
+    assert (host["host"], host["ranks"], host["whole_host"]) == ("h1", [2, 3], True)
 
 
 def test_a_partial_last_host_is_named_whole_and_the_ratio_kept_to_2_decimals():
     """6 ranks, 4 a host: host h1 holds ranks 4 and 5 only, both 3 s in forward against their peers' 1.4 s (2.142..x,
-    2.14 in metrics.jsonl): the host is named, not its two ranks."""
+    2.14 in the finding, 2.143 as the report's largest ratio in metrics.jsonl): the host is named, not its two
+    ranks."""
     rows = [(1.4, 2.0, 0.5, 0)] * 4 + [(3.0, 2.0, 0.5, 0)] * 2
-    assert find(table(rows), 1.4, local=4)["named"] == [
+    found = find(table(rows), 1.4, local=4)
+    assert found["named"] == [
         {"host": "h1", "ranks": [4, 5], "whole_host": True, "phase": "forward", "ratio": 2.14, "cost": 0.16}
     ]
+    assert found["metrics"]["straggler_ratio"] == 2.143
 
 
 def test_a_finding_is_named_from_2_percent_of_the_step_on():
-    """MIN_COST is the least a named finding costs: 0.25 s over a 12.5 s step (exactly 2 %) is named, 0.24 s not."""
+    """MIN_COST is the least a named finding costs: 0.25 s over a 12.5 s step (exactly 2 %) is named, 0.24 s not;
+    log.straggler_ratio is a bound a phase must exceed."""
     rows = [(1.0, 2.0, 0.5, 0)] * 3
     (rank,) = find(table([*rows, (1.25, 2.0, 0.5, 0)], step=12.5), 1.2, local=4)["named"]
     assert (rank["ranks"], rank["cost"]) == ([3], 0.02)
     assert find(table([*rows, (1.24, 2.0, 0.5, 0)], step=12.5), 1.2, local=4)["named"] == []
+    # a step of 100 ms (the shrunk model's): 10 ms over the peers' forward is 10 % of it
+    rows = [(0.01, 0.02, 0.005, 0)] * 3 + [(0.02, 0.02, 0.005, 0)]
+    (rank,) = find(table(rows, step=0.1), 1.4, local=4)["named"]
+    assert (rank["ranks"], rank["cost"]) == ([3], 0.1)
+    # the ratio is a bound to exceed: 2 s in forward against its peers' 1 s is named at 1.99, not at 2
+    rows = [(1.0, 2.0, 0.5, 0), (1.0, 2.0, 0.5, 0), (2.0, 2.0, 0.5, 0)]
+    assert [f["ranks"] for f in find(table(rows), 1.99, local=4)["named"]] == [[2]]
+    assert find(table(rows), 2.0, local=4)["named"] == []
 
 
 def test_the_log_names_the_three_costliest_and_counts_the_rest():
@@ -174,6 +194,8 @@ def test_hosts_as_the_launchers_number_them(monkeypatch):
     assert ranks_per_host(16) == 4
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "0")  # not a launcher's: one host, not a division by zero
     assert ranks_per_host(16) == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank a host: rank 5 is on host h5
+    assert ranks_per_host(16) == 1
 
 
 def test_the_median_of_the_others_is_that_of_the_rows_left_when_one_is_taken_out():
@@ -185,6 +207,15 @@ def test_the_median_of_the_others_is_that_of_the_rows_left_when_one_is_taken_out
             m = n - 1
             want = rest[m // 2] if m % 2 else (rest[m // 2 - 1] + rest[m // 2]) / 2
             assert torch.equal(median_of_others(values)[i], want), (n, i)
+
+
+def test_the_median_waits_go_to_the_metrics_to_the_microsecond():
+    """pp_wait's and dp_comm's medians over the ranks in metrics.jsonl, to 6 decimals as the record's phase times
+    (engine/metrics/stepstats.py): 1.2345678 ms of waiting is 0.001235, not 0.00123."""
+    rows = table([(1.0, 2.0, 0.5, 0)] * 3)
+    rows[:, FIELDS.index("pp_wait")] = torch.tensor([0.0012345678, 0.002, 0.001], dtype=torch.float64)
+    rows[:, FIELDS.index("dp_comm")] = torch.tensor([0.25, 0.0000014, 0.0000016], dtype=torch.float64)
+    assert find(rows, 1.4, local=3)["metrics"]["time_wait_median"] == {"pp_wait": 0.001235, "dp_comm": 0.000002}
 
 
 def test_a_phase_its_peers_spend_no_time_in_is_not_a_ratio():
@@ -231,3 +262,21 @@ def test_the_report_is_off_at_ratio_0_without_phase_times_or_without_peers():
     on.add({**row, "warmup": True, "step_time": 9.0})  # a process's first step is left out
     # a phase the record does not time counts 0 s (the forward's 1 s stands out against it), then the step's time
     assert on.rows == [[1.0 if name == "forward" else 0.0 for name in PER_STEP[:-1]] + [1.0]]
+
+
+def test_a_report_waits_for_4_steps():
+    """A logged step with fewer than 4 steps since the last report (MIN_STEPS: at log.every 1, a report every 4th
+    step) gathers nothing and keeps its rows for the next: a median of fewer steps is noise. No process group here:
+    a report that gathered would fail."""
+    from types import SimpleNamespace
+
+    from engine.trust.stragglers import StragglerReport
+
+    cfg = load(["--config", "configs/tiny.yaml", "--log.breakdown", "true"])
+    ctx = SimpleNamespace(world_size=2, rank=0, axis_rank=lambda axis: 0, device=torch.device("cpu"))
+    on = StragglerReport(cfg, ctx)
+    for step in (2, 3, 4):
+        on.add({"step": step, "time": {"forward": 1.0}, "step_time": 1.0})
+    record = {"step": 4}
+    on.report(record)
+    assert len(on.rows) == 3 and on.first == 2 and record == {"step": 4}
