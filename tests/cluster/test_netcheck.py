@@ -47,7 +47,9 @@ def test_the_address_is_the_first_of_the_names_that_binds_here(monkeypatch):
     """advertised_address as gloo picks it: the name's first address that binds on this host (127.0.0.2 binds on
     any Linux host: the whole of 127/8 is loopback), past one that does not (an address of another host), and
     gloo's 127.0.0.1 fallback for a name that does not resolve."""
-    assert advertised_address("127.0.0.2") == "127.0.0.2"  # the name given, not this host's own name
+    with socket.socket() as held:  # port 1 taken: the check binds a free port (0), as gloo does, not a fixed one
+        held.bind(("127.0.0.2", 1))  # (a user who is not root may bind no port below 1024 at all)
+        assert advertised_address("127.0.0.2") == "127.0.0.2"  # the name given, not this host's own name
     real = socket.getaddrinfo
 
     def resolves(name, *args):
