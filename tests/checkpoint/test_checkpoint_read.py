@@ -34,7 +34,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.checkpoint.format import file_crc32
+from engine.checkpoint.choose import read_latest, resolve
+from engine.checkpoint.format import CheckpointError, file_crc32
 from tests.checkpoint.runs import SAME, SMALL, assert_curves, edit_index, launched
 from tests.checkpoint.versions import as_version_1
 from tests.cli import ROOT, run_script, without_file_permission_override
@@ -326,3 +327,20 @@ def test_a_dense_resume_inside_warmup_equals_the_uninterrupted_run(tmp_path):
             f"{key} resumed at step 3 of 8 warmup steps vs uninterrupted",
         )
     assert all(torch.isfinite(torch.tensor(want[s]["grad_norm"])) for s in want)
+
+
+def test_a_path_or_latest_that_cannot_be_read_is_named_with_the_reason_only(tmp_path):
+    """resolve() and read_latest() in-process: a path the system will not look up (a name over 255 bytes) and a
+    ``latest`` that is a folder say why in the system's words ('File name too long', 'Is a directory'), not the
+    exception's repr with the path a second time; a ``latest`` holding garbage is quoted to its first 40
+    characters."""
+    long = tmp_path / ("x" * 300)
+    with pytest.raises(CheckpointError) as refused:
+        resolve(long)
+    assert str(refused.value) == f"checkpoint path '{long}' cannot be read (File name too long)"
+    (tmp_path / "run" / "latest").mkdir(parents=True)
+    assert read_latest(tmp_path / "run") == (None, f"cannot read {tmp_path / 'run' / 'latest'} (Is a directory)")
+    (tmp_path / "run" / "latest").rmdir()
+    (tmp_path / "run" / "latest").write_text("0123456789" * 6)
+    why = read_latest(tmp_path / "run")[1]
+    assert why == f"{tmp_path / 'run' / 'latest'} holds {'0123456789' * 4!r}, not the name of a step_* directory", why
