@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import platform
+import threading
 from datetime import timedelta
 
 import pytest
@@ -100,3 +101,43 @@ def test_refusal_names_packages_before_code_before_config():
     ref["packages"] = drift._sha("other")
     line = drift.refusal(digests, details, ref, {**details, "packages": {**details["packages"], "torch": "0"}})
     assert f"runs other package versions than host h1: torch {details['packages']['torch']} != 0;" in line
+
+
+def test_the_store_host_waits_only_while_a_rank_has_not_read_the_line(monkeypatch):
+    """_leave on a real store, its waits counted (drift's time.sleep): the rank serving the store does not wait once
+    every rank has counted itself out (the others before it: it leaves at once, not after _SERVING_WAIT_S, so a
+    refused job exits 2 without a pause), and a rank that does not serve never waits, whoever is left."""
+    sleeps = []
+    monkeypatch.setattr(drift.time, "sleep", lambda s: sleeps.append(s))
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ours = dist.PrefixStore("leave", server)
+    ours.add("left", 2)  # ranks 1 and 2 have read the line and left
+    drift._leave(ours, True, 3)
+    assert sleeps == [] and int(ours.get("left")) == 3
+    others = dist.PrefixStore("others", server)  # nobody else has left yet: only the serving rank would wait
+    drift._leave(others, False, 3)
+    assert sleeps == [] and int(others.get("left")) == 1
+
+
+@pytest.mark.parametrize("agent_store", [False, True])
+def test_rank_0_serves_the_store_unless_torchruns_agent_does(serve, monkeypatch, agent_store):
+    """Which rank of a refused job waits for the others to read the line (_leave's ``serving``, the real _leave
+    called through): rank 0 under env:// (its process holds the store: leaving first would close it on the others),
+    no rank when torchrun's agent serves it (TORCHELASTIC_USE_AGENT_STORE=True: nobody need wait)."""
+    if agent_store:
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    serving, leave = {}, drift._leave
+    monkeypatch.setattr(
+        drift, "_leave", lambda ours, s, world: serving.update({threading.get_ident(): s}) or leave(ours, s, world)
+    )
+    ranks = {}
+    real = drift.check_same
+
+    def check(store, rank, *args):
+        ranks[threading.get_ident()] = rank
+        return real(store, rank, *args)
+
+    monkeypatch.setattr(drift, "check_same", check)
+    other = {**CONFIG, "train": {"lr": 0.001, "steps": 4}}
+    assert all(_ranks(serve(), [CONFIG, CONFIG, other]))  # every rank refused
+    assert sorted((ranks[t], s) for t, s in serving.items()) == [(0, not agent_store), (1, False), (2, False)]

@@ -15,8 +15,8 @@ Only plausible bugs are planted (``KEEP``): a comparison's boundary or sense fli
 or * and / swapped, a number off by one, True/False, and/or swapped, a loop that never runs, break/continue swapped,
 an except clause that no longer catches. A mutant is killed when its module's tests fail or time out (3x the clean
 run). The score per module is killed / (mutants - equivalent ones listed in tests/mutation/equivalent.toml, each
-with why); every survivor is printed with its line and change. Contributors who touch a module in the map run it
-for that module before they stop (README, Contributing).
+with why - incompetent ones, which cosmic-ray could not run); every survivor is printed with its line and change.
+Contributors who touch a module in the map run it for that module before they stop (README, Contributing).
 """
 
 from __future__ import annotations
@@ -179,6 +179,8 @@ def score(module: str, results: list[tuple[dict, dict]]) -> tuple[int, int, list
     killed, counted, survivors, seen = 0, 0, [], set()
     for item, result in results:
         mutation, text = item["mutations"][0], mutant_text(result)
+        if result["test_outcome"] == "incompetent":  # it could not run (the change does not compile or import)
+            continue
         if text in known:
             seen.add(text)
             continue
