@@ -3,11 +3,8 @@ must fail here, not silently make a module's mutants run no test or a survivor l
 
 from __future__ import annotations
 
-from pathlib import Path
-
+from tests.cli import ROOT
 from tests.mutation.__main__ import equivalents, main, outside, parse_slice, targets
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_mapped_module_and_test_file_exists():

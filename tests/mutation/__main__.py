@@ -125,7 +125,8 @@ def write_config(work: Path, module: str, tests: list[str], timeout: float, excl
 def keep_slice(session: Path, work: Path, part: slice) -> int:
     """Marks skipped every pending mutant outside ``part`` of the pending ones in the file's order (line, column,
     operator, occurrence: the same order for the same source, whatever order the database keeps), so that a module
-    too costly for one sitting runs in parts that add up to the whole. Returns how many were pending."""
+    too costly for one sitting runs in parts that add up to the whole. Returns (how many it keeps, how many were
+    pending)."""
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
@@ -134,7 +135,7 @@ def keep_slice(session: Path, work: Path, part: slice) -> int:
     with use_db(str(session), WorkDB.Mode.open) as db:
         for item in outside(pending, part):
             db.set_result(item["job_id"], WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
-    return len(pending)
+    return len(pending[part]), len(pending)
 
 
 def outside(items: list, part: slice) -> list:
@@ -150,8 +151,7 @@ def mutate(work: Path, module: str, tests: list[str], exclude: list[str], part: 
     quiet = {"cwd": work, "check": True, "capture_output": True, "text": True}
     subprocess.run(["cosmic-ray", "init", str(config), str(session)], **quiet)
     subprocess.run(["cr-filter-operators", str(session), str(config)], **quiet)
-    total = keep_slice(session, work, part)
-    pending = sum(1 for line in dump(session, work) if line[1] is None)
+    pending, total = keep_slice(session, work, part)
     print(f"{module}: {pending} of its {total} mutants, {seconds:.0f} s of tests each", flush=True)
     subprocess.run(["cosmic-ray", "exec", str(config), str(session)], **quiet)
     return [line for line in dump(session, work) if line[1] and line[1]["worker_outcome"] != "skipped"]
