@@ -275,26 +275,24 @@ def sequence_reduced_linear(x: torch.Tensor, weight: torch.Tensor, group, layer=
         return torch.nn.functional.linear(x, weight)
     if layer is not None:
         return _deferrable_sequence_reduced_linear(x, weight, group, layer)
-    x, weight = _autocast_inputs(x, weight)
-    _GROUPS.setdefault(group.group_name, group)
-    return _sequence_reduced_linear(x, weight, group.group_name, "")
+    return _sequence_reduced_call(x, weight, group, "")
 
 
 @torch.compiler.disable
 def _deferrable_sequence_reduced_linear(x: torch.Tensor, weight: torch.Tensor, group, layer) -> torch.Tensor:
     # Eager even inside a compiled block, as the split linears are: the layer's key, a string constant per layer,
     # would guard the block's graph (a recompile per layer)
-    x, weight = _autocast_inputs(x, weight)
-    _GROUPS.setdefault(group.group_name, group)
     key = str(id(layer))
     _DEFERRING[key] = layer
-    return _sequence_reduced_linear(x, weight, group.group_name, key)
+    return _sequence_reduced_call(x, weight, group, key)
 
 
-def _autocast_inputs(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x and A as autocast casts a linear's inputs (unchanged outside autocast)."""
+def _sequence_reduced_call(x: torch.Tensor, weight: torch.Tensor, group, key: str) -> torch.Tensor:
+    """The operator on x and A cast as autocast casts a linear's inputs (unchanged outside autocast), its group
+    registered by name (the operator takes strings only)."""
     device = x.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
-        return x.to(dtype), weight.to(dtype)
-    return x, weight
+        x, weight = x.to(dtype), weight.to(dtype)
+    _GROUPS.setdefault(group.group_name, group)
+    return _sequence_reduced_linear(x, weight, group.group_name, key)
