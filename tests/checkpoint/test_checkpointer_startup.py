@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,8 +34,8 @@ from tests.dist import run_ranks
 
 
 def _checkpointer(ckpt: Path, *args: str) -> Checkpointer:
-    out_dir = tempfile.mkdtemp()  # not the default runs/tiny of the working directory
-    cfg = load(["--checkpoint.dir", str(ckpt), "--train.out_dir", out_dir, *args])
+    out_dir = ckpt.parent / "out"  # beside checkpoint.dir in tmp_path, not the default runs/tiny of the checkout
+    cfg = load(["--checkpoint.dir", str(ckpt), "--train.out_dir", str(out_dir), *args])
     return Checkpointer(cfg, SimpleNamespace(rank=0, world_size=1))
 
 
