@@ -134,3 +134,31 @@ def test_overlap_comm_at_zero_1_exits_2_with_one_line_from_the_launcher(tmp_path
     assert out.returncode == 2, out.stderr[-3000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "overlap_comm" in errors[0] and "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
+# Where the built-in defaults depart from DeepSpeed's own on purpose (engine/kinds/ds_config.py says why): smaller
+# buckets, and no overlap of the gradient reduction with backward at ZeRO-3 (what the planner models).
+DEPARTURES = {
+    1: {"reduce_bucket_size", "allgather_bucket_size"},
+    2: {"reduce_bucket_size", "allgather_bucket_size"},
+    3: {"reduce_bucket_size", "overlap_comm"},
+}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_defaults_are_deepspeeds_own_but_where_they_depart_on_purpose(stage):
+    """The defaults pin DeepSpeed's tuning (so a DeepSpeed release that changes its own defaults changes no run of
+    ours) to DeepSpeed's own values, read from DeepSpeed's config model as it parses what ds_config() hands it,
+    except the departures above: a pinned value that differs from DeepSpeed's unnoticed (contiguous gradients off,
+    ZeRO-3's live-parameter cap or reuse distance off by 10x, DeepSpeed's timers or 16-bit gathers on save turned on)
+    fails here, as does DeepSpeed moving a default away from ours when it is upgraded."""
+    from deepspeed.runtime.constants import WALL_CLOCK_BREAKDOWN_DEFAULT
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    c = ds_config(load(["--parallel.dp_mode", "zero", "--parallel.zero_stage", str(stage)]), Ctx())
+    ours = DeepSpeedZeroConfig(**c["zero_optimization"]).model_dump()
+    theirs = DeepSpeedZeroConfig(stage=stage).model_dump()
+    assert {k for k in ours if ours[k] != theirs[k]} == DEPARTURES[stage], {
+        k: (ours[k], theirs[k]) for k in ours if ours[k] != theirs[k]
+    }
+    assert c["wall_clock_breakdown"] is WALL_CLOCK_BREAKDOWN_DEFAULT
