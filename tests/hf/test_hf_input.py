@@ -22,7 +22,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from tests.checkpoint.runs import SMALL
-from tests.cli import launch, one_error_line
+from tests.cli import launch, one_error_line, run_script
 
 TINY = dict(
     vocab_size=4096,
@@ -199,3 +199,19 @@ def test_rotary_inv_freq_is_skipped_and_said_so(folders, tmp_path):
         f"import: skipping {name} (RoPE inverse frequencies, which the engine computes from rope_theta)"
         in out.stdout.splitlines()
     )
+
+
+@pytest.mark.parametrize("how", ["mode 000", "not UTF-8"])
+def test_an_unreadable_config_json_is_one_line(tmp_path, how):
+    """A config.json that exists but cannot be read (mode 000, read as a user; bytes that are not UTF-8): one line
+    naming it and why, exit 2, rather than the OSError's or UnicodeDecodeError's traceback."""
+    src = tmp_path / "src"
+    src.mkdir()
+    path = src / "config.json"
+    if how == "mode 000":
+        path.write_text("{}")
+        path.chmod(0)
+    else:
+        path.write_bytes(b'{"model_type": "\xff"}')
+    out = run_script("launch/convert.py", "import", src, tmp_path / "ckpt", as_user=True, timeout=120)
+    one_error_line(out, f"error: {path} cannot be read (", "Permission denied" if how == "mode 000" else "utf-8")
