@@ -7,14 +7,18 @@ tests/cluster/test_heartbeat.py runs the same code on its threads with real sile
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 
+from engine.cluster import heartbeat
 from engine.cluster.heartbeat import (
     ALARM_BEATS,
     BEATS,
@@ -125,14 +129,18 @@ def test_after_a_failed_collective_a_few_beats_of_silence_name_a_peer(store):
     assert job.ranks[1].verdict == job.ranks[0].verdict
 
 
-def test_explain_gives_the_alarm_its_beats_before_calling_the_error_this_ranks(store):
+def test_explain_gives_the_alarm_its_beats_before_calling_the_error_this_ranks(monkeypatch):
     """After a failed collective the trainer asks explain(): it sets the alarm and waits ALARM_BEATS + 3 beats for
-    a verdict (which would end the process) before the error is taken as this rank's own. A lower bound only."""
-    job = Job(store, 2)
-    start = time.monotonic()
-    job.ranks[0].explain()
-    assert time.monotonic() - start >= (ALARM_BEATS + 3) * BEAT and job.ranks[0].alarm.is_set()
-    assert job.ended() == []
+    a verdict (which would end the process) before the error is taken as this rank's own: not less (the alarm's
+    verdict would be cut off), nor more than one poll longer (a rank's own error would wait for nothing). Counted
+    on a clock that only explain's own polls move."""
+    clock = [1000.0]
+    fake = SimpleNamespace(monotonic=lambda: clock[0], sleep=lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(heartbeat, "time", fake)
+    beat = Heartbeat(0, 2, TIMEOUT)
+    beat.explain()
+    assert (ALARM_BEATS + 3) * BEAT <= clock[0] - 1000.0 < (ALARM_BEATS + 3) * BEAT + 0.1 and beat.alarm.is_set()
+    assert beat.verdict is None
 
 
 def test_without_an_alarm_the_timeout_holds_for_every_watcher(store):
@@ -228,6 +236,32 @@ def test_the_store_line_and_a_non_watcher_allows_its_polls(store):
     ), line
 
 
+def test_the_guard_names_a_store_silent_for_the_timeout_and_a_beat_and_not_sooner(monkeypatch):
+    """The guard (the thread that never calls the store) sees a beat thread stuck in a store call: it names the
+    store once the last answer is older than the store's silence (the timeout, for a watcher) and the beat that
+    answer may lag, and not before: a store that pauses for less (a busy host) ends nothing. Counted on a clock
+    that the test sets and the guard reads at each of its looks."""
+    clock, looks = [1000.0], []
+
+    def monotonic() -> float:
+        looks.append(clock[0])
+        return clock[0]
+
+    monkeypatch.setattr(heartbeat, "time", SimpleNamespace(monotonic=monotonic, sleep=time.sleep))
+    codes: list[int] = []
+    beat = Heartbeat(0, 2, TIMEOUT, exit_fn=codes.append)  # rank 0 watches rank 1: its store's silence is TIMEOUT
+    assert beat.watched == [1] and beat._store_limit() == TIMEOUT
+    clock[0] += TIMEOUT + 0.5 * BEAT  # the last answer came at 1000.0
+    beat._guard_thread.start()
+    deadline = time.monotonic() + 30
+    while len(looks) < 4 and not codes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(looks) >= 4 and codes == []  # looked thrice at least, silent for less than TIMEOUT + a beat
+    clock[0] += BEAT
+    beat._guard_thread.join(timeout=30)  # it ends with the line: _finish stops it (exit_fn returned)
+    assert codes == [1] and "has stopped answering (dead, frozen or cut off) at step 0" in beat.verdict
+
+
 def test_master_port_must_be_a_tcp_port(monkeypatch):
     for good in ["1", "65535"]:
         monkeypatch.setenv("MASTER_PORT", good)
@@ -278,19 +312,76 @@ def test_a_verdict_waits_for_every_live_rank_and_not_for_more(store):
     assert 1.0 <= time.monotonic() - start < 20.0  # not less: the live rank's 2 beats to read the verdict
 
 
-def test_a_rank_that_finished_exits(store):
-    """A rank's process that finished (stop: ``done``) exits normally: none of the heartbeat's threads (the
-    listener blocks on ``ended`` for as long as the job lasts) holds the interpreter open at exit."""
+def test_a_rank_that_finished_exits_and_tells_its_peers(store):
+    """A rank's process that finished (stop: ``done``, which its watcher reads as never silent) exits normally:
+    none of the heartbeat's threads (the listener blocks on ``ended`` for as long as the job lasts) holds the
+    interpreter open at exit. Also when the store's host froze (it accepts connections and never answers: every
+    store call hangs): stop() gives up telling ``done`` after 2 beats and a store call's timeout (timeout / 3;
+    1.6 s here) and the threads stuck in a store call do not keep the finished process alive."""
     store()
-    code = (
-        "from engine.cluster.heartbeat import Heartbeat\n"
-        "beat = Heartbeat(0, 2, 30.0).start()\n"
-        "while beat._beats < 1: pass\n"
-        "beat.stop()\n"
-        "print('finished')\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and done.stdout == "finished\n", done.stderr[-2000:]
+    with socket.socket() as frozen:
+        frozen.bind(("127.0.0.1", 0))
+        frozen.listen(16)  # never accepted: a client's connect goes through, then waits for a reply for ever
+        code = (
+            "import os, sys, time\n"
+            "from engine.cluster.heartbeat import Heartbeat\n"
+            "beat = Heartbeat(0, 2, 30.0).start()\n"
+            "while beat._beats < 1: time.sleep(0.01)\n"  # a busy loop would hold the GIL from its connect
+            "beat.stop()\n"
+            "print('finished')\n"
+            "os.environ['MASTER_PORT'] = sys.argv[1]\n"
+            "beat = Heartbeat(0, 2, 3.0).start()\n"
+            "start = time.monotonic()\n"
+            "beat.stop()\n"
+            "print(f'stopped in {time.monotonic() - start:.1f} s')\n"
+        )
+        port = str(frozen.getsockname()[1])
+        done = subprocess.run([sys.executable, "-c", code, port], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("finished\nstopped in "), done.stderr[-2000:]
+    assert float(done.stdout.split()[-2]) < 5.0, done.stdout
+    assert connect(5.0).get("hb/0") == b"done"
+
+
+def test_a_rank_whose_store_is_gone_finishes_without_a_traceback(store, monkeypatch):
+    """The store's host has left (rank 0, which serves it, finished first): a rank that finishes then, or whose
+    heartbeat starts then, prints no traceback from the heartbeat's threads (each store call fails: its beat
+    thread tries again next beat, its listener and its last ``done`` give up), only what torch's client logs."""
+    store()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))  # closed: refused
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append((args.thread.name, args.exc_value)))
+    before = set(threading.enumerate())
+    beat = Heartbeat(0, 2, 0.6, exit_fn=lambda code: None).start()
+    beat.stop()
+    for t in set(threading.enumerate()) - before:
+        t.join(timeout=30)  # each of them ends with its failed connect (~1 s)
+    assert raised == []
+
+
+def test_a_store_call_that_fails_is_tried_again_at_the_next_beat(store, monkeypatch):
+    """One store call fails (here the beat thread's first connect, refused): the beat thread stays and tries again
+    at its next beat; the store is named only when it has not answered for the timeout, and this rank never."""
+    store()
+    refused, real = [], heartbeat.connect
+
+    def connect_once_refused(timeout_s):
+        if threading.current_thread().name == "engine-heartbeat" and not refused:
+            refused.append(time.monotonic())
+            raise ConnectionRefusedError("the store's host refused the connection")
+        return real(timeout_s)
+
+    monkeypatch.setattr(heartbeat, "connect", connect_once_refused)
+    codes: list[int] = []
+    beat = Heartbeat(0, 2, TIMEOUT, exit_fn=codes.append).start()
+    deadline = time.monotonic() + 30
+    while beat._beats < 3 and not codes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    beat.stop()
+    connect(5.0).set("ended", "")  # the listener's wait ends: no thread of the test stays blocked in the store
+    beat._listener.join(timeout=10)
+    assert refused and beat._beats >= 3 and codes == [] and beat.verdict is None
 
 
 def test_the_store_host_is_the_one_with_master_addr(monkeypatch):
