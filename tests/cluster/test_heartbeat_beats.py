@@ -33,6 +33,7 @@ from engine.cluster.heartbeat import (
 )
 from engine.cluster.verdict import ACKS_KEY, LIVE_KEY, acknowledge, store_host
 from engine.errors import ConfigError
+from launch.bench.scale_store import Counting
 from tests.cli import ROOT
 from tests.dist import run_threads
 
@@ -108,6 +109,9 @@ def test_a_peer_silent_for_less_than_the_timeout_is_not_named_and_one_silent_pas
         r"step 5; ending the job \(seen first by rank 0 on host \S+ \(127\.0\.0\.1\); the last checkpoint is intact\)$",
         job.ranks[0].verdict,
     ), job.ranks[0].verdict
+    assert (
+        job.stores[0].check([ACKS_KEY]) and job.stores[0].get(ACKS_KEY) == b"1"
+    )  # it counted itself in before leaving: the store stays for the rest
     job.beat(23, ranks=[1])  # the stalled rank goes on: it reads the verdict and ends with the same line
     assert job.codes[1] == [1] and job.ranks[1].verdict == job.ranks[0].verdict
 
@@ -260,6 +264,35 @@ def test_the_guard_names_a_store_silent_for_the_timeout_and_a_beat_and_not_soone
     clock[0] += BEAT
     beat._guard_thread.join(timeout=30)  # it ends with the line: _finish stops it (exit_fn returned)
     assert codes == [1] and "has stopped answering (dead, frozen or cut off) at step 0" in beat.verdict
+
+
+def test_a_beat_costs_a_watcher_two_requests_and_any_other_rank_one_and_a_poll(store):
+    """Mid-run (the host names read once, at the first beat), a beat is one set of the rank's counter and, for a
+    watcher, one read of its slice's counters, ``verdict`` and ``alarm``; a rank that watches nothing reads
+    ``verdict`` every POLL-th beat only (issue 43: the store's work per round stays O(1) per rank). Counted with
+    launch/bench/scale_store.py's counting client, as tests/cluster/test_scale.py does at 1,024 ranks. A heartbeat
+    shorter than 2 s still beats at most 5 times a second."""
+    assert Heartbeat(0, 2, 0.5)._period() == 0.2 and Heartbeat(0, 2, 30.0)._period() == 30.0 / BEATS
+    job = Job(store, 4, local=2)
+    job.beat(0)
+    job.stores = [Counting(s) for s in job.stores]
+    for t in range(1, 2 * POLL + 1):
+        job.beat(t)
+    assert job.ended() == []
+    assert [s.requests for s in job.stores] == [4 * POLL, 2 * POLL + 2] * 2
+    assert [s.keys for s in job.stores] == [2 * POLL * (1 + 2 + 2), 2 * POLL + 2] * 2
+
+
+def test_the_store_line_names_rank_0s_host_to_a_watcher_of_other_hosts(store):
+    """One rank per host: the store's host (MASTER_ADDR's, rank 0's here) is named in the store line also by a
+    rank that watches other hosts: it reads rank 0's host name with its slice's, once."""
+    job = Job(store, 4)
+    for r in range(4):  # distinct hosts, only rank 0's at the store's address
+        job.stores[0].set(f"host/{r}", f"h{r} ({'127.0.0.1' if r == 0 else f'198.18.0.{r}'})")
+    job.beat(0)
+    assert job.ranks[2].watched == [3]
+    job.ranks[2]._end(job.ranks[2]._store_line())
+    assert "(host h0 (127.0.0.1)) has stopped answering" in job.ranks[2].verdict, job.ranks[2].verdict
 
 
 def test_master_port_must_be_a_tcp_port(monkeypatch):
