@@ -224,6 +224,20 @@ def test_the_watcher_that_posts_second_reports_the_first_ones_line(store):
     assert job.ranks[3].verdict == job.ranks[0].verdict
 
 
+def test_a_verdict_reaches_a_rank_through_its_listener_at_once(store):
+    """A rank's listener blocks on ``ended``: the line posted there ends the rank without a beat of its own (a
+    rank that watches nothing would read ``verdict`` only at its next POLL-th beat); so does a listener that
+    connects after the line was posted."""
+    job = Job(store, 4, local=2)
+    job.stores[0].set(LIVE_KEY, "2")  # posted with the verdict (_verdict): here the two ranks that acknowledge it
+    job.ranks[1]._listener.start()
+    job.stores[0].set("ended", "error: a verdict")
+    job.ranks[3]._listener.start()
+    for r in (1, 3):
+        job.ranks[r]._listener.join(timeout=30)
+        assert job.codes[r] == [1] and job.ranks[r].verdict == "error: a verdict" and job.ranks[r]._beats == 0
+
+
 def test_the_store_line_and_a_non_watcher_allows_its_polls(store):
     """A rank that watches nothing hears the store every POLL beats: it allows those more before naming the
     store (a watcher names it first); the line names the store's host and the step, no duration."""
