@@ -238,6 +238,59 @@ def test_a_verdict_reaches_a_rank_through_its_listener_at_once(store):
         assert job.codes[r] == [1] and job.ranks[r].verdict == "error: a verdict" and job.ranks[r]._beats == 0
 
 
+class Flaky:
+    """A rank's store client whose call of ``method`` on a key that starts with ``key`` fails once, as a
+    connection reset does: the first such call after ``after`` of them."""
+
+    def __init__(self, store, method: str, key: str, after: int = 0):
+        self.store, self.method, self.key, self.calls, self.after = store, method, key, 0, after
+
+    @property
+    def failed(self) -> bool:
+        return self.calls > self.after
+
+    def __getattr__(self, name):
+        real = getattr(self.store, name)
+
+        def call(*args):
+            first = args[0][0] if isinstance(args[0], list) else args[0]
+            if first.startswith(self.key):
+                self.calls += 1
+                if self.calls == self.after + 1:
+                    raise ConnectionResetError("the store's connection was reset")
+            return real(*args)
+
+        return call if name == self.method else real
+
+
+def test_a_store_call_that_fails_while_a_beat_judges_leaves_the_beat_thread_going(store):
+    """A beat's judgement makes store calls of its own (the host names, the check of counters that never
+    appeared, the verdict's post and its announcement); ``judge`` runs outside the beat loop's ``except``, so one
+    of them failing must not end the beat thread (a traceback, then a live rank that never beats again, or a
+    verdict lost): the names are read next beat, the absent peer named next beat, the verdict still ends the rank."""
+    job = Job(store, 2)
+    job.stores[0] = Flaky(job.stores[0], "check", "host/")
+    job.beat(0)
+    job.beat(1)
+    assert job.ranks[0]._hosts_loaded and job.ended() == []
+
+    job = Job(store, 2, step=0)
+    job.stores[1].delete_key("hb/1")  # rank 1 never beat
+    job.stores[0] = Flaky(job.stores[0], "check", "hb/1", after=2)  # exchange's checks pass, _absent's fails
+    for t in [0, 10.1]:
+        job.beat(t, ranks=[0])
+    assert job.ended() == [] and job.stores[0].failed
+    job.beat(11.1, ranks=[0])
+    assert job.ended() == [0] and re.match(r"error: rank 1 on host \S+ \(127\.0\.0\.1\) silent", job.ranks[0].verdict)
+
+    for method, key in [("compare_set", LIVE_KEY), ("set", "ended")]:  # the verdict's post, its announcement
+        job = Job(store, 2)
+        job.beat(0)
+        job.stores[0] = Flaky(job.stores[0], method, key)
+        job.beat(10.1, ranks=[0])
+        assert job.ended() == [0] and job.stores[0].failed and "rank 1 on host" in job.ranks[0].verdict, method
+
+
 def test_the_store_line_and_a_non_watcher_allows_its_polls(store):
     """A rank that watches nothing hears the store every POLL beats: it allows those more before naming the
     store (a watcher names it first); the line names the store's host and the step, no duration."""
