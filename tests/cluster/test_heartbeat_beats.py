@@ -207,14 +207,15 @@ def test_a_finished_peer_is_never_silent_and_a_failed_one_is_named_at_once(store
 
 
 def test_the_watcher_that_posts_second_reports_the_first_ones_line(store):
-    """Both watchers see a silent peer (rank 3 and rank 1): the verdict is compare-set, so both print the first
-    poster's line; a rank that watches nothing reads it at its next polling beat (every POLL-th)."""
+    """Both watchers see a silent peer (rank 3 and rank 1) in the same beat: the verdict is compare-set, so both
+    print the first poster's line; a rank that watches nothing reads it at its next polling beat (every POLL-th)."""
     job = Job(store, 4, local=2)
     job.beat(0)
     for t in range(1, 10):
         job.beat(t, ranks=[0, 2])
-    job.beat(10.1, ranks=[0])
-    job.beat(10.1, ranks=[2])
+    reads = {r: job.ranks[r].exchange(job.stores[r])[0] for r in (0, 2)}  # both read before either posts
+    for r in (0, 2):  # rank 3 silent since beat 0, rank 1 since beat 1 (rank 2 read before rank 1 beat 0)
+        job.ranks[r].judge(job.stores[r], reads[r], 1000.0 + 11.1 * BEAT)
     assert job.ended() == [0, 2] and job.ranks[2].verdict == job.ranks[0].verdict
     assert re.match(r"error: rank 3 on host \S+ \(127\.0\.0\.1\) silent", job.ranks[0].verdict), job.ranks[0].verdict
     # rank 3's beats so far: 1 (beat 0); 2 and 3 are not polling beats; 4 is
