@@ -227,3 +227,39 @@ def test_an_agent_at_pid_2_of_a_container_is_watched():
             run.kill()
     assert status.strip() == b"137", status  # 128 + SIGKILL
     assert b"engine-heartbeat: the torchrun agent (pid 2) has not reaped its ended worker (pid 3)" in errors, errors
+
+
+# A worker that ends on a heartbeat verdict as launch/pretrain.py's do (exit_fn os._exit): its peer failed on its
+# own, so the verdict comes at the first beat; the worker serves the job's store itself, as rank 0 does
+VERDICT_WORKER = """import os, sys, time
+sys.path.insert(0, {root!r})
+from datetime import timedelta
+import torch.distributed as dist
+server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port))
+from engine.cluster.heartbeat import Heartbeat, connect
+connect(5.0).set("hb/1", "failed")
+Heartbeat(0, 2, 0.6).start()
+time.sleep(60)
+"""
+
+
+def test_a_worker_ending_on_a_heartbeat_verdict_under_torchrun_starts_the_watchdog():
+    """engine/cluster/heartbeat.py's end (os._exit after the line) starts the watchdog of its torchrun agent: an
+    agent blocked on a frozen store (here: one that never reaps) is killed once its worker has ended on the line."""
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "job1"}
+    agent = subprocess.Popen(
+        [sys.executable, "-c", AGENT, VERDICT_WORKER.format(root=str(ROOT)), "blocked"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert agent.wait(timeout=30) == -9
+        err = agent.communicate()[1]
+        assert "error: rank 1 on host " in err and "failed (its own error is printed above)" in err, err[-2000:]
+        assert "engine-heartbeat: the torchrun agent (pid " in err, err[-2000:]
+    finally:
+        agent.kill()
+        agent.wait()

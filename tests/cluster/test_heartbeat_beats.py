@@ -7,14 +7,18 @@ tests/cluster/test_heartbeat.py runs the same code on its threads with real sile
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 
+from engine.cluster import heartbeat
 from engine.cluster.heartbeat import (
     ALARM_BEATS,
     BEATS,
@@ -29,6 +33,7 @@ from engine.cluster.heartbeat import (
 )
 from engine.cluster.verdict import ACKS_KEY, LIVE_KEY, acknowledge, store_host
 from engine.errors import ConfigError
+from launch.bench.scale_store import Counting
 from tests.cli import ROOT
 from tests.dist import run_threads
 
@@ -104,6 +109,9 @@ def test_a_peer_silent_for_less_than_the_timeout_is_not_named_and_one_silent_pas
         r"step 5; ending the job \(seen first by rank 0 on host \S+ \(127\.0\.0\.1\); the last checkpoint is intact\)$",
         job.ranks[0].verdict,
     ), job.ranks[0].verdict
+    assert (
+        job.stores[0].check([ACKS_KEY]) and job.stores[0].get(ACKS_KEY) == b"1"
+    )  # it counted itself in before leaving: the store stays for the rest
     job.beat(23, ranks=[1])  # the stalled rank goes on: it reads the verdict and ends with the same line
     assert job.codes[1] == [1] and job.ranks[1].verdict == job.ranks[0].verdict
 
@@ -125,14 +133,18 @@ def test_after_a_failed_collective_a_few_beats_of_silence_name_a_peer(store):
     assert job.ranks[1].verdict == job.ranks[0].verdict
 
 
-def test_explain_gives_the_alarm_its_beats_before_calling_the_error_this_ranks(store):
+def test_explain_gives_the_alarm_its_beats_before_calling_the_error_this_ranks(monkeypatch):
     """After a failed collective the trainer asks explain(): it sets the alarm and waits ALARM_BEATS + 3 beats for
-    a verdict (which would end the process) before the error is taken as this rank's own. A lower bound only."""
-    job = Job(store, 2)
-    start = time.monotonic()
-    job.ranks[0].explain()
-    assert time.monotonic() - start >= (ALARM_BEATS + 3) * BEAT and job.ranks[0].alarm.is_set()
-    assert job.ended() == []
+    a verdict (which would end the process) before the error is taken as this rank's own: not less (the alarm's
+    verdict would be cut off), nor more than one poll longer (a rank's own error would wait for nothing). Counted
+    on a clock that only explain's own polls move."""
+    clock = [1000.0]
+    fake = SimpleNamespace(monotonic=lambda: clock[0], sleep=lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(heartbeat, "time", fake)
+    beat = Heartbeat(0, 2, TIMEOUT)
+    beat.explain()
+    assert (ALARM_BEATS + 3) * BEAT <= clock[0] - 1000.0 < (ALARM_BEATS + 3) * BEAT + 0.1 and beat.alarm.is_set()
+    assert beat.verdict is None
 
 
 def test_without_an_alarm_the_timeout_holds_for_every_watcher(store):
@@ -195,14 +207,15 @@ def test_a_finished_peer_is_never_silent_and_a_failed_one_is_named_at_once(store
 
 
 def test_the_watcher_that_posts_second_reports_the_first_ones_line(store):
-    """Both watchers see a silent peer (rank 3 and rank 1): the verdict is compare-set, so both print the first
-    poster's line; a rank that watches nothing reads it at its next polling beat (every POLL-th)."""
+    """Both watchers see a silent peer (rank 3 and rank 1) in the same beat: the verdict is compare-set, so both
+    print the first poster's line; a rank that watches nothing reads it at its next polling beat (every POLL-th)."""
     job = Job(store, 4, local=2)
     job.beat(0)
     for t in range(1, 10):
         job.beat(t, ranks=[0, 2])
-    job.beat(10.1, ranks=[0])
-    job.beat(10.1, ranks=[2])
+    reads = {r: job.ranks[r].exchange(job.stores[r])[0] for r in (0, 2)}  # both read before either posts
+    for r in (0, 2):  # rank 3 silent since beat 0, rank 1 since beat 1 (rank 2 read before rank 1 beat 0)
+        job.ranks[r].judge(job.stores[r], reads[r], 1000.0 + 11.1 * BEAT)
     assert job.ended() == [0, 2] and job.ranks[2].verdict == job.ranks[0].verdict
     assert re.match(r"error: rank 3 on host \S+ \(127\.0\.0\.1\) silent", job.ranks[0].verdict), job.ranks[0].verdict
     # rank 3's beats so far: 1 (beat 0); 2 and 3 are not polling beats; 4 is
@@ -210,6 +223,73 @@ def test_the_watcher_that_posts_second_reports_the_first_ones_line(store):
         job.beat(10 + beat, ranks=[3])
         assert job.ended() == ([0, 2, 3] if beat == 4 else [0, 2]), beat
     assert job.ranks[3].verdict == job.ranks[0].verdict
+
+
+def test_a_verdict_reaches_a_rank_through_its_listener_at_once(store):
+    """A rank's listener blocks on ``ended``: the line posted there ends the rank without a beat of its own (a
+    rank that watches nothing would read ``verdict`` only at its next POLL-th beat); so does a listener that
+    connects after the line was posted."""
+    job = Job(store, 4, local=2)
+    job.stores[0].set(LIVE_KEY, "2")  # posted with the verdict (_verdict): here the two ranks that acknowledge it
+    job.ranks[1]._listener.start()
+    job.stores[0].set("ended", "error: a verdict")
+    job.ranks[3]._listener.start()
+    for r in (1, 3):
+        job.ranks[r]._listener.join(timeout=30)
+        assert job.codes[r] == [1] and job.ranks[r].verdict == "error: a verdict" and job.ranks[r]._beats == 0
+
+
+class Flaky:
+    """A rank's store client whose call of ``method`` on a key that starts with ``key`` fails once, as a
+    connection reset does: the first such call after ``after`` of them."""
+
+    def __init__(self, store, method: str, key: str, after: int = 0):
+        self.store, self.method, self.key, self.calls, self.after = store, method, key, 0, after
+
+    @property
+    def failed(self) -> bool:
+        return self.calls > self.after
+
+    def __getattr__(self, name):
+        real = getattr(self.store, name)
+
+        def call(*args):
+            first = args[0][0] if isinstance(args[0], list) else args[0]
+            if first.startswith(self.key):
+                self.calls += 1
+                if self.calls == self.after + 1:
+                    raise ConnectionResetError("the store's connection was reset")
+            return real(*args)
+
+        return call if name == self.method else real
+
+
+def test_a_store_call_that_fails_while_a_beat_judges_leaves_the_beat_thread_going(store):
+    """A beat's judgement makes store calls of its own (the host names, the check of counters that never
+    appeared, the verdict's post and its announcement); ``judge`` runs outside the beat loop's ``except``, so one
+    of them failing must not end the beat thread (a traceback, then a live rank that never beats again, or a
+    verdict lost): the names are read next beat, the absent peer named next beat, the verdict still ends the rank."""
+    job = Job(store, 2)
+    job.stores[0] = Flaky(job.stores[0], "check", "host/")
+    job.beat(0)
+    job.beat(1)
+    assert job.ranks[0]._hosts_loaded and job.ended() == []
+
+    job = Job(store, 2, step=0)
+    job.stores[1].delete_key("hb/1")  # rank 1 never beat
+    job.stores[0] = Flaky(job.stores[0], "check", "hb/1", after=2)  # exchange's checks pass, _absent's fails
+    for t in [0, 10.1]:
+        job.beat(t, ranks=[0])
+    assert job.ended() == [] and job.stores[0].failed
+    job.beat(11.1, ranks=[0])
+    assert job.ended() == [0] and re.match(r"error: rank 1 on host \S+ \(127\.0\.0\.1\) silent", job.ranks[0].verdict)
+
+    for method, key in [("compare_set", LIVE_KEY), ("set", "ended")]:  # the verdict's post, its announcement
+        job = Job(store, 2)
+        job.beat(0)
+        job.stores[0] = Flaky(job.stores[0], method, key)
+        job.beat(10.1, ranks=[0])
+        assert job.ended() == [0] and job.stores[0].failed and "rank 1 on host" in job.ranks[0].verdict, method
 
 
 def test_the_store_line_and_a_non_watcher_allows_its_polls(store):
@@ -226,6 +306,61 @@ def test_the_store_line_and_a_non_watcher_allows_its_polls(store):
         r"frozen or cut off\) at step 5; ending the job$",
         line,
     ), line
+
+
+def test_the_guard_names_a_store_silent_for_the_timeout_and_a_beat_and_not_sooner(monkeypatch):
+    """The guard (the thread that never calls the store) sees a beat thread stuck in a store call: it names the
+    store once the last answer is older than the store's silence (the timeout, for a watcher) and the beat that
+    answer may lag, and not before: a store that pauses for less (a busy host) ends nothing. Counted on a clock
+    that the test sets and the guard reads at each of its looks."""
+    clock, looks = [1000.0], []
+
+    def monotonic() -> float:
+        looks.append(clock[0])
+        return clock[0]
+
+    monkeypatch.setattr(heartbeat, "time", SimpleNamespace(monotonic=monotonic, sleep=time.sleep))
+    codes: list[int] = []
+    beat = Heartbeat(0, 2, TIMEOUT, exit_fn=codes.append)  # rank 0 watches rank 1: its store's silence is TIMEOUT
+    assert beat.watched == [1] and beat._store_limit() == TIMEOUT
+    clock[0] += TIMEOUT + 0.5 * BEAT  # the last answer came at 1000.0
+    beat._guard_thread.start()
+    deadline = time.monotonic() + 30
+    while len(looks) < 4 and not codes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(looks) >= 4 and codes == []  # looked thrice at least, silent for less than TIMEOUT + a beat
+    clock[0] += BEAT
+    beat._guard_thread.join(timeout=30)  # it ends with the line: _finish stops it (exit_fn returned)
+    assert codes == [1] and "has stopped answering (dead, frozen or cut off) at step 0" in beat.verdict
+
+
+def test_a_beat_costs_a_watcher_two_requests_and_any_other_rank_one_and_a_poll(store):
+    """Mid-run (the host names read once, at the first beat), a beat is one set of the rank's counter and, for a
+    watcher, one read of its slice's counters, ``verdict`` and ``alarm``; a rank that watches nothing reads
+    ``verdict`` every POLL-th beat only (issue 43: the store's work per round stays O(1) per rank). Counted with
+    launch/bench/scale_store.py's counting client, as tests/cluster/test_scale.py does at 1,024 ranks. A heartbeat
+    shorter than 2 s still beats at most 5 times a second."""
+    assert Heartbeat(0, 2, 0.5)._period() == 0.2 and Heartbeat(0, 2, 30.0)._period() == 30.0 / BEATS
+    job = Job(store, 4, local=2)
+    job.beat(0)
+    job.stores = [Counting(s) for s in job.stores]
+    for t in range(1, 2 * POLL + 1):
+        job.beat(t)
+    assert job.ended() == []
+    assert [s.requests for s in job.stores] == [4 * POLL, 2 * POLL + 2] * 2
+    assert [s.keys for s in job.stores] == [2 * POLL * (1 + 2 + 2), 2 * POLL + 2] * 2
+
+
+def test_the_store_line_names_rank_0s_host_to_a_watcher_of_other_hosts(store):
+    """One rank per host: the store's host (MASTER_ADDR's, rank 0's here) is named in the store line also by a
+    rank that watches other hosts: it reads rank 0's host name with its slice's, once."""
+    job = Job(store, 4)
+    for r in range(4):  # distinct hosts, only rank 0's at the store's address
+        job.stores[0].set(f"host/{r}", f"h{r} ({'127.0.0.1' if r == 0 else f'198.18.0.{r}'})")
+    job.beat(0)
+    assert job.ranks[2].watched == [3]
+    job.ranks[2]._end(job.ranks[2]._store_line())
+    assert "(host h0 (127.0.0.1)) has stopped answering" in job.ranks[2].verdict, job.ranks[2].verdict
 
 
 def test_master_port_must_be_a_tcp_port(monkeypatch):
@@ -278,19 +413,76 @@ def test_a_verdict_waits_for_every_live_rank_and_not_for_more(store):
     assert 1.0 <= time.monotonic() - start < 20.0  # not less: the live rank's 2 beats to read the verdict
 
 
-def test_a_rank_that_finished_exits(store):
-    """A rank's process that finished (stop: ``done``) exits normally: none of the heartbeat's threads (the
-    listener blocks on ``ended`` for as long as the job lasts) holds the interpreter open at exit."""
+def test_a_rank_that_finished_exits_and_tells_its_peers(store):
+    """A rank's process that finished (stop: ``done``, which its watcher reads as never silent) exits normally:
+    none of the heartbeat's threads (the listener blocks on ``ended`` for as long as the job lasts) holds the
+    interpreter open at exit. Also when the store's host froze (it accepts connections and never answers: every
+    store call hangs): stop() gives up telling ``done`` after 2 beats and a store call's timeout (timeout / 3;
+    1.6 s here) and the threads stuck in a store call do not keep the finished process alive."""
     store()
-    code = (
-        "from engine.cluster.heartbeat import Heartbeat\n"
-        "beat = Heartbeat(0, 2, 30.0).start()\n"
-        "while beat._beats < 1: pass\n"
-        "beat.stop()\n"
-        "print('finished')\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and done.stdout == "finished\n", done.stderr[-2000:]
+    with socket.socket() as frozen:
+        frozen.bind(("127.0.0.1", 0))
+        frozen.listen(16)  # never accepted: a client's connect goes through, then waits for a reply for ever
+        code = (
+            "import os, sys, time\n"
+            "from engine.cluster.heartbeat import Heartbeat\n"
+            "beat = Heartbeat(0, 2, 30.0).start()\n"
+            "while beat._beats < 1: time.sleep(0.01)\n"  # a busy loop would hold the GIL from its connect
+            "beat.stop()\n"
+            "print('finished')\n"
+            "os.environ['MASTER_PORT'] = sys.argv[1]\n"
+            "beat = Heartbeat(0, 2, 3.0).start()\n"
+            "start = time.monotonic()\n"
+            "beat.stop()\n"
+            "print(f'stopped in {time.monotonic() - start:.1f} s')\n"
+        )
+        port = str(frozen.getsockname()[1])
+        done = subprocess.run([sys.executable, "-c", code, port], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("finished\nstopped in "), done.stderr[-2000:]
+    assert float(done.stdout.split()[-2]) < 5.0, done.stdout
+    assert connect(5.0).get("hb/0") == b"done"
+
+
+def test_a_rank_whose_store_is_gone_finishes_without_a_traceback(store, monkeypatch):
+    """The store's host has left (rank 0, which serves it, finished first): a rank that finishes then, or whose
+    heartbeat starts then, prints no traceback from the heartbeat's threads (each store call fails: its beat
+    thread tries again next beat, its listener and its last ``done`` give up), only what torch's client logs."""
+    store()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))  # closed: refused
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append((args.thread.name, args.exc_value)))
+    before = set(threading.enumerate())
+    beat = Heartbeat(0, 2, 0.6, exit_fn=lambda code: None).start()
+    beat.stop()
+    for t in set(threading.enumerate()) - before:
+        t.join(timeout=30)  # each of them ends with its failed connect (~1 s)
+    assert raised == []
+
+
+def test_a_store_call_that_fails_is_tried_again_at_the_next_beat(store, monkeypatch):
+    """One store call fails (here the beat thread's first connect, refused): the beat thread stays and tries again
+    at its next beat; the store is named only when it has not answered for the timeout, and this rank never."""
+    store()
+    refused, real = [], heartbeat.connect
+
+    def connect_once_refused(timeout_s):
+        if threading.current_thread().name == "engine-heartbeat" and not refused:
+            refused.append(time.monotonic())
+            raise ConnectionRefusedError("the store's host refused the connection")
+        return real(timeout_s)
+
+    monkeypatch.setattr(heartbeat, "connect", connect_once_refused)
+    codes: list[int] = []
+    beat = Heartbeat(0, 2, TIMEOUT, exit_fn=codes.append).start()
+    deadline = time.monotonic() + 30
+    while beat._beats < 3 and not codes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    beat.stop()
+    connect(5.0).set("ended", "")  # the listener's wait ends: no thread of the test stays blocked in the store
+    beat._listener.join(timeout=10)
+    assert refused and beat._beats >= 3 and codes == [] and beat.verdict is None
 
 
 def test_the_store_host_is_the_one_with_master_addr(monkeypatch):
