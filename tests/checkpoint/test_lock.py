@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from engine.checkpoint.format import CheckpointError
-from engine.checkpoint.lock import LOCK, CheckpointLock
+from engine.checkpoint.lock import LOCK, STALE_S, CheckpointLock, claim_run_directories, refuse_a_step
+from engine.config import load
 
 HOST = socket.gethostname()
 
@@ -144,6 +145,75 @@ def test_the_lock_file_is_readable_by_other_users(tmp_path):
     lock.release()
 
 
+class _Ticks:
+    """The holder's clock for its refresh loop: each wait() is one REFRESH_S gone by, after doing the next of
+    ``events`` (what the file system did meanwhile); set() (release) or the last event ends the loop."""
+
+    def __init__(self, *events):
+        self.events = list(events)
+
+    def wait(self, timeout: float) -> bool:
+        if not self.events:
+            return True
+        self.events.pop(0)()
+        return False
+
+    def set(self) -> None:
+        self.events = []
+
+
+def test_the_holder_keeps_refreshing_after_its_lock_was_briefly_gone(tmp_path):
+    """An NFS hiccup (the lock unreachable for one refresh) must not end the holder's refreshing: a thread that
+    died on it left a live job's lock to go stale, and a job on another host took it over."""
+    lock = CheckpointLock(tmp_path, "mine")
+    lock.acquire()
+    lock._released.set()  # the real thread ends; the loop below runs on _Ticks' clock, in this thread
+    path, away, old = tmp_path / LOCK, tmp_path / "away", time.time() - 3 * STALE_S
+
+    def back() -> None:
+        away.rename(path)
+        os.utime(path, (old, old))
+
+    lock._released = _Ticks(lambda: path.rename(away), back, lambda: None)
+    lock._refresh()
+    assert path.stat().st_mtime > time.time() - STALE_S, "the holder stopped refreshing its lock"
+    lock.release()
+
+
+@pytest.mark.parametrize("pid", [0, -1])
+def test_lock_of_a_pid_that_cannot_be_a_job_is_taken_over(tmp_path, capsys, pid):
+    """A lock on this host naming pid 0 or below (no job's: os.kill would signal a group, or every process) is a
+    dead one, taken over with a line, not refused forever."""
+    _write_lock(tmp_path, host=HOST, pid=pid)
+    lock = CheckpointLock(tmp_path, "new")
+    assert f"taking over the lock of pid {pid} on host {HOST}" in (lock.acquire() or "")
+    lock.release()
+
+
+def test_lock_of_pid_1_is_a_live_job(tmp_path):
+    """pid 1 is a job where the training runs as a container's first process: a second run started in that
+    container is refused."""
+    _write_lock(tmp_path, host=HOST, pid=1)
+    with pytest.raises(CheckpointError, match=f"is in use by pid 1 on host {HOST}"):
+        CheckpointLock(tmp_path, "new").acquire()
+
+
+@pytest.mark.parametrize("meanwhile", ["removed", "garbage", "another job's"])
+def test_release_leaves_what_is_not_its_lock_and_never_fails(tmp_path, meanwhile):
+    """The end of training (release) when the lock was removed by hand, overwritten with garbage or taken over by
+    another job: no error at the end of a finished run, and another job's lock stays."""
+    lock = CheckpointLock(tmp_path, "mine")
+    lock.acquire()
+    if meanwhile == "removed":
+        (tmp_path / LOCK).unlink()
+    elif meanwhile == "garbage":
+        (tmp_path / LOCK).write_bytes(b"\x00{")
+    else:
+        _write_lock(tmp_path)
+    lock.release()
+    assert meanwhile == "removed" or (tmp_path / LOCK).exists()
+
+
 def _link_fails(code: int):
     def link(*args, **kwargs):
         raise OSError(code, os.strerror(code))
@@ -168,3 +238,116 @@ def test_on_a_file_system_without_hard_links_the_lock_is_created_in_place(tmp_pa
     with pytest.raises(OSError, match=os.strerror(errno.EIO)):
         CheckpointLock(tmp_path, "new").acquire()
     assert list(tmp_path.iterdir()) == []
+
+
+def _claim(out: Path, root: Path | None, *args: str) -> tuple[list[CheckpointLock], str | None]:
+    """Rank 0's start-up claim of ``out`` (train.out_dir) and ``root`` (checkpoint.dir; None: nothing saved)."""
+    cfg = load(["--train.out_dir", str(out), "--checkpoint.dir", str(root or ""), *args])
+    return claim_run_directories(cfg, root, "tok1")
+
+
+def _ours(directory: Path) -> bool:
+    record = json.loads((directory / LOCK).read_text())
+    return record["pid"] == os.getpid() and record["run"] == "tok1"
+
+
+def test_both_directories_are_created_and_locked_and_released(tmp_path, capsys):
+    """checkpoint.dir and train.out_dir are created with their missing parents and each holds this job's lock
+    (two jobs on either would write one folder); release() removes both."""
+    out, root = tmp_path / "a" / "b" / "out", tmp_path / "c" / "d" / "ckpt"
+    out.mkdir(parents=True)
+    _write_lock(out, host=HOST, pid=0)  # a dead job's: taken over with one line, the only one printed
+    locks, error = _claim(out, root)
+    assert error is None and _ours(out) and _ours(root)
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 1 and said[0].startswith("train.out_dir: taking over the lock of pid 0 on host"), said
+    for lock in locks:
+        lock.release()
+    assert not (out / LOCK).exists() and not (root / LOCK).exists()
+
+
+def test_without_a_checkpoint_dir_only_out_dir_is_locked_and_the_run_says_nothing_is_saved(tmp_path, capsys):
+    """checkpoint.dir='' saves nothing: one line says so at start, and a 'latest' in out_dir (not a checkpoint
+    directory then) is no concern of this run."""
+    (tmp_path / "latest").mkdir()
+    locks, error = _claim(tmp_path, None)
+    assert error is None and [lock.path for lock in locks] == [tmp_path / LOCK]
+    assert "checkpoint.dir is empty: no checkpoint will be saved" in capsys.readouterr().out
+    locks[0].release()
+
+
+def test_a_directory_that_cannot_be_claimed_is_one_line_and_no_lock_is_kept(tmp_path):
+    """checkpoint.dir under a file (cannot be created), its LOCK a directory (cannot be replaced), or a file the run
+    writes that is a directory: one line naming the setting and the path, and train.out_dir's lock, already
+    taken, is released (a job that never ran must not lock out the next)."""
+    (tmp_path / "file").write_text("x")
+    cases = {
+        tmp_path / "file" / "ckpt": "checkpoint.dir '{root}' cannot be written: cannot write ",
+        tmp_path / "lockdir": "checkpoint.dir: cannot write '{root}/LOCK': ",
+        tmp_path / "latestdir": "checkpoint.dir: '{root}/latest' is not a file, and the run writes it; move it away",
+    }
+    (tmp_path / "lockdir" / LOCK).mkdir(parents=True)
+    (tmp_path / "latestdir" / "latest").mkdir(parents=True)
+    for root, says in cases.items():
+        locks, error = _claim(tmp_path / "out", root)
+        assert locks == [] and error is not None and error.startswith(says.format(root=root)), (root, error)
+        assert "\n" not in error and not (tmp_path / "out" / LOCK).exists(), error
+
+
+def test_a_disk_error_while_taking_a_lock_names_that_lock(tmp_path, monkeypatch):
+    """The disk failing (EIO, a full disk) between the probe and the lock: one line naming the setting and the
+    lock it could not write (and the free space of that disk), not train.out_dir's taken before it."""
+    real_link, root = os.link, tmp_path / "ckpt"
+
+    def link(src, dst, *args, **kwargs):
+        if Path(dst).parent == root:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_link(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "link", link)
+    locks, error = _claim(tmp_path / "out", root)
+    assert locks == [] and not (tmp_path / "out" / LOCK).exists()
+    assert error is not None and error.startswith(f"checkpoint.dir: cannot write '{root / LOCK}': Input/output error")
+
+
+def test_files_the_run_writes_must_not_be_directories(tmp_path):
+    """metrics.jsonl in train.out_dir and latest in checkpoint.dir (also when checkpoint.dir is out_dir) are
+    checked; a checkpoint.dir apart from out_dir may hold a folder named metrics.jsonl, and out_dir one named
+    latest."""
+    (tmp_path / "out" / "metrics.jsonl").mkdir(parents=True)
+    locks, error = _claim(tmp_path / "out", tmp_path / "ckpt")
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    assert error == f"train.out_dir: '{metrics}' is not a file, and the run writes it; move it away", error
+    for name, out, root in [("latest", tmp_path / "o1", tmp_path / "o1"), ("metrics.jsonl", tmp_path / "o2", None)]:
+        (out / name).mkdir(parents=True, exist_ok=True)
+        assert _claim(out, root)[1] is not None, name
+    (tmp_path / "c3" / "metrics.jsonl").mkdir(parents=True)
+    (tmp_path / "o3" / "latest").mkdir(parents=True)
+    locks, error = _claim(tmp_path / "o3", tmp_path / "c3")
+    assert error is None, error
+    for lock in locks:
+        lock.release()
+
+
+def test_tensorboard_directory_that_is_a_file_is_checked_only_with_tensorboard(tmp_path):
+    (tmp_path / "tensorboard").write_text("x")
+    locks, error = _claim(tmp_path, None)
+    assert error is None
+    locks[0].release()
+    assert _claim(tmp_path, None, "--log.tensorboard", "true")[1] == (
+        f"log.tensorboard's directory '{tmp_path / 'tensorboard'}' is not a directory; "
+        "move it away, or set log.tensorboard=false"
+    )
+
+
+def test_a_step_folder_or_a_folder_inside_one_is_refused_naming_which(tmp_path):
+    """A checkpoint step folder as checkpoint.dir (issue 42 item 11): the line says whether the directory is the
+    step or lies inside it; the checkpoint directory itself is fine."""
+    (tmp_path / "step_000001" / "sub").mkdir(parents=True)
+    (tmp_path / "latest").write_text("step_000001\n")
+    refuse_a_step(tmp_path, "checkpoint.dir")
+    with pytest.raises(CheckpointError, match=f"'{tmp_path / 'step_000001'}' is a checkpoint step of {tmp_path} "):
+        refuse_a_step(tmp_path / "step_000001", "checkpoint.dir")
+    step = tmp_path / "step_000001"
+    with pytest.raises(CheckpointError, match=f"lies inside {step}, which is a checkpoint step of {tmp_path} "):
+        refuse_a_step(step / "sub", "checkpoint.dir")
