@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import re
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -86,9 +87,10 @@ def test_holder_without_a_start_time_is_named_since_an_unknown_time(tmp_path, li
     assert f"is in use by pid {live_pid} on host {HOST} (run old, since an unknown time)" in str(refused.value)
 
 
-def test_holder_with_a_start_time_is_named_since_then(tmp_path, live_pid):
-    _write_lock(tmp_path, host=HOST, pid=live_pid, started=1.7e9)
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(1.7e9))
+@pytest.mark.parametrize("started", [1, 1.7e9])
+def test_holder_with_a_start_time_is_named_since_then(tmp_path, live_pid, started):
+    _write_lock(tmp_path, host=HOST, pid=live_pid, started=started)
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
     with pytest.raises(CheckpointError, match=re.escape(f"(run old, since {since}); use another checkpoint.dir")):
         CheckpointLock(tmp_path, "new").acquire()
 
@@ -103,19 +105,25 @@ def _hold(root: Path, rounds: int, barrier, results) -> None:
         try:
             CheckpointLock(root / str(attempt), f"job{os.getpid()}").acquire()
             said.append("held")
-        except CheckpointError as e:
-            said.append(str(e))
+        except (CheckpointError, OSError) as e:  # OSError: a rival's move taken for a disk error
+            said.append(f"{type(e).__name__}: {e}")
     results.put((os.getpid(), said))
     time.sleep(60)
 
 
-def test_of_jobs_started_together_on_one_folder_one_holds_it(tmp_path):
-    """Jobs starting at once on one folder (forked beside each other: rivals, none another's parent): exactly one
-    takes the lock, every other is refused naming it. A lock read while its writer was between creating and filling
-    it was taken for a dead writer's garbage and taken over: two or more of four held it in up to a third of the
-    tries, so the jobs meet on many folders."""
+@pytest.mark.parametrize("before", ["nothing", "a dead job's lock"])
+def test_of_jobs_started_together_on_one_folder_one_holds_it(tmp_path, before):
+    """Jobs starting at once on one folder (forked beside each other: rivals, none another's parent), empty or
+    holding a dead job's lock: exactly one takes the lock, every other is refused naming it. A lock read while its
+    writer was between creating and filling it was taken for a dead writer's garbage and taken over: two or more of
+    four held it in up to a third of the tries, so the jobs meet on many folders. Known and not fixed (issue 45's
+    report): two jobs taking over one dead job's lock at once may both hold it (one removes the lock the other has
+    just written); that case is an expected failure here, but no job may fail on the other's move."""
     ctx = multiprocessing.get_context("fork")
     jobs, rounds = 4, 40
+    for attempt in range(rounds if before != "nothing" else 0):
+        (tmp_path / str(attempt)).mkdir()
+        _write_lock(tmp_path / str(attempt), host=HOST, pid=0)
     barrier, results = ctx.Barrier(jobs), ctx.Queue()
     procs = [ctx.Process(target=_hold, args=(tmp_path, rounds, barrier, results), daemon=True) for _ in range(jobs)]
     for proc in procs:
@@ -127,11 +135,15 @@ def test_of_jobs_started_together_on_one_folder_one_holds_it(tmp_path):
             proc.kill()
             proc.join()
     for attempt in range(rounds):
+        what = {pid: said[pid][attempt] for pid in said}
+        assert all(w == "held" or w.startswith("CheckpointError: ") for w in what.values()), (attempt, what)
         holders = [pid for pid in said if said[pid][attempt] == "held"]
-        assert len(holders) == 1, (attempt, {pid: said[pid][attempt] for pid in said})
+        if len(holders) > 1 and before != "nothing":
+            pytest.xfail(f"two jobs took over one dead job's lock at once (round {attempt}): {what}")
+        assert len(holders) == 1, (attempt, what)
         assert json.loads((tmp_path / str(attempt) / LOCK).read_text())["pid"] == holders[0]
-        refused = [said[pid][attempt] for pid in said if pid != holders[0]]
-        assert all(f"is in use by pid {holders[0]} on host {HOST}" in what for what in refused), refused
+        refused = [w for pid, w in what.items() if pid != holders[0]]
+        assert all(f"is in use by pid {holders[0]} on host {HOST}" in w for w in refused), (attempt, what)
 
 
 def test_the_lock_file_is_readable_by_other_users(tmp_path):
@@ -195,6 +207,91 @@ def test_lock_of_pid_1_is_a_live_job(tmp_path):
     container is refused."""
     _write_lock(tmp_path, host=HOST, pid=1)
     with pytest.raises(CheckpointError, match=f"is in use by pid 1 on host {HOST}"):
+        CheckpointLock(tmp_path, "new").acquire()
+
+
+def test_refusing_a_live_job_leaves_it_running(tmp_path):
+    """The second job asks whether the holder lives (signal 0): any other signal (1, SIGHUP) would end the very
+    job it is refused by."""
+    holder = subprocess.Popen(["sleep", "30"])
+    try:
+        _write_lock(tmp_path, host=HOST, pid=holder.pid)
+        with pytest.raises(CheckpointError, match=f"is in use by pid {holder.pid} on host {HOST}"):
+            CheckpointLock(tmp_path, "new").acquire()
+        with pytest.raises(subprocess.TimeoutExpired):
+            holder.wait(timeout=0.3)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _judge_as_another_user(results) -> None:
+    """A forked job of another user (nobody, when the tests run as root) judging the lock of pid 1 on this host."""
+    if os.getuid() == 0:
+        os.setuid(65534)
+    try:
+        results.put(CheckpointLock(Path("unused"), "new")._stale({"host": HOST, "pid": 1, "run": "old"}))
+    except Exception as e:  # reported to the test, which names it
+        results.put(repr(e))
+
+
+def test_a_live_job_of_another_user_is_alive(tmp_path):
+    """Another user's job on this host may not be signalled (EPERM): it is alive, and its lock is not stale."""
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    judge = ctx.Process(target=_judge_as_another_user, args=(results,))
+    judge.start()
+    try:
+        assert results.get(timeout=30) is False
+    finally:
+        judge.join()
+
+
+def _take_and_end(directory: Path) -> None:
+    CheckpointLock(directory, "x").acquire()
+
+
+def test_a_job_that_ends_without_releasing_its_lock_exits(tmp_path):
+    """A job that fails after taking its lock, past any release(), still exits: the refresh thread is a daemon, not
+    one the interpreter waits for (forever) at exit (a forked process waits for its threads as a script does). The
+    next job takes over the dead one's lock."""
+    job = multiprocessing.get_context("fork").Process(target=_take_and_end, args=(tmp_path,))
+    job.start()
+    job.join(timeout=10)
+    try:
+        assert job.exitcode == 0, "the job did not exit"
+    finally:
+        job.kill()
+        job.join()
+    lock = CheckpointLock(tmp_path, "new")
+    assert "which is no longer running" in (lock.acquire() or "")
+    lock.release()
+
+
+def test_a_lock_that_vanishes_as_it_is_read_is_tried_again(tmp_path, monkeypatch):
+    """A rival's lock gone between our try and our read (its job ended; another took it over), twice in a row: the
+    job tries again and takes the folder, rather than failing with 'other jobs keep changing it'."""
+    real_link, tries = os.link, []
+
+    def link(src, dst, *args, **kwargs):
+        tries.append(dst)
+        if len(tries) <= 2:  # a rival's lock was there, and is gone when we read it
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+        return real_link(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "link", link)
+    lock = CheckpointLock(tmp_path, "mine")
+    assert lock.acquire() is None and len(tries) == 3
+    assert json.loads((tmp_path / LOCK).read_text())["run"] == "mine"
+    lock.release()
+
+
+def test_a_lock_whose_age_cannot_be_read_counts_as_fresh(tmp_path):
+    """Another host's lock whose age cannot be read on the file system's clock (here: the probe cannot be written)
+    counts as fresh: refused, naming the file to delete, not taken over and not a traceback."""
+    os.utime(_write_lock(tmp_path), (1, 1))  # untouched for decades
+    (tmp_path / f".now-{os.getpid()}").mkdir()
+    with pytest.raises(CheckpointError, match=f"delete {tmp_path / LOCK} if that job is gone"):
         CheckpointLock(tmp_path, "new").acquire()
 
 
@@ -308,6 +405,16 @@ def test_a_disk_error_while_taking_a_lock_names_that_lock(tmp_path, monkeypatch)
     locks, error = _claim(tmp_path / "out", root)
     assert locks == [] and not (tmp_path / "out" / LOCK).exists()
     assert error is not None and error.startswith(f"checkpoint.dir: cannot write '{root / LOCK}': Input/output error")
+
+
+def test_a_metrics_file_that_cannot_be_appended_to_is_one_line(tmp_path):
+    """metrics.jsonl that the run cannot append to (here a file no one may write, root included): one line at
+    start, not an error after the first step."""
+    (tmp_path / "metrics.jsonl").symlink_to("/proc/version")
+    locks, error = _claim(tmp_path, None)
+    assert locks == [] and error is not None, error
+    assert error.startswith(f"train.out_dir: cannot write '{tmp_path / 'metrics.jsonl'}': "), error
+    assert error.endswith("; make it writable or move it away"), error
 
 
 def test_files_the_run_writes_must_not_be_directories(tmp_path):
