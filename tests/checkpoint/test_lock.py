@@ -337,6 +337,20 @@ def test_on_a_file_system_without_hard_links_the_lock_is_created_in_place(tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_full_disk_is_named_as_such_when_taking_the_lock(tmp_path, tmpfs):
+    """No inode left for the lock's record (the disk filled since the probe): the error is the disk's (ENOSPC, which
+    the start-up line names with the free space), not the record file's absence as it is cleaned up."""
+    disk = tmpfs(tmp_path / "disk", size="1m", nr_inodes=8)
+    with pytest.raises(OSError) as full:
+        for n in range(8):
+            (disk / f"f{n}").write_text("")
+    assert full.value.errno == errno.ENOSPC
+    with pytest.raises(OSError) as e:
+        CheckpointLock(disk, "mine").acquire()
+    assert e.value.errno == errno.ENOSPC, e.value
+    assert not (disk / LOCK).exists()
+
+
 def _claim(out: Path, root: Path | None, *args: str) -> tuple[list[CheckpointLock], str | None]:
     """Rank 0's start-up claim of ``out`` (train.out_dir) and ``root`` (checkpoint.dir; None: nothing saved)."""
     cfg = load(["--train.out_dir", str(out), "--checkpoint.dir", str(root or ""), *args])
