@@ -11,6 +11,7 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import socket
 import subprocess
 import time
@@ -213,7 +214,8 @@ def test_lock_of_pid_1_is_a_live_job(tmp_path):
 def test_refusing_a_live_job_leaves_it_running(tmp_path):
     """The second job asks whether the holder lives (signal 0): any other signal (1, SIGHUP) would end the very
     job it is refused by."""
-    holder = subprocess.Popen(["sleep", "30"])
+    # SIGHUP's default action (ends it) even under nohup, which makes every child of the tests ignore it
+    holder = subprocess.Popen(["sleep", "30"], preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     try:
         _write_lock(tmp_path, host=HOST, pid=holder.pid)
         with pytest.raises(CheckpointError, match=f"is in use by pid {holder.pid} on host {HOST}"):
