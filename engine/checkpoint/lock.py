@@ -6,8 +6,10 @@ with one line (naming the free space, engine/storage.py) instead of losing the t
 save. The probe does what the run will do there: create a directory (a checkpoint's staging directory) and write,
 fsync and delete a file inside it; the files the run appends to or replaces (metrics.jsonl and its siblings,
 ``latest``) must not be directories, and neither may be a checkpoint's step folder or lie inside one (pruning
-deletes it whole: ``refuse_a_step``). The lock is ``<dir>/LOCK``, created with ``O_EXCL`` and holding JSON
-``{"host", "pid", "started", "run", "elastic"}``. A second job finds it and is refused, naming the holder.
+deletes it whole: ``refuse_a_step``). The lock is ``<dir>/LOCK``, holding JSON
+``{"host", "pid", "started", "run", "elastic"}``: written whole to a file of the job's own and hard-linked as LOCK
+(the link fails if a lock exists), so a rival never reads a lock half-written (``O_EXCL`` where the file system has
+no hard links). A second job finds it and is refused, naming the holder.
 A lock left by a dead process on this host (a crash, ``kill -9``, a torchrun restart: new worker pids) is taken
 over with a message. A process on another host cannot be asked, so the holder refreshes its lock (the file's
 mtime, every ``REFRESH_S``) from a daemon thread: a lock from another host not refreshed for ``STALE_S`` (the
@@ -23,6 +25,7 @@ another live job's.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -38,6 +41,7 @@ LOCK = "LOCK"
 METRICS = ("metrics.jsonl", "metrics.rolled_back.jsonl", "metrics.jsonl.tmp")  # engine/metrics/logger.py
 REFRESH_S = 10.0  # the holder touches its lock this often
 STALE_S = 60.0  # a lock from another host untouched this long is a dead job's (6 missed refreshes)
+NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP)  # link(2)'s answers where the file system has none
 
 
 CHECKPOINT_HINT = "give a writable directory to save checkpoints in, or checkpoint.dir='' to save nothing"
@@ -77,6 +81,16 @@ def probe_files(root: Path, names: tuple[str, ...], setting: str) -> None:
                 open(path, "ab").close()
         except OSError as e:
             raise CheckpointError(f"{setting}: {describe(path, e)}; make it writable or move it away") from None
+
+
+def _write_new(path: Path, text: str, flag: int) -> None:
+    """Create ``path`` (``flag``: O_EXCL fails if it exists, O_TRUNC empties it) readable by other users' jobs, and
+    write ``text`` to the disk."""
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | flag, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _alive(pid: int) -> bool:
@@ -128,9 +142,7 @@ class CheckpointLock:
         """Take the lock; returns a message when a stale lock was taken over. CheckpointError if held."""
         message = None
         for _ in range(3):  # a racing job may create or remove the lock between our attempts
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
+            if not self._create():
                 holder = self._read()
                 if holder is None:
                     continue
@@ -138,7 +150,7 @@ class CheckpointLock:
                     raise CheckpointError(
                         f"{self.setting} '{self.path.parent}' is in use by {_describe(holder)}; use another "
                         f"{self.setting}, or delete {self.path} if that job is gone"
-                    ) from None
+                    )
                 if not self._ours(holder):
                     message = f"{self.setting}: taking over {self._taken_over(holder)}"
                 try:
@@ -146,14 +158,32 @@ class CheckpointLock:
                 except FileNotFoundError:
                     pass
                 continue
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(self.me) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
             self.held = True
             threading.Thread(target=self._refresh, name="engine-lock", daemon=True).start()
             return message
         raise CheckpointError(f"could not take the lock {self.path} (other jobs keep changing it)")
+
+    def _create(self) -> bool:
+        """Write this job's record whole to a file of its own and link it as the lock; False if a lock exists. Jobs
+        starting together on one folder each took the others' lock, still empty, for the garbage of a writer killed
+        mid-write and took it over: four forked at once, two or more held it in a third of the tries (issue 45)."""
+        record = json.dumps(self.me) + "\n"
+        mine = self.path.with_name(f".{LOCK}-{self.me['pid']}-{self.me['run']}")
+        try:
+            _write_new(mine, record, os.O_TRUNC)
+            os.link(mine, self.path)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            if e.errno not in NO_HARD_LINKS:
+                raise
+            try:
+                _write_new(self.path, record, os.O_EXCL)
+            except FileExistsError:
+                return False
+        finally:
+            mine.unlink(missing_ok=True)
+        return True
 
     def _read(self) -> dict | None:
         """The holder's record; an unreadable record (a writer killed mid-write) counts as a dead one here."""
