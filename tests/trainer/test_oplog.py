@@ -72,3 +72,31 @@ def test_the_fault_fires_once_on_its_rank_from_its_step(monkeypatch):
     monkeypatch.delenv(oplog.FAULT_ENV)
     oplog.arm(1)
     assert oplog.FAULT is None and not oplog.fault("skip_collective")
+
+
+class _Lapped(list):
+    """A ring whose slot ``at`` the main thread writes ``count`` more operations before the reader gets it: the
+    thread switch that lets a rank still running (told of the hang by another) lap its ring under a ``tail``."""
+
+    def __init__(self, log: OpLog, at: int, count: int):
+        super().__init__(log.ring)
+        self.log, self.at, self.count = log, at, count
+
+    def __getitem__(self, slot):
+        if slot == self.at and self.count:
+            count, self.count = self.count, 0
+            for _ in range(count):
+                self.log.begin("send", None, "later")
+        return super().__getitem__(slot)
+
+
+def test_a_tail_taken_while_the_ring_is_lapped_stays_in_order():
+    """A rank told of the hang by another may still be logging while its watchdog copies its tail: the records
+    overwritten under the copy are left out, so the hang table lists the rank's operations oldest first, none twice,
+    and none newer than the tail asked for (a newer one among older ones would read as the order it ran them)."""
+    log = OpLog(size=4)
+    for k in range(4):
+        log.begin("recv", None, f"op{k}")
+    log.ring = _Lapped(log, at=1, count=2)  # records 4 and 5 land in slots 0 and 1 as the copy reaches slot 1
+    assert [r[0] for r in log.tail()] == [0, 2, 3] and log.n == 6
+    assert [r[3] for r in log.tail()] == ["op2", "op3", "later", "later"]
