@@ -132,3 +132,37 @@ def test_a_target_inside_a_checkpoint_directory_names_three_of_its_steps(tmp_pat
         begin(ckpt / "export", False, "folder")
     named = ", ".join(f"step_{n:06d}" for n in range(1, 4)) + (", ..." if steps > 3 else "")
     assert f"a checkpoint directory ({named})," in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("extra", [3, 4, 5])
+@pytest.mark.parametrize("marker", [False, True])
+def test_a_folder_overwrite_may_not_replace_names_three_of_its_files_and_counts_the_rest(tmp_path, extra, marker):
+    """--overwrite over a folder that holds files no earlier convert wrote (no marker, or files its marker does not
+    list): the refusal names the first three and says how many more, so the user knows what would be lost."""
+    target = tmp_path / "out"
+    if marker:
+        write_folder(target, False, {"a.txt": "a"})
+    else:
+        target.mkdir()
+    for n in range(extra):
+        (target / f"x{n}").write_text("theirs")
+    with pytest.raises(CheckpointError) as e:
+        begin(target, True, "folder")
+    more = f" and {extra - 3} more" if extra > 3 else ""
+    why = "which the earlier convert did not write" if marker else f"not written by launch/convert.py (no {MARKER})"
+    assert f"holds x0, x1, x2{more}, {why}" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("steps", [3, 4])
+def test_a_target_in_a_folder_of_steps_names_three_of_them(tmp_path, steps):
+    """A non-empty target whose folder holds step_* folders (a checkpoint directory without ``latest``) is refused
+    even with --overwrite: the line names its first three steps and ', ...' for more."""
+    ckpt = tmp_path / "ckpt"
+    for n in range(1, steps + 1):
+        (ckpt / f"step_{n:06d}").mkdir(parents=True)
+    (ckpt / "export").mkdir()
+    (ckpt / "export" / "model.safetensors").write_text("weights")
+    with pytest.raises(CheckpointError) as e:
+        begin(ckpt / "export", True, "folder")
+    named = ", ".join(f"step_{n:06d}" for n in range(1, 4)) + (", ..." if steps > 3 else "")
+    assert f"lies inside {ckpt}, a checkpoint directory ({named});" in str(e.value), str(e.value)
