@@ -4,7 +4,7 @@ must fail here, not silently make a module's mutants run no test or a survivor l
 from __future__ import annotations
 
 from tests.cli import ROOT
-from tests.mutation.__main__ import equivalents, main, outside, parse_slice, targets
+from tests.mutation.__main__ import TURN_SIZE, chosen, equivalents, listed_files, main, parse_slice, targets
 
 
 def test_every_mapped_module_and_test_file_exists():
@@ -36,7 +36,31 @@ def test_the_parts_of_a_slice_add_up_to_the_whole():
     """``--slice 0:N`` and ``--slice N:`` run every mutant once between them; ``N:`` skipped them all when its open
     end was taken as ``items[None:]``."""
     items = list(range(10))
-    for text in ("0:4", "4:", ":", "3:7"):
-        part = parse_slice(text)
-        kept = [i for i in items if i not in outside(items, part)]
-        assert kept == items[part], text
+    assert chosen(items, parse_slice("0:4")) + chosen(items, parse_slice("4:")) == items
+    assert chosen(items, parse_slice(":")) == items and chosen(items, parse_slice("3:7")) == [3, 4, 5, 6]
+
+
+def test_successive_turns_run_every_mutant_and_wrap_round_the_end(capsys):
+    """CI's rotating slice (``--turn DAY``): TURN_SIZE mutants a day in the file's order, each turn going on where
+    the last one stopped (round the end to the first), so that every mutant runs within len / TURN_SIZE days."""
+    for n in (1, 2, 10, 12):
+        items = list(range(n))
+        runs = [chosen(items, day) for day in range(-(-n // TURN_SIZE) + 3)]
+        assert all(len(r) == min(TURN_SIZE, n) for r in runs), (n, runs)
+        assert set().union(*runs[: -(-n // TURN_SIZE)]) == set(items), (n, runs)
+        if n >= TURN_SIZE:  # fewer: every turn runs them all
+            assert all(b[0] == (a[-1] + 1) % n for a, b in zip(runs, runs[1:])), (n, runs)
+    assert chosen([], 5) == []
+    assert main(["--turn", "-1", "engine/storage.py"]) == 2 and main(["--turn", "2", "--slice", "0:3", "x"]) == 2
+    assert "--turn -1 must be a whole number >= 0" in capsys.readouterr().out
+
+
+def test_a_checkout_without_git_is_copied_without_its_virtual_environment_or_caches(monkeypatch, tmp_path):
+    """CI or a contributor may run the suite in a checkout unpacked from an archive, or where git is not installed:
+    the scratch copy then takes every file but those of NOT_COPIED (.venv inside the checkout, runs/, caches)."""
+    with_git = set(listed_files())
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git on it
+    without = set(listed_files())
+    assert "engine/storage.py" in without and "tests/mutation/targets.toml" in without
+    assert with_git - without <= {n for n in with_git if not (ROOT / n).is_file()}, sorted(with_git - without)[:5]
+    assert not [n for n in without if n.split("/")[0] in (".git", ".venv", "runs") or "__pycache__" in n]

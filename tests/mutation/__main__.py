@@ -4,6 +4,7 @@
     python -m tests.mutation engine/json_input.py   # some of them
     python -m tests.mutation --list                 # the map: module -> the tests its mutants run
     python -m tests.mutation --slice 0:100 MODULE   # its first 100 mutants (in the file's order), the rest skipped
+    python -m tests.mutation --turn 7 MODULE        # turn 7 of a rotation: TURN_SIZE mutants from 7 x TURN_SIZE on
 
 Each module is mutated one change at a time by cosmic-ray (https://github.com/sixty-north/cosmic-ray): it writes the
 mutant to the file on disk, so the tests' forked ranks, launcher subprocesses and torchrun agents all run it (mutmut
@@ -66,20 +67,34 @@ def equivalents() -> list[dict]:
     return tomllib.loads((HERE / "equivalent.toml").read_text()).get("equivalent", [])
 
 
+# Without git (a checkout unpacked from an archive): the folders of no checkout's own files, never copied.
+NOT_COPIED = {".git", ".venv", "venv", "runs", "__pycache__", ".pytest_cache", ".ruff_cache"}
+
+
+def listed_files() -> list[str]:
+    """The checkout's tracked and untracked (not ignored) files, as git lists them; without git or outside a
+    repository, every file under ROOT but in NOT_COPIED folders."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        ).stdout.split(b"\0")
+        return [os.fsdecode(name) for name in listed if name]
+    except (OSError, subprocess.CalledProcessError):
+        found = (p.relative_to(ROOT) for p in ROOT.rglob("*") if p.is_file())
+        return sorted(str(p) for p in found if not NOT_COPIED & set(p.parts))
+
+
 def scratch_copy() -> Path:
-    """The checkout's tracked and untracked (not ignored) files, copied to a scratch folder."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    ).stdout.split(b"\0")
+    """The checkout's files (listed_files), copied to a scratch folder."""
     dest = Path(tempfile.mkdtemp(prefix="mutation-"))
-    for name in filter(None, listed):
-        src = ROOT / os.fsdecode(name)
+    for name in listed_files():
+        src = ROOT / name
         if src.is_file():
-            (dest / os.fsdecode(name)).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / os.fsdecode(name))
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
     return dest
 
 
@@ -122,29 +137,44 @@ def write_config(work: Path, module: str, tests: list[str], timeout: float, excl
     return config
 
 
-def keep_slice(session: Path, work: Path, part: slice) -> int:
+TURN_SIZE = 3  # mutants per turn of ``--turn`` (CI's rotating slice: tests/test_mutation_turn.py)
+
+
+def turn(items: list, day: int) -> list:
+    """Turn ``day`` of a rotation over ``items``: TURN_SIZE of them in a row from day x TURN_SIZE on, wrapping round
+    the end, so that successive turns run every item in turn (all of them once every len / TURN_SIZE turns)."""
+    start = day * TURN_SIZE % max(len(items), 1)
+    return [items[(start + i) % len(items)] for i in range(min(TURN_SIZE, len(items)))]
+
+
+def keep_slice(session: Path, work: Path, part: slice | int) -> tuple[int, int]:
     """Marks skipped every pending mutant outside ``part`` of the pending ones in the file's order (line, column,
     operator, occurrence: the same order for the same source, whatever order the database keeps), so that a module
-    too costly for one sitting runs in parts that add up to the whole. Returns (how many it keeps, how many were
-    pending)."""
+    too costly for one sitting runs in parts that add up to the whole; ``part`` an int: that ``turn`` of them.
+    Returns (how many it keeps, how many were pending)."""
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
     pending = [item for item, result in dump(session, work) if result is None]
     pending.sort(key=lambda i: [(m["start_pos"], m["operator_name"], m["occurrence"]) for m in i["mutations"]])
+    kept = chosen(pending, part)
+    ids = {item["job_id"] for item in kept}
     with use_db(str(session), WorkDB.Mode.open) as db:
-        for item in outside(pending, part):
-            db.set_result(item["job_id"], WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
-    return len(pending[part]), len(pending)
+        for item in pending:
+            if item["job_id"] not in ids:
+                db.set_result(item["job_id"], WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
+    return len(kept), len(pending)
 
 
-def outside(items: list, part: slice) -> list:
-    """The items before and after ``part`` (``START:`` leaves none after: ``items[None:]`` would be all of them)."""
-    return items[: part.start] + (items[part.stop :] if part.stop is not None else [])
+def chosen(items: list, part: slice | int) -> list:
+    """The items ``part`` keeps: a slice of them (``START:`` keeps all from START: its open end once read as
+    ``items[None:]`` skipped every mutant of an open-ended run), or a ``turn``."""
+    return turn(items, part) if isinstance(part, int) else items[part]
 
 
-def mutate(work: Path, module: str, tests: list[str], exclude: list[str], part: slice) -> list[tuple[dict, dict]]:
-    """Every kept mutant of ``module`` in ``part`` run against ``tests``: [(work item, result)]."""
+def mutate(work: Path, module: str, tests: list[str], exclude: list[str], part: slice | int) -> list[tuple[dict, dict]]:
+    """Every kept mutant of ``module`` in ``part`` (a slice, or a turn: keep_slice) run against ``tests``:
+    [(work item, result)]."""
     seconds = clean_run(work, tests)
     config = write_config(work, module, tests, max(60.0, 3 * seconds), exclude)
     session = config.with_suffix(".sqlite")
@@ -207,11 +237,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("modules", nargs="*", help="modules of tests/mutation/targets.toml (default: all)")
     parser.add_argument("--list", action="store_true", help="print the map and stop")
     parser.add_argument("--slice", default=":", help="START:END of each module's mutants in the file's order")
+    parser.add_argument("--turn", type=int, help=f"turn N of a rotation: {TURN_SIZE} mutants from N x {TURN_SIZE} on")
     args = parser.parse_args(argv)
     part = parse_slice(args.slice)
     if part is None:
         print(f"error: --slice {args.slice!r} is not START:END with 0 <= START < END (either may be left out)")
         return 2
+    if args.turn is not None:
+        if args.turn < 0 or args.slice != ":":
+            print(f"error: --turn {args.turn} must be a whole number >= 0, and without --slice")
+            return 2
+        part = args.turn
     table = targets()
     unknown = [m for m in args.modules if m not in table]
     if unknown:
