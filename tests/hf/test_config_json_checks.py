@@ -14,8 +14,7 @@ import pytest
 from engine.errors import CheckpointError
 from engine.hf import families
 from engine.hf.config_json import check_family, checked
-from tests.hf.test_family_config_json import PUBLISHED_JSON
-from tests.hf.test_hf_input import TINY
+from tests.hf.cards import PUBLISHED_JSON, TINY
 
 SRC = Path("src")
 BASE = TINY  # 4 heads of 8 (2 key/value heads) on hidden 32, 2 layers

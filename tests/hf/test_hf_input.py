@@ -23,16 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.checkpoint.runs import SMALL
 from tests.cli import launch, one_error_line, run_script
+from tests.hf.cards import TINY
 
-TINY = dict(
-    vocab_size=4096,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
 CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**TINY),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
