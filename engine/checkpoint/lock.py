@@ -15,9 +15,10 @@ over with a message. A process on another host cannot be asked, so the holder re
 mtime, every ``REFRESH_S``) from a daemon thread: a lock from another host not refreshed for ``STALE_S`` (the
 holder died, froze or lost the file system; a requeued job's rank 0 landed elsewhere) is taken over with one
 line, a fresher one is refused. Ages are read on the file system's clock (a file written now beside it), so
-hosts whose clocks disagree still agree on them. A lock of an earlier restart round of this same torchrun job
-(``elastic``: its --rdzv-id and restart count; README "Elastic restart") is taken over at once, on any host:
-torchrun ends every worker of a round before the next starts.
+hosts whose clocks disagree still agree on them. Jobs judging one stale lock at once take it over one at a time: a
+take-over first creates a claim named by the stale record (``_remove``), so the next finds the new holder's lock.
+A lock of an earlier restart round of this same torchrun job (``elastic``: its --rdzv-id and restart count; README
+"Elastic restart") is taken over at once, on any host: torchrun ends every worker of a round before the next starts.
 A lock held by this process or by the process that forked it (tests/dist.py ranks after an in-process run) is
 this job's own. Because only the lock holder saves, the clean-up of ``step_*.tmp-*`` directories never meets
 another live job's.
@@ -26,6 +27,7 @@ another live job's.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import socket
@@ -41,6 +43,9 @@ LOCK = "LOCK"
 METRICS = ("metrics.jsonl", "metrics.rolled_back.jsonl", "metrics.jsonl.tmp")  # engine/metrics/logger.py
 REFRESH_S = 10.0  # the holder touches its lock this often
 STALE_S = 60.0  # a lock from another host untouched this long is a dead job's (6 missed refreshes)
+CLAIM_S = 5.0  # a take-over claim this old is a taker's killed mid-way (a take-over lasts milliseconds)
+CLAIM_LEVELS = 4  # claims on one stale record, each taken only when those before it are a killed taker's
+ACQUIRE_S = 3 * CLAIM_S  # waiting on rivals' take-overs longer than this: "other jobs keep changing it"
 NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP)  # link(2)'s answers where the file system has none
 
 
@@ -140,27 +145,25 @@ class CheckpointLock:
 
     def acquire(self) -> str | None:
         """Take the lock; returns a message when a stale lock was taken over. CheckpointError if held."""
-        message = None
-        for _ in range(3):  # a racing job may create or remove the lock between our attempts
-            if not self._create():
-                holder = self._read()
-                if holder is None:
-                    continue
-                if not self._stale(holder):
-                    raise CheckpointError(
-                        f"{self.setting} '{self.path.parent}' is in use by {_describe(holder)}; use another "
-                        f"{self.setting}, or delete {self.path} if that job is gone"
-                    )
-                if not self._ours(holder):
-                    message = f"{self.setting}: taking over {self._taken_over(holder)}"
-                try:
-                    self.path.unlink()
-                except FileNotFoundError:
-                    pass
+        message, deadline = None, time.monotonic() + ACQUIRE_S
+        while time.monotonic() < deadline:  # a racing job may create or remove the lock between our attempts
+            if self._create():
+                self.held = True
+                threading.Thread(target=self._refresh, name="engine-lock", daemon=True).start()
+                return message
+            seen = self._snapshot()
+            if seen is None:
                 continue
-            self.held = True
-            threading.Thread(target=self._refresh, name="engine-lock", daemon=True).start()
-            return message
+            holder = self._holder(seen)
+            if not self._stale(holder):
+                raise CheckpointError(
+                    f"{self.setting} '{self.path.parent}' is in use by {_describe(holder)}; use another "
+                    f"{self.setting}, or delete {self.path} if that job is gone"
+                )
+            if not self._ours(holder):
+                message = f"{self.setting}: taking over {self._taken_over(holder)}"
+            if not self._remove(seen):
+                time.sleep(0.02)  # a rival is taking it over: its lock (or none) is read next
         raise CheckpointError(f"could not take the lock {self.path} (other jobs keep changing it)")
 
     def _create(self) -> bool:
@@ -185,15 +188,62 @@ class CheckpointLock:
             mine.unlink(missing_ok=True)
         return True
 
-    def _read(self) -> dict | None:
-        """The holder's record; an unreadable record (a writer killed mid-write) counts as a dead one here."""
+    def _snapshot(self) -> tuple | None:
+        """The lock as read now: its identity (device, inode, mtime) and bytes (an error's name if unreadable);
+        None if there is none."""
         try:
-            holder = json.loads(self.path.read_text())
+            st = self.path.stat()
+            try:
+                data: bytes | str = self.path.read_bytes()
+            except FileNotFoundError:
+                raise
+            except OSError as e:
+                data = type(e).__name__
         except FileNotFoundError:
             return None
-        except (OSError, ValueError) as e:
+        return st.st_dev, st.st_ino, st.st_mtime_ns, data
+
+    def _holder(self, seen: tuple) -> dict:
+        """The holder's record; an unreadable record (a writer killed mid-write) counts as a dead one here."""
+        data = seen[-1]
+        if isinstance(data, str):
+            return {"host": self.me["host"], "unreadable": data}
+        try:
+            holder = json.loads(data)
+        except ValueError as e:  # not JSON, or not UTF-8
             return {"host": self.me["host"], "unreadable": type(e).__name__}
         return holder if isinstance(holder, dict) else {"host": self.me["host"], "unreadable": "not a JSON object"}
+
+    def _remove(self, seen: tuple) -> bool:
+        """Remove the stale lock ``seen`` unless another job is taking it over; False then. Two jobs that judged one
+        dead job's lock stale both removed it, the second removing the first's new lock: both held it (about 1
+        round in 40 with four jobs, issue 45). Each take-over first creates a claim named by the stale record
+        (O_EXCL: one job gets it) and removes the lock only if it is still that very record (same inode, mtime and
+        bytes): the next job's claim, once the first is done, finds another record and removes nothing."""
+        claim = self._claim(seen)
+        if claim is None:
+            return False
+        try:
+            if self._snapshot() == seen:
+                self.path.unlink(missing_ok=True)
+        finally:
+            claim.unlink(missing_ok=True)
+        return True
+
+    def _claim(self, seen: tuple) -> Path | None:
+        """This job's claim on taking over the record ``seen``, or None while another job's is live. A claim is never
+        removed by a rival (two removing one would both take it): a claim older than CLAIM_S (its taker was killed
+        mid-way) passes the turn to the next level's."""
+        name = hashlib.sha256(repr(seen).encode()).hexdigest()[:16]
+        for level in range(CLAIM_LEVELS):
+            claim = self.path.with_name(f".{LOCK}-claim-{name}-{level}")
+            try:
+                _write_new(claim, json.dumps(self.me) + "\n", os.O_EXCL)
+                return claim
+            except FileExistsError:
+                if self._age(claim) <= CLAIM_S:
+                    return None
+        return None
 
     def _ours(self, holder: dict) -> bool:
         """This very process (a second Trainer in one process) or the one that forked it (tests/dist.py ranks
@@ -210,14 +260,14 @@ class CheckpointLock:
             return f"the lock of {_describe(holder)}, which is no longer running"
         return f"the lock of {_describe(holder)}, not refreshed for {self._age():.0f} s (> {STALE_S:.0f} s)"
 
-    def _age(self) -> float:
-        """Seconds since the lock was last written or refreshed, on the file system's clock."""
+    def _age(self, path: Path | None = None) -> float:
+        """Seconds since ``path`` (the lock) was last written or refreshed, on the file system's clock."""
         probe = self.path.with_name(f".now-{self.me['pid']}")
         try:
             probe.write_text("")
             now = probe.stat().st_mtime
             probe.unlink()
-            return now - self.path.stat().st_mtime
+            return now - (path or self.path).stat().st_mtime
         except OSError:
             return 0.0  # cannot tell: count it as fresh (refused, naming the file to delete)
 
