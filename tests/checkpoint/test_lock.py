@@ -214,6 +214,19 @@ def test_a_claim_left_by_a_taker_killed_mid_way_does_not_block_the_folder(tmp_pa
     lock.release()
 
 
+def test_a_job_waits_out_a_fresh_claim_left_by_a_killed_taker(tmp_path):
+    """A taker killed a moment ago left a claim not yet CLAIM_S old: the job waits until it is (it cannot tell a
+    killed taker from a slow one) and then takes the lock over, rather than giving up on a folder no job holds."""
+    _write_lock(tmp_path, host=HOST, pid=0)
+    killed = CheckpointLock(tmp_path, "killed")
+    left = killed._claim(killed._snapshot())
+    young = time.time() - CLAIM_S + 1  # stale in a second
+    os.utime(left, (young, young))
+    lock = CheckpointLock(tmp_path, "new")
+    assert f"taking over the lock of pid 0 on host {HOST}" in (lock.acquire() or "")
+    lock.release()
+
+
 def test_the_lock_file_is_readable_by_other_users(tmp_path):
     """Another user's job on a shared folder must read the lock: one it cannot read is taken for a garbage lock
     of a dead job and taken over."""
