@@ -12,10 +12,11 @@ Methods, each (cfg, layout, ...): ``state(params, micro_batches)`` -> (weights, 
 the backward); ``label``: its name in tables. Attributes: ``shards`` (sharding over one rank changes nothing, so the
 search tries only non-sharding modes at dp = 1), ``grads_whole_step(layout)`` (gradients held through the whole step,
 from the previous update: ddp's bucket views; ``layout``: the data layout, dp x cp), ``per_tensor_step`` (AdamW's fp32
-step counter per parameter tensor), ``variants(offload)``: the (zero_stage, reshard_after_forward, offload) it is
-searched with. Under expert parallelism the planner calls the methods once for the dense weights and once for this
-rank's experts with the expert-dp group as ``layout.dp`` (engine/planning/planner.py state_groups); ``experts_overlap``:
-whether the experts' reduction overlaps the backward as the dense one does (ddp: no, it runs after the backward).
+step counter per parameter tensor), ``variants(offload)``: the (zero_stage, reshard_after_forward, offload,
+fsdp_grad_accumulation) it is searched with. Under expert parallelism the planner calls the methods once for the
+dense weights and once for this rank's experts with the expert-dp group as ``layout.dp`` (engine/planning/planner.py
+state_groups); ``experts_overlap``: whether the experts' reduction overlaps the backward as the dense one does (ddp:
+no, it runs after the backward).
 """
 
 from __future__ import annotations
@@ -123,8 +124,8 @@ class DDPModel(TorchAdamWModel):
         update (engine/parallel/dp/ddp.py) and appear chunk by chunk at the first backward, as in the other modes."""
         return layout.dp > 1
 
-    def variants(self, offload: str) -> list[tuple[int, str, str]]:
-        return [] if OFFLOADS[offload].offloads else [(0, "auto", offload)]
+    def variants(self, offload: str) -> list[tuple[int, str, str, str]]:
+        return [] if OFFLOADS[offload].offloads else [(0, "auto", offload, "sharded")]
 
     def label(self, cfg, layout) -> str:
         return cfg.parallel.dp_mode
@@ -150,14 +151,21 @@ class FSDPModel(TorchAdamWModel):
 
     shards = True
 
-    def variants(self, offload: str) -> list[tuple[int, str, str]]:
+    def variants(self, offload: str) -> list[tuple[int, str, str, str]]:
+        """Resharding after forward or not, each with the gradients accumulated sharded or unsharded (the no-sync
+        trade: one reduce-scatter a step for 4 bytes a parameter; the search drops it where the step has one
+        micro-batch or the schedule accumulates unsharded anyway, engine/planning/layouts.py); offloaded, the
+        sharded ones (the host holds the sharded gradient)."""
         spec = OFFLOADS[offload]
         if spec.optimizer != spec.params:  # CPUOffloadPolicy moves weights, gradients and Adam state together
             return []
-        return [(0, "true", offload)] + ([] if spec.offloads else [(0, "false", offload)])
+        if spec.offloads:
+            return [(0, "true", offload, "sharded")]
+        return [(0, reshard, offload, acc) for reshard in ("true", "false") for acc in ("sharded", "unsharded")]
 
     def label(self, cfg, layout) -> str:
-        return cfg.parallel.dp_mode + ("-reshard" if reshard_after_forward(cfg, layout.pp) else "-keep")
+        nosync = "-nosync" if cfg.parallel.fsdp_grad_accumulation == "unsharded" else ""
+        return cfg.parallel.dp_mode + ("-reshard" if reshard_after_forward(cfg, layout.pp) else "-keep") + nosync
 
     def state(self, cfg, layout, params: int, micro_batches: int) -> tuple[float, float, float]:
         weights, grads, optimizer = model_state_parts(params, layout.dp, 3, "fp32")
@@ -209,9 +217,9 @@ class ZeroModel:
     def grads_whole_step(self, layout) -> bool:
         return False
 
-    def variants(self, offload: str) -> list[tuple[int, str, str]]:
+    def variants(self, offload: str) -> list[tuple[int, str, str, str]]:
         stages = (3,) if OFFLOADS[offload].params else (1, 2, 3)  # DeepSpeed offloads parameters only in ZeRO-3
-        return [(stage, "auto", offload) for stage in stages]
+        return [(stage, "auto", offload, "sharded") for stage in stages]
 
     def label(self, cfg, layout) -> str:
         return f"{cfg.parallel.dp_mode}-{cfg.parallel.zero_stage}"

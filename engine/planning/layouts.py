@@ -1,5 +1,5 @@
 """The layouts the search of engine/planning/search.py tries (launch/plan.py): every (tp, pp, dp, cp, cp mode, ep,
-sequence parallelism, dp mode, micro-batch size, activation checkpointing, schedule) that
+sequence parallelism, dp mode and its variants, micro-batch size, activation checkpointing, schedule) that
 engine/parallel/layout/checks.py accepts, as configs.
 """
 
@@ -21,12 +21,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def dp_modes(offload: str, dp: int) -> list[tuple[str, int, str, str]]:
-    """The (dp mode, zero stage, reshard, offload) tried at ``dp`` ranks: each registered mode with a planner model,
-    its variants (engine/planning/dp.py) with parallel.offload ``offload`` ("any": every offload but
-    none). Offload is tried only where no layout fits without it (or the config asks for it): on a GPU it trades
-    host copies and a host Adam step for device memory. At dp = 1 only modes that do not shard (sharding over one
-    rank changes nothing)."""
+def dp_modes(offload: str, dp: int) -> list[tuple[str, int, str, str, str]]:
+    """The (dp mode, zero stage, reshard, offload, fsdp gradient accumulation) tried at ``dp`` ranks: each registered
+    mode with a planner model, its variants (engine/planning/dp.py) with parallel.offload ``offload`` ("any": every
+    offload but none). Offload is tried only where no layout fits without it (or the config asks for it): on a GPU it
+    trades host copies and a host Adam step for device memory. At dp = 1 only modes that do not shard (sharding over
+    one rank changes nothing)."""
     out = []
     tried = [name for name, s in OFFLOADS.items() if s.offloads] if offload == "any" else [offload]
     for name, spec in DP_MODE_SPECS.items():
@@ -98,8 +98,10 @@ def layouts(
             for sp, mbs, ep in (
                 (sp, mbs, ep) for sp in _sp(tp) for mbs in _divisors(gbs // dp) for ep in _ep_sizes(cfg, dp * cp)
             ):
-                for mode, stage, reshard, off in dp_modes(offload or cfg.parallel.offload, dp * cp):
-                    key = (sp, ep, mode, stage, reshard, off)
+                for mode, stage, reshard, off, acc in dp_modes(offload or cfg.parallel.offload, dp * cp):
+                    if acc == "unsharded" and (gbs // dp == mbs or SCHEDULES[schedule].split_w):
+                        continue  # the same as sharded: one micro-batch, or a schedule that accumulates unsharded
+                    key = (sp, ep, mode, stage, reshard, off, acc)
                     if key not in built:
                         built[key] = dataclasses.replace(
                             cfg.parallel,
@@ -113,6 +115,7 @@ def layouts(
                             zero_stage=stage,
                             reshard_after_forward=reshard,
                             offload=off,
+                            fsdp_grad_accumulation=acc,
                             pp_layers=pp_layers,
                             sequence_parallel=sp,
                             schedule=schedule,

@@ -33,6 +33,7 @@ optimizer update, data loading, kernel launch overheads.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 from dataclasses import dataclass, field
 
@@ -351,11 +352,24 @@ def _candidate(cfg: Config, world_size: int, hw: Hardware, layout: Layout, memor
     return cand
 
 
+def _dominated(cfg: Config, world_size: int, hw: Hardware, layout: Layout, memo: dict) -> bool:
+    """FSDP's no-sync trade (parallel.fsdp_grad_accumulation=unsharded: whole fp32 gradients for one reduce-scatter
+    a step) planned no faster than the same layout with sharded gradients, which holds less: never the better
+    choice, so the search leaves it out rather than list it beside its twin. Only fsdp's variants take it
+    (engine/planning/dp.py)."""
+    if cfg.parallel.fsdp_grad_accumulation != "unsharded":
+        return False
+    twin = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, fsdp_grad_accumulation="sharded"))
+    worst = _worst(cfg, layout, hw, memo)
+    return step_time(cfg, world_size, hw, layout, worst).total >= step_time(twin, world_size, hw, layout, worst).total
+
+
 def _planned(cfg: Config, world_size: int, hw: Hardware, schedules, refused, top, memo, counts, offload, keep) -> list:
     """Every layout planned in full (search with top 0)."""
     out = []
     for c, layout in layouts(cfg, world_size, schedules, refused, offload, keep):
-        out.append(_candidate(c, world_size, hw, layout, plan_memory(c, world_size, layout=layout), memo))
+        if not _dominated(c, world_size, hw, layout, memo):
+            out.append(_candidate(c, world_size, hw, layout, plan_memory(c, world_size, layout=layout), memo))
     for name in ("valid", "planned", "timed"):
         counts[name] = counts.get(name, 0) + len(out)
     return out
@@ -402,6 +416,8 @@ def _best(cfg: Config, world_size: int, hw: Hardware, schedules, refused, top, m
         c, layout = found[i]
         if not tight:  # the stages' costs now: a tighter bound, back in the queue
             heapq.heappush(queue, (lower_bound(c, layout, hw, _worst(c, layout, hw, memo)), True, i))
+            continue
+        if _dominated(c, world_size, hw, layout, memo):
             continue
         memory = _memory_within(c, world_size, layout, hw.memory_gb * 1e9)
         counts["planned"] = counts.get("planned", 0) + 1

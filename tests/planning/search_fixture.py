@@ -22,6 +22,9 @@ backward, B under zero bubble, not the whole stage's from the rank's first) the 
 Remade (full recomputation re-runs every matmul but a dense block's down_proj, as torch's checkpoint does) the same
 way: case 0 (two full rows moved).
 
+Remade (fsdp's no-sync trade, parallel.fsdp_grad_accumulation=unsharded, searched and listed only where it plans
+faster than sharded) the same way: every case but case 2 moved (3669 -> 4491 valid layouts for case 0).
+
 tests/planning/test_search_scale.py checks that the pruned search finds the same rows, bit for bit.
 """
 

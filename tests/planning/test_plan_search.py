@@ -2,6 +2,7 @@
 Step times are checked against figures computed by hand from the documented model; memory is checked against
 measurement in tests/planning/test_planner.py."""
 
+import dataclasses
 import importlib.util
 import json
 import time
@@ -58,15 +59,23 @@ def test_fsdp_reduce_scatter_overlaps_the_backward():
 
 def test_layouts_are_the_valid_ones():
     # world 2, global batch 4, x 3 checkpointing modes (none, full, selective): (tp, pp, dp) = (1, 1, 2):
-    # micro-batch 1 or 2, 6 dp modes: 36; (1, 2, 1): 1f1b needs 4 / mbs >= 2 micro-batches, so mbs 1 or 2, ddp
-    # only at dp = 1: 6; (2, 1, 1): mbs 1, 2, 4, sequence parallelism off and on: 18; cp 2 (dp 1, but the state
-    # shards over dp x cp = 2): mbs 1, 2, 4, 6 dp modes, ring and all_to_all: 108. tp = 4 needs 4 ranks; no layout
-    # leaves pp_layers from another pp.
+    # micro-batch 1 or 2, 6 dp modes, and at micro-batch 1 (2 micro-batches) fsdp's two with unsharded gradients:
+    # 42; (1, 2, 1): 1f1b needs 4 / mbs >= 2 micro-batches, so mbs 1 or 2, ddp only at dp = 1: 6; (2, 1, 1): mbs 1,
+    # 2, 4, sequence parallelism off and on: 18; cp 2 (dp 1, but the state shards over dp x cp = 2): mbs 1, 2, 4,
+    # 6 dp modes, and 2 unsharded at mbs 1 and 2 (4 and 2 micro-batches), ring and all_to_all: 132. tp = 4 needs 4
+    # ranks; no layout leaves pp_layers from another pp.
     found = list(layouts(tiny(global_batch_size=4), 2))
-    assert len(found) == 168
+    assert len(found) == 198
     assert {c.parallel.sequence_parallel for c, layout in found if layout.tp == 2} == {False, True}
-    modes = {(c.parallel.dp_mode, c.parallel.zero_stage, c.parallel.reshard_after_forward) for c, _ in found}
-    assert len(modes) == 6
+    p = [c.parallel for c, _ in found]
+    modes = {(p.dp_mode, p.zero_stage, p.reshard_after_forward, p.fsdp_grad_accumulation) for p in p}
+    assert len(modes) == 8
+    # unsharded only where it differs: more than one micro-batch a step
+    assert all(
+        c.train.global_batch_size // layout.dp > c.train.micro_batch_size
+        for c, layout in found
+        if c.parallel.fsdp_grad_accumulation == "unsharded"
+    )
     found8 = [layout for _, layout in layouts(tiny(), 8)]
     assert max(layout.tp for layout in found8) == 4  # tiny's 4 KV heads
     cfg = load(["--config", "configs/llama-3.2-1b.yaml"])
@@ -98,10 +107,12 @@ def test_cli_table_json_and_errors(capsys):
     assert lines[1].split()[:6] == ["tp", "pp", "dp", "cp", "cp", "mode"] and len(lines) == 2 + 5
     assert cli.main(["--config", "configs/tiny.yaml", "--world-size", "4", "--device-memory", "1", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    # the config leaves the schedule open: every schedule is searched
-    assert len(rows) == len(search(tiny(), 4, Hardware(), SEARCHED)) and {"tp", "peak_memory_gb", "step_s"} <= set(
-        rows[0]
+    # the config leaves the schedule open: every schedule is searched, on the hardware plan.py derives from its
+    # arguments (the no-sync layouts listed depend on it: only those planned faster than sharded)
+    hw = cli.hardware(
+        cli.parse_args(["--config", "configs/tiny.yaml", "--world-size", "4", "--device-memory", "1"]), "fp32"
     )
+    assert len(rows) == len(search(tiny(), 4, hw, SEARCHED)) and {"tp", "peak_memory_gb", "step_s"} <= set(rows[0])
     bad = {
         ("--world-size", "0"): "--world-size=0 must be > 0",
         ("--device", "cpu"): "no fp32 peak known for --device='cpu'",
@@ -185,3 +196,45 @@ def test_cli_efficiency_is_the_device_kinds_or_measured(tmp_path):
     assert f"0.5 TFLOP/s at {efficiency:.0%};" in run.stdout.splitlines()[0]
     step.write_text(json.dumps({"efficiency": None}))
     one_error_line(run_script("launch/plan.py", *tiny, "--efficiency-from", step), "has no efficiency", "--efficiency")
+
+
+def test_fsdp_without_sync_is_listed_only_where_it_plans_faster():
+    """The no-sync trade (whole fp32 gradients for one reduce-scatter a step) is searched, and a layout that takes
+    it is listed only where it plans faster than the same layout with sharded gradients, which holds less: at
+    equal time it would only crowd its twin in the table. Tiny's 1.4 M parameters on slow links at 8 ranks (its
+    reduce-scatters outlast the micro-batches' compute) make it the faster choice somewhere."""
+    slow = Hardware(peak_tflops=100.0, efficiency=0.5, intra_node_gbps=1.0)
+    assert _only_where_faster(search(tiny(), 8, slow, SEARCHED), slow), "the no-sync trade never planned faster"
+    # Llama 3.2 1B on 8 H100s: the micro-batches' compute hides every reduce-scatter; sharded and no-sync plan the
+    # same time (the best 15 were eight no-sync rows beside their twins before the search left them out)
+    cfg = load(["--config", "configs/llama-3.2-1b.yaml"])
+    fast = Hardware(memory_gb=80.0)
+    plans = search(cfg, 8, fast, top=15)
+    assert not [p.describe() for p in plans if p.cfg.parallel.fsdp_grad_accumulation == "unsharded"]
+
+
+def _only_where_faster(plans: list, hw: Hardware) -> list:
+    """The plans that take the no-sync trade, checked: each is faster than its twin with sharded gradients."""
+    nosync = [p for p in plans if p.cfg.parallel.fsdp_grad_accumulation == "unsharded"]
+    for p in nosync:
+        twin = dataclasses.replace(
+            p.cfg, parallel=dataclasses.replace(p.cfg.parallel, fsdp_grad_accumulation="sharded")
+        )
+        assert p.time.total < step_time(twin, p.layout.world_size, hw, p.layout).total, p.describe()
+        assert p.describe()["dp_mode"].endswith("-nosync") and p.describe()["micro_batches"] > 1
+
+    def key(p) -> tuple:
+        c, t = p.cfg.parallel, p.cfg.train
+        return (
+            p.layout,
+            t.micro_batch_size,
+            t.activation_checkpointing,
+            c.schedule,
+            c.virtual_stages,
+            c.sequence_parallel,
+            c.reshard_after_forward,
+        )
+
+    sharded = {key(p) for p in plans if p.cfg.parallel.dp_mode == "fsdp" and p not in nosync}
+    assert all(key(p) in sharded for p in nosync)  # its twin is planned too, slower
+    return nosync
