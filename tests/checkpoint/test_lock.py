@@ -214,16 +214,20 @@ def test_a_claim_left_by_a_taker_killed_mid_way_does_not_block_the_folder(tmp_pa
     lock.release()
 
 
-def test_a_job_waits_out_a_fresh_claim_left_by_a_killed_taker(tmp_path):
+def test_a_job_waits_out_a_fresh_claim_left_by_a_killed_taker(tmp_path, monkeypatch):
     """A taker killed a moment ago left a claim not yet CLAIM_S old: the job waits until it is (it cannot tell a
-    killed taker from a slow one) and then takes the lock over, rather than giving up on a folder no job holds."""
+    killed taker from a slow one) and then takes the lock over, rather than giving up on a folder no job holds; it
+    waits between looks (each writes a probe file to read the file system's clock), not in a busy loop."""
     _write_lock(tmp_path, host=HOST, pid=0)
     killed = CheckpointLock(tmp_path, "killed")
     left = killed._claim(killed._snapshot())
     young = time.time() - CLAIM_S + 1  # stale in a second
     os.utime(left, (young, young))
+    looks, age = [], CheckpointLock._age
+    monkeypatch.setattr(CheckpointLock, "_age", lambda self, path=None: looks.append(path) or age(self, path))
     lock = CheckpointLock(tmp_path, "new")
     assert f"taking over the lock of pid 0 on host {HOST}" in (lock.acquire() or "")
+    assert 10 < looks.count(left) < 75, looks.count(left)  # a look per 20 ms of the second: <= 50 (busy: 120-700)
     lock.release()
 
 
