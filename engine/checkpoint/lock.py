@@ -228,7 +228,7 @@ class CheckpointLock:
                 self.path.unlink(missing_ok=True)
         finally:
             claim.unlink(missing_ok=True)
-        return True
+        return True  # the lock is read again at once: this job's to create, or a rival's record
 
     def _claim(self, seen: tuple) -> Path | None:
         """This job's claim on taking over the record ``seen``, or None while another job's is live. A claim is never
