@@ -10,11 +10,12 @@ deletes it whole: ``refuse_a_step``). The lock is ``<dir>/LOCK``, holding JSON
 ``{"host", "pid", "started", "run", "elastic"}``: written whole to a file of the job's own and hard-linked as LOCK
 (the link fails if a lock exists), so a rival never reads a lock half-written (``O_EXCL`` where the file system has
 no hard links). A second job finds it and is refused, naming the holder.
-A lock left by a dead process on this host (a crash, ``kill -9``, a torchrun restart: new worker pids) is taken
-over with a message. A process on another host cannot be asked, so the holder refreshes its lock (the file's
-mtime, every ``REFRESH_S``) from a daemon thread: a lock from another host not refreshed for ``STALE_S`` (the
-holder died, froze or lost the file system; a requeued job's rank 0 landed elsewhere) is taken over with one
-line, a fresher one is refused. Ages are read on the file system's clock (a file written now beside it), so
+A lock left by a dead process on this host (a crash, ``kill -9``, a torchrun restart: new worker pids) is taken over
+with a message (one that is not JSON, written by a writer killed mid-write, too; one this job may not read, another
+user's, is judged by its age as another host's). A process on another host cannot be asked, so the holder refreshes its
+lock (the file's mtime, every ``REFRESH_S``) from a daemon thread: a lock from another host not refreshed for
+``STALE_S`` (the holder died, froze or lost the file system; a requeued job's rank 0 landed elsewhere) is taken over
+with one line, a fresher one is refused. Ages are read on the file system's clock (a file written now beside it), so
 hosts whose clocks disagree still agree on them. Jobs judging one stale lock at once take it over one at a time: a
 take-over first creates a claim named by the stale record (``_remove``), so the next finds the new holder's lock.
 A lock of an earlier restart round of this same torchrun job (``elastic``: its --rdzv-id and restart count; README
@@ -117,7 +118,8 @@ def _elastic_round() -> list | None:
 
 def _describe(holder: dict) -> str:
     if holder.get("unreadable"):
-        return f"an unreadable lock file ({holder['unreadable']}; its writer was probably killed mid-write)"
+        why = holder.get("why", "its writer was probably killed mid-write")
+        return f"an unreadable lock file ({holder['unreadable']}; {why})"
     started = holder.get("started")
     since = (
         time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
@@ -204,9 +206,18 @@ class CheckpointLock:
         return st.st_dev, st.st_ino, st.st_mtime_ns, data
 
     def _holder(self, seen: tuple) -> dict:
-        """The holder's record; an unreadable record (a writer killed mid-write) counts as a dead one here."""
+        """The holder's record; a record that is not JSON (a writer killed mid-write) counts as a dead one here. A
+        file this job may not read (another user's job under a private umask) may be a live job's: its holder is
+        unknown, judged by the lock's age as another host's (it was taken for a dead writer's garbage and taken
+        over at once, issue 45)."""
         data = seen[-1]
-        if isinstance(data, str):
+        if data == PermissionError.__name__:
+            return {
+                "host": None,
+                "unreadable": data,
+                "why": f"this job cannot read it; judged by its age, {STALE_S:.0f} s",
+            }
+        if isinstance(data, str):  # another error (LOCK a directory): taken over, which names the error
             return {"host": self.me["host"], "unreadable": data}
         try:
             holder = json.loads(data)
@@ -252,13 +263,14 @@ class CheckpointLock:
 
     def _taken_over(self, holder: dict) -> str:
         """What a stale lock (``_stale``) was, for the take-over line."""
-        if "unreadable" in holder:
+        if "unreadable" in holder and holder.get("host") == self.me["host"]:
             return _describe(holder)
         if self._earlier_round(holder):
             return f"the lock of {_describe(holder)}, from restart round {holder['elastic'][1]} of this torchrun job"
         if holder.get("host") == self.me["host"]:
             return f"the lock of {_describe(holder)}, which is no longer running"
-        return f"the lock of {_describe(holder)}, not refreshed for {self._age():.0f} s (> {STALE_S:.0f} s)"
+        what = _describe(holder) if "unreadable" in holder else f"the lock of {_describe(holder)}"
+        return f"{what}, not refreshed for {self._age():.0f} s (> {STALE_S:.0f} s)"
 
     def _age(self, path: Path | None = None) -> float:
         """Seconds since ``path`` (the lock) was last written or refreshed, on the file system's clock."""

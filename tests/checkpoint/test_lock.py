@@ -11,9 +11,11 @@ import json
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -232,8 +234,8 @@ def test_a_job_waits_out_a_fresh_claim_left_by_a_killed_taker(tmp_path, monkeypa
 
 
 def test_the_lock_file_is_readable_by_other_users(tmp_path):
-    """Another user's job on a shared folder must read the lock: one it cannot read is taken for a garbage lock
-    of a dead job and taken over."""
+    """Another user's job on a shared folder reads the lock, under the usual umask (022): one it cannot read names
+    no holder and waits STALE_S (test_a_lock_another_user_cannot_read_is_judged_by_its_age)."""
     umask = os.umask(0)
     os.umask(umask)
     lock = CheckpointLock(tmp_path, "mine")
@@ -331,6 +333,45 @@ def test_a_live_job_of_another_user_is_alive(tmp_path):
         assert results.get(timeout=30) is False
     finally:
         judge.join()
+
+
+def _acquire_as_another_user(directory: Path, results) -> None:
+    """A forked job of another user (nobody, when the tests run as root) taking ``directory``'s lock: what it says."""
+    os.setuid(65534)
+    try:
+        results.put(CheckpointLock(directory, "nobody").acquire() or "held")
+    except Exception as e:  # reported to the test, which names it
+        results.put(f"{type(e).__name__}: {e}")
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="runs a job as another user (nobody), which needs root")
+def test_a_lock_another_user_cannot_read_is_judged_by_its_age():
+    """Another user's job under a private umask (077) writes a lock this job cannot read: it was taken for a dead
+    writer's garbage and taken over at once, two jobs on one folder. Its holder is unknown, so it is judged as
+    another host's: refused while refreshed, taken over once untouched for STALE_S."""
+    shared = Path(tempfile.mkdtemp(dir="/tmp"))  # pytest's tmp_path is root's alone (0700)
+    ctx = multiprocessing.get_context("fork")
+    try:
+        for age, said in ((0, "is in use by an unreadable lock file (PermissionError"), (STALE_S + 5, "taking over")):
+            folder = shared / str(age)
+            folder.mkdir(parents=True)
+            for d in (shared, folder):
+                d.chmod(0o777)
+            lock = _write_lock(folder)
+            lock.chmod(0o600)
+            old = time.time() - age
+            os.utime(lock, (old, old))
+            results = ctx.Queue()
+            job = ctx.Process(target=_acquire_as_another_user, args=(folder, results))
+            job.start()
+            try:
+                got = results.get(timeout=30)
+            finally:
+                job.join()
+            assert said in got, (age, got)
+            assert f"not refreshed for {age:.0f} s" in got or age == 0, got
+    finally:
+        shutil.rmtree(shared)
 
 
 def _take_and_end(directory: Path) -> None:
