@@ -207,6 +207,33 @@ def test_a_damaged_shard_is_named(saved):
     assert read_index(step, (1, 2))["_share"] == [shard_name(1), shard_name(3)]  # not this rank's share
 
 
+def test_a_shard_gone_after_the_index_check_is_named_with_the_reason(saved):
+    """A shard removed or replaced between read_index's size check and its CRC check (a prune or a copy racing the
+    resume) is one CheckpointError naming the shard and the system's reason, which resume catches to try an older
+    step: not an OSError traceback, and not the errno's repr."""
+    step, _ = saved
+    index, shard = read_index(step), step / shard_name(1)
+    shard.unlink()
+    with pytest.raises(CheckpointError) as error:
+        verify_shard(step, index, shard_name(1))
+    assert str(error.value) == f"shard {shard} cannot be read (No such file or directory)"
+
+
+def test_a_missing_piece_is_named_alone(saved):
+    """verify_shard's own verdict on a readable shard (a piece missing) reaches the user as it is, not wrapped in
+    "is not a readable safetensors file (...)", which would send them looking for a torn file."""
+    step, _ = saved
+    key = piece_key("w", "param", 0, 0)
+    _rewrite(step, 0, lambda t: t.pop(key))
+    with pytest.raises(CheckpointError) as error:
+        verify_shard(step, read_index(step), shard_name(0))
+    recorded = step / part_name(0)
+    assert (
+        str(error.value)
+        == f"shard {step / shard_name(0)} does not hold piece '{key}' of 12 elements recorded in {recorded}"
+    )
+
+
 def test_damaged_metadata_is_named(saved):
     step, _ = saved
     part, long = (step / part_name(3)).read_text(), "rank_" + "0" * 300 + ".safetensors"
