@@ -274,3 +274,20 @@ def test_a_version_1_checkpoint_reads_back_shares_and_names_damage_as_version_2(
     (step / INDEX).write_text(json.dumps(files))
     with pytest.raises(CheckpointError, match=f"does not hold piece '{key}' of 12 elements recorded in .*index.json"):
         verify_shard(step, read_index(step), shard_name(3))
+
+
+def test_a_read_of_part_of_a_block_names_the_range_it_misses_and_a_parameter_the_checkpoint_lacks(saved):
+    """A resume at another cut reads part of a writer's tp block (from element 8 on here); a piece of it that no
+    part places any more is one CheckpointError naming the elements asked for and how many were found, in the
+    block's own numbers; a parameter the checkpoint does not hold is named with its index.json (another model)."""
+    step, _ = saved
+    damaged = json.loads((step / part_name(3)).read_text())
+    del damaged["params"]["w"]["states"]["exp_avg"]  # part 3 no longer places w's exp_avg [12, 24) of tp block 1
+    (step / part_name(3)).write_text(json.dumps(damaged))
+    reader = Reader(step, read_index(step))
+    covered = f"{step / INDEX}: w exp_avg elements [8, 24) of tp block 1 are covered 4 times over 16 (a missing"
+    with pytest.raises(CheckpointError, match=re.escape(covered)):
+        reader.read("w", "exp_avg", 0, TP, 1, 8, 24)  # block rows 1-2 of tp block 1: [0, 12) is part 2's only
+    with pytest.raises(CheckpointError, match=re.escape(f"{step / INDEX} has no parameter 'lm_head' (a different")):
+        reader.full("lm_head")
+    reader.close()
