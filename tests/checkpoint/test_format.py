@@ -79,13 +79,18 @@ def save(root: Path) -> tuple[Path, dict]:
         meta = {"rank": rank, "file": shard_name(rank), "params": params, "adam_step": 3 if rank == 1 else None}
         meta.update(write_shard(step / shard_name(rank), tensors))
         plans.append(write_part(step, rank, meta))
-    header = {"step": 3, "consumed_samples": 48, "config": {"model": MODEL}, "layout": {"world_size": 4}}
+    publish(step, plans[::-1])  # in any order: parts by number
+    return step, full
+
+
+def publish(step: Path, plans: list[dict]) -> None:
+    """Rank 0's commit: the ranks' plans merged into locator.jsonl and index.json (step 3, 48 samples)."""
+    header = {"step": 3, "consumed_samples": 48, "config": {"model": MODEL}, "layout": {"world_size": len(plans)}}
     header["adam_step"] = max(p.pop("adam_step") or 0 for p in plans)
-    index, extra = merge_index(plans[::-1], header)  # in any order: parts by number
+    index, extra = merge_index(plans, header)
     for name, text in extra.items():
         fsync_write(step / name, text)
     fsync_write(step / INDEX, json.dumps(index))
-    return step, full
 
 
 @pytest.fixture
@@ -119,7 +124,7 @@ def reads_back_at_every_cut(step: Path, full: dict, index: dict) -> None:
             for rank in range(size):
                 block = want.reshape(-1) if dim is None else want.chunk(size, dim)[rank].reshape(-1)
                 n = block.numel()
-                for start, end in [(0, n), (1, n - 1), (n // 2, n), (0, 1), (n - 1, n), (2, 2)]:
+                for start, end in [(0, n), (1, n - 1), (n // 2, n), (n // 2, n - 1), (0, 1), (n - 1, n), (2, 2)]:
                     got = reader.read(name, state, dim, size, rank, start, end)
                     assert torch.equal(got, block[start:end]), (name, state, dim, size, rank, start, end)
                     # what the read holds: the block rows the range touches, not the rows before them too
@@ -290,4 +295,24 @@ def test_a_read_of_part_of_a_block_names_the_range_it_misses_and_a_parameter_the
         reader.read("w", "exp_avg", 0, TP, 1, 8, 24)  # block rows 1-2 of tp block 1: [0, 12) is part 2's only
     with pytest.raises(CheckpointError, match=re.escape(f"{step / INDEX} has no parameter 'lm_head' (a different")):
         reader.full("lm_head")
+    reader.close()
+
+
+def test_a_column_cut_written_at_tp_4_reads_back_at_tp_2_and_1(tmp_path):
+    """tp 4 -> tp 2 along the columns (a row-parallel weight resumed at half the tp size): each block read is two
+    written blocks side by side, each copied into its own columns only; at tp 1, four of them."""
+    full, step = torch.randn(3, 8, generator=torch.Generator().manual_seed(1)), tmp_path / "step_000003"
+    step.mkdir()
+    plans = []
+    for rank, block in enumerate(full.chunk(4, 1)):
+        param = {"shape": [3, 8], "tp_dim": 1, "tp_size": 4, "states": {"param": [[rank, 0, 6]]}}
+        meta = {"rank": rank, "file": shard_name(rank), "params": {"o": param}}
+        meta.update(write_shard(step / shard_name(rank), {piece_key("o", "param", rank, 0): block.reshape(-1)}))
+        plans.append(write_part(step, rank, meta))
+    publish(step, plans)
+    reader = Reader(step, read_index(step))
+    for size in (1, 2, 4):
+        for rank, want in enumerate(full.chunk(size, 1)):
+            got = reader.read("o", "param", 1, size, rank, 0, want.numel())
+            assert torch.equal(got, want.reshape(-1)), (size, rank)
     reader.close()
