@@ -1,9 +1,10 @@
 """The on-disk format (engine/checkpoint/format.py) through its own write and read functions, without a model: four
 ranks (tp 2 x dp 2, each holding a flat half of its tp block, as FSDP or ZeRO cut it) write their shards and parts,
 rank 0 merges their plans into index.json and locator.jsonl as a save does, and the Reader puts back the full
-tensors and any other cut (tp 1, 3 on another dimension, 4; any flat range) exactly. Damage to a shard (its CRC,
-its size, a piece missing or of another length, a NaN with a matching CRC) and to the metadata (a part missing, a
-locator line that is not JSON) is one CheckpointError naming the file; ``read_index``'s share splits the shards
+tensors and any other cut (tp 1, 3 on another dimension, 4; any flat range; a column cut written at tp 4 read at
+tp 2) exactly. Damage to a shard (its CRC, its size, a piece missing or of another length, a NaN with a matching
+CRC) and to the metadata (a part missing, a locator line that is not JSON, a range no part places) is one
+CheckpointError naming the file, as is a parameter the checkpoint lacks; ``read_index``'s share splits the shards
 among the ranks that check them. The launcher cases (tests/checkpoint/test_checkpoint_read.py) cost a model build
 each; these seconds for every cut.
 """
