@@ -1,9 +1,10 @@
 """The on-disk format (engine/checkpoint/format.py) through its own write and read functions, without a model: four
 ranks (tp 2 x dp 2, each holding a flat half of its tp block, as FSDP or ZeRO cut it) write their shards and parts,
 rank 0 merges their plans into index.json and locator.jsonl as a save does, and the Reader puts back the full
-tensors and any other cut (tp 1, 3 on another dimension, 4; any flat range) exactly. Damage to a shard (its CRC,
-its size, a piece missing or of another length, a NaN with a matching CRC) and to the metadata (a part missing, a
-locator line that is not JSON) is one CheckpointError naming the file; ``read_index``'s share splits the shards
+tensors and any other cut (tp 1, 3 on another dimension, 4; any flat range; a column cut written at tp 4 read at
+tp 2) exactly. Damage to a shard (its CRC, its size, a piece missing or of another length, a NaN with a matching
+CRC) and to the metadata (a part missing, a locator line that is not JSON, a range no part places) is one
+CheckpointError naming the file, as is a parameter the checkpoint lacks; ``read_index``'s share splits the shards
 among the ranks that check them. The launcher cases (tests/checkpoint/test_checkpoint_read.py) cost a model build
 each; these seconds for every cut.
 """
@@ -79,13 +80,18 @@ def save(root: Path) -> tuple[Path, dict]:
         meta = {"rank": rank, "file": shard_name(rank), "params": params, "adam_step": 3 if rank == 1 else None}
         meta.update(write_shard(step / shard_name(rank), tensors))
         plans.append(write_part(step, rank, meta))
-    header = {"step": 3, "consumed_samples": 48, "config": {"model": MODEL}, "layout": {"world_size": 4}}
+    publish(step, plans[::-1])  # in any order: parts by number
+    return step, full
+
+
+def publish(step: Path, plans: list[dict]) -> None:
+    """Rank 0's commit: the ranks' plans merged into locator.jsonl and index.json (step 3, 48 samples)."""
+    header = {"step": 3, "consumed_samples": 48, "config": {"model": MODEL}, "layout": {"world_size": len(plans)}}
     header["adam_step"] = max(p.pop("adam_step") or 0 for p in plans)
-    index, extra = merge_index(plans[::-1], header)  # in any order: parts by number
+    index, extra = merge_index(plans, header)
     for name, text in extra.items():
         fsync_write(step / name, text)
     fsync_write(step / INDEX, json.dumps(index))
-    return step, full
 
 
 @pytest.fixture
@@ -119,7 +125,7 @@ def reads_back_at_every_cut(step: Path, full: dict, index: dict) -> None:
             for rank in range(size):
                 block = want.reshape(-1) if dim is None else want.chunk(size, dim)[rank].reshape(-1)
                 n = block.numel()
-                for start, end in [(0, n), (1, n - 1), (n // 2, n), (0, 1), (n - 1, n), (2, 2)]:
+                for start, end in [(0, n), (1, n - 1), (n // 2, n), (n // 2, n - 1), (0, 1), (n - 1, n), (2, 2)]:
                     got = reader.read(name, state, dim, size, rank, start, end)
                     assert torch.equal(got, block[start:end]), (name, state, dim, size, rank, start, end)
                     # what the read holds: the block rows the range touches, not the rows before them too
@@ -301,3 +307,40 @@ def test_a_version_1_checkpoint_reads_back_shares_and_names_damage_as_version_2(
     (step / INDEX).write_text(json.dumps(files))
     with pytest.raises(CheckpointError, match=f"does not hold piece '{key}' of 12 elements recorded in .*index.json"):
         verify_shard(step, read_index(step), shard_name(3))
+
+
+def test_a_read_of_part_of_a_block_names_the_range_it_misses_and_a_parameter_the_checkpoint_lacks(saved):
+    """A resume at another cut reads part of a writer's tp block (from element 8 on here); a piece of it that no
+    part places any more is one CheckpointError naming the elements asked for and how many were found, in the
+    block's own numbers; a parameter the checkpoint does not hold is named with its index.json (another model)."""
+    step, _ = saved
+    damaged = json.loads((step / part_name(3)).read_text())
+    del damaged["params"]["w"]["states"]["exp_avg"]  # part 3 no longer places w's exp_avg [12, 24) of tp block 1
+    (step / part_name(3)).write_text(json.dumps(damaged))
+    reader = Reader(step, read_index(step))
+    covered = f"{step / INDEX}: w exp_avg elements [8, 24) of tp block 1 are covered 4 times over 16 (a missing"
+    with pytest.raises(CheckpointError, match=re.escape(covered)):
+        reader.read("w", "exp_avg", 0, TP, 1, 8, 24)  # block rows 1-2 of tp block 1: [0, 12) is part 2's only
+    with pytest.raises(CheckpointError, match=re.escape(f"{step / INDEX} has no parameter 'lm_head' (a different")):
+        reader.full("lm_head")
+    reader.close()
+
+
+def test_a_column_cut_written_at_tp_4_reads_back_at_tp_2_and_1(tmp_path):
+    """tp 4 -> tp 2 along the columns (a row-parallel weight resumed at half the tp size): each block read is two
+    written blocks side by side, each copied into its own columns only; at tp 1, four of them."""
+    full, step = torch.randn(3, 8, generator=torch.Generator().manual_seed(1)), tmp_path / "step_000003"
+    step.mkdir()
+    plans = []
+    for rank, block in enumerate(full.chunk(4, 1)):
+        param = {"shape": [3, 8], "tp_dim": 1, "tp_size": 4, "states": {"param": [[rank, 0, 6]]}}
+        meta = {"rank": rank, "file": shard_name(rank), "params": {"o": param}}
+        meta.update(write_shard(step / shard_name(rank), {piece_key("o", "param", rank, 0): block.reshape(-1)}))
+        plans.append(write_part(step, rank, meta))
+    publish(step, plans)
+    reader = Reader(step, read_index(step))
+    for size in (1, 2, 4):
+        for rank, want in enumerate(full.chunk(size, 1)):
+            got = reader.read("o", "param", 1, size, rank, 0, want.numel())
+            assert torch.equal(got, want.reshape(-1)), (size, rank)
+    reader.close()
