@@ -73,3 +73,16 @@ def test_a_host_without_cuda_reports_no_devices_and_any_slot_count_passes():
     rep = hostreport.report(str(ROOT))
     assert rep["torch"]["cuda_devices"] == 0, rep["torch"]
     assert compare(rep, rep, 4, "") == []
+
+
+def test_a_gpu_host_reports_its_cuda_devices_and_too_few_for_its_slots_is_refused(monkeypatch):
+    """A GPU host (torch sees CUDA, here 4 devices: torch's own answers set, the report and the check are real)
+    reports its device count, and preflight refuses slots=8 on it, naming both numbers; on this CPU machine the
+    count was never read (a report of 0 devices everywhere would pass any slot count)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    rep = hostreport.report(str(ROOT))
+    assert rep["torch"]["cuda_devices"] == 4, rep["torch"]
+    assert compare(rep, rep, 4, "") == []
+    refused = compare(rep, rep, 8, "")
+    assert len(refused) == 1 and "slots=8" in refused[0] and "4 CUDA devices" in refused[0], refused
