@@ -209,3 +209,21 @@ def test_a_resume_with_another_tokenizer_corpus_or_seed_says_so(tmp_path):
     assert len(notes) == 1, out.stdout[-3000:]
     for change in (f"data.tokenizer '' -> '{tokenizer}'", f"data.paths [] -> ['{corpus}']", "train.seed 1234 -> 7"):
         assert change in notes[0], notes[0]
+
+
+def test_a_step_is_set_aside_even_where_its_note_cannot_be_written(tmp_path, capsys):
+    """The note beside a set-aside step is a courtesy: where it cannot be written (here its name is taken by a
+    directory; a disk filling between the move and the note) the step is still moved and named in one line, and
+    the start-up goes on (an error here would end a run that has a good checkpoint to resume)."""
+    from engine.checkpoint.lineage import SET_ASIDE, set_aside
+
+    step = tmp_path / "step_00000009"
+    (step / "SET_ASIDE.txt").mkdir(parents=True)  # the note's name taken
+    set_aside(tmp_path, 4, {step: "its index.json is missing"}, "tok")
+    moved = tmp_path / SET_ASIDE / "step_00000009-tok"
+    assert moved.is_dir() and not step.exists() and (moved / "SET_ASIDE.txt").is_dir()
+    said = capsys.readouterr().out
+    assert (
+        f"checkpoint: set aside {step} as {moved}: it lies above step 4" in said
+        and "(its index.json is missing)" in said
+    )

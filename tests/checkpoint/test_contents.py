@@ -155,3 +155,23 @@ def test_a_changed_data_setting_is_quoted_whole_up_to_80_characters():
     assert notes(fits) == repr(fits)
     longer = ["x" * 77]
     assert notes(longer) == repr(longer)[:77] + "..." and len(notes(longer)) == 80
+
+
+def test_the_cuda_random_state_is_restored_on_a_cuda_device_only(tmp_path, monkeypatch):
+    """A rank's saved random states hold CUDA's where it ran on a GPU: resumed on a CUDA device it is set there; on
+    a CPU run (a GPU checkpoint resumed on CPU) CUDA's state is left alone. torch.cuda.set_rng_state is recorded
+    (on a CPU machine it is deferred until CUDA starts, so nothing else could tell)."""
+    from safetensors.torch import save_file
+
+    from engine.checkpoint import contents as module
+
+    tensors, meta = module._rng_state(torch.device("cpu"))
+    tensors["rng/cuda"] = torch.arange(16, dtype=torch.uint8)  # as torch.cuda.get_rng_state gives it
+    save_file(tensors, str(tmp_path / "rng.safetensors"))
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: calls.append((state.tolist(), device)))
+    module._set_rng_state(tmp_path / "rng.safetensors", meta, torch.device("cpu"))
+    assert calls == []
+    gpu = torch.device("cuda", 0)
+    module._set_rng_state(tmp_path / "rng.safetensors", meta, gpu)
+    assert calls == [(list(range(16)), gpu)]
