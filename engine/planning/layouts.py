@@ -65,6 +65,17 @@ def _ep_sizes(cfg: Config, dp: int) -> list[int]:
     return [ep for ep in _divisors(dp) if cfg.model.num_experts % ep == 0] if cfg.model.num_experts else [1]
 
 
+def _dp_variants(offload: str, ranks: int, micro_batches: int, schedule: str) -> list[dict]:
+    """dp_modes' variants at ``ranks`` (dp x cp) as parallel fields, leaving out fsdp's unsharded accumulation where
+    it is the same as sharded: one micro-batch a step, or a schedule that accumulates unsharded anyway (zero bubble,
+    zbv: W adds the weight gradients outside autograd)."""
+    return [
+        dict(dp_mode=mode, zero_stage=stage, reshard_after_forward=reshard, offload=off, fsdp_grad_accumulation=acc)
+        for mode, stage, reshard, off, acc in dp_modes(offload, ranks)
+        if acc == "sharded" or (micro_batches > 1 and not SCHEDULES[schedule].split_w)
+    ]
+
+
 def layouts(
     cfg: Config,
     world_size: int,
@@ -98,10 +109,8 @@ def layouts(
             for sp, mbs, ep in (
                 (sp, mbs, ep) for sp in _sp(tp) for mbs in _divisors(gbs // dp) for ep in _ep_sizes(cfg, dp * cp)
             ):
-                for mode, stage, reshard, off, acc in dp_modes(offload or cfg.parallel.offload, dp * cp):
-                    if acc == "unsharded" and (gbs // dp == mbs or SCHEDULES[schedule].split_w):
-                        continue  # the same as sharded: one micro-batch, or a schedule that accumulates unsharded
-                    key = (sp, ep, mode, stage, reshard, off, acc)
+                for variant in _dp_variants(offload or cfg.parallel.offload, dp * cp, gbs // dp // mbs, schedule):
+                    key = (sp, ep, *variant.values())
                     if key not in built:
                         built[key] = dataclasses.replace(
                             cfg.parallel,
@@ -111,11 +120,7 @@ def layouts(
                             cp=cp,
                             cp_mode=cp_mode,
                             ep=ep,
-                            dp_mode=mode,
-                            zero_stage=stage,
-                            reshard_after_forward=reshard,
-                            offload=off,
-                            fsdp_grad_accumulation=acc,
+                            **variant,
                             pp_layers=pp_layers,
                             sequence_parallel=sp,
                             schedule=schedule,
