@@ -195,14 +195,14 @@ class CheckpointLock:
         None if there is none."""
         try:
             st = self.path.stat()
-            try:
-                data: bytes | str = self.path.read_bytes()
-            except FileNotFoundError:
-                raise
-            except OSError as e:
-                data = type(e).__name__
         except FileNotFoundError:
             return None
+        try:
+            data: bytes | str = self.path.read_bytes()
+        except FileNotFoundError:  # removed between the two
+            return None
+        except OSError as e:
+            data = type(e).__name__
         return st.st_dev, st.st_ino, st.st_mtime_ns, data
 
     def _holder(self, seen: tuple) -> dict:

@@ -313,35 +313,34 @@ def test_refusing_a_live_job_leaves_it_running(tmp_path):
         holder.wait()
 
 
-def _judge_as_another_user(results) -> None:
-    """A forked job of another user (nobody, when the tests run as root) judging the lock of pid 1 on this host."""
-    if os.getuid() == 0:
-        os.setuid(65534)
-    try:
-        results.put(CheckpointLock(Path("unused"), "new")._stale({"host": HOST, "pid": 1, "run": "old"}))
-    except Exception as e:  # reported to the test, which names it
-        results.put(repr(e))
-
-
-def test_a_live_job_of_another_user_is_alive(tmp_path):
-    """Another user's job on this host may not be signalled (EPERM): it is alive, and its lock is not stale."""
+def _as_another_user(work):
+    """What ``work()`` returns (or the exception it raises, as its type and words) in a forked job of another user:
+    nobody, when the tests run as root."""
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
-    judge = ctx.Process(target=_judge_as_another_user, args=(results,))
-    judge.start()
+
+    def job() -> None:
+        if os.getuid() == 0:
+            os.setuid(65534)
+        try:
+            results.put(work())
+        except Exception as e:  # reported to the test, which names it
+            results.put(f"{type(e).__name__}: {e}")
+
+    proc = ctx.Process(target=job)
+    proc.start()
     try:
-        assert results.get(timeout=30) is False
+        return results.get(timeout=30)
     finally:
-        judge.join()
+        proc.join()
 
 
-def _acquire_as_another_user(directory: Path, results) -> None:
-    """A forked job of another user (nobody, when the tests run as root) taking ``directory``'s lock: what it says."""
-    os.setuid(65534)
-    try:
-        results.put(CheckpointLock(directory, "nobody").acquire() or "held")
-    except Exception as e:  # reported to the test, which names it
-        results.put(f"{type(e).__name__}: {e}")
+def test_a_live_job_of_another_user_is_alive():
+    """Another user's job on this host may not be signalled (EPERM): it is alive, and its lock is not stale."""
+    judged = _as_another_user(
+        lambda: CheckpointLock(Path("unused"), "new")._stale({"host": HOST, "pid": 1, "run": "old"})
+    )
+    assert judged is False, judged
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="runs a job as another user (nobody), which needs root")
@@ -350,7 +349,6 @@ def test_a_lock_another_user_cannot_read_is_judged_by_its_age():
     writer's garbage and taken over at once, two jobs on one folder. Its holder is unknown, so it is judged as
     another host's: refused while refreshed, taken over once untouched for STALE_S."""
     shared = Path(tempfile.mkdtemp(dir="/tmp"))  # pytest's tmp_path is root's alone (0700)
-    ctx = multiprocessing.get_context("fork")
     try:
         for age, said in ((0, "is in use by an unreadable lock file (PermissionError"), (STALE_S + 5, "taking over")):
             folder = shared / str(age)
@@ -361,13 +359,7 @@ def test_a_lock_another_user_cannot_read_is_judged_by_its_age():
             lock.chmod(0o600)
             old = time.time() - age
             os.utime(lock, (old, old))
-            results = ctx.Queue()
-            job = ctx.Process(target=_acquire_as_another_user, args=(folder, results))
-            job.start()
-            try:
-                got = results.get(timeout=30)
-            finally:
-                job.join()
+            got = _as_another_user(lambda: CheckpointLock(folder, "nobody").acquire() or "held")
             assert said in got, (age, got)
             assert f"not refreshed for {age:.0f} s" in got or age == 0, got
     finally:
