@@ -106,6 +106,11 @@ class ParallelConfig:
     # Megatron's sequence parallelism (Korthikanti et al. 2022): norms and residual stream sharded over tp on the
     # sequence dim; all-gather before column-parallel, reduce-scatter after row-parallel layers. Needs tp > 1.
     sequence_parallel: bool = False
+    # Under sequence parallelism: each tp all-gather and reduce-scatter as a ring of tp steps whose transfers overlap
+    # the linear's matmul chunk by chunk (collective matmul, Wang et al. 2023; engine/parallel/autograd/
+    # collective_matmul.py): p2p transfers instead of one blocking collective. Needs sequence_parallel; not with the
+    # zero-bubble schedules (their deferred weight gradients gather blocking).
+    tp_comm_overlap: bool = False
     # layers per stage, e.g. [3, 5]; empty = as even as possible; auto = the split minimising the slowest stage's
     # FLOPs, LM head included (engine/planning/balance.py)
     pp_layers: list[int] | str = field(default_factory=list)

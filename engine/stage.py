@@ -35,7 +35,7 @@ def build_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
     """The local part of the model on ctx.device, initialised identically at every layout (before dp)."""
     model = model_lib.build(cfg.model, device="meta")
     split_stage(model, ctx.pp, ctx.pp_rank, layer_counts(cfg, ctx.pp), *sched.chunking(cfg.parallel))
-    apply_tensor_parallel(model, ctx.tp_group, cfg.parallel.sequence_parallel)
+    apply_tensor_parallel(model, ctx.tp_group, cfg.parallel.sequence_parallel, cfg.parallel.tp_comm_overlap)
     ep.apply_expert_parallel(model, ctx)  # this rank's experts (a slice of dim 0), all-to-all dispatch
     apply_context_parallel(model, cfg.parallel.cp_mode, ctx.group("cp"), ctx.size("cp"))  # attention across cp
     materialize(model, ctx.device, cfg.train.seed, cfg.model.init_std)

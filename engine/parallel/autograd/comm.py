@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import engine.trust.oplog as oplog  # floor 0 (docs/architecture.md), not the trust package
 from engine.model.recompute_run import save_under_selective
+from engine.parallel.autograd import collective_matmul as cm
 
 
 def _size(group) -> int:
@@ -153,14 +154,17 @@ class _SequenceGatheredLinear(torch.autograd.Function):
     all-gathers x again for A's gradient and reduce-scatters x's. Only the local (b, s/tp, h) input is kept for
     backward, not the gathered one: the activation saving of Korthikanti et al. Sec. 4.2.2 (Megatron's
     LinearWithGradAccumulationAndAsyncCommunication with sequence_parallel). Autocast, if on in forward, is on
-    again in backward, so the gradients use the forward's matmul dtype."""
+    again in backward, so the gradients use the forward's matmul dtype. ``overlap``: each collective as a ring
+    whose transfers overlap the matmul it feeds (engine/parallel/autograd/collective_matmul.py)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
+    def forward(ctx, x, weight, bias, group, overlap):
         device = x.device.type
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group, ctx.has_bias, ctx.overlap = group, bias is not None, overlap
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.save_for_backward(x, weight)  # x: (b, s/tp, h), never the gathered (b, s, h)
+        if overlap:
+            return cm.gathered_linear(x, weight, bias, group)  # (b, s, out/tp)
         return torch.nn.functional.linear(gather_seq(x, group), weight, bias)  # (b, s, out/tp)
 
     @staticmethod
@@ -170,14 +174,18 @@ class _SequenceGatheredLinear(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]  # e.g. a backward split into input and weight parts
         grad_x = grad_w = grad_b = None
         with torch.autocast(device, dtype=dtype, enabled=enabled):
-            if need_x:  # (b, s, h) partial over tp -> summed, this rank's (b, s/tp, h)
+            if need_x and ctx.overlap:  # as below, the reduce-scatter overlapping the chunks' matmuls
+                grad_x = cm.input_grad_scattered(grad, weight, ctx.group, x.dtype)
+            elif need_x:  # (b, s, h) partial over tp -> summed, this rank's (b, s/tp, h)
                 grad_x = reduce_scatter_seq(torch.matmul(grad, weight).to(x.dtype), ctx.group)
-            if need_w:  # (out/tp, h), from x gathered again (b, s, h)
+            if need_w and ctx.overlap:  # as below, x gathered chunk by chunk behind the chunks' matmuls
+                grad_w = cm.weight_grad_gathered(grad, x, ctx.group).to(weight.dtype)
+            elif need_w:  # (out/tp, h), from x gathered again (b, s, h)
                 full = gather_seq(x, ctx.group)
                 grad_w = torch.matmul(grad.flatten(0, -2).t(), full.flatten(0, -2)).to(weight.dtype)
         if need_b and ctx.has_bias:
             grad_b = grad.flatten(0, -2).sum(0).to(weight.dtype)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def gather_sequence_for_replicated(x: torch.Tensor, group) -> torch.Tensor:
@@ -212,11 +220,13 @@ def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group) -> torch.Tensor:
     return x if _size(group) == 1 else _Exchange.apply(x, group, reduce_scatter_seq, gather_seq)
 
 
-def sequence_gathered_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group) -> torch.Tensor:
+def sequence_gathered_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group, overlap: bool = False
+) -> torch.Tensor:
     """(b, s/tp, h) -> (b, s, out/tp); see _SequenceGatheredLinear. A group of size one is a plain linear."""
     if _size(group) == 1:
         return torch.nn.functional.linear(x, weight, bias)
-    return _SequenceGatheredLinear.apply(x, weight, bias, group)
+    return _SequenceGatheredLinear.apply(x, weight, bias, group, overlap)
 
 
 # ---- the row-parallel linear and its reduce-scatter as one operator: selective recomputation
@@ -229,33 +239,39 @@ _DEFERRING: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 @torch.library.custom_op("engine::sequence_reduced_linear", mutates_args=())
-def _sequence_reduced_linear(x: torch.Tensor, weight: torch.Tensor, group: str, layer: str) -> torch.Tensor:
+def _sequence_reduced_linear(
+    x: torch.Tensor, weight: torch.Tensor, group: str, layer: str, overlap: bool
+) -> torch.Tensor:
+    if overlap:  # the reduce-scatter as a ring overlapping the chunks' matmuls (autograd/collective_matmul.py)
+        return cm.linear_scattered(x, weight, _GROUPS[group])
     return reduce_scatter_seq(torch.nn.functional.linear(x, weight), _GROUPS[group])
 
 
 @_sequence_reduced_linear.register_fake
-def _(x, weight, group, layer):
+def _(x, weight, group, layer, overlap):
     return x.new_empty((*x.shape[:-2], x.shape[-2] // _size(_GROUPS[group]), weight.shape[0]))
 
 
 def _sequence_reduced_setup(ctx, inputs, output):
-    x, weight, group, layer = inputs
+    x, weight, group, layer, overlap = inputs
     ctx.save_for_backward(x, weight)
-    ctx.group, ctx.layer = _GROUPS[group], _DEFERRING.get(layer)
+    ctx.group, ctx.layer, ctx.overlap = _GROUPS[group], _DEFERRING.get(layer), overlap
 
 
 def _sequence_reduced_backward(ctx, grad):
     x, weight = ctx.saved_tensors
-    full = gather_seq(grad, ctx.group)  # (b, s, out): every rank's chunk of the output gradient
-    grad_x = torch.matmul(full, weight) if ctx.needs_input_grad[0] else None
     store = None if ctx.layer is None else ctx.layer.weight_grad_store
-    if store is not None and store.deferring:  # zero bubble's B: W adds full^T x later (autograd/weight_grad.py)
+    defer = store is not None and store.deferring  # zero bubble's B: W adds full^T x later (autograd/weight_grad.py)
+    need_x, need_w = ctx.needs_input_grad[:2]
+    if ctx.overlap:  # the output gradient gathered chunk by chunk behind the chunks' matmuls
+        grad_x, grad_w, full = cm.row_grads_gathered(grad, x, weight, ctx.group, (need_x, need_w and not defer, defer))
+    else:
+        full = gather_seq(grad, ctx.group)  # (b, s, out): every rank's chunk of the output gradient
+        grad_x = torch.matmul(full, weight) if need_x else None
+        grad_w = torch.matmul(full.flatten(0, -2).t(), x.flatten(0, -2)) if need_w and not defer else None
+    if defer:
         store.put(ctx.layer.weight, None, x, full)
-        return grad_x, None, None, None
-    grad_w = None
-    if ctx.needs_input_grad[1]:
-        grad_w = torch.matmul(full.flatten(0, -2).t(), x.flatten(0, -2))
-    return grad_x, grad_w, None, None
+    return grad_x, grad_w, None, None, None
 
 
 _sequence_reduced_linear.register_autograd(_sequence_reduced_backward, setup_context=_sequence_reduced_setup)
@@ -264,30 +280,36 @@ SEQUENCE_REDUCED_LINEAR = _sequence_reduced_linear._opoverload
 save_under_selective(SEQUENCE_REDUCED_LINEAR)
 
 
-def sequence_reduced_linear(x: torch.Tensor, weight: torch.Tensor, group, layer=None) -> torch.Tensor:
+def sequence_reduced_linear(
+    x: torch.Tensor, weight: torch.Tensor, group, layer=None, overlap: bool = False
+) -> torch.Tensor:
     """reduce_scatter_seq(x A^T): the row-parallel matmul's (b, s, out) partial sums summed over the group, this
     rank's (b, s/tp, out) kept; backward all-gathers the output gradient along the sequence (Megatron's g after a
     row-parallel layer). One operator (``engine::sequence_reduced_linear``): see above. Under autocast x and A are
     cast as autocast casts a linear's inputs (the cast A is what backward keeps, as autocast's linear keeps it).
     ``layer``: a module with ``weight`` (A's parameter) and a ``weight_grad_store`` (zero bubble): backward queues
-    (x, g) there while the store defers, as engine/parallel/autograd/weight_grad.py's deferrable linear does."""
+    (x, g) there while the store defers, as engine/parallel/autograd/weight_grad.py's deferrable linear does.
+    ``overlap``: the reduce-scatter (and backward's all-gather) as rings overlapping the matmul
+    (engine/parallel/autograd/collective_matmul.py)."""
     if _size(group) == 1:
         return torch.nn.functional.linear(x, weight)
     if layer is not None:
-        return _deferrable_sequence_reduced_linear(x, weight, group, layer)
-    return _sequence_reduced_call(x, weight, group, "")
+        return _deferrable_sequence_reduced_linear(x, weight, group, layer, overlap)
+    return _sequence_reduced_call(x, weight, group, "", overlap)
 
 
 @torch.compiler.disable
-def _deferrable_sequence_reduced_linear(x: torch.Tensor, weight: torch.Tensor, group, layer) -> torch.Tensor:
+def _deferrable_sequence_reduced_linear(
+    x: torch.Tensor, weight: torch.Tensor, group, layer, overlap: bool
+) -> torch.Tensor:
     # Eager even inside a compiled block, as the split linears are: the layer's key, a string constant per layer,
     # would guard the block's graph (a recompile per layer)
     key = str(id(layer))
     _DEFERRING[key] = layer
-    return _sequence_reduced_call(x, weight, group, key)
+    return _sequence_reduced_call(x, weight, group, key, overlap)
 
 
-def _sequence_reduced_call(x: torch.Tensor, weight: torch.Tensor, group, key: str) -> torch.Tensor:
+def _sequence_reduced_call(x: torch.Tensor, weight: torch.Tensor, group, key: str, overlap: bool) -> torch.Tensor:
     """The operator on x and A cast as autocast casts a linear's inputs (unchanged outside autocast), its group
     registered by name (the operator takes strings only)."""
     device = x.device.type
@@ -295,4 +317,4 @@ def _sequence_reduced_call(x: torch.Tensor, weight: torch.Tensor, group, key: st
         dtype = torch.get_autocast_dtype(device)
         x, weight = x.to(dtype), weight.to(dtype)
     _GROUPS.setdefault(group.group_name, group)
-    return _sequence_reduced_linear(x, weight, group.group_name, key)
+    return _sequence_reduced_linear(x, weight, group.group_name, key, overlap)

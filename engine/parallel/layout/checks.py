@@ -179,6 +179,17 @@ def check_schedule(cfg: Config, pp: int, micro_batches: int, dp: int) -> None:
             f"parallel.sequence_parallel=true needs parallel.tp >= 2 (got tp={p.tp}): it shards the "
             f"sequence over the tensor-parallel group; set sequence_parallel=false"
         )
+    if p.tp_comm_overlap and not p.sequence_parallel:
+        raise ConfigError(
+            "parallel.tp_comm_overlap=true needs parallel.sequence_parallel=true: it overlaps the sequence "
+            "all-gathers and reduce-scatters of the tensor-parallel linears; set tp_comm_overlap=false"
+        )
+    if p.tp_comm_overlap and SCHEDULES[p.schedule].split_w:
+        raise ConfigError(
+            f"parallel.tp_comm_overlap=true is not supported with parallel.schedule={p.schedule} (its deferred "
+            f"weight gradients gather blocking); use a schedule among "
+            f"{', '.join(n for n, s in SCHEDULES.items() if not s.split_w)} or tp_comm_overlap=false"
+        )
     if p.sequence_parallel and t.seq_len % p.tp:
         raise ConfigError(
             f"parallel.sequence_parallel=true needs train.seq_len={t.seq_len} divisible by parallel.tp={p.tp}"

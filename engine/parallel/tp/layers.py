@@ -13,7 +13,11 @@ With sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2; ``apply_tensor_p
 the residual stream between the layers is (b, s/tp, h): a column-parallel layer all-gathers its input along the
 sequence (and keeps only the local chunk for backward), a row-parallel layer and the embedding reduce-scatter their
 output instead of all-reducing it, and the norms run on s/tp tokens, their weights' gradients summed over tp in
-backward. The LM head gathers too, so the logits are (b, s, V/tp) and the loss is unchanged.
+backward. The LM head gathers too, so the logits are (b, s, V/tp) and the loss is unchanged. With ``comm_overlap``
+(parallel.tp_comm_overlap) the column-parallel linears' all-gathers and the row-parallel ones' reduce-scatters, and
+their backward counterparts, run as rings whose transfers overlap the matmul they feed
+(engine/parallel/autograd/collective_matmul.py); zero bubble's deferred column linear keeps the blocking ones
+(engine/parallel/layout/checks.py refuses the two together).
 
 Every parallel module records which dim of each parameter is sharded in ``tp_dims`` (name -> dim) together with
 ``tp_rank``/``tp_size``: engine.model.init uses it to cut each local shard from the same full tensor at every tp.
@@ -56,8 +60,8 @@ def _divide(n: int, d: int, what: str) -> int:
 
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A split by rows: weight (out/tp, in), bias (out/tp,) split with it (Qwen2's q/k/v).
-    Input copied (f), output sharded (b, s, out/tp); with ``sequence_parallel`` the input is (b, s/tp, in), gathered.
-    ``weight_grad_store``: see engine/parallel/autograd/weight_grad.py."""
+    Input copied (f), output sharded (b, s, out/tp); with ``sequence_parallel`` the input is (b, s/tp, in), gathered
+    (``comm_overlap``: by a ring behind the matmul). ``weight_grad_store``: engine/parallel/autograd/weight_grad.py."""
 
     weight_grad_store: WeightGradStore | None = None
 
@@ -69,9 +73,11 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         bias: bool = False,
         sequence_parallel: bool = False,
+        comm_overlap: bool = False,
     ):
         super().__init__()
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
+        self.comm_overlap = comm_overlap and sequence_parallel
         self.tp_rank, self.tp_size = _rank_size(group)
         self.in_features, self.out_features = in_features, out_features
         local = _divide(out_features, self.tp_size, "out_features")
@@ -84,7 +90,7 @@ class ColumnParallelLinear(nn.Module):
             # Function gathers the sequence and defers W: (b, s/tp, in) -> (b, s, out/tp)
             y = linear_with_deferred_weight(x, self.weight, self.bias, self.weight_grad_store, seq_group=self.group)
         elif self.sequence_parallel:  # (b, s/tp, in) gathered along the sequence inside
-            y = sequence_gathered_linear(x, self.weight, self.bias, self.group)  # (b, s, out/tp)
+            y = sequence_gathered_linear(x, self.weight, self.bias, self.group, self.comm_overlap)  # (b, s, out/tp)
         else:
             x = copy_to_parallel(x, self.group)
             y = linear_with_deferred_weight(x, self.weight, self.bias, self.weight_grad_store)  # (b, s, out/tp)
@@ -99,9 +105,22 @@ class ColumnParallelFusedLinear(ColumnParallelLinear):
     (gate_r, up_r), one GEMM behind one ``f``; output (b, s, sum(out)/tp), which the model splits per part."""
 
     def __init__(
-        self, in_features: int, parts: dict[str, int], group, bias: bool = False, sequence_parallel: bool = False
+        self,
+        in_features: int,
+        parts: dict[str, int],
+        group,
+        bias: bool = False,
+        sequence_parallel: bool = False,
+        comm_overlap: bool = False,
     ):
-        super().__init__(in_features, sum(parts.values()), group, bias=bias, sequence_parallel=sequence_parallel)
+        super().__init__(
+            in_features,
+            sum(parts.values()),
+            group,
+            bias=bias,
+            sequence_parallel=sequence_parallel,
+            comm_overlap=comm_overlap,
+        )
         for name, rows in parts.items():
             _divide(rows, self.tp_size, f"{name} out_features")
         self.parts = dict(parts)
@@ -112,8 +131,8 @@ class ColumnParallelFusedLinear(ColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     """y = x A^T with A split by columns: weight (out, in/tp). Input sharded (b, s, in/tp), output all-reduced (g),
-    or with ``sequence_parallel`` reduce-scattered along the sequence to (b, s/tp, out).
-    ``weight_grad_store``: see engine/parallel/autograd/weight_grad.py."""
+    or with ``sequence_parallel`` reduce-scattered along the sequence to (b, s/tp, out) (``comm_overlap``: by a ring
+    behind the matmul). ``weight_grad_store``: see engine/parallel/autograd/weight_grad.py."""
 
     weight_grad_store: WeightGradStore | None = None
 
@@ -124,9 +143,11 @@ class RowParallelLinear(nn.Module):
         group,
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,
+        comm_overlap: bool = False,
     ):
         super().__init__()
         self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
+        self.comm_overlap = comm_overlap and sequence_parallel
         self.tp_rank, self.tp_size = _rank_size(group)
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, _divide(in_features, self.tp_size, "in_features")))
@@ -137,10 +158,11 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_parallel(x, self.group)
-        if self.sequence_parallel and self.in_selective_block:
+        if self.sequence_parallel and (self.in_selective_block or self.comm_overlap):
             # one operator, whose (b, s/tp, out) output selective recomputation keeps (zero bubble: its backward
-            # defers W through this layer's store)
-            return sequence_reduced_linear(x, self.weight, self.group, None if self.weight_grad_store is None else self)
+            # defers W through this layer's store); the one that overlaps its reduce-scatter
+            layer = None if self.weight_grad_store is None else self
+            return sequence_reduced_linear(x, self.weight, self.group, layer, self.comm_overlap)
         y = linear_with_deferred_weight(x, self.weight, None, self.weight_grad_store)  # (b, s, out) partial sums
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel(y, self.group)  # (b, s/tp, out)
@@ -205,19 +227,16 @@ LAYER_PLAN = {
 SEQUENCE_PARALLEL_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
-def _parallel_linear(old: nn.Module, style: str, group, sp: bool) -> nn.Module:
+def _parallel_linear(old: nn.Module, style: str, group, sp: bool, overlap: bool) -> nn.Module:
+    bias, shard = old.bias is not None, dict(sequence_parallel=sp, comm_overlap=overlap)
     with torch.device(old.weight.device):
         if style == "column" and isinstance(old, FusedLinear):  # q/k/v, gate/up: one GEMM, one f
-            return ColumnParallelFusedLinear(
-                old.in_features, old.parts, group, bias=old.bias is not None, sequence_parallel=sp
-            )
+            return ColumnParallelFusedLinear(old.in_features, old.parts, group, bias=bias, **shard)
         if style == "column":
-            return ColumnParallelLinear(
-                old.in_features, old.out_features, group, bias=old.bias is not None, sequence_parallel=sp
-            )
-        if old.bias is not None:  # would need adding once after the all-reduce; no supported family has one
+            return ColumnParallelLinear(old.in_features, old.out_features, group, bias=bias, **shard)
+        if bias:  # would need adding once after the all-reduce; no supported family has one
             raise ValueError("a row-parallel linear with a bias (o_proj/down_proj) is not supported")
-        return RowParallelLinear(old.in_features, old.out_features, group, sequence_parallel=sp)
+        return RowParallelLinear(old.in_features, old.out_features, group, **shard)
 
 
 def _grad_summed_norm(old: RMSNorm, group) -> SequenceParallelRMSNorm:
@@ -229,9 +248,12 @@ def _grad_summed_norm(old: RMSNorm, group) -> SequenceParallelRMSNorm:
         return SequenceParallelRMSNorm(old.weight.shape[0], old.eps, group)
 
 
-def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = False) -> nn.Module:
+def apply_tensor_parallel(
+    model: nn.Module, tp_group, sequence_parallel: bool = False, comm_overlap: bool = False
+) -> nn.Module:
     """Swap the Llama model's linears and embedding for their tensor-parallel versions, in place; with
-    ``sequence_parallel`` also the norms, and the stage's input and output become (b, s/tp, h).
+    ``sequence_parallel`` also the norms, and the stage's input and output become (b, s/tp, h); with
+    ``comm_overlap`` (sequence parallelism only) the linears' collectives overlap their matmuls (module docstring).
 
     An MoE layer's experts and OLMoE's q/k norms are split by engine/parallel/tp/moe.py (experts tp-sharded, router
     replicated), its shared expert here like the MLP; Qwen3's per-head q/k norms stay whole, their gradients
@@ -252,7 +274,8 @@ def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = 
             if moe and parent_name == "mlp":  # the shared expert sees the block's gathered sequence: no sp
                 parent, linear_sp = parent.shared_expert, False
             if parent is not None:
-                setattr(parent, attr, _parallel_linear(getattr(parent, attr), style, tp_group, linear_sp))
+                linear = _parallel_linear(getattr(parent, attr), style, tp_group, linear_sp, comm_overlap)
+                setattr(parent, attr, linear)
         if moe:
             shard_moe(layer.mlp, tp_group, sp)
         attn = layer.self_attn
@@ -277,7 +300,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group, sequence_parallel: bool = 
         old = model.lm_head
         with torch.device(old.weight.device):  # under sp: gathers the (b, s/tp, h) final norm output
             model.lm_head = ColumnParallelLinear(
-                old.in_features, old.out_features, tp_group, gather_output=False, sequence_parallel=sp
+                old.in_features, old.out_features, tp_group, sequence_parallel=sp, comm_overlap=comm_overlap
             )
         if model.cfg.tie_embeddings and decoder.embed_tokens is not None:
             model.lm_head.weight = decoder.embed_tokens.weight
