@@ -123,6 +123,8 @@ def layouts(
                             **variant,
                             pp_layers=pp_layers,
                             sequence_parallel=sp,
+                            # the config's overlap where it applies (sp, a schedule without deferred W)
+                            tp_comm_overlap=cfg.parallel.tp_comm_overlap and sp and not SCHEDULES[schedule].split_w,
                             schedule=schedule,
                             virtual_stages=v,
                         )

@@ -17,18 +17,18 @@ all-reduce moves
 group whose ranks fit in one node (tp fastest, then dp, then pp: engine/parallel/layout/context.py) uses the intra-node
 bandwidth, otherwise the inter-node one.
 
-What is counted, per engine path: tp: the plan table of engine/parallel/tp/layers.py (one all-reduce forward per
-row-parallel linear, one backward per column-parallel linear, none fused); ddp: torch DDP's bucketed gradient
-all-reduce, overlapped with the last micro-batch's backward except the last bucket; fsdp: an all-gather per micro-batch
-forward (and another in backward with reshard_after_forward) that overlaps compute, and the gradient reduce-scatter of
-the last micro-batch, block by block as each one's backward ends (FSDP2's post-backward hooks), overlapped with the
-rest of the backward except the last block's and the root unit's (engine/planning/dp.py overlapped); zero k
-(DeepSpeed, overlap_comm off in engine/kinds/ds_config.py): stage 1 all-reduces gradients once, stage 2
-reduce-scatters every micro-batch, stage 3 also all-gathers weights forward and backward, and stages 1-2
+What is counted, per engine path: tp (engine/planning/tp.py): the plan table of engine/parallel/tp/layers.py (one
+all-reduce forward per row-parallel linear, one backward per column-parallel linear, none fused), or under
+parallel.tp_comm_overlap each ring step's excess over the matmul chunk it hides behind; ddp: torch DDP's bucketed
+gradient all-reduce, overlapped with the last micro-batch's backward except the last bucket; fsdp: an all-gather per
+micro-batch forward (and another in backward with reshard_after_forward) that overlaps compute, and the gradient
+reduce-scatter of the last micro-batch, block by block as each one's backward ends (FSDP2's post-backward hooks),
+overlapped with the rest of the backward except the last block's and the root unit's (engine/planning/dp.py
+overlapped); zero k (DeepSpeed, overlap_comm off in engine/kinds/ds_config.py): stage 1 all-reduces gradients once,
+stage 2 reduce-scatters every micro-batch, stage 3 also all-gathers weights forward and backward, and stages 1-2
 all-gather the updated weights; ep (engine/planning/ep.py): the token all-to-alls, exposed, the busiest ep rank's
 extra expert rows, and the experts' own reduction over expert-dp (after the backward under ddp). Not modelled: the
-optimizer update, data loading, kernel launch overheads.
-"""
+optimizer update, data loading, kernel launch overheads."""
 
 from __future__ import annotations
 
@@ -42,15 +42,15 @@ from engine.kinds.offload import OFFLOADS
 from engine.kinds.recompute import RECOMPUTE
 from engine.model import flops
 from engine.parallel.layout.checks import Layout, micro_batches_per_step, resolve_layout
-from engine.parallel.tp.layers import LAYER_PLAN
 from engine.planning import cp as cp_plan
 from engine.planning import ep as ep_plan
 from engine.planning import kernels, schedules
+from engine.planning import tp as tp_plan
 from engine.planning.activations import mode as activation_mode
 from engine.planning.activations import sequence_share
 from engine.planning.balance import layer_counts, rank_layers
 from engine.planning.layouts import layouts
-from engine.planning.links import link_bandwidth, ring_time
+from engine.planning.links import link_bandwidth
 from engine.planning.planner import (
     StageMemory,
     data_layout,
@@ -126,9 +126,7 @@ def stage_cost(cfg: Config, layout: Layout, hw: Hardware, stage: int) -> StageCo
     t, m = cfg.train, cfg.model
     tokens = t.micro_batch_size * t.seq_len // layout.cp  # a cp rank computes on s/cp tokens (balanced causal work)
     act = tokens * m.hidden_size * (2 if t.dtype == "bf16" else 4)  # one (mbs, s, h) activation
-    rows = sum(style == "row" for style in LAYER_PLAN.values())
-    columns = len(LAYER_PLAN) - rows
-    tp_bw, pp_bw = link_bandwidth(hw, layout.tp), link_bandwidth(hw, layout.world_size)
+    pp_bw = link_bandwidth(hw, layout.world_size)
     params = stage_params(cfg, layout.tp, layout.pp, stage)
     layers, first, last = params["num_layers"], stage == 0, stage == head_stage(cfg, layout.pp)
     rate = hw.peak_tflops * 1e12 * hw.efficiency * layout.tp  # a tp rank does 1/tp of the stage's FLOPs
@@ -152,11 +150,7 @@ def stage_cost(cfg: Config, layout: Layout, hw: Hardware, stage: int) -> StageCo
     wait = tokens * moe * ep_plan.straggler_weights(cfg, layout.ep) / rate
     recompute = RECOMPUTE[t.activation_checkpointing]
     compute, fwd, weight = compute + wait * (6 + 2 * recompute.matmul_flops), fwd + 2 * wait, weight + 2 * wait
-    # Forward: rows + embedding all-reduces; backward: columns + the LM head's input (recomputation, full or
-    # selective, repeats the forward ones: engine/model/recompute.py).
-    recomputes = recompute.recomputes
-    ring = ring_time(act, layout.tp, 2, tp_bw, hw.latency_us)
-    tp_fwd, tp_bwd = (layers * rows + first) * ring, (layers * (rows * recomputes + columns) + last) * ring
+    tp_fwd, tp_bwd = tp_plan.comm_time(cfg, layout.tp, hw, tokens, layers, moe, (first, last))
     # one transfer each way per micro-batch and model chunk (v chunks under interleaving: v times the messages)
     sent = act / sequence_share(cfg, layout.tp)  # (b, s/tp, h) between stages under sequence parallelism
     p2p = 0.0 if layout.pp == 1 else virtual_stages(cfg) * (sent / (pp_bw * 1e9) + hw.latency_us * 1e-6)

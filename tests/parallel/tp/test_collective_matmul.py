@@ -113,6 +113,49 @@ def test_model_with_overlap_matches_blocking_under_every_recomputation():
         assert max(got.values()) <= 1e-5, got  # fp32 sums in ring order
 
 
+def _rings_rank(argv: list[str]) -> dict:
+    """One micro-batch of the model at tp 2 with sequence parallelism and overlap, per recomputation mode: the
+    point-to-point batches (one per ring at tp 2) and blocking collectives issued, forward and backward together."""
+    from engine.model.recompute import apply_activation_checkpointing
+
+    cfg = load(argv)
+    ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    counts = {}
+    for mode in ("none", "full", "selective"):
+        model = model_lib.build(cfg.model, device="meta")
+        apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=True, comm_overlap=True)
+        materialize(model, torch.device("cpu"), seed=0, std=0.02)
+        apply_activation_checkpointing(model, mode)
+        saved = {}
+        counter = _Counts(saved)
+        try:
+            vocab_parallel_cross_entropy(model(ids[:, :-1]), ids[:, 1:], dist.group.WORLD).backward()
+        finally:
+            comm._all_gather_dim0, comm._reduce_scatter_dim0 = saved["_all_gather_dim0"], saved["_reduce_scatter_dim0"]
+            dist.batch_isend_irecv = saved["batch"]
+        counts[mode] = (counter.batches, counter.blocking)
+    return counts
+
+
+def test_planner_prices_every_ring_the_model_runs():
+    """engine/planning/tp.py against the engine: on a device so fast that no matmul hides a transfer, the planned
+    exposed seconds of a stage holding the embedding, every layer and the LM head are (rings + 2 blocking halves)
+    ring steps, with the rings and blocking collectives counted in the model under each recomputation mode."""
+    from engine.planning import tp as tp_plan
+    from engine.planning.search import Hardware
+
+    argv = SMALL + ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--parallel.tp_comm_overlap", "true"]
+    got = run_ranks(_rings_rank, 2, argv, threads=1)[0]
+    hw = Hardware(peak_tflops=1e15)  # every matmul chunk ~0 s: each ring step exposed whole
+    for mode, (rings, blocking) in got.items():
+        cfg = load(argv + ["--train.activation_checkpointing", mode])
+        tokens = 2 * cfg.train.seq_len
+        step = tokens * cfg.model.hidden_size * 4 / 2 / (hw.intra_node_gbps * 1e9) + hw.latency_us * 1e-6
+        planned = sum(tp_plan.comm_time(cfg, 2, hw, tokens, cfg.model.num_layers, 0, (True, True)))
+        # blocking: the embedding's reduce-scatter forward and all-gather backward, one ring's two halves
+        assert (blocking, round(planned / step, 6)) == (2, rings + blocking), (mode, rings, blocking, planned / step)
+
+
 def test_trainer_with_overlap_matches_single_process(tmp_path):
     """tp 2 x pp 2 with sequence parallelism and the overlapped collectives, selective recomputation, against one
     process without any: loss and grad norm every step, clipping off (the parity matrix's bounds)."""

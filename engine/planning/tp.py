@@ -1,0 +1,89 @@
+"""Tensor parallelism's communication in the step-time model (engine/planning/search.py stage_cost): what the tp
+linears' collectives leave exposed, per micro-batch on one stage, forward and backward.
+
+Blocking (engine/parallel/tp/layers.py): a sub-layer (attention, MLP) meets once forward, an all-reduce after its
+row-parallel linear (under sequence parallelism an all-gather before its column-parallel linear and a
+reduce-scatter after the row-parallel one: the same bytes), once backward (in front of the column-parallel linear),
+and once more in each recomputed forward; the embedding once forward, the LM head's input once backward; every
+one exposed, a ring over tp (engine/planning/links.py ring_time; Thakur et al. 2005).
+
+Overlapped (parallel.tp_comm_overlap, sequence parallelism; engine/parallel/autograd/collective_matmul.py): each of
+those all-gathers and reduce-scatters, and a column linear's backward re-gather of its input, is a ring of tp - 1
+point-to-point steps, each moving one (b, s/tp, h) chunk while the matmul of one chunk runs, so a ring leaves
+exposed (tp - 1) max(0, t_step - t_chunk) (Wang et al. 2023), t_chunk being 1/tp of the matmul it feeds: forward
+the column linear's (its all-gather) and the row linear's (its reduce-scatter); backward the row linear's input and
+weight gradients (the all-gather of its output gradient), the column linear's input gradient (its reduce-scatter)
+and its weight gradient (the re-gather). Recomputation repeats the forward rings: under full recomputation behind
+the recomputed matmuls; under selective, which keeps the matmul outputs and the row linears' reduce-scattered
+ones, the column linears' all-gathers run again with no matmul behind them (measured: tests/parallel/tp/
+test_collective_matmul.py counts the rings). An MoE layer's MLP slot (engine/parallel/tp/moe.py: gathered to a
+replicated block) and the embedding's reduce-scatter stay blocking.
+
+Known and left as it was (the calibrated rows of tests/planning/data/published.json would move; its own change): the
+blocking model under sequence parallelism leaves out the column linears' backward re-gathers (at 2 layers the model
+issues 15 collectives backward, priced as 10), and prices every forward collective again per recomputation where
+torch's checkpoint re-runs 3 of a layer's 4 (full: the down projection's is never needed) and selective 2 (the row
+linears' outputs are kept): counted by tests/parallel/tp/test_collective_matmul.py's ring counter.
+"""
+
+from __future__ import annotations
+
+from engine.config import Config
+from engine.kinds.recompute import RECOMPUTE
+from engine.planning.links import link_bandwidth, ring_time
+
+
+def overlapped(cfg: Config, tp: int) -> bool:
+    """Whether the tp collectives run as collective matmuls (parallel.tp_comm_overlap under sequence parallelism)."""
+    p = cfg.parallel
+    return tp > 1 and p.sequence_parallel and p.tp_comm_overlap
+
+
+def linear_flops(cfg: Config, tokens: int, tp: int) -> dict[str, float]:
+    """Forward FLOPs of each tp linear of a dense decoder layer on one tp rank for ``tokens`` tokens: 2 T in out / tp
+    (q/k/v and gate/up fused: engine/model/fused.py)."""
+    m = cfg.model
+    h, hd, f = m.hidden_size, m.head_dim, m.intermediate_size
+    shapes = {
+        "qkv": (h, (m.num_heads + 2 * m.num_kv_heads) * hd),
+        "o": (m.num_heads * hd, h),
+        "gate_up": (h, 2 * f),
+        "down": (f, h),
+    }
+    return {name: 2.0 * tokens * i * o / tp for name, (i, o) in shapes.items()}
+
+
+def comm_time(cfg: Config, tp: int, hw, tokens: int, layers: int, moe: int, ends: tuple[bool, bool]):
+    """(forward, backward) exposed seconds of one micro-batch's tp collectives on a stage of ``layers`` decoder
+    layers (``moe`` of them MoE) over ``tokens`` tokens; ``ends``: (embedding here, LM head here). ``hw``:
+    engine/planning/search.py Hardware."""
+    if tp == 1:
+        return 0.0, 0.0
+    act = tokens * cfg.model.hidden_size * (2 if cfg.train.dtype == "bf16" else 4)  # one (b, s, h) activation
+    bw = link_bandwidth(hw, tp)
+    ring = ring_time(act, tp, 2, bw, hw.latency_us)  # an all-reduce, or a reduce-scatter + an all-gather
+    recompute = RECOMPUTE[cfg.train.activation_checkpointing]
+    first, last = ends
+    if not overlapped(cfg, tp):
+        sublayers = 2 * layers  # attention, MLP: one meeting forward, one backward, one per recomputation
+        return (sublayers + first) * ring, (sublayers * (1 + recompute.recomputes) + last) * ring
+    rate = hw.peak_tflops * 1e12 * hw.efficiency  # one rank's matmul FLOP/s
+    step = act / tp / (bw * 1e9) + hw.latency_us * 1e-6  # one ring step: a (b, s/tp, h) chunk
+
+    def hidden_behind(flops: float) -> float:  # a ring's exposed seconds behind a matmul of ``flops``
+        return (tp - 1) * max(0.0, step - flops / tp / rate)
+
+    mm = linear_flops(cfg, tokens, tp)
+    attention_fwd = hidden_behind(mm["qkv"]) + hidden_behind(mm["o"])
+    attention_bwd = hidden_behind(2 * mm["o"]) + 2 * hidden_behind(mm["qkv"])
+    mlp_fwd = hidden_behind(mm["gate_up"]) + hidden_behind(mm["down"])
+    mlp_bwd = hidden_behind(2 * mm["down"]) + 2 * hidden_behind(mm["gate_up"])
+    dense = layers - moe  # an MoE layer's MLP slot meets blocking, as above
+    if recompute.keeps_matmul_outputs:  # selective: the column linears' all-gathers again, nothing behind them
+        again = hidden_behind(0.0) * (layers + dense)
+    else:
+        again = (attention_fwd * layers + mlp_fwd * dense) * recompute.recomputes
+    head = 2.0 * tokens * cfg.model.hidden_size * cfg.model.vocab_size / tp  # the LM head's forward FLOPs
+    fwd = attention_fwd * layers + mlp_fwd * dense + ring * moe + first * ring + last * hidden_behind(head)
+    bwd = attention_bwd * layers + mlp_bwd * dense + ring * moe * (1 + recompute.recomputes) + again
+    return fwd, bwd + last * 2 * hidden_behind(head)
