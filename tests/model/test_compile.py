@@ -27,12 +27,13 @@ REL_INDUCTOR = 1e-5
 
 
 def _step(mode: str, backend: str | None, layout: str = "single") -> tuple[torch.Tensor, dict]:
-    """Loss and local gradients of one forward/backward; layout single, tp, tp-sp (with sequence parallelism) or
-    fsdp (2 ranks each but single)."""
+    """Loss and local gradients of one forward/backward; layout single, tp, tp-sp (with sequence parallelism),
+    tp-sp-overlap (and parallel.tp_comm_overlap) or fsdp (2 ranks each but single)."""
     model = model_lib.build(SHAPE, device="meta")
     group = dist.group.WORLD if layout.startswith("tp") else None
     if group is not None:
-        apply_tensor_parallel(model, group, sequence_parallel=layout == "tp-sp")
+        sp = layout.startswith("tp-sp")
+        apply_tensor_parallel(model, group, sequence_parallel=sp, comm_overlap=layout == "tp-sp-overlap")
     materialize(model, torch.device("cpu"), seed=0, std=0.1)
     apply_activation_checkpointing(model, mode)
     if backend is not None:
@@ -59,7 +60,15 @@ def test_compiled_blocks_match_eager():
     assert _worst("aot_eager", ("none", "full", "selective")) <= REL_AOT_EAGER
 
 
-@pytest.mark.parametrize("layout", ["tp", pytest.param("tp-sp", marks=pytest.mark.slow), "fsdp"])  # tp-sp: ~30 s
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "tp",
+        pytest.param("tp-sp", marks=pytest.mark.slow),  # ~30 s
+        pytest.param("tp-sp-overlap", marks=pytest.mark.slow),  # the rings eager inside the compiled blocks
+        "fsdp",
+    ],
+)
 def test_compiled_blocks_match_eager_at_tp2_and_under_fsdp(layout):
     for err in run_ranks(_worst, 2, "aot_eager", ("none", "selective"), layout, timeout_s=300):
         assert err <= REL_AOT_EAGER

@@ -129,26 +129,17 @@ def input_grad_scattered(g: torch.Tensor, weight: torch.Tensor, group, dtype: to
 
 
 def row_grads_gathered(
-    g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group, need: tuple[bool, bool, bool]
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The row-parallel backward with the output gradient gathered chunk by chunk: g (b, s/tp, out), x
-    (b, s, in/tp), A (out, in/tp) -> (dL/dx = gather(g) A (b, s, in/tp), dL/dA = gather(g)^T x (out, in/tp),
-    gather(g) (b, s, out)), each computed only where ``need`` (x, A, the gathered g: zero bubble's W takes it) says."""
+    g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row-parallel backward with the output gradient gathered chunk by chunk: g (b, s/tp, out), x (b, s, in/tp),
+    A (out, in/tp) -> (dL/dx = gather(g) A (b, s, in/tp), dL/dA = gather(g)^T x (out, in/tp))."""
     tp = dist.get_world_size(group)
-    xs, dx, dw, full = chunks(x, tp), [None] * tp, [], [None] * tp
+    xs, dx, dw = chunks(x, tp), [None] * tp, []
 
     def visit(c: int, chunk: torch.Tensor) -> None:
-        if need[0]:
-            dx[c] = torch.matmul(chunk, weight)  # (b, s/tp, in/tp)
-        if need[1]:
-            term = torch.matmul(chunk.flatten(0, -2).t(), xs[:, c].flatten(0, -2))  # (out, in/tp)
-            dw.append(term if not dw else dw.pop() + term)
-        if need[2]:
-            full[c] = chunk
+        dx[c] = torch.matmul(chunk, weight)  # (b, s/tp, in/tp)
+        term = torch.matmul(chunk.flatten(0, -2).t(), xs[:, c].flatten(0, -2))  # (out, in/tp)
+        dw.append(term if not dw else dw.pop() + term)
 
     gather_apply(g, group, visit)
-    return (
-        torch.cat(dx, dim=1) if need[0] else None,
-        dw[0] if need[1] else None,
-        torch.cat(full, dim=1) if need[2] else None,
-    )
+    return torch.cat(dx, dim=1), dw[0]

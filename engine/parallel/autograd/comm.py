@@ -226,7 +226,16 @@ def sequence_gathered_linear(
     """(b, s/tp, h) -> (b, s, out/tp); see _SequenceGatheredLinear. A group of size one is a plain linear."""
     if _size(group) == 1:
         return torch.nn.functional.linear(x, weight, bias)
-    return _SequenceGatheredLinear.apply(x, weight, bias, group, overlap)
+    if overlap:
+        return _overlapped_gathered_linear(x, weight, bias, group)
+    return _SequenceGatheredLinear.apply(x, weight, bias, group, False)
+
+
+@torch.compiler.disable
+def _overlapped_gathered_linear(x, weight, bias, group) -> torch.Tensor:
+    # Eager even inside a compiled block (train.compile), as zero bubble's linears are: a traced Function whose
+    # backward runs the rings' point-to-point calls would carry their process group into the graph
+    return _SequenceGatheredLinear.apply(x, weight, bias, group, True)
 
 
 # ---- the row-parallel linear and its reduce-scatter as one operator: selective recomputation
@@ -234,6 +243,15 @@ def sequence_gathered_linear(
 # partial sums, full width on every tp rank (more than no recomputation stores at tp 8); this operator's output is
 # the (b, s/tp, h) shard, which recomputation takes as is, without the matmul or the reduce-scatter again.
 _GROUPS: dict[str, dist.ProcessGroup] = {}  # custom operators take strings, not process groups
+
+
+def register_group(group) -> None:
+    """Make ``group`` known to the operator by its name, eagerly (the layer's constructor calls it): a compiled block
+    traces the operator's fake with the name before any eager call could register it."""
+    if _size(group) > 1:
+        _GROUPS.setdefault(group.group_name, group)
+
+
 # zero bubble: the layers whose weight gradient the operator's backward may defer (a key per layer, as above)
 _DEFERRING: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
@@ -252,25 +270,40 @@ def _(x, weight, group, layer, overlap):
     return x.new_empty((*x.shape[:-2], x.shape[-2] // _size(_GROUPS[group]), weight.shape[0]))
 
 
+# The overlapped backward as an operator of its own: traced into a compiled block's backward graph, the rings'
+# point-to-point calls would carry their process group, which a graph cannot hold (a name can).
+@torch.library.custom_op("engine::sequence_reduced_linear_grads", mutates_args=())
+def _row_grads(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return cm.row_grads_gathered(grad, x, weight, _GROUPS[group])
+
+
+@_row_grads.register_fake
+def _(grad, x, weight, group):
+    return x.new_empty(x.shape, dtype=grad.dtype), weight.new_empty(weight.shape, dtype=grad.dtype)
+
+
 def _sequence_reduced_setup(ctx, inputs, output):
     x, weight, group, layer, overlap = inputs
     ctx.save_for_backward(x, weight)
-    ctx.group, ctx.layer, ctx.overlap = _GROUPS[group], _DEFERRING.get(layer), overlap
+    ctx.group, ctx.name, ctx.layer, ctx.overlap = _GROUPS[group], group, _DEFERRING.get(layer), overlap
 
 
 def _sequence_reduced_backward(ctx, grad):
     x, weight = ctx.saved_tensors
     store = None if ctx.layer is None else ctx.layer.weight_grad_store
-    defer = store is not None and store.deferring  # zero bubble's B: W adds full^T x later (autograd/weight_grad.py)
-    need_x, need_w = ctx.needs_input_grad[:2]
-    if ctx.overlap:  # the output gradient gathered chunk by chunk behind the chunks' matmuls
-        grad_x, grad_w, full = cm.row_grads_gathered(grad, x, weight, ctx.group, (need_x, need_w and not defer, defer))
-    else:
-        full = gather_seq(grad, ctx.group)  # (b, s, out): every rank's chunk of the output gradient
-        grad_x = torch.matmul(full, weight) if need_x else None
-        grad_w = torch.matmul(full.flatten(0, -2).t(), x.flatten(0, -2)) if need_w and not defer else None
-    if defer:
+    if ctx.overlap and (store is None or not store.deferring):  # zero bubble's deferral: refused with overlap
+        grad_x, grad_w = _row_grads(grad, x, weight, ctx.name)  # gathered chunk by chunk behind the matmuls
+        return grad_x, grad_w, None, None, None
+    full = gather_seq(grad, ctx.group)  # (b, s, out): every rank's chunk of the output gradient
+    grad_x = torch.matmul(full, weight) if ctx.needs_input_grad[0] else None
+    if store is not None and store.deferring:  # zero bubble's B: W adds full^T x later (autograd/weight_grad.py)
         store.put(ctx.layer.weight, None, x, full)
+        return grad_x, None, None, None, None
+    grad_w = None
+    if ctx.needs_input_grad[1]:
+        grad_w = torch.matmul(full.flatten(0, -2).t(), x.flatten(0, -2))
     return grad_x, grad_w, None, None, None
 
 

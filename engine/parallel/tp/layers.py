@@ -39,6 +39,7 @@ from engine.parallel.autograd.comm import (
     gather_from_parallel,
     reduce_from_parallel,
     reduce_scatter_to_sequence_parallel,
+    register_group,
     scatter_to_parallel,
     sequence_gathered_linear,
     sequence_reduced_linear,
@@ -148,6 +149,8 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
         self.comm_overlap = comm_overlap and sequence_parallel
+        if sequence_parallel:
+            register_group(group)  # the sequence-reduced operator's (below) group, by name
         self.tp_rank, self.tp_size = _rank_size(group)
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, _divide(in_features, self.tp_size, "in_features")))
