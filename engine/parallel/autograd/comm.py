@@ -243,6 +243,8 @@ def _overlapped_gathered_linear(x, weight, bias, group) -> torch.Tensor:
 # partial sums, full width on every tp rank (more than no recomputation stores at tp 8); this operator's output is
 # the (b, s/tp, h) shard, which recomputation takes as is, without the matmul or the reduce-scatter again.
 _GROUPS: dict[str, dist.ProcessGroup] = {}  # custom operators take strings, not process groups
+# zero bubble: the layers whose weight gradient the operator's backward may defer (a key per layer, as above)
+_DEFERRING: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def register_group(group) -> None:
@@ -250,10 +252,6 @@ def register_group(group) -> None:
     traces the operator's fake with the name before any eager call could register it."""
     if _size(group) > 1:
         _GROUPS.setdefault(group.group_name, group)
-
-
-# zero bubble: the layers whose weight gradient the operator's backward may defer (a key per layer, as above)
-_DEFERRING: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 @torch.library.custom_op("engine::sequence_reduced_linear", mutates_args=())

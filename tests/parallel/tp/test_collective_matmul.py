@@ -113,6 +113,34 @@ def test_model_with_overlap_matches_blocking_under_every_recomputation():
         assert max(got.values()) <= 1e-5, got  # fp32 sums in ring order
 
 
+def _saved_rank(argv: list[str]) -> dict:
+    """Peak bytes saved for backward over one micro-batch with and without overlap, and the planner's ledger."""
+    from engine.metrics.memory import SavedActivations
+    from engine.planning import activations as acts
+
+    cfg, got = load(argv), {}
+    ids = torch.randint(0, cfg.model.vocab_size, (1, cfg.train.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    for overlap in (False, True):
+        model = model_lib.build(cfg.model, device="meta")
+        apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=True, comm_overlap=overlap)
+        materialize(model, torch.device("cpu"), seed=0, std=0.02)
+        tracker = SavedActivations(model)
+        with tracker.hooks(), torch.autocast("cpu", torch.bfloat16, enabled=cfg.train.dtype == "bf16"):
+            vocab_parallel_cross_entropy(model(ids[:, :-1]), ids[:, 1:], dist.group.WORLD).backward()
+        got[overlap] = tracker.peak
+    got["planned"] = acts.micro_batch_bytes(cfg, 2, 1, 0, cfg.model.num_layers)
+    return got
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_overlap_saves_what_blocking_saves(dtype):
+    """The rings keep nothing for backward beyond the blocking path's (b, s/tp, h) inputs: the same peak, which the
+    activation ledger (engine/planning/activations.py) prices (measured: equal to 8 bytes, the loss's scalars)."""
+    argv = SMALL + ["--parallel.tp", "2", "--parallel.sequence_parallel", "true", "--train.dtype", dtype]
+    for got in run_ranks(_saved_rank, 2, argv + ["--train.micro_batch_size", "1"], threads=1):
+        assert got[True] == got[False] == pytest.approx(got["planned"], rel=1e-3), got
+
+
 def _rings_rank(argv: list[str]) -> dict:
     """One micro-batch of the model at tp 2 with sequence parallelism and overlap, per recomputation mode: the
     point-to-point batches (one per ring at tp 2) and blocking collectives issued, forward and backward together."""
