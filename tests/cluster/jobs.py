@@ -193,12 +193,12 @@ def logged_steps(out_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def final_losses(out_dir: Path) -> list[float]:
-    """The loss of each step 1..STEPS, the last record of a step winning: a resumed run appends the steps after
+def final_losses(out_dir: Path, steps: int = STEPS) -> list[float]:
+    """The loss of each step 1..steps, the last record of a step winning: a resumed run appends the steps after
     its checkpoint again."""
     losses = {step: r["loss"] for step, r in per_step(out_dir).items()}
-    assert sorted(losses) == list(range(1, STEPS + 1)), sorted(losses)
-    return [losses[s] for s in range(1, STEPS + 1)]
+    assert sorted(losses) == list(range(1, steps + 1)), sorted(losses)
+    return [losses[s] for s in range(1, steps + 1)]
 
 
 # Outside CI only: .ci/run installs pdsh, so under CI=true a missing one fails the test instead of skipping it.
