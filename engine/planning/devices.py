@@ -37,15 +37,15 @@ class DeviceKind:
 KINDS: dict[str, DeviceKind] = {
     "a100": DeviceKind(
         ("a100",),
-        0.578,
+        0.582,
         8,
         300.0,
         25.0,
         "Narayanan et al. 2021 (arXiv:2104.04473) Table 1: 44-52 % of the 312 TFLOP/s peak end to end on DGX A100 "
-        "(NVLink 3 at 300 GB/s per direction, 8 x 200 Gb/s HDR InfiniBand per node); 0.578 with the element-wise "
+        "(NVLink 3 at 300 GB/s per direction, 8 x 200 Gb/s HDR InfiniBand per node); 0.582 with the element-wise "
         "kernels at 2,039 GB/s, their Megatron's materialised attention scores included (Hardware."
-        "materialised_scores), puts the geometric mean of its 1.7B-18.4B rows at 1.00x; the rows from 39.1B to 1T "
-        "are held out",
+        "materialised_scores) and the tp collectives the model runs (engine/planning/tp.py), puts the geometric "
+        "mean of its 1.7B-18.4B rows at 1.00x; the rows from 39.1B to 1T are held out",
     ),
     "h100": DeviceKind(
         ("h100",),

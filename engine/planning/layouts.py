@@ -54,7 +54,8 @@ def _axes(cfg: Config, world_size: int):
 def _sp(tp: int) -> tuple[bool, ...]:
     """parallel.sequence_parallel values to try at ``tp``: both where it applies (tp > 1; resolve_layout refuses a
     seq_len that tp does not divide), off at tp = 1. Its tp collectives move the bytes of the all-reduces it replaces
-    (reduce-scatter + all-gather), so it changes the memory and the pipeline transfers, not the tp time."""
+    (reduce-scatter + all-gather) and, backward, re-gather each column linear's input (engine/planning/tp.py): it
+    divides the memory and the pipeline transfers by tp for a little more tp time."""
     return (False, True) if tp > 1 else (False,)
 
 

@@ -1,11 +1,15 @@
 """Tensor parallelism's communication in the step-time model (engine/planning/search.py stage_cost): what the tp
 linears' collectives leave exposed, per micro-batch on one stage, forward and backward.
 
-Blocking (engine/parallel/tp/layers.py): a sub-layer (attention, MLP) meets once forward, an all-reduce after its
-row-parallel linear (under sequence parallelism an all-gather before its column-parallel linear and a
-reduce-scatter after the row-parallel one: the same bytes), once backward (in front of the column-parallel linear),
-and once more in each recomputed forward; the embedding once forward, the LM head's input once backward; every
-one exposed, a ring over tp (engine/planning/links.py ring_time; Thakur et al. 2005).
+Blocking (engine/parallel/tp/layers.py), in rings (an all-reduce, or a reduce-scatter + an all-gather of the same
+bytes; engine/planning/links.py ring_time, Thakur et al. 2005), every one exposed: forward, a sub-layer (attention,
+MLP) meets once after its row-parallel linear, and the embedding once; backward, once in front of each column-
+parallel linear and the LM head, and under sequence parallelism each of them also re-gathers its (b, s/tp, h) input
+for its weight gradient (half a ring). Recomputation meets again where torch's checkpoint re-runs a collective: not
+the down projection's (its output feeds only the residual add, which the early-stopping recomputation never needs),
+so without sequence parallelism one all-reduce a layer (o's), with it three halves under full (q/k/v's all-gather,
+o's reduce-scatter, gate/up's all-gather) and two under selective (the all-gathers: the row linears' operator output
+is kept). Counted in the model at tp 2 against these figures by tests/parallel/tp/test_collective_matmul.py.
 
 Overlapped (parallel.tp_comm_overlap, sequence parallelism; engine/parallel/autograd/collective_matmul.py): each of
 those all-gathers and reduce-scatters, and a column linear's backward re-gather of its input, is a ring of tp - 1
@@ -18,12 +22,6 @@ the recomputed matmuls; under selective, which keeps the matmul outputs and the 
 ones, the column linears' all-gathers run again with no matmul behind them (measured: tests/parallel/tp/
 test_collective_matmul.py counts the rings). An MoE layer's MLP slot (engine/parallel/tp/moe.py: gathered to a
 replicated block) and the embedding's reduce-scatter stay blocking.
-
-Known and left as it was (the calibrated rows of tests/planning/data/published.json would move; its own change): the
-blocking model under sequence parallelism leaves out the column linears' backward re-gathers (at 2 layers the model
-issues 15 collectives backward, priced as 10), and prices every forward collective again per recomputation where
-torch's checkpoint re-runs 3 of a layer's 4 (full: the down projection's is never needed) and selective 2 (the row
-linears' outputs are kept): counted by tests/parallel/tp/test_collective_matmul.py's ring counter.
 """
 
 from __future__ import annotations
@@ -53,6 +51,20 @@ def linear_flops(cfg: Config, tokens: int, tp: int) -> dict[str, float]:
     return {name: 2.0 * tokens * i * o / tp for name, (i, o) in shapes.items()}
 
 
+def blocking_rings(cfg: Config, layers: int, moe: int, ends: tuple[bool, bool]) -> tuple[float, float]:
+    """(forward, backward) rings of the blocking collectives of one micro-batch (module docstring); an MoE layer's
+    MLP slot meets once each way (its sequence gathers: engine/parallel/tp/moe.py)."""
+    first, last = ends
+    recompute = RECOMPUTE[cfg.train.activation_checkpointing]
+    sp, dense = cfg.parallel.sequence_parallel, layers - moe
+    bwd = 2 * layers + last + (0.5 * (layers + dense + last) if sp else 0.0)  # sp: the column linears' re-gathers
+    if recompute.recomputes and sp:
+        bwd += (1.0 if recompute.keeps_matmul_outputs else 1.5) * layers
+    elif recompute.recomputes:
+        bwd += layers
+    return 2 * layers + first, bwd
+
+
 def comm_time(cfg: Config, tp: int, hw, tokens: int, layers: int, moe: int, ends: tuple[bool, bool]):
     """(forward, backward) exposed seconds of one micro-batch's tp collectives on a stage of ``layers`` decoder
     layers (``moe`` of them MoE) over ``tokens`` tokens; ``ends``: (embedding here, LM head here). ``hw``:
@@ -65,8 +77,8 @@ def comm_time(cfg: Config, tp: int, hw, tokens: int, layers: int, moe: int, ends
     recompute = RECOMPUTE[cfg.train.activation_checkpointing]
     first, last = ends
     if not overlapped(cfg, tp):
-        sublayers = 2 * layers  # attention, MLP: one meeting forward, one backward, one per recomputation
-        return (sublayers + first) * ring, (sublayers * (1 + recompute.recomputes) + last) * ring
+        fwd, bwd = blocking_rings(cfg, layers, moe, ends)
+        return fwd * ring, bwd * ring
     rate = hw.peak_tflops * 1e12 * hw.efficiency  # one rank's matmul FLOP/s
     step = act / tp / (bw * 1e9) + hw.latency_us * 1e-6  # one ring step: a (b, s/tp, h) chunk
 

@@ -25,6 +25,9 @@ way: case 0 (two full rows moved).
 Remade (fsdp's no-sync trade, parallel.fsdp_grad_accumulation=unsharded, searched and listed only where it plans
 faster than sharded) the same way: every case but case 2 moved (3669 -> 4491 valid layouts for case 0).
 
+Remade (the blocking tp collectives priced as the model runs them: under sequence parallelism each column linear's
+input re-gathered in backward; a recomputation re-running only what torch's checkpoint re-runs) the same way.
+
 tests/planning/test_search_scale.py checks that the pruned search finds the same rows, bit for bit.
 """
 

@@ -184,6 +184,54 @@ def test_planner_prices_every_ring_the_model_runs():
         assert (blocking, round(planned / step, 6)) == (2, rings + blocking), (mode, rings, blocking, planned / step)
 
 
+def _blocking_rank(argv: list[str]) -> dict:
+    """One micro-batch of the model at tp 2 without overlap, with and without sequence parallelism, per
+    recomputation mode: the blocking collectives on (b, s, h) activations, in rings (an all-reduce, or an all-gather
+    and a reduce-scatter: half a ring each), forward and backward together."""
+    from engine.model.recompute import apply_activation_checkpointing
+
+    cfg = load(argv)
+    ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    width, counts, saved = 2 * cfg.train.seq_len * cfg.model.hidden_size, {}, {}
+    all_reduce, seen = dist.all_reduce, [0]
+
+    def activation_all_reduce(t, *args, **kwargs):
+        seen[0] += t.numel() == width  # the loss's all-reduces move (b, s) statistics, not activations
+        return all_reduce(t, *args, **kwargs)
+
+    for sp in (False, True):
+        for mode in ("none", "full", "selective"):
+            model = model_lib.build(cfg.model, device="meta")
+            apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=sp)
+            materialize(model, torch.device("cpu"), seed=0, std=0.02)
+            apply_activation_checkpointing(model, mode)
+            counter, seen[0] = _Counts(saved), 0
+            dist.batch_isend_irecv, dist.all_reduce = saved["batch"], activation_all_reduce
+            try:
+                vocab_parallel_cross_entropy(model(ids[:, :-1]), ids[:, 1:], dist.group.WORLD).backward()
+            finally:
+                comm._all_gather_dim0, comm._reduce_scatter_dim0 = (
+                    saved["_all_gather_dim0"],
+                    saved["_reduce_scatter_dim0"],
+                )
+                dist.all_reduce = all_reduce
+            counts[sp, mode] = seen[0] + counter.blocking / 2
+    return counts
+
+
+def test_planner_prices_every_blocking_collective_the_model_runs():
+    """engine/planning/tp.py's blocking rings against the model's: a stage with the embedding, every layer and the LM
+    head, with and without sequence parallelism, under each recomputation mode."""
+    from engine.planning import tp as tp_plan
+
+    got = run_ranks(_blocking_rank, 2, SMALL + ["--parallel.tp", "2"], threads=1)[0]
+    for (sp, mode), rings in got.items():
+        flags = ["--parallel.sequence_parallel", str(sp).lower(), "--train.activation_checkpointing", mode]
+        cfg = load(SMALL + ["--parallel.tp", "2", *flags])
+        planned = sum(tp_plan.blocking_rings(cfg, cfg.model.num_layers, 0, (True, True)))
+        assert planned == rings, (sp, mode, planned, rings)
+
+
 def test_trainer_with_overlap_matches_single_process(tmp_path):
     """tp 2 x pp 2 with sequence parallelism and the overlapped collectives, selective recomputation, against one
     process without any: loss and grad norm every step, clipping off (the parity matrix's bounds)."""
