@@ -17,8 +17,9 @@ all-reduce moves
 group whose ranks fit in one node (tp fastest, then dp, then pp: engine/parallel/layout/context.py) uses the intra-node
 bandwidth, otherwise the inter-node one.
 
-What is counted, per engine path: tp (engine/planning/tp.py): the plan table of engine/parallel/tp/layers.py (one
-all-reduce forward per row-parallel linear, one backward per column-parallel linear, none fused), or under
+What is counted, per engine path: tp (engine/planning/tp.py): the collectives of engine/parallel/tp/layers.py's plan
+table as the model runs them (forward one per sub-layer, backward one per column-parallel linear and under sequence
+parallelism its input re-gathered, and what recomputation re-runs; counted in the model), or under
 parallel.tp_comm_overlap each ring step's excess over the matmul chunk it hides behind; ddp: torch DDP's bucketed
 gradient all-reduce, overlapped with the last micro-batch's backward except the last bucket; fsdp: an all-gather per
 micro-batch forward (and another in backward with reshard_after_forward) that overlaps compute, and the gradient
