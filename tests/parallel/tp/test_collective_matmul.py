@@ -12,11 +12,9 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ConfigError, load
-from engine.model import transformer as model_lib
-from engine.model.init import materialize
 from engine.parallel.autograd import comm
-from engine.parallel.tp.layers import apply_tensor_parallel, vocab_parallel_cross_entropy
 from tests.dist import run_ranks
+from tests.parallel.tp.tp_step import loss_of, token_ids, tp_model
 
 B, S, H, OUT = 2, 8, 6, 5  # (b, s, h) with s divisible by 2 and 4
 # a model of 2 layers, hidden 64, 4 heads (2 kv) on 16-token sequences
@@ -25,19 +23,30 @@ SMALL += ["--model.num_heads", "4", "--model.num_kv_heads", "2", "--train.seq_le
 
 
 class _Counts:
-    """What the linears issue on this rank: blocking sequence collectives and point-to-point batches."""
+    """``with _Counts(width) as counts:`` what this rank issues inside: blocking sequence collectives (all-gathers and
+    reduce-scatters), point-to-point batches, and all-reduces of ``width`` elements (the activations'; the loss's
+    all-reduce (b, s) statistics). The patched functions are put back on exit."""
 
-    def __init__(self, monkey: dict):
-        self.blocking, self.batches = 0, 0
-        for name in ("_all_gather_dim0", "_reduce_scatter_dim0"):
-            monkey[name] = getattr(comm, name)
-            setattr(comm, name, self._counted(monkey[name], "blocking"))
-        monkey["batch"] = dist.batch_isend_irecv
-        dist.batch_isend_irecv = self._counted(monkey["batch"], "batches")
+    PATCHED = ((comm, "_all_gather_dim0", "blocking"), (comm, "_reduce_scatter_dim0", "blocking"))
+    PATCHED += ((dist, "batch_isend_irecv", "batches"), (dist, "all_reduce", "all_reduces"))
+
+    def __init__(self, width: int = -1):
+        self.width, self.blocking, self.batches, self.all_reduces, self.saved = width, 0, 0, 0, []
+
+    def __enter__(self) -> _Counts:
+        for owner, name, field in self.PATCHED:
+            self.saved.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, self._counted(getattr(owner, name), field))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, fn in self.saved:
+            setattr(owner, name, fn)
 
     def _counted(self, fn, field: str):
         def call(*args, **kwargs):
-            setattr(self, field, getattr(self, field) + 1)
+            if field != "all_reduces" or args[0].numel() == self.width:
+                setattr(self, field, getattr(self, field) + 1)
             return fn(*args, **kwargs)
 
         return call
@@ -61,15 +70,10 @@ def _layers_rank(dtype: str) -> dict:
     x, w, b = torch.randn(B, S // tp, H, generator=gen), torch.randn(OUT, H, generator=gen), torch.randn(OUT)
     xr, wr = torch.randn(B, S, H, generator=gen), torch.randn(OUT, H, generator=gen)
     g, gr = torch.randn(B, S, OUT, generator=gen), torch.randn(B, S // tp, OUT, generator=gen)
-    runs, counts, saved = {}, {}, {}
+    runs, counts = {}, {}
     for overlap in (False, True):
-        counter = _Counts(saved)
-        try:
-            with torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bf16"):
-                runs[overlap] = _linears(x, w, b, xr, wr, g, gr, overlap)
-        finally:
-            comm._all_gather_dim0, comm._reduce_scatter_dim0 = saved["_all_gather_dim0"], saved["_reduce_scatter_dim0"]
-            dist.batch_isend_irecv = saved["batch"]
+        with _Counts() as counter, torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bf16"):
+            runs[overlap] = _linears(x, w, b, xr, wr, g, gr, overlap)
         counts[overlap] = (counter.blocking, counter.batches)
     diff = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(*runs.values()))
     return {"diff": diff, "counts": counts}
@@ -89,19 +93,13 @@ def test_overlapped_linears_match_blocking_collectives(tp, dtype):
 def _model_rank(argv: list[str]) -> dict:
     """Loss and every gradient of one micro-batch at tp with sequence parallelism, overlapped against blocking,
     under each recomputation mode: the largest relative difference per mode."""
-    from engine.model.recompute import apply_activation_checkpointing
-
     cfg = load(argv)
-    ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len + 1), generator=torch.Generator().manual_seed(0))
-    errs = {}
+    ids, errs = token_ids(cfg, 2), {}
     for mode in ("none", "full", "selective"):
         runs = []
         for overlap in (False, True):
-            model = model_lib.build(cfg.model, device="meta")
-            apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=True, comm_overlap=overlap)
-            materialize(model, torch.device("cpu"), seed=0, std=0.02)
-            apply_activation_checkpointing(model, mode)
-            loss = vocab_parallel_cross_entropy(model(ids[:, :-1]), ids[:, 1:], dist.group.WORLD)
+            model = tp_model(cfg, True, overlap, mode)
+            loss = loss_of(model, ids)
             loss.backward()
             runs.append([loss.detach()] + [p.grad for p in model.parameters()])
         errs[mode] = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*runs))
@@ -119,14 +117,12 @@ def _saved_rank(argv: list[str]) -> dict:
     from engine.planning import activations as acts
 
     cfg, got = load(argv), {}
-    ids = torch.randint(0, cfg.model.vocab_size, (1, cfg.train.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    ids = token_ids(cfg, 1)
     for overlap in (False, True):
-        model = model_lib.build(cfg.model, device="meta")
-        apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=True, comm_overlap=overlap)
-        materialize(model, torch.device("cpu"), seed=0, std=0.02)
+        model = tp_model(cfg, True, overlap)
         tracker = SavedActivations(model)
         with tracker.hooks(), torch.autocast("cpu", torch.bfloat16, enabled=cfg.train.dtype == "bf16"):
-            vocab_parallel_cross_entropy(model(ids[:, :-1]), ids[:, 1:], dist.group.WORLD).backward()
+            loss_of(model, ids).backward()
         got[overlap] = tracker.peak
     got["planned"] = acts.micro_batch_bytes(cfg, 2, 1, 0, cfg.model.num_layers)
     return got
@@ -144,23 +140,12 @@ def test_overlap_saves_what_blocking_saves(dtype):
 def _rings_rank(argv: list[str]) -> dict:
     """One micro-batch of the model at tp 2 with sequence parallelism and overlap, per recomputation mode: the
     point-to-point batches (one per ring at tp 2) and blocking collectives issued, forward and backward together."""
-    from engine.model.recompute import apply_activation_checkpointing
-
     cfg = load(argv)
-    ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len + 1), generator=torch.Generator().manual_seed(0))
-    counts = {}
+    ids, counts = token_ids(cfg, 2), {}
     for mode in ("none", "full", "selective"):
-        model = model_lib.build(cfg.model, device="meta")
-        apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=True, comm_overlap=True)
-        materialize(model, torch.device("cpu"), seed=0, std=0.02)
-        apply_activation_checkpointing(model, mode)
-        saved = {}
-        counter = _Counts(saved)
-        try:
-            vocab_parallel_cross_entropy(model(ids[:, :-1]), ids[:, 1:], dist.group.WORLD).backward()
-        finally:
-            comm._all_gather_dim0, comm._reduce_scatter_dim0 = saved["_all_gather_dim0"], saved["_reduce_scatter_dim0"]
-            dist.batch_isend_irecv = saved["batch"]
+        model = tp_model(cfg, True, True, mode)
+        with _Counts() as counter:
+            loss_of(model, ids).backward()
         counts[mode] = (counter.batches, counter.blocking)
     return counts
 
@@ -188,34 +173,15 @@ def _blocking_rank(argv: list[str]) -> dict:
     """One micro-batch of the model at tp 2 without overlap, with and without sequence parallelism, per
     recomputation mode: the blocking collectives on (b, s, h) activations, in rings (an all-reduce, or an all-gather
     and a reduce-scatter: half a ring each), forward and backward together."""
-    from engine.model.recompute import apply_activation_checkpointing
-
     cfg = load(argv)
-    ids = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len + 1), generator=torch.Generator().manual_seed(0))
-    width, counts, saved = 2 * cfg.train.seq_len * cfg.model.hidden_size, {}, {}
-    all_reduce, seen = dist.all_reduce, [0]
-
-    def activation_all_reduce(t, *args, **kwargs):
-        seen[0] += t.numel() == width  # the loss's all-reduces move (b, s) statistics, not activations
-        return all_reduce(t, *args, **kwargs)
-
+    ids, counts = token_ids(cfg, 2), {}
+    width = 2 * cfg.train.seq_len * cfg.model.hidden_size  # a (b, s, h) activation
     for sp in (False, True):
         for mode in ("none", "full", "selective"):
-            model = model_lib.build(cfg.model, device="meta")
-            apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=sp)
-            materialize(model, torch.device("cpu"), seed=0, std=0.02)
-            apply_activation_checkpointing(model, mode)
-            counter, seen[0] = _Counts(saved), 0
-            dist.batch_isend_irecv, dist.all_reduce = saved["batch"], activation_all_reduce
-            try:
-                vocab_parallel_cross_entropy(model(ids[:, :-1]), ids[:, 1:], dist.group.WORLD).backward()
-            finally:
-                comm._all_gather_dim0, comm._reduce_scatter_dim0 = (
-                    saved["_all_gather_dim0"],
-                    saved["_reduce_scatter_dim0"],
-                )
-                dist.all_reduce = all_reduce
-            counts[sp, mode] = seen[0] + counter.blocking / 2
+            model = tp_model(cfg, sp, recompute=mode)
+            with _Counts(width) as counter:
+                loss_of(model, ids).backward()
+            counts[sp, mode] = counter.all_reduces + counter.blocking / 2
     return counts
 
 

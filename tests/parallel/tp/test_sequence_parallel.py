@@ -15,16 +15,14 @@ import torch.nn.functional as F
 
 from engine.config import load
 from engine.metrics.memory import SavedActivations
-from engine.model import transformer as model_lib
-from engine.model.init import materialize
 from engine.parallel.autograd.comm import (
     gather_from_sequence_parallel,
     reduce_scatter_to_sequence_parallel,
     sequence_gathered_linear,
 )
-from engine.parallel.tp.layers import apply_tensor_parallel, vocab_parallel_cross_entropy
 from engine.planning import activations as acts
 from tests.dist import run_ranks
+from tests.parallel.tp.tp_step import loss_of, token_ids, tp_model
 
 B, S, H, OUT = 2, 8, 6, 5  # (b, s, h) with s divisible by 2 and 4
 
@@ -132,21 +130,14 @@ def _activations_rank(argv: list[str]) -> dict:
     output (the residual stream) and the peak of bytes saved for backward, with the planner's figure."""
     cfg = load(argv)
     tp = dist.get_world_size()
-    model = model_lib.build(cfg.model, device="meta")
-    apply_tensor_parallel(model, dist.group.WORLD, cfg.parallel.sequence_parallel)
-    materialize(model, torch.device("cpu"), seed=0, std=0.02)
+    model = tp_model(cfg, cfg.parallel.sequence_parallel)
     residual = []
     for layer in model.model.layers.values():
         layer.register_forward_hook(lambda m, i, o: residual.append(o.numel() * o.element_size()))
-    ids = torch.randint(
-        0,
-        cfg.model.vocab_size,
-        (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
-        generator=torch.Generator().manual_seed(0),
-    )
+    ids = token_ids(cfg, cfg.train.micro_batch_size)
     tracker = SavedActivations(model)
     with tracker.hooks(), torch.autocast("cpu", torch.bfloat16, enabled=cfg.train.dtype == "bf16"):
-        loss = vocab_parallel_cross_entropy(model(ids[:, :-1]), ids[:, 1:], dist.group.WORLD)
+        loss = loss_of(model, ids)
     loss.backward()
     return {
         "residual": max(residual),
@@ -184,11 +175,9 @@ def _positions_rank(argv: list[str]) -> dict:
     for docs in (False, True):
         runs = []
         for sp in (False, True):
-            model = model_lib.build(cfg.model, device="meta")
-            apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=sp)
-            materialize(model, torch.device("cpu"), seed=0, std=0.02)
+            model = tp_model(cfg, sp)
             kw = {"position_ids": position_ids, "doc_ids": doc_ids} if docs else {}
-            loss = vocab_parallel_cross_entropy(model(ids[:, :-1], **kw), ids[:, 1:], dist.group.WORLD)
+            loss = loss_of(model, ids, **kw)
             loss.backward()
             runs.append([loss.detach()] + [p.grad for p in model.parameters()])
         errs[docs] = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*runs))
@@ -205,22 +194,11 @@ def _recompute_rank(argv: list[str]) -> dict:
     """Loss and every gradient of one micro-batch at tp with sequence parallelism, under each recomputation mode:
     the largest relative difference of full and selective from none (their collectives run again in backward;
     selective caches the matmul outputs, the partial sums before a reduce-scatter among them)."""
-    from engine.model.recompute import apply_activation_checkpointing
-
     cfg = load(argv)
-    ids = torch.randint(
-        0,
-        cfg.model.vocab_size,
-        (cfg.train.micro_batch_size, cfg.train.seq_len + 1),
-        generator=torch.Generator().manual_seed(0),
-    )
-    runs = {}
+    ids, runs = token_ids(cfg, cfg.train.micro_batch_size), {}
     for mode in ("none", "full", "selective"):
-        model = model_lib.build(cfg.model, device="meta")
-        apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=True)
-        materialize(model, torch.device("cpu"), seed=0, std=0.02)
-        apply_activation_checkpointing(model, mode)
-        loss = vocab_parallel_cross_entropy(model(ids[:, :-1]), ids[:, 1:], dist.group.WORLD)
+        model = tp_model(cfg, True, recompute=mode)
+        loss = loss_of(model, ids)
         loss.backward()
         runs[mode] = [loss.detach()] + [p.grad for p in model.parameters()]
     return {
