@@ -291,12 +291,13 @@ def _sequence_reduced_setup(ctx, inputs, output):
 def _sequence_reduced_backward(ctx, grad):
     x, weight = ctx.saved_tensors
     store = None if ctx.layer is None else ctx.layer.weight_grad_store
-    if ctx.overlap and (store is None or not store.deferring):  # zero bubble's deferral: refused with overlap
+    defer = store is not None and store.deferring  # zero bubble's B: W adds full^T x later (autograd/weight_grad.py)
+    if ctx.overlap and not defer:  # (zero bubble with overlap is refused: engine/parallel/layout/checks.py)
         grad_x, grad_w = _row_grads(grad, x, weight, ctx.name)  # gathered chunk by chunk behind the matmuls
         return grad_x, grad_w, None, None, None
     full = gather_seq(grad, ctx.group)  # (b, s, out): every rank's chunk of the output gradient
     grad_x = torch.matmul(full, weight) if ctx.needs_input_grad[0] else None
-    if store is not None and store.deferring:  # zero bubble's B: W adds full^T x later (autograd/weight_grad.py)
+    if defer:
         store.put(ctx.layer.weight, None, x, full)
         return grad_x, None, None, None, None
     grad_w = None
@@ -347,5 +348,5 @@ def _sequence_reduced_call(x: torch.Tensor, weight: torch.Tensor, group, key: st
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         x, weight = x.to(dtype), weight.to(dtype)
-    _GROUPS.setdefault(group.group_name, group)
+    register_group(group)  # the layer registered it when built; a direct call (tests) may not have
     return _sequence_reduced_linear(x, weight, group.group_name, key, overlap)
