@@ -74,11 +74,11 @@ def comm_time(cfg: Config, tp: int, hw, tokens: int, layers: int, moe: int, ends
     act = tokens * cfg.model.hidden_size * (2 if cfg.train.dtype == "bf16" else 4)  # one (b, s, h) activation
     bw = link_bandwidth(hw, tp)
     ring = ring_time(act, tp, 2, bw, hw.latency_us)  # an all-reduce, or a reduce-scatter + an all-gather
-    recompute = RECOMPUTE[cfg.train.activation_checkpointing]
-    first, last = ends
     if not overlapped(cfg, tp):
         fwd, bwd = blocking_rings(cfg, layers, moe, ends)
         return fwd * ring, bwd * ring
+    recompute = RECOMPUTE[cfg.train.activation_checkpointing]
+    first, last = ends
     rate = hw.peak_tflops * 1e12 * hw.efficiency  # one rank's matmul FLOP/s
     step = act / tp / (bw * 1e9) + hw.latency_us * 1e-6  # one ring step: a (b, s/tp, h) chunk
 
